@@ -1,0 +1,90 @@
+"""The one comparison helper every differential test and check uses (SPEC section 11).
+
+    rel_err(out, ref) = ‖out − ref‖_F / ‖ref‖_F        computed in float64
+
+NaN never passes: a NaN anywhere in ``out`` (or a NaN/inf mismatch) is an infinite error.
+Infinite entries (an empty query's ``lse``) must sit at the same places with the same sign
+and are left out of the norm. ``poison_like`` gives NaN-filled buffers for kernels that write
+into caller-provided outputs, so an unwritten element cannot pass as a correct one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["TOLERANCES", "rel_err", "max_abs_err", "assert_close", "poison_like", "tolerance"]
+
+# Relative Frobenius tolerances against a float64 reference on upcast inputs (SPEC 11).
+TOLERANCES: dict[torch.dtype, float] = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 1e-2,
+    torch.bfloat16: 1e-2,
+}
+LSE_ABS_TOL = 1e-3  # absolute, for lse in float32
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return TOLERANCES[dtype]
+
+
+def _aligned(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """float64 copies with the matching infinities removed; None when they do not match."""
+    if out.shape != ref.shape:
+        raise ValueError(f"shape mismatch: out {list(out.shape)} vs ref {list(ref.shape)}")
+    o = out.detach().to(device="cpu", dtype=torch.float64)
+    r = ref.detach().to(device="cpu", dtype=torch.float64)
+    if torch.isnan(o).any() or torch.isnan(r).any():
+        return None
+    o_inf, r_inf = torch.isinf(o), torch.isinf(r)
+    if not torch.equal(o_inf, r_inf) or not torch.equal(o[o_inf], r[r_inf]):
+        return None
+    return o[~o_inf], r[~r_inf]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ (float64); ``inf`` on NaN or mismatched infinities; 0 for two empties."""
+    pair = _aligned(out, ref)
+    if pair is None:
+        return float("inf")
+    o, r = pair
+    diff = torch.linalg.vector_norm(o - r).item()
+    norm = torch.linalg.vector_norm(r).item()
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / norm
+
+
+def max_abs_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    pair = _aligned(out, ref)
+    if pair is None:
+        return float("inf")
+    o, r = pair
+    return (o - r).abs().max().item() if o.numel() else 0.0
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None, *,
+                 name: str = "out", abs_tol: float | None = None) -> float:
+    """Raise ``AssertionError`` unless ``rel_err <= tol`` (default: by ``out``'s dtype).
+
+    With ``abs_tol`` the check is on the max absolute error instead (used for ``lse``).
+    Returns the measured error.
+    """
+    if abs_tol is not None:
+        err = max_abs_err(out, ref)
+        if not err <= abs_tol:
+            raise AssertionError(f"{name}: max abs error {err:.3e} > {abs_tol:.1e}")
+        return err
+    tol = TOLERANCES.get(out.dtype, 1e-2) if tol is None else tol
+    err = rel_err(out, ref)
+    if not err <= tol:
+        raise AssertionError(f"{name}: relative error {err:.3e} > {tol:.1e} "
+                             f"(shape {list(out.shape)}, dtype {out.dtype})")
+    return err
+
+
+def poison_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor like ``t`` full of NaN (floating) or of the dtype's minimum (integer)."""
+    if t.is_floating_point():
+        return torch.full_like(t, float("nan"))
+    return torch.full_like(t, torch.iinfo(t.dtype).min)

@@ -1,0 +1,38 @@
+"""The plain-PyTorch reference of Multi-head Latent Attention: the oracle.
+
+One module per idea, each opening with its equations (see ``../shared/SPEC.md``). Runs in any
+float dtype on any device; in float64 on the CPU it is the ground truth every kernel is
+checked against. Nothing here imports from ``mla.fast``.
+"""
+
+from mla.reference.attention import attention_with_lse
+from mla.reference.chunked import (
+    ChunkPlan,
+    chunked_prefill_attention,
+    plan_context_chunks,
+    workspace_size,
+)
+from mla.reference.decode import absorb_q, absorbed_attention, mla_decode_paged
+from mla.reference.front import Front, mla_front, rms_norm
+from mla.reference.merge import merge_attn_states, merge_attn_states_list
+from mla.reference.model import chunked_prefill_forward, decode_forward, write_context
+from mla.reference.naive import naive_attention, naive_forward
+from mla.reference.paged_cache import (
+    cache_rows,
+    concat_and_cache_mla,
+    gather_cache,
+    make_block_table,
+    slot_mapping_from_block_table,
+)
+from mla.reference.prefill import prefill_attention, prefill_forward, up_project_kv
+from mla.reference.rope import apply_rope, rope_frequencies
+
+__all__ = [
+    "ChunkPlan", "Front", "absorb_q", "absorbed_attention", "apply_rope", "attention_with_lse",
+    "cache_rows", "chunked_prefill_attention", "chunked_prefill_forward", "concat_and_cache_mla",
+    "decode_forward", "gather_cache", "make_block_table", "merge_attn_states",
+    "merge_attn_states_list", "mla_decode_paged", "mla_front", "naive_attention",
+    "naive_forward", "plan_context_chunks", "prefill_attention", "prefill_forward", "rms_norm",
+    "rope_frequencies", "slot_mapping_from_block_table", "up_project_kv", "workspace_size",
+    "write_context",
+]

@@ -1,0 +1,135 @@
+"""Absorbed-weight decode: MQA over the 576-wide latent (the seed's ``_forward_decode``).
+
+SPEC section 4 (DeepSeek-V2 appendix, "weight absorption"). ``W_UK`` folds into the query and
+``W_UV`` into the output, so the keys and values stay in the latent space:
+
+    ql_nope = einsum("snp,lnp->snl", q_nope, W_UK)                      [Sq, N, Lkv]
+    o_lat   = MQA(q = [ql_nope, q_pe], k = [kv_c, k_pe], v = kv_c)       [Sq, N, Lkv]
+    o       = einsum("snl,lnv->snv", o_lat, W_UV)                       [Sq, N, V]
+
+One KV "head" of width ``Lkv + R`` serves all ``N`` query heads, and V is the first ``Lkv``
+columns of K. The logits are the same numbers as the compute-friendly path's,
+``q_nope · (kv_c W_UK) = (q_nope W_UKᵀ) · kv_c``, so the softmax scale stays ``1/sqrt(P+R)``
+although the dot runs over ``Lkv + R`` dims. (Using ``1/sqrt(Lkv+R)`` is the classic bug.)
+
+``mla_decode_paged`` is the kernel-level form over the paged cache, with FlashMLA's conventions
+(``flash_mla_with_kvcache``): ``q [B, s_q, N, Lkv+R]``, ``lse [B, N, s_q]``, and with ``causal``
+query ``i`` of ``s_q`` sees the cached keys ``0 .. L - s_q + i`` (multi-token prediction).
+A query with no key gets ``out = 0`` and ``lse = +inf``, FlashMLA's "lonely q" convention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla.checks import (
+    acc_dtype,
+    check_float,
+    check_index,
+    check_positive_int,
+    check_same_device,
+    check_same_dtype,
+    check_scale,
+)
+from mla.reference.attention import attention_with_lse
+from mla.reference.paged_cache import cache_rows
+
+__all__ = ["absorb_q", "absorbed_attention", "mla_decode_paged", "check_paged_decode_args"]
+
+
+def absorb_q(q_nope: torch.Tensor, W_UK: torch.Tensor) -> torch.Tensor:  # noqa: N803
+    """``q_nope [S, N, P]`` -> ``ql_nope [S, N, Lkv]``."""
+    return torch.einsum("snp,lnp->snl", q_nope, W_UK)
+
+
+def absorbed_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    W_UK: torch.Tensor,  # noqa: N803
+    W_UV: torch.Tensor,  # noqa: N803
+    softmax_scale: float,
+    causal: bool = True,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The absorbed path on dense latents: returns ``o [Sq, N, V]`` and ``lse [N, Sq]``."""
+    check_float("q_nope", q_nope, shape=[None, W_UK.shape[1], W_UK.shape[2]])
+    check_float("q_pe", q_pe, shape=[q_nope.shape[0], q_nope.shape[1], None])
+    check_float("kv_c", kv_c, shape=[None, W_UK.shape[0]])
+    check_float("k_pe", k_pe, shape=[kv_c.shape[0], q_pe.shape[2]])
+    ql_nope = absorb_q(q_nope, W_UK)
+    q = torch.cat([ql_nope, q_pe], dim=-1)  # [Sq, N, Lkv+R]
+    k = torch.cat([kv_c, k_pe], dim=-1)[:, None, :]  # [Skv, 1, Lkv+R]
+    o_lat, lse = attention_with_lse(q, k, kv_c[:, None, :], softmax_scale, causal=causal,
+                                    q_positions=q_positions, k_positions=k_positions)
+    return torch.einsum("snl,lnv->snv", o_lat, W_UV), lse
+
+
+def check_paged_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            cache_seqlens: torch.Tensor, softmax_scale: float,
+                            head_dim_v: int) -> None:
+    """The argument checks of ``mla_decode_paged`` (shared with the fast path)."""
+    check_float("q", q, ndim=4)
+    B, s_q, N, D = q.shape
+    check_float("kv_cache", kv_cache, shape=[None, None, D])
+    check_same_dtype(q=q, kv_cache=kv_cache)
+    check_index("block_table", block_table, ndim=2, dtype=(torch.int32,))
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table must have shape [{B}, *] (one row per request), "
+                         f"got {list(block_table.shape)}")
+    check_index("cache_seqlens", cache_seqlens, shape=[B], dtype=(torch.int32,))
+    check_same_device(q=q, kv_cache=kv_cache, block_table=block_table,
+                      cache_seqlens=cache_seqlens)
+    check_scale("softmax_scale", softmax_scale)
+    check_positive_int("head_dim_v", head_dim_v)
+    if head_dim_v > D:
+        raise ValueError(f"head_dim_v must be <= q's head dim {D}, got {head_dim_v}")
+    if s_q == 0:
+        raise ValueError(f"q must have s_q >= 1, got shape {list(q.shape)}")
+    num_blocks, bs, _ = kv_cache.shape
+    capacity = block_table.shape[1] * bs
+    lens = cache_seqlens.tolist()
+    for b, n in enumerate(lens):
+        if n < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {n} for request {b}")
+        if n > capacity:
+            raise ValueError(
+                f"cache_seqlens[{b}] = {n} exceeds the block table's capacity "
+                f"{block_table.shape[1]} blocks x {bs} = {capacity}")
+        used = block_table[b, : -(-n // bs)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+            raise ValueError(
+                f"block_table[{b}] points outside kv_cache's {num_blocks} blocks "
+                f"within its first {n} tokens: range [{int(used.min())}, {int(used.max())}]")
+
+
+def mla_decode_paged(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = False,
+    head_dim_v: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQA of ``q [B, s_q, N, D]`` over the paged latent cache ``kv_cache [nb, bs, D]``.
+
+    V is ``kv_cache[..., :head_dim_v]``. Returns ``out [B, s_q, N, head_dim_v]`` (``q``'s dtype)
+    and ``lse [B, N, s_q]`` (float32; float64 for float64 inputs), ``+inf`` for a query with
+    no visible key.
+    """
+    check_paged_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, head_dim_v)
+    B, s_q, N, D = q.shape
+    out = q.new_zeros(B, s_q, N, head_dim_v)
+    lse = torch.full((B, N, s_q), float("inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    for b, n in enumerate(cache_seqlens.tolist()):
+        rows = cache_rows(kv_cache, block_table[b], 0, n)  # [n, D]
+        q_pos = torch.arange(n - s_q, n, device=q.device)
+        o_b, lse_b = attention_with_lse(q[b], rows[:, None, :], rows[:, None, :head_dim_v],
+                                        softmax_scale, causal=causal, q_positions=q_pos,
+                                        k_positions=torch.arange(n, device=q.device))
+        out[b] = o_b
+        lse[b] = torch.where(torch.isneginf(lse_b), float("inf"), lse_b)
+    return out, lse
