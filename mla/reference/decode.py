@@ -34,7 +34,8 @@ from mla.checks import (
 from mla.reference.attention import attention_with_lse
 from mla.reference.paged_cache import cache_rows
 
-__all__ = ["absorb_q", "absorbed_attention", "mla_decode_paged", "check_paged_decode_args"]
+__all__ = ["absorb_q", "absorbed_attention", "mla_decode_paged", "check_paged_decode_args",
+           "check_paged_decode_shapes", "check_paged_decode_values"]
 
 
 def absorb_q(q_nope: torch.Tensor, W_UK: torch.Tensor) -> torch.Tensor:  # noqa: N803
@@ -71,6 +72,14 @@ def check_paged_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table
                             cache_seqlens: torch.Tensor, softmax_scale: float,
                             head_dim_v: int) -> None:
     """The argument checks of ``mla_decode_paged`` (shared with the fast path)."""
+    check_paged_decode_shapes(q, kv_cache, block_table, cache_seqlens, softmax_scale, head_dim_v)
+    check_paged_decode_values(kv_cache, block_table, cache_seqlens)
+
+
+def check_paged_decode_shapes(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                              cache_seqlens: torch.Tensor, softmax_scale: float,
+                              head_dim_v: int) -> None:
+    """Shape, dtype, device and scalar checks: host metadata only, no device read."""
     check_float("q", q, ndim=4)
     B, s_q, N, D = q.shape
     check_float("kv_cache", kv_cache, shape=[None, None, D])
@@ -88,6 +97,11 @@ def check_paged_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table
         raise ValueError(f"head_dim_v must be <= q's head dim {D}, got {head_dim_v}")
     if s_q == 0:
         raise ValueError(f"q must have s_q >= 1, got shape {list(q.shape)}")
+
+
+def check_paged_decode_values(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                              cache_seqlens: torch.Tensor) -> None:
+    """Value checks of the lengths and the used block-table entries (reads them on the host)."""
     num_blocks, bs, _ = kv_cache.shape
     capacity = block_table.shape[1] * bs
     lens = cache_seqlens.tolist()
