@@ -13,7 +13,25 @@ from mla.reference.chunked import (
     workspace_size,
 )
 from mla.reference.decode import absorb_q, absorbed_attention, mla_decode_paged
+from mla.reference.fp8 import (
+    act_quant,
+    concat_and_cache_fp8_ds_mla,
+    dequantize_fp8_ds_mla,
+    fp8_ds_mla_scales,
+    gather_and_upconvert_fp8_ds_mla,
+    quantize_fp8_ds_mla,
+)
 from mla.reference.front import Front, mla_front, rms_norm
+from mla.reference.indexer import (
+    IndexerQK,
+    IndexerWeights,
+    hadamard_rotate,
+    index_scores,
+    indexer_qk,
+    indexer_topk,
+    q_latent,
+    select_topk,
+)
 from mla.reference.merge import merge_attn_states, merge_attn_states_list
 from mla.reference.model import chunked_prefill_forward, decode_forward, write_context
 from mla.reference.naive import naive_attention, naive_forward
@@ -26,6 +44,17 @@ from mla.reference.paged_cache import (
 )
 from mla.reference.prefill import prefill_attention, prefill_forward, up_project_kv
 from mla.reference.rope import apply_rope, rope_frequencies
+from mla.reference.sparse import (
+    convert_req_index_to_global_index,
+    sparse_index_mask,
+    sparse_mla_decode,
+    sparse_mla_prefill,
+)
+from mla.reference.sparse_model import (
+    sparse_decode_forward,
+    sparse_masked_dense_forward,
+    sparse_prefill_forward,
+)
 
 __all__ = [
     "ChunkPlan", "Front", "absorb_q", "absorbed_attention", "apply_rope", "attention_with_lse",
@@ -35,4 +64,11 @@ __all__ = [
     "naive_forward", "plan_context_chunks", "prefill_attention", "prefill_forward", "rms_norm",
     "rope_frequencies", "slot_mapping_from_block_table", "up_project_kv", "workspace_size",
     "write_context",
+    # sparse (DeepSeek-V3.2) and fp8_ds_mla
+    "IndexerQK", "IndexerWeights", "act_quant", "concat_and_cache_fp8_ds_mla",
+    "convert_req_index_to_global_index", "dequantize_fp8_ds_mla", "fp8_ds_mla_scales",
+    "gather_and_upconvert_fp8_ds_mla", "hadamard_rotate", "index_scores", "indexer_qk",
+    "indexer_topk", "q_latent", "quantize_fp8_ds_mla", "select_topk", "sparse_decode_forward",
+    "sparse_index_mask", "sparse_masked_dense_forward", "sparse_mla_decode",
+    "sparse_mla_prefill", "sparse_prefill_forward",
 ]

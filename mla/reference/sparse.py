@@ -1,0 +1,327 @@
+"""Sparse top-k MLA (DeepSeek-V3.2's DSA): index conversion and attention over selected rows.
+
+SPEC section 10 (FlashMLA's ``flash_mla_sparse_fwd`` / ``flash_mla_with_kvcache`` and their
+reference in ``tests/ref.py``; the seed's ``triton_convert_req_index_to_global_index``).
+
+Index conversion. The indexer names keys by their position ``i`` inside request ``req``; the
+kernels read a flat cache, so
+
+    global(i) = block_table[req, i // bs] · bs + i % bs
+    -1        when i < 0, or when the block i // bs is outside [0, max_blocks_per_req)
+    workspace variant: a prefill token (prefill_workspace_request_ids[t] = p >= 0) maps to
+              prefill_workspace_starts[p] + i instead (still -1 under the two rules above)
+
+The block table entry itself is not checked (as in the seed): an unassigned ``-1`` entry gives a
+negative slot, which the sparse prefill masks and the sparse decode rejects.
+
+Attention. The absorbed MQA of section 4 restricted, per query, to the rows it names:
+
+    s_j        = sm_scale · q · kv[indices[j]]          j < topk, valid
+    max_logits = max_j s_j
+    lse        = log Σ_j exp(s_j)                       natural log
+    out        = Σ_j exp(s_j - lse) · kv[indices[j], :d_v]
+
+Invalid entries are dropped: ``-1`` (any negative, in prefill) or ``>= s_kv`` (prefill), and
+the columns ``j >= topk_length[t]``. A repeated index counts once per appearance, as in
+FlashMLA's reference. A "lonely" query, whose entries are all invalid, gets ``out = 0``,
+``lse = +inf`` (so that merging it with another state keeps the other side) and
+``max_logits = -inf`` (the max of an empty set, FlashMLA's reference value).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla.checks import (
+    acc_dtype,
+    check_float,
+    check_index,
+    check_positive_int,
+    check_same_device,
+    check_same_dtype,
+    check_scale,
+    check_tensor,
+)
+from mla.reference.fp8 import FP8_DS_MLA_BYTES, dequantize_fp8_ds_mla
+
+__all__ = ["convert_req_index_to_global_index", "sparse_mla_prefill", "sparse_mla_decode",
+           "sparse_index_mask"]
+
+FLASHMLA_D_QK = 576  # DeepSeek's latent row: 512 kv_c + 64 k_pe
+FLASHMLA_D_V = 512
+_CHUNK_ELEMENTS = 1 << 24  # bound on the gathered rows held at once (s_q chunk × topk × d)
+
+
+def convert_req_index_to_global_index(
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    token_indices: torch.Tensor,
+    block_size: int,
+    prefill_workspace_request_ids: torch.Tensor | None = None,
+    prefill_workspace_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Request-local ``token_indices [T, topk]`` -> global cache slots (or workspace rows).
+
+    ``req_id [T]`` is each token's request (a row of ``block_table [R, max_blocks]``). With the
+    workspace pair, ``prefill_workspace_request_ids [T]`` is ``-1`` for decode tokens and the
+    prefill request's number ``p`` otherwise, ``prefill_workspace_starts [P]`` its first
+    workspace row. All int32, as the seed asserts; returns int32 ``[T, topk]``.
+    """
+    check_index("req_id", req_id, ndim=1, dtype=(torch.int32,))
+    T = req_id.shape[0]
+    check_index("block_table", block_table, ndim=2, dtype=(torch.int32,))
+    check_index("token_indices", token_indices, shape=[T, None], dtype=(torch.int32,))
+    check_positive_int("block_size", block_size)
+    if (prefill_workspace_request_ids is None) != (prefill_workspace_starts is None):
+        raise ValueError("prefill_workspace_request_ids and prefill_workspace_starts must be "
+                         "given together (the workspace variant) or both be None")
+    has_workspace = prefill_workspace_request_ids is not None
+    if has_workspace:
+        check_index("prefill_workspace_request_ids", prefill_workspace_request_ids, shape=[T],
+                    dtype=(torch.int32,))
+        check_index("prefill_workspace_starts", prefill_workspace_starts, ndim=1,
+                    dtype=(torch.int32,))
+    check_same_device(req_id=req_id, block_table=block_table, token_indices=token_indices,
+                      prefill_workspace_request_ids=prefill_workspace_request_ids,
+                      prefill_workspace_starts=prefill_workspace_starts)
+    R, max_blocks = block_table.shape
+    if T and (int(req_id.min()) < 0 or int(req_id.max()) >= R):
+        raise ValueError(f"req_id must lie in [0, {R}) (block_table rows), got range "
+                         f"[{int(req_id.min())}, {int(req_id.max())}]")
+    if has_workspace and T:
+        P = prefill_workspace_starts.shape[0]
+        ids = prefill_workspace_request_ids
+        if int(ids.min()) < -1 or int(ids.max()) >= P:
+            raise ValueError(f"prefill_workspace_request_ids must lie in [-1, {P}) "
+                             f"(-1 = decode token, else a prefill_workspace_starts entry), "
+                             f"got range [{int(ids.min())}, {int(ids.max())}]")
+
+    tok = token_indices.long()
+    block = torch.div(tok, block_size, rounding_mode="floor")
+    invalid = (tok < 0) | (block >= max_blocks)
+    safe_block = torch.where(invalid, 0, block)
+    req = req_id.long()[:, None].expand_as(tok)
+    out = block_table.long()[req, safe_block] * block_size + tok % block_size
+    if has_workspace:
+        p = prefill_workspace_request_ids.long()[:, None].expand_as(tok)
+        is_prefill = p >= 0
+        starts = prefill_workspace_starts.long()[torch.where(is_prefill, p, 0)]
+        out = torch.where(is_prefill, starts + tok, out)
+    return torch.where(invalid, -1, out).to(torch.int32)
+
+
+def _attend_gathered(q: torch.Tensor, rows: torch.Tensor, invalid: torch.Tensor,
+                     sm_scale: float, d_v: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q [s, h, d]`` over its own ``rows [s, k, d]`` -> ``(out, max_logits, lse)``.
+
+    ``invalid [s, k]`` rows are dropped (and zeroed first, so garbage in them, NaN included,
+    cannot leak through a zero weight).
+    """
+    work = acc_dtype(q.dtype)
+    rows = rows.to(work).masked_fill(invalid[..., None], 0.0)
+    s = torch.einsum("shd,skd->shk", q.to(work), rows) * sm_scale
+    s = s.masked_fill(invalid[:, None, :], float("-inf"))
+    if s.shape[-1]:
+        max_logits = s.amax(dim=-1)
+        lse = torch.logsumexp(s, dim=-1)
+    else:
+        max_logits = s.new_full(s.shape[:2], float("-inf"))
+        lse = s.new_full(s.shape[:2], float("-inf"))
+    lonely = torch.isneginf(lse)
+    p = torch.exp(s - torch.where(lonely, 0.0, lse)[..., None])  # masked keys: exp(-inf) = 0
+    out = torch.einsum("shk,skv->shv", p, rows[..., :d_v])
+    lse = torch.where(lonely, float("inf"), lse)
+    return out.to(q.dtype), max_logits, lse
+
+
+def _chunk(topk: int, d: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, topk * d))
+
+
+def _check_topk_length(topk_length: torch.Tensor | None, rows: int, topk: int,
+                       what: str, device: torch.device) -> None:
+    if topk_length is None:
+        return
+    check_index("topk_length", topk_length, shape=[rows], dtype=(torch.int32,))
+    if topk_length.device != device:
+        raise ValueError(f"topk_length is on {topk_length.device} but q is on {device}")
+    if rows and (int(topk_length.min()) < 0 or int(topk_length.max()) > topk):
+        raise ValueError(f"topk_length must lie in [0, topk={topk}] ({what}), got range "
+                         f"[{int(topk_length.min())}, {int(topk_length.max())}]")
+
+
+def sparse_mla_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    topk_length: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashMLA's ``flash_mla_sparse_fwd``: each query attends to the ``kv`` rows it names.
+
+    ``q [s_q, h_q, d_qk]``, ``kv [s_kv, d_qk]`` or ``[s_kv, 1, d_qk]`` (one shared KV head),
+    ``indices [s_q, topk]`` or ``[s_q, 1, topk]`` int32, ``topk_length [s_q]`` int32 (query
+    ``t`` uses ``indices[t, :topk_length[t]]``). V is ``kv[:, :d_v]``: DeepSeek's rows are
+    576 wide with ``d_v = 512``; smaller configs pass ``d_v = Lkv``.
+
+    Returns ``out [s_q, h_q, d_v]`` (``q``'s dtype), ``max_logits [s_q, h_q]`` and
+    ``lse [s_q, h_q]`` (float32; float64 for float64 inputs), both over the scaled logits.
+    A lonely query (no valid index): ``out = 0``, ``lse = +inf``, ``max_logits = -inf``.
+    """
+    check_float("q", q, ndim=3)
+    s_q, h_q, d_qk = q.shape
+    check_float("kv", kv, ndim=(2, 3))
+    if kv.dim() == 3 and kv.shape[1] != 1:
+        raise ValueError(f"kv must have shape [s_kv, {d_qk}] or [s_kv, 1, {d_qk}] (one KV "
+                         f"head), got {list(kv.shape)}")
+    if kv.shape[-1] != d_qk:
+        raise ValueError(f"kv's last dim must be q's head dim {d_qk}, got shape "
+                         f"{list(kv.shape)}")
+    check_same_dtype(q=q, kv=kv)
+    check_index("indices", indices, ndim=(2, 3), dtype=(torch.int32,))
+    if indices.shape[0] != s_q or (indices.dim() == 3 and indices.shape[1] != 1):
+        raise ValueError(f"indices must have shape [{s_q}, topk] or [{s_q}, 1, topk] (one row "
+                         f"per query, one KV head), got {list(indices.shape)}")
+    check_same_device(q=q, kv=kv, indices=indices)
+    check_scale("sm_scale", sm_scale)
+    check_positive_int("d_v", d_v)
+    if d_v > d_qk:
+        raise ValueError(f"d_v must be <= the head dim {d_qk} (V is kv[:, :d_v]), got {d_v}")
+    kv = kv.reshape(kv.shape[0], d_qk)
+    indices = indices.reshape(s_q, indices.shape[-1])
+    topk = indices.shape[1]
+    _check_topk_length(topk_length, s_q, topk, "one per query", q.device)
+
+    s_kv = kv.shape[0]
+    idx = indices.long()
+    invalid = (idx < 0) | (idx >= s_kv)
+    if topk_length is not None:
+        cols = torch.arange(topk, device=q.device)
+        invalid |= cols[None, :] >= topk_length.long()[:, None]
+    safe = torch.where(invalid, 0, idx)
+    work = acc_dtype(q.dtype)
+    out = q.new_zeros(s_q, h_q, d_v)
+    max_logits = torch.full((s_q, h_q), float("-inf"), dtype=work, device=q.device)
+    lse = torch.full((s_q, h_q), float("inf"), dtype=work, device=q.device)
+    step = _chunk(topk, d_qk)
+    for a in range(0, s_q if s_kv else 0, step):
+        b = min(a + step, s_q)
+        rows = kv[safe[a:b]]  # [chunk, topk, d_qk]
+        out[a:b], max_logits[a:b], lse[a:b] = _attend_gathered(
+            q[a:b], rows, invalid[a:b], sm_scale, d_v)
+    return out, max_logits, lse
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    is_fp8_kvcache: bool,
+    topk_length: torch.Tensor | None = None,
+    head_dim_v: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's ``flash_mla_with_kvcache`` with ``indices``: sparse decode on the paged cache.
+
+    ``q [B, s_q, N, D]``; ``indices [B, s_q, topk]`` int32 global slots
+    (``block · block_size + offset``, from ``convert_req_index_to_global_index``), ``-1`` for
+    none; ``topk_length [B]`` int32 (request ``b`` uses its first ``topk_length[b]`` indices).
+    The cache is ``[num_blocks, block_size, D]`` in ``q``'s dtype (bf16 in serving), or, with
+    ``is_fp8_kvcache``, ``[num_blocks, block_size, 656]`` uint8 ``fp8_ds_mla`` rows (then
+    ``D = 576`` and ``head_dim_v = 512``), dequantized to bf16 as FlashMLA does. FlashMLA's
+    ``[num_blocks, block_size, 1, ·]`` layout is accepted too. V is the first ``head_dim_v``
+    columns of a row (FlashMLA fixes 512; smaller configs pass ``Lkv``).
+
+    Returns ``out [B, s_q, N, head_dim_v]`` (``q``'s dtype) and ``lse [B, N, s_q]`` (float32;
+    float64 for float64 ``q``); a lonely query gets ``out = 0`` and ``lse = +inf``.
+    """
+    check_float("q", q, ndim=4)
+    B, s_q, N, D = q.shape
+    if not isinstance(is_fp8_kvcache, bool):
+        raise TypeError(f"is_fp8_kvcache must be a bool, got {type(is_fp8_kvcache).__name__}")
+    check_tensor("kv_cache", kv_cache, ndim=(3, 4))
+    if kv_cache.dim() == 4 and kv_cache.shape[2] != 1:
+        raise ValueError(f"kv_cache must have shape [num_blocks, block_size, row] or "
+                         f"[num_blocks, block_size, 1, row] (one KV head), "
+                         f"got {list(kv_cache.shape)}")
+    row = kv_cache.shape[-1]
+    if is_fp8_kvcache:
+        check_tensor("kv_cache", kv_cache, dtype=(torch.uint8, torch.float8_e4m3fn))
+        if row != FP8_DS_MLA_BYTES:
+            raise ValueError(f"kv_cache's last dim must be {FP8_DS_MLA_BYTES} (fp8_ds_mla bytes) "
+                             f"with is_fp8_kvcache=True, got {row}")
+        if D != FLASHMLA_D_QK or head_dim_v != FLASHMLA_D_V:
+            raise ValueError(f"the fp8_ds_mla cache holds {FLASHMLA_D_QK}-wide rows with V = "
+                             f"{FLASHMLA_D_V}: q must have head dim {FLASHMLA_D_QK} and "
+                             f"head_dim_v must be {FLASHMLA_D_V}, got q {list(q.shape)}, "
+                             f"head_dim_v={head_dim_v}")
+    else:
+        check_float("kv_cache", kv_cache)
+        if row != D:
+            raise ValueError(f"kv_cache's last dim must be q's head dim {D} "
+                             f"({FLASHMLA_D_QK} for DeepSeek; {FP8_DS_MLA_BYTES} only with "
+                             f"is_fp8_kvcache=True), got {row}")
+        check_same_dtype(q=q, kv_cache=kv_cache)
+    check_index("indices", indices, ndim=3, dtype=(torch.int32,))
+    if list(indices.shape[:2]) != [B, s_q]:
+        raise ValueError(f"indices must have shape [{B}, {s_q}, topk] (q's batch and s_q), "
+                         f"got {list(indices.shape)}")
+    check_same_device(q=q, kv_cache=kv_cache, indices=indices)
+    check_scale("softmax_scale", softmax_scale)
+    check_positive_int("head_dim_v", head_dim_v)
+    if head_dim_v > D:
+        raise ValueError(f"head_dim_v must be <= q's head dim {D}, got {head_dim_v}")
+    topk = indices.shape[2]
+    _check_topk_length(topk_length, B, topk, "one per request", q.device)
+    n_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    idx = indices.long()
+    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= n_slots):
+        raise ValueError(f"indices must lie in [-1, {n_slots}) (-1 = none; the cache has "
+                         f"{n_slots} slots), got range [{int(idx.min())}, {int(idx.max())}]")
+
+    flat = kv_cache.reshape(n_slots, row)
+    invalid = idx < 0
+    if topk_length is not None:
+        cols = torch.arange(topk, device=q.device)
+        invalid |= cols[None, None, :] >= topk_length.long()[:, None, None]
+    safe = torch.where(invalid, 0, idx)
+    out = q.new_zeros(B, s_q, N, head_dim_v)
+    lse = torch.full((B, N, s_q), float("inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    step = _chunk(topk, D)
+    for b in range(B):
+        for a in range(0, s_q if n_slots else 0, step):
+            e = min(a + step, s_q)
+            rows = flat[safe[b, a:e]]  # [chunk, topk, row]
+            if is_fp8_kvcache:
+                kv_c, k_pe = dequantize_fp8_ds_mla(rows)
+                rows = torch.cat([kv_c, k_pe], dim=-1)
+            o, _, l_ = _attend_gathered(q[b, a:e], rows, invalid[b, a:e], softmax_scale,
+                                        head_dim_v)
+            out[b, a:e] = o
+            lse[b, :, a:e] = l_.T
+    return out, lse
+
+
+def sparse_index_mask(indices: torch.Tensor, s_kv: int,
+                      topk_length: torch.Tensor | None = None) -> torch.Tensor:
+    """The selected set as a dense mask: bool ``[s_q, s_kv]``, True where a valid index points.
+
+    This is the official DeepSeek-V3.2 formulation's view of the same selection (its dense
+    scores get ``-inf`` where the mask is False). Invalid indices, as in
+    ``sparse_mla_prefill``, select nothing; a repeated index selects its key once.
+    """
+    check_index("indices", indices, ndim=2, dtype=(torch.int32, torch.int64))
+    if isinstance(s_kv, bool) or not isinstance(s_kv, int) or s_kv < 0:
+        raise ValueError(f"s_kv must be a non-negative int, got {s_kv!r}")
+    s_q, topk = indices.shape
+    _check_topk_length(topk_length, s_q, topk, "one per query", indices.device)
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < s_kv)
+    if topk_length is not None:
+        valid &= torch.arange(topk, device=idx.device)[None, :] < topk_length.long()[:, None]
+    mask = torch.zeros(s_q, s_kv + 1, dtype=torch.bool, device=idx.device)
+    # invalid entries scatter into a spare column s_kv, dropped below
+    mask.scatter_(1, torch.where(valid, idx, s_kv), True)
+    return mask[:, :s_kv]

@@ -1,0 +1,263 @@
+"""Sparse MLA at model level: hidden states in, hidden states out (DeepSeek-V3.2).
+
+SPEC section 10. Two formulations of the same layer, which must agree:
+
+Serving (vLLM's ``FlashMLASparseImpl``), on a paged cache, per step:
+
+    front (section 1) -> kv_c, k_pe written to kv_cache at the tokens' slots
+    indexer           -> k_index written to index_k_cache at the same slots;
+                         scores of the new queries against every cached k_index of their
+                         request; top-k -> request-local indices [T, topk]
+    conversion        -> global slots (or workspace rows)
+    attention         -> absorbed MQA over the selected rows only (sparse_mla_prefill /
+                         sparse_mla_decode), o_lat [T, N, Lkv]
+    up-projection     -> o = o_lat W_UV, out = o.flatten(-2) @ W_O
+
+Official (DeepSeek-V3.2-Exp's ``MLA.forward``, prefill branch), one request, no cache: the dense
+MHA of section 2 with an extra additive mask, ``0`` on the selected keys and ``-inf`` elsewhere.
+
+With ``kv_cache`` of dtype uint8 the cache is ``fp8_ds_mla``: prefill dequantizes each request
+into a workspace and reads it through the workspace variant of the index conversion (vLLM's
+separate prefill path); decode reads the fp8 cache directly. ``sparse_masked_dense_forward``
+with ``fp8_kv_cache=True`` applies the same rounding to kv_c (and k_pe to bf16), so the two
+formulations again agree to rounding of the arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla.checks import check_float, check_index, check_same_device, check_tensor
+from mla.reference.decode import absorb_q
+from mla.reference.fp8 import (
+    FP8_DS_MLA_BYTES,
+    concat_and_cache_fp8_ds_mla,
+    dequantize_fp8_ds_mla,
+    gather_and_upconvert_fp8_ds_mla,
+    quantize_fp8_ds_mla,
+)
+from mla.reference.front import Front, mla_front
+from mla.reference.indexer import (
+    IndexerWeights,
+    index_scores,
+    indexer_qk,
+    indexer_topk,
+    q_latent,
+    select_topk,
+)
+from mla.reference.paged_cache import (
+    cache_rows,
+    concat_and_cache_mla,
+    slot_mapping_from_block_table,
+)
+from mla.reference.sparse import (
+    convert_req_index_to_global_index,
+    sparse_index_mask,
+    sparse_mla_decode,
+    sparse_mla_prefill,
+)
+from mla.weights import MLAWeights
+
+__all__ = ["sparse_prefill_forward", "sparse_decode_forward", "sparse_masked_dense_forward"]
+
+
+def _is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype in (torch.uint8, torch.float8_e4m3fn)
+
+
+def _check_caches(weights: MLAWeights, indexer_weights: IndexerWeights, kv_cache: torch.Tensor,
+                  index_k_cache: torch.Tensor) -> None:
+    c = weights.config
+    if indexer_weights.config.q_lora_rank != c.q_lora_rank or \
+            indexer_weights.config.hidden_size != c.hidden_size:
+        raise ValueError(f"indexer_weights (config {indexer_weights.config.name!r}) do not fit "
+                         f"weights (config {c.name!r}): hidden_size and q_lora_rank must match")
+    check_tensor("kv_cache", kv_cache, ndim=3)
+    want = FP8_DS_MLA_BYTES if _is_fp8(kv_cache) else c.latent_dim
+    if kv_cache.shape[2] != want:
+        raise ValueError(f"kv_cache must have shape [num_blocks, block_size, {want}] "
+                         f"({'fp8_ds_mla bytes' if _is_fp8(kv_cache) else 'Lkv + R'}), "
+                         f"got {list(kv_cache.shape)}")
+    if _is_fp8(kv_cache) and (c.kv_lora_rank, c.qk_rope_head_dim) != (512, 64):
+        raise ValueError(f"an fp8_ds_mla cache needs kv_lora_rank=512 and qk_rope_head_dim=64, "
+                         f"config {c.name!r} has {c.kv_lora_rank} and {c.qk_rope_head_dim}")
+    check_float("index_k_cache", index_k_cache,
+                shape=[kv_cache.shape[0], kv_cache.shape[1], c.index_head_dim])
+
+
+def _front_and_select(weights: MLAWeights, indexer_weights: IndexerWeights,
+                      hidden: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
+                      kv_cache: torch.Tensor, index_k_cache: torch.Tensor,
+                      block_table: torch.Tensor, use_fp8_indexer: bool
+                      ) -> tuple[Front, torch.Tensor]:
+    """Cache the new tokens' latent and index key; return the front and local top-k ``[T, k]``.
+
+    Token ``t`` of request ``req[t]`` sits at ``positions[t]``; its query sees the request's
+    cached keys at positions ``<= positions[t]``.
+    """
+    bs = kv_cache.shape[1]
+    f = mla_front(weights, hidden, positions)
+    slots = slot_mapping_from_block_table(block_table, req, positions, bs)
+    if _is_fp8(kv_cache):
+        concat_and_cache_fp8_ds_mla(f.kv_c, f.k_pe, kv_cache, slots)
+    else:
+        concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
+    qk = indexer_qk(indexer_weights, hidden, q_latent(weights, hidden), positions,
+                    use_fp8_indexer)
+    d_index = index_k_cache.shape[2]
+    index_k_cache.view(-1, d_index)[slots] = qk.k_index.to(index_k_cache.dtype)
+
+    topk = indexer_weights.config.index_topk
+    local = torch.full((hidden.shape[0], topk), -1, dtype=torch.int32, device=hidden.device)
+    for r in req.unique().tolist():
+        rows = (req == r).nonzero().flatten()
+        seq_len = int(positions[rows].max()) + 1
+        keys = cache_rows(index_k_cache, block_table[r], 0, seq_len)
+        scores = index_scores(qk.q_index[rows], qk.weights[rows], keys.to(qk.q_index.dtype),
+                              positions[rows], torch.arange(seq_len, device=hidden.device))
+        local[rows] = select_topk(scores, topk)
+    return f, local
+
+
+def _up_project(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
+    o = torch.einsum("...nl,lnv->...nv", o_lat, weights.W_UV)
+    return o.flatten(-2) @ weights.W_O
+
+
+def sparse_prefill_forward(
+    weights: MLAWeights,
+    indexer_weights: IndexerWeights,
+    hidden: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: list[int],
+    kv_cache: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    use_fp8_indexer: bool = False,
+) -> torch.Tensor:
+    """Sparse prefill of ``hidden [T, H]`` (requests split by ``query_start_loc``) after context.
+
+    Request ``i`` has ``context_lens[i]`` tokens cached in ``kv_cache [nb, bs, Lkv+R]`` (or
+    ``[nb, bs, 656]`` uint8 ``fp8_ds_mla``) and their index keys in
+    ``index_k_cache [nb, bs, d_I]``; the new tokens are cached too. Returns ``[T, H]``.
+    """
+    c = weights.config
+    check_float("hidden", hidden, shape=[None, c.hidden_size])
+    B = len(context_lens)
+    check_index("query_start_loc", query_start_loc, shape=[B + 1])
+    check_index("block_table", block_table, shape=[B, None])
+    check_same_device(hidden=hidden, kv_cache=kv_cache, index_k_cache=index_k_cache,
+                      block_table=block_table, query_start_loc=query_start_loc)
+    _check_caches(weights, indexer_weights, kv_cache, index_k_cache)
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0 or qsl[-1] != hidden.shape[0] or any(b < a for a, b in zip(qsl, qsl[1:])):
+        raise ValueError(f"query_start_loc must rise from 0 to hidden's {hidden.shape[0]} "
+                         f"tokens, got {qsl}")
+    lens = [qsl[i + 1] - qsl[i] for i in range(B)]
+    dev = hidden.device
+    req = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lens, device=dev))
+    positions = torch.cat([torch.arange(context_lens[i], context_lens[i] + lens[i])
+                           for i in range(B)] or [torch.zeros(0, dtype=torch.long)]).to(dev)
+    f, local = _front_and_select(weights, indexer_weights, hidden, req, positions, kv_cache,
+                                 index_k_cache, block_table, use_fp8_indexer)
+    q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)  # [T, N, Lkv+R]
+    req32, table32 = req.to(torch.int32), block_table.to(torch.int32)
+    bs = kv_cache.shape[1]
+    if not _is_fp8(kv_cache):
+        slots = convert_req_index_to_global_index(req32, table32, local, bs)
+        o_lat, _, _ = sparse_mla_prefill(q, kv_cache.view(-1, c.latent_dim), slots,
+                                         c.softmax_scale, d_v=c.kv_lora_rank)
+        return _up_project(weights, o_lat)
+    # fp8_ds_mla: dequantize each request's rows into a workspace, read it by workspace rows
+    seq_lens = torch.tensor([context_lens[i] + lens[i] for i in range(B)], dtype=torch.int32,
+                            device=dev)
+    starts = (torch.cumsum(seq_lens, 0) - seq_lens).to(torch.int32)
+    workspace = torch.empty(int(seq_lens.sum()), c.latent_dim, dtype=q.dtype, device=dev)
+    gather_and_upconvert_fp8_ds_mla(kv_cache, workspace, table32, seq_lens, starts, B)
+    rows = convert_req_index_to_global_index(req32, table32, local, bs,
+                                             prefill_workspace_request_ids=req32,
+                                             prefill_workspace_starts=starts)
+    o_lat, _, _ = sparse_mla_prefill(q, workspace, rows, c.softmax_scale, d_v=c.kv_lora_rank)
+    return _up_project(weights, o_lat)
+
+
+def sparse_decode_forward(
+    weights: MLAWeights,
+    indexer_weights: IndexerWeights,
+    hidden: torch.Tensor,
+    kv_cache: torch.Tensor,
+    index_k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    use_fp8_indexer: bool = False,
+) -> torch.Tensor:
+    """Sparse decode of ``s_q`` new tokens per request: ``hidden [B, s_q, H] -> [B, s_q, H]``.
+
+    ``cache_seqlens [B]`` counts the tokens cached before this step; new token ``j`` of
+    request ``b`` sits at position ``cache_seqlens[b] + j`` and selects among the keys up to
+    it (multi-token prediction with ``s_q > 1``). ``kv_cache`` is float or ``fp8_ds_mla``.
+    """
+    c = weights.config
+    check_float("hidden", hidden, shape=[None, None, c.hidden_size])
+    B, s_q, _ = hidden.shape
+    check_index("cache_seqlens", cache_seqlens, shape=[B])
+    check_index("block_table", block_table, shape=[B, None])
+    check_same_device(hidden=hidden, kv_cache=kv_cache, index_k_cache=index_k_cache,
+                      block_table=block_table, cache_seqlens=cache_seqlens)
+    _check_caches(weights, indexer_weights, kv_cache, index_k_cache)
+    dev = hidden.device
+    positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
+    req = torch.arange(B, device=dev).repeat_interleave(s_q)
+    f, local = _front_and_select(weights, indexer_weights, hidden.reshape(B * s_q, -1), req,
+                                 positions, kv_cache, index_k_cache, block_table,
+                                 use_fp8_indexer)
+    slots = convert_req_index_to_global_index(req.to(torch.int32), block_table.to(torch.int32),
+                                              local, kv_cache.shape[1])
+    q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)
+    q = q.view(B, s_q, c.num_heads, c.latent_dim)
+    o_lat, _ = sparse_mla_decode(q, kv_cache, slots.view(B, s_q, -1), c.softmax_scale,
+                                 _is_fp8(kv_cache), head_dim_v=c.kv_lora_rank)
+    return _up_project(weights, o_lat)
+
+
+def sparse_masked_dense_forward(
+    weights: MLAWeights,
+    indexer_weights: IndexerWeights,
+    hidden: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    use_fp8_indexer: bool = False,
+    fp8_kv_cache: bool = False,
+) -> torch.Tensor:
+    """The official formulation for one request, causal over its own tokens: ``[S, H] -> [S, H]``.
+
+    ``scores = q·k (all keys) · scale + index_mask + causal_mask``, ``index_mask`` being ``0``
+    on the indexer's selection and ``-inf`` elsewhere; then softmax, ``@ v``, ``@ W_O``. With
+    ``fp8_kv_cache`` the latent is first rounded as an ``fp8_ds_mla`` cache would hold it.
+    """
+    c = weights.config
+    check_float("hidden", hidden, shape=[None, c.hidden_size])
+    S, N = hidden.shape[0], c.num_heads
+    if positions is None:
+        positions = torch.arange(S, device=hidden.device)
+    check_index("positions", positions, shape=[S], device=hidden.device)
+    f = mla_front(weights, hidden, positions)
+    kv_c, k_pe = f.kv_c, f.k_pe
+    if fp8_kv_cache:
+        kv_c_q, k_pe_q = dequantize_fp8_ds_mla(quantize_fp8_ds_mla(kv_c, k_pe))
+        kv_c, k_pe = kv_c_q.to(kv_c.dtype), k_pe_q.to(k_pe.dtype)
+    local = indexer_topk(indexer_weights, weights, hidden, positions, use_fp8_indexer)
+    selected = sparse_index_mask(local, S)
+    causal = positions[None, :] <= positions[:, None]
+    mask = torch.zeros(S, S, dtype=torch.float64, device=hidden.device)
+    mask = mask.masked_fill(~selected, float("-inf")).masked_fill(~causal, float("-inf"))
+
+    work = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    k_nope = torch.einsum("sl,lnp->snp", kv_c, weights.W_UK)
+    v = torch.einsum("sl,lnv->snv", kv_c, weights.W_UV)
+    k = torch.cat([k_nope, k_pe[:, None, :].expand(S, N, c.qk_rope_head_dim)], dim=-1)
+    q = torch.cat([f.q_nope, f.q_pe], dim=-1)
+    scores = torch.einsum("qnd,knd->nqk", q.to(work), k.to(work)) * c.softmax_scale
+    scores = scores + mask.to(work)[None]
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.einsum("nqk,knv->qnv", probs, v.to(work)).to(hidden.dtype)
+    return o.flatten(-2) @ weights.W_O
