@@ -12,8 +12,8 @@ once and written once.
 
 Host synchronization, stated because it decides whether a call can sit in a CUDA graph:
 - ``concat_and_cache_mla`` reads ``slot_mapping``'s range on the host (one small transfer) to
-  reject bad slots as the reference does, except while a CUDA graph is being captured, where it
-  reads nothing. The kernel writes only slots in ``[0, num_blocks·block_size)`` either way.
+  reject bad slots as the reference does, unless ``validate=False`` or a CUDA graph is being
+  captured. The kernel writes only slots in ``[0, num_blocks·block_size)`` either way.
 - ``gather_cache`` reads ``cu_seq_lens`` and ``seq_starts`` in one transfer: the length of its
   return value is ``cu_seq_lens[-1]``, which only the host can use to slice. Callers that know the
   lengths already (``mla.fast.chunked``, from its ``ChunkPlan``) call ``gather_cache_known``, which
@@ -30,7 +30,17 @@ import triton.language as tl
 
 from mla.checks import check_float, check_index, check_same_device, check_tensor
 
-__all__ = ["concat_and_cache_mla", "gather_cache", "gather_cache_known"]
+__all__ = ["concat_and_cache_mla", "gather_cache", "gather_cache_known", "should_validate"]
+
+
+def should_validate(validate: bool | None, t: torch.Tensor) -> bool:
+    """Resolve a ``validate`` argument: value checks read device memory on the host, which a
+    CUDA graph capture forbids."""
+    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    if validate and capturing:
+        raise ValueError("validate=True reads device values on the host, which a CUDA graph "
+                         "capture forbids; pass validate=False while capturing")
+    return (not capturing) if validate is None else validate
 
 
 @triton.jit
@@ -57,8 +67,12 @@ def _concat_and_cache_kernel(
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:
-    """Write ``kv_c [T, Lkv]`` and ``k_pe [T, R]`` (or ``[T, 1, R]``) into ``kv_cache`` in place."""
+                         slot_mapping: torch.Tensor, *, validate: bool | None = None) -> None:
+    """Write ``kv_c [T, Lkv]`` and ``k_pe [T, R]`` (or ``[T, 1, R]``) into ``kv_cache`` in place.
+
+    ``validate``: check ``slot_mapping``'s range on the host (a sync); ``None`` (default): only
+    when the current CUDA stream is not capturing a graph (``mla.fast.decode``'s convention).
+    """
     check_float("kv_cache", kv_cache, ndim=3)
     if k_pe.dim() == 3 and k_pe.shape[1] == 1:
         k_pe = k_pe[:, 0]
@@ -71,7 +85,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     if T == 0:
         return
-    if not _capturing(kv_cache):
+    if should_validate(validate, kv_cache):
         lo, hi = torch.aminmax(slot_mapping)
         lo_v, hi_v = torch.stack([lo, hi]).tolist()
         if lo_v < -1 or hi_v >= n_slots:
@@ -84,10 +98,6 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
         BLOCK_L=min(triton.next_power_of_2(max(Lkv, 1)), 512),
         BLOCK_R=triton.next_power_of_2(max(R, 1)), num_warps=4,
     )
-
-
-def _capturing(t: torch.Tensor) -> bool:
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 @triton.jit

@@ -1,0 +1,122 @@
+"""``concat_and_cache_fp8_ds_mla`` in Triton: quantize and write ``fp8_ds_mla`` rows in one pass.
+
+Same contract as ``mla.reference.fp8.concat_and_cache_fp8_ds_mla`` (SPEC section 10): row
+``slot`` of ``kv_cache [num_blocks, block_size, 656]`` (uint8) receives
+
+    bytes [  0, 512)   e4m3(kv_c / scale_tile), 4 tiles of 128
+    bytes [512, 528)   scale_tile = 2^ceil(log2(max(amax_tile / 448, 1e-4)))  (float32)
+    bytes [528, 656)   k_pe as bfloat16
+
+One program quantizes one token; byte for byte the reference's output. Two roundings decide the
+bytes, so the kernel does both with integer arithmetic on float32 bit patterns rather than
+trusting a conversion instruction (the Triton interpreter's float casts truncate):
+
+- the scale exponent, without a division or a log: ``amax = f · 2^e`` with ``f`` in ``[1, 2)``
+  gives ``ceil(log2(amax / 448)) = e - 8 + (f > 1.75)``, then the floor ``2^-13`` (the smallest
+  power of two above ``1e-4``). For bf16 or fp16 ``kv_c`` this is exactly what the reference's
+  float32 ``log2(...).ceil()`` computes; for float32 ``kv_c`` whose ``amax / 448`` lies within a
+  float32 rounding above a power of two, torch's float32 ``log2`` can round down where this
+  exact ceiling does not (a set of measure zero; not seen on random data).
+- e4m3 round-to-nearest-even: normal values (``>= 2^-6``) keep 3 mantissa bits by the usual
+  add-and-shift; subnormals are ``round(|v| · 2^9)`` steps of ``2^-9``, rounded by the float32
+  adder (``x + 2^23 - 2^23``); the sign bit is kept, also for a value that rounds to zero
+  (as torch's cast does). ``|v| <= 448`` by construction, so nothing saturates.
+
+The scales and ``k_pe`` are stored through float32 and bfloat16 views of the same bytes
+(656 is a multiple of 4).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla.checks import check_float, check_index, check_same_device, check_tensor
+from mla.fast.paged_cache import should_validate
+from mla.reference.fp8 import D_NOPE, D_ROPE, FP8_DS_MLA_BYTES, NUM_TILES, TILE
+
+__all__ = ["concat_and_cache_fp8_ds_mla"]
+
+_BYTE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+
+
+@triton.jit
+def _quant_cache_kernel(
+    kv_c, k_pe, cache_u8, cache_f32, cache_bf16, slot_mapping,
+    n_slots, s_kv_t, s_kv_d, s_pe_t, s_pe_d,
+    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping + t).to(tl.int64)
+    ok = (slot >= 0) & (slot < n_slots)
+    d = tl.arange(0, D_NOPE)
+    x = tl.load(kv_c + t * s_kv_t + d * s_kv_d, mask=ok, other=0.0)
+    x = tl.reshape(x.to(tl.float32), (NUM_TILES, TILE))
+    amax = tl.max(tl.abs(x), axis=1)  # [NUM_TILES]
+
+    # ceil(log2(amax / 448)) from amax's exponent and mantissa; 448 = 1.75 · 2^8
+    a_bits = amax.to(tl.int32, bitcast=True)
+    e = ((a_bits >> 23) & 0xFF) - 127
+    j = e - 8 + ((a_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    j = tl.maximum(j, -13)  # 2^-13 is the first power of two >= 1e-4
+    scale = ((j + 127) << 23).to(tl.float32, bitcast=True)
+    inv_scale = ((127 - j) << 23).to(tl.float32, bitcast=True)
+    v = x * inv_scale[:, None]  # exact: a power of two (the reference divides by scale)
+
+    v_bits = v.to(tl.int32, bitcast=True)
+    sign = (v_bits >> 24) & 0x80
+    mag_bits = v_bits & 0x7FFFFFFF
+    mag = mag_bits.to(tl.float32, bitcast=True)
+    odd = (mag_bits >> 20) & 1
+    normal = ((mag_bits + 0x7FFFF + odd) >> 20) - (120 << 3)
+    sub = ((mag * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(mag >= 0.015625, normal, sub) | sign
+
+    row = slot * ROW_BYTES
+    cols = tl.arange(0, NUM_TILES)[:, None] * TILE + tl.arange(0, TILE)[None, :]
+    tl.store(cache_u8 + row + cols, code.to(tl.uint8), mask=ok)
+    tl.store(cache_f32 + slot * (ROW_BYTES // 4) + D_NOPE // 4 + tl.arange(0, NUM_TILES), scale,
+             mask=ok)
+    r = tl.arange(0, D_ROPE)
+    pe = tl.load(k_pe + t * s_pe_t + r * s_pe_d, mask=ok, other=0.0)
+    tl.store(cache_bf16 + slot * (ROW_BYTES // 2) + (D_NOPE + 4 * NUM_TILES) // 2 + r,
+             pe.to(tl.bfloat16), mask=ok)
+
+
+def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                                slot_mapping: torch.Tensor, *,
+                                validate: bool | None = None) -> None:
+    """Quantize ``kv_c [T, 512]``, ``k_pe [T, 64]`` (or ``[T, 1, 64]``) into ``kv_cache`` in place.
+
+    As the reference; ``kv_cache [num_blocks, block_size, 656]`` uint8 (or float8_e4m3fn bytes),
+    contiguous. ``validate``: check ``slot_mapping``'s range on the host (a sync); ``None``: only
+    when no CUDA graph is being captured. Slots outside the cache are never written.
+    """
+    check_tensor("kv_cache", kv_cache, ndim=3, dtype=_BYTE_DTYPES, contiguous=True)
+    if kv_cache.shape[2] != FP8_DS_MLA_BYTES:
+        raise ValueError(f"kv_cache must have shape [num_blocks, block_size, "
+                         f"{FP8_DS_MLA_BYTES}] (fp8_ds_mla), got {list(kv_cache.shape)}")
+    if k_pe.dim() == 3 and k_pe.shape[1] == 1:
+        k_pe = k_pe[:, 0]
+    check_float("kv_c", kv_c, shape=[None, D_NOPE])
+    T = kv_c.shape[0]
+    check_float("k_pe", k_pe, shape=[T, D_ROPE])
+    check_index("slot_mapping", slot_mapping, shape=[T])
+    check_same_device(kv_cache=kv_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
+    n_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    if T == 0:
+        return
+    if should_validate(validate, kv_cache):
+        lo, hi = torch.stack(torch.aminmax(slot_mapping.long())).tolist()
+        if lo < -1 or hi >= n_slots:
+            raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (-1 = padding), got "
+                             f"range [{lo}, {hi}]")
+    u8 = kv_cache.view(torch.uint8)
+    _quant_cache_kernel[(T,)](
+        kv_c, k_pe, u8, u8.view(torch.float32), u8.view(torch.bfloat16), slot_mapping,
+        n_slots, *kv_c.stride(), *k_pe.stride(),
+        D_NOPE=D_NOPE, D_ROPE=D_ROPE, NUM_TILES=NUM_TILES, TILE=TILE,
+        ROW_BYTES=FP8_DS_MLA_BYTES, num_warps=4,
+    )

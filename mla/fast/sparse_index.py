@@ -1,0 +1,136 @@
+"""``convert_req_index_to_global_index`` in Triton: request-local top-k indices to cache slots.
+
+Same contract as ``mla.reference.sparse.convert_req_index_to_global_index`` (SPEC section 10):
+
+    global(i) = block_table[req, i // bs] · bs + i % bs
+    -1        when i < 0, or when the block i // bs is outside [0, max_blocks_per_req)
+    workspace variant: a prefill token (prefill_workspace_request_ids[t] = p >= 0) maps to
+              prefill_workspace_starts[p] + i instead (still -1 under the two rules above)
+
+(The seed's ``triton_convert_req_index_to_global_index``.) It lives in its own module because
+the fast sparse attention is another file's work; the reference keeps both in ``sparse.py``.
+
+One program converts ``BLOCK_N`` indices of one token: a load of the indices, a gather of at most
+``BLOCK_N / bs + 1`` distinct block-table entries (cached), a store. ``topk`` need not be a
+multiple of ``BLOCK_N``.
+
+Host synchronization: the value checks of ``req_id`` and ``prefill_workspace_request_ids``
+(their ranges) read them on the host, so they run only with ``validate=True`` or, by default,
+when no CUDA graph is being captured. Without them the kernel still never reads outside its
+tensors: a token whose request or workspace entry is out of range gets ``-1`` everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla.checks import check_index, check_positive_int, check_same_device
+from mla.fast.paged_cache import should_validate
+
+__all__ = ["convert_req_index_to_global_index"]
+
+
+@triton.jit
+def _convert_kernel(
+    req_id, block_table, token_indices, out, ws_req, ws_starts,
+    topk, num_reqs, max_blocks, num_prefills,
+    s_bt_r, s_bt_b, s_ti_t, s_ti_k,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WORKSPACE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < topk
+    req = tl.load(req_id + t).to(tl.int64)
+    req_ok = (req >= 0) & (req < num_reqs)
+    tok = tl.load(token_indices + t * s_ti_t + cols * s_ti_k, mask=col_ok, other=-1)
+    tok = tok.to(tl.int64)
+    block = tok // BLOCK_SIZE  # tok >= 0 wherever the result is used
+    invalid = (tok < 0) | (block >= max_blocks) | ~req_ok
+    use_table = col_ok & ~invalid
+    if HAS_WORKSPACE:
+        p = tl.load(ws_req + t).to(tl.int64)
+        invalid = invalid | (p >= num_prefills) | (p < -1)
+        use_table = use_table & (p < 0)  # prefill tokens read the workspace, not the table
+    base = tl.load(block_table + req * s_bt_r + block * s_bt_b, mask=use_table,
+                   other=0).to(tl.int64)
+    slot = base * BLOCK_SIZE + tok % BLOCK_SIZE
+    if HAS_WORKSPACE:
+        start = tl.load(ws_starts + p, mask=(p >= 0) & (p < num_prefills), other=0).to(tl.int64)
+        slot = tl.where(p >= 0, start + tok, slot)
+    slot = tl.where(invalid, -1, slot)
+    tl.store(out + t * topk + cols, slot.to(tl.int32), mask=col_ok)
+
+
+def _check_values(req_id: torch.Tensor, block_table: torch.Tensor,
+                  prefill_workspace_request_ids: torch.Tensor | None,
+                  prefill_workspace_starts: torch.Tensor | None) -> None:
+    """The reference's range checks, read in one transfer."""
+    parts = [torch.stack(torch.aminmax(req_id.long()))]
+    if prefill_workspace_request_ids is not None:
+        parts.append(torch.stack(torch.aminmax(prefill_workspace_request_ids.long())))
+    values = torch.cat(parts).tolist()
+    R = block_table.shape[0]
+    if values[0] < 0 or values[1] >= R:
+        raise ValueError(f"req_id must lie in [0, {R}) (block_table rows), got range "
+                         f"[{values[0]}, {values[1]}]")
+    if prefill_workspace_request_ids is not None:
+        assert prefill_workspace_starts is not None
+        P = prefill_workspace_starts.shape[0]
+        if values[2] < -1 or values[3] >= P:
+            raise ValueError(f"prefill_workspace_request_ids must lie in [-1, {P}) "
+                             f"(-1 = decode token, else a prefill_workspace_starts entry), "
+                             f"got range [{values[2]}, {values[3]}]")
+
+
+def convert_req_index_to_global_index(
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    token_indices: torch.Tensor,
+    block_size: int,
+    prefill_workspace_request_ids: torch.Tensor | None = None,
+    prefill_workspace_starts: torch.Tensor | None = None,
+    *,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Request-local ``token_indices [T, topk]`` -> global cache slots (or workspace rows).
+
+    As the reference (all int32; returns int32 ``[T, topk]``). ``validate``: run the range
+    checks on the host (a sync); ``None``: only when no CUDA graph is being captured.
+    """
+    check_index("req_id", req_id, ndim=1, dtype=(torch.int32,))
+    T = req_id.shape[0]
+    check_index("block_table", block_table, ndim=2, dtype=(torch.int32,))
+    check_index("token_indices", token_indices, shape=[T, None], dtype=(torch.int32,))
+    check_positive_int("block_size", block_size)
+    if (prefill_workspace_request_ids is None) != (prefill_workspace_starts is None):
+        raise ValueError("prefill_workspace_request_ids and prefill_workspace_starts must be "
+                         "given together (the workspace variant) or both be None")
+    has_workspace = prefill_workspace_request_ids is not None
+    if has_workspace:
+        check_index("prefill_workspace_request_ids", prefill_workspace_request_ids, shape=[T],
+                    dtype=(torch.int32,))
+        check_index("prefill_workspace_starts", prefill_workspace_starts, ndim=1,
+                    dtype=(torch.int32,))
+    check_same_device(req_id=req_id, block_table=block_table, token_indices=token_indices,
+                      prefill_workspace_request_ids=prefill_workspace_request_ids,
+                      prefill_workspace_starts=prefill_workspace_starts)
+    topk = token_indices.shape[1]
+    out = torch.empty((T, topk), dtype=torch.int32, device=token_indices.device)
+    if T == 0 or topk == 0:
+        return out
+    if should_validate(validate, token_indices):
+        _check_values(req_id, block_table, prefill_workspace_request_ids,
+                      prefill_workspace_starts)
+    block_n = min(triton.next_power_of_2(topk), 512)
+    ws_req = prefill_workspace_request_ids if has_workspace else req_id
+    ws_starts = prefill_workspace_starts if has_workspace else req_id
+    num_prefills = prefill_workspace_starts.shape[0] if has_workspace else 0
+    _convert_kernel[(T, triton.cdiv(topk, block_n))](
+        req_id, block_table, token_indices, out, ws_req, ws_starts,
+        topk, block_table.shape[0], block_table.shape[1], num_prefills,
+        *block_table.stride(), *token_indices.stride(),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_WORKSPACE=has_workspace, num_warps=4,
+    )
+    return out
