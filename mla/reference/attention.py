@@ -25,7 +25,14 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import acc_dtype, check_float, check_index, check_same_device, check_same_dtype
+from mla.checks import (
+    acc_dtype,
+    check_float,
+    check_index,
+    check_same_device,
+    check_same_dtype,
+    check_scale,
+)
 
 __all__ = ["attention_with_lse", "default_positions"]
 
@@ -53,6 +60,7 @@ def attention_with_lse(
     check_float("v", v, ndim=3)
     check_same_dtype(q=q, k=k, v=v)
     check_same_device(q=q, k=k, v=v)
+    check_scale("softmax_scale", softmax_scale)
     Sq, N, D = q.shape
     Skv, Nk, _ = k.shape
     if k.shape[2] != D:

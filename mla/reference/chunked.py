@@ -125,6 +125,8 @@ def plan_context_chunks(
                 f"for each of the {with_context} requests with context")
     else:
         mcc = int(max_context_chunk)
+        if mcc != max_context_chunk:  # 2.5 must not become 2 silently
+            raise TypeError(f"max_context_chunk must be an int, got {max_context_chunk!r}")
         if mcc <= 0:
             raise ValueError(f"max_context_chunk must be positive, got {max_context_chunk}")
     num_chunks = -(-max(lens, default=0) // mcc)

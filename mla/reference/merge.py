@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mla.checks import acc_dtype, check_float, check_same_device
+from mla.checks import acc_dtype, check_float, check_same_device, check_same_dtype
 
 __all__ = ["merge_attn_states", "merge_attn_states_list"]
 
@@ -48,6 +48,7 @@ def merge_attn_states(
         raise ValueError(f"suffix_output must have prefix_output's shape "
                          f"{list(prefix_output.shape)}, got {list(suffix_output.shape)}")
     check_same_device(prefix_output=prefix_output, suffix_output=suffix_output)
+    check_same_dtype(prefix_output=prefix_output, suffix_output=suffix_output)
     return merge_attn_states_list([prefix_output, suffix_output], [prefix_lse, suffix_lse])
 
 
@@ -66,6 +67,8 @@ def merge_attn_states_list(
         if o.shape != outputs[0].shape or lse.shape != lses[0].shape:
             raise ValueError(f"outputs[{k}] has shape {list(o.shape)}, expected "
                              f"{list(outputs[0].shape)} like outputs[0]")
+        check_same_device(**{"outputs[0]": outputs[0], f"outputs[{k}]": o})
+        check_same_dtype(**{"outputs[0]": outputs[0], f"outputs[{k}]": o})
     out_dtype, lse_dtype = outputs[0].dtype, lses[0].dtype
     work = acc_dtype(out_dtype)
     lse_all = torch.stack([lse.to(torch.float64 if work == torch.float64 else torch.float32)

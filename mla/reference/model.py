@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import check_float, check_index, check_same_device
+from mla.checks import check_float, check_index, check_nonnegative, check_same_device
 from mla.reference.chunked import ChunkPlan, chunked_prefill_attention, plan_context_chunks
 from mla.reference.decode import mla_decode_paged
 from mla.reference.front import mla_front
@@ -94,8 +94,11 @@ def decode_forward(weights: MLAWeights, hidden: torch.Tensor, kv_cache: torch.Te
     B, s_q, _ = hidden.shape
     check_index("cache_seqlens", cache_seqlens, shape=[B])
     check_index("block_table", block_table, shape=[B, None])
+    # named here, not later as concat_and_cache_mla's k_pe or slot positions
+    check_float("kv_cache", kv_cache, shape=[None, None, c.latent_dim])
     check_same_device(hidden=hidden, kv_cache=kv_cache, block_table=block_table,
                       cache_seqlens=cache_seqlens)
+    check_nonnegative("cache_seqlens", cache_seqlens)
     positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=hidden.device)).flatten()
     req = torch.arange(B, device=hidden.device).repeat_interleave(s_q)
     f = mla_front(weights, hidden.reshape(B * s_q, -1), positions)

@@ -32,6 +32,11 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
 
     A query that sees no key gets zeros.
     """
+    check_float("q", q, ndim=3)
+    check_float("k", k, shape=[None, q.shape[1], q.shape[2]])
+    check_float("v", v, shape=[k.shape[0], q.shape[1], None])
+    check_index("q_positions", q_positions, shape=[q.shape[0]])
+    check_index("k_positions", k_positions, shape=[k.shape[0]])
     work = acc_dtype(q.dtype)
     scores = torch.einsum("qnd,knd->nqk", q.to(work), k.to(work)) * softmax_scale
     mask = k_positions[None, :] <= q_positions[:, None]

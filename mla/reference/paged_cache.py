@@ -69,6 +69,9 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     check_float("kv_c", kv_c, ndim=2)
     T, Lkv = kv_c.shape
     D = kv_cache.shape[2]
+    if Lkv >= D:
+        raise ValueError(f"kv_c must have fewer than kv_cache's {D} columns (room for k_pe), "
+                         f"got shape {list(kv_c.shape)}")
     check_float("k_pe", k_pe, shape=[T, D - Lkv])
     check_index("slot_mapping", slot_mapping, shape=[T])
     check_same_device(kv_cache=kv_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
@@ -127,6 +130,13 @@ def gather_cache(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
             raise ValueError(
                 f"request {b} needs positions up to {start + lens[b] - 1} but block_table "
                 f"holds {max_blocks} blocks of {bs}")
+        # a -1 entry would silently read the last block; past the end, fail deep in torch
+        used = block_table[b, start // bs: -(-(start + lens[b]) // bs)]
+        if int(used.min()) < 0 or int(used.max()) >= src_cache.shape[0]:
+            raise ValueError(
+                f"block_table[{b}] points outside src_cache's {src_cache.shape[0]} blocks for "
+                f"positions [{start}, {start + lens[b]}): range [{int(used.min())}, "
+                f"{int(used.max())}]")
         dst[cu[b]: cu[b + 1]] = cache_rows(src_cache, block_table[b], start, lens[b])
     return dst[: cu[-1]]
 
