@@ -1,0 +1,136 @@
+"""Chunked prefill with cached context, fast: the reference's plan run on the fast pieces.
+
+Same contract as ``mla.reference.chunked.chunked_prefill_attention`` (SPEC section 7), with the
+same ``ChunkPlan`` (a plan is a value; nothing here re-plans):
+
+    (o, lse) = attention(q, new keys, causal)                     suffix, all requests at once
+    for chunk c:
+        rows       = gather_cache_known(kv_cache, chunk c)        mla.fast.paged_cache
+        k_nope, v  = up_project(rows)                             two GEMMs
+        (o_c, l_c) = attention(q, chunk keys, non-causal)         all requests at once
+        (o, lse)   = merge_attn_states(o_c, l_c, o, lse)          mla.fast.merge
+
+The attention of a ragged batch goes one of two ways (``varlen_route``):
+- ``"triton"``: one launch of ``flash_attention_with_lse`` over the whole batch (a request with
+  no rows in a chunk gets ``o = 0``, ``lse = -inf``, which the merge passes over);
+- ``"cudnn"``: one cuDNN call per request (bf16/fp16 on CUDA);
+- ``"reference"`` on the CPU: the reference's attention per request (the gathers and merges are
+  still the Triton kernels, under ``TRITON_INTERPRET=1``).
+
+Host synchronization: ``query_start_loc`` is read on the host once (the checks and the grid need
+the query lengths, as in the reference); the chunk offsets come from the plan (host values), so
+the gathers read nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mla.checks import check_float, check_index, check_same_device, check_scale
+from mla.fast.attention import cudnn_attention_with_lse, flash_attention_with_lse
+from mla.fast.merge import merge_attn_states
+from mla.fast.paged_cache import gather_cache_known
+from mla.fast.prefill import up_project
+from mla.reference.attention import attention_with_lse as _reference_attention
+from mla.reference.chunked import ChunkPlan
+
+__all__ = ["chunked_prefill_attention", "varlen_route"]
+
+
+def varlen_route(device: torch.device, dtype: torch.dtype, num_requests: int) -> str:
+    """How a ragged batch's attention runs (measured: benchmarks/results/prefill_routes.md)."""
+    if device.type != "cuda" or dtype == torch.float64:
+        return "reference"
+    return "triton"
+
+
+def _ragged_attention(route: str, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                      k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
+                      qsl: list[int], ksl: list[int], qsl_dev: torch.Tensor,
+                      ksl_dev: torch.Tensor, softmax_scale: float, causal: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request ``b``'s queries ``qsl[b]:qsl[b+1]`` over its keys ``ksl[b]:ksl[b+1]``."""
+    Tk, N, _ = k_nope.shape
+    k_pe_heads = k_pe[:, None, :].expand(Tk, N, k_pe.shape[1])
+    if route == "triton":
+        max_q = max((b - a for a, b in zip(qsl, qsl[1:])), default=0)
+        return flash_attention_with_lse(q_nope, q_pe, k_nope, k_pe_heads, v, qsl_dev, ksl_dev,
+                                        max_q, softmax_scale, causal)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    k = torch.cat([k_nope, k_pe_heads], dim=-1)
+    attend = cudnn_attention_with_lse if route == "cudnn" else _reference_attention
+    o_parts, lse_parts = [], []
+    for b in range(len(qsl) - 1):
+        sq, sk = slice(qsl[b], qsl[b + 1]), slice(ksl[b], ksl[b + 1])
+        o_b, lse_b = attend(q[sq], k[sk], v[sk], softmax_scale, causal)
+        o_parts.append(o_b)
+        lse_parts.append(lse_b.float() if route == "cudnn" else lse_b)
+    return torch.cat(o_parts, dim=0), torch.cat(lse_parts, dim=1)
+
+
+def chunked_prefill_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    plan: ChunkPlan,
+    W_UK: torch.Tensor,  # noqa: N803
+    W_UV: torch.Tensor,  # noqa: N803
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched prefill of new tokens ``[T, ...]`` over their own keys and their cached context.
+
+    As the reference: ``query_start_loc [B+1]`` splits the ``T`` new tokens into requests;
+    request ``i`` has ``plan.context_lens[i]`` cached tokens under ``block_table[i]``. Returns
+    ``o [T, N, V]`` and ``lse [N, T]``.
+    """
+    check_float("q_nope", q_nope, shape=[None, W_UK.shape[1], W_UK.shape[2]])
+    T = q_nope.shape[0]
+    check_float("q_pe", q_pe, shape=[T, q_nope.shape[1], None])
+    check_float("kv_c", kv_c, shape=[T, W_UK.shape[0]])
+    check_float("k_pe", k_pe, shape=[T, q_pe.shape[2]])
+    check_float("kv_cache", kv_cache, shape=[None, None, kv_c.shape[1] + k_pe.shape[1]])
+    B = len(plan.context_lens)
+    check_index("query_start_loc", query_start_loc, shape=[B + 1])
+    check_index("block_table", block_table, ndim=2)
+    check_same_device(q_nope=q_nope, kv_cache=kv_cache, block_table=block_table,
+                      query_start_loc=query_start_loc)
+    check_scale("softmax_scale", softmax_scale)
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0 or qsl[-1] != T or any(b < a for a, b in zip(qsl, qsl[1:])):
+        raise ValueError(f"query_start_loc must rise from 0 to T={T}, got {qsl}")
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table must have one row per request ({B}), "
+                         f"got {list(block_table.shape)}")
+    capacity = block_table.shape[1] * kv_cache.shape[1]
+    if max(plan.context_lens, default=0) > capacity:
+        raise ValueError(f"plan.context_lens {list(plan.context_lens)} exceed block_table's "
+                         f"capacity {capacity} tokens")
+
+    route = varlen_route(q_nope.device, q_nope.dtype, B)
+    Lkv = kv_c.shape[1]
+    qsl_dev = query_start_loc.to(torch.int32)
+
+    # suffix: every request's new tokens, causal among themselves, one up-projection for all
+    k_nope, v = up_project(kv_c, W_UK, W_UV)
+    o, lse = _ragged_attention(route, q_nope, q_pe, k_nope, k_pe, v, qsl, qsl, qsl_dev, qsl_dev,
+                               softmax_scale, causal=True)
+
+    # prefix: the cached context, chunk by chunk through one workspace
+    workspace = kv_cache.new_empty(max(plan.seq_tot, default=0), kv_cache.shape[2])
+    for c in range(plan.num_chunks):
+        cu = list(plan.cu_seq_lens[c])
+        cu_dev = torch.tensor(cu, dtype=torch.int32, device=kv_cache.device)
+        starts = torch.tensor(plan.chunk_starts[c], dtype=torch.int32, device=kv_cache.device)
+        rows = gather_cache_known(kv_cache, workspace, block_table, cu_dev, B, starts,
+                                  plan.seq_tot[c], plan.max_seq_lens[c])
+        kv_c_ctx = rows[:, :Lkv].to(q_nope.dtype)
+        k_pe_ctx = rows[:, Lkv:].to(q_nope.dtype)
+        k_nope_c, v_c = up_project(kv_c_ctx, W_UK, W_UV)
+        o_c, lse_c = _ragged_attention(route, q_nope, q_pe, k_nope_c, k_pe_ctx, v_c, qsl, cu,
+                                       qsl_dev, cu_dev, softmax_scale, causal=False)
+        o, lse = merge_attn_states(o_c, lse_c, o, lse)
+    return o, lse
