@@ -1,0 +1,420 @@
+"""Paged absorbed-MLA decode in Triton: ``mla.reference.decode.mla_decode_paged``, fast.
+
+Same signature, shapes and conventions as the reference (FlashMLA's ``flash_mla_with_kvcache``):
+``q [B, s_q, N, D]`` over ``kv_cache [num_blocks, block_size, D]`` (``D = Lkv + R = 576`` for
+DeepSeek), V = the first ``head_dim_v`` columns of K; ``out [B, s_q, N, head_dim_v]`` in q's
+dtype, ``lse [B, N, s_q]`` float32, ``+inf`` lse and 0 out for a query that sees no key; with
+``causal`` query ``i`` sees keys ``0 .. L - s_q + i``.
+
+How it is fast (shared/KERNELS.md):
+
+- One KV "head" serves all query heads, so a program stacks up to ``BLOCK_M`` (16..64) of the
+  request's ``s_q · N`` query rows as the M dimension of its dots. Each ``BLOCK_N × D`` KV tile
+  is loaded once and serves them all; only when ``s_q · N > BLOCK_M`` do several head groups read
+  the same tile (neighbouring programs, so the second read mostly hits L2).
+- K and V are the same rows: the tile's first ``head_dim_v`` columns are loaded once and used
+  for ``q_nope · k_nopeᵀ`` and for ``P · V``; the last ``D - head_dim_v`` (rope) columns only
+  for the logits. The dims need not be powers of two (masked), e.g. the tiny preset's 32 + 8.
+- Split-KV (Flash-Decoding): each request's keys are cut into ``num_splits`` equal runs of
+  whole tiles, one program each, writing a partial ``(o, lse)``; a second small kernel merges
+  them (SPEC 6). ``num_splits`` comes from host-known shapes only (batch, head groups, the block
+  table's capacity, the SM count), never from device values, so a call never synchronizes and
+  can be captured in a CUDA graph. With one split the first kernel writes the result directly.
+- Online softmax in base 2 with the scale folded into one multiply; full tiles run without
+  masks, only the tail (length end, causal diagonal) pays for them.
+
+Validation: the shape/dtype/device checks (host metadata) always run. The value checks of
+``cache_seqlens`` and ``block_table`` read them on the host (a device sync), so they run only
+when ``validate=True``, or by default (``validate=None``) when the current CUDA stream is not
+capturing a graph. Pass ``validate=False`` on a serving hot path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from mla.reference.decode import check_paged_decode_shapes, check_paged_decode_values
+
+__all__ = ["DecodePlan", "plan_decode", "mla_decode_paged"]
+
+_LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Launch parameters of one decode call, chosen from shapes alone (no device values)."""
+
+    block_m: int  # query rows (s_q · N flattened) per program: the M of the dots
+    block_n: int  # keys per tile
+    num_splits: int  # programs per request along the keys (1: no combine kernel)
+    num_warps: int
+    num_stages: int
+    use_tma: bool = True  # full page-aligned tiles through tensor descriptors (CUDA only)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a small machine, so that tests see splits
+
+
+def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v: int,
+                max_blocks: int, block_size: int, dtype: torch.dtype,
+                num_sms: int) -> DecodePlan:
+    """The default plan: head rows as the dot's M, page-sized tiles, enough splits to fill
+    about two programs per SM.
+
+    Uses the block table's capacity (``max_blocks · block_size``) as the length bound: the true
+    lengths live on the device and reading them would cost a sync.
+    """
+    rows = s_q * num_heads
+    block_m = min(64, max(16, _next_pow2(rows)))
+    block_n = 32 if dtype == torch.float32 else 64  # a 64 × 576 fp32 tile is 147 KB
+    page_pow2 = block_size & -block_size  # largest power of two dividing the page size
+    if block_size % block_n and page_pow2 >= 16:
+        block_n = page_pow2  # smaller tiles that stay inside one page (tensor descriptors)
+    groups = -(-rows // block_m)
+    tiles = max(1, -(-(max_blocks * block_size) // block_n))
+    base = batch * groups
+    target = 2 * num_sms
+    splits = 1
+    if base < target:
+        # at least 4 tiles per split so the partial (o, lse) traffic stays small
+        splits = max(1, min(-(-target // base), tiles // 4, 64))
+        splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at capacity
+    num_warps = 8 if _next_pow2(head_dim_v) >= 256 else 4
+    return DecodePlan(block_m=block_m, block_n=block_n, num_splits=splits,
+                      num_warps=num_warps, num_stages=2)
+
+
+@triton.jit
+def _load_2d(ptrs, row_mask, col_mask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    # Row-only masks keep the loads vectorized along the contiguous columns; a column mask is
+    # needed only when the head dim is not a power of two.
+    if MASK_ROWS:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=col_mask[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, end, limit,
+            qk_scale, stride_kvb, stride_kvr,
+            DV: tl.constexpr, DR: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+            HAS_PE: tl.constexpr, PAGE_TILE: tl.constexpr, USE_TMA: tl.constexpr,
+            MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Online softmax over the key tiles ``[lo, hi)``; ``MASKED`` tiles also check
+    ``key < end`` and, with ``CAUSAL``, ``key <= limit`` per query row.
+
+    Full tiles of a page-aligned cache come through the tensor descriptors (TMA: one bulk
+    copy per 128-byte column box, no per-thread addresses); the masked tail and other page
+    sizes through pointer loads, which zero the rows past ``end`` (a TMA tile would carry
+    whatever the cache holds there, NaN included, into ``P · V``)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    dv_mask = offs_dv < DV
+    dr_mask = offs_dr < DR
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + offs_n
+        kmask = kpos < end
+        if USE_TMA and not MASKED:  # the tile is BLOCK_N consecutive rows of one page
+            page = tl.load(bt_row + start // PAGE_SIZE)
+            row0 = page * PAGE_SIZE + start % PAGE_SIZE
+            kv_nope = kv_desc.load([row0, 0])
+            qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC)
+            if HAS_PE:
+                k_pe = pe_desc.load([row0, 0])
+                qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PREC)
+        else:
+            if PAGE_TILE:  # the whole tile lies in one page: one table lookup
+                page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
+            elif MASKED:
+                page = tl.load(bt_row + kpos // PAGE_SIZE, mask=kmask, other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_row + kpos // PAGE_SIZE).to(tl.int64)
+            row_off = page * stride_kvb + (kpos % PAGE_SIZE).to(tl.int64) * stride_kvr
+            kv_nope = _load_2d(KV + row_off[:, None] + offs_dv[None, :], kmask, dv_mask,
+                               MASKED, BLOCK_DV != DV)
+            qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC)
+            if HAS_PE:
+                k_pe = _load_2d(KV + row_off[:, None] + DV + offs_dr[None, :], kmask, dr_mask,
+                                MASKED, BLOCK_DR != DR)
+                qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PREC)
+        qk = qk * qk_scale  # log2 domain
+        if MASKED:
+            vis = kmask[None, :]
+            if CAUSAL:
+                vis = vis & (kpos[None, :] <= limit[:, None])
+            qk = tl.where(vis, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_kernel(
+    Q, KV, KV_DESC, PE_DESC, BT, SEQLENS, O, LSE, OP, LSEP,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvr, stride_btb,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lh,
+    qk_scale, num_splits,
+    N: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr,
+    PAGE_TILE: tl.constexpr, USE_TMA: tl.constexpr, CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Grid ``(head groups, splits, B)``: the head groups of one key run are neighbours."""
+    ROWS: tl.constexpr = S_Q * N
+    g = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+
+    rows = g * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (t, h) query rows
+    row_ok = rows < ROWS
+    t = rows // N
+    h = rows % N
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    dv_mask = offs_dv < DV
+
+    q_row = Q + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
+    q_nope = _load_2d(q_row[:, None] + offs_dv[None, :], row_ok, dv_mask, True, BLOCK_DV != DV)
+    if HAS_PE:
+        q_pe = _load_2d(q_row[:, None] + DV + offs_dr[None, :], row_ok, offs_dr < DR, True,
+                        BLOCK_DR != DR)
+    else:
+        q_pe = q_nope  # unused
+
+    # this program's keys: an equal share of whole tiles of the request's length
+    L = tl.load(SEQLENS + b)
+    n_tiles = tl.cdiv(L, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    lo = split * per_split * BLOCK_N
+    end = tl.minimum(lo + per_split * BLOCK_N, L)
+    limit = L - S_Q + t  # last key query t sees (causal)
+    if CAUSAL:
+        full_end = tl.minimum(end, L - S_Q + 1)  # keys every query row sees
+    else:
+        full_end = end
+    mid = lo + tl.maximum(full_end - lo, 0) // BLOCK_N * BLOCK_N  # end of the unmasked tiles
+
+    # The tail (at most a tile plus the causal diagonal) goes in 16-key steps through masked
+    # pointer loads: a 64-row masked gather needs enough address registers to make the whole
+    # kernel spill, while 16 rows do not (measured with ptxas for sm_90: 250 registers, no
+    # spill, against 255 and 128 bytes of stack).
+    TAIL_N: tl.constexpr = 16
+    bt_row = BT + b.to(tl.int64) * stride_btb
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q_nope, q_pe, KV, KV_DESC, PE_DESC, bt_row,
+                            lo, mid, end, limit, qk_scale, stride_kvb, stride_kvr,
+                            DV, DR, PAGE_SIZE, BLOCK_N, BLOCK_DV, BLOCK_DR, HAS_PE, PAGE_TILE,
+                            USE_TMA, False, CAUSAL, DOT_PREC)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q_nope, q_pe, KV, KV_DESC, PE_DESC, bt_row,
+                            mid, end, end, limit, qk_scale, stride_kvb, stride_kvr,
+                            DV, DR, PAGE_SIZE, TAIL_N, BLOCK_DV, BLOCK_DR, HAS_PE, PAGE_TILE,
+                            USE_TMA, True, CAUSAL, DOT_PREC)
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453
+    if SPLIT:
+        # partials [B, splits, ROWS, DV] and [B, splits, ROWS]; "no key" is lse = -inf
+        part = (b * num_splits + split).to(tl.int64) * ROWS + rows
+        tl.store(LSEP + part, tl.where(seen, lse, float("-inf")), mask=row_ok)
+        tl.store(OP + part[:, None] * DV + offs_dv[None, :], o,
+                 mask=(row_ok & seen)[:, None] & dv_mask[None, :])
+    else:
+        o_ptr = O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
+        tl.store(o_ptr[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_mask[None, :])
+        tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t,
+                 tl.where(seen, lse, float("inf")), mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    OP, LSEP, O, LSE, num_splits,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+    N: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Grid ``(s_q · N, B)``: merge one query row's partials by their lse (SPEC 6)."""
+    ROWS: tl.constexpr = S_Q * N
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    t = r // N
+    h = r % N
+    first = b.to(tl.int64) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    lses = tl.load(LSEP + (first + offs_s) * ROWS + r, mask=offs_s < num_splits,
+                   other=float("-inf"))
+    m = tl.max(lses, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.sum(tl.exp(lses - m_use), 0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(LSEP + (first + s) * ROWS + r)
+        if lse_s > float("-inf"):  # an empty split wrote no o
+            o_s = tl.load(OP + ((first + s) * ROWS + r) * DV + offs_dv, mask=dv_mask,
+                          other=0.0)
+            acc += tl.exp(lse_s - m_use) * o_s
+    seen = w_sum > 0.0
+    o = acc / tl.where(seen, w_sum, 1.0)
+    tl.store(O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + offs_dv,
+             o.to(O.dtype.element_ty), mask=dv_mask)
+    tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t,
+             tl.where(seen, m_use + tl.log(tl.where(seen, w_sum, 1.0)), float("inf")))
+
+
+def _tma_ok(kv_cache: torch.Tensor, DV: int, DR: int) -> bool:
+    """Tensor descriptors need a Hopper-or-newer GPU (or the interpreter), blocks back to back
+    (one 2-D ``[num_blocks · block_size, D]`` view) and 16-byte aligned rows and columns."""
+    if kv_cache.device.type == "cuda":
+        if torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
+            return False
+    elif not _interpreting():
+        return False
+    nb, bs, _ = kv_cache.shape
+    esize = kv_cache.element_size()
+    return (nb * bs < 2**31 and (nb == 1 or kv_cache.stride(0) == bs * kv_cache.stride(1))
+            and kv_cache.data_ptr() % 16 == 0 and (kv_cache.stride(1) * esize) % 16 == 0
+            and (DR == 0 or (DV * esize) % 16 == 0))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def mla_decode_paged(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool = False,
+    head_dim_v: int = 512,
+    *,
+    validate: bool | None = None,
+    plan: DecodePlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MQA of ``q [B, s_q, N, D]`` over the paged latent cache ``kv_cache [nb, bs, D]``.
+
+    Returns ``out [B, s_q, N, head_dim_v]`` (q's dtype) and ``lse [B, N, s_q]`` (float32,
+    ``+inf`` for a query with no visible key), as ``mla.reference.mla_decode_paged``.
+
+    ``validate``: run the value checks of ``cache_seqlens``/``block_table`` (a host sync).
+    ``None`` (default): only when the current CUDA stream is not capturing a graph.
+    ``plan``: launch parameters; default ``plan_decode(...)`` from the shapes.
+    """
+    check_paged_decode_shapes(q, kv_cache, block_table, cache_seqlens, softmax_scale,
+                              head_dim_v)
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must have dtype float16, bfloat16 or float32 for the fast path, "
+                        f"got {q.dtype}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), "
+                         f"got {q.device}")
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if validate is None:
+        validate = not capturing
+    if validate:
+        if capturing:
+            raise ValueError("validate=True reads cache_seqlens on the host, which a CUDA "
+                             "graph capture forbids; pass validate=False while capturing")
+        check_paged_decode_values(kv_cache, block_table, cache_seqlens)
+
+    B, s_q, N, D = q.shape
+    num_blocks, block_size, _ = kv_cache.shape
+    DV, DR = head_dim_v, D - head_dim_v
+    out = torch.empty(B, s_q, N, DV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, N, s_q, dtype=torch.float32, device=q.device)
+    if B == 0 or N == 0:
+        return out, lse
+    if plan is None:
+        plan = plan_decode(B, s_q, N, D, DV, block_table.shape[1], block_size, q.dtype,
+                           _num_sms(q.device))
+    # the kernel needs unit stride along the head dim (vectorized rows); copy only if not
+    q = q if q.stride(3) == 1 else q.contiguous()
+    kv_cache = kv_cache if kv_cache.stride(2) == 1 else kv_cache.contiguous()
+    block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+
+    rows = s_q * N
+    groups = triton.cdiv(rows, plan.block_m)
+    split = plan.num_splits > 1
+    if split:
+        o_part = torch.empty(B, plan.num_splits, rows, DV, dtype=torch.float32,
+                             device=q.device)
+        lse_part = torch.empty(B, plan.num_splits, rows, dtype=torch.float32,
+                               device=q.device)
+    else:
+        o_part, lse_part = out, lse  # unused
+    block_dv = max(16, _next_pow2(DV))
+    block_dr = max(16, _next_pow2(DR)) if DR else 16
+    page_tile = block_size % plan.block_n == 0
+    kv_desc = pe_desc = None
+    use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
+    if use_tma:
+        kv_rows = kv_cache.as_strided((num_blocks * block_size, D), (kv_cache.stride(1), 1))
+        kv_desc = TensorDescriptor(kv_rows, [kv_rows.shape[0], DV], [kv_rows.stride(0), 1],
+                                   [plan.block_n, block_dv])
+        if DR:
+            pe_rows = kv_rows[:, DV:]
+            pe_desc = TensorDescriptor(pe_rows, [pe_rows.shape[0], DR], [pe_rows.stride(0), 1],
+                                       [plan.block_n, block_dr])
+    _decode_kernel[(groups, plan.num_splits, B)](
+        q, kv_cache, kv_desc, pe_desc, block_table, cache_seqlens, out, lse, o_part, lse_part,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        softmax_scale * _LOG2E, plan.num_splits,
+        N=N, S_Q=s_q, DV=DV, DR=DR, PAGE_SIZE=block_size,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0,
+        PAGE_TILE=page_tile, USE_TMA=use_tma, CAUSAL=bool(causal), SPLIT=split,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if split:
+        _combine_kernel[(rows, B)](
+            o_part, lse_part, out, lse, plan.num_splits,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            N=N, S_Q=s_q, DV=DV, BLOCK_DV=block_dv,
+            BLOCK_S=max(2, _next_pow2(plan.num_splits)), num_warps=4,
+        )
+    return out, lse
