@@ -137,7 +137,10 @@ def gather_cache(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
                 f"block_table[{b}] points outside src_cache's {src_cache.shape[0]} blocks for "
                 f"positions [{start}, {start + lens[b]}): range [{int(used.min())}, "
                 f"{int(used.max())}]")
-        dst[cu[b]: cu[b + 1]] = cache_rows(src_cache, block_table[b], start, lens[b])
+    for b in range(batch_size):  # every request checked before the first row is written
+        if lens[b]:
+            dst[cu[b]: cu[b + 1]] = cache_rows(src_cache, block_table[b], int(seq_starts[b]),
+                                               lens[b])
     return dst[: cu[-1]]
 
 
