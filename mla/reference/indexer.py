@@ -244,13 +244,18 @@ def index_scores(q_index: torch.Tensor, weights: torch.Tensor, k_index: torch.Te
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """int32 ``[Sq, topk]``: each row's finite entries, highest score first, then ``-1``."""
+    """int32 ``[Sq, topk]``: each row's finite entries, highest score first, then ``-1``.
+
+    Ties go to the earlier key (lower index)."""
     check_float("scores", scores, ndim=2)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     Sq, Skv = scores.shape
     k = min(topk, Skv)
-    vals, idx = torch.topk(scores, k, dim=-1, sorted=True)
+    # a stable sort: equal scores (ReLU makes exact zeros common) go to the earlier key, so
+    # that every path picks the same set
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :k], idx[:, :k]
     idx = torch.where(torch.isneginf(vals), -1, idx)
     out = torch.full((Sq, topk), -1, dtype=torch.int32, device=scores.device)
     out[:, :k] = idx.to(torch.int32)
