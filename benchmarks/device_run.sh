@@ -1,0 +1,21 @@
+#!/bin/bash
+# One GPU-machine session: correctness grid, then the benchmark (with the plan sweep).
+# Usage (repo root, on the GPU machine): OUT=dir bash benchmarks/device_run.sh [check|bench|sanitize]...
+set -o pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
+  | tee "$OUT/gpu.txt"
+for step in "${@:-check bench}"; do
+  case $step in
+    check) timeout 300 python -m mla.check --out "$OUT/check.json" 2>&1 | tee "$OUT/check.log" ;;
+    bench) timeout 330 python -m benchmarks.run --sweep --out-dir "$OUT" 2>&1 \
+             | tee "$OUT/bench.log" ;;
+    bench-nosweep) timeout 200 python -m benchmarks.run --out-dir "$OUT" 2>&1 \
+             | tee "$OUT/bench.log" ;;
+    sanitize) timeout 400 compute-sanitizer --tool memcheck --print-limit 20 \
+                python -m mla.check --quick --out "$OUT/sanitize_check.json" 2>&1 \
+                | tee "$OUT/sanitize.log" ;;
+  esac
+done

@@ -1,0 +1,297 @@
+"""``python -m benchmarks.run``: the machine's ceilings, then the fast decode on issue 5's shapes.
+
+1. Ceilings, measured in the same run: a device-to-device copy (bytes read + written) and an
+   8192³ bf16 matmul, each the median of ``triton.testing.do_bench``.
+2. ``mla.fast.mla_decode_paged`` (bf16, page size 64, scattered pages, random data, caches
+   far larger than the 60 MB L2 except for the latency case) on:
+   memory-bound ``N = 16``: B=128 L=4096, B=64 L=16384, B=16 L=65536 (target 3.2 TB/s);
+   compute-bound ``N = 128``: B=128 L=8192 s_q=1, B=64 L=8192 s_q=2 causal (400 TFLOP/s);
+   latency B=1 L=4096 N=128 (50 µs).
+   FLOPs ``= 2·N·s_q·L·(576 + 512)`` per request and bytes ``= L·576·2`` (the cache read once)
+   plus q, out and lse, as in FlashMLA's reports. Eager time is ``do_bench``'s median (it
+   flushes L2 before each call); "graph" time replays the call captured in a CUDA graph, the
+   way a serving engine runs decode, with L2 flushed before each replay too.
+3. ``--sweep``: a few launch plans per shape (rows per program, splits, warps, stages, TMA),
+   each checked against the default plan's output before it is timed.
+
+Writes ``decode_<date>.json``, ``.md`` and ``.png`` (achieved fraction of the ceilings) into
+``--out-dir`` (default ``benchmarks/results``); progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+import triton.testing
+
+from mla.check import environment
+from mla.compare import rel_err
+from mla.fast.decode import DecodePlan, _num_sms, mla_decode_paged, plan_decode
+
+D, DV = 576, 512
+SCALE = 192 ** -0.5  # DeepSeek: 1 / sqrt(qk_nope + qk_rope)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    B: int
+    L: int
+    N: int
+    s_q: int = 1
+    causal: bool = False
+    bound: str = "memory"  # which ceiling the target refers to
+    target: float = 0.0  # TB/s, TFLOP/s or µs
+
+
+SHAPES = [
+    Shape("N16 B128 L4096", 128, 4096, 16, target=3.2),
+    Shape("N16 B64 L16384", 64, 16384, 16, target=3.2),
+    Shape("N16 B16 L65536", 16, 65536, 16, target=3.2),
+    Shape("N128 B128 L8192 s_q1", 128, 8192, 128, bound="compute", target=400),
+    Shape("N128 B64 L8192 s_q2 causal", 64, 8192, 128, s_q=2, causal=True, bound="compute",
+          target=400),
+    Shape("N128 B1 L4096 latency", 1, 4096, 128, bound="latency", target=50),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _copy_ms(n: int) -> float:
+    x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+
+
+def _matmul_ms(n: int) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+
+
+def ceilings() -> dict[str, float]:
+    n = 1 << 30  # bytes each way
+    t_copy = _copy_ms(n)
+    torch.cuda.empty_cache()
+    t_mm = _matmul_ms(8192)
+    torch.cuda.empty_cache()
+    return {"copy_TBps": 2 * n / (t_copy * 1e-3) / 1e12,
+            "matmul_TFLOPs": 2 * 8192 ** 3 / (t_mm * 1e-3) / 1e12}
+
+
+def make_inputs(s: Shape, gen: torch.Generator):
+    bs = 64
+    blocks_per = -(-s.L // bs)
+    nb = s.B * blocks_per
+    perm = torch.randperm(nb, generator=gen, device="cpu").to(torch.int32)
+    bt = perm.view(s.B, blocks_per).cuda()
+    kv = torch.randn(nb, bs, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(s.B, s.s_q, s.N, D, device="cuda", dtype=torch.bfloat16)
+    sl = torch.full((s.B,), s.L, dtype=torch.int32, device="cuda")
+    return q, kv, bt, sl
+
+
+def work(s: Shape) -> tuple[float, float]:
+    flops = 2.0 * s.N * s.s_q * s.L * (D + DV) * s.B
+    nbytes = (s.B * s.L * D * 2 + s.B * s.s_q * s.N * (D + DV) * 2 + s.B * s.N * s.s_q * 4)
+    return flops, nbytes
+
+
+def time_graph(fn, reps: int = 50) -> float:
+    """Median ms of graph replays of ``fn``, L2 flushed (outside the timing) before each."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps + 5):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[5:])
+
+
+def candidate_plans(s: Shape, default: DecodePlan) -> list[DecodePlan]:
+    rep = dataclasses.replace
+    plans = [default]
+    if s.N * s.s_q <= 16:
+        plans += [rep(default, num_warps=4), rep(default, block_m=64, num_warps=8),
+                  rep(default, block_m=32, num_warps=8), rep(default, use_tma=False)]
+    else:
+        plans += [rep(default, num_stages=3), rep(default, use_tma=False)]
+    for k in (default.num_splits * 2, max(1, default.num_splits // 2)):
+        if k != default.num_splits:
+            plans.append(rep(default, num_splits=k))
+    if s.B == 1:
+        plans += [rep(default, num_splits=k) for k in (8, 32, 64) if k != default.num_splits]
+    out = []
+    for p in plans:
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def bench_shape(s: Shape, ceil: dict[str, float], sweep: bool, seed: int) -> dict:
+    q, kv, bt, sl = make_inputs(s, torch.Generator().manual_seed(seed))
+    default = plan_decode(s.B, s.s_q, s.N, D, DV, bt.shape[1], kv.shape[1], q.dtype,
+                          _num_sms(q.device))
+    flops, nbytes = work(s)
+    ref_out = None
+    rows = []
+    for plan in (candidate_plans(s, default) if sweep else [default]):
+        def fn(plan=plan):
+            return mla_decode_paged(q, kv, bt, sl, SCALE, s.causal, DV, validate=False,
+                                    plan=plan)
+        t0 = time.perf_counter()
+        try:
+            out, _ = fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # a plan that does not compile or launch: report, go on
+            log(f"  {s.name}: {plan} failed: {type(e).__name__}: {str(e)[:300]}")
+            rows.append({"plan": dataclasses.asdict(plan), "error": str(e)[:1000]})
+            continue
+        compile_s = time.perf_counter() - t0
+        if ref_out is None:
+            ref_out = out
+        err = rel_err(out.float(), ref_out.float())
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        ms_graph = time_graph(fn)
+        best = min(ms, ms_graph)
+        row = {"plan": dataclasses.asdict(plan), "default": plan == default,
+               "us": ms * 1e3, "us_graph": ms_graph * 1e3,
+               "TBps": nbytes / (best * 1e-3) / 1e12, "TFLOPs": flops / (best * 1e-3) / 1e12,
+               "rel_err_vs_default": err, "compile_s": compile_s}
+        row["frac_bw"] = row["TBps"] / ceil["copy_TBps"]
+        row["frac_flops"] = row["TFLOPs"] / ceil["matmul_TFLOPs"]
+        rows.append(row)
+        log(f"  {s.name}: {plan} -> {row['us']:.1f} us eager, {row['us_graph']:.1f} us graph, "
+            f"{row['TBps']:.2f} TB/s, {row['TFLOPs']:.0f} TFLOP/s, err {err:.1e}")
+    timed = [r for r in rows if "error" not in r]
+    valid = [r for r in timed if r["rel_err_vs_default"] < 1e-2]
+    best = min(valid, key=lambda r: min(r["us"], r["us_graph"]))
+    dflt = timed[0]
+    return {"shape": dataclasses.asdict(s), "flops": flops, "bytes": nbytes,
+            "default": dflt, "best": best, "variants": rows}
+
+
+def metric(r: dict, s: dict) -> tuple[float, bool]:
+    if s["bound"] == "memory":
+        return r["TBps"], r["TBps"] >= s["target"]
+    if s["bound"] == "compute":
+        return r["TFLOPs"], r["TFLOPs"] >= s["target"]
+    us = min(r["us"], r["us_graph"])
+    return us, us <= s["target"]
+
+
+def markdown(res: dict) -> str:
+    env, ceil = res["environment"], res["ceilings"]
+    lines = [f"# Decode benchmark, {env.get('gpu', '?')}, {env['date']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, CUDA {env.get('cuda', '?')}. "
+             f"Ceilings measured in the same run: copy {ceil['copy_TBps']:.2f} TB/s, "
+             f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.", "",
+             "| shape | plan (block_m, block_n, splits, warps, stages, tma) | µs eager | "
+             "µs graph | TB/s | TFLOP/s | % copy BW | % matmul | target | met |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in res["decode"]:
+        s = e["shape"]
+        for label, r in (("default", e["default"]), ("best", e["best"])):
+            if label == "best" and r is e["default"]:
+                continue
+            p = r["plan"]
+            plan = (f"{label}: {p['block_m']}, {p['block_n']}, {p['num_splits']}, "
+                    f"{p['num_warps']}, {p['num_stages']}, {int(p['use_tma'])}")
+            unit = {"memory": "TB/s", "compute": "TFLOP/s", "latency": "µs"}[s["bound"]]
+            _, met = metric(r, s)
+            lines.append(
+                f"| {s['name']} | {plan} | {r['us']:.1f} | {r['us_graph']:.1f} | "
+                f"{r['TBps']:.2f} | {r['TFLOPs']:.0f} | {100 * r['frac_bw']:.0f}% | "
+                f"{100 * r['frac_flops']:.0f}% | {'≥' if unit != 'µs' else '≤'} "
+                f"{s['target']:g} {unit} | {'yes' if met else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, bw, fl = [], [], []
+    for e in res["decode"]:
+        names.append(e["shape"]["name"])
+        bw.append(e["best"]["frac_bw"])
+        fl.append(e["best"]["frac_flops"])
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    ax.bar([i - 0.2 for i in x], bw, 0.4, label="fraction of copy bandwidth")
+    ax.bar([i + 0.2 for i in x], fl, 0.4, label="fraction of bf16 matmul rate")
+    ceil = res["ceilings"]
+    ax.axhline(3.2 / ceil["copy_TBps"], color="C0", ls="--", lw=1,
+               label="memory-bound target (3.2 TB/s)")
+    ax.axhline(400 / ceil["matmul_TFLOPs"], color="C1", ls="--", lw=1,
+               label="compute-bound target (400 TFLOP/s)")
+    ax.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("achieved / measured ceiling")
+    env = res["environment"]
+    ax.set_title(f"mla.fast.mla_decode_paged (bf16, page 64), {env.get('gpu', '?')}, "
+                 f"{env['date'][:10]}", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--sweep", action="store_true", help="time a few launch plans per shape")
+    p.add_argument("--shapes", nargs="*", help="substrings of the shape names to run")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks need a CUDA GPU", file=sys.stderr)
+        return 2
+    env = environment()
+    log(f"{env.get('gpu')} torch {env['torch']} triton {env['triton']}")
+    log("ceilings ...")
+    ceil = ceilings()
+    log(f"copy {ceil['copy_TBps']:.2f} TB/s, matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
+    shapes = [s for s in SHAPES if not args.shapes or any(k in s.name for k in args.shapes)]
+    res = {"environment": env, "ceilings": ceil, "decode": []}
+    for s in shapes:
+        log(f"{s.name} ...")
+        res["decode"].append(bench_shape(s, ceil, args.sweep, args.seed))
+        torch.cuda.empty_cache()
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"decode_{env['date'][:10]}")
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    md = markdown(res)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    plot(res, stem + ".png")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
