@@ -7,7 +7,9 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
   | tee "$OUT/gpu.txt"
-for step in "${@:-check bench}"; do
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(check bench)
+for step in "${steps[@]}"; do
   case $step in
     check) timeout 300 python -m mla.check --out "$OUT/check.json" 2>&1 | tee "$OUT/check.log" ;;
     bench) timeout 330 python -m benchmarks.run --sweep --out-dir "$OUT" 2>&1 \
