@@ -34,3 +34,16 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 from mla.fast.decode import DecodePlan, mla_decode_paged, plan_decode  # noqa: E402
 
 __all__ = ["DecodePlan", "mla_decode_paged", "plan_decode"]
+
+# small kernels, prefill with LSE, chunked prefill (mirrors of the reference modules)
+from mla.fast.attention import attention_with_lse, flash_attention_with_lse  # noqa: E402
+from mla.fast.chunked import chunked_prefill_attention  # noqa: E402
+from mla.fast.fp8 import concat_and_cache_fp8_ds_mla  # noqa: E402
+from mla.fast.merge import merge_attn_states  # noqa: E402
+from mla.fast.paged_cache import concat_and_cache_mla, gather_cache  # noqa: E402
+from mla.fast.prefill import prefill_attention  # noqa: E402
+from mla.fast.sparse_index import convert_req_index_to_global_index  # noqa: E402
+
+__all__ += ["attention_with_lse", "chunked_prefill_attention", "concat_and_cache_fp8_ds_mla",
+            "concat_and_cache_mla", "convert_req_index_to_global_index",
+            "flash_attention_with_lse", "gather_cache", "merge_attn_states", "prefill_attention"]
