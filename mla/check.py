@@ -383,6 +383,25 @@ def convert_cases(ctx: Ctx) -> Iterator[Case]:
 
 
 # ---------------------------------------------------------------------------------------------
+# prefill with LSE, chunked prefill, fp8_ds_mla cache write: cases in mla/check_prefill.py
+
+
+def _check_prefill_cases(name: str) -> Callable[[Ctx], Iterable[Case]]:
+    def cases(ctx: Ctx) -> Iterable[Case]:
+        from mla import check_prefill
+
+        return getattr(check_prefill, name)(ctx, Case, poisoned_alloc, _gen)
+    return cases
+
+
+register("prefill_attention", "prefill:prefill_attention")(_check_prefill_cases("prefill_cases"))
+register("chunked_prefill_attention", "chunked:chunked_prefill_attention")(
+    _check_prefill_cases("chunked_cases"))
+register("concat_and_cache_fp8_ds_mla", "fp8:concat_and_cache_fp8_ds_mla")(
+    _check_prefill_cases("fp8_cache_cases"))
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def run_checks(ctx: Ctx, kernels: list[str] | None = None,
