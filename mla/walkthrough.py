@@ -27,8 +27,11 @@ from mla.reference import (
     absorb_q,
     absorbed_attention,
     chunked_prefill_forward,
+    concat_and_cache_fp8_ds_mla,
     concat_and_cache_mla,
+    convert_req_index_to_global_index,
     decode_forward,
+    dequantize_fp8_ds_mla,
     make_block_table,
     mla_decode_paged,
     mla_front,
@@ -36,6 +39,8 @@ from mla.reference import (
     plan_context_chunks,
     prefill_forward,
     slot_mapping_from_block_table,
+    sparse_mla_decode,
+    sparse_mla_prefill,
     write_context,
 )
 from mla.weights import MLAWeights
@@ -286,6 +291,130 @@ def _kernel_out(case: Case) -> Measurement:
 @register_row("kernel mla_decode_paged s_q=2: lse", reference="absorbed_attention (dense)")
 def _kernel_lse(case: Case) -> Measurement:
     return _kernel_memo(case)[1]
+
+
+# DeepSeek-V3.2 sparse kernels with a top-k that covers every visible key: they must then be
+# the dense absorbed attention (SPEC 10). The latents are the float64 front rounded to the
+# case's dtype, as in the mla_decode_paged rows.
+
+def _sparse_latents(case: Case) -> list:
+    if "sparse_fronts" not in case.memo:
+        fronts = [mla_front(case.weights_ref, h, torch.arange(h.shape[0]))
+                  for h in case.hidden_ref]
+        case.memo["sparse_fronts"] = [
+            type(f)(*(t.to(dtype=case.dtype, device=case.device) for t in f)) for f in fronts]
+    return case.memo["sparse_fronts"]  # type: ignore[return-value]
+
+
+def _dense_ref(case: Case, fronts: list, s_q: int | None, latent=None) -> torch.Tensor:
+    """absorbed_attention in float64 on the (upcast) latents; the last ``s_q`` queries."""
+    w, c, outs = case.weights_ref, case.config, []
+    for i, f in enumerate(fronts):
+        q_nope, q_pe, kv_c, k_pe = (t.to(dtype=REFERENCE, device="cpu") for t in f)
+        if latent is not None:
+            kv_c, k_pe = latent[i]
+        L = kv_c.shape[0]
+        n = L if s_q is None else s_q
+        pos = torch.arange(L)
+        o, _ = absorbed_attention(q_nope[-n:], q_pe[-n:], kv_c, k_pe, w.W_UK, w.W_UV,
+                                  c.softmax_scale, causal=True, q_positions=pos[-n:],
+                                  k_positions=pos)
+        outs.append(o)
+    return torch.cat(outs) if s_q is None else torch.stack(outs)
+
+
+def _causal_topk(q_pos: Sequence[int], topk: int, device: torch.device,
+                 offset: int = 0) -> torch.Tensor:
+    """Index rows naming every key up to the query's position (plus ``offset``), then -1."""
+    rows = torch.full((len(q_pos), topk), -1, dtype=torch.int32, device=device)
+    for r, p in enumerate(q_pos):
+        rows[r, : p + 1] = offset + torch.arange(p, -1, -1, dtype=torch.int32, device=device)
+    return rows
+
+
+@register_row("sparse prefill (flash_mla_sparse_fwd), top-k covers context: o",
+              reference="absorbed_attention (dense)")
+def _sparse_prefill(case: Case) -> Measurement:
+    """All requests' queries in one call over one flat ``kv`` (request i's rows at its offset),
+    as vLLM calls the kernel on a gathered workspace."""
+    c, w, dev = case.config, case.weights, case.device
+    fronts = _sparse_latents(case)
+    kv = torch.cat([torch.cat([f.kv_c, f.k_pe], dim=-1) for f in fronts])
+    topk = max(case.seq_lens) + 5  # wider than any request: padded with -1
+    indices = torch.cat([_causal_topk(range(L), topk, dev, offset=sum(case.seq_lens[:i]))
+                         for i, L in enumerate(case.seq_lens)])
+
+    def path() -> torch.Tensor:
+        q = torch.cat([torch.cat([absorb_q(f.q_nope, w.W_UK), f.q_pe], dim=-1) for f in fronts])
+        o_lat, _, _ = sparse_mla_prefill(q, kv, indices, c.softmax_scale, d_v=c.kv_lora_rank)
+        return torch.einsum("snl,lnv->snv", o_lat, w.W_UV)
+
+    out, sec = _timed(path, dev)
+    return Measurement(out, _dense_ref(case, fronts, None), sec)
+
+
+def _sparse_decode(case: Case, fp8: bool, s_q: int = 2) -> Measurement:
+    """The last ``s_q`` tokens of every request on the paged cache, their request-local
+    top-k converted to global slots. ``fp8``: the cache is ``fp8_ds_mla``; a latent smaller
+    than 512 + 64 is zero-padded into the format (zeros add nothing to any dot product), and
+    the reference reads the latent as the cache rounded it."""
+    c, w, dev, bs = case.config, case.weights, case.device, case.block_size
+    fronts = _sparse_latents(case)
+    Lkv, R = c.kv_lora_rank, c.qk_rope_head_dim
+    if fp8 and (Lkv > 512 or R > 64):
+        raise ValueError(f"fp8_ds_mla holds at most 512 + 64 latent values, config "
+                         f"{c.name!r} has {Lkv} + {R}")
+    pad_c, pad_r = (512 - Lkv, 64 - R) if fp8 else (0, 0)
+    block_table, num_blocks = make_block_table(case.seq_lens, bs, spare_blocks=1, device=dev)
+    if fp8:
+        kv_cache = torch.full((num_blocks, bs, 656), 0xFF, dtype=torch.uint8, device=dev)
+    else:
+        kv_cache, block_table = case.empty_cache(case.seq_lens)
+    for i, f in enumerate(fronts):
+        pos = torch.arange(f.kv_c.shape[0], device=dev)
+        slots = slot_mapping_from_block_table(block_table, torch.full_like(pos, i), pos, bs)
+        if fp8:
+            kv_c = torch.nn.functional.pad(f.kv_c, (0, pad_c))
+            concat_and_cache_fp8_ds_mla(kv_c, torch.nn.functional.pad(f.k_pe, (0, pad_r)),
+                                        kv_cache, slots)
+        else:
+            concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
+    topk = max(case.seq_lens) + 3
+    local = torch.cat([_causal_topk(range(L - s_q, L), topk, dev) for L in case.seq_lens])
+    req = torch.arange(len(fronts), dtype=torch.int32, device=dev).repeat_interleave(s_q)
+    slots = convert_req_index_to_global_index(req, block_table.to(torch.int32), local, bs)
+    slots = slots.view(len(fronts), s_q, topk)
+
+    def path() -> torch.Tensor:
+        q = torch.stack([torch.cat([torch.nn.functional.pad(absorb_q(f.q_nope[-s_q:], w.W_UK),
+                                                            (0, pad_c)),
+                                    torch.nn.functional.pad(f.q_pe[-s_q:], (0, pad_r))], dim=-1)
+                         for f in fronts])  # [B, s_q, N, row width]
+        o_lat, _ = sparse_mla_decode(q, kv_cache, slots, c.softmax_scale, fp8,
+                                     head_dim_v=Lkv + pad_c)
+        return torch.einsum("bsnl,lnv->bsnv", o_lat[..., :Lkv], w.W_UV)
+
+    out, sec = _timed(path, dev)
+    latent = None
+    if fp8:  # what the cache holds, read back (exact in float64)
+        latent = []
+        for i, L in enumerate(case.seq_lens):
+            pos = torch.arange(L, device=dev)
+            rows = kv_cache.view(-1, 656)[block_table[i].long()[pos // bs] * bs + pos % bs]
+            kv_c, k_pe = dequantize_fp8_ds_mla(rows.cpu())
+            latent.append((kv_c[:, :Lkv].to(REFERENCE), k_pe[:, :R].to(REFERENCE)))
+    return Measurement(out, _dense_ref(case, fronts, s_q, latent), sec)
+
+
+@register_row("sparse decode s_q=2, latent cache: o", reference="absorbed_attention (dense)")
+def _sparse_decode_latent(case: Case) -> Measurement:
+    return _sparse_decode(case, fp8=False)
+
+
+@register_row("sparse decode s_q=2, fp8_ds_mla cache: o",
+              reference="absorbed_attention (dense, cached fp8 latent)")
+def _sparse_decode_fp8(case: Case) -> Measurement:
+    return _sparse_decode(case, fp8=True)
 
 
 # --- running and printing ----------------------------------------------------------------

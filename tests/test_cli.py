@@ -77,9 +77,9 @@ def test_cli_exit_status_follows_tolerance(buggy_row: str, capsys: pytest.Captur
     path = tmp_path / "rows.json"
     assert main(["walkthrough", "--preset", "tiny", "--json", str(path)]) == 1
     out = capsys.readouterr().out
-    assert "1 of 8 rows exceed the tolerance" in out and buggy_row in out
+    assert f"1 of {len(ROWS) + 1} rows exceed the tolerance" in out and buggy_row in out
     doc = json.loads(path.read_text())
-    assert [r["passed"] for r in doc["rows"]] == [True] * 7 + [False]
+    assert [r["passed"] for r in doc["rows"]] == [True] * len(ROWS) + [False]
 
 
 def test_cli_walkthrough_prints_table(capsys: pytest.CaptureFixture) -> None:
