@@ -43,6 +43,11 @@ from mla.reference import (
     sparse_mla_prefill,
     write_context,
 )
+from mla.reference.dcp import (
+    dcp_chunked_prefill_forward_simulated,
+    dcp_decode_forward_simulated,
+    plan_dcp_context_chunks,
+)
 from mla.weights import MLAWeights
 
 __all__ = ["Case", "Measurement", "Row", "RowSpec", "ROWS", "DTYPES", "register_row",
@@ -235,6 +240,42 @@ def _decode_1(case: Case) -> Measurement:
 @register_row("absorbed decode s_q=2 (MTP, paged)")
 def _decode_2(case: Case) -> Measurement:
     return _decode(case, 2)
+
+
+DCP_DECODE_RANKS, DCP_PREFILL_RANKS = 4, 2  # divide the heads of every preset
+
+
+@register_row(f"DCP decode s_q=2 ({DCP_DECODE_RANKS} simulated ranks)")
+def _dcp_decode(case: Case) -> Measurement:
+    """The cache of ``_decode`` sharded over the ranks (short requests leave ranks idle)."""
+    s_q, seq_lens = 2, case.seq_lens
+    kv_cache, block_table = case.empty_cache(seq_lens)
+    for i, h in enumerate(case.hidden):
+        write_context(case.weights, h[:-s_q], kv_cache, block_table[i])
+    cache_seqlens = torch.tensor([n - s_q for n in seq_lens], dtype=torch.int32,
+                                 device=case.device)
+    hidden = torch.stack([h[-s_q:] for h in case.hidden])
+    out, sec = _timed(lambda: dcp_decode_forward_simulated(
+        case.weights, hidden, kv_cache, block_table, cache_seqlens, DCP_DECODE_RANKS),
+        case.device)
+    return Measurement(out, case.last_rows(s_q), sec)
+
+
+@register_row(f"DCP chunked prefill ({DCP_PREFILL_RANKS} simulated ranks)")
+def _dcp_chunked_prefill(case: Case) -> Measurement:
+    """``_chunked_prefill`` with the context sharded; the chunk size is the case's, rounded up
+    to a multiple of the ranks (DCP needs it divisible)."""
+    W, ctx, new = DCP_PREFILL_RANKS, case.context_lens, case.new_tokens
+    kv_cache, block_table = case.empty_cache(case.seq_lens)
+    for i, h in enumerate(case.hidden):
+        write_context(case.weights, h[: ctx[i]], kv_cache, block_table[i])
+    plan = plan_dcp_context_chunks(ctx, W, max_context_chunk=-(-case.max_context_chunk // W) * W)
+    new_hidden = torch.cat([h[ctx[i]:] for i, h in enumerate(case.hidden)])
+    qsl = torch.arange(0, new * (len(ctx) + 1), new, dtype=torch.int32, device=case.device)
+    out, sec = _timed(lambda: dcp_chunked_prefill_forward_simulated(
+        case.weights, new_hidden, qsl, list(ctx), kv_cache, block_table, W, plan=plan),
+        case.device)
+    return Measurement(out, case.last_rows(new).flatten(0, 1), sec)
 
 
 def _kernel(case: Case, s_q: int = 2) -> tuple[Measurement, Measurement]:

@@ -12,6 +12,20 @@ from mla.reference.chunked import (
     plan_context_chunks,
     workspace_size,
 )
+from mla.reference.dcp import (
+    DCPChunkPlan,
+    DCPSharding,
+    cp_lse_ag_out_rs,
+    dcp_chunked_prefill_forward_simulated,
+    dcp_chunked_prefill_simulated,
+    dcp_decode_forward_simulated,
+    dcp_decode_simulated,
+    dcp_local_seq_lens,
+    plan_dcp_context_chunks,
+    reorg_kvcache,
+    run_simulated,
+    shard_kv_cache,
+)
 from mla.reference.decode import absorb_q, absorbed_attention, mla_decode_paged
 from mla.reference.fp8 import (
     act_quant,
@@ -71,4 +85,9 @@ __all__ = [
     "indexer_topk", "q_latent", "quantize_fp8_ds_mla", "select_topk", "sparse_decode_forward",
     "sparse_index_mask", "sparse_masked_dense_forward", "sparse_mla_decode",
     "sparse_mla_prefill", "sparse_prefill_forward",
+    # decode context parallelism (simulated; mla.dcp_dist runs it on torch.distributed)
+    "DCPChunkPlan", "DCPSharding", "cp_lse_ag_out_rs", "dcp_chunked_prefill_forward_simulated",
+    "dcp_chunked_prefill_simulated", "dcp_decode_forward_simulated", "dcp_decode_simulated",
+    "dcp_local_seq_lens", "plan_dcp_context_chunks", "reorg_kvcache", "run_simulated",
+    "shard_kv_cache",
 ]
