@@ -53,7 +53,7 @@ from mla.weights import MLAWeights
 
 __all__ = ["TorchDistCommunicator", "run_process_group", "run_all", "run_check", "main"]
 
-T = TypeVar("T")
+Result = TypeVar("Result")
 
 _DTYPE_CODES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
                 torch.int32, torch.bool)
@@ -156,8 +156,8 @@ def _start_method() -> str:
     return "forkserver"
 
 
-def run_process_group(world_size: int, fn: Callable[[Communicator], T], *,
-                      backend: str = "gloo", timeout: float = 120.0) -> list[T]:
+def run_process_group(world_size: int, fn: Callable[[Communicator], Result], *,
+                      backend: str = "gloo", timeout: float = 120.0) -> list[Result]:
     """Run ``fn(comm)`` on ``world_size`` fresh CPU processes forming one process group.
 
     ``fn`` must be picklable (a module-level function or a ``functools.partial`` of one).
@@ -372,7 +372,7 @@ def _environment(backend: str, device: torch.device, world_size: int) -> dict[st
     env: dict[str, object] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "backend": backend, "world_size": world_size, "torch": torch.__version__,
-        "python": platform.python_version(), "host": platform.node(),
+        "python": platform.python_version(),
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)

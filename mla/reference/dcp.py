@@ -87,7 +87,7 @@ __all__ = [
     "dcp_chunked_prefill_forward_simulated",
 ]
 
-T = TypeVar("T")
+Result = TypeVar("Result")
 
 
 # --- the communicator ----------------------------------------------------------------------
@@ -124,16 +124,16 @@ def check_rank(rank: object, world_size: object) -> tuple[int, int]:
 
 
 def check_same_shapes(op: str, shapes: Sequence[tuple[int, ...]],
-                      dtypes: Sequence[torch.dtype] | None = None) -> None:
+                      dtypes: Sequence[torch.dtype] = ()) -> None:
     """A collective needs one shape (and dtype) on every rank; name the first rank that differs."""
     for r, shape in enumerate(shapes):
         if tuple(shape) != tuple(shapes[0]):
             raise ValueError(f"{op}: rank {r} passed shape {list(shape)} but rank 0 passed "
                              f"{list(shapes[0])}; every rank must pass the same shape")
-    for r, dt in enumerate(dtypes or ()):
-        if dt != dtypes[0]:  # type: ignore[index]
+    for r, dt in enumerate(dtypes):
+        if dt != dtypes[0]:
             raise TypeError(f"{op}: rank {r} passed dtype {dt} but rank 0 passed "
-                            f"{dtypes[0]}; every rank must pass the same dtype")  # type: ignore
+                            f"{dtypes[0]}; every rank must pass the same dtype")
 
 
 def _normalize_dim(op: str, x: torch.Tensor, dim: int) -> int:
@@ -225,8 +225,8 @@ class SimulatedCommunicator:
         return f"SimulatedCommunicator(rank={self._rank}, world_size={self._world_size})"
 
 
-def run_simulated(world_size: int, fn: Callable[[Communicator], T],
-                  timeout: float = 120.0) -> list[T]:
+def run_simulated(world_size: int, fn: Callable[[Communicator], Result],
+                  timeout: float = 120.0) -> list[Result]:
     """Run ``fn(comm)`` as every rank of a simulated group; return the results in rank order.
 
     One thread per rank, meeting at a barrier for each collective. An exception on any rank
@@ -238,7 +238,7 @@ def run_simulated(world_size: int, fn: Callable[[Communicator], T],
     comms = [SimulatedCommunicator(r, world_size, rv) for r in range(world_size)]
     if world_size == 1:
         return [fn(comms[0])]
-    results: list[T | None] = [None] * world_size
+    results: list[Result | None] = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
 
     def body(r: int) -> None:
@@ -332,7 +332,11 @@ class DCPSharding:
         """``counts()[r][i]``: tokens of request ``i`` on rank ``r``."""
         return [list(self.local_seq_lens(r)) for r in range(self.world_size)]
 
-    def __str__(self, max_positions: int = 32) -> str:
+    def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self, max_positions: int = 32) -> str:
+        """The table ``str()`` prints, showing the owners of the first ``max_positions``."""
         W = self.world_size
         counts = self.counts()
         lines = [f"DCPSharding: {W} ranks, {len(self.seq_lens)} requests; "
