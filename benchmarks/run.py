@@ -131,23 +131,32 @@ def time_graph(fn, reps: int = 50) -> float:
 
 
 def candidate_plans(s: Shape, default: DecodePlan) -> list[DecodePlan]:
+    """Phase 1 of the sweep: tile/warp/stage/TMA/exchange variants at the default split."""
     rep = dataclasses.replace
     plans = [default]
     if s.N * s.s_q <= 16:
-        plans += [rep(default, num_warps=4), rep(default, block_m=64, num_warps=8),
-                  rep(default, block_m=32, num_warps=8), rep(default, use_tma=False)]
+        plans += [rep(default, block_m=16, num_warps=w, use_tma=t, num_stages=st)
+                  for w, t, st in ((4, True, 2), (4, False, 2), (4, False, 3), (8, False, 2),
+                                   (8, True, 2), (4, True, 3))]
     else:
-        plans += [rep(default, num_stages=3), rep(default, use_tma=False)]
-    for k in (default.num_splits * 2, max(1, default.num_splits // 2)):
-        if k != default.num_splits:
-            plans.append(rep(default, num_splits=k))
-    if s.B == 1:
-        plans += [rep(default, num_splits=k) for k in (8, 32, 64) if k != default.num_splits]
+        plans += [rep(default, block_n=32, exchange_p=True),
+                  rep(default, block_n=32, exchange_p=False),
+                  rep(default, use_tma=False),
+                  rep(default, block_n=32, exchange_p=True, num_stages=3)]
     out = []
     for p in plans:
         if p not in out:
             out.append(p)
     return out
+
+
+def split_plans(s: Shape, best: DecodePlan) -> list[DecodePlan]:
+    """Phase 2: the best phase-1 plan at other split counts."""
+    k = best.num_splits
+    ks = {1, max(1, k // 2), 2 * k, k + k // 2}
+    if s.B == 1:
+        ks |= {8, 16, 32, 64}
+    return [dataclasses.replace(best, num_splits=x) for x in sorted(ks) if x != k]
 
 
 def bench_shape(s: Shape, ceil: dict[str, float], sweep: bool, seed: int) -> dict:
@@ -157,7 +166,10 @@ def bench_shape(s: Shape, ceil: dict[str, float], sweep: bool, seed: int) -> dic
     flops, nbytes = work(s)
     ref_out = None
     rows = []
-    for plan in (candidate_plans(s, default) if sweep else [default]):
+
+    def time_plan(plan: DecodePlan) -> None:
+        nonlocal ref_out
+
         def fn(plan=plan):
             return mla_decode_paged(q, kv, bt, sl, SCALE, s.causal, DV, validate=False,
                                     plan=plan)
@@ -168,7 +180,7 @@ def bench_shape(s: Shape, ceil: dict[str, float], sweep: bool, seed: int) -> dic
         except Exception as e:  # a plan that does not compile or launch: report, go on
             log(f"  {s.name}: {plan} failed: {type(e).__name__}: {str(e)[:300]}")
             rows.append({"plan": dataclasses.asdict(plan), "error": str(e)[:1000]})
-            continue
+            return
         compile_s = time.perf_counter() - t0
         if ref_out is None:
             ref_out = out
@@ -185,6 +197,15 @@ def bench_shape(s: Shape, ceil: dict[str, float], sweep: bool, seed: int) -> dic
         rows.append(row)
         log(f"  {s.name}: {plan} -> {row['us']:.1f} us eager, {row['us_graph']:.1f} us graph, "
             f"{row['TBps']:.2f} TB/s, {row['TFLOPs']:.0f} TFLOP/s, err {err:.1e}")
+    if not sweep:
+        time_plan(default)
+    else:
+        for plan in candidate_plans(s, default):
+            time_plan(plan)
+        ok = [r for r in rows if "error" not in r and r["rel_err_vs_default"] < 1e-2]
+        best1 = min(ok, key=lambda r: min(r["us"], r["us_graph"]))
+        for plan in split_plans(s, DecodePlan(**best1["plan"])):
+            time_plan(plan)
     timed = [r for r in rows if "error" not in r]
     valid = [r for r in timed if r["rel_err_vs_default"] < 1e-2]
     best = min(valid, key=lambda r: min(r["us"], r["us_graph"]))
