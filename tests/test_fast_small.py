@@ -304,6 +304,18 @@ ATTN_CASES = [
 ]
 
 
+def test_attention_cases_cover_both_load_paths():
+    """The cases above take the tensor-descriptor tiles (16-byte rows) and the pointer tiles
+    (Dv = 20 in float16: 40-byte rows)."""
+    from mla.fast.attention import _tma_ok
+
+    x = torch.empty(3, 2, 24, dtype=torch.float16, device=DEVICE)
+    v16 = torch.empty(3, 2, 16, dtype=torch.float16, device=DEVICE)
+    v20 = torch.empty(3, 2, 20, dtype=torch.float16, device=DEVICE)
+    assert _tma_ok(x[..., :16], x[..., 16:], v16)
+    assert not _tma_ok(x[..., :16], x[..., 16:], v20)
+
+
 def _cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 

@@ -18,6 +18,10 @@ Routes (``pick_route``), measured on the H200 in benchmarks/results/prefill_rout
   on CUDA: fp16/bf16/fp32, grouped heads, explicit positions, ``Sq != Skv``, ragged batches in
   one launch (``flash_attention_with_lse``), QK dims that are not powers of two (the query and
   key come in two parts, e.g. 128 nope + 64 rope columns, so nothing is padded or concatenated).
+  Tiles come through tensor descriptors (TMA) when the layout allows it (16-byte aligned rows,
+  heads and widths, as DeepSeek's 128 + 64 / 128 are): ptxas reports no spills at 128×64
+  tiles, 8 warps, 3 stages, where the same kernel with per-element pointer tiles spills
+  1.5 KB per thread. Other layouts take the pointer loads.
 - ``"reference"``: the reference's math, on the CPU and for float64. (The Triton kernel runs on
   the CPU too under ``TRITON_INTERPRET=1``: the tests call ``flash_attention_with_lse``.)
 """
@@ -31,6 +35,7 @@ import triton
 import triton.language as tl
 
 from mla.checks import check_float, check_index, check_same_device, check_same_dtype
+from mla.fast.decode import _ensure_allocator, _interpreting
 from mla.reference.attention import attention_with_lse as _reference_attention
 from mla.reference.attention import default_positions
 
@@ -55,16 +60,19 @@ _INTERPRETER_CONFIG = AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages
 
 @triton.jit
 def _attn_tiles(
-    acc, l_i, m_i, q_a, q_b, qpos, ka_ptrs, kb_ptrs, v_ptrs, kpos_ptr,
-    s_ka_t, s_kb_t, s_v_t, offs_m, lo, hi, k_len, diag, qk_scale,
+    acc, l_i, m_i, q_a, q_b, qpos, ka_ptrs, kb_ptrs, v_ptrs, ka_desc, kb_desc, v_desc,
+    kpos_ptr, s_ka_t, s_kb_t, s_v_t, offs_m, lo, hi, k_len, diag, qk_scale,
     BLOCK_N: tl.constexpr, DA: tl.constexpr, BLOCK_DA: tl.constexpr, DB: tl.constexpr,
-    BLOCK_DB: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DB: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Fold key tiles ``[lo, hi)`` into the running ``(acc, l_i, m_i)``.
 
     ``MASKED=False`` is the hot loop over tiles every query of the block sees in full: no
     per-element masks. ``MASKED=True`` handles the diagonal and the ragged tail.
+    ``USE_TMA``: tiles come through tensor descriptors bounded by this request's rows, so rows
+    past the end arrive as zeros with no mask and no per-thread address registers (the
+    pointer tiles need so many of those that the kernel spills, measured with ptxas).
     """
     d_a = tl.arange(0, BLOCK_DA)
     d_b = tl.arange(0, BLOCK_DB)
@@ -86,10 +94,16 @@ def _attn_tiles(
             ka_mask = (d_a < DA)[:, None]
             kb_mask = (d_b < DB)[:, None]
             v_mask = (d_v < DV)[None, :]
-        k_a = tl.load(ka_ptrs, mask=ka_mask, other=0.0)
+        if USE_TMA:
+            k_a = tl.trans(ka_desc.load([start_n, 0]))
+        else:
+            k_a = tl.load(ka_ptrs, mask=ka_mask, other=0.0)
         s = tl.dot(q_a, k_a, input_precision=DOT_PREC)
         if DB > 0:
-            k_b = tl.load(kb_ptrs, mask=kb_mask, other=0.0)
+            if USE_TMA:
+                k_b = tl.trans(kb_desc.load([start_n, 0]))
+            else:
+                k_b = tl.load(kb_ptrs, mask=kb_mask, other=0.0)
             s = tl.dot(q_b, k_b, acc=s, input_precision=DOT_PREC)
         s = s * qk_scale
         if MASKED:
@@ -109,12 +123,16 @@ def _attn_tiles(
         alpha = tl.math.exp2(m_i - m_use)
         p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        else:
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
-        ka_ptrs += BLOCK_N * s_ka_t
-        kb_ptrs += BLOCK_N * s_kb_t
-        v_ptrs += BLOCK_N * s_v_t
+        if not USE_TMA:
+            ka_ptrs += BLOCK_N * s_ka_t
+            kb_ptrs += BLOCK_N * s_kb_t
+            v_ptrs += BLOCK_N * s_v_t
     return acc, l_i, m_i
 
 
@@ -127,7 +145,7 @@ def _attn_fwd_kernel(
     s_v_t, s_v_h, s_v_d, s_o_t, s_o_h, s_lse_h,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DA: tl.constexpr, BLOCK_DA: tl.constexpr, DB: tl.constexpr, BLOCK_DB: tl.constexpr,
-    DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, USE_TMA: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -149,21 +167,54 @@ def _attn_fwd_kernel(
     n0 = tl.arange(0, BLOCK_N)
 
     rows = q0 + offs_m
-    q_a = tl.load(qa + rows[:, None] * s_qa_t + h64 * s_qa_h + d_a[None, :] * s_qa_d,
-                  mask=row_ok[:, None] & (d_a < DA)[None, :], other=0.0)
-    q_b = q_a
-    if DB > 0:
-        q_b = tl.load(qb + rows[:, None] * s_qb_t + h64 * s_qb_h + d_b[None, :] * s_qb_d,
-                      mask=row_ok[:, None] & (d_b < DB)[None, :], other=0.0)
+    ka_base = ka + k0 * s_ka_t + kh * s_ka_h
+    kb_base = kb + k0 * s_kb_t + kh * s_kb_h
+    v_base = v + k0 * s_v_t + kh * s_v_h
+    if USE_TMA:  # descriptors over this request's rows of this head: zeros past the end
+        q_rows = tl.maximum(q_len, 1)
+        k_rows = tl.maximum(k_len, 1)
+        qa_desc = tl.make_tensor_descriptor(qa + q0 * s_qa_t + h64 * s_qa_h,
+                                            shape=[q_rows, DA], strides=[s_qa_t, 1],
+                                            block_shape=[BLOCK_M, BLOCK_DA])
+        q_a = qa_desc.load([m0, 0])
+        ka_desc = tl.make_tensor_descriptor(ka_base, shape=[k_rows, DA], strides=[s_ka_t, 1],
+                                            block_shape=[BLOCK_N, BLOCK_DA])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[k_rows, DV], strides=[s_v_t, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DV])
+        q_b = q_a
+        kb_desc = ka_desc
+        if DB > 0:
+            qb_desc = tl.make_tensor_descriptor(qb + q0 * s_qb_t + h64 * s_qb_h,
+                                                shape=[q_rows, DB], strides=[s_qb_t, 1],
+                                                block_shape=[BLOCK_M, BLOCK_DB])
+            q_b = qb_desc.load([m0, 0])
+            kb_desc = tl.make_tensor_descriptor(kb_base, shape=[k_rows, DB],
+                                                strides=[s_kb_t, 1],
+                                                block_shape=[BLOCK_N, BLOCK_DB])
+    else:
+        q_a = tl.load(qa + rows[:, None] * s_qa_t + h64 * s_qa_h + d_a[None, :] * s_qa_d,
+                      mask=row_ok[:, None] & (d_a < DA)[None, :], other=0.0)
+        q_b = q_a
+        if DB > 0:
+            q_b = tl.load(qb + rows[:, None] * s_qb_t + h64 * s_qb_h + d_b[None, :] * s_qb_d,
+                          mask=row_ok[:, None] & (d_b < DB)[None, :], other=0.0)
+        ka_desc = ka  # unused
+        kb_desc = ka
+        v_desc = ka
     qpos = offs_m
     kpos_ptr = k_pos
     if HAS_POS:
         qpos = tl.load(q_pos + rows, mask=row_ok, other=-1)
         kpos_ptr = k_pos + k0
 
-    ka_ptrs = ka + k0 * s_ka_t + kh * s_ka_h + n0[None, :] * s_ka_t + d_a[:, None] * s_ka_d
-    kb_ptrs = kb + k0 * s_kb_t + kh * s_kb_h + n0[None, :] * s_kb_t + d_b[:, None] * s_kb_d
-    v_ptrs = v + k0 * s_v_t + kh * s_v_h + n0[:, None] * s_v_t + d_v[None, :] * s_v_d
+    if USE_TMA:
+        ka_ptrs = ka_base  # unused
+        kb_ptrs = kb_base
+        v_ptrs = v_base
+    else:
+        ka_ptrs = ka_base + n0[None, :] * s_ka_t + d_a[:, None] * s_ka_d
+        kb_ptrs = kb_base + n0[None, :] * s_kb_t + d_b[:, None] * s_kb_d
+        v_ptrs = v_base + n0[:, None] * s_v_t + d_v[None, :] * s_v_d
 
     # key tiles: [0, lo) seen in full by every row of the block, [lo, hi) need masks
     diag = k_len - q_len  # bottom-right alignment: row i sees keys j <= i + diag
@@ -186,13 +237,15 @@ def _attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q_a, q_b, qpos, ka_ptrs, kb_ptrs, v_ptrs, kpos_ptr,
-        s_ka_t, s_kb_t, s_v_t, offs_m, 0, lo, k_len, diag, qk_scale,
-        BLOCK_N, DA, BLOCK_DA, DB, BLOCK_DB, DV, BLOCK_DV, False, CAUSAL, HAS_POS, DOT_PREC)
+        acc, l_i, m_i, q_a, q_b, qpos, ka_ptrs, kb_ptrs, v_ptrs, ka_desc, kb_desc, v_desc,
+        kpos_ptr, s_ka_t, s_kb_t, s_v_t, offs_m, 0, lo, k_len, diag, qk_scale,
+        BLOCK_N, DA, BLOCK_DA, DB, BLOCK_DB, DV, BLOCK_DV, USE_TMA, False, CAUSAL, HAS_POS,
+        DOT_PREC)
     acc, l_i, m_i = _attn_tiles(
-        acc, l_i, m_i, q_a, q_b, qpos, ka_ptrs, kb_ptrs, v_ptrs, kpos_ptr,
-        s_ka_t, s_kb_t, s_v_t, offs_m, lo, hi, k_len, diag, qk_scale,
-        BLOCK_N, DA, BLOCK_DA, DB, BLOCK_DB, DV, BLOCK_DV, True, CAUSAL, HAS_POS, DOT_PREC)
+        acc, l_i, m_i, q_a, q_b, qpos, ka_ptrs, kb_ptrs, v_ptrs, ka_desc, kb_desc, v_desc,
+        kpos_ptr, s_ka_t, s_kb_t, s_v_t, offs_m, lo, hi, k_len, diag, qk_scale,
+        BLOCK_N, DA, BLOCK_DA, DB, BLOCK_DB, DV, BLOCK_DV, USE_TMA, True, CAUSAL, HAS_POS,
+        DOT_PREC)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -201,6 +254,24 @@ def _attn_fwd_kernel(
     tl.store(out + rows[:, None] * s_o_t + h64 * s_o_h + d_v[None, :],
              o.to(out.dtype.element_ty), mask=row_ok[:, None] & (d_v < DV)[None, :])
     tl.store(lse + h64 * s_lse_h + rows, row_lse, mask=row_ok)
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need Hopper or newer (or the interpreter), a unit last stride and
+    16-byte aligned bases, rows, heads and row widths (a view of a contiguous [T, N, 192]
+    split at 128 qualifies; a k_pe broadcast over heads by a zero stride too)."""
+    t0 = tensors[0]
+    if t0.device.type == "cuda":
+        if torch.cuda.get_device_capability(t0.device)[0] < 9:
+            return False
+    elif not _interpreting():
+        return False
+    for t in tensors:
+        e = t.element_size()
+        if (t.stride(2) != 1 or t.data_ptr() % 16 or (t.stride(0) * e) % 16
+                or (t.stride(1) * e) % 16 or (t.shape[2] * e) % 16 or t.shape[0] >= 2**31):
+            return False
+    return True
 
 
 def _split_dim(d: int) -> tuple[int, int]:
@@ -273,6 +344,9 @@ def flash_attention_with_lse(
         config = _INTERPRETER_CONFIG if q_a.device.type == "cpu" else AttnConfig()
     qb_t = q_a if q_b is None else q_b
     kb_t = k_a if k_b is None else k_b
+    use_tma = _tma_ok(q_a, qb_t, k_a, kb_t, v)
+    if use_tma and q_a.device.type == "cuda":
+        _ensure_allocator()
     pos_q = cu_seqlens_q if q_positions is None else q_positions
     pos_k = cu_seqlens_k if k_positions is None else k_positions
     grid = (triton.cdiv(max_seqlen_q, config.block_m), N, B)
@@ -283,7 +357,7 @@ def flash_attention_with_lse(
         out.stride(0), out.stride(1), lse.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DA=Da, BLOCK_DA=_block(Da), DB=Db, BLOCK_DB=_block(Db), DV=Dv, BLOCK_DV=_block(Dv),
-        CAUSAL=bool(causal), HAS_POS=q_positions is not None,
+        USE_TMA=use_tma, CAUSAL=bool(causal), HAS_POS=q_positions is not None,
         # float32 stays float32 (SPEC 11's 1e-5 rules out tf32); 16-bit dots need no choice
         DOT_PREC="ieee" if q_a.dtype == torch.float32 else None,
         num_warps=config.num_warps, num_stages=config.num_stages,
