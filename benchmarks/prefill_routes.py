@@ -41,8 +41,7 @@ from mla.reference.merge import merge_attn_states as ref_merge
 
 DQK, DNOPE, DV = 192, 128, 128
 SCALE = DQK ** -0.5
-OURS_CONFIGS = [AttnConfig(128, 64, 8, 3), AttnConfig(128, 128, 8, 2), AttnConfig(64, 64, 4, 3),
-                AttnConfig(128, 64, 4, 3)]
+OURS_CONFIGS = [AttnConfig(128, 64, 8, 3), AttnConfig(128, 128, 8, 2), AttnConfig(128, 64, 8, 2)]
 MERGE_CONFIGS = [(8, 512, 4), (4, 512, 4), (16, 512, 8), (2, 512, 4), (16, 256, 4), (32, 128, 8)]
 
 
