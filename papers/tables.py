@@ -1,0 +1,276 @@
+"""The generated tables of ``papers/derivation.md``: ``python -m papers.tables --write``.
+
+Each table lives in the paper between two markers,
+
+    <!-- BEGIN GENERATED: name -->
+    ...
+    <!-- END GENERATED: name -->
+
+and is regenerated from its source of truth:
+
+- ``table1``: DeepSeek-V2's Table 1 (KV cache per token of MHA, GQA, MQA and MLA), computed
+  from the presets by ``mla.kv_cache_comparison``;
+- ``kv_cache``: the MLA cache per token and per 128K-token context for each preset, from
+  ``MLAConfig`` (and the 656-byte ``fp8_ds_mla`` row of ``mla.reference.fp8``);
+- ``benchmarks``: the GPU results committed under ``benchmarks/results/*.json``
+  (written on the H200 by ``python -m benchmarks.run``), or a note saying there are none.
+
+Run from the repository root:
+
+    python -m papers.tables            print the sections
+    python -m papers.tables --write    rewrite them in papers/derivation.md
+    python -m papers.tables --check    exit 1 if the paper's sections are stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from mla.config import get_config, kv_cache_comparison
+from mla.reference.fp8 import FP8_DS_MLA_BYTES
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = ROOT / "papers" / "derivation.md"
+RESULTS = ROOT / "benchmarks" / "results"
+REGENERATE = "python -m papers.tables --write"
+
+# which command writes which results file (by name prefix), run on the GPU machine
+PRODUCERS = {
+    "decode_": "python -m benchmarks.run",
+    "prefill_routes": "python -m benchmarks.prefill_routes",
+    "dcp_nccl": "torchrun --nproc-per-node 2 -m mla.dcp_dist --check --out <file>",
+    "check": "python -m mla.check --out <file>",
+}
+
+TABLE1_PRESETS = ("deepseek-v2", "deepseek-v2-lite", "deepseek-v3")
+CACHE_PRESETS = ("tiny", "deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "deepseek-v3.2")
+GQA_GROUPS = 8
+CONTEXT = 128 * 1024  # tokens, for the per-request cache size
+
+
+def _row(cells: list[object]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows)]
+
+
+def _units(x: float) -> str:
+    """A multiple of ``d_h·l`` as the paper writes it: ``4.5``, ``256`` (not ``256.0``)."""
+    return f"{x:g}"
+
+
+def render_table1() -> str:
+    """DeepSeek-V2's Table 1, reproduced for the presets (numbers cached per token, all layers)."""
+    comparisons = {name: kv_cache_comparison(get_config(name), GQA_GROUPS)
+                   for name in TABLE1_PRESETS}
+    first = comparisons[TABLE1_PRESETS[0]]
+    header = ["attention", "KV cache per token (elements)"]
+    header += [f"{name}: in d_h·l" for name in TABLE1_PRESETS]
+    header += [f"{name}: elements" for name in TABLE1_PRESETS]
+    rows = []
+    for i, entry in enumerate(first):
+        row: list[object] = [entry["attention"], f"`{entry['formula']}`"]
+        row += [_units(comparisons[n][i]["in_units_of_d_h_l"]) for n in TABLE1_PRESETS]
+        row += [f"{comparisons[n][i]['numbers_per_token']:,}" for n in TABLE1_PRESETS]
+        rows.append(row)
+    v2 = get_config("deepseek-v2")
+    note = (f"`d_h = qk_nope_head_dim`, `l` layers, GQA with `n_g = {GQA_GROUPS}` groups. "
+            f"DeepSeek-V2 (`n_h = {v2.num_heads}`, `d_c = {v2.kv_lora_rank} = "
+            f"{v2.kv_lora_rank // v2.qk_nope_head_dim}·d_h`, `d_h^R = {v2.qk_rope_head_dim} = "
+            f"d_h/{v2.qk_nope_head_dim // v2.qk_rope_head_dim}`): the paper's "
+            f"`(d_c + d_h^R)·l ≈ 9/2·d_h·l` for MLA.")
+    return "\n".join(_table(header, rows) + ["", note])
+
+
+def render_kv_cache() -> str:
+    """The MLA cache of each preset: per token and layer, per token, per 128K context."""
+    header = ["preset", "layers", "`Lkv + R`", "bf16 bytes / token / layer",
+              "bf16 KiB / token", f"bf16 GiB / {CONTEXT // 1024}K context",
+              "MHA-equivalent GiB / 128K context"]
+    rows = []
+    for name in CACHE_PRESETS:
+        c = get_config(name)
+        per_token = c.cache_bytes_per_token(2)
+        mha = kv_cache_comparison(c, GQA_GROUPS)[0]["numbers_per_token"] * 2
+        rows.append([name, c.num_layers, c.latent_dim, c.cache_bytes_per_token_per_layer(2),
+                     f"{per_token / 1024:.1f}", f"{per_token * CONTEXT / 2 ** 30:.2f}",
+                     f"{mha * CONTEXT / 2 ** 30:.1f}"])
+    v32 = get_config("deepseek-v3.2")
+    fp8 = FP8_DS_MLA_BYTES * v32.num_layers
+    note = (f"With the `fp8_ds_mla` cache of DeepSeek-V3.2 a token's row is {FP8_DS_MLA_BYTES} "
+            f"bytes instead of {v32.cache_bytes_per_token_per_layer(2)}: "
+            f"{fp8 * CONTEXT / 2 ** 30:.2f} GiB per 128K context over "
+            f"{v32.num_layers} layers.")
+    return "\n".join(_table(header, rows) + ["", note])
+
+
+def _fmt(x: object) -> str:
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    return str(x)
+
+
+def _render_decode(data: dict) -> list[str]:
+    """``python -m benchmarks.run``'s results: ceilings, then each shape's default and best."""
+    ceil = data["ceilings"]
+    lines = [f"Ceilings measured in the same run: copy {ceil['copy_TBps']:.2f} TB/s, "
+             f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.", ""]
+    rows = []
+    for entry in data["decode"]:
+        s = entry["shape"]
+        for label in ("default", "best"):
+            r = entry[label]
+            if label == "best" and r == entry["default"]:
+                continue
+            unit = {"memory": "TB/s", "compute": "TFLOP/s", "latency": "µs"}[s["bound"]]
+            rows.append([s["name"], label, f"{r['us']:.1f}", f"{r['us_graph']:.1f}",
+                         f"{r['TBps']:.2f}", f"{r['TFLOPs']:.0f}",
+                         f"{100 * r['frac_bw']:.0f}%", f"{100 * r['frac_flops']:.0f}%",
+                         f"{'≤' if unit == 'µs' else '≥'} {s['target']:g} {unit}"])
+    return lines + _table(["shape", "plan", "µs eager", "µs graph", "TB/s", "TFLOP/s",
+                           "% copy BW", "% matmul", "target"], rows)
+
+
+def _render_generic(data: object) -> list[str]:
+    """Any other results file: each list of records becomes a table of its scalar fields."""
+    lines: list[str] = []
+    items = list(data.items()) if isinstance(data, dict) else [("results", data)]
+    for key, value in items:
+        if key == "environment" or not isinstance(value, list):
+            continue
+        records = [v for v in value if isinstance(v, dict)]
+        columns: list[str] = []
+        for rec in records:
+            columns += [k for k, v in rec.items()
+                        if k not in columns and isinstance(v, (str, int, float, bool))]
+        if not records or not columns:
+            continue
+        columns = columns[:10]
+        lines += [f"`{key}`:", ""]
+        lines += _table(columns, [[_fmt(rec.get(c, "")) for c in columns] for rec in records])
+        lines.append("")
+    return lines
+
+
+def _metadata(data: object) -> list[str]:
+    """The run's environment (``environment`` or the top-level scalars) and small summaries."""
+    if not isinstance(data, dict):
+        return []
+    env = data.get("environment")
+    if not isinstance(env, dict):
+        env = {k: v for k, v in data.items() if isinstance(v, (str, int, float, bool))}
+    lines = []
+    if env:
+        lines.append(", ".join(f"{k} {_fmt(v)}" for k, v in env.items()) + ".")
+    for key, value in data.items():
+        if key != "environment" and isinstance(value, dict) and value and all(
+                isinstance(v, (str, int, float, bool)) for v in value.values()):
+            lines.append(f"`{key}`: " + ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
+                         + ".")
+    return lines + [""] if lines else []
+
+
+def producer(path: Path) -> str:
+    """The command that writes ``path`` (by its name's prefix)."""
+    for prefix, command in PRODUCERS.items():
+        if path.name.startswith(prefix):
+            return command.replace("<file>", f"benchmarks/results/{path.name}")
+    return "the script named in the file's companion .md"
+
+
+def render_benchmarks(results_dir: Path = RESULTS) -> str:
+    """Tables of every ``*.json`` under ``results_dir``, or a note that there are none yet."""
+    files = sorted(results_dir.glob("*.json")) if results_dir.is_dir() else []
+    if not files:
+        return ("No GPU benchmark results are committed yet. On the H200, "
+                "`python -m benchmarks.run` writes them to `benchmarks/results/`; then "
+                f"`{REGENERATE}` puts them here.")
+    out = ["From the files in `benchmarks/results/`, each written on the GPU machine by the "
+           f"command named under it; `{REGENERATE}` rebuilds this section from them."]
+    for path in files:
+        out += ["", f"**`{path.name}`** (`{producer(path)}`)", ""]
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            out.append(f"not readable as JSON: {type(e).__name__}")
+            continue
+        out += _metadata(data)
+        if isinstance(data, dict) and "decode" in data and "ceilings" in data:
+            body = _render_decode(data)
+        else:
+            body = _render_generic(data)
+        out += body or ["(no tables: the file holds no lists of records)"]
+    return "\n".join(out).rstrip()
+
+
+SECTIONS = {"table1": render_table1, "kv_cache": render_kv_cache,
+            "benchmarks": render_benchmarks}
+
+
+def sections() -> dict[str, str]:
+    return {name: fn() for name, fn in SECTIONS.items()}
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- BEGIN GENERATED: {name} -->", f"<!-- END GENERATED: {name} -->"
+
+
+def _pattern(name: str) -> re.Pattern[str]:
+    begin, end = (re.escape(m) for m in _markers(name))
+    return re.compile(rf"{begin}\n(.*?)\n?{end}", re.S)
+
+
+def extract_section(text: str, name: str) -> str:
+    """The text between the markers of section ``name``; ``ValueError`` if they are missing."""
+    match = _pattern(name).search(text)
+    if match is None:
+        raise ValueError(f"papers/derivation.md has no markers for the generated section "
+                         f"{name!r}")
+    return match.group(1)
+
+
+def replace_sections(text: str, new: dict[str, str]) -> str:
+    """``text`` with the body between each section's markers replaced by ``new[name]``."""
+    for name, body in new.items():
+        extract_section(text, name)  # the markers must be there
+        block = f"{_markers(name)[0]}\n{body}\n{_markers(name)[1]}"
+        text = _pattern(name).sub(lambda _m, blk=block: blk, text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m papers.tables",
+                                     description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--write", action="store_true", help="rewrite papers/derivation.md")
+    group.add_argument("--check", action="store_true", help="exit 1 if the paper is stale")
+    args = parser.parse_args(argv)
+    new = sections()
+    if args.write or args.check:
+        text = PAPER.read_text()
+        updated = replace_sections(text, new)
+        if args.check:
+            stale = [n for n in new if extract_section(text, n) != new[n]]
+            if stale:
+                print(f"stale generated sections in {PAPER.name}: {', '.join(stale)}; "
+                      f"run {REGENERATE}")
+                return 1
+            return 0
+        PAPER.write_text(updated)
+        print(f"wrote {len(new)} sections into {PAPER}")
+        return 0
+    for name, body in new.items():
+        print(f"<!-- {name} -->\n{body}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
