@@ -10,6 +10,8 @@ into caller-provided outputs, so an unwritten element cannot pass as a correct o
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["TOLERANCES", "rel_err", "max_abs_err", "assert_close", "poison_like", "tolerance"]
@@ -48,6 +50,12 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if pair is None:
         return float("inf")
     o, r = pair
+    # torch's norm squares without rescaling: below ~1e-154 an error underflows to 0 (and
+    # would pass), above ~1e154 it overflows. Scaling by a power of two first is exact.
+    peak = max(o.abs().max().item(), r.abs().max().item()) if o.numel() else 0.0
+    if peak > 0.0:
+        s = 2.0 ** -max(math.frexp(peak)[1], -1000)  # subnormal peaks: 2**1074 overflows
+        o, r = o * s, r * s
     diff = torch.linalg.vector_norm(o - r).item()
     norm = torch.linalg.vector_norm(r).item()
     if norm == 0.0:
