@@ -131,18 +131,15 @@ def time_graph(fn, reps: int = 50) -> float:
 
 
 def candidate_plans(s: Shape, default: DecodePlan) -> list[DecodePlan]:
-    """Phase 1 of the sweep: tile/warp/stage/TMA/exchange variants at the default split."""
+    """Phase 1 of the sweep: warp/stage/TMA/tile variants at the default split."""
     rep = dataclasses.replace
     plans = [default]
-    if s.N * s.s_q <= 16:
-        plans += [rep(default, block_m=16, num_warps=w, use_tma=t, num_stages=st)
-                  for w, t, st in ((4, True, 2), (4, False, 2), (4, False, 3), (8, False, 2),
-                                   (8, True, 2), (4, True, 3))]
+    if s.N * s.s_q <= 32:
+        plans += [rep(default, num_warps=8), rep(default, use_tma=True),
+                  rep(default, num_stages=3)]
     else:
-        plans += [rep(default, block_n=32, exchange_p=True),
-                  rep(default, block_n=32, exchange_p=False),
-                  rep(default, use_tma=False),
-                  rep(default, block_n=32, exchange_p=True, num_stages=3)]
+        plans += [rep(default, use_tma=False), rep(default, num_stages=3),
+                  rep(default, block_n=32)]
     out = []
     for p in plans:
         if p not in out:

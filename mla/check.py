@@ -221,9 +221,9 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
         yield Case("D=576/512 N=2 split=3 no-TMA",
                    _decode_case(ctx, 11, [0, 1, 65, 200], 1, 2, False,
                                 plan=DecodePlan(16, 64, 3, 4, 1, use_tma=False)))
-        yield Case("D=576/512 N=64 s_q=2 causal exchange split=2",
+        yield Case("D=576/512 N=64 s_q=2 causal TMA split=2",
                    _decode_case(ctx, 12, [0, 1, 65, 200], 2, 64, True,
-                                plan=DecodePlan(64, 32, 2, 8, 2, use_tma=True, exchange_p=True)))
+                                plan=DecodePlan(64, 32, 2, 8, 2, use_tma=True)))
         if ctx.device.type == "cuda":
             yield Case("cuda graph capture + replay, no sync", lambda: _decode_graph_case(ctx))
         return
@@ -252,9 +252,9 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
                               DecodePlan(32, 32, 1, 4, 3, use_tma=True)]):
         yield Case(f"N=16 s_q=2 causal forced {plan}",
                    _decode_case(ctx, 30 + j, edge, 2, 16, True, plan=plan))
-    for j, plan in enumerate([DecodePlan(64, 32, 3, 8, 2, use_tma=True, exchange_p=True),
-                              DecodePlan(64, 32, 1, 8, 3, use_tma=True, exchange_p=True),
-                              DecodePlan(64, 64, 2, 8, 2, use_tma=False, exchange_p=True)]):
+    for j, plan in enumerate([DecodePlan(64, 32, 3, 8, 2, use_tma=True),
+                              DecodePlan(64, 64, 1, 8, 3, use_tma=True),
+                              DecodePlan(64, 64, 2, 8, 2, use_tma=False)]):
         yield Case(f"N=128 s_q=2 causal forced {plan}",
                    _decode_case(ctx, 35 + j, edge + [3000], 2, 128, True, plan=plan))
     yield Case("float16 N=128 s_q=2 causal", _decode_case(ctx, 40, edge, 2, 128, True,

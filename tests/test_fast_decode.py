@@ -73,8 +73,7 @@ TINY_CASES = [
     ([65, 3, 0], 2, 4, 64, DecodePlan(16, 32, 2, 4, 1, use_tma=False)),
     ([20, 1, 47], 3, 8, 1, DecodePlan(16, 16, 2, 4, 1)),  # page size 1: per-row gather
     ([33, 2], 4, 5, 16, DecodePlan(16, 16, 1, 4, 1)),  # N·s_q = 20 rows: two head groups
-    # P and the rescale factors through the scratch buffer (the compute-bound layout)
-    ([70, 0, 5], 2, 8, 32, DecodePlan(16, 32, 2, 4, 1, use_tma=True, exchange_p=True)),
+    ([70, 0, 5], 2, 8, 32, DecodePlan(16, 32, 2, 4, 1, use_tma=True)),  # pages of 32
 ]
 
 

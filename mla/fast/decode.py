@@ -8,10 +8,10 @@ dtype, ``lse [B, N, s_q]`` float32, ``+inf`` lse and 0 out for a query that sees
 
 How it is fast (shared/KERNELS.md):
 
-- One KV "head" serves all query heads, so a program stacks up to ``BLOCK_M`` (16..64) of the
-  request's ``s_q · N`` query rows as the M dimension of its dots. Each ``BLOCK_N × D`` KV tile
-  is loaded once and serves them all; only when ``s_q · N > BLOCK_M`` do several head groups read
-  the same tile (neighbouring programs, so the second read mostly hits L2).
+- One KV "head" serves all query heads, so a program stacks up to ``BLOCK_M`` (16 or 64) of
+  the request's ``s_q · N`` query rows as the M dimension of its dots. Each ``BLOCK_N × D`` KV
+  tile is loaded once and serves them all; only when ``s_q · N > BLOCK_M`` do several head
+  groups read the same tile (neighbouring programs, so the second read mostly hits L2).
 - K and V are the same rows: the tile's first ``head_dim_v`` columns are loaded once and used
   for ``q_nope · k_nopeᵀ`` and for ``P · V``; the last ``D - head_dim_v`` (rope) columns only
   for the logits. The dims need not be powers of two (masked), e.g. the tiny preset's 32 + 8.
@@ -57,7 +57,6 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     use_tma: bool = True  # full page-aligned tiles through tensor descriptors (TMA)
-    exchange_p: bool = False  # P through scratch: the two warp groups split the logits
 
 
 def _next_pow2(n: int) -> int:
@@ -74,14 +73,23 @@ def _num_sms(device: torch.device) -> int:
 def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v: int,
                 max_blocks: int, block_size: int, dtype: torch.dtype,
                 num_sms: int) -> DecodePlan:
-    """The default plan: head rows as the dot's M, page-sized tiles, enough splits to fill
-    about two programs per SM.
+    """The default plan, from shapes alone (benchmarks/NOTES.md has the measurements).
 
-    Uses the block table's capacity (``max_blocks · block_size``) as the length bound: the true
-    lengths live on the device and reading them would cost a sync.
+    - ``s_q · N <= 32`` rows (memory-bound, e.g. 16 heads): 16-row programs, 4 warps,
+      pointer loads (``cp.async``): 139 registers and 94 KB of shared memory, so two programs
+      share an SM, and about four programs of work per SM. Faster here than 8 warps or TMA
+      tiles (the in-kernel descriptors push the 4-warp kernel into spills).
+    - more rows (compute-bound, e.g. 128 heads): 64-row programs, 8 warps, TMA tiles; 221 KB
+      of shared memory, one program per SM, so splits only to reach one program per SM.
+    Splits keep at least 2 tiles each. The block table's capacity (``max_blocks ·
+    block_size``) stands in for the lengths: those live on the device and reading them would
+    cost a sync.
     """
     rows = s_q * num_heads
-    block_m = min(64, max(16, _next_pow2(rows)))
+    if rows <= 32:
+        block_m, num_warps, use_tma, per_sm = 16, 4, False, 4
+    else:
+        block_m, num_warps, use_tma, per_sm = 64, 8, True, 1
     block_n = 32 if dtype == torch.float32 else 64  # a 64 × 576 fp32 tile is 147 KB
     page_pow2 = block_size & -block_size  # largest power of two dividing the page size
     if block_size % block_n and page_pow2 >= 16:
@@ -89,15 +97,13 @@ def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v:
     groups = -(-rows // block_m)
     tiles = max(1, -(-(max_blocks * block_size) // block_n))
     base = batch * groups
-    target = 2 * num_sms
+    target = per_sm * num_sms
     splits = 1
     if base < target:
-        # at least 4 tiles per split so the partial (o, lse) traffic stays small
-        splits = max(1, min(-(-target // base), tiles // 4, 64))
+        splits = max(1, min(round(target / base), tiles // 2, 128))
         splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at capacity
-    num_warps = 8 if _next_pow2(head_dim_v) >= 256 else 4
     return DecodePlan(block_m=block_m, block_n=block_n, num_splits=splits,
-                      num_warps=num_warps, num_stages=2)
+                      num_warps=num_warps, num_stages=2, use_tma=use_tma)
 
 
 @triton.jit
@@ -118,29 +124,11 @@ def _load_2d(ptrs, row_mask, col_mask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.co
 
 
 @triton.jit
-def _cta_barrier(x, ASM_BARRIER: tl.constexpr):
-    """A barrier of the whole program that returns 0 with a data dependence on ``x``.
-
-    Compiled, it is ``bar.sync`` in inline assembly (with a memory clobber): Triton's
-    software pipeliner gives up on loops that hold its own ``tl.debug_barrier``, and the TMA
-    loads of the next tiles must stay in flight. The interpreter has no inline assembly and
-    runs one program at a time, so ``tl.debug_barrier`` does there."""
-    if ASM_BARRIER:
-        tok = tl.inline_asm_elementwise("bar.sync 1; mov.u32 $0, 0;", "=r,r,~{memory}", [x],
-                                        dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.debug_barrier()
-        tok = x * 0
-    return tok
-
-
-@triton.jit
 def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, end, limit,
-            qk_scale, stride_kvb, stride_kvr, p_scr, a_scr,
+            qk_scale, stride_kvb, stride_kvr,
             DV: tl.constexpr, DR: tl.constexpr, PAGE_SIZE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-            BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr, PAGE_TILE: tl.constexpr,
-            USE_TMA: tl.constexpr, EXCHANGE: tl.constexpr, ASM_BARRIER: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
+            HAS_PE: tl.constexpr, PAGE_TILE: tl.constexpr, USE_TMA: tl.constexpr,
             MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr):
     """Online softmax over the key tiles ``[lo, hi)``; ``MASKED`` tiles also check
     ``key < end`` and, with ``CAUSAL``, ``key <= limit`` per query row.
@@ -148,15 +136,8 @@ def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, e
     Full tiles of a page-aligned cache come through the tensor descriptors (TMA: one bulk
     copy per 128-byte column box, no per-thread addresses); the masked tail and other page
     sizes through pointer loads, which zero the rows past ``end`` (a TMA tile would carry
-    whatever the cache holds there, NaN included, into ``P · V``).
-
-    ``EXCHANGE``: P and the rescale factors go through a small per-program scratch buffer
-    between the two dots. Triton lays out a dot whose result flows into another dot with all
-    warps along M; with 64 rows and 8 warps both warp groups then compute the same 64×64
-    logits (1.5× the tensor work). Cutting the data flow lets each warp group compute half of
-    the logits' columns, at the price of an 8 KB round trip through L1 and two barriers."""
+    whatever the cache holds there, NaN included, into ``P · V``)."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
     dv_mask = offs_dv < DV
@@ -183,17 +164,10 @@ def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, e
             if HAS_PE:
                 k_pe = _load_2d(KV + row_off[:, None] + DV + offs_dr[None, :], kmask, dr_mask,
                                 MASKED, BLOCK_DR != DR)
-        if EXCHANGE:
-            # two independent dots, each scaled before the sum: Triton folds a plain
-            # ``dot + dot`` into an accumulator chain, which would bring the layout back
-            qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC) * qk_scale
-            if HAS_PE:
-                qk += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PREC) * qk_scale
-        else:
-            qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC)
-            if HAS_PE:
-                qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PREC)
-            qk = qk * qk_scale  # log2 domain
+        qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC)
+        if HAS_PE:
+            qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PREC)
+        qk = qk * qk_scale  # log2 domain
         if MASKED:
             vis = kmask[None, :]
             if CAUSAL:
@@ -205,24 +179,15 @@ def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, e
         alpha = tl.math.exp2(m_i - m_use)
         p = tl.math.exp2(qk - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(kv_nope.dtype)
-        if EXCHANGE and not MASKED:
-            p_ptrs = p_scr + offs_m[:, None] * BLOCK_N + offs_n[None, :]
-            tok = _cta_barrier(start, ASM_BARRIER)  # all warps have read the last tile's P
-            tl.store(p_ptrs + tok, p)
-            tl.store(a_scr + offs_m + tok, alpha)
-            tok = _cta_barrier(tok, ASM_BARRIER)  # this tile's P is complete
-            p = tl.load(p_ptrs + tok, volatile=True)
-            alpha = tl.load(a_scr + offs_m + tok, volatile=True)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p, kv_nope, acc, input_precision=DOT_PREC)
+        acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc, input_precision=DOT_PREC)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
 def _decode_kernel(
-    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP, P_SCR, A_SCR,
+    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvr, stride_btb,
     stride_ob, stride_ot, stride_oh,
@@ -231,9 +196,8 @@ def _decode_kernel(
     N: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr,
-    PAGE_TILE: tl.constexpr, USE_TMA: tl.constexpr, EXCHANGE: tl.constexpr,
-    ASM_BARRIER: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    PAGE_TILE: tl.constexpr, USE_TMA: tl.constexpr, CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Grid ``(head groups, splits, B)``: the head groups of one key run are neighbours."""
     ROWS: tl.constexpr = S_Q * N
@@ -288,20 +252,17 @@ def _decode_kernel(
     else:
         kv_desc = KV  # unused
         pe_desc = KV
-    prog = (b * num_splits + split) * tl.num_programs(0) + g
-    p_scr = P_SCR + prog.to(tl.int64) * (BLOCK_M * BLOCK_N)
-    a_scr = A_SCR + prog.to(tl.int64) * BLOCK_M
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row,
-                            lo, mid, end, limit, qk_scale, stride_kvb, stride_kvr, p_scr, a_scr,
-                            DV, DR, PAGE_SIZE, BLOCK_M, BLOCK_N, BLOCK_DV, BLOCK_DR, HAS_PE,
-                            PAGE_TILE, USE_TMA, EXCHANGE, ASM_BARRIER, False, CAUSAL, DOT_PREC)
+                            lo, mid, end, limit, qk_scale, stride_kvb, stride_kvr,
+                            DV, DR, PAGE_SIZE, BLOCK_N, BLOCK_DV, BLOCK_DR, HAS_PE, PAGE_TILE,
+                            USE_TMA, False, CAUSAL, DOT_PREC)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row,
-                            mid, end, end, limit, qk_scale, stride_kvb, stride_kvr, p_scr, a_scr,
-                            DV, DR, PAGE_SIZE, BLOCK_M, TAIL_N, BLOCK_DV, BLOCK_DR, HAS_PE,
-                            PAGE_TILE, USE_TMA, EXCHANGE, ASM_BARRIER, True, CAUSAL, DOT_PREC)
+                            mid, end, end, limit, qk_scale, stride_kvb, stride_kvr,
+                            DV, DR, PAGE_SIZE, TAIL_N, BLOCK_DV, BLOCK_DR, HAS_PE, PAGE_TILE,
+                            USE_TMA, True, CAUSAL, DOT_PREC)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -459,12 +420,8 @@ def mla_decode_paged(
     use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
     if use_tma:
         _ensure_allocator()
-    exchange = plan.exchange_p
-    n_prog = groups * plan.num_splits * B if exchange else 1
-    p_scr = torch.empty(n_prog * plan.block_m * plan.block_n, dtype=q.dtype, device=q.device)
-    a_scr = torch.empty(n_prog * plan.block_m, dtype=torch.float32, device=q.device)
     _decode_kernel[(groups, plan.num_splits, B)](
-        q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part, p_scr, a_scr,
+        q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part,
         q.stride(0), q.stride(1), q.stride(2),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
@@ -473,9 +430,7 @@ def mla_decode_paged(
         N=N, S_Q=s_q, DV=DV, DR=DR, PAGE_SIZE=block_size,
         BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0,
-        PAGE_TILE=page_tile, USE_TMA=use_tma, EXCHANGE=exchange,
-        ASM_BARRIER=not _interpreting(), CAUSAL=bool(causal),
-        SPLIT=split,
+        PAGE_TILE=page_tile, USE_TMA=use_tma, CAUSAL=bool(causal), SPLIT=split,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
