@@ -40,6 +40,7 @@ REGENERATE = "python -m papers.tables --write"
 
 # which command writes which results file (by name prefix), run on the GPU machine
 PRODUCERS = {
+    "decode_sweep": "python -m benchmarks.run --sweep",
     "decode_": "python -m benchmarks.run",
     "prefill_routes": "python -m benchmarks.prefill_routes",
     "dcp_nccl": "torchrun --nproc-per-node 2 -m mla.dcp_dist --check --out <file>",
@@ -160,7 +161,7 @@ def _render_generic(data: object) -> list[str]:
     return lines
 
 
-def _metadata(data: object) -> list[str]:
+def _metadata(data: object, skip: tuple[str, ...] = ()) -> list[str]:
     """The run's environment (``environment`` or the top-level scalars) and small summaries."""
     if not isinstance(data, dict):
         return []
@@ -171,7 +172,7 @@ def _metadata(data: object) -> list[str]:
     if env:
         lines.append(", ".join(f"{k} {_fmt(v)}" for k, v in env.items()) + ".")
     for key, value in data.items():
-        if key != "environment" and isinstance(value, dict) and value and all(
+        if key not in ("environment", *skip) and isinstance(value, dict) and value and all(
                 isinstance(v, (str, int, float, bool)) for v in value.values()):
             lines.append(f"`{key}`: " + ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
                          + ".")
@@ -202,11 +203,11 @@ def render_benchmarks(results_dir: Path = RESULTS) -> str:
         except (OSError, json.JSONDecodeError) as e:
             out.append(f"not readable as JSON: {type(e).__name__}")
             continue
-        out += _metadata(data)
-        if isinstance(data, dict) and "decode" in data and "ceilings" in data:
-            body = _render_decode(data)
-        else:
-            body = _render_generic(data)
+        decode = isinstance(data, dict) and "decode" in data and "ceilings" in data
+        out += _metadata(data, skip=("ceilings",) if decode else ())
+        body = _render_decode(data) if decode else _render_generic(data)
+        while body and not body[-1]:
+            body.pop()
         out += body or ["(no tables: the file holds no lists of records)"]
     return "\n".join(out).rstrip()
 
