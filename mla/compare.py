@@ -92,7 +92,10 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None,
 
 
 def poison_like(t: torch.Tensor) -> torch.Tensor:
-    """A tensor like ``t`` full of NaN (floating) or of the dtype's minimum (integer)."""
+    """A tensor like ``t`` full of NaN (floating), 0xFF (uint8: NaN as e4m3, so an unwritten
+    fp8 cache byte cannot pass) or the dtype's minimum (other integers)."""
     if t.is_floating_point():
         return torch.full_like(t, float("nan"))
+    if t.dtype == torch.uint8:
+        return torch.full_like(t, 0xFF)
     return torch.full_like(t, torch.iinfo(t.dtype).min)

@@ -241,3 +241,11 @@ def test_poison_like_int_is_dtype_minimum(dtype):
 def test_poison_like_meta_device():
     p = poison_like(torch.empty(2, 3, device="meta", dtype=torch.bfloat16))
     assert p.device.type == "meta" and p.dtype == torch.bfloat16 and p.shape == (2, 3)
+
+
+def test_poison_like_uint8_is_an_fp8_nan_byte():
+    # 0x00 is a valid e4m3 value (zero); 0xFF is NaN, so an unwritten fp8 cache byte shows
+    t = torch.zeros(4, 656, dtype=torch.uint8)
+    p = poison_like(t)
+    assert p.dtype == torch.uint8 and (p == 0xFF).all()
+    assert torch.isnan(p.view(torch.float8_e4m3fn).float()).all()

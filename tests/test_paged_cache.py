@@ -87,7 +87,7 @@ def test_concat_and_cache_mla_writes_exact_rows(dtype: torch.dtype, k_pe_3d: boo
 
 
 def test_concat_and_cache_mla_rejects_bad_slot() -> None:
-    kv_cache = torch.zeros(2, 4, 6)
+    kv_cache = torch.zeros(2, 4, 6, dtype=torch.float64)
     with pytest.raises(ValueError, match="slot_mapping"):
         concat_and_cache_mla(randn(2, 4, seed=0), randn(2, 2, seed=1), kv_cache,
                              torch.tensor([0, 8]))

@@ -23,6 +23,7 @@ from mla.checks import (
     check_index,
     check_nonnegative,
     check_same_device,
+    check_same_dtype,
     check_tensor,
 )
 
@@ -75,13 +76,15 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     check_float("k_pe", k_pe, shape=[T, D - Lkv])
     check_index("slot_mapping", slot_mapping, shape=[T])
     check_same_device(kv_cache=kv_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
+    # no silent down-cast: a float64 latent written into a float32 cache would lose digits
+    check_same_dtype(kv_cache=kv_cache, kv_c=kv_c, k_pe=k_pe)
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     slots = slot_mapping.long()
     keep = slots >= 0
     if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= n_slots):
         raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (-1 = padding), got range "
                          f"[{int(slots.min())}, {int(slots.max())}]")
-    rows = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
+    rows = torch.cat([kv_c, k_pe], dim=-1)
     kv_cache.view(n_slots, D)[slots[keep]] = rows[keep]
 
 
