@@ -8,7 +8,12 @@ bf16 dot and bf16 casts are wrong), small shapes, lengths that are not multiples
 empty and length-1 cases. On a GPU the same tests add bfloat16. Buffers the kernels fill are
 NaN-poisoned (``poison_like``; wrapper allocations through ``poisoned_alloc``), so an unwritten
 element fails. Float results are compared with the reference in float64 on upcast inputs;
-copies and index maps must match bit for bit.
+copies and index maps must match bit for bit. One exception, for the lse of the prefill paths
+that up-project the latent: the keys ``kv_c · W_UK`` are materialized in the input dtype (as
+the reference does when it runs in that dtype, and as any bf16 path feeding an attention
+kernel must), which moves a bf16 lse by about 3e-3 from the float64 one (measured for the
+reference itself in bf16: 3.1e-3 at S=512, N=16). Their lse is held to SPEC 11's 1e-3 against
+the reference run in the input dtype (float32 accumulation); their ``o`` still against float64.
 """
 
 from __future__ import annotations
@@ -389,10 +394,14 @@ def test_prefill_attention_matches_reference(Sq, Skv, positions, dtype):
                    k_positions=torch.arange(Skv, device=DEVICE) * 2)
     scale = (P + 8) ** -0.5
     o, lse = prefill_attention(q_nope, q_pe, kv_c, k_pe, W_UK, W_UV, scale, True, **pos)
-    ref_o, ref_lse = ref_prefill.prefill_attention(
+    ref_o, _ = ref_prefill.prefill_attention(
         up(q_nope), up(q_pe), up(kv_c), up(k_pe), up(W_UK), up(W_UV), scale, True,
         **{k: v.cpu() for k, v in pos.items()})
     assert_close(o, ref_o, out_tol(dtype), name="o")
+    # the up-projected keys are rounded to the input dtype (by the reference too, when it runs
+    # in that dtype); lse is held to 1e-3 against the reference's own semantics at this dtype
+    _, ref_lse = ref_prefill.prefill_attention(q_nope, q_pe, kv_c, k_pe, W_UK, W_UV, scale,
+                                               True, **pos)
     assert_close(lse, ref_lse, name="lse", abs_tol=LSE_ABS_TOL)
 
 
@@ -424,8 +433,11 @@ def test_chunked_prefill_matches_reference(mcc, dtype, route, monkeypatch):
     scale = (P + 8) ** -0.5
     o, lse = chunked_prefill_attention(q_nope, q_pe, kv_c, k_pe, qsl, kv_cache, bt.to(DEVICE),
                                        plan, W_UK, W_UV, scale)
-    ref_o, ref_lse = ref_chunked.chunked_prefill_attention(
+    ref_o, _ = ref_chunked.chunked_prefill_attention(
         up(q_nope), up(q_pe), up(kv_c), up(k_pe), qsl.cpu(), up(kv_cache), bt, plan,
         up(W_UK), up(W_UV), scale)
     assert_close(o, ref_o, out_tol(dtype), name="o")
+    # lse against the reference at this dtype (its keys rounded as ours are: see prefill above)
+    _, ref_lse = ref_chunked.chunked_prefill_attention(
+        q_nope, q_pe, kv_c, k_pe, qsl, kv_cache, bt.to(DEVICE), plan, W_UK, W_UV, scale)
     assert_close(lse, ref_lse, name="lse", abs_tol=LSE_ABS_TOL)

@@ -10,10 +10,11 @@ same ``ChunkPlan`` (a plan is a value; nothing here re-plans):
         (o_c, l_c) = attention(q, chunk keys, non-causal)         all requests at once
         (o, lse)   = merge_attn_states(o_c, l_c, o, lse)          mla.fast.merge
 
-The attention of a ragged batch goes one of two ways (``varlen_route``):
+The attention of a ragged batch goes one of two ways (``varlen_route``, measured):
 - ``"triton"``: one launch of ``flash_attention_with_lse`` over the whole batch (a request with
-  no rows in a chunk gets ``o = 0``, ``lse = -inf``, which the merge passes over);
-- ``"cudnn"``: one cuDNN call per request (bf16/fp16 on CUDA);
+  no rows in a chunk gets ``o = 0``, ``lse = -inf``, which the merge passes over): the context
+  chunks;
+- ``"cudnn"``: one cuDNN call per request (bf16/fp16 on CUDA): the causal new tokens;
 - ``"reference"`` on the CPU: the reference's attention per request (the gathers and merges are
   still the Triton kernels, under ``TRITON_INTERPRET=1``).
 
@@ -37,10 +38,20 @@ from mla.reference.chunked import ChunkPlan
 __all__ = ["chunked_prefill_attention", "varlen_route"]
 
 
-def varlen_route(device: torch.device, dtype: torch.dtype, num_requests: int) -> str:
-    """How a ragged batch's attention runs (measured: benchmarks/results/prefill_routes.md)."""
+def varlen_route(device: torch.device, dtype: torch.dtype, causal: bool) -> str:
+    """How a ragged batch's attention runs, from the H200 measurements in
+    benchmarks/results/prefill_routes.md (8 requests of 1 to 4096 tokens; 6 requests of 1 to
+    2000 queries over 4096-token context chunks):
+
+    - causal (the new tokens among themselves): a cuDNN call per request, 341 TFLOP/s against
+      277 for one Triton launch at N = 128 (equal at N = 16: 254 and 261);
+    - non-causal (a context chunk): one Triton launch, 351 against 275 at N = 128 and 306
+      against 180 at N = 16 (short query runs leave cuDNN's per-call tiles idle).
+    """
     if device.type != "cuda" or dtype == torch.float64:
         return "reference"
+    if causal and dtype in (torch.float16, torch.bfloat16) and torch.backends.cudnn.is_available():
+        return "cudnn"
     return "triton"
 
 
@@ -110,14 +121,15 @@ def chunked_prefill_attention(
         raise ValueError(f"plan.context_lens {list(plan.context_lens)} exceed block_table's "
                          f"capacity {capacity} tokens")
 
-    route = varlen_route(q_nope.device, q_nope.dtype, B)
     Lkv = kv_c.shape[1]
     qsl_dev = query_start_loc.to(torch.int32)
 
     # suffix: every request's new tokens, causal among themselves, one up-projection for all
     k_nope, v = up_project(kv_c, W_UK, W_UV)
-    o, lse = _ragged_attention(route, q_nope, q_pe, k_nope, k_pe, v, qsl, qsl, qsl_dev, qsl_dev,
-                               softmax_scale, causal=True)
+    o, lse = _ragged_attention(varlen_route(q_nope.device, q_nope.dtype, True), q_nope, q_pe,
+                               k_nope, k_pe, v, qsl, qsl, qsl_dev, qsl_dev, softmax_scale,
+                               causal=True)
+    route = varlen_route(q_nope.device, q_nope.dtype, False)
 
     # prefix: the cached context, chunk by chunk through one workspace
     workspace = kv_cache.new_empty(max(plan.seq_tot, default=0), kv_cache.shape[2])
