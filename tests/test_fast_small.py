@@ -182,6 +182,10 @@ def test_concat_and_cache_rejects_bad_slots():
     with pytest.raises(ValueError, match="k_pe"):
         concat_and_cache_mla(torch.ones(2, 8, device=DEVICE), torch.ones(2, 5, device=DEVICE),
                              kv_cache, torch.tensor([0, 1], device=DEVICE))
+    with pytest.raises(TypeError, match="kv_c"):
+        concat_and_cache_mla(torch.ones(2, 8, device=DEVICE, dtype=torch.float64),
+                             torch.ones(2, 4, device=DEVICE), kv_cache,
+                             torch.tensor([0, 1], device=DEVICE))
     assert torch.all(kv_cache == 0)
 
 

@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.checks import check_float, check_index, check_same_device, check_tensor
+from mla.checks import (
+    check_float,
+    check_index,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
 
 __all__ = ["concat_and_cache_mla", "gather_cache", "gather_cache_known", "should_validate"]
 
@@ -59,11 +65,11 @@ def _concat_and_cache_kernel(
         d = d0 + tl.arange(0, BLOCK_L)
         m = ok & (d < Lkv)
         x = tl.load(kv_c + t * s_kv_t + d * s_kv_d, mask=m)
-        tl.store(row + d * s_c_d, x.to(cache.dtype.element_ty), mask=m)
+        tl.store(row + d * s_c_d, x, mask=m)
     r = tl.arange(0, BLOCK_R)
     m = ok & (r < R)
     x = tl.load(k_pe + t * s_pe_t + r * s_pe_d, mask=m)
-    tl.store(row + (Lkv + r) * s_c_d, x.to(cache.dtype.element_ty), mask=m)
+    tl.store(row + (Lkv + r) * s_c_d, x, mask=m)
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -82,6 +88,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     check_float("k_pe", k_pe, shape=[T, D - Lkv])
     check_index("slot_mapping", slot_mapping, shape=[T])
     check_same_device(kv_cache=kv_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
+    check_same_dtype(kv_cache=kv_cache, kv_c=kv_c, k_pe=k_pe)  # as the reference: no down-cast
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     if T == 0:
         return
