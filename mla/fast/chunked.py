@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import check_float, check_index, check_same_device, check_scale
 from mla.fast.attention import cudnn_attention_with_lse, flash_attention_with_lse
 from mla.fast.merge import merge_attn_states
 from mla.fast.paged_cache import gather_cache_known
 from mla.fast.prefill import up_project
 from mla.reference.attention import attention_with_lse as _reference_attention
-from mla.reference.chunked import ChunkPlan
+from mla.reference.chunked import ChunkPlan, check_chunked_prefill_args
 
 __all__ = ["chunked_prefill_attention", "varlen_route"]
 
@@ -98,24 +97,9 @@ def chunked_prefill_attention(
     request ``i`` has ``plan.context_lens[i]`` cached tokens under ``block_table[i]``. Returns
     ``o [T, N, V]`` and ``lse [N, T]``.
     """
-    check_float("q_nope", q_nope, shape=[None, W_UK.shape[1], W_UK.shape[2]])
-    T = q_nope.shape[0]
-    check_float("q_pe", q_pe, shape=[T, q_nope.shape[1], None])
-    check_float("kv_c", kv_c, shape=[T, W_UK.shape[0]])
-    check_float("k_pe", k_pe, shape=[T, q_pe.shape[2]])
-    check_float("kv_cache", kv_cache, shape=[None, None, kv_c.shape[1] + k_pe.shape[1]])
     B = len(plan.context_lens)
-    check_index("query_start_loc", query_start_loc, shape=[B + 1])
-    check_index("block_table", block_table, ndim=2)
-    check_same_device(q_nope=q_nope, kv_cache=kv_cache, block_table=block_table,
-                      query_start_loc=query_start_loc)
-    check_scale("softmax_scale", softmax_scale)
-    qsl = query_start_loc.tolist()
-    if qsl[0] != 0 or qsl[-1] != T or any(b < a for a, b in zip(qsl, qsl[1:])):
-        raise ValueError(f"query_start_loc must rise from 0 to T={T}, got {qsl}")
-    if block_table.shape[0] != B:
-        raise ValueError(f"block_table must have one row per request ({B}), "
-                         f"got {list(block_table.shape)}")
+    qsl = check_chunked_prefill_args(q_nope, q_pe, kv_c, k_pe, query_start_loc, kv_cache,
+                                     block_table, B, W_UK, softmax_scale)
     capacity = block_table.shape[1] * kv_cache.shape[1]
     if max(plan.context_lens, default=0) > capacity:
         raise ValueError(f"plan.context_lens {list(plan.context_lens)} exceed block_table's "

@@ -35,7 +35,8 @@ from mla.reference.merge import merge_attn_states
 from mla.reference.paged_cache import gather_cache
 from mla.reference.prefill import up_project_kv
 
-__all__ = ["workspace_size", "ChunkPlan", "plan_context_chunks", "chunked_prefill_attention"]
+__all__ = ["workspace_size", "ChunkPlan", "plan_context_chunks", "chunked_prefill_attention",
+           "check_chunked_prefill_args"]
 
 
 def workspace_size(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
@@ -144,6 +145,39 @@ def plan_context_chunks(
     return ChunkPlan(lens, mcc, tuple(starts), tuple(seq_lens), tuple(cu), tuple(tot))
 
 
+def check_chunked_prefill_args(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    num_requests: int,
+    W_UK: torch.Tensor,  # noqa: N803
+    softmax_scale: float,
+) -> list[int]:
+    """The argument checks of the chunked-prefill attentions (reference, DCP and fast).
+
+    Returns ``query_start_loc`` read on the host (the per-request loops need it).
+    """
+    check_float("q_nope", q_nope, shape=[None, W_UK.shape[1], W_UK.shape[2]])
+    T = q_nope.shape[0]
+    check_float("q_pe", q_pe, shape=[T, q_nope.shape[1], None])
+    check_float("kv_c", kv_c, shape=[T, W_UK.shape[0]])
+    check_float("k_pe", k_pe, shape=[T, q_pe.shape[2]])
+    check_float("kv_cache", kv_cache, shape=[None, None, kv_c.shape[1] + k_pe.shape[1]])
+    check_index("query_start_loc", query_start_loc, shape=[num_requests + 1])
+    check_index("block_table", block_table, shape=[num_requests, None])
+    check_same_device(q_nope=q_nope, kv_cache=kv_cache, block_table=block_table,
+                      query_start_loc=query_start_loc)
+    check_scale("softmax_scale", softmax_scale)
+    qsl = query_start_loc.tolist()
+    if qsl[0] != 0 or qsl[-1] != T or any(b < a for a, b in zip(qsl, qsl[1:])):
+        raise ValueError(f"query_start_loc must rise from 0 to T={T}, got {qsl}")
+    return qsl
+
+
 def chunked_prefill_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -164,24 +198,9 @@ def chunked_prefill_attention(
     new tokens sit at positions ``ctx_i, ctx_i + 1, ...``. Returns ``o [T, N, V]`` and
     ``lse [N, T]``.
     """
-    check_float("q_nope", q_nope, shape=[None, W_UK.shape[1], W_UK.shape[2]])
-    T = q_nope.shape[0]
-    check_float("q_pe", q_pe, shape=[T, q_nope.shape[1], None])
-    check_float("kv_c", kv_c, shape=[T, W_UK.shape[0]])
-    check_float("k_pe", k_pe, shape=[T, q_pe.shape[2]])
-    check_float("kv_cache", kv_cache, shape=[None, None, kv_c.shape[1] + k_pe.shape[1]])
     B = len(plan.context_lens)
-    check_index("query_start_loc", query_start_loc, shape=[B + 1])
-    check_index("block_table", block_table, ndim=2)
-    check_same_device(q_nope=q_nope, kv_cache=kv_cache, block_table=block_table,
-                      query_start_loc=query_start_loc)
-    check_scale("softmax_scale", softmax_scale)
-    qsl = query_start_loc.tolist()
-    if qsl[0] != 0 or qsl[-1] != T or any(b < a for a, b in zip(qsl, qsl[1:])):
-        raise ValueError(f"query_start_loc must rise from 0 to T={T}, got {qsl}")
-    if block_table.shape[0] != B:
-        raise ValueError(f"block_table must have one row per request ({B}), "
-                         f"got {list(block_table.shape)}")
+    qsl = check_chunked_prefill_args(q_nope, q_pe, kv_c, k_pe, query_start_loc, kv_cache,
+                                     block_table, B, W_UK, softmax_scale)
 
     q = torch.cat([q_nope, q_pe], dim=-1)
     Lkv = kv_c.shape[1]

@@ -56,10 +56,9 @@ from mla.checks import (
     check_nonnegative,
     check_positive_int,
     check_same_device,
-    check_scale,
 )
 from mla.reference.attention import attention_with_lse
-from mla.reference.chunked import ChunkPlan, plan_context_chunks
+from mla.reference.chunked import ChunkPlan, check_chunked_prefill_args, plan_context_chunks
 from mla.reference.decode import absorb_q, check_paged_decode_args
 from mla.reference.front import mla_front
 from mla.reference.merge import merge_attn_states
@@ -860,21 +859,9 @@ def dcp_chunked_prefill_attention(
     whole by ``dcp_gather_context_chunk`` and merged as in the single-rank path.
     Returns ``o [T, N', V]`` and ``lse [N', T]``.
     """
-    check_float("q_nope", q_nope, shape=[None, W_UK.shape[1], W_UK.shape[2]])
-    T = q_nope.shape[0]
-    check_float("q_pe", q_pe, shape=[T, q_nope.shape[1], None])
-    check_float("kv_c", kv_c, shape=[T, W_UK.shape[0]])
-    check_float("k_pe", k_pe, shape=[T, q_pe.shape[2]])
-    check_float("kv_cache", kv_cache, shape=[None, None, kv_c.shape[1] + k_pe.shape[1]])
     B = len(plan.origin_context_lens)
-    check_index("query_start_loc", query_start_loc, shape=[B + 1])
-    check_index("block_table", block_table, shape=[B, None])
-    check_same_device(q_nope=q_nope, kv_cache=kv_cache, block_table=block_table,
-                      query_start_loc=query_start_loc)
-    check_scale("softmax_scale", softmax_scale)
-    qsl = query_start_loc.tolist()
-    if qsl[0] != 0 or qsl[-1] != T or any(b < a for a, b in zip(qsl, qsl[1:])):
-        raise ValueError(f"query_start_loc must rise from 0 to T={T}, got {qsl}")
+    qsl = check_chunked_prefill_args(q_nope, q_pe, kv_c, k_pe, query_start_loc, kv_cache,
+                                     block_table, B, W_UK, softmax_scale)
 
     # suffix: each request's new tokens, causal among themselves
     o_parts, lse_parts = [], []

@@ -141,14 +141,51 @@ def _chunk(topk: int, d: int) -> int:
 
 def _check_topk_length(topk_length: torch.Tensor | None, rows: int, topk: int,
                        what: str, device: torch.device) -> None:
+    _check_topk_length_shape(topk_length, rows, device)
+    _check_topk_length_values(topk_length, topk, what)
+
+
+def _check_topk_length_shape(topk_length: torch.Tensor | None, rows: int,
+                             device: torch.device) -> None:
     if topk_length is None:
         return
     check_index("topk_length", topk_length, shape=[rows], dtype=(torch.int32,))
     if topk_length.device != device:
         raise ValueError(f"topk_length is on {topk_length.device} but q is on {device}")
-    if rows and (int(topk_length.min()) < 0 or int(topk_length.max()) > topk):
+
+
+def _check_topk_length_values(topk_length: torch.Tensor | None, topk: int, what: str) -> None:
+    if topk_length is None or not topk_length.numel():
+        return
+    if int(topk_length.min()) < 0 or int(topk_length.max()) > topk:
         raise ValueError(f"topk_length must lie in [0, topk={topk}] ({what}), got range "
                          f"[{int(topk_length.min())}, {int(topk_length.max())}]")
+
+
+def check_sparse_prefill_shapes(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                                sm_scale: float, d_v: int,
+                                topk_length: torch.Tensor | None) -> None:
+    """Shape, dtype, device and scalar checks of ``sparse_mla_prefill``: no device read."""
+    check_float("q", q, ndim=3)
+    s_q, h_q, d_qk = q.shape
+    check_float("kv", kv, ndim=(2, 3))
+    if kv.dim() == 3 and kv.shape[1] != 1:
+        raise ValueError(f"kv must have shape [s_kv, {d_qk}] or [s_kv, 1, {d_qk}] (one KV "
+                         f"head), got {list(kv.shape)}")
+    if kv.shape[-1] != d_qk:
+        raise ValueError(f"kv's last dim must be q's head dim {d_qk}, got shape "
+                         f"{list(kv.shape)}")
+    check_same_dtype(q=q, kv=kv)
+    check_index("indices", indices, ndim=(2, 3), dtype=(torch.int32,))
+    if indices.shape[0] != s_q or (indices.dim() == 3 and indices.shape[1] != 1):
+        raise ValueError(f"indices must have shape [{s_q}, topk] or [{s_q}, 1, topk] (one row "
+                         f"per query, one KV head), got {list(indices.shape)}")
+    check_same_device(q=q, kv=kv, indices=indices)
+    check_scale("sm_scale", sm_scale)
+    check_positive_int("d_v", d_v)
+    if d_v > d_qk:
+        raise ValueError(f"d_v must be <= the head dim {d_qk} (V is kv[:, :d_v]), got {d_v}")
+    _check_topk_length_shape(topk_length, s_q, q.device)
 
 
 def sparse_mla_prefill(
@@ -170,29 +207,12 @@ def sparse_mla_prefill(
     ``lse [s_q, h_q]`` (float32; float64 for float64 inputs), both over the scaled logits.
     A lonely query (no valid index): ``out = 0``, ``lse = +inf``, ``max_logits = -inf``.
     """
-    check_float("q", q, ndim=3)
+    check_sparse_prefill_shapes(q, kv, indices, sm_scale, d_v, topk_length)
     s_q, h_q, d_qk = q.shape
-    check_float("kv", kv, ndim=(2, 3))
-    if kv.dim() == 3 and kv.shape[1] != 1:
-        raise ValueError(f"kv must have shape [s_kv, {d_qk}] or [s_kv, 1, {d_qk}] (one KV "
-                         f"head), got {list(kv.shape)}")
-    if kv.shape[-1] != d_qk:
-        raise ValueError(f"kv's last dim must be q's head dim {d_qk}, got shape "
-                         f"{list(kv.shape)}")
-    check_same_dtype(q=q, kv=kv)
-    check_index("indices", indices, ndim=(2, 3), dtype=(torch.int32,))
-    if indices.shape[0] != s_q or (indices.dim() == 3 and indices.shape[1] != 1):
-        raise ValueError(f"indices must have shape [{s_q}, topk] or [{s_q}, 1, topk] (one row "
-                         f"per query, one KV head), got {list(indices.shape)}")
-    check_same_device(q=q, kv=kv, indices=indices)
-    check_scale("sm_scale", sm_scale)
-    check_positive_int("d_v", d_v)
-    if d_v > d_qk:
-        raise ValueError(f"d_v must be <= the head dim {d_qk} (V is kv[:, :d_v]), got {d_v}")
     kv = kv.reshape(kv.shape[0], d_qk)
     indices = indices.reshape(s_q, indices.shape[-1])
     topk = indices.shape[1]
-    _check_topk_length(topk_length, s_q, topk, "one per query", q.device)
+    _check_topk_length_values(topk_length, topk, "one per query")
 
     s_kv = kv.shape[0]
     idx = indices.long()
