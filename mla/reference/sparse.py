@@ -52,20 +52,17 @@ FLASHMLA_D_V = 512
 _CHUNK_ELEMENTS = 1 << 24  # bound on the gathered rows held at once (s_q chunk × topk × d)
 
 
-def convert_req_index_to_global_index(
+def check_index_conversion_shapes(
     req_id: torch.Tensor,
     block_table: torch.Tensor,
     token_indices: torch.Tensor,
     block_size: int,
-    prefill_workspace_request_ids: torch.Tensor | None = None,
-    prefill_workspace_starts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Request-local ``token_indices [T, topk]`` -> global cache slots (or workspace rows).
+    prefill_workspace_request_ids: torch.Tensor | None,
+    prefill_workspace_starts: torch.Tensor | None,
+) -> bool:
+    """Shape, dtype and device checks of the index conversion (no device reads).
 
-    ``req_id [T]`` is each token's request (a row of ``block_table [R, max_blocks]``). With the
-    workspace pair, ``prefill_workspace_request_ids [T]`` is ``-1`` for decode tokens and the
-    prefill request's number ``p`` otherwise, ``prefill_workspace_starts [P]`` its first
-    workspace row. All int32, as the seed asserts; returns int32 ``[T, topk]``.
+    Returns whether the prefill-workspace variant is asked for.
     """
     check_index("req_id", req_id, ndim=1, dtype=(torch.int32,))
     T = req_id.shape[0]
@@ -84,17 +81,53 @@ def convert_req_index_to_global_index(
     check_same_device(req_id=req_id, block_table=block_table, token_indices=token_indices,
                       prefill_workspace_request_ids=prefill_workspace_request_ids,
                       prefill_workspace_starts=prefill_workspace_starts)
-    R, max_blocks = block_table.shape
-    if T and (int(req_id.min()) < 0 or int(req_id.max()) >= R):
+    return has_workspace
+
+
+def check_index_conversion_values(req_id: torch.Tensor, block_table: torch.Tensor,
+                                  prefill_workspace_request_ids: torch.Tensor | None,
+                                  prefill_workspace_starts: torch.Tensor | None) -> None:
+    """Range checks of the request ids (one device-to-host transfer)."""
+    if req_id.numel() == 0:
+        return
+    parts = [torch.stack(torch.aminmax(req_id.long()))]
+    if prefill_workspace_request_ids is not None:
+        parts.append(torch.stack(torch.aminmax(prefill_workspace_request_ids.long())))
+    values = torch.cat(parts).tolist()
+    R = block_table.shape[0]
+    if values[0] < 0 or values[1] >= R:
         raise ValueError(f"req_id must lie in [0, {R}) (block_table rows), got range "
-                         f"[{int(req_id.min())}, {int(req_id.max())}]")
-    if has_workspace and T:
+                         f"[{values[0]}, {values[1]}]")
+    if prefill_workspace_request_ids is not None:
+        assert prefill_workspace_starts is not None
         P = prefill_workspace_starts.shape[0]
-        ids = prefill_workspace_request_ids
-        if int(ids.min()) < -1 or int(ids.max()) >= P:
+        if values[2] < -1 or values[3] >= P:
             raise ValueError(f"prefill_workspace_request_ids must lie in [-1, {P}) "
                              f"(-1 = decode token, else a prefill_workspace_starts entry), "
-                             f"got range [{int(ids.min())}, {int(ids.max())}]")
+                             f"got range [{values[2]}, {values[3]}]")
+
+
+def convert_req_index_to_global_index(
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    token_indices: torch.Tensor,
+    block_size: int,
+    prefill_workspace_request_ids: torch.Tensor | None = None,
+    prefill_workspace_starts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Request-local ``token_indices [T, topk]`` -> global cache slots (or workspace rows).
+
+    ``req_id [T]`` is each token's request (a row of ``block_table [R, max_blocks]``). With the
+    workspace pair, ``prefill_workspace_request_ids [T]`` is ``-1`` for decode tokens and the
+    prefill request's number ``p`` otherwise, ``prefill_workspace_starts [P]`` its first
+    workspace row. All int32, as the seed asserts; returns int32 ``[T, topk]``.
+    """
+    has_workspace = check_index_conversion_shapes(
+        req_id, block_table, token_indices, block_size, prefill_workspace_request_ids,
+        prefill_workspace_starts)
+    check_index_conversion_values(req_id, block_table, prefill_workspace_request_ids,
+                                  prefill_workspace_starts)
+    max_blocks = block_table.shape[1]
 
     tok = token_indices.long()
     block = torch.div(tok, block_size, rounding_mode="floor")
@@ -257,6 +290,42 @@ def sparse_mla_decode(
     Returns ``out [B, s_q, N, head_dim_v]`` (``q``'s dtype) and ``lse [B, N, s_q]`` (float32;
     float64 for float64 ``q``); a lonely query gets ``out = 0`` and ``lse = +inf``.
     """
+    check_sparse_decode_shapes(q, kv_cache, indices, softmax_scale, is_fp8_kvcache,
+                               topk_length, head_dim_v)
+    check_sparse_decode_values(kv_cache, indices, topk_length)
+    B, s_q, N, D = q.shape
+    row = kv_cache.shape[-1]
+    topk = indices.shape[2]
+    n_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    idx = indices.long()
+
+    flat = kv_cache.reshape(n_slots, row)
+    invalid = idx < 0
+    if topk_length is not None:
+        cols = torch.arange(topk, device=q.device)
+        invalid |= cols[None, None, :] >= topk_length.long()[:, None, None]
+    safe = torch.where(invalid, 0, idx)
+    out = q.new_zeros(B, s_q, N, head_dim_v)
+    lse = torch.full((B, N, s_q), float("inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    step = _chunk(topk, D)
+    for b in range(B):
+        for a in range(0, s_q if n_slots else 0, step):
+            e = min(a + step, s_q)
+            rows = flat[safe[b, a:e]]  # [chunk, topk, row]
+            if is_fp8_kvcache:
+                kv_c, k_pe = dequantize_fp8_ds_mla(rows)
+                rows = torch.cat([kv_c, k_pe], dim=-1)
+            o, _, l_ = _attend_gathered(q[b, a:e], rows, invalid[b, a:e], softmax_scale,
+                                        head_dim_v)
+            out[b, a:e] = o
+            lse[b, :, a:e] = l_.T
+    return out, lse
+
+
+def check_sparse_decode_shapes(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                               softmax_scale: float, is_fp8_kvcache: bool,
+                               topk_length: torch.Tensor | None, head_dim_v: int) -> None:
+    """Shape, dtype, device and scalar checks of ``sparse_mla_decode``: no device read."""
     check_float("q", q, ndim=4)
     B, s_q, N, D = q.shape
     if not isinstance(is_fp8_kvcache, bool):
@@ -293,35 +362,19 @@ def sparse_mla_decode(
     check_positive_int("head_dim_v", head_dim_v)
     if head_dim_v > D:
         raise ValueError(f"head_dim_v must be <= q's head dim {D}, got {head_dim_v}")
-    topk = indices.shape[2]
-    _check_topk_length(topk_length, B, topk, "one per request", q.device)
+    _check_topk_length_shape(topk_length, B, q.device)
+
+
+def check_sparse_decode_values(kv_cache: torch.Tensor, indices: torch.Tensor,
+                               topk_length: torch.Tensor | None) -> None:
+    """Value checks of ``sparse_mla_decode`` (``topk_length`` and ``indices`` ranges): these
+    read device tensors on the host."""
+    _check_topk_length_values(topk_length, indices.shape[2], "one per request")
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     idx = indices.long()
     if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= n_slots):
         raise ValueError(f"indices must lie in [-1, {n_slots}) (-1 = none; the cache has "
                          f"{n_slots} slots), got range [{int(idx.min())}, {int(idx.max())}]")
-
-    flat = kv_cache.reshape(n_slots, row)
-    invalid = idx < 0
-    if topk_length is not None:
-        cols = torch.arange(topk, device=q.device)
-        invalid |= cols[None, None, :] >= topk_length.long()[:, None, None]
-    safe = torch.where(invalid, 0, idx)
-    out = q.new_zeros(B, s_q, N, head_dim_v)
-    lse = torch.full((B, N, s_q), float("inf"), dtype=acc_dtype(q.dtype), device=q.device)
-    step = _chunk(topk, D)
-    for b in range(B):
-        for a in range(0, s_q if n_slots else 0, step):
-            e = min(a + step, s_q)
-            rows = flat[safe[b, a:e]]  # [chunk, topk, row]
-            if is_fp8_kvcache:
-                kv_c, k_pe = dequantize_fp8_ds_mla(rows)
-                rows = torch.cat([kv_c, k_pe], dim=-1)
-            o, _, l_ = _attend_gathered(q[b, a:e], rows, invalid[b, a:e], softmax_scale,
-                                        head_dim_v)
-            out[b, a:e] = o
-            lse[b, :, a:e] = l_.T
-    return out, lse
 
 
 def sparse_index_mask(indices: torch.Tensor, s_kv: int,
