@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.checks import check_index, check_positive_int, check_same_device
 from mla.fast.paged_cache import should_validate
+from mla.reference.sparse import check_index_conversion_shapes, check_index_conversion_values
 
 __all__ = ["convert_req_index_to_global_index"]
 
@@ -63,27 +63,6 @@ def _convert_kernel(
     tl.store(out + t * topk + cols, slot.to(tl.int32), mask=col_ok)
 
 
-def _check_values(req_id: torch.Tensor, block_table: torch.Tensor,
-                  prefill_workspace_request_ids: torch.Tensor | None,
-                  prefill_workspace_starts: torch.Tensor | None) -> None:
-    """The reference's range checks, read in one transfer."""
-    parts = [torch.stack(torch.aminmax(req_id.long()))]
-    if prefill_workspace_request_ids is not None:
-        parts.append(torch.stack(torch.aminmax(prefill_workspace_request_ids.long())))
-    values = torch.cat(parts).tolist()
-    R = block_table.shape[0]
-    if values[0] < 0 or values[1] >= R:
-        raise ValueError(f"req_id must lie in [0, {R}) (block_table rows), got range "
-                         f"[{values[0]}, {values[1]}]")
-    if prefill_workspace_request_ids is not None:
-        assert prefill_workspace_starts is not None
-        P = prefill_workspace_starts.shape[0]
-        if values[2] < -1 or values[3] >= P:
-            raise ValueError(f"prefill_workspace_request_ids must lie in [-1, {P}) "
-                             f"(-1 = decode token, else a prefill_workspace_starts entry), "
-                             f"got range [{values[2]}, {values[3]}]")
-
-
 def convert_req_index_to_global_index(
     req_id: torch.Tensor,
     block_table: torch.Tensor,
@@ -99,30 +78,17 @@ def convert_req_index_to_global_index(
     As the reference (all int32; returns int32 ``[T, topk]``). ``validate``: run the range
     checks on the host (a sync); ``None``: only when no CUDA graph is being captured.
     """
-    check_index("req_id", req_id, ndim=1, dtype=(torch.int32,))
+    has_workspace = check_index_conversion_shapes(
+        req_id, block_table, token_indices, block_size, prefill_workspace_request_ids,
+        prefill_workspace_starts)
     T = req_id.shape[0]
-    check_index("block_table", block_table, ndim=2, dtype=(torch.int32,))
-    check_index("token_indices", token_indices, shape=[T, None], dtype=(torch.int32,))
-    check_positive_int("block_size", block_size)
-    if (prefill_workspace_request_ids is None) != (prefill_workspace_starts is None):
-        raise ValueError("prefill_workspace_request_ids and prefill_workspace_starts must be "
-                         "given together (the workspace variant) or both be None")
-    has_workspace = prefill_workspace_request_ids is not None
-    if has_workspace:
-        check_index("prefill_workspace_request_ids", prefill_workspace_request_ids, shape=[T],
-                    dtype=(torch.int32,))
-        check_index("prefill_workspace_starts", prefill_workspace_starts, ndim=1,
-                    dtype=(torch.int32,))
-    check_same_device(req_id=req_id, block_table=block_table, token_indices=token_indices,
-                      prefill_workspace_request_ids=prefill_workspace_request_ids,
-                      prefill_workspace_starts=prefill_workspace_starts)
     topk = token_indices.shape[1]
     out = torch.empty((T, topk), dtype=torch.int32, device=token_indices.device)
     if T == 0 or topk == 0:
         return out
     if should_validate(validate, token_indices):
-        _check_values(req_id, block_table, prefill_workspace_request_ids,
-                      prefill_workspace_starts)
+        check_index_conversion_values(req_id, block_table, prefill_workspace_request_ids,
+                                      prefill_workspace_starts)
     block_n = min(triton.next_power_of_2(topk), 512)
     ws_req = prefill_workspace_request_ids if has_workspace else req_id
     ws_starts = prefill_workspace_starts if has_workspace else req_id
