@@ -1,0 +1,435 @@
+"""Sparse top-k MLA in Triton: ``mla.reference.sparse``'s ``sparse_mla_decode`` and
+``sparse_mla_prefill``, fast (DeepSeek-V3.2's DSA; FlashMLA's ``flash_mla_with_kvcache`` with
+indices and ``flash_mla_sparse_fwd``).
+
+Same signatures, shapes and conventions as the reference (SPEC sections 10 and 12): per query,
+
+    s_j        = sm_scale · q · kv[indices[j]]          j < topk_length, index valid
+    max_logits = max_j s_j
+    lse        = log Σ_j exp(s_j)
+    out        = Σ_j exp(s_j - lse) · kv[indices[j], :d_v]
+
+a repeated index counts once per appearance; a lonely query (no valid index) gets ``out = 0``,
+``lse = +inf``, ``max_logits = -inf``.
+
+How (shared/KERNELS.md, "Sparse"):
+
+- One program takes all heads of one query (up to ``BLOCK_M = 64`` of them) as the M dimension
+  of its dots: the query's ``topk`` rows are gathered once per head group (128 heads: two
+  neighbouring programs, the second gather mostly hits L2) and serve every head.
+- The ``topk`` list is walked in tiles of ``BLOCK_N`` entries: load the indices, gather those
+  cache rows by index (int64 row offsets: ``n_slots · 656`` bytes passes 2^31 at 3.3M slots),
+  ``qk = q_nope · k_nopeᵀ + q_pe · k_peᵀ``, online softmax in base 2, ``acc += p · k_nope``.
+  K and V are the same rows: the gathered ``k_nope`` tile is V. Invalid entries (``-1``, or at
+  least the number of rows, or past ``topk_length``) load zeros and get ``-inf`` logits.
+- ``fp8_ds_mla`` cache (656-byte rows): the kernel loads the 512 e4m3 bytes, bitcasts them to
+  ``float8e4nv``, converts to float32 and multiplies by the row's four float32 scales (one per
+  128 values; a power of two, so the product is exact in bf16), and loads the 64 bf16 rope
+  values as they are; the dequantized tile goes straight into the dots in q's dtype. The cache
+  is read through uint8, float32 and bfloat16 views of the same bytes (656 = 4 · 164).
+- Split-``topk`` (Flash-Decoding): when ``queries × head groups`` is below the SMs' worth of
+  programs, each query's list is cut into ``num_splits`` runs of whole tiles; partial
+  ``(o, lse, max)`` go to float32 scratch and a second kernel merges them by lse (SPEC 6).
+  ``num_splits`` comes from shapes only, so a call never synchronizes (CUDA graphs).
+
+Validation: shape/dtype/device checks (host metadata) always run. The value checks read device
+tensors on the host (a sync): ``topk_length``'s range, and for decode the indices' range
+``[-1, num_slots)``. They run with ``validate=True`` or, by default (``None``), when no CUDA
+graph is being captured. Without them the kernels still never read outside the cache: an index
+outside ``[0, rows)`` is masked (as the prefill's contract says) and ``topk_length`` is clamped
+to ``[0, topk]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from mla.fast.decode import _interpreting, _load_2d, _next_pow2, _num_sms
+from mla.fast.paged_cache import should_validate
+from mla.reference.fp8 import D_NOPE, D_ROPE, FP8_DS_MLA_BYTES, NUM_TILES, ROPE_OFFSET, TILE
+from mla.reference.sparse import (
+    _check_topk_length_values,
+    check_sparse_decode_shapes,
+    check_sparse_decode_values,
+    check_sparse_prefill_shapes,
+)
+
+__all__ = ["SparsePlan", "plan_sparse", "sparse_mla_decode", "sparse_mla_prefill"]
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsePlan:
+    """Launch parameters of one sparse call, chosen from shapes alone (no device values)."""
+
+    block_m: int  # heads per program: the M of the dots
+    block_n: int  # top-k entries (gathered rows) per tile
+    num_splits: int  # programs per query along its top-k list (1: no combine kernel)
+    num_warps: int
+    num_stages: int
+    fp8_scale_gather: bool = False  # fp8: per-element scale loads instead of a 3-D tile
+
+
+def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,
+                num_sms: int) -> SparsePlan:
+    """The default plan from shapes: ``queries`` is ``B · s_q`` (decode) or ``s_q`` (prefill).
+
+    - Heads: one program holds ``min(64, N)`` heads (rounded up to a power of two, at least
+      16, the smallest dot); a 64 × 512 float32 accumulator takes half the register file, so
+      64-head programs get 8 warps and run one per SM, smaller ones 4 warps and two per SM.
+    - Tiles of 64 gathered rows (32 in float32, whose 64 × 576 tile would take 147 KB).
+    - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
+      least two tiles of ``topk``.
+    """
+    block_m = min(64, max(16, _next_pow2(num_heads)))
+    num_warps, per_sm = (8, 1) if block_m == 64 else (4, 2)
+    block_n = 32 if dtype == torch.float32 else 64
+    groups = -(-num_heads // block_m)
+    tiles = max(1, -(-topk // block_n))
+    base = max(1, queries * groups)
+    target = per_sm * num_sms
+    splits = 1
+    if base < target:
+        splits = max(1, min(round(target / base), tiles // 2, 64))
+        splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at full topk
+    return SparsePlan(block_m=block_m, block_n=block_n, num_splits=splits,
+                      num_warps=num_warps, num_stages=2)
+
+
+@triton.jit
+def _gather_rows(Q, KV, KV_F32, KV_BF16, idx, valid, stride_row,
+                 DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr,
+                 FP8: tl.constexpr, SCALE_GATHER: tl.constexpr,
+                 ROW_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+                 ROPE_OFFSET: tl.constexpr):
+    """The ``BLOCK_N`` cache rows named by ``idx`` as ``(k_nope [BLOCK_N, BLOCK_DV],
+    k_pe [BLOCK_N, BLOCK_DR])`` in q's dtype (the dots'); rows where ``valid`` is False are
+    zeros (no load, so a poisoned or absent row cannot leak in)."""
+    row = idx.to(tl.int64)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    if FP8:
+        # bytes [0, 512): e4m3; floats [128, 132): the inverse scales; bf16 [264, 328): k_pe
+        byte_row = row * ROW_BYTES
+        if SCALE_GATHER:
+            raw = tl.load(KV + byte_row[:, None] + offs_dv[None, :], mask=valid[:, None],
+                          other=0)
+            scale = tl.load(KV_F32 + (row * (ROW_BYTES // 4) + DV // 4)[:, None]
+                            + (offs_dv // TILE)[None, :], mask=valid[:, None], other=0.0)
+            k_nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+        else:
+            offs_t = tl.arange(0, NUM_TILES)
+            offs_c = tl.arange(0, TILE)
+            cols = offs_t[:, None] * TILE + offs_c[None, :]  # [NUM_TILES, TILE]
+            raw = tl.load(KV + byte_row[:, None, None] + cols[None, :, :],
+                          mask=valid[:, None, None], other=0)
+            scale = tl.load(KV_F32 + (row * (ROW_BYTES // 4) + DV // 4)[:, None]
+                            + offs_t[None, :], mask=valid[:, None], other=0.0)
+            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+            k_nope = tl.reshape(x, (BLOCK_N, BLOCK_DV))
+        k_nope = k_nope.to(Q.dtype.element_ty)
+        k_pe = tl.load(KV_BF16 + (row * (ROW_BYTES // 2) + ROPE_OFFSET // 2)[:, None]
+                       + offs_dr[None, :], mask=valid[:, None], other=0.0).to(Q.dtype.element_ty)
+    else:
+        row_off = row * stride_row
+        k_nope = _load_2d(KV + row_off[:, None] + offs_dv[None, :], valid, offs_dv < DV,
+                          True, BLOCK_DV != DV)
+        if HAS_PE:
+            k_pe = _load_2d(KV + row_off[:, None] + DV + offs_dr[None, :], valid,
+                            offs_dr < DR, True, BLOCK_DR != DR)
+        else:
+            k_pe = k_nope  # unused
+    return k_nope, k_pe
+
+
+@triton.jit
+def _sparse_kernel(
+    Q, KV, KV_F32, KV_BF16, IDX, TOPK_LEN, O, LSE, MAXL, OP, LSEP, MAXP,
+    stride_qq, stride_qh, stride_iq, stride_row,
+    stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
+    n_rows, topk, qk_scale, num_splits,
+    N: tl.constexpr, S: tl.constexpr, GROUPS: tl.constexpr, DV: tl.constexpr,
+    DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr, FP8: tl.constexpr,
+    SCALE_GATHER: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_MAXL: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROW_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
+    ROPE_OFFSET: tl.constexpr,
+):
+    """Grid ``(queries · GROUPS, splits)``: the head groups of one query are neighbours.
+
+    Query ``qi`` is ``(qi // S, qi % S)`` for the lse layout and the ``topk_length`` entry
+    (decode: ``S = s_q``, per request; prefill: ``S = 1``, per query)."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    qi = pid // GROUPS
+    g = pid % GROUPS
+    qi64 = qi.to(tl.int64)
+
+    heads = g * BLOCK_M + tl.arange(0, BLOCK_M)
+    h_ok = heads < N
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_dr = tl.arange(0, BLOCK_DR)
+    dv_mask = offs_dv < DV
+    q_row = Q + qi64 * stride_qq + heads * stride_qh
+    q_nope = _load_2d(q_row[:, None] + offs_dv[None, :], h_ok, dv_mask, True, BLOCK_DV != DV)
+    if HAS_PE:
+        q_pe = _load_2d(q_row[:, None] + DV + offs_dr[None, :], h_ok, offs_dr < DR, True,
+                        BLOCK_DR != DR)
+    else:
+        q_pe = q_nope  # unused
+
+    # this program's entries: an equal share of whole tiles of the query's list
+    n = topk
+    if HAS_TOPK_LEN:
+        n = tl.minimum(tl.maximum(tl.load(TOPK_LEN + qi // S), 0), topk)
+    n_tiles = tl.cdiv(n, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    lo = split * per_split * BLOCK_N
+    hi = tl.minimum(lo + per_split * BLOCK_N, n)
+    idx_row = IDX + qi64 * stride_iq
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        c_ok = cols < hi
+        idx = tl.load(idx_row + cols, mask=c_ok, other=-1)
+        valid = c_ok & (idx >= 0) & (idx < n_rows)
+        k_nope, k_pe = _gather_rows(Q, KV, KV_F32, KV_BF16, idx, valid, stride_row, DV, DR,
+                                    BLOCK_N, BLOCK_DV, BLOCK_DR, HAS_PE, FP8, SCALE_GATHER,
+                                    ROW_BYTES, NUM_TILES, TILE, ROPE_OFFSET)
+        qk = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
+        if HAS_PE:
+            qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PREC)
+        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))  # log2 domain
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # a row that has seen no valid entry keeps m = -inf; shift by 0 so exp2 gives 0
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=DOT_PREC)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
+    mx = m_i * 0.6931471805599453  # -inf where nothing was seen
+    if SPLIT:
+        # partials [queries, splits, N, DV] and [queries, splits, N]; "nothing" is lse -inf
+        part = (qi64 * num_splits + split) * N + heads
+        tl.store(LSEP + part, tl.where(seen, lse, float("-inf")), mask=h_ok)
+        tl.store(MAXP + part, mx, mask=h_ok)
+        tl.store(OP + part[:, None] * DV + offs_dv[None, :], o,
+                 mask=(h_ok & seen)[:, None] & dv_mask[None, :])
+    else:
+        tl.store(O + qi64 * stride_oq + heads[:, None] * stride_oh + offs_dv[None, :],
+                 o.to(O.dtype.element_ty), mask=h_ok[:, None] & dv_mask[None, :])
+        tl.store(LSE + (qi64 // S) * stride_lb + (qi64 % S) * stride_lt + heads * stride_lh,
+                 tl.where(seen, lse, float("inf")), mask=h_ok)
+        if HAS_MAXL:
+            tl.store(MAXL + qi64 * stride_mq + heads * stride_mh, mx, mask=h_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    OP, LSEP, MAXP, O, LSE, MAXL, num_splits,
+    stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
+    N: tl.constexpr, S: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr, HAS_MAXL: tl.constexpr,
+):
+    """Grid ``(queries · N,)``: merge one (query, head)'s partials by their lse (SPEC 6)."""
+    r = tl.program_id(0).to(tl.int64)
+    qi = r // N
+    h = r % N
+    offs_s = tl.arange(0, BLOCK_S)
+    part = (qi * num_splits + offs_s) * N + h
+    s_ok = offs_s < num_splits
+    lses = tl.load(LSEP + part, mask=s_ok, other=float("-inf"))
+    m = tl.max(lses, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.sum(tl.exp(lses - m_use), 0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(num_splits):
+        p = (qi * num_splits + s) * N + h
+        lse_s = tl.load(LSEP + p)
+        if lse_s > float("-inf"):  # an empty split wrote no o
+            o_s = tl.load(OP + p * DV + offs_dv, mask=dv_mask, other=0.0)
+            acc += tl.exp(lse_s - m_use) * o_s
+    seen = w_sum > 0.0
+    o = acc / tl.where(seen, w_sum, 1.0)
+    tl.store(O + qi * stride_oq + h * stride_oh + offs_dv, o.to(O.dtype.element_ty),
+             mask=dv_mask)
+    tl.store(LSE + (qi // S) * stride_lb + (qi % S) * stride_lt + h * stride_lh,
+             tl.where(seen, m_use + tl.log(tl.where(seen, w_sum, 1.0)), float("inf")))
+    if HAS_MAXL:
+        mx = tl.max(tl.load(MAXP + part, mask=s_ok, other=float("-inf")), 0)
+        tl.store(MAXL + qi * stride_mq + h * stride_mh, mx)
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must have dtype float16, bfloat16 or float32 for the fast path, "
+                        f"got {q.dtype}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), "
+                         f"got {q.device}")
+
+
+def _launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
+            topk_length: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+            lse_strides: tuple[int, int, int], S: int, max_logits: torch.Tensor | None,
+            sm_scale: float, dv: int, fp8: bool, plan: SparsePlan | None) -> None:
+    """``q [Q, N, D]``, ``kv [rows, D]`` (or ``[rows, 656]`` uint8 with ``fp8``),
+    ``idx [Q, topk]`` into ``out [Q, N, dv]``, ``lse`` (strides ``lse_strides`` for
+    ``(qi // S, qi % S, head)``) and, when given, ``max_logits [Q, N]``."""
+    Q, N, D = q.shape
+    topk = idx.shape[1]
+    if topk_length is not None:
+        topk_length = topk_length.contiguous()
+    if plan is None:
+        plan = plan_sparse(Q, N, topk, q.dtype, fp8, _num_sms(q.device))
+    DV, DR = dv, D - dv
+    block_dv = max(16, _next_pow2(DV))
+    block_dr = max(16, _next_pow2(DR)) if DR else 16
+    if fp8:
+        kv_f32, kv_bf16 = kv.view(torch.float32), kv.view(torch.bfloat16)
+    else:
+        kv_f32 = kv_bf16 = kv  # unused
+    groups = triton.cdiv(N, plan.block_m)
+    split = plan.num_splits > 1
+    if split:
+        o_part = torch.empty(Q, plan.num_splits, N, DV, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(Q, plan.num_splits, N, dtype=torch.float32, device=q.device)
+        max_part = torch.empty(Q, plan.num_splits, N, dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse_part = max_part = lse  # unused
+    has_maxl = max_logits is not None
+    maxl = max_logits if has_maxl else lse
+    m_strides = (maxl.stride(0), maxl.stride(1)) if has_maxl else (0, 0)
+    _sparse_kernel[(Q * groups, plan.num_splits)](
+        q, kv, kv_f32, kv_bf16, idx, topk_length if topk_length is not None else idx,
+        out, lse, maxl, o_part, lse_part, max_part,
+        q.stride(0), q.stride(1), idx.stride(0), kv.stride(0),
+        out.stride(0), out.stride(1), *lse_strides, *m_strides,
+        kv.shape[0], topk, sm_scale * _LOG2E, plan.num_splits,
+        N=N, S=S, GROUPS=groups, DV=DV, DR=DR, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+        BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0, FP8=fp8,
+        SCALE_GATHER=plan.fp8_scale_gather, HAS_TOPK_LEN=topk_length is not None,
+        HAS_MAXL=has_maxl, SPLIT=split,
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        ROW_BYTES=FP8_DS_MLA_BYTES, NUM_TILES=NUM_TILES, TILE=TILE, ROPE_OFFSET=ROPE_OFFSET,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+    )
+    if split:
+        _combine_kernel[(Q * N,)](
+            o_part, lse_part, max_part, out, lse, maxl, plan.num_splits,
+            out.stride(0), out.stride(1), *lse_strides, *m_strides,
+            N=N, S=S, DV=DV, BLOCK_DV=block_dv, BLOCK_S=max(2, _next_pow2(plan.num_splits)),
+            HAS_MAXL=has_maxl, num_warps=4,
+        )
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    is_fp8_kvcache: bool,
+    topk_length: torch.Tensor | None = None,
+    head_dim_v: int = 512,
+    *,
+    validate: bool | None = None,
+    plan: SparsePlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse decode of ``q [B, s_q, N, D]`` over the paged cache, rows named by
+    ``indices [B, s_q, topk]`` (global slots ``block · block_size + offset``, ``-1`` for none).
+
+    ``kv_cache [nb, bs, D]`` in q's dtype, or ``[nb, bs, 656]`` uint8 ``fp8_ds_mla`` rows with
+    ``is_fp8_kvcache`` (``[nb, bs, 1, ·]`` accepted too); ``topk_length [B]`` int32. Returns
+    ``out [B, s_q, N, head_dim_v]`` (q's dtype) and ``lse [B, N, s_q]`` float32, ``+inf`` for a
+    lonely query, as ``mla.reference.sparse_mla_decode``.
+
+    ``validate``: check ``indices`` and ``topk_length`` ranges on the host (a sync); ``None``:
+    only when no CUDA graph is being captured. ``plan``: default ``plan_sparse(...)``.
+    """
+    check_sparse_decode_shapes(q, kv_cache, indices, softmax_scale, is_fp8_kvcache,
+                               topk_length, head_dim_v)
+    _check_device(q)
+    if should_validate(validate, q):
+        check_sparse_decode_values(kv_cache, indices, topk_length)
+    B, s_q, N, D = q.shape
+    n_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    out = torch.empty(B, s_q, N, head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, N, s_q, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if is_fp8_kvcache:
+        kv = kv_cache.view(torch.uint8).reshape(n_slots, FP8_DS_MLA_BYTES).contiguous()
+        if D != D_NOPE + D_ROPE:  # the shape checks guarantee it
+            raise AssertionError(D)
+    else:
+        kv = _unit_stride(kv_cache.reshape(n_slots, D))
+    Q = B * s_q
+    q_flat = _unit_stride(q.reshape(Q, N, D))
+    idx = _unit_stride(indices.reshape(Q, indices.shape[2]))
+    _launch(q_flat, kv, idx, topk_length, out.view(Q, N, head_dim_v), lse,
+            (lse.stride(0), lse.stride(2), lse.stride(1)), s_q, None, softmax_scale,
+            head_dim_v, is_fp8_kvcache, plan)
+    return out, lse
+
+
+def sparse_mla_prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    d_v: int = 512,
+    topk_length: torch.Tensor | None = None,
+    *,
+    validate: bool | None = None,
+    plan: SparsePlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sparse prefill: ``q [s_q, h_q, d_qk]`` over ``kv [s_kv, d_qk]`` (or ``[s_kv, 1, d_qk]``),
+    rows named by ``indices [s_q, topk]`` (or ``[s_q, 1, topk]``), ``topk_length [s_q]``.
+
+    Returns ``out [s_q, h_q, d_v]`` (q's dtype), ``max_logits [s_q, h_q]`` and
+    ``lse [s_q, h_q]`` (float32), as ``mla.reference.sparse_mla_prefill``: indices ``< 0`` or
+    ``>= s_kv`` are masked; a lonely query gets ``out = 0``, ``lse = +inf``,
+    ``max_logits = -inf``. ``validate``: check ``topk_length``'s range on the host (a sync);
+    ``None``: only when no CUDA graph is being captured.
+    """
+    check_sparse_prefill_shapes(q, kv, indices, sm_scale, d_v, topk_length)
+    _check_device(q)
+    s_q, h_q, d_qk = q.shape
+    topk = indices.shape[-1]
+    if should_validate(validate, q):
+        _check_topk_length_values(topk_length, topk, "one per query")
+    out = torch.empty(s_q, h_q, d_v, dtype=q.dtype, device=q.device)
+    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, max_logits, lse
+    kv = _unit_stride(kv.reshape(kv.shape[0], d_qk))
+    idx = _unit_stride(indices.reshape(s_q, topk))
+    _launch(_unit_stride(q), kv, idx, topk_length, out, lse, (lse.stride(0), 0, lse.stride(1)),
+            1, max_logits, sm_scale, d_v, False, plan)
+    return out, max_logits, lse
