@@ -47,3 +47,13 @@ from mla.fast.sparse_index import convert_req_index_to_global_index  # noqa: E40
 __all__ += ["attention_with_lse", "chunked_prefill_attention", "concat_and_cache_fp8_ds_mla",
             "concat_and_cache_mla", "convert_req_index_to_global_index",
             "flash_attention_with_lse", "gather_cache", "merge_attn_states", "prefill_attention"]
+
+# sparse top-k attention (DeepSeek-V3.2): decode over bf16 / fp8_ds_mla caches, prefill
+from mla.fast.sparse import (  # noqa: E402
+    SparsePlan,
+    plan_sparse,
+    sparse_mla_decode,
+    sparse_mla_prefill,
+)
+
+__all__ += ["SparsePlan", "plan_sparse", "sparse_mla_decode", "sparse_mla_prefill"]
