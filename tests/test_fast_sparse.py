@@ -223,7 +223,7 @@ def test_decode_topk_length(poisoned_alloc, plan):
 @pytest.mark.parametrize("plan", [
     None,
     SparsePlan(16, 64, 2, 4, 1),
-    SparsePlan(16, 32, 1, 4, 1, fp8_scale_gather=True),
+    SparsePlan(16, 32, 1, 8, 2),
 ])
 def test_decode_fp8_cache(poisoned_alloc, q_dtype, plan):
     """``fp8_ds_mla`` rows dequantized in the kernel: 576/512, 1-2 heads, top-k 70 / 37."""

@@ -74,7 +74,6 @@ class SparsePlan:
     num_splits: int  # programs per query along its top-k list (1: no combine kernel)
     num_warps: int
     num_stages: int
-    fp8_scale_gather: bool = False  # fp8: per-element scale loads instead of a 3-D tile
 
 
 def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,
@@ -82,15 +81,23 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
     """The default plan from shapes: ``queries`` is ``B · s_q`` (decode) or ``s_q`` (prefill).
 
     - Heads: one program holds ``min(64, N)`` heads (rounded up to a power of two, at least
-      16, the smallest dot); a 64 × 512 float32 accumulator takes half the register file, so
-      64-head programs get 8 warps and run one per SM, smaller ones 4 warps and two per SM.
-    - Tiles of 64 gathered rows (32 in float32, whose 64 × 576 tile would take 147 KB).
+      16, the smallest dot); a 64 × 512 float32 accumulator takes half the register file.
+    - Tiles of 64 gathered rows, two pipeline stages: the row gathers become ``cp.async``
+      copies into shared memory. float32 (a correctness path on a GPU, not a fast one): tiles
+      of 16, one stage, else the tiles overflow the 227 KB of shared memory.
+    - Warps: 8, except 16-head programs over a 16-bit cache (4). ptxas for sm_90 (compiled
+      here without a GPU, Triton 3.6): 64 heads 189 KB of shared memory (fp8) / 221 KB
+      (bf16), 255 registers, no spill; 16 heads 193 registers (fp8, 8 warps) / 212 (bf16,
+      4 warps), no spill, where fp8 with 4 warps spills. So one 64-head program per SM, two
+      of the 16-head bf16 ones.
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
       least two tiles of ``topk``.
     """
     block_m = min(64, max(16, _next_pow2(num_heads)))
-    num_warps, per_sm = (8, 1) if block_m == 64 else (4, 2)
-    block_n = 32 if dtype == torch.float32 else 64
+    num_warps, per_sm = (4, 2) if block_m == 16 and not fp8 else (8, 1)
+    block_n, num_stages = (16, 1) if dtype == torch.float32 else (64, 2)
+    if dtype == torch.float32:
+        num_warps = 8
     groups = -(-num_heads // block_m)
     tiles = max(1, -(-topk // block_n))
     base = max(1, queries * groups)
@@ -100,14 +107,14 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
         splits = max(1, min(round(target / base), tiles // 2, 64))
         splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at full topk
     return SparsePlan(block_m=block_m, block_n=block_n, num_splits=splits,
-                      num_warps=num_warps, num_stages=2)
+                      num_warps=num_warps, num_stages=num_stages)
 
 
 @triton.jit
 def _gather_rows(Q, KV, KV_F32, KV_BF16, idx, valid, stride_row,
                  DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr,
-                 FP8: tl.constexpr, SCALE_GATHER: tl.constexpr,
+                 FP8: tl.constexpr,
                  ROW_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
                  ROPE_OFFSET: tl.constexpr):
     """The ``BLOCK_N`` cache rows named by ``idx`` as ``(k_nope [BLOCK_N, BLOCK_DV],
@@ -118,24 +125,17 @@ def _gather_rows(Q, KV, KV_F32, KV_BF16, idx, valid, stride_row,
     offs_dr = tl.arange(0, BLOCK_DR)
     if FP8:
         # bytes [0, 512): e4m3; floats [128, 132): the inverse scales; bf16 [264, 328): k_pe
-        byte_row = row * ROW_BYTES
-        if SCALE_GATHER:
-            raw = tl.load(KV + byte_row[:, None] + offs_dv[None, :], mask=valid[:, None],
-                          other=0)
-            scale = tl.load(KV_F32 + (row * (ROW_BYTES // 4) + DV // 4)[:, None]
-                            + (offs_dv // TILE)[None, :], mask=valid[:, None], other=0.0)
-            k_nope = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
-        else:
-            offs_t = tl.arange(0, NUM_TILES)
-            offs_c = tl.arange(0, TILE)
-            cols = offs_t[:, None] * TILE + offs_c[None, :]  # [NUM_TILES, TILE]
-            raw = tl.load(KV + byte_row[:, None, None] + cols[None, :, :],
-                          mask=valid[:, None, None], other=0)
-            scale = tl.load(KV_F32 + (row * (ROW_BYTES // 4) + DV // 4)[:, None]
-                            + offs_t[None, :], mask=valid[:, None], other=0.0)
-            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
-            k_nope = tl.reshape(x, (BLOCK_N, BLOCK_DV))
-        k_nope = k_nope.to(Q.dtype.element_ty)
+        # the e4m3 bytes as [rows, tile, 128] so each tile's scale broadcasts over its 128
+        # values (a [rows, 512] scale gather would cost a load per element)
+        offs_t = tl.arange(0, NUM_TILES)
+        offs_c = tl.arange(0, TILE)
+        cols = offs_t[:, None] * TILE + offs_c[None, :]  # [NUM_TILES, TILE]
+        raw = tl.load(KV + (row * ROW_BYTES)[:, None, None] + cols[None, :, :],
+                      mask=valid[:, None, None], other=0)
+        scale = tl.load(KV_F32 + (row * (ROW_BYTES // 4) + DV // 4)[:, None]
+                        + offs_t[None, :], mask=valid[:, None], other=0.0)
+        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+        k_nope = tl.reshape(x, (BLOCK_N, BLOCK_DV)).to(Q.dtype.element_ty)
         k_pe = tl.load(KV_BF16 + (row * (ROW_BYTES // 2) + ROPE_OFFSET // 2)[:, None]
                        + offs_dr[None, :], mask=valid[:, None], other=0.0).to(Q.dtype.element_ty)
     else:
@@ -159,7 +159,7 @@ def _sparse_kernel(
     N: tl.constexpr, S: tl.constexpr, GROUPS: tl.constexpr, DV: tl.constexpr,
     DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr, FP8: tl.constexpr,
-    SCALE_GATHER: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_MAXL: tl.constexpr,
+    HAS_TOPK_LEN: tl.constexpr, HAS_MAXL: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
     ROW_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
     ROPE_OFFSET: tl.constexpr,
@@ -206,8 +206,8 @@ def _sparse_kernel(
         idx = tl.load(idx_row + cols, mask=c_ok, other=-1)
         valid = c_ok & (idx >= 0) & (idx < n_rows)
         k_nope, k_pe = _gather_rows(Q, KV, KV_F32, KV_BF16, idx, valid, stride_row, DV, DR,
-                                    BLOCK_N, BLOCK_DV, BLOCK_DR, HAS_PE, FP8, SCALE_GATHER,
-                                    ROW_BYTES, NUM_TILES, TILE, ROPE_OFFSET)
+                                    BLOCK_N, BLOCK_DV, BLOCK_DR, HAS_PE, FP8, ROW_BYTES,
+                                    NUM_TILES, TILE, ROPE_OFFSET)
         qk = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
         if HAS_PE:
             qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PREC)
@@ -329,7 +329,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
         kv.shape[0], topk, sm_scale * _LOG2E, plan.num_splits,
         N=N, S=S, GROUPS=groups, DV=DV, DR=DR, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
         BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0, FP8=fp8,
-        SCALE_GATHER=plan.fp8_scale_gather, HAS_TOPK_LEN=topk_length is not None,
+        HAS_TOPK_LEN=topk_length is not None,
         HAS_MAXL=has_maxl, SPLIT=split,
         DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         ROW_BYTES=FP8_DS_MLA_BYTES, NUM_TILES=NUM_TILES, TILE=TILE, ROPE_OFFSET=ROPE_OFFSET,
