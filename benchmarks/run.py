@@ -14,6 +14,9 @@
 3. ``--sweep``: a few launch plans per shape (rows per program, splits, warps, stages, TMA),
    each checked against the default plan's output before it is timed.
 
+4. The sparse group (``benchmarks/sparse.py``: sparse decode on the fp8 cache, sparse
+   prefill), before the decode shapes; ``--only sparse`` or ``--only decode`` runs one group.
+
 Writes ``decode_<date>.json``, ``.md`` and ``.png`` (achieved fraction of the ceilings) into
 ``--out-dir`` (default ``benchmarks/results``); progress goes to stderr.
 """
@@ -284,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="time a few launch plans per shape")
     p.add_argument("--shapes", nargs="*", help="substrings of the shape names to run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=("decode", "sparse"),
+                   help="one shape group: dense decode, or sparse decode/prefill "
+                        "(benchmarks/sparse.py); default both")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks need a CUDA GPU", file=sys.stderr)
@@ -293,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     log("ceilings ...")
     ceil = ceilings()
     log(f"copy {ceil['copy_TBps']:.2f} TB/s, matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
+    if args.only != "decode":
+        from benchmarks import sparse as sparse_bench
+
+        sparse_bench.run(env, ceil, args.out_dir, args.sweep, args.seed, args.shapes)
+    if args.only == "sparse":
+        return 0
     shapes = [s for s in SHAPES if not args.shapes or any(k in s.name for k in args.shapes)]
     res = {"environment": env, "ceilings": ceil, "decode": []}
     for s in shapes:

@@ -410,6 +410,19 @@ register("concat_and_cache_fp8_ds_mla", "fp8:concat_and_cache_fp8_ds_mla")(
     _check_prefill_cases("fp8_cache_cases"))
 
 
+# sparse top-k decode (bf16 and fp8_ds_mla caches) and prefill: cases in mla/check_sparse.py
+def _check_sparse_cases(name: str) -> Callable[[Ctx], Iterable[Case]]:
+    def cases(ctx: Ctx) -> Iterable[Case]:
+        from mla import check_sparse
+
+        return getattr(check_sparse, name)(ctx, Case, poisoned_alloc, _gen)
+    return cases
+
+
+register("sparse_mla_decode", "sparse:sparse_mla_decode")(_check_sparse_cases("decode_cases"))
+register("sparse_mla_prefill", "sparse:sparse_mla_prefill")(_check_sparse_cases("prefill_cases"))
+
+
 # ---------------------------------------------------------------------------------------------
 
 
