@@ -61,7 +61,6 @@ from mla.reference.sparse import (
 __all__ = ["SparsePlan", "plan_sparse", "sparse_mla_decode", "sparse_mla_prefill"]
 
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -85,11 +84,11 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
     - Tiles of 64 gathered rows, two pipeline stages: the row gathers become ``cp.async``
       copies into shared memory. float32 (a correctness path on a GPU, not a fast one): tiles
       of 16, one stage, else the tiles overflow the 227 KB of shared memory.
-    - Warps: 8, except 16-head programs over a 16-bit cache (4). ptxas for sm_90 (compiled
-      here without a GPU, Triton 3.6): 64 heads 189 KB of shared memory (fp8) / 221 KB
-      (bf16), 255 registers, no spill; 16 heads 193 registers (fp8, 8 warps) / 212 (bf16,
-      4 warps), no spill, where fp8 with 4 warps spills. So one 64-head program per SM, two
-      of the 16-head bf16 ones.
+    - Warps: 8, except 16-head programs over a 16-bit cache (4). ptxas for sm_90
+      (``python -m benchmarks.sparse_compile``, no GPU needed; Triton 3.6): 64 heads use
+      185 KB of shared memory (fp8) / 216 KB (bf16), 255 registers, no spill; 16 heads 193
+      registers (fp8, 8 warps) / 212 (bf16, 4 warps), no spill, where fp8 with 4 warps
+      spills. So one 64-head program per SM, two of the 16-head bf16 ones.
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
       least two tiles of ``topk``.
     """
