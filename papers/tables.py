@@ -140,8 +140,20 @@ def _render_decode(data: dict) -> list[str]:
                            "% copy BW", "% matmul", "target"], rows)
 
 
+def _scalar(v: object) -> bool:
+    return isinstance(v, (str, int, float, bool))
+
+
+def _cell(v: object) -> str:
+    """A scalar, or a small dict of scalars (e.g. a check's ``metrics``) as ``k v, k v``."""
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {_fmt(x)}" for k, x in v.items() if _scalar(x))
+    return "" if v is None else _fmt(v)
+
+
 def _render_generic(data: object) -> list[str]:
-    """Any other results file: each list of records becomes a table of its scalar fields."""
+    """Any other results file: each list of records becomes a table of its scalar fields
+    (and of its small dicts of scalars); columns that are empty in every record are dropped."""
     lines: list[str] = []
     items = list(data.items()) if isinstance(data, dict) else [("results", data)]
     for key, value in items:
@@ -150,13 +162,13 @@ def _render_generic(data: object) -> list[str]:
         records = [v for v in value if isinstance(v, dict)]
         columns: list[str] = []
         for rec in records:
-            columns += [k for k, v in rec.items()
-                        if k not in columns and isinstance(v, (str, int, float, bool))]
+            columns += [k for k, v in rec.items() if k not in columns and (
+                _scalar(v) or (isinstance(v, dict) and any(_scalar(x) for x in v.values())))]
+        columns = [c for c in columns if any(_cell(rec.get(c)) for rec in records)][:10]
         if not records or not columns:
             continue
-        columns = columns[:10]
         lines += [f"`{key}`:", ""]
-        lines += _table(columns, [[_fmt(rec.get(c, "")) for c in columns] for rec in records])
+        lines += _table(columns, [[_cell(rec.get(c)) for c in columns] for rec in records])
         lines.append("")
     return lines
 
