@@ -28,7 +28,7 @@ def _lite(config: MLAConfig) -> MLAConfig:
     return config.replace(name=f"{config.name}-lite", q_lora_rank=None)
 
 
-def _bitwise_equal(a: MLAWeights, b: MLAWeights) -> None:
+def _assert_bitwise_equal(a: MLAWeights, b: MLAWeights) -> None:
     ta, tb = a.tensors(), b.tensors()
     assert sorted(ta) == sorted(tb)
     for name in ta:
@@ -129,7 +129,7 @@ def test_deepseek_v2_table1_mla_is_4_5_dh_l():
 @pytest.mark.parametrize("config", [get_config("tiny"), _lite(get_config("tiny"))],
                          ids=["tiny", "tiny-lite"])
 def test_random_is_deterministic_per_seed(config):
-    _bitwise_equal(MLAWeights.random(config, seed=3), MLAWeights.random(config, seed=3))
+    _assert_bitwise_equal(MLAWeights.random(config, seed=3), MLAWeights.random(config, seed=3))
     a, b = MLAWeights.random(config, seed=3), MLAWeights.random(config, seed=4)
     for name, t in a.tensors().items():
         assert not torch.equal(t, b.tensors()[name]), name
@@ -171,7 +171,7 @@ def test_safetensors_round_trip(tmp_path, config, dtype):
     else:
         assert {f"{PREFIX}q_a_proj.weight", f"{PREFIX}q_b_proj.weight"} <= keys
     back = MLAWeights.load_safetensors(config, path, prefix=PREFIX)
-    _bitwise_equal(back, w)
+    _assert_bitwise_equal(back, w)
     assert back.q_proj is None if config.q_lora_rank is not None else back.q_a_proj is None
 
 
@@ -183,11 +183,11 @@ def test_extra_keys_and_other_layers_are_ignored(tmp_path):
              "model.embed_tokens.weight": torch.randn(10, c.hidden_size),
              f"{PREFIX}rotary_emb.inv_freq": torch.randn(4),
              "model.layers.0.mlp.gate_proj.weight": torch.randn(3, c.hidden_size)}
-    _bitwise_equal(MLAWeights.from_state_dict(c, state, prefix=PREFIX), w0)
-    _bitwise_equal(MLAWeights.from_state_dict(c, state, prefix="model.layers.1.self_attn."), w1)
+    _assert_bitwise_equal(MLAWeights.from_state_dict(c, state, prefix=PREFIX), w0)
+    _assert_bitwise_equal(MLAWeights.from_state_dict(c, state, prefix="model.layers.1.self_attn."), w1)
     path = tmp_path / "model.safetensors"
     save_file(state, str(path))
-    _bitwise_equal(MLAWeights.load_safetensors(c, path, prefix=PREFIX), w0)
+    _assert_bitwise_equal(MLAWeights.load_safetensors(c, path, prefix=PREFIX), w0)
 
 
 def test_wrong_shape_in_file_names_key_and_shapes(tmp_path):
@@ -273,5 +273,5 @@ def test_to_dtype():
             assert t.dtype == dtype and torch.equal(t, w.tensors()[name].to(dtype)), name
         assert w2.W_UK.dtype == dtype
     assert w.dtype == torch.float64  # the original is untouched
-    _bitwise_equal(w.to(torch.float32).to(torch.float64).to(torch.float32),
+    _assert_bitwise_equal(w.to(torch.float32).to(torch.float64).to(torch.float32),
                    w.to(torch.float32))
