@@ -184,7 +184,8 @@ def test_extra_keys_and_other_layers_are_ignored(tmp_path):
              f"{PREFIX}rotary_emb.inv_freq": torch.randn(4),
              "model.layers.0.mlp.gate_proj.weight": torch.randn(3, c.hidden_size)}
     _assert_bitwise_equal(MLAWeights.from_state_dict(c, state, prefix=PREFIX), w0)
-    _assert_bitwise_equal(MLAWeights.from_state_dict(c, state, prefix="model.layers.1.self_attn."), w1)
+    _assert_bitwise_equal(
+        MLAWeights.from_state_dict(c, state, prefix="model.layers.1.self_attn."), w1)
     path = tmp_path / "model.safetensors"
     save_file(state, str(path))
     _assert_bitwise_equal(MLAWeights.load_safetensors(c, path, prefix=PREFIX), w0)
