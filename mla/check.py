@@ -10,8 +10,9 @@ element or a read past a length shows up as an infinite error.
 
 Registry: a kernel adds its cases with ``@register("name")`` on a function
 ``(ctx: Ctx) -> Iterable[Case]``; each case's ``run()`` returns ``(metrics, limits)`` and
-passes when every metric is at most its limit. Kernels whose fast function does not exist
-(yet) are skipped. Prints a table; ``--out FILE`` writes JSON; exit status 1 on a failure.
+passes when every metric is at most its limit (and fails with no limits at all). A kernel
+whose fast function cannot be imported fails (one result saying so): nothing is skipped.
+Prints a table; ``--out FILE`` writes JSON; exit status 1 on a failure.
 """
 
 from __future__ import annotations
@@ -67,20 +68,22 @@ REGISTRY: dict[str, tuple[str, Callable[[Ctx], Iterable[Case]]]] = {}
 
 
 def register(kernel: str, fast_path: str) -> Callable:
-    """``fast_path`` = "module:function" under ``mla.fast``; the kernel is skipped when it does
-    not exist."""
+    """``fast_path`` = "module:function" under ``mla.fast``; the kernel fails when it does not
+    exist."""
     def deco(fn: Callable[[Ctx], Iterable[Case]]) -> Callable[[Ctx], Iterable[Case]]:
         REGISTRY[kernel] = (fast_path, fn)
         return fn
     return deco
 
 
-def _fast(fast_path: str) -> Callable | None:
+def _missing(fast_path: str) -> str:
+    """Why ``mla.fast.<module>:<name>`` cannot be called, or "" when it can."""
     module, name = fast_path.split(":")
     try:
-        return getattr(importlib.import_module(f"mla.fast.{module}"), name, None)
-    except ImportError:
-        return None
+        found = getattr(importlib.import_module(f"mla.fast.{module}"), name, None)
+    except ImportError as e:
+        return f"mla.fast.{module} fails to import: {type(e).__name__}: {e}"
+    return "" if callable(found) else f"mla.fast.{module} has no function {name}"
 
 
 @contextlib.contextmanager
@@ -319,7 +322,7 @@ def concat_cases(ctx: Ctx) -> Iterator[Case]:
         kv_c = torch.randn(T, 512, generator=g).to(ctx.dtype)
         k_pe = torch.randn(T, 64, generator=g).to(ctx.dtype)
         cache = torch.randn(nb, bs, 576, generator=g).to(ctx.dtype)
-        fast_cache = cache.to(ctx.device)
+        fast_cache = cache.clone().to(ctx.device)  # on the CPU .to() alone would alias cache
         concat_and_cache_mla(kv_c.to(ctx.device), k_pe.to(ctx.device), fast_cache,
                              slots.to(ctx.device))
         ref(kv_c, k_pe, cache, slots)
@@ -432,15 +435,17 @@ def run_checks(ctx: Ctx, kernels: list[str] | None = None,
     for kernel, (fast_path, cases) in REGISTRY.items():
         if kernels and kernel not in kernels:
             continue
-        if _fast(fast_path) is None:
+        missing = _missing(fast_path)
+        if missing:
+            results.append(Result(kernel, "import", {}, {}, False, 0.0, missing[:500]))
             if progress:
-                progress(f"skip {kernel}: mla.fast.{fast_path} does not exist")
+                progress(f"FAIL {kernel}: {results[-1].error}")
             continue
         for case in cases(ctx):
             t0 = time.perf_counter()
             try:
                 metrics, limits = case.run()
-                passed = all(metrics[k] <= limits[k] for k in limits)
+                passed = bool(limits) and all(metrics[k] <= limits[k] for k in limits)
                 err = ""
             except Exception as e:  # a crash is a failed case, reported, not a stopped run
                 metrics, limits, passed, err = {}, {}, False, f"{type(e).__name__}: {e}"

@@ -159,7 +159,7 @@ def fp8_cache_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa:
         slots = torch.randperm(nb * bs, generator=g)[:T].to(torch.int32)
         slots[::7] = -1
         cache = torch.randint(0, 256, (nb, bs, 656), generator=g, dtype=torch.uint8)
-        fast_cache = cache.to(ctx.device)
+        fast_cache = cache.clone().to(ctx.device)  # on the CPU .to() alone would alias cache
         concat_and_cache_fp8_ds_mla(kv_c.to(ctx.device), k_pe.to(ctx.device), fast_cache,
                                     slots.to(ctx.device))
         ref(kv_c, k_pe, cache, slots)

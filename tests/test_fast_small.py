@@ -445,3 +445,28 @@ def test_chunked_prefill_matches_reference(mcc, dtype, route, monkeypatch):
     _, ref_lse = ref_chunked.chunked_prefill_attention(
         q_nope, q_pe, kv_c, k_pe, qsl, kv_cache, bt.to(DEVICE), plan, W_UK, W_UV, scale)
     assert_close(lse, ref_lse, name="lse", abs_tol=LSE_ABS_TOL)
+
+
+# ------------------------------------------------------------------- the GPU check's own code
+
+def test_gpu_check_quick_cases_run_here():
+    """``python -m mla.check``'s quick cases of every non-sparse kernel pass here too (the
+    sparse ones run in test_fast_sparse), so the GPU check's own code is exercised by CI."""
+    from mla import check
+
+    kernels = [k for k in check.REGISTRY if not k.startswith("sparse_")]
+    ctx = check.Ctx(device=torch.device(DEVICE), dtype=torch.float16, quick=True)
+    results = check.run_checks(ctx, kernels)
+    assert {r.kernel for r in results} == set(kernels)
+    assert all(r.passed for r in results), [(r.case, r.metrics, r.error) for r in results
+                                            if not r.passed]
+
+
+def test_gpu_check_fails_a_missing_kernel(monkeypatch):
+    """A registered kernel whose fast function is missing is a failure, not a skip."""
+    from mla import check
+
+    monkeypatch.setitem(check.REGISTRY, "nowhere", ("merge:no_such_function", lambda ctx: []))
+    ctx = check.Ctx(device=torch.device(DEVICE), dtype=torch.float16, quick=True)
+    (result,) = check.run_checks(ctx, ["nowhere"])
+    assert not result.passed and "no_such_function" in result.error
