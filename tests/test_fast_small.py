@@ -23,7 +23,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mla.fast.attention as fast_attention
 import mla.fast.chunked as fast_chunked
+import mla.fast.prefill as fast_prefill
 from mla.compare import LSE_ABS_TOL, assert_close, poison_like
 from mla.fast.attention import _split_dim, attention_with_lse, flash_attention_with_lse
 from mla.fast.chunked import chunked_prefill_attention
@@ -360,10 +362,15 @@ def test_flash_attention_matches_reference(case, dtype, poisoned_alloc):
     assert_close(lse, torch.cat(ref_lse, dim=1), name="lse", abs_tol=LSE_ABS_TOL)
 
 
+@pytest.mark.parametrize("route", ["default", "triton"])
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("Sq,Skv,causal", [(33, 33, True), (17, 40, False), (0, 5, True)])
-def test_attention_with_lse_dispatch(Sq, Skv, causal, dtype):
-    """The public entry point, whatever route it takes (cuDNN on a GPU for bf16/fp16)."""
+def test_attention_with_lse_dispatch(Sq, Skv, causal, dtype, route, monkeypatch):
+    """The public entry point, by the route it picks (cuDNN on a GPU for bf16/fp16, the
+    reference's math on the CPU) and forced onto the Triton route (the kernel, under the
+    interpreter on the CPU)."""
+    if route != "default":
+        monkeypatch.setattr(fast_attention, "pick_route", lambda *args: route)
     gen = torch.Generator().manual_seed(Sq)
     N, D, Dv = 4, 24, 16
     q = rand(Sq, N, D, gen=gen, dtype=dtype)
@@ -384,9 +391,14 @@ def _mla(gen: torch.Generator, dtype: torch.dtype, Lkv: int = 32, N: int = 4, P:
     return W_UK, W_UV
 
 
+@pytest.mark.parametrize("route", ["default", "triton"])
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("Sq,Skv,positions", [(29, 29, False), (11, 30, False), (9, 9, True)])
-def test_prefill_attention_matches_reference(Sq, Skv, positions, dtype):
+def test_prefill_attention_matches_reference(Sq, Skv, positions, dtype, route, monkeypatch):
+    """By the route ``pick_route`` picks (on the CPU: the reference's math) and forced onto the
+    Triton route (up-projection + the kernel; under the interpreter on the CPU)."""
+    if route != "default":
+        monkeypatch.setattr(fast_prefill, "pick_route", lambda *args: route)
     gen = torch.Generator().manual_seed(Skv)
     W_UK, W_UV = _mla(gen, dtype)
     Lkv, N, P = W_UK.shape
@@ -410,7 +422,6 @@ def test_prefill_attention_matches_reference(Sq, Skv, positions, dtype):
 
 
 # "default" is whatever varlen_route picks (the reference's attention on the CPU); cuDNN
-# attention takes bf16/fp16 only
 # attention takes bf16/fp16 only. Chunk size 1 (40 chunks) on the default route only: the
 # interpreter runs each launch in Python.
 CHUNKED_CASES = [(route, dtype, mcc) for dtype in FLOATS
