@@ -35,6 +35,7 @@ from mla.reference import (
     decode_forward,
     mla_decode_paged,
     mla_front,
+    naive_attention,
     naive_forward,
     prefill_attention,
     prefill_forward,
@@ -238,6 +239,20 @@ def test_attention_with_lse_no_keys(causal: bool) -> None:
     o, lse = attention_with_lse(q, q.new_empty(0, 1, 8), q.new_empty(0, 1, 5), 0.3, causal=causal)
     assert o.shape == (3, 2, 5) and torch.equal(o, torch.zeros_like(o))
     assert lse.shape == (2, 3) and torch.isneginf(lse).all()
+
+
+def test_naive_attention_lonely_rows_and_nan() -> None:
+    """The definition: a query that sees no key gets exactly 0, and a NaN in a key reaches
+    every query that sees it (zeroing the empty rows must not hide NaN)."""
+    q, k, v = randn(4, 2, 8, seed=12), randn(6, 2, 8, seed=13), randn(6, 2, 5, seed=14)
+    q_pos, k_pos = torch.tensor([0, 1, 10, 12]), torch.arange(6) + 10
+    o = naive_attention(q, k, v, 0.3, q_pos, k_pos)
+    assert torch.equal(o[:2], torch.zeros_like(o[:2]))
+    assert_close(o, attention_with_lse(q, k, v, 0.3, causal=True, q_positions=q_pos,
+                                       k_positions=k_pos)[0], name="naive o")
+    k[1, 0, 3] = float("nan")  # key at position 11: seen by query 3 only
+    o = naive_attention(q, k, v, 0.3, q_pos, k_pos)
+    assert torch.isnan(o[3, 0]).all() and not torch.isnan(o[:3]).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)

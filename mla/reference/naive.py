@@ -41,7 +41,10 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_s
     scores = torch.einsum("qnd,knd->nqk", q.to(work), k.to(work)) * softmax_scale
     mask = k_positions[None, :] <= q_positions[:, None]
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no key: 0
+    # rows with no key: 0. Chosen by the mask, not by nan_to_num, so that a NaN in the
+    # inputs still reaches the output (the oracle must never hide one)
+    seen = mask.any(dim=-1)[None, :, None]  # [1, Sq, 1]
+    probs = torch.where(seen, torch.softmax(scores, dim=-1), 0.0)
     return torch.einsum("nqk,knv->qnv", probs, v.to(work)).to(q.dtype)
 
 
