@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.fast.paged_cache import should_validate
 from mla.reference.decode import check_paged_decode_shapes, check_paged_decode_values
 
 __all__ = ["DecodePlan", "plan_decode", "mla_decode_paged"]
@@ -351,6 +352,17 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_kernel_input(q: torch.Tensor) -> None:
+    """What the Triton kernels add to the reference's checks: a 16/32-bit float ``q`` on a CUDA
+    device (any device under the interpreter)."""
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must have dtype float16, bfloat16 or float32 for the fast path, "
+                        f"got {q.dtype}")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), "
+                         f"got {q.device}")
+
+
 def mla_decode_paged(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -374,19 +386,8 @@ def mla_decode_paged(
     """
     check_paged_decode_shapes(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                               head_dim_v)
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"q must have dtype float16, bfloat16 or float32 for the fast path, "
-                        f"got {q.dtype}")
-    if q.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), "
-                         f"got {q.device}")
-    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if validate is None:
-        validate = not capturing
-    if validate:
-        if capturing:
-            raise ValueError("validate=True reads cache_seqlens on the host, which a CUDA "
-                             "graph capture forbids; pass validate=False while capturing")
+    check_kernel_input(q)
+    if should_validate(validate, q):
         check_paged_decode_values(kv_cache, block_table, cache_seqlens)
 
     B, s_q, N, D = q.shape

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from mla.checks import check_float, check_index, check_same_device, check_tensor
-from mla.fast.paged_cache import should_validate
+from mla.fast.paged_cache import check_slot_range, should_validate
 from mla.reference.fp8 import D_NOPE, D_ROPE, FP8_DS_MLA_BYTES, NUM_TILES, TILE
 
 __all__ = ["concat_and_cache_fp8_ds_mla"]
@@ -109,10 +109,7 @@ def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache
     if T == 0:
         return
     if should_validate(validate, kv_cache):
-        lo, hi = torch.stack(torch.aminmax(slot_mapping.long())).tolist()
-        if lo < -1 or hi >= n_slots:
-            raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (-1 = padding), got "
-                             f"range [{lo}, {hi}]")
+        check_slot_range(slot_mapping, n_slots)
     u8 = kv_cache.view(torch.uint8)
     _quant_cache_kernel[(T,)](
         kv_c, k_pe, u8, u8.view(torch.float32), u8.view(torch.bfloat16), slot_mapping,

@@ -36,7 +36,8 @@ from mla.checks import (
     check_tensor,
 )
 
-__all__ = ["concat_and_cache_mla", "gather_cache", "gather_cache_known", "should_validate"]
+__all__ = ["check_slot_range", "concat_and_cache_mla", "gather_cache", "gather_cache_known",
+           "should_validate"]
 
 
 def should_validate(validate: bool | None, t: torch.Tensor) -> bool:
@@ -47,6 +48,15 @@ def should_validate(validate: bool | None, t: torch.Tensor) -> bool:
         raise ValueError("validate=True reads device values on the host, which a CUDA graph "
                          "capture forbids; pass validate=False while capturing")
     return (not capturing) if validate is None else validate
+
+
+def check_slot_range(slot_mapping: torch.Tensor, n_slots: int) -> None:
+    """``slot_mapping`` within ``[-1, n_slots)``, as the reference's cache writes require: one
+    small device-to-host transfer (its min and max)."""
+    lo, hi = torch.stack(torch.aminmax(slot_mapping.long())).tolist()
+    if lo < -1 or hi >= n_slots:
+        raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (-1 = padding), got "
+                         f"range [{lo}, {hi}]")
 
 
 @triton.jit
@@ -93,11 +103,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     if T == 0:
         return
     if should_validate(validate, kv_cache):
-        lo, hi = torch.aminmax(slot_mapping)
-        lo_v, hi_v = torch.stack([lo, hi]).tolist()
-        if lo_v < -1 or hi_v >= n_slots:
-            raise ValueError(f"slot_mapping must lie in [-1, {n_slots}) (-1 = padding), got "
-                             f"range [{lo_v}, {hi_v}]")
+        check_slot_range(slot_mapping, n_slots)
     R = D - Lkv
     _concat_and_cache_kernel[(T,)](
         kv_c, k_pe, kv_cache, slot_mapping, Lkv, R, n_slots, kv_cache.shape[1],

@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.decode import _interpreting, _load_2d, _next_pow2, _num_sms
+from mla.fast.decode import _load_2d, _next_pow2, _num_sms, check_kernel_input
 from mla.fast.paged_cache import should_validate
 from mla.reference.fp8 import D_NOPE, D_ROPE, FP8_DS_MLA_BYTES, NUM_TILES, ROPE_OFFSET, TILE
 from mla.reference.sparse import (
@@ -61,7 +61,6 @@ from mla.reference.sparse import (
 __all__ = ["SparsePlan", "plan_sparse", "sparse_mla_decode", "sparse_mla_prefill"]
 
 _LOG2E = 1.4426950408889634
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,15 +279,6 @@ def _combine_kernel(
         tl.store(MAXL + qi * stride_mq + h * stride_mh, mx)
 
 
-def _check_device(q: torch.Tensor) -> None:
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"q must have dtype float16, bfloat16 or float32 for the fast path, "
-                        f"got {q.dtype}")
-    if q.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), "
-                         f"got {q.device}")
-
-
 def _launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
             topk_length: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
             lse_strides: tuple[int, int, int], S: int, max_logits: torch.Tensor | None,
@@ -372,7 +362,7 @@ def sparse_mla_decode(
     """
     check_sparse_decode_shapes(q, kv_cache, indices, softmax_scale, is_fp8_kvcache,
                                topk_length, head_dim_v)
-    _check_device(q)
+    check_kernel_input(q)
     if should_validate(validate, q):
         check_sparse_decode_values(kv_cache, indices, topk_length)
     B, s_q, N, D = q.shape
@@ -417,7 +407,7 @@ def sparse_mla_prefill(
     ``None``: only when no CUDA graph is being captured.
     """
     check_sparse_prefill_shapes(q, kv, indices, sm_scale, d_v, topk_length)
-    _check_device(q)
+    check_kernel_input(q)
     s_q, h_q, d_qk = q.shape
     topk = indices.shape[-1]
     if should_validate(validate, q):
