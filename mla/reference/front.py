@@ -18,7 +18,13 @@ from typing import NamedTuple
 
 import torch
 
-from mla.checks import check_float, check_index, check_same_device, check_same_dtype
+from mla.checks import (
+    acc_dtype,
+    check_float,
+    check_index,
+    check_same_device,
+    check_same_dtype,
+)
 from mla.reference.rope import apply_rope
 from mla.weights import MLAWeights
 
@@ -34,7 +40,7 @@ class Front(NamedTuple):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight · x / sqrt(mean(x²) + eps)`` over the last dim, computed in float32 or wider."""
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    work = acc_dtype(x.dtype)
     xw = x.to(work)
     y = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.to(work)).to(x.dtype)

@@ -71,8 +71,7 @@ def merge_attn_states_list(
         check_same_dtype(**{"outputs[0]": outputs[0], f"outputs[{k}]": o})
     out_dtype, lse_dtype = outputs[0].dtype, lses[0].dtype
     work = acc_dtype(out_dtype)
-    lse_all = torch.stack([lse.to(torch.float64 if work == torch.float64 else torch.float32)
-                           for lse in lses])  # [K, N, T]
+    lse_all = torch.stack([lse.to(work) for lse in lses])  # [K, N, T]
     lse_all = torch.where(torch.isinf(lse_all), float("-inf"), lse_all)  # +inf: empty too
     present = ~torch.isneginf(lse_all)
     m = lse_all.max(dim=0).values  # [N, T]

@@ -18,7 +18,7 @@ import torch
 
 from mla.checks import check_float, check_index, check_nonnegative, check_same_device
 from mla.reference.chunked import ChunkPlan, chunked_prefill_attention, plan_context_chunks
-from mla.reference.decode import mla_decode_paged
+from mla.reference.decode import absorb_q, mla_decode_paged
 from mla.reference.front import mla_front
 from mla.reference.naive import naive_forward
 from mla.reference.paged_cache import concat_and_cache_mla, slot_mapping_from_block_table
@@ -104,7 +104,7 @@ def decode_forward(weights: MLAWeights, hidden: torch.Tensor, kv_cache: torch.Te
     f = mla_front(weights, hidden.reshape(B * s_q, -1), positions)
     slots = slot_mapping_from_block_table(block_table, req, positions, kv_cache.shape[1])
     concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
-    ql_nope = torch.einsum("snp,lnp->snl", f.q_nope, weights.W_UK)
+    ql_nope = absorb_q(f.q_nope, weights.W_UK)
     q = torch.cat([ql_nope, f.q_pe], dim=-1).view(B, s_q, c.num_heads, c.latent_dim)
     o_lat, _ = mla_decode_paged(q, kv_cache, block_table.to(torch.int32),
                                 (cache_seqlens + s_q).to(torch.int32), c.softmax_scale,

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from mla.checks import check_float, check_index
+from mla.checks import acc_dtype, check_float, check_index
 from mla.config import MLAConfig
 
 __all__ = ["rope_frequencies", "apply_rope"]
@@ -57,7 +57,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, config: MLAConfig) -> t
     if x.dim() < 2 or x.shape[-1] != R:
         raise ValueError(f"x must have shape [S, ..., {R}], got {list(x.shape)}")
     check_index("positions", positions, shape=[x.shape[0]], device=x.device)
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    work = acc_dtype(x.dtype)
     angles = positions.to(torch.float64)[:, None] * rope_frequencies(config).to(x.device)
     # broadcast [S, R/2] over the middle dims of x
     shape = [x.shape[0]] + [1] * (x.dim() - 2) + [R // 2]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import check_float, check_index, check_same_device, check_tensor
+from mla.checks import acc_dtype, check_float, check_index, check_same_device, check_tensor
 from mla.reference.decode import absorb_q
 from mla.reference.fp8 import (
     FP8_DS_MLA_BYTES,
@@ -251,7 +251,7 @@ def sparse_masked_dense_forward(
     mask = torch.zeros(S, S, dtype=torch.float64, device=hidden.device)
     mask = mask.masked_fill(~selected, float("-inf")).masked_fill(~causal, float("-inf"))
 
-    work = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    work = acc_dtype(hidden.dtype)
     k_nope = torch.einsum("sl,lnp->snp", kv_c, weights.W_UK)
     v = torch.einsum("sl,lnv->snv", kv_c, weights.W_UV)
     k = torch.cat([k_nope, k_pe[:, None, :].expand(S, N, c.qk_rope_head_dim)], dim=-1)
