@@ -231,6 +231,17 @@ def test_gather_cache_empty_and_bad_input():
         gather_cache(src, dst, bt, torch.tensor([0, 0, 5], dtype=torch.int32, device=DEVICE), 2)
     with pytest.raises(TypeError, match="dst"):
         gather_cache(src, dst.half(), bt, cu, 2)
+    # a block-table entry outside the cache within a used range: rejected, as the reference
+    cu2 = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+    for entry in (-1, 2):
+        bad_bt = torch.tensor([[0], [entry]], dtype=torch.int32, device=DEVICE)
+        for gather in (gather_cache, ref_cache.gather_cache):
+            with pytest.raises(ValueError, match=r"block_table\[1\] points outside"):
+                gather(src, dst, bad_bt, cu2, 2)
+    # outside the used range it is never read
+    assert gather_cache(src, dst, torch.tensor([[0], [-1]], dtype=torch.int32, device=DEVICE),
+                        torch.tensor([0, 2, 2], dtype=torch.int32, device=DEVICE),
+                        2).shape == (2, 6)
 
 
 # --------------------------------------------------------------------------- fp8_ds_mla

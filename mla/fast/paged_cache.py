@@ -18,8 +18,9 @@ Host synchronization, stated because it decides whether a call can sit in a CUDA
   return value is ``cu_seq_lens[-1]``, which only the host can use to slice. Callers that know the
   lengths already (``mla.fast.chunked``, from its ``ChunkPlan``) call ``gather_cache_known``, which
   reads nothing.
-Block-table entries are not read on the host; an entry outside ``[0, num_blocks)`` within a used
-range reads zeros instead of faulting (the reference would wrap a negative one around).
+  The used block-table entries come in the same transfer, so that an entry outside
+  ``[0, num_blocks)`` is rejected as the reference rejects it. ``gather_cache_known`` trusts
+  them: such an entry reads zeros there instead of faulting.
 """
 
 from __future__ import annotations
@@ -187,15 +188,19 @@ def gather_cache(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
                  seq_starts: torch.Tensor | None = None) -> torch.Tensor:
     """Copy each request's chunk of rows into the dense workspace ``dst``; return the filled part.
 
-    As the reference. One device-to-host transfer (``cu_seq_lens`` and ``seq_starts``): the
-    returned length and the value checks need them.
+    As the reference, with its value checks. One device-to-host transfer (``cu_seq_lens``,
+    ``seq_starts`` and the block table's first ``batch_size`` rows): the returned length and
+    the value checks need them.
     """
     _check_gather_shapes(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts)
-    host = cu_seq_lens if seq_starts is None else torch.cat([cu_seq_lens.long(),
-                                                             seq_starts.long()])
-    values = host.tolist()
+    parts = [cu_seq_lens.long(), block_table[:batch_size].reshape(-1).long()]
+    if seq_starts is not None:
+        parts.append(seq_starts.long())
+    values = torch.cat(parts).tolist()
     cu = values[: batch_size + 1]
-    starts = values[batch_size + 1:] or [0] * batch_size
+    max_blocks = block_table.shape[1]
+    table = values[batch_size + 1: batch_size + 1 + batch_size * max_blocks]
+    starts = values[batch_size + 1 + batch_size * max_blocks:] or [0] * batch_size
     lens = [cu[b + 1] - cu[b] for b in range(batch_size)]
     if cu[0] != 0 or min(lens, default=0) < 0:
         raise ValueError(f"cu_seq_lens must start at 0 and not decrease, got {cu}")
@@ -203,11 +208,19 @@ def gather_cache(src_cache: torch.Tensor, dst: torch.Tensor, block_table: torch.
         raise ValueError(f"seq_starts must be >= 0, got minimum {min(starts)}")
     if cu[-1] > dst.shape[0]:
         raise ValueError(f"dst has {dst.shape[0]} rows but cu_seq_lens asks for {cu[-1]}")
-    bs, max_blocks = src_cache.shape[1], block_table.shape[1]
+    bs, num_blocks = src_cache.shape[1], src_cache.shape[0]
     for b in range(batch_size):
-        if lens[b] and starts[b] + lens[b] > max_blocks * bs:
+        if not lens[b]:
+            continue
+        end = starts[b] + lens[b]
+        if end > max_blocks * bs:
             raise ValueError(
-                f"request {b} needs positions up to {starts[b] + lens[b] - 1} but block_table "
+                f"request {b} needs positions up to {end - 1} but block_table "
                 f"holds {max_blocks} blocks of {bs}")
+        used = table[b * max_blocks + starts[b] // bs: b * max_blocks + -(-end // bs)]
+        if min(used) < 0 or max(used) >= num_blocks:
+            raise ValueError(
+                f"block_table[{b}] points outside src_cache's {num_blocks} blocks for "
+                f"positions [{starts[b]}, {end}): range [{min(used)}, {max(used)}]")
     return gather_cache_known(src_cache, dst, block_table, cu_seq_lens, batch_size, seq_starts,
                               cu[-1], max(lens, default=0))
