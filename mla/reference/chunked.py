@@ -25,6 +25,7 @@ positive size, 1 included) to see that the answer does not depend on it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ from mla.reference.paged_cache import gather_cache
 from mla.reference.prefill import up_project_kv
 
 __all__ = ["workspace_size", "ChunkPlan", "plan_context_chunks", "chunked_prefill_attention",
-           "check_chunked_prefill_args"]
+           "check_chunked_prefill_args", "suffix_attention", "context_chunk_attention"]
 
 
 def workspace_size(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
@@ -178,6 +179,41 @@ def check_chunked_prefill_args(
     return qsl
 
 
+def suffix_attention(q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, qsl: list[int],
+                     W_UK: torch.Tensor, W_UV: torch.Tensor,  # noqa: N803
+                     softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's new tokens ``q [T, N, P+R]`` over their own keys, causal.
+
+    ``qsl`` is ``query_start_loc`` on the host. Returns ``o [T, N, V]`` and ``lse [N, T]``.
+    """
+    o_parts, lse_parts = [], []
+    for i in range(len(qsl) - 1):
+        sl = slice(qsl[i], qsl[i + 1])
+        k, v = up_project_kv(kv_c[sl], k_pe[sl], W_UK, W_UV)
+        o_i, lse_i = attention_with_lse(q[sl], k, v, softmax_scale, causal=True)
+        o_parts.append(o_i)
+        lse_parts.append(lse_i)
+    return torch.cat(o_parts, dim=0), torch.cat(lse_parts, dim=1)
+
+
+def context_chunk_attention(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                            qsl: list[int], cu: Sequence[int],
+                            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's new tokens over its rows ``cu[i] .. cu[i+1]`` of one context chunk.
+
+    ``k_all [rows, N, P+R]`` and ``v_all [rows, N, V]`` are the chunk's up-projected keys; no
+    mask (the whole context precedes the new tokens). Returns ``o [T, N, V]``, ``lse [N, T]``.
+    """
+    o_parts, lse_parts = [], []
+    for i in range(len(qsl) - 1):
+        sl, rs = slice(qsl[i], qsl[i + 1]), slice(cu[i], cu[i + 1])
+        o_i, lse_i = attention_with_lse(q[sl], k_all[rs], v_all[rs], softmax_scale,
+                                        causal=False)
+        o_parts.append(o_i)
+        lse_parts.append(lse_i)
+    return torch.cat(o_parts, dim=0), torch.cat(lse_parts, dim=1)
+
+
 def chunked_prefill_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -205,15 +241,7 @@ def chunked_prefill_attention(
     q = torch.cat([q_nope, q_pe], dim=-1)
     Lkv = kv_c.shape[1]
     # suffix: each request's new tokens, causal among themselves
-    o_parts, lse_parts = [], []
-    for i in range(B):
-        sl = slice(qsl[i], qsl[i + 1])
-        k, v = up_project_kv(kv_c[sl], k_pe[sl], W_UK, W_UV)
-        o_i, lse_i = attention_with_lse(q[sl], k, v, softmax_scale, causal=True)
-        o_parts.append(o_i)
-        lse_parts.append(lse_i)
-    o = torch.cat(o_parts, dim=0)
-    lse = torch.cat(lse_parts, dim=1)
+    o, lse = suffix_attention(q, kv_c, k_pe, qsl, W_UK, W_UV, softmax_scale)
 
     # prefix: the cached context, chunk by chunk through a fixed workspace
     workspace = kv_cache.new_empty(max(plan.seq_tot, default=0), kv_cache.shape[2])
@@ -223,14 +251,7 @@ def chunked_prefill_attention(
         rows = gather_cache(kv_cache, workspace, block_table, cu, B, seq_starts=starts)
         k_all, v_all = up_project_kv(rows[:, :Lkv].to(q.dtype), rows[:, Lkv:].to(q.dtype),
                                      W_UK, W_UV)
-        o_parts, lse_parts = [], []
-        for i in range(B):
-            sl = slice(qsl[i], qsl[i + 1])
-            rs = slice(plan.cu_seq_lens[c][i], plan.cu_seq_lens[c][i + 1])
-            o_i, lse_i = attention_with_lse(q[sl], k_all[rs], v_all[rs], softmax_scale,
-                                            causal=False)
-            o_parts.append(o_i)
-            lse_parts.append(lse_i)
-        o, lse = merge_attn_states(torch.cat(o_parts, dim=0), torch.cat(lse_parts, dim=1),
-                                   o, lse)
+        o_c, lse_c = context_chunk_attention(q, k_all, v_all, qsl, plan.cu_seq_lens[c],
+                                             softmax_scale)
+        o, lse = merge_attn_states(o_c, lse_c, o, lse)
     return o, lse

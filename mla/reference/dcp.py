@@ -58,7 +58,13 @@ from mla.checks import (
     check_same_device,
 )
 from mla.reference.attention import attention_with_lse
-from mla.reference.chunked import ChunkPlan, check_chunked_prefill_args, plan_context_chunks
+from mla.reference.chunked import (
+    ChunkPlan,
+    check_chunked_prefill_args,
+    context_chunk_attention,
+    plan_context_chunks,
+    suffix_attention,
+)
 from mla.reference.decode import absorb_q, check_paged_decode_args
 from mla.reference.front import mla_front
 from mla.reference.merge import merge_attn_states
@@ -69,7 +75,7 @@ from mla.reference.paged_cache import (
     make_block_table,
     slot_mapping_from_block_table,
 )
-from mla.reference.prefill import prefill_attention, up_project_kv
+from mla.reference.prefill import up_project_kv
 from mla.weights import MLAWeights
 
 __all__ = [
@@ -864,33 +870,19 @@ def dcp_chunked_prefill_attention(
                                      block_table, B, W_UK, softmax_scale)
 
     # suffix: each request's new tokens, causal among themselves
-    o_parts, lse_parts = [], []
-    for i in range(B):
-        sl = slice(qsl[i], qsl[i + 1])
-        o_i, lse_i = prefill_attention(q_nope[sl], q_pe[sl], kv_c[sl], k_pe[sl], W_UK, W_UV,
-                                       softmax_scale, causal=True)
-        o_parts.append(o_i)
-        lse_parts.append(lse_i)
-    o, lse = torch.cat(o_parts, dim=0), torch.cat(lse_parts, dim=1)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    o, lse = suffix_attention(q, kv_c, k_pe, qsl, W_UK, W_UV, softmax_scale)
 
     # prefix: each chunk rebuilt from all ranks' shards, then attended without a mask
     Lkv = kv_c.shape[1]
-    q = torch.cat([q_nope, q_pe], dim=-1)
     workspace = kv_cache.new_empty(max(plan.seq_tot, default=0), kv_cache.shape[2])
     for c in range(plan.num_chunks):
         ctx_kv_c, ctx_k_pe = dcp_gather_context_chunk(kv_cache, block_table, plan, c, Lkv, comm,
                                                       workspace)
         k_all, v_all = up_project_kv(ctx_kv_c.to(q.dtype), ctx_k_pe.to(q.dtype), W_UK, W_UV)
-        cu = plan.cu_seq_lens_lst[c]
-        o_parts, lse_parts = [], []
-        for i in range(B):
-            sl, rs = slice(qsl[i], qsl[i + 1]), slice(cu[i], cu[i + 1])
-            o_i, lse_i = attention_with_lse(q[sl], k_all[rs], v_all[rs], softmax_scale,
-                                            causal=False)
-            o_parts.append(o_i)
-            lse_parts.append(lse_i)
-        o, lse = merge_attn_states(torch.cat(o_parts, dim=0), torch.cat(lse_parts, dim=1),
-                                   o, lse)
+        o_c, lse_c = context_chunk_attention(q, k_all, v_all, qsl, plan.cu_seq_lens_lst[c],
+                                             softmax_scale)
+        o, lse = merge_attn_states(o_c, lse_c, o, lse)
     return o, lse
 
 
