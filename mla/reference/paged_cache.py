@@ -32,6 +32,7 @@ __all__ = [
     "concat_and_cache_mla",
     "gather_cache",
     "cache_rows",
+    "make_block_table",
 ]
 
 
