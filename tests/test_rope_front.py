@@ -57,7 +57,8 @@ POSITIONS = torch.tensor([0, 1, 2, 7, 100, 4095, 4096, 70000])
 @pytest.mark.parametrize("shape", [(8, 3), (8,)], ids=["q_pe", "k_pe"])
 def test_interleaved_is_complex_multiplication(R: int, shape: tuple[int, ...]) -> None:
     cfg = _plain_config(R)
-    assert torch.equal(rope_frequencies(cfg), rope_frequencies(cfg))  # deterministic
+    freqs = rope_frequencies(cfg)
+    assert freqs.dtype == torch.float64 and freqs.shape == (R // 2,)
     assert_close(rope_frequencies(cfg), _base_freqs(R), name="base frequencies")
     x = randn(*shape, R, seed=R)
     out = apply_rope(x, POSITIONS, cfg)
