@@ -210,6 +210,8 @@ CASES = [
      ValueError, "outputs and lses must be non-empty lists of one length, got 0 and 0"),
     ("merge list lengths", lambda: merge_attn_states_list([O5, O5], [L5]),
      ValueError, "outputs and lses must be non-empty lists of one length, got 2 and 1"),
+    ("merge list lse layout", lambda: merge_attn_states_list([O5, O5], [L5, L5.T]),
+     ValueError, E("lses[1] must have shape [3, 5], got [5, 3]")),
     ("merge list devices", lambda: merge_attn_states_list([O5, O5.to("meta")],
                                                           [L5, L5.to("meta")]),
      ValueError, E("outputs[1] is on meta but outputs[0] is on cpu")),

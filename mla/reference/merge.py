@@ -28,11 +28,11 @@ from mla.checks import acc_dtype, check_float, check_same_device, check_same_dty
 __all__ = ["merge_attn_states", "merge_attn_states_list"]
 
 
-def _check_pair(i: str, o: torch.Tensor, lse: torch.Tensor) -> None:
-    check_float(f"{i}_output", o, ndim=3)
+def _check_pair(o_name: str, o: torch.Tensor, lse_name: str, lse: torch.Tensor) -> None:
+    check_float(o_name, o, ndim=3)
     T, N, _ = o.shape
-    check_float(f"{i}_lse", lse, shape=[N, T])
-    check_same_device(**{f"{i}_output": o, f"{i}_lse": lse})
+    check_float(lse_name, lse, shape=[N, T])
+    check_same_device(**{o_name: o, lse_name: lse})
 
 
 def merge_attn_states(
@@ -42,8 +42,8 @@ def merge_attn_states(
     suffix_lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o_p [T,N,D], lse_p [N,T])`` and ``(o_s, lse_s)`` -> ``(output, output_lse)``."""
-    _check_pair("prefix", prefix_output, prefix_lse)
-    _check_pair("suffix", suffix_output, suffix_lse)
+    _check_pair("prefix_output", prefix_output, "prefix_lse", prefix_lse)
+    _check_pair("suffix_output", suffix_output, "suffix_lse", suffix_lse)
     if suffix_output.shape != prefix_output.shape:
         raise ValueError(f"suffix_output must have prefix_output's shape "
                          f"{list(prefix_output.shape)}, got {list(suffix_output.shape)}")
@@ -63,7 +63,7 @@ def merge_attn_states_list(
         raise ValueError(f"outputs and lses must be non-empty lists of one length, got "
                          f"{len(outputs)} and {len(lses)}")
     for k, (o, lse) in enumerate(zip(outputs, lses)):
-        _check_pair(f"outputs[{k}]/lses[{k}]", o, lse)
+        _check_pair(f"outputs[{k}]", o, f"lses[{k}]", lse)
         if o.shape != outputs[0].shape or lse.shape != lses[0].shape:
             raise ValueError(f"outputs[{k}] has shape {list(o.shape)}, expected "
                              f"{list(outputs[0].shape)} like outputs[0]")
