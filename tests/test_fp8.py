@@ -9,6 +9,7 @@ definition (1 sign bit, 4 exponent bits of bias 7, 3 mantissa bits, subnormals a
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -194,6 +195,15 @@ def test_cache_write_by_slot_mapping_and_gather() -> None:
     assert torch.equal(dst[0:5], rows[7:12])
     assert torch.equal(dst[6:9], rows[0:3])
     assert torch.isnan(dst[5]).all()  # untouched
+
+    # a -1 block-table entry inside request 1's tokens: refused, and dst left as it was
+    bad_table = block_table.clone()
+    bad_table[1, 1] = -1
+    before = dst.clone()
+    with pytest.raises(ValueError, match=re.escape("block_table[1] points outside")):
+        gather_and_upconvert_fp8_ds_mla(cache, dst, bad_table, torch.tensor([3, 5]),
+                                        torch.tensor([6, 0]), 2)
+    assert torch.equal(dst.view(torch.int64), before.view(torch.int64))  # bit for bit
 
 
 def test_bad_input_names_the_argument() -> None:

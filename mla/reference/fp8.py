@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from mla.checks import check_float, check_index, check_same_device, check_tensor
+from mla.reference.paged_cache import cache_rows
 
 __all__ = [
     "FP8_DS_MLA_BYTES", "FP8_MAX", "act_quant", "concat_and_cache_fp8_ds_mla",
@@ -163,17 +164,23 @@ def gather_and_upconvert_fp8_ds_mla(src_cache: torch.Tensor, dst: torch.Tensor,
         raise ValueError(f"block_table must have at least batch_size={batch_size} rows, "
                          f"got {block_table.shape[0]}")
     nb, bs, _ = src_cache.shape
-    packed = src_cache.view(torch.uint8).reshape(nb * bs, FP8_DS_MLA_BYTES)
-    for b, (n, start) in enumerate(zip(seq_lens.tolist(), workspace_starts.tolist())):
+    requests = list(zip(seq_lens.tolist(), workspace_starts.tolist()))
+    for b, (n, start) in enumerate(requests):
         if n < 0 or start < 0 or start + n > dst.shape[0]:
             raise ValueError(f"request {b}: rows [{start}, {start + n}) do not fit dst's "
                              f"{dst.shape[0]} rows (seq_lens / workspace_starts)")
         if -(-n // bs) > block_table.shape[1]:
             raise ValueError(f"request {b}: seq_lens {n} needs more than block_table's "
                              f"{block_table.shape[1]} blocks of {bs}")
-        pos = torch.arange(n, device=src_cache.device)
-        slots = block_table[b].long()[pos // bs] * bs + pos % bs
-        kv_c, k_pe = dequantize_fp8_ds_mla(packed[slots])
+        # a -1 entry would silently read the last block
+        used = block_table[b, : -(-n // bs)]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
+            raise ValueError(f"block_table[{b}] points outside src_cache's {nb} blocks within "
+                             f"its first {n} tokens: range [{int(used.min())}, "
+                             f"{int(used.max())}]")
+    for b, (n, start) in enumerate(requests):  # every request checked before a row is written
+        kv_c, k_pe = dequantize_fp8_ds_mla(cache_rows(src_cache.view(torch.uint8),
+                                                      block_table[b], 0, n))
         dst[start:start + n] = torch.cat([kv_c, k_pe], dim=-1).to(dst.dtype)
     return dst
 
