@@ -210,8 +210,9 @@ def prefill_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa: N
         with poisoned_alloc():
             out, max_logits, lse = sparse_mla_prefill(q, kv, idx, SCALE, DV, lens, plan=plan)
         r_out, r_max, r_lse = ref(q.double(), kv.double(), idx, SCALE, DV, lens)
-        ok = (out.shape == r_out.shape and out.dtype == dt and lse.dtype == torch.float32
-              and max_logits.dtype == torch.float32)
+        ok = (out.shape == r_out.shape and lse.shape == r_lse.shape
+              and max_logits.shape == r_max.shape and out.dtype == dt
+              and lse.dtype == torch.float32 and max_logits.dtype == torch.float32)
         inf = float("inf")
         return ({"out_rel": rel_err(out, r_out) if ok else inf,
                  "lse_abs": max_abs_err(lse, r_lse) if ok else inf,
