@@ -331,3 +331,25 @@ def test_rejected_decode_forward_leaves_the_cache_untouched():
     with pytest.raises(ValueError, match="cache_seqlens"):
         decode_forward(W32, rnd(2, 1, 64), cache, BT, i32([3, -2]))
     assert torch.equal(cache, KV)
+
+
+def test_chunked_prefill_rejects_a_cache_of_another_dtype():
+    """A float32 cache under float64 queries would be rounded silently; it is refused."""
+    from mla.reference import chunked_prefill_attention
+
+    c = CFG
+    T, ctx = 3, [5]
+    q_nope = torch.randn(T, c.num_heads, c.qk_nope_head_dim, dtype=torch.float64)
+    q_pe = torch.randn(T, c.num_heads, c.qk_rope_head_dim, dtype=torch.float64)
+    kv_c = torch.randn(T, c.kv_lora_rank, dtype=torch.float64)
+    k_pe = torch.randn(T, c.qk_rope_head_dim, dtype=torch.float64)
+    table, nb = make_block_table([ctx[0] + T], 4)
+    cache = torch.randn(nb, 4, c.latent_dim, dtype=torch.float32)
+    w = W32.to(torch.float64)
+    args = (q_nope, q_pe, kv_c, k_pe, torch.tensor([0, T]), cache, table,
+            plan_context_chunks(ctx, max_context_chunk=2), w.W_UK, w.W_UV, c.softmax_scale)
+    with pytest.raises(TypeError, match=E("kv_cache has dtype torch.float32 but q_nope has "
+                                          "torch.float64")):
+        chunked_prefill_attention(*args)
+    o, _ = chunked_prefill_attention(*args[:5], cache.double(), *args[6:])
+    assert o.shape == (T, c.num_heads, c.v_head_dim)

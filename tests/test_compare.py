@@ -249,3 +249,10 @@ def test_poison_like_uint8_is_an_fp8_nan_byte():
     p = poison_like(t)
     assert p.dtype == torch.uint8 and (p == 0xFF).all()
     assert torch.isnan(p.view(torch.float8_e4m3fn).float()).all()
+
+
+def test_unknown_dtype_has_no_silent_default_tolerance():
+    t = torch.arange(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="no default tolerance for dtype torch.int32"):
+        assert_close(t, t)
+    assert assert_close(t, t, tol=0.0) == 0.0

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla.checks import check_float, check_index, check_same_device, check_scale
+from mla.checks import check_float, check_index, check_same_device, check_same_dtype, check_scale
 from mla.reference.attention import attention_with_lse
 from mla.reference.merge import merge_attn_states
 from mla.reference.paged_cache import gather_cache
@@ -172,6 +172,9 @@ def check_chunked_prefill_args(
     check_index("block_table", block_table, shape=[num_requests, None])
     check_same_device(q_nope=q_nope, kv_cache=kv_cache, block_table=block_table,
                       query_start_loc=query_start_loc)
+    # the cached rows meet q and the weights in one dtype: no silent down-cast of the cache
+    check_same_dtype(q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe, kv_cache=kv_cache,
+                     W_UK=W_UK)
     check_scale("softmax_scale", softmax_scale)
     qsl = query_start_loc.tolist()
     if qsl[0] != 0 or qsl[-1] != T or any(b < a for a, b in zip(qsl, qsl[1:])):
@@ -249,7 +252,7 @@ def chunked_prefill_attention(
         cu = torch.tensor(plan.cu_seq_lens[c], dtype=torch.int32, device=kv_cache.device)
         starts = torch.tensor(plan.chunk_starts[c], dtype=torch.int32, device=kv_cache.device)
         rows = gather_cache(kv_cache, workspace, block_table, cu, B, seq_starts=starts)
-        k_all, v_all = up_project_kv(rows[:, :Lkv].to(q.dtype), rows[:, Lkv:].to(q.dtype),
+        k_all, v_all = up_project_kv(rows[:, :Lkv], rows[:, Lkv:],
                                      W_UK, W_UV)
         o_c, lse_c = context_chunk_attention(q, k_all, v_all, qsl, plan.cu_seq_lens[c],
                                              softmax_scale)

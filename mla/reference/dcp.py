@@ -879,7 +879,7 @@ def dcp_chunked_prefill_attention(
     for c in range(plan.num_chunks):
         ctx_kv_c, ctx_k_pe = dcp_gather_context_chunk(kv_cache, block_table, plan, c, Lkv, comm,
                                                       workspace)
-        k_all, v_all = up_project_kv(ctx_kv_c.to(q.dtype), ctx_k_pe.to(q.dtype), W_UK, W_UV)
+        k_all, v_all = up_project_kv(ctx_kv_c, ctx_k_pe, W_UK, W_UV)
         o_c, lse_c = context_chunk_attention(q, k_all, v_all, qsl, plan.cu_seq_lens_lst[c],
                                              softmax_scale)
         o, lse = merge_attn_states(o_c, lse_c, o, lse)
