@@ -45,6 +45,12 @@ PRODUCERS = {
     "prefill_routes": "python -m benchmarks.prefill_routes",
     "dcp_nccl": "torchrun --nproc-per-node 2 -m mla.dcp_dist --check --out <file>",
     "check": "python -m mla.check --out <file>",
+    "sanitize_check": ("compute-sanitizer --tool memcheck python -m mla.check --quick --kernel "
+                       "mla_decode_paged --kernel sparse_mla_decode --kernel sparse_mla_prefill "
+                       "--out <file>"),
+    "sparse_": "python -m benchmarks.run --only sparse",
+    "small_": "python -m benchmarks.small",
+    "prefill_check": "python -m mla.check --kernel prefill_attention --out <file>",
 }
 
 TABLE1_PRESETS = ("deepseek-v2", "deepseek-v2-lite", "deepseek-v3")
