@@ -57,7 +57,6 @@ from mla.checks import (
     check_positive_int,
     check_same_device,
 )
-from mla.reference.attention import attention_with_lse
 from mla.reference.chunked import (
     ChunkPlan,
     check_chunked_prefill_args,
@@ -65,7 +64,7 @@ from mla.reference.chunked import (
     plan_context_chunks,
     suffix_attention,
 )
-from mla.reference.decode import absorb_q, check_paged_decode_args
+from mla.reference.decode import absorb_q, check_paged_decode_args, paged_mqa
 from mla.reference.front import mla_front
 from mla.reference.merge import merge_attn_states
 from mla.reference.paged_cache import (
@@ -485,19 +484,8 @@ def dcp_local_decode(
     check_nonnegative("seq_lens", seq_lens)
     local_lens = dcp_local_seq_lens(seq_lens, world_size, rank)
     check_paged_decode_args(q, kv_cache, block_table, local_lens, softmax_scale, head_dim_v)
-    B, s_q, N, _ = q.shape
-    out = q.new_zeros(B, s_q, N, head_dim_v)
-    lse = torch.full((B, N, s_q), float("inf"), dtype=acc_dtype(q.dtype), device=q.device)
-    for b, (L, n) in enumerate(zip(seq_lens.tolist(), local_lens.tolist())):
-        rows = cache_rows(kv_cache, block_table[b], 0, n)  # [n, D]
-        k_pos = torch.arange(n, device=q.device) * world_size + rank
-        q_pos = torch.arange(L - s_q, L, device=q.device)
-        o_b, lse_b = attention_with_lse(q[b], rows[:, None, :], rows[:, None, :head_dim_v],
-                                        softmax_scale, causal=causal, q_positions=q_pos,
-                                        k_positions=k_pos)
-        out[b] = o_b
-        lse[b] = torch.where(torch.isneginf(lse_b), float("inf"), lse_b)
-    return out, lse
+    return paged_mqa(q, kv_cache, block_table, seq_lens.tolist(), local_lens.tolist(),
+                     softmax_scale, causal, head_dim_v, stride=world_size, offset=rank)
 
 
 def cp_lse_ag_out_rs(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, comm: Communicator,

@@ -35,7 +35,7 @@ from mla.reference.attention import attention_with_lse
 from mla.reference.paged_cache import cache_rows
 
 __all__ = ["absorb_q", "absorbed_attention", "mla_decode_paged", "check_paged_decode_args",
-           "check_paged_decode_shapes", "check_paged_decode_values"]
+           "check_paged_decode_shapes", "check_paged_decode_values", "paged_mqa"]
 
 
 def absorb_q(q_nope: torch.Tensor, W_UK: torch.Tensor) -> torch.Tensor:  # noqa: N803
@@ -135,15 +135,31 @@ def mla_decode_paged(
     no visible key.
     """
     check_paged_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, head_dim_v)
-    B, s_q, N, D = q.shape
+    lens = cache_seqlens.tolist()
+    return paged_mqa(q, kv_cache, block_table, lens, lens, softmax_scale, causal, head_dim_v)
+
+
+def paged_mqa(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+              seq_lens: list[int], local_lens: list[int], softmax_scale: float, causal: bool,
+              head_dim_v: int, stride: int = 1, offset: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loop under ``mla_decode_paged`` (arguments already checked).
+
+    Request ``b`` holds ``local_lens[b]`` rows whose global positions are
+    ``j·stride + offset`` (``stride = 1``: the whole sequence; DCP: ``stride = W``,
+    ``offset = rank``); its ``s_q`` queries sit at ``seq_lens[b] - s_q ..``, so ``causal`` is
+    decided on global positions. Empty rows get ``out = 0`` and ``lse = +inf``.
+    """
+    B, s_q, N, _ = q.shape
     out = q.new_zeros(B, s_q, N, head_dim_v)
     lse = torch.full((B, N, s_q), float("inf"), dtype=acc_dtype(q.dtype), device=q.device)
-    for b, n in enumerate(cache_seqlens.tolist()):
+    for b, (L, n) in enumerate(zip(seq_lens, local_lens)):
         rows = cache_rows(kv_cache, block_table[b], 0, n)  # [n, D]
-        q_pos = torch.arange(n - s_q, n, device=q.device)
+        k_pos = torch.arange(n, device=q.device) * stride + offset
+        q_pos = torch.arange(L - s_q, L, device=q.device)
         o_b, lse_b = attention_with_lse(q[b], rows[:, None, :], rows[:, None, :head_dim_v],
                                         softmax_scale, causal=causal, q_positions=q_pos,
-                                        k_positions=torch.arange(n, device=q.device))
+                                        k_positions=k_pos)
         out[b] = o_b
         lse[b] = torch.where(torch.isneginf(lse_b), float("inf"), lse_b)
     return out, lse
