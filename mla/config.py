@@ -62,9 +62,10 @@ class MLAConfig:
                     "qk_rope_head_dim", "v_head_dim", "num_layers")
         for field in positive:
             value = getattr(self, field)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MLAConfig.{field} must be a positive int, got {value!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int)
+        if self.q_lora_rank is not None and (isinstance(self.q_lora_rank, bool)
+                                             or not isinstance(self.q_lora_rank, int)
                                              or self.q_lora_rank <= 0):
             raise ValueError(
                 f"MLAConfig.q_lora_rank must be None or a positive int, got {self.q_lora_rank!r}")

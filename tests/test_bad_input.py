@@ -353,3 +353,23 @@ def test_chunked_prefill_rejects_a_cache_of_another_dtype():
         chunked_prefill_attention(*args)
     o, _ = chunked_prefill_attention(*args[:5], cache.double(), *args[6:])
     assert o.shape == (T, c.num_heads, c.v_head_dim)
+
+
+def test_late_checks_now_come_first():
+    """A bool is not a size; write_context and up_project_kv check what they index with."""
+    from mla.reference import up_project_kv, write_context
+
+    with pytest.raises(ValueError, match=E("MLAConfig.num_heads must be a positive int, got True")):
+        CFG.replace(num_heads=True)
+    table, nb = make_block_table([8], 4)
+    cache = torch.zeros(nb, 4, CFG.latent_dim)
+    hidden = torch.randn(3, CFG.hidden_size)
+    with pytest.raises(ValueError, match=E("start must be a non-negative int, got -1")):
+        write_context(W32, hidden, cache, table[0], start=-1)
+    with pytest.raises(ValueError, match=E("block_table_row must have 1 dims")):
+        write_context(W32, hidden, cache, table)
+    kv_c, k_pe = torch.randn(5, CFG.kv_lora_rank), torch.randn(5, CFG.qk_rope_head_dim)
+    with pytest.raises(ValueError, match=E("W_UV must have shape [32, 4, *], got [32, 3, 16]")):
+        up_project_kv(kv_c, k_pe, W32.W_UK, W32.W_UV[:, :3])
+    write_context(W32, hidden, cache, table[0], start=2)  # the good call passes
+    assert not torch.isnan(cache).any()

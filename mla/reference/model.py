@@ -32,6 +32,10 @@ __all__ = ["naive_forward", "prefill_forward", "chunked_prefill_forward", "decod
 def write_context(weights: MLAWeights, hidden: torch.Tensor, kv_cache: torch.Tensor,
                   block_table_row: torch.Tensor, start: int = 0) -> None:
     """Run the front on ``hidden [S, H]`` at positions ``start..start+S`` and cache its latent."""
+    check_float("hidden", hidden, shape=[None, weights.config.hidden_size])
+    check_index("block_table_row", block_table_row, ndim=1)
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be a non-negative int, got {start!r}")
     S = hidden.shape[0]
     positions = torch.arange(start, start + S, device=hidden.device)
     f = mla_front(weights, hidden, positions)

@@ -26,6 +26,8 @@ __all__ = ["up_project_kv", "prefill_attention", "prefill_forward"]
 def up_project_kv(kv_c: torch.Tensor, k_pe: torch.Tensor, W_UK: torch.Tensor,  # noqa: N803
                   W_UV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: N803
     """``kv_c [S, Lkv]``, ``k_pe [S, R]`` -> per-head ``k [S, N, P+R]`` and ``v [S, N, V]``."""
+    check_float("W_UK", W_UK, ndim=3)
+    check_float("W_UV", W_UV, shape=[W_UK.shape[0], W_UK.shape[1], None])
     check_float("kv_c", kv_c, shape=[None, W_UK.shape[0]])
     check_float("k_pe", k_pe, shape=[kv_c.shape[0], None])
     S, N = kv_c.shape[0], W_UK.shape[1]
