@@ -52,11 +52,13 @@ def check_tensor(
 
 
 def check_float(name: str, t: object, **kw: object) -> torch.Tensor:
+    """``check_tensor`` for a floating-point tensor (float64/32/16, bfloat16)."""
     return check_tensor(name, t, dtype=FLOAT_DTYPES, **kw)  # type: ignore[arg-type]
 
 
 def check_index(name: str, t: object, dtype: Sequence[torch.dtype] = INDEX_DTYPES,
                 **kw: object) -> torch.Tensor:
+    """``check_tensor`` for an integer tensor (int32/int64 unless ``dtype`` narrows it)."""
     return check_tensor(name, t, dtype=dtype, **kw)  # type: ignore[arg-type]
 
 
@@ -74,6 +76,7 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 
 
 def check_same_dtype(**tensors: torch.Tensor | None) -> None:
+    """All given tensors of one dtype; names the first one that differs (a ``TypeError``)."""
     items = [(k, v) for k, v in tensors.items() if v is not None]
     if not items:
         return
@@ -85,6 +88,7 @@ def check_same_dtype(**tensors: torch.Tensor | None) -> None:
 
 
 def check_positive_int(name: str, value: object) -> int:
+    """A Python int > 0 (a bool is refused)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value <= 0:
@@ -93,6 +97,7 @@ def check_positive_int(name: str, value: object) -> int:
 
 
 def check_scale(name: str, value: object) -> float:
+    """A positive finite number, e.g. a softmax scale; returned as a float."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     if not value > 0 or value != value or value == float("inf"):
@@ -101,6 +106,7 @@ def check_scale(name: str, value: object) -> float:
 
 
 def check_nonnegative(name: str, t: torch.Tensor) -> None:
+    """No negative entry in ``t`` (reads ``t``'s minimum on the host)."""
     if t.numel() and int(t.min()) < 0:
         raise ValueError(f"{name} must be >= 0, got minimum {int(t.min())}")
 
