@@ -1,6 +1,7 @@
 #!/bin/bash
 # One GPU-machine session: correctness grid, then the benchmark (with the plan sweep).
-# Usage (repo root, on the GPU machine): OUT=dir bash benchmarks/device_run.sh [check|bench|sanitize]...
+# Usage (repo root, on the GPU machine):
+#   OUT=dir bash benchmarks/device_run.sh [check|bench|bench-nosweep|sparse|small|routes|sanitize]...
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -12,8 +13,13 @@ steps=("$@")
 for step in "${steps[@]}"; do
   case $step in
     check) timeout 300 python -m mla.check --out "$OUT/check.json" 2>&1 | tee "$OUT/check.log" ;;
-    bench) timeout 330 python -m benchmarks.run --sweep --out-dir "$OUT" 2>&1 \
+    bench) timeout 330 python -m benchmarks.run --only decode --sweep --out-dir "$OUT" 2>&1 \
              | tee "$OUT/bench.log" ;;
+    sparse) timeout 200 python -m benchmarks.run --only sparse --out-dir "$OUT" 2>&1 \
+             | tee "$OUT/bench_sparse.log" ;;
+    small) timeout 200 python -m benchmarks.small --out-dir "$OUT" 2>&1 | tee "$OUT/small.log" ;;
+    routes) timeout 300 python -m benchmarks.prefill_routes --out-dir "$OUT" 2>&1 \
+             | tee "$OUT/routes.log" ;;
     bench-nosweep) timeout 200 python -m benchmarks.run --out-dir "$OUT" 2>&1 \
              | tee "$OUT/bench.log" ;;
     sanitize) timeout 400 compute-sanitizer --tool memcheck --print-limit 20 \
