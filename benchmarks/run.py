@@ -223,12 +223,18 @@ def metric(r: dict, s: dict) -> tuple[float, bool]:
     return us, us <= s["target"]
 
 
-def markdown(res: dict) -> str:
+def report_heading(title: str, res: dict) -> list[str]:
+    """The first lines of every benchmark report: GPU, date, versions and the ceilings."""
     env, ceil = res["environment"], res["ceilings"]
-    lines = [f"# Decode benchmark, {env.get('gpu', '?')}, {env['date']}", "",
-             f"torch {env['torch']}, triton {env['triton']}, CUDA {env.get('cuda', '?')}. "
-             f"Ceilings measured in the same run: copy {ceil['copy_TBps']:.2f} TB/s, "
-             f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.", "",
+    line = (f"torch {env['torch']}, triton {env['triton']}, CUDA {env.get('cuda', '?')}. "
+            f"Ceilings measured in the same run: copy {ceil['copy_TBps']:.2f} TB/s")
+    if "matmul_TFLOPs" in ceil:
+        line += f", bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s"
+    return [f"# {title}, {env.get('gpu', '?')}, {env['date']}", "", line + ".", ""]
+
+
+def markdown(res: dict) -> str:
+    lines = report_heading("Decode benchmark", res) + [
              "| shape | plan (block_m, block_n, splits, warps, stages, tma) | µs eager | "
              "µs graph | TB/s | TFLOP/s | % copy BW | % matmul | target | met |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -24,7 +24,7 @@ import time
 import torch
 import triton.testing
 
-from benchmarks.run import ceilings, log
+from benchmarks.run import ceilings, log, report_heading
 from mla import reference as ref
 from mla.check import environment
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
@@ -101,10 +101,7 @@ def bench_convert(T: int, topk: int, gen: torch.Generator) -> dict:
 
 
 def markdown(res: dict) -> str:
-    env, ceil = res["environment"], res["ceilings"]
-    lines = [f"# Small kernels, {env.get('gpu', '?')}, {env['date']}", "",
-             f"torch {env['torch']}, triton {env['triton']}. Copy ceiling measured in the same "
-             f"run: {ceil['copy_TBps']:.2f} TB/s.", "",
+    lines = report_heading("Small kernels", res) + [
              "| kernel | shape | µs | TB/s | % copy | output equals reference |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in res["results"]:

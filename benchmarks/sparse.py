@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.testing
 
-from benchmarks.run import log, time_graph
+from benchmarks.run import log, report_heading, time_graph
 from mla.compare import rel_err
 from mla.fast.decode import _num_sms
 from mla.fast.sparse import SparsePlan, plan_sparse, sparse_mla_decode, sparse_mla_prefill
@@ -185,11 +185,7 @@ def bench_shape(s: SparseShape, ceil: dict[str, float], sweep: bool, seed: int) 
 
 
 def markdown(res: dict) -> str:
-    env, ceil = res["environment"], res["ceilings"]
-    lines = [f"# Sparse MLA benchmark, {env.get('gpu', '?')}, {env['date']}", "",
-             f"torch {env['torch']}, triton {env['triton']}, CUDA {env.get('cuda', '?')}. "
-             f"Ceilings measured in the same run: copy {ceil['copy_TBps']:.2f} TB/s, "
-             f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.", "",
+    lines = report_heading("Sparse MLA benchmark", res) + [
              "| shape | plan (block_m, block_n, splits, warps, stages) | µs eager | µs graph | "
              "TFLOP/s | TB/s | % matmul | % copy BW | err vs ref | target | met |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
