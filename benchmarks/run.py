@@ -141,8 +141,8 @@ def candidate_plans(s: Shape, default: DecodePlan) -> list[DecodePlan]:
         plans += [rep(default, num_warps=8), rep(default, use_tma=True),
                   rep(default, num_stages=3)]
     else:
-        plans += [rep(default, use_tma=False), rep(default, num_stages=3),
-                  rep(default, block_n=32)]
+        tri = rep(default, sm90=False)  # the Triton kernel, against the Gluon sm_90 one
+        plans += [tri, rep(tri, use_tma=False), rep(tri, num_stages=3), rep(tri, block_n=32)]
     out = []
     for p in plans:
         if p not in out:

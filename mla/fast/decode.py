@@ -58,6 +58,10 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     use_tma: bool = True  # full page-aligned tiles through tensor descriptors (TMA)
+    # 64-row programs on Hopper: the Gluon kernel of ``mla.fast.decode_sm90`` where it applies
+    # (it uses its own tiles: 64 × 64, 8 warps, two TMA stages; ``block_n``, ``num_warps``,
+    # ``num_stages`` and ``use_tma`` then describe only the Triton fallback)
+    sm90: bool = True
 
 
 def _next_pow2(n: int) -> int:
@@ -348,6 +352,14 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_torch_scratch)
 
 
+def _sm90_supported(q: torch.Tensor, kv_cache: torch.Tensor, DV: int) -> bool:
+    if q.device.type != "cuda" or _interpreting():
+        return False
+    from mla.fast.decode_sm90 import supported
+
+    return supported(q, kv_cache, DV)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -421,20 +433,35 @@ def mla_decode_paged(
     use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
     if use_tma:
         _ensure_allocator()
-    _decode_kernel[(groups, plan.num_splits, B)](
-        q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        softmax_scale * _LOG2E, plan.num_splits, num_blocks * block_size,
-        N=N, S_Q=s_q, DV=DV, DR=DR, PAGE_SIZE=block_size,
-        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0,
-        PAGE_TILE=page_tile, USE_TMA=use_tma, CAUSAL=bool(causal), SPLIT=split,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
+    if plan.sm90 and plan.block_m == 64 and _sm90_supported(q, kv_cache, DV):
+        from mla.fast.decode_sm90 import _decode_sm90_kernel
+
+        _ensure_allocator()
+        _decode_sm90_kernel[(groups, plan.num_splits, B)](
+            q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            softmax_scale * _LOG2E, plan.num_splits, num_blocks * block_size,
+            N=N, S_Q=s_q, PAGE_SIZE=block_size, CAUSAL=bool(causal), SPLIT=split,
+            num_warps=8,
+        )
+    else:
+        _decode_kernel[(groups, plan.num_splits, B)](
+            q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1),
+            softmax_scale * _LOG2E, plan.num_splits, num_blocks * block_size,
+            N=N, S_Q=s_q, DV=DV, DR=DR, PAGE_SIZE=block_size,
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0,
+            PAGE_TILE=page_tile, USE_TMA=use_tma, CAUSAL=bool(causal), SPLIT=split,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
     if split:
         _combine_kernel[(rows, B)](
             o_part, lse_part, out, lse, plan.num_splits,

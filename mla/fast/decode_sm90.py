@@ -1,0 +1,245 @@
+"""Compute-bound paged MLA decode for Hopper (sm_90), written in Gluon.
+
+The Triton kernel of ``mla.fast.decode`` loses a third of the tensor-core work at 128 heads:
+Triton lays a dot that feeds another dot out with all warps along M, so with 64 query rows and
+two warp groups both groups compute the same 64 × 64 logits (benchmarks/NOTES.md). Gluon lets
+the kernel choose its layouts, so here the work is split as FlashMLA splits it
+(shared/KERNELS.md):
+
+- One program = one request, 64 query rows (``s_q · N`` flattened), one run of key tiles,
+  8 warps = two warp groups. The logits ``S = q · Kᵀ`` of a 64-key tile are split by keys:
+  each warp group computes 64 rows × 32 keys (``wgmma m64n32k16``, q and K from shared memory).
+- The softmax statistics are reduced across the two groups, ``P`` (bf16, 64 × 64) goes to
+  shared memory, and the output ``O += P · V`` is split by columns: each warp group owns
+  64 × 256 of the 64 × 512 float32 accumulator (``wgmma m64n256k16``, 128 registers a thread).
+  No wgmma is issued twice.
+- Key tiles are 64 consecutive rows of one page, brought in by TMA (one bulk copy per
+  128-byte column box) into two stages; the next tile's copy is issued before this tile's math.
+  Shared memory: q 72 KB + 2 × 72 KB K + 8 KB P = 224 KB, one program per SM.
+- The tile that holds the request's last key may run past it into rows of the page the cache
+  never wrote (NaN, in our tests): its value rows past the length are zeroed in shared memory
+  after the copy lands, as ``0 · NaN`` would poison ``P · V``. Key masks (length, split end,
+  causal diagonal) are applied to the logits only on tiles that need them.
+
+It writes what ``mla.fast.decode._decode_kernel`` writes (the result, or the split partials
+that ``_combine_kernel`` merges), so ``mla.fast.decode.mla_decode_paged`` routes to it when
+``supported(...)`` holds. The Triton interpreter does not run Gluon: this kernel is compiled
+for sm_90 in the CPU tests (``tests/test_decode_sm90.py``) and checked against the reference
+on the GPU by ``python -m mla.check``.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+__all__ = ["supported", "BLOCK_M", "BLOCK_N", "NUM_WARPS"]
+
+BLOCK_M = 64  # query rows per program
+BLOCK_N = 64  # keys per tile
+NUM_WARPS = 8  # two warp groups
+_DV = 512
+_DR = 64
+
+
+def supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
+    """Whether the sm_90 kernel handles this call: a Hopper GPU, bf16/fp16 q and cache of the
+    same dtype, DeepSeek's 576/512 head dims, pages of a multiple of 64 rows stored back to
+    back with 16-byte aligned rows, and at least 64 query rows (``s_q · N``)."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    B, s_q, N, D = q.shape
+    nb, bs, _ = kv_cache.shape
+    return (q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
+            and D == _DV + _DR and head_dim_v == _DV and bs % BLOCK_N == 0
+            and s_q * N >= BLOCK_M and nb * bs < 2**31
+            and (nb == 1 or kv_cache.stride(0) == bs * kv_cache.stride(1))
+            and kv_cache.stride(2) == 1 and q.stride(3) == 1
+            and kv_cache.data_ptr() % 16 == 0
+            and (kv_cache.stride(1) * kv_cache.element_size()) % 16 == 0)
+
+
+@gluon.jit
+def _decode_sm90_kernel(
+    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP,
+    stride_qb, stride_qt, stride_qh,
+    stride_kvb, stride_kvr, stride_btb,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lh,
+    qk_scale, num_splits, kv_rows,
+    N: gl.constexpr, S_Q: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """Grid ``(head groups, splits, B)``, 8 warps."""
+    BM: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    DV: gl.constexpr = 512
+    DR: gl.constexpr = 64
+    CH: gl.constexpr = 64  # columns per 128-byte swizzle box
+    ROWS: gl.constexpr = S_Q * N
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    g = gl.program_id(0)
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+
+    # S: warp groups side by side along the keys; O: side by side along the 512 columns.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 32, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 256, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                        warps_per_cta=[8, 1], order=[1, 0])
+    row_ld: gl.constexpr = gl.SliceLayout(1, ld)
+    col_ld: gl.constexpr = gl.SliceLayout(0, ld)
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                              rank=2)
+
+    q_nope = gl.allocate_shared_memory(dtype, [BM, DV], smem)
+    q_pe = gl.allocate_shared_memory(dtype, [BM, DR], smem)
+    k_nope = gl.allocate_shared_memory(dtype, [2, BN, DV], smem)
+    k_pe = gl.allocate_shared_memory(dtype, [2, BN, DR], smem)
+    p_smem = gl.allocate_shared_memory(dtype, [BM, BN], smem)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=1)
+
+    # q rows -> shared memory (rows past s_q · N read as zeros and are never stored)
+    r_ld = g * BM + gl.arange(0, BM, layout=row_ld)
+    ok_ld = r_ld < ROWS
+    q_row = (Q + b.to(gl.int64) * stride_qb + (r_ld // N).to(gl.int64) * stride_qt
+             + (r_ld % N).to(gl.int64) * stride_qh)
+    c_ld = gl.arange(0, CH, layout=col_ld)
+    for c in gl.static_range(DV // CH):
+        x = gl.load(q_row[:, None] + (c * CH + c_ld)[None, :], mask=ok_ld[:, None], other=0.0)
+        q_nope.slice(c * CH, CH, dim=1).store(x)
+    x = gl.load(q_row[:, None] + (DV + c_ld)[None, :], mask=ok_ld[:, None], other=0.0)
+    q_pe.store(x)
+
+    # this program's keys: an equal share of whole tiles of the request's length
+    L = gl.load(SEQLENS + b)
+    n_tiles = gl.cdiv(L, BN)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    t_lo = split * per_split
+    t_hi = gl.minimum(t_lo + per_split, n_tiles)
+    end = gl.minimum(t_hi * BN, L)
+    if CAUSAL:
+        full_end = gl.minimum(end, L - S_Q + 1)  # keys every query row sees
+    else:
+        full_end = end
+
+    kv_desc = tma.make_tensor_descriptor(KV, shape=[kv_rows, DV], strides=[stride_kvr, 1],
+                                         block_shape=[BN, DV], layout=smem)
+    pe_desc = tma.make_tensor_descriptor(KV + DV, shape=[kv_rows, DR], strides=[stride_kvr, 1],
+                                         block_shape=[BN, DR], layout=smem)
+    bt_row = BT + b.to(gl.int64) * stride_btb
+    TILE_BYTES: gl.constexpr = BN * (DV + DR) * 2
+
+    fence_async_shared()
+    gl.thread_barrier()
+
+    if t_lo < t_hi:  # first tile -> stage 0
+        page = gl.load(bt_row + (t_lo * BN) // PAGE_SIZE)
+        row0 = page * PAGE_SIZE + (t_lo * BN) % PAGE_SIZE
+        mbarrier.expect(bars.index(0), TILE_BYTES)
+        tma.async_copy_global_to_shared(kv_desc, [row0, 0], bars.index(0), k_nope.index(0))
+        tma.async_copy_global_to_shared(pe_desc, [row0, 0], bars.index(0), k_pe.index(0))
+
+    r_s = g * BM + gl.arange(0, BM, layout=row_s)
+    limit = L - S_Q + r_s // N  # last key query row r sees (causal)
+    c_s = gl.arange(0, BN, layout=col_s)
+
+    acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BM], gl.float32, layout=row_s)
+
+    for i in range(t_lo, t_hi):
+        it = i - t_lo
+        s = it % 2
+        # every warp has finished tile i-1 (its P · V read stage 1-s and P): refill them
+        gl.thread_barrier()
+        if i + 1 < t_hi:
+            nxt = (i + 1) * BN
+            page = gl.load(bt_row + nxt // PAGE_SIZE)
+            row0 = page * PAGE_SIZE + nxt % PAGE_SIZE
+            mbarrier.expect(bars.index(1 - s), TILE_BYTES)
+            tma.async_copy_global_to_shared(kv_desc, [row0, 0], bars.index(1 - s),
+                                            k_nope.index(1 - s))
+            tma.async_copy_global_to_shared(pe_desc, [row0, 0], bars.index(1 - s),
+                                            k_pe.index(1 - s))
+        mbarrier.wait(bars.index(s), (it // 2) & 1)
+        kn = k_nope.index(s)
+        start = i * BN
+        if start + BN > L:
+            # the request's last tile: rows past L hold whatever the page holds; zero the
+            # value rows so that P · V sees 0, not 0 · NaN
+            keep = (start + gl.arange(0, BN, layout=row_ld)) < L
+            for c in gl.static_range(DV // CH):
+                part = kn.slice(c * CH, CH, dim=1)
+                v = part.load(ld)
+                part.store(gl.where(keep[:, None], v, gl.zeros_like(v)))
+            fence_async_shared()
+            gl.thread_barrier()
+
+        sc = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+        qk = sc * qk_scale  # log2 domain
+        if start + BN > full_end:
+            kpos = start + c_s
+            vis = kpos[None, :] < end
+            if CAUSAL:
+                vis = vis & (kpos[None, :] <= limit[:, None])
+            qk = gl.where(vis, qk, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+        # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+    mbarrier.invalidate(bars.index(0))
+    mbarrier.invalidate(bars.index(1))
+
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
+    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    r_o = g * BM + gl.arange(0, BM, layout=row_o)
+    ok_o = r_o < ROWS
+    seen_o = gl.convert_layout(seen, row_o)
+    c_o = gl.arange(0, DV, layout=col_o)
+    r_ok_s = r_s < ROWS
+    if SPLIT:
+        # partials [B, splits, ROWS, DV] and [B, splits, ROWS]; "no key" is lse = -inf
+        part_s = (b * num_splits + split).to(gl.int64) * ROWS + r_s
+        gl.store(LSEP + part_s, gl.where(seen, lse, float("-inf")), mask=r_ok_s)
+        part_o = (b * num_splits + split).to(gl.int64) * ROWS + r_o
+        gl.store(OP + part_o[:, None] * DV + c_o[None, :], o,
+                 mask=(ok_o & seen_o)[:, None])
+    else:
+        o_row = (O + b.to(gl.int64) * stride_ob + (r_o // N).to(gl.int64) * stride_ot
+                 + (r_o % N).to(gl.int64) * stride_oh)
+        gl.store(o_row[:, None] + c_o[None, :], o.to(dtype), mask=ok_o[:, None])
+        gl.store(LSE + b.to(gl.int64) * stride_lb + (r_s % N).to(gl.int64) * stride_lh
+                 + r_s // N, gl.where(seen, lse, float("inf")), mask=r_ok_s)
