@@ -119,10 +119,11 @@ def _ref_err(s: SparseShape, q, kv, idx, out, n: int = 128) -> float:
 
 def candidate_plans(s: SparseShape, default: SparsePlan) -> list[SparsePlan]:
     rep = dataclasses.replace
-    plans = [default, rep(default, block_n=32), rep(default, num_stages=3),
-             rep(default, block_n=32, num_stages=3), rep(default, num_stages=1)]
+    tri = rep(default, sm90=False)  # the Triton kernel, against the Gluon sm_90 one
+    plans = [default, tri, rep(tri, block_n=32), rep(tri, num_stages=3),
+             rep(tri, block_n=32, num_stages=3)]
     if s.kind == "decode":
-        plans.append(rep(default, num_splits=2))
+        plans += [rep(default, num_splits=2), rep(tri, num_splits=2)]
     out = []
     for p in plans:
         if p not in out:

@@ -48,7 +48,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.decode import _load_2d, _next_pow2, _num_sms, check_kernel_input
+from mla.fast.decode import (
+    _interpreting,
+    _load_2d,
+    _next_pow2,
+    _num_sms,
+    check_kernel_input,
+)
 from mla.fast.paged_cache import should_validate
 from mla.reference.fp8 import D_NOPE, D_ROPE, FP8_DS_MLA_BYTES, NUM_TILES, ROPE_OFFSET, TILE
 from mla.reference.sparse import (
@@ -72,6 +78,10 @@ class SparsePlan:
     num_splits: int  # programs per query along its top-k list (1: no combine kernel)
     num_warps: int
     num_stages: int
+    # 64-head programs on Hopper: the Gluon kernel of ``mla.fast.sparse_sm90`` where it
+    # applies (its own 64-entry tiles and 8 warps; the other fields then describe only the
+    # Triton fallback)
+    sm90: bool = True
 
 
 def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,
@@ -310,20 +320,34 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
     has_maxl = max_logits is not None
     maxl = max_logits if has_maxl else lse
     m_strides = (maxl.stride(0), maxl.stride(1)) if has_maxl else (0, 0)
-    _sparse_kernel[(Q * groups, plan.num_splits)](
-        q, kv, kv_f32, kv_bf16, idx, topk_length if topk_length is not None else idx,
-        out, lse, maxl, o_part, lse_part, max_part,
-        q.stride(0), q.stride(1), idx.stride(0), kv.stride(0),
-        out.stride(0), out.stride(1), *lse_strides, *m_strides,
-        kv.shape[0], topk, sm_scale * _LOG2E, plan.num_splits,
-        N=N, S=S, GROUPS=groups, DV=DV, DR=DR, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-        BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0, FP8=fp8,
-        HAS_TOPK_LEN=topk_length is not None,
-        HAS_MAXL=has_maxl, SPLIT=split,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        ROW_BYTES=FP8_DS_MLA_BYTES, NUM_TILES=NUM_TILES, TILE=TILE, ROPE_OFFSET=ROPE_OFFSET,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
+    if plan.sm90 and _sm90_supported(q, kv, dv, fp8, plan.block_m):
+        from mla.fast.sparse_sm90 import _sparse_sm90_kernel
+
+        _sparse_sm90_kernel[(Q * groups, plan.num_splits)](
+            q, kv, idx, topk_length if topk_length is not None else idx,
+            out, lse, maxl, o_part, lse_part, max_part,
+            q.stride(0), q.stride(1), idx.stride(0), kv.stride(0),
+            out.stride(0), out.stride(1), *lse_strides, *m_strides,
+            kv.shape[0], topk, sm_scale * _LOG2E, plan.num_splits,
+            N=N, S=S, GROUPS=groups, FP8=fp8, HAS_TOPK_LEN=topk_length is not None,
+            HAS_MAXL=has_maxl, SPLIT=split, SCALE_OFFSET=DV if fp8 else 0,
+            ROPE_OFFSET=ROPE_OFFSET, num_warps=8,
+        )
+    else:
+        _sparse_kernel[(Q * groups, plan.num_splits)](
+            q, kv, kv_f32, kv_bf16, idx, topk_length if topk_length is not None else idx,
+            out, lse, maxl, o_part, lse_part, max_part,
+            q.stride(0), q.stride(1), idx.stride(0), kv.stride(0),
+            out.stride(0), out.stride(1), *lse_strides, *m_strides,
+            kv.shape[0], topk, sm_scale * _LOG2E, plan.num_splits,
+            N=N, S=S, GROUPS=groups, DV=DV, DR=DR, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0, FP8=fp8,
+            HAS_TOPK_LEN=topk_length is not None,
+            HAS_MAXL=has_maxl, SPLIT=split,
+            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+            ROW_BYTES=FP8_DS_MLA_BYTES, NUM_TILES=NUM_TILES, TILE=TILE, ROPE_OFFSET=ROPE_OFFSET,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
     if split:
         _combine_kernel[(Q * N,)](
             o_part, lse_part, max_part, out, lse, maxl, plan.num_splits,
@@ -331,6 +355,15 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
             N=N, S=S, DV=DV, BLOCK_DV=block_dv, BLOCK_S=max(2, _next_pow2(plan.num_splits)),
             HAS_MAXL=has_maxl, num_warps=4,
         )
+
+
+def _sm90_supported(q: torch.Tensor, kv: torch.Tensor, dv: int, fp8: bool,
+                    block_m: int) -> bool:
+    if q.device.type != "cuda" or _interpreting():
+        return False
+    from mla.fast.sparse_sm90 import supported
+
+    return supported(q, kv, dv, fp8, block_m)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,284 @@
+"""Sparse top-k MLA for Hopper (sm_90) in Gluon: the 64-head programs of ``mla.fast.sparse``.
+
+The Triton kernel of ``mla.fast.sparse`` pays twice at 64 heads per program: Triton makes both
+warp groups compute the same 64 × 64 logits (the dot feeds a dot, benchmarks/NOTES.md), and the
+gathered rows are loaded and, for ``fp8_ds_mla``, dequantized in registers in series with the
+dots. Here, as in ``mla.fast.decode_sm90``:
+
+- one program = one query (decode: one ``(b, t)``; prefill: one token), 64 of its heads as the
+  M of the dots, one run of its top-k list in tiles of 64 entries; 8 warps = two warp groups;
+- ``S = q · Kᵀ`` split by keys (each warp group 64 × 32, ``wgmma m64n32k16``), the softmax
+  statistics reduced across the groups, ``P`` through shared memory, ``O += P · V`` split by
+  columns (each group 64 × 256 of the float32 accumulator). No wgmma is issued twice.
+- The rows named by a tile's indices are gathered with ``cp.async`` (16 bytes a thread per
+  copy; an invalid entry, ``-1``, out of range or past ``topk_length``, is a masked copy that
+  writes zeros), the next tile's copies in flight while this tile's dots run.
+  - bf16/fp16 cache: straight into two stages of K (``k_nope`` 64 × 512, ``k_pe`` 64 × 64);
+    224 KB of shared memory.
+  - ``fp8_ds_mla`` (656-byte rows): the 512 e4m3 bytes and the four float32 scales of each row
+    go into a staging buffer, the 64 bf16 rope values into two ``k_pe`` stages; at the top of
+    each tile the warps dequantize the staged bytes (e4m3 → float32 × the tile's scale → q's
+    dtype) into the single ``k_nope`` buffer, then issue the next tile's copies, then run the
+    dots. About 194 KB of shared memory.
+
+``mla.fast.sparse`` routes 64-head programs here on an sm_90 GPU (``supported``); this kernel
+writes exactly what ``mla.fast.sparse._sparse_kernel`` writes (result, or split partials for its
+combine kernel). The Triton interpreter does not run Gluon: the CPU tests compile it for sm_90
+(``tests/test_sm90_compile.py``) and ``python -m mla.check`` checks it on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+__all__ = ["supported"]
+
+_DV = 512
+_DR = 64
+
+
+def supported(q: torch.Tensor, kv: torch.Tensor, head_dim_v: int, fp8: bool,
+              block_m: int) -> bool:
+    """Whether the sm_90 kernel handles this call: a Hopper GPU, 64-head programs, bf16/fp16
+    q, DeepSeek's 576/512 head dims, a cache in q's dtype (or ``fp8_ds_mla`` bytes with bf16
+    q) with 16-byte aligned rows."""
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    D = q.shape[-1]
+    if block_m != 64 or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if D != _DV + _DR or head_dim_v != _DV or q.stride(-1) != 1 or kv.stride(-1) != 1:
+        return False
+    if kv.data_ptr() % 16 or (kv.stride(0) * kv.element_size()) % 16:
+        return False
+    return (q.dtype == torch.bfloat16) if fp8 else (kv.dtype == q.dtype)
+
+
+@gluon.jit
+def _sparse_sm90_kernel(
+    Q, KV, IDX, TOPK_LEN, O, LSE, MAXL, OP, LSEP, MAXP,
+    stride_qq, stride_qh, stride_iq, stride_row,
+    stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
+    n_rows, topk, qk_scale, num_splits,
+    N: gl.constexpr, S: gl.constexpr, GROUPS: gl.constexpr, FP8: gl.constexpr,
+    HAS_TOPK_LEN: gl.constexpr, HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
+    SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr,
+):
+    """Grid ``(queries · GROUPS, splits)``, 8 warps. ``KV`` is the cache as rows of
+    ``stride_row`` elements (q's dtype) or bytes (``FP8``: uint8, 656-byte rows)."""
+    BM: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    DV: gl.constexpr = 512
+    DR: gl.constexpr = 64
+    CH: gl.constexpr = 64  # bf16 columns per 128-byte swizzle box
+    F8: gl.constexpr = 128  # e4m3 values per scale
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    qi = pid // GROUPS
+    g = pid % GROUPS
+    qi64 = qi.to(gl.int64)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 32, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 256, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    # 16-byte vectors: 8 × 16-bit or 16 × 8-bit values a thread
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                        warps_per_cta=[8, 1], order=[1, 0])
+    row_ld: gl.constexpr = gl.SliceLayout(1, ld)
+    col_ld: gl.constexpr = gl.SliceLayout(0, ld)
+    ld8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
+                                         warps_per_cta=[8, 1], order=[1, 0])
+    row_8: gl.constexpr = gl.SliceLayout(1, ld8)
+    lds: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[8, 4],
+                                         warps_per_cta=[8, 1], order=[1, 0])  # [64, 4] scales
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                              rank=2)
+    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                  order=[1, 0])
+
+    q_nope = gl.allocate_shared_memory(dtype, [BM, DV], smem)
+    q_pe = gl.allocate_shared_memory(dtype, [BM, DR], smem)
+    k_pe = gl.allocate_shared_memory(dtype, [2, BN, DR], smem)
+    p_smem = gl.allocate_shared_memory(dtype, [BM, BN], smem)
+    if FP8:
+        k_nope = gl.allocate_shared_memory(dtype, [1, BN, DV], smem)
+        raw = gl.allocate_shared_memory(gl.uint8, [BN, DV], plain)
+        raw_sc = gl.allocate_shared_memory(gl.float32, [BN, 4], plain)
+    else:
+        k_nope = gl.allocate_shared_memory(dtype, [2, BN, DV], smem)
+        raw = k_nope  # unused
+        raw_sc = k_nope
+
+    # q rows -> shared memory (heads past N read as zeros and are never stored)
+    h_ld = g * BM + gl.arange(0, BM, layout=row_ld)
+    q_row = Q + qi64 * stride_qq + h_ld.to(gl.int64) * stride_qh
+    c_ld = gl.arange(0, CH, layout=col_ld)
+    for c in gl.static_range(DV // CH):
+        x = gl.load(q_row[:, None] + (c * CH + c_ld)[None, :], mask=(h_ld < N)[:, None],
+                    other=0.0)
+        q_nope.slice(c * CH, CH, dim=1).store(x)
+    x = gl.load(q_row[:, None] + (DV + c_ld)[None, :], mask=(h_ld < N)[:, None], other=0.0)
+    q_pe.store(x)
+
+    # this program's entries: an equal share of whole tiles of the query's list
+    n = topk
+    if HAS_TOPK_LEN:
+        n = gl.minimum(gl.maximum(gl.load(TOPK_LEN + qi // S), 0), topk)
+    n_tiles = gl.cdiv(n, BN)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    t_lo = split * per_split
+    t_hi = gl.minimum(t_lo + per_split, n_tiles)
+    hi = gl.minimum(t_hi * BN, n)
+    idx_row = IDX + qi64 * stride_iq
+
+    if t_lo < t_hi:
+        _gather(KV, idx_row, t_lo * BN, hi, n_rows, stride_row, k_nope, k_pe, raw, raw_sc, 0,
+                FP8, SCALE_OFFSET, ROPE_OFFSET, ld, ld8, lds)
+    async_copy.commit_group()
+
+    c_s = gl.arange(0, BN, layout=col_s)
+    acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BM], gl.float32, layout=row_s)
+
+    for i in range(t_lo, t_hi):
+        s = (i - t_lo) % 2
+        async_copy.wait_group(0)  # this thread's copies of tile i have landed
+        fence_async_shared()
+        gl.thread_barrier()  # everyone's have; everyone is done with tile i-1
+        if FP8:
+            kn = k_nope.index(0)
+            sc = raw_sc.load(lds)  # [BN, 4] float32
+            col4 = gl.arange(0, 4, layout=gl.SliceLayout(0, lds))
+            for c in gl.static_range(DV // F8):
+                scale = gl.sum(gl.where(col4[None, :] == c, sc, 0.0), axis=1)
+                scale = gl.convert_layout(scale, row_8)
+                b8 = raw.slice(c * F8, F8, dim=1).load(ld8)
+                v = b8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+                kn.slice(c * F8, F8, dim=1).store(v.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # the staged bytes are consumed, K is written
+            if i + 1 < t_hi:
+                _gather(KV, idx_row, (i + 1) * BN, hi, n_rows, stride_row, k_nope, k_pe, raw,
+                        raw_sc, 1 - s, FP8, SCALE_OFFSET, ROPE_OFFSET, ld, ld8, lds)
+        else:
+            kn = k_nope.index(s)
+            if i + 1 < t_hi:
+                _gather(KV, idx_row, (i + 1) * BN, hi, n_rows, stride_row, k_nope, k_pe, raw,
+                        raw_sc, 1 - s, FP8, SCALE_OFFSET, ROPE_OFFSET, ld, ld8, lds)
+        async_copy.commit_group()
+
+        cols = i * BN + c_s
+        idx = gl.load(idx_row + cols, mask=cols < hi, other=-1)
+        valid = (cols < hi) & (idx >= 0) & (idx < n_rows)
+        sc_ = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc_ = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc_, is_async=True)
+        sc_ = warpgroup_mma_wait(num_outstanding=0, deps=(sc_,))
+        qk = gl.where(valid[None, :], sc_ * qk_scale, float("-inf"))  # log2 domain
+        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+        # a head that has seen no valid entry keeps m = -inf; shift by 0 so exp2 gives 0
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)
+
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
+    mx = m_i * 0.6931471805599453  # -inf where nothing was seen
+    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    h_s = g * BM + gl.arange(0, BM, layout=row_s)
+    hs_ok = h_s < N
+    h_o = g * BM + gl.arange(0, BM, layout=row_o)
+    ho_ok = h_o < N
+    c_o = gl.arange(0, DV, layout=col_o)
+    if SPLIT:
+        # partials [queries, splits, N, DV] and [queries, splits, N]; "nothing" is lse -inf
+        part_s = (qi64 * num_splits + split) * N + h_s
+        gl.store(LSEP + part_s, gl.where(seen, lse, float("-inf")), mask=hs_ok)
+        gl.store(MAXP + part_s, mx, mask=hs_ok)
+        part_o = (qi64 * num_splits + split) * N + h_o
+        gl.store(OP + part_o[:, None] * DV + c_o[None, :], o,
+                 mask=(ho_ok & gl.convert_layout(seen, row_o))[:, None])
+    else:
+        gl.store(O + qi64 * stride_oq + h_o.to(gl.int64)[:, None] * stride_oh + c_o[None, :],
+                 o.to(dtype), mask=ho_ok[:, None])
+        gl.store(LSE + (qi64 // S) * stride_lb + (qi64 % S) * stride_lt + h_s * stride_lh,
+                 gl.where(seen, lse, float("inf")), mask=hs_ok)
+        if HAS_MAXL:
+            gl.store(MAXL + qi64 * stride_mq + h_s * stride_mh, mx, mask=hs_ok)
+
+
+@gluon.jit
+def _gather(KV, idx_row, start, hi, n_rows, stride_row, k_nope, k_pe, raw, raw_sc, stage,
+            FP8: gl.constexpr, SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr,
+            ld: gl.constexpr, ld8: gl.constexpr, lds: gl.constexpr):
+    """Issue the ``cp.async`` copies of the 64 rows named by entries ``[start, start + 64)``
+    (zeros for invalid ones) into ``stage`` (k_pe, and k_nope or the fp8 staging buffers)."""
+    BN: gl.constexpr = 64
+    DV: gl.constexpr = 512
+    CH: gl.constexpr = 64
+    F8: gl.constexpr = 128
+    dtype: gl.constexpr = k_pe.dtype
+    cols = start + gl.arange(0, BN, layout=gl.SliceLayout(1, ld))
+    idx = gl.load(idx_row + cols, mask=cols < hi, other=-1)
+    ok = (cols < hi) & (idx >= 0) & (idx < n_rows)
+    row = gl.where(ok, idx, 0).to(gl.int64) * stride_row
+    c16 = gl.arange(0, CH, layout=gl.SliceLayout(0, ld))
+    if FP8:
+        # rope: bf16 values at byte ROPE_OFFSET of each row
+        pe_ptr = (KV + row + ROPE_OFFSET).to(gl.pointer_type(dtype), bitcast=True)
+        async_copy.async_copy_global_to_shared(k_pe.index(stage),
+                                               pe_ptr[:, None] + c16[None, :],
+                                               mask=ok[:, None])
+        cols8 = start + gl.arange(0, BN, layout=gl.SliceLayout(1, ld8))
+        idx8 = gl.load(idx_row + cols8, mask=cols8 < hi, other=-1)
+        ok8 = (cols8 < hi) & (idx8 >= 0) & (idx8 < n_rows)
+        row8 = gl.where(ok8, idx8, 0).to(gl.int64) * stride_row
+        c8 = gl.arange(0, F8, layout=gl.SliceLayout(0, ld8))
+        for c in gl.static_range(DV // F8):
+            async_copy.async_copy_global_to_shared(raw.slice(c * F8, F8, dim=1),
+                                                   KV + row8[:, None] + (c * F8 + c8)[None, :],
+                                                   mask=ok8[:, None])
+        colss = start + gl.arange(0, BN, layout=gl.SliceLayout(1, lds))
+        idxs = gl.load(idx_row + colss, mask=colss < hi, other=-1)
+        oks = (colss < hi) & (idxs >= 0) & (idxs < n_rows)
+        rows_ = gl.where(oks, idxs, 0).to(gl.int64) * stride_row
+        sc_ptr = (KV + rows_ + SCALE_OFFSET).to(gl.pointer_type(gl.float32), bitcast=True)
+        c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, lds))
+        async_copy.async_copy_global_to_shared(raw_sc, sc_ptr[:, None] + c4[None, :],
+                                               mask=oks[:, None])
+    else:
+        base = KV + row
+        kn = k_nope.index(stage)
+        for c in gl.static_range(DV // CH):
+            async_copy.async_copy_global_to_shared(kn.slice(c * CH, CH, dim=1),
+                                                   base[:, None] + (c * CH + c16)[None, :],
+                                                   mask=ok[:, None])
+        async_copy.async_copy_global_to_shared(k_pe.index(stage),
+                                               base[:, None] + (DV + c16)[None, :],
+                                               mask=ok[:, None])
