@@ -1,0 +1,133 @@
+"""The Gluon sm_90 kernels, compiled for the H200 on a machine without a GPU.
+
+The Triton interpreter cannot run Gluon, so the CPU tests cannot check what these kernels
+compute (``python -m mla.check`` does, on the GPU). They can check what the kernels compile to:
+the ``wgmma`` shapes that say how the two warp groups share the work, shared memory that fits one
+program per SM, no register spills, and how the keys arrive (TMA, or 16-byte ``cp.async``).
+
+Compiling runs in a child process (``benchmarks/sm90_compile.py`` does the work): a process that
+imported ``triton`` with ``TRITON_INTERPRET=1``, as ``conftest.py`` sets it here, has every
+``@jit`` function, the language's own helpers included, replaced by an interpreted one and cannot
+compile for a GPU ("Unsupported function referenced: InterpretedFunction"); unsetting the
+variable afterwards changes nothing. The child gets the environment without it, which affects
+nothing else: it only compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton.experimental.gluon")
+
+from mla.fast import decode_sm90, sparse_sm90  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SMEM_LIMIT = 232448  # bytes of shared memory per program on an H200 (227 KB)
+
+DECODE = [dict(N=128, S_Q=s_q, CAUSAL=causal, SPLIT=split)
+          for s_q in (1, 2) for causal in (False, True) for split in (False, True)]
+DECODE += [dict(N=16, S_Q=4, CAUSAL=True), dict(N=128, S_Q=1, dtype="fp16")]
+SPARSE = [dict(FP8=fp8, **flags) for fp8 in (True, False) for flags in (
+    {}, {"SPLIT": True}, {"HAS_TOPK_LEN": True}, {"HAS_MAXL": True},
+    {"SPLIT": True, "HAS_TOPK_LEN": True, "HAS_MAXL": True})]
+SPARSE += [dict(FP8=False, N=64, S=2, dtype="fp16")]
+VARIANTS = [("decode", a) for a in DECODE] + [("sparse", a) for a in SPARSE]
+
+
+def _id(variant: tuple[str, dict]) -> str:
+    kernel, args = variant
+    return "-".join([kernel] + [f"{k}={v}" for k, v in args.items()])
+
+
+_CHILD = ("import json, sys\n"
+          "from benchmarks.sm90_compile import compile_facts\n"
+          "print(json.dumps([compile_facts(k, a) for k, a in json.loads(sys.argv[1])]))\n")
+
+
+def _compile_in_child(variants: list[tuple[str, dict]]) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(variants)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-4000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@functools.cache  # lru_cache without a bound
+def _facts() -> dict[str, dict]:
+    """Facts of every variant, each compiled once: decode and sparse in two children at once."""
+    groups = [[v for v in VARIANTS if v[0] == kernel] for kernel in ("decode", "sparse")]
+    with ThreadPoolExecutor(len(groups)) as pool:
+        results = list(pool.map(_compile_in_child, groups))
+    return {_id(v): f for group, res in zip(groups, results) for v, f in zip(group, res)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+def test_each_warp_group_issues_only_its_own_wgmma(variant):
+    # Per 64-key tile a warp group computes 64 rows x 32 keys of the logits over the 576 dims
+    # of q and K: 576 / 16 = 36 wgmma m64n32k16; and its 64 x 256 half of the output over the
+    # tile's 64 keys: 64 / 16 = 4 wgmma m64n256k16. Both groups run the same instructions on
+    # their own halves, so the PTX holds 36 and 4 per place a tile is computed (a compiler
+    # that copies the loop body doubles both: hence the ratio 9 : 1). Triton's own kernel had
+    # both warp groups compute the same 64 x 64 logits (72 n32 per tile): a ratio above 9, or
+    # any other shape, means work is issued twice or split differently.
+    f = _facts()[_id(variant)]
+    dt = {"bf16": "bf16", "fp16": "f16"}[variant[1].get("dtype", "bf16")]  # PTX type names
+    shapes = {}
+    for instr, count in f["wgmma"].items():
+        m = re.fullmatch(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.(\w+)",
+                         instr)
+        assert m is not None and m.group(2) == m.group(3) == dt, instr
+        shapes[m.group(1)] = shapes.get(m.group(1), 0) + count
+    assert set(shapes) == {"m64n32k16", "m64n256k16"}, f["wgmma"]
+    n32, n256 = shapes["m64n32k16"], shapes["m64n256k16"]
+    assert n256 >= 4 and n256 % 4 == 0 and n32 == 9 * n256, f["wgmma"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+def test_one_program_fits_an_sm_without_spills(variant):
+    f = _facts()[_id(variant)]
+    assert f["shared"] <= SMEM_LIMIT, f"{f['shared']} B of shared memory"
+    # 8 warps: 65536 registers / 256 threads allow 255 each; past that ptxas spills to the
+    # stack (local memory), which a 64 x 256 float32 accumulator per warp group would not
+    # survive at speed
+    assert f["reg"] <= 255 and f["stack"] == 0 and f["local"] == 0, f
+    assert not f["ptx_local"], "the PTX declares local memory"
+
+
+@pytest.mark.parametrize("args", DECODE, ids=lambda a: _id(("decode", a)))
+def test_decode_loads_key_tiles_by_tma(args):
+    f = _facts()[_id(("decode", args))]
+    assert f["tma"] > 0, "no cp.async.bulk.tensor: key tiles are not loaded by TMA"
+    assert f["cp_async_16"] == f["cp_async_other"] == 0, f
+
+
+@pytest.mark.parametrize("args", SPARSE, ids=lambda a: _id(("sparse", a)))
+def test_sparse_gathers_rows_with_16_byte_cp_async(args):
+    f = _facts()[_id(("sparse", args))]
+    assert f["tma"] == 0 and f["cp_async_16"] > 0, f
+    if args["FP8"]:
+        # the four float32 scales of a row may go as 4-byte copies; the bulk is 16-byte
+        assert f["cp_async_other"] < f["cp_async_16"], f
+    else:
+        assert f["cp_async_other"] == 0, f"narrower copies than 16 bytes: {f}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_supported_is_false_for_cpu_tensors(dtype):
+    q = torch.zeros(2, 1, 128, 576, dtype=dtype)
+    kv_cache = torch.zeros(4, 64, 576, dtype=dtype)
+    assert decode_sm90.supported(q, kv_cache, 512) is False
+    q = torch.zeros(3, 128, 576, dtype=dtype)
+    assert sparse_sm90.supported(q, kv_cache.view(-1, 576), 512, False, 64) is False
+    kv8 = torch.zeros(256, 656, dtype=torch.uint8)
+    assert sparse_sm90.supported(q, kv8, 512, True, 64) is False
