@@ -166,20 +166,22 @@ def _decode_sm90_kernel(
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BM], gl.float32, layout=row_s)
 
+    # each tile's page is looked up a tile ahead of its TMA issue, so that the issue never
+    # waits for a block-table load (measured: fp8 sparse, the same idea for indices, +5%)
+    nxt_page = gl.load(bt_row + ((t_lo + 1) * BN) // PAGE_SIZE, mask=t_lo + 1 < t_hi, other=0)
     for i in range(t_lo, t_hi):
         it = i - t_lo
         s = it % 2
         # every warp has finished tile i-1 (its P · V read stage 1-s and P): refill them
         gl.thread_barrier()
         if i + 1 < t_hi:
-            nxt = (i + 1) * BN
-            page = gl.load(bt_row + nxt // PAGE_SIZE)
-            row0 = page * PAGE_SIZE + nxt % PAGE_SIZE
+            row0 = nxt_page * PAGE_SIZE + ((i + 1) * BN) % PAGE_SIZE
             mbarrier.expect(bars.index(1 - s), TILE_BYTES)
             tma.async_copy_global_to_shared(kv_desc, [row0, 0], bars.index(1 - s),
                                             k_nope.index(1 - s))
             tma.async_copy_global_to_shared(pe_desc, [row0, 0], bars.index(1 - s),
                                             k_pe.index(1 - s))
+        nxt_page = gl.load(bt_row + ((i + 2) * BN) // PAGE_SIZE, mask=i + 2 < t_hi, other=0)
         mbarrier.wait(bars.index(s), (it // 2) & 1)
         kn = k_nope.index(s)
         start = i * BN

@@ -146,19 +146,24 @@ def _sparse_sm90_kernel(
     hi = gl.minimum(t_hi * BN, n)
     idx_row = IDX + qi64 * stride_iq
 
+    # a tile's indices are loaded a tile ahead of its gather, so that issuing the copies
+    # never waits for an index load
+    i_ld, i_8, i_s = _load_idx(idx_row, t_lo * BN, hi, ld, ld8, lds, FP8)
     if t_lo < t_hi:
-        _gather(KV, idx_row, t_lo * BN, hi, n_rows, stride_row, k_nope, k_pe, raw, raw_sc, 0,
+        _gather(KV, i_ld, i_8, i_s, n_rows, stride_row, k_nope, k_pe, raw, raw_sc, 0,
                 FP8, SCALE_OFFSET, ROPE_OFFSET, ld, ld8, lds)
     async_copy.commit_group()
+    i_ld, i_8, i_s = _load_idx(idx_row, (t_lo + 1) * BN, hi, ld, ld8, lds, FP8)
 
     c_s = gl.arange(0, BN, layout=col_s)
     acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
     l_i = gl.zeros([BM], gl.float32, layout=row_s)
-
     for i in range(t_lo, t_hi):
         s = (i - t_lo) % 2
+        cols = i * BN + c_s
+        idx = gl.load(idx_row + cols, mask=cols < hi, other=-1)  # for the logits' mask
         async_copy.wait_group(0)  # this thread's copies of tile i have landed
         fence_async_shared()
         gl.thread_barrier()  # everyone's have; everyone is done with tile i-1
@@ -174,18 +179,14 @@ def _sparse_sm90_kernel(
                 kn.slice(c * F8, F8, dim=1).store(v.to(dtype))
             fence_async_shared()
             gl.thread_barrier()  # the staged bytes are consumed, K is written
-            if i + 1 < t_hi:
-                _gather(KV, idx_row, (i + 1) * BN, hi, n_rows, stride_row, k_nope, k_pe, raw,
-                        raw_sc, 1 - s, FP8, SCALE_OFFSET, ROPE_OFFSET, ld, ld8, lds)
         else:
             kn = k_nope.index(s)
-            if i + 1 < t_hi:
-                _gather(KV, idx_row, (i + 1) * BN, hi, n_rows, stride_row, k_nope, k_pe, raw,
-                        raw_sc, 1 - s, FP8, SCALE_OFFSET, ROPE_OFFSET, ld, ld8, lds)
+        if i + 1 < t_hi:
+            _gather(KV, i_ld, i_8, i_s, n_rows, stride_row, k_nope, k_pe, raw, raw_sc, 1 - s,
+                    FP8, SCALE_OFFSET, ROPE_OFFSET, ld, ld8, lds)
         async_copy.commit_group()
+        i_ld, i_8, i_s = _load_idx(idx_row, (i + 2) * BN, hi, ld, ld8, lds, FP8)
 
-        cols = i * BN + c_s
-        idx = gl.load(idx_row + cols, mask=cols < hi, other=-1)
         valid = (cols < hi) & (idx >= 0) & (idx < n_rows)
         sc_ = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc_ = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc_, is_async=True)
@@ -234,20 +235,37 @@ def _sparse_sm90_kernel(
 
 
 @gluon.jit
-def _gather(KV, idx_row, start, hi, n_rows, stride_row, k_nope, k_pe, raw, raw_sc, stage,
+def _load_idx(idx_row, start, hi, ld: gl.constexpr, ld8: gl.constexpr, lds: gl.constexpr,
+              FP8: gl.constexpr):
+    """Entries ``[start, start + 64)`` of the list (``-1`` past ``hi``) in the row layouts of
+    the copies: ``ld`` (16-bit rows), and with ``FP8`` also ``ld8`` (bytes), ``lds`` (scales)."""
+    BN: gl.constexpr = 64
+    c1 = start + gl.arange(0, BN, layout=gl.SliceLayout(1, ld))
+    i_ld = gl.load(idx_row + c1, mask=c1 < hi, other=-1)
+    if FP8:
+        c2 = start + gl.arange(0, BN, layout=gl.SliceLayout(1, ld8))
+        i_8 = gl.load(idx_row + c2, mask=c2 < hi, other=-1)
+        c3 = start + gl.arange(0, BN, layout=gl.SliceLayout(1, lds))
+        i_s = gl.load(idx_row + c3, mask=c3 < hi, other=-1)
+    else:
+        i_8 = i_ld  # unused
+        i_s = i_ld
+    return i_ld, i_8, i_s
+
+
+@gluon.jit
+def _gather(KV, i_ld, i_8, i_s, n_rows, stride_row, k_nope, k_pe, raw, raw_sc, stage,
             FP8: gl.constexpr, SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr,
             ld: gl.constexpr, ld8: gl.constexpr, lds: gl.constexpr):
-    """Issue the ``cp.async`` copies of the 64 rows named by entries ``[start, start + 64)``
-    (zeros for invalid ones) into ``stage`` (k_pe, and k_nope or the fp8 staging buffers)."""
-    BN: gl.constexpr = 64
+    """Issue the ``cp.async`` copies of the 64 rows named by the entries ``i_*`` (``-1`` or
+    out of range: a masked copy, zeros) into ``stage`` (k_pe, and k_nope or the fp8 staging
+    buffers)."""
     DV: gl.constexpr = 512
     CH: gl.constexpr = 64
     F8: gl.constexpr = 128
     dtype: gl.constexpr = k_pe.dtype
-    cols = start + gl.arange(0, BN, layout=gl.SliceLayout(1, ld))
-    idx = gl.load(idx_row + cols, mask=cols < hi, other=-1)
-    ok = (cols < hi) & (idx >= 0) & (idx < n_rows)
-    row = gl.where(ok, idx, 0).to(gl.int64) * stride_row
+    ok = (i_ld >= 0) & (i_ld < n_rows)
+    row = gl.where(ok, i_ld, 0).to(gl.int64) * stride_row
     c16 = gl.arange(0, CH, layout=gl.SliceLayout(0, ld))
     if FP8:
         # rope: bf16 values at byte ROPE_OFFSET of each row
@@ -255,19 +273,15 @@ def _gather(KV, idx_row, start, hi, n_rows, stride_row, k_nope, k_pe, raw, raw_s
         async_copy.async_copy_global_to_shared(k_pe.index(stage),
                                                pe_ptr[:, None] + c16[None, :],
                                                mask=ok[:, None])
-        cols8 = start + gl.arange(0, BN, layout=gl.SliceLayout(1, ld8))
-        idx8 = gl.load(idx_row + cols8, mask=cols8 < hi, other=-1)
-        ok8 = (cols8 < hi) & (idx8 >= 0) & (idx8 < n_rows)
-        row8 = gl.where(ok8, idx8, 0).to(gl.int64) * stride_row
+        ok8 = (i_8 >= 0) & (i_8 < n_rows)
+        row8 = gl.where(ok8, i_8, 0).to(gl.int64) * stride_row
         c8 = gl.arange(0, F8, layout=gl.SliceLayout(0, ld8))
         for c in gl.static_range(DV // F8):
             async_copy.async_copy_global_to_shared(raw.slice(c * F8, F8, dim=1),
                                                    KV + row8[:, None] + (c * F8 + c8)[None, :],
                                                    mask=ok8[:, None])
-        colss = start + gl.arange(0, BN, layout=gl.SliceLayout(1, lds))
-        idxs = gl.load(idx_row + colss, mask=colss < hi, other=-1)
-        oks = (colss < hi) & (idxs >= 0) & (idxs < n_rows)
-        rows_ = gl.where(oks, idxs, 0).to(gl.int64) * stride_row
+        oks = (i_s >= 0) & (i_s < n_rows)
+        rows_ = gl.where(oks, i_s, 0).to(gl.int64) * stride_row
         sc_ptr = (KV + rows_ + SCALE_OFFSET).to(gl.pointer_type(gl.float32), bitcast=True)
         c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, lds))
         async_copy.async_copy_global_to_shared(raw_sc, sc_ptr[:, None] + c4[None, :],
