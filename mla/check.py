@@ -228,6 +228,8 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
                    _decode_case(ctx, 12, [0, 1, 65, 200], 2, 64, True,
                                 plan=DecodePlan(64, 32, 2, 8, 2, use_tma=True)))
         if ctx.device.type == "cuda":
+            yield Case("D=576/512 N=128 s_q=1 lens 0,1,63,64,65,130 (sm_90 kernel on Hopper)",
+                       _decode_case(ctx, 13, [0, 1, 63, 64, 65, 130], 1, 128, False))
             yield Case("cuda graph capture + replay, no sync", lambda: _decode_graph_case(ctx))
         return
     grid = [(N, s_q, causal, bs) for N in (16, 128) for s_q, causal in ((1, False), (2, True))
@@ -260,6 +262,14 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
                               DecodePlan(64, 64, 2, 8, 2, use_tma=False)]):
         yield Case(f"N=128 s_q=2 causal forced {plan}",
                    _decode_case(ctx, 35 + j, edge + [3000], 2, 128, True, plan=plan))
+    # the Gluon sm_90 kernel (64-row programs, page a multiple of 64): several tiles per page,
+    # a partly filled last head group, s_q = 4 with the causal diagonal across a tile edge
+    yield Case("N=128 s_q=4 causal page=128 lens 0,1,63,64,65,1037,4097",
+               _decode_case(ctx, 43, edge + [4097], 4, 128, True, block_size=128))
+    yield Case("N=96 s_q=1 page=256 lens 0,1,63,64,65,1037 (half-empty group)",
+               _decode_case(ctx, 44, edge, 1, 96, False, block_size=256))
+    yield Case("N=64 s_q=3 causal page=64 lens 2,3,64,66,129",
+               _decode_case(ctx, 45, [2, 3, 64, 66, 129], 3, 64, True))
     yield Case("float16 N=128 s_q=2 causal", _decode_case(ctx, 40, edge, 2, 128, True,
                                                          dtype=torch.float16))
     yield Case("float32 N=16 s_q=1 lens 0,1,65,300",

@@ -154,8 +154,10 @@ def decode_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa: N8
                    [70, 29])
         yield case("latent cache B=3 N=16 topk=100 split=3", 501, 3, 1, 16, 100, 400, False,
                    plan=SparsePlan(16, 64, 3, 4, 1), all_invalid=1)
-        if ctx.device.type == "cuda":
+        if ctx.device.type == "cuda":  # the sm_90 kernel's fp8 and bf16 paths
             yield case("fp8 B=2 N=128 topk=2048", 502, 2, 1, 128, 2048, 5000, True)
+            yield case("bf16 cache B=2 s_q=2 N=64 topk=130 lens 130,1", 503, 2, 2, 64, 130,
+                       3000, False, [130, 1])
         return
     for i, (fp8, N) in enumerate([(False, 16), (False, 128), (True, 16), (True, 128)]):
         kind = "fp8" if fp8 else "bf16"
@@ -170,6 +172,8 @@ def decode_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa: N8
     yield case("bf16 cache B=2 s_q=4 N=64 topk=577", 532, 2, 4, 64, 577, 9000, False)
     yield case("fp8 cache B=4 N=16 topk=2048 logits x30", 533, 4, 1, 16, 2048, 20000, True,
                logit_scale=30.0)
+    yield case("fp8 cache B=3 N=96 topk=130 (half-empty head group)", 536, 3, 1, 96, 130,
+               4000, True)
     yield case("float16 fp8 cache B=3 N=128 topk=2048", 534, 3, 1, 128, 2048, 20000, True,
                dtype=torch.float16)
     yield case("float32 cache B=2 N=16 topk=300", 535, 2, 1, 16, 300, 5000, False,
@@ -228,6 +232,8 @@ def prefill_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa: N
         yield case("s_q=5 N=4 topk=70 s_kv=200 lens", 560, 5, 4, 70, 200, True)
         yield case("s_q=3 N=16 topk=100 s_kv=300 split=2", 561, 3, 16, 100, 300,
                    plan=SparsePlan(16, 64, 2, 4, 1))
+        if ctx.device.type == "cuda":  # the sm_90 kernel
+            yield case("s_q=5 N=64 topk=65 s_kv=90 lens", 562, 5, 64, 65, 90, True)
         return
     yield case("s_q=300 N=128 topk=2048 s_kv=5000", 570, 300, 128, 2048, 5000)
     yield case("s_q=257 N=64 topk=2048 s_kv=3000 ragged lens", 571, 257, 64, 2048, 3000, True)
@@ -236,3 +242,4 @@ def prefill_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa: N
     yield case("s_q=64 N=128 topk=2048 s_kv=2048 forced split=4", 574, 64, 128, 2048, 2048,
                plan=SparsePlan(64, 64, 4, 8, 2))
     yield case("s_q=33 N=128 topk=64 s_kv=50 (more picks than rows)", 575, 33, 128, 64, 50)
+    yield case("s_q=7 N=128 topk=1 s_kv=10 (one pick)", 576, 7, 128, 1, 10)

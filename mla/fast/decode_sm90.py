@@ -24,7 +24,7 @@ the kernel choose its layouts, so here the work is split as FlashMLA splits it
 It writes what ``mla.fast.decode._decode_kernel`` writes (the result, or the split partials
 that ``_combine_kernel`` merges), so ``mla.fast.decode.mla_decode_paged`` routes to it when
 ``supported(...)`` holds. The Triton interpreter does not run Gluon: this kernel is compiled
-for sm_90 in the CPU tests (``tests/test_decode_sm90.py``) and checked against the reference
+for sm_90 in the CPU tests (``tests/test_sm90_compile.py``) and checked against the reference
 on the GPU by ``python -m mla.check``.
 """
 
