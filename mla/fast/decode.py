@@ -323,11 +323,18 @@ def _combine_kernel(
              tl.where(seen, m_use + tl.log(tl.where(seen, w_sum, 1.0)), float("inf")))
 
 
+@functools.lru_cache(maxsize=16)
+def capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability``, cached per device (it is asked on every call;
+    uncached it is several µs of the ~130 µs a small decode call spends on the host)."""
+    return torch.cuda.get_device_capability(device)
+
+
 def _tma_ok(kv_cache: torch.Tensor, DV: int, DR: int) -> bool:
     """Tensor descriptors need a Hopper-or-newer GPU (or the interpreter), blocks back to back
     (one 2-D ``[num_blocks · block_size, D]`` view) and 16-byte aligned rows and columns."""
     if kv_cache.device.type == "cuda":
-        if torch.cuda.get_device_capability(kv_cache.device)[0] < 9:
+        if capability(kv_cache.device)[0] < 9:
             return False
     elif not _interpreting():
         return False
@@ -429,10 +436,6 @@ def mla_decode_paged(
         o_part, lse_part = out, lse  # unused
     block_dv = max(16, _next_pow2(DV))
     block_dr = max(16, _next_pow2(DR)) if DR else 16
-    page_tile = block_size % plan.block_n == 0
-    use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
-    if use_tma:
-        _ensure_allocator()
     if plan.sm90 and plan.block_m == 64 and _sm90_supported(q, kv_cache, DV):
         from mla.fast.decode_sm90 import _decode_sm90_kernel
 
@@ -448,6 +451,10 @@ def mla_decode_paged(
             num_warps=8,
         )
     else:
+        page_tile = block_size % plan.block_n == 0
+        use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
+        if use_tma:
+            _ensure_allocator()
         _decode_kernel[(groups, plan.num_splits, B)](
             q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2),

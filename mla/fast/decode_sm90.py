@@ -41,6 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.fast.decode import capability
+
 __all__ = ["supported", "BLOCK_M", "BLOCK_N", "NUM_WARPS"]
 
 BLOCK_M = 64  # query rows per program
@@ -54,7 +56,7 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
     """Whether the sm_90 kernel handles this call: a Hopper GPU, bf16/fp16 q and cache of the
     same dtype, DeepSeek's 576/512 head dims, pages of a multiple of 64 rows stored back to
     back with 16-byte aligned rows, and at least 64 query rows (``s_q · N``)."""
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if q.device.type != "cuda" or capability(q.device) != (9, 0):
         return False
     B, s_q, N, D = q.shape
     nb, bs, _ = kv_cache.shape

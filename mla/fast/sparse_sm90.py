@@ -39,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.fast.decode import capability
+
 __all__ = ["supported"]
 
 _DV = 512
@@ -50,7 +52,7 @@ def supported(q: torch.Tensor, kv: torch.Tensor, head_dim_v: int, fp8: bool,
     """Whether the sm_90 kernel handles this call: a Hopper GPU, 64-head programs, bf16/fp16
     q, DeepSeek's 576/512 head dims, a cache in q's dtype (or ``fp8_ds_mla`` bytes with bf16
     q) with 16-byte aligned rows."""
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+    if q.device.type != "cuda" or capability(q.device) != (9, 0):
         return False
     D = q.shape[-1]
     if block_m != 64 or q.dtype not in (torch.bfloat16, torch.float16):
