@@ -64,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
     print(buf.getvalue())
-    res["profile_top"] = buf.getvalue()
-    if args.out:
+    if args.out:  # the numbers as JSON, the profile beside it as text
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
+        with open(os.path.splitext(args.out)[0] + "_profile.txt", "w") as f:
+            f.write(buf.getvalue())
     return 0
 
 

@@ -41,13 +41,15 @@ REGENERATE = "python -m papers.tables --write"
 # which command writes which results file (by name prefix), run on the GPU machine
 PRODUCERS = {
     "decode_sweep": "python -m benchmarks.run --sweep",
+    "decode_triton": "python -m benchmarks.run (Triton kernels only, before the sm_90 kernels)",
+    "host_overhead": "python -m benchmarks.host_overhead --out <file>",
+    "check_decode": "python -m mla.check --kernel mla_decode_paged --out <file>",
     "decode_": "python -m benchmarks.run",
     "prefill_routes": "python -m benchmarks.prefill_routes",
     "dcp_nccl": "torchrun --nproc-per-node 2 -m mla.dcp_dist --check --out <file>",
     "check": "python -m mla.check --out <file>",
-    "sanitize_check": ("compute-sanitizer --tool memcheck python -m mla.check --quick --kernel "
-                       "mla_decode_paged --kernel sparse_mla_decode --kernel sparse_mla_prefill "
-                       "--out <file>"),
+    "sanitize_check": "compute-sanitizer --tool memcheck python -m mla.check --quick --out <file>",
+    "sparse_triton": "python -m benchmarks.run --only sparse (Triton kernels only, before sm_90)",
     "sparse_": "python -m benchmarks.run --only sparse",
     "small_": "python -m benchmarks.small",
     "prefill_check": "python -m mla.check --kernel prefill_attention --out <file>",
