@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.testing
 
-from benchmarks.run import log, report_heading, time_graph
+from benchmarks.run import _kernel, _report_rows, log, report_heading, time_graph
 from mla.compare import rel_err
 from mla.fast.decode import _num_sms
 from mla.fast.sparse import SparsePlan, plan_sparse, sparse_mla_decode, sparse_mla_prefill
@@ -183,26 +183,6 @@ def bench_shape(s: SparseShape, ceil: dict[str, float], sweep: bool, seed: int) 
     return {"shape": dataclasses.asdict(s), "flops": flops, "bytes": nbytes,
             "default": timed[0] if timed and timed[0]["default"] else None, "best": best,
             "variants": rows}
-
-
-def _kernel(plan: dict) -> str:
-    """Which kernel a plan ran: the Gluon sm_90 one takes 64-row plans with ``sm90`` (on an
-    H100/H200; the benchmarks run there)."""
-    return "Gluon sm90" if plan.get("sm90", False) and plan["block_m"] == 64 else "Triton"
-
-
-def _report_rows(e: dict) -> list[tuple[str, dict]]:
-    """The default plan, the fastest if another, and the fastest Triton plan of a sweep when
-    the default is the sm_90 kernel (what the Gluon kernel gained)."""
-    rows = [("default", e["default"])] if e.get("default") else []
-    if e.get("best") and e["best"] != e.get("default"):
-        rows.append(("best", e["best"]))
-    timed = [r for r in e.get("variants", []) if "error" not in r]
-    tri = [r for r in timed if _kernel(r["plan"]) == "Triton"
-           and r.get("rel_err_vs_default", 0.0) < 1e-2]
-    if tri and all(_kernel(r["plan"]) != "Triton" for _, r in rows):
-        rows.append(("best Triton", min(tri, key=lambda r: min(r["us"], r["us_graph"]))))
-    return rows
 
 
 def markdown(res: dict) -> str:

@@ -44,6 +44,9 @@ PRODUCERS = {
     "decode_triton": "python -m benchmarks.run (Triton kernels only, before the sm_90 kernels)",
     "host_overhead": "python -m benchmarks.host_overhead --out <file>",
     "check_decode": "python -m mla.check --kernel mla_decode_paged --out <file>",
+    "check_sm90": ("python -m mla.check --kernel mla_decode_paged --kernel sparse_mla_decode "
+                   "--kernel sparse_mla_prefill --out <file>"),
+    "decode_n128_rerun": "python -m benchmarks.run --shapes N128 (final code, default plans)",
     "decode_": "python -m benchmarks.run",
     "prefill_routes": "python -m benchmarks.prefill_routes",
     "dcp_nccl": "torchrun --nproc-per-node 2 -m mla.dcp_dist --check --out <file>",

@@ -208,19 +208,7 @@ def _decode_sm90_kernel(
             if CAUSAL:
                 vis = vis & (kpos[None, :] <= limit[:, None])
             qk = gl.where(vis, qk, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-        # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, row_o)
 
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))
@@ -247,3 +235,24 @@ def _decode_sm90_kernel(
         gl.store(o_row[:, None] + c_o[None, :], o.to(dtype), mask=ok_o[:, None])
         gl.store(LSE + b.to(gl.int64) * stride_lb + (r_s % N).to(gl.int64) * stride_lh
                  + r_s // N, gl.where(seen, lse, float("inf")), mask=r_ok_s)
+
+
+@gluon.jit
+def softmax_pv(qk, m_i, l_i, acc, p_smem, kv, row_o: gl.constexpr):
+    """One online-softmax step shared by the sm_90 kernels: the logits ``qk`` (log2 domain,
+    ``-inf`` where masked) update the running max ``m_i`` and sum ``l_i``; ``P`` goes through
+    ``p_smem`` to both warp groups and ``acc += P · V`` (V = the first 512 columns of ``kv``).
+    Returns ``(acc, m_i, l_i)``."""
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
+    # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    p = gl.exp2(qk - m_use[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    gl.thread_barrier()  # all of P is written before either warp group's wgmma reads it
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    return acc, m_new, l_i

@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.fast.decode import capability
+from mla.fast.decode_sm90 import softmax_pv
 
 __all__ = ["supported"]
 
@@ -194,19 +195,7 @@ def _sparse_sm90_kernel(
         sc_ = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc_, is_async=True)
         sc_ = warpgroup_mma_wait(num_outstanding=0, deps=(sc_,))
         qk = gl.where(valid[None, :], sc_ * qk_scale, float("-inf"))  # log2 domain
-        m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-        # a head that has seen no valid entry keeps m = -inf; shift by 0 so exp2 gives 0
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p_smem.store(p.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(p_smem, kn, acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, row_o)
     async_copy.wait_group(0)
 
     seen = l_i > 0.0
