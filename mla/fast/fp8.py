@@ -32,13 +32,18 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.checks import check_float, check_index, check_same_device, check_tensor
 from mla.fast.paged_cache import check_slot_range, should_validate
-from mla.reference.fp8 import D_NOPE, D_ROPE, FP8_DS_MLA_BYTES, NUM_TILES, TILE
+from mla.reference.fp8 import (
+    D_NOPE,
+    D_ROPE,
+    FP8_DS_MLA_BYTES,
+    NUM_TILES,
+    TILE,
+    check_fp8_write_args,
+)
 
 __all__ = ["concat_and_cache_fp8_ds_mla"]
 
-_BYTE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
 
 
 @triton.jit
@@ -94,17 +99,8 @@ def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache
     contiguous. ``validate``: check ``slot_mapping``'s range on the host (a sync); ``None``: only
     when no CUDA graph is being captured. Slots outside the cache are never written.
     """
-    check_tensor("kv_cache", kv_cache, ndim=3, dtype=_BYTE_DTYPES, contiguous=True)
-    if kv_cache.shape[2] != FP8_DS_MLA_BYTES:
-        raise ValueError(f"kv_cache must have shape [num_blocks, block_size, "
-                         f"{FP8_DS_MLA_BYTES}] (fp8_ds_mla), got {list(kv_cache.shape)}")
-    if k_pe.dim() == 3 and k_pe.shape[1] == 1:
-        k_pe = k_pe[:, 0]
-    check_float("kv_c", kv_c, shape=[None, D_NOPE])
+    k_pe = check_fp8_write_args(kv_c, k_pe, kv_cache, slot_mapping, contiguous=True)
     T = kv_c.shape[0]
-    check_float("k_pe", k_pe, shape=[T, D_ROPE])
-    check_index("slot_mapping", slot_mapping, shape=[T])
-    check_same_device(kv_cache=kv_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     if T == 0:
         return

@@ -111,14 +111,11 @@ def dequantize_fp8_ds_mla(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return kv_c.to(torch.bfloat16), k_pe
 
 
-def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                                slot_mapping: torch.Tensor) -> None:
-    """Quantize ``kv_c [T, 512]``, ``k_pe [T, 64]`` (or ``[T, 1, 64]``) into ``kv_cache`` in place.
-
-    ``kv_cache [num_blocks, block_size, 656]`` uint8; slot ``-1`` is padding and is skipped
-    (vLLM's ``concat_and_cache_mla`` with ``kv_cache_dtype="fp8_ds_mla"``).
-    """
-    check_tensor("kv_cache", kv_cache, ndim=3, dtype=_BYTE_DTYPES)
+def check_fp8_write_args(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, contiguous: bool = False) -> torch.Tensor:
+    """The shape/dtype/device checks of an ``fp8_ds_mla`` cache write (reference and fast);
+    returns ``k_pe`` as ``[T, 64]`` (a ``[T, 1, 64]`` input is accepted)."""
+    check_tensor("kv_cache", kv_cache, ndim=3, dtype=_BYTE_DTYPES, contiguous=contiguous)
     if kv_cache.shape[2] != FP8_DS_MLA_BYTES:
         raise ValueError(f"kv_cache must have shape [num_blocks, block_size, "
                          f"{FP8_DS_MLA_BYTES}] (fp8_ds_mla), got {list(kv_cache.shape)}")
@@ -129,6 +126,17 @@ def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache
     check_float("k_pe", k_pe, shape=[T, D_ROPE])
     check_index("slot_mapping", slot_mapping, shape=[T])
     check_same_device(kv_cache=kv_cache, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
+    return k_pe
+
+
+def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                                slot_mapping: torch.Tensor) -> None:
+    """Quantize ``kv_c [T, 512]``, ``k_pe [T, 64]`` (or ``[T, 1, 64]``) into ``kv_cache`` in place.
+
+    ``kv_cache [num_blocks, block_size, 656]`` uint8; slot ``-1`` is padding and is skipped
+    (vLLM's ``concat_and_cache_mla`` with ``kv_cache_dtype="fp8_ds_mla"``).
+    """
+    k_pe = check_fp8_write_args(kv_c, k_pe, kv_cache, slot_mapping)
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     slots = slot_mapping.long()
     if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= n_slots):
