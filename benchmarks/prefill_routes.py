@@ -3,7 +3,7 @@ the merge's bandwidth, measured against the machine's ceilings in the same run.
 
 1. Ceilings: a device-to-device copy of the merge's size (bytes read + written) and an 8192³
    bf16 matmul, medians of ``triton.testing.do_bench``.
-2. ``mla.fast.merge_attn_states`` at T=16384, N=128, D=512 bf16 (issue 5: at least 75% of the
+2. ``mla.fast.merge_attn_states`` at T=16384, N=128, D=512 bf16 (target: at least 75% of the
    copy bandwidth), the default launch and a few others. Bytes = 2 inputs read + 1 output written
    (+ the lse), each once.
 3. Prefill attention, causal, QK 192 / V 128, bf16, (B, S, H) = (1, 4096, 128) and (1, 16384, 16):
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.testing
 
-from mla.check import environment
+from mla.check.runner import environment
 from mla.compare import max_abs_err, rel_err
 from mla.fast import merge as fast_merge
 from mla.fast.attention import AttnConfig, cudnn_attention_with_lse, flash_attention_with_lse

@@ -1,4 +1,5 @@
-"""``python -m benchmarks.run``: the machine's ceilings, then the fast decode on issue 5's shapes.
+"""``python -m benchmarks.run``: the machine's ceilings, then the fast decode on the fast path's
+target shapes.
 
 1. Ceilings, measured in the same run: a device-to-device copy (bytes read + written) and an
    8192³ bf16 matmul, each the median of ``triton.testing.do_bench``.
@@ -35,7 +36,7 @@ import torch
 import triton
 import triton.testing
 
-from mla.check import environment
+from mla.check.runner import environment
 from mla.compare import rel_err
 from mla.fast.decode import DecodePlan, _num_sms, mla_decode_paged, plan_decode
 

@@ -26,7 +26,7 @@ import triton.testing
 
 from benchmarks.run import ceilings, log, report_heading
 from mla import reference as ref
-from mla.check import environment
+from mla.check.runner import environment
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
 from mla.fast.paged_cache import concat_and_cache_mla, gather_cache_known
 from mla.fast.sparse_index import convert_req_index_to_global_index

@@ -1,4 +1,4 @@
-"""Sparse top-k MLA benchmark (``python -m benchmarks.run --only sparse``; issue 5's targets).
+"""Sparse top-k MLA benchmark (``python -m benchmarks.run --only sparse``; the fast path's targets).
 
 Shapes (DeepSeek-V3.2: rows of 576, V 512, top-k 2048, 128 heads):
 

@@ -1,4 +1,4 @@
-"""The one comparison helper every differential test and check uses (SPEC section 11).
+"""The one comparison helper every differential test and check uses (conventions §11).
 
     rel_err(out, ref) = ‖out − ref‖_F / ‖ref‖_F        computed in float64
 
@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["TOLERANCES", "rel_err", "max_abs_err", "assert_close", "poison_like", "tolerance"]
 
-# Relative Frobenius tolerances against a float64 reference on upcast inputs (SPEC 11).
+# Relative Frobenius tolerances against a float64 reference on upcast inputs (conventions §11).
 TOLERANCES: dict[torch.dtype, float] = {
     torch.float64: 1e-10,
     torch.float32: 1e-5,
@@ -27,7 +27,7 @@ LSE_ABS_TOL = 1e-3  # absolute, for lse in float32
 
 
 def tolerance(dtype: torch.dtype) -> float:
-    """SPEC 11's relative tolerance for outputs of ``dtype``."""
+    """conventions §11's relative tolerance for outputs of ``dtype``."""
     try:
         return TOLERANCES[dtype]
     except KeyError:

@@ -1,7 +1,8 @@
 """Model shapes of Multi-head Latent Attention, and what they imply for the KV cache.
 
 One flat dataclass holds the attention hyper-parameters of a DeepSeek model (the names are
-those of SPEC section 0 and of the seed's docstring):
+those of conventions §0 and of the module docstring of vLLM 0.11
+``v1/attention/backends/mla/common.py``):
 
     H    hidden_size           N    num_heads
     Lq   q_lora_rank           Lkv  kv_lora_rank

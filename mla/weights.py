@@ -169,7 +169,7 @@ class MLAWeights:
     def device(self) -> torch.device:
         return self.kv_b_proj.device
 
-    # --- the seed's views ----------------------------------------------------------------
+    # --- vLLM's views (0.11 mla/common.py)---------------------------------------------------
     def _kv_b(self) -> torch.Tensor:
         c = self.config
         # [N·(P+V), Lkv] -> [Lkv, N, P+V]
@@ -188,12 +188,12 @@ class MLAWeights:
 
     @property
     def W_UK_T(self) -> torch.Tensor:  # noqa: N802
-        """``[N, P, Lkv]``: the seed's bmm layout for q_nope -> ql_nope."""
+        """``[N, P, Lkv]``: vLLM's bmm layout for q_nope -> ql_nope."""
         return self.W_UK.permute(1, 2, 0)
 
     @property
     def W_UV_bmm(self) -> torch.Tensor:  # noqa: N802
-        """``[N, Lkv, V]``: the seed's bmm layout for o_lat -> o."""
+        """``[N, Lkv, V]``: vLLM's bmm layout for o_lat -> o."""
         return self.W_UV.transpose(0, 1)
 
     @property

@@ -49,7 +49,7 @@ PRODUCERS = {
     "decode_n128_rerun": "python -m benchmarks.run --shapes N128 (final code, default plans)",
     "decode_": "python -m benchmarks.run",
     "prefill_routes": "python -m benchmarks.prefill_routes",
-    "dcp_nccl": "torchrun --nproc-per-node 2 -m mla.dcp_dist --check --out <file>",
+    "dcp_nccl": "torchrun --nproc-per-node 2 -m mla.check.dcp --check --out <file>",
     "check": "python -m mla.check --out <file>",
     "sanitize_check": "compute-sanitizer --tool memcheck python -m mla.check --quick --out <file>",
     "sparse_triton": "python -m benchmarks.run --only sparse (Triton kernels only, before sm_90)",

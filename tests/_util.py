@@ -88,9 +88,9 @@ def write_contexts(w: MLAWeights, contexts: list[torch.Tensor], kv_cache: torch.
 
 
 def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> float:
-    """Assert ``out`` is within SPEC 11's tolerance of ``out.dtype``; print the bf16 error.
+    """Assert ``out`` is within conventions §11's tolerance of ``out.dtype``; print the bf16 error.
 
-    bfloat16 is held to the 1e-2 of SPEC 11 (measured: about 5e-3 to 8e-3 on these shapes).
+    bfloat16 is held to the 1e-2 of conventions §11 (measured: about 5e-3 to 8e-3 on these shapes).
     """
     assert ref.dtype == torch.float64, f"{what}: the reference must be float64, got {ref.dtype}"
     if out.dtype == torch.bfloat16:

@@ -1,5 +1,5 @@
 """Bad input across the API: a ``ValueError`` or ``TypeError`` that names the argument and
-gives the expected and the actual shape, dtype, device or value (SPEC section 12), raised
+gives the expected and the actual shape, dtype, device or value (conventions §12), raised
 before any arithmetic (in-place functions leave their outputs untouched).
 
 Each case is ``(call, exception, pattern)``; ``pattern`` is a regular expression that contains

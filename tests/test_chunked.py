@@ -1,6 +1,6 @@
-"""Chunked prefill with cached context (SPEC section 7): the plan, and the answer it gives.
+"""Chunked prefill with cached context (conventions §7): the plan, and the answer it gives.
 
-The plan: the seed's workspace formula on examples worked by hand, MCC rounded down to whole
+The plan: vLLM's workspace formula on examples worked by hand, MCC rounded down to whole
 pages, ``num_chunks = cdiv(max ctx, MCC)``, prefix sums, and (hypothesis) that the chunks
 partition every request's context exactly. The answer: ``chunked_prefill_forward`` equals the
 definition on the whole sequence for chunk sizes 1, the block size, odd sizes and sizes past the
@@ -202,7 +202,7 @@ def test_chunked_prefill_equals_naive(name: str, dtype: torch.dtype, mcc: int) -
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("workspace", [24, 64 * 1024])
 def test_chunked_prefill_seed_plan(dtype: torch.dtype, workspace: int) -> None:
-    """No plan given: the seed's plan from the workspace size (24 rows: MCC = round_down(24 // 3,
+    """No plan given: vLLM's plan from the workspace size (24 rows: MCC = round_down(24 // 3,
     4) = 8, five chunks for 37 tokens; 64K: one chunk)."""
     out, ref = _chunked_case("tiny", dtype, CTX, NEW, BLOCK, workspace_size=workspace)
     check(out, ref, f"chunked seed plan W={workspace} {dtype}")

@@ -12,10 +12,10 @@ import torch
 
 from mla import get_config, kv_cache_comparison
 from mla.cli import main
+from mla.cli.walkthrough import ROWS, Case, Measurement, RowSpec, run_walkthrough
 from mla.compare import TOLERANCES
 from mla.reference import plan_context_chunks, prefill_attention
 from mla.reference.front import mla_front
-from mla.walkthrough import ROWS, Case, Measurement, RowSpec, run_walkthrough
 
 PATHS = [spec.path for spec in ROWS]
 
@@ -58,7 +58,7 @@ def _wrong_scale(case: Case) -> Measurement:
 
 @pytest.fixture
 def buggy_row(monkeypatch: pytest.MonkeyPatch) -> str:
-    import mla.walkthrough as wt
+    import mla.cli.walkthrough as wt
 
     monkeypatch.setattr(wt, "ROWS", [*ROWS, RowSpec("wrong scale", "naive_forward",
                                                     _wrong_scale)])
@@ -145,7 +145,7 @@ def test_cli_config_deepseek_v2(capsys: pytest.CaptureFixture) -> None:
     assert main(["config", "--preset", "deepseek-v2"]) == 0
     out = capsys.readouterr().out
     c = get_config("deepseek-v2")
-    assert c.kv_lora_rank + c.qk_rope_head_dim == 576  # SPEC 0: the 576-wide cached row
+    assert c.kv_lora_rank + c.qk_rope_head_dim == 576  # conventions §0: the 576-wide cached row
     line = next(line for line in out.splitlines() if "Lkv + R" in line)
     assert line.split()[-1] == "576"
     # Table 1: every row's number, and MLA at 4.5 d_h·l as the paper says

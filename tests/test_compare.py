@@ -1,4 +1,4 @@
-"""The comparison helper every differential test relies on (``mla.compare``, SPEC section 11).
+"""The comparison helper every differential test relies on (``mla.compare``, conventions §11).
 
 If this helper lets a NaN, a misplaced infinity or an unwritten output through, every test
 built on it passes vacuously; so it is tested on its own.
@@ -197,10 +197,10 @@ def test_assert_close_abs_tol_mode():
         assert_close(out, ref, abs_tol=LSE_ABS_TOL, name="lse")
 
 
-# --- SPEC 11's tolerances ----------------------------------------------------------------------
+# --- the tolerances of conventions §11 ---------------------------------------------------
 
 def test_tolerances_table_is_spec_11():
-    # SPEC 11: float64 paths agree to about 1e-10; float32 far under 1e-5; bf16 between 1e-3
+    # conventions §11: float64 paths agree to about 1e-10; float32 far under 1e-5; bf16 between 1e-3
     # and 1e-2 (fp16 no looser than bf16); LSE to 1e-3 absolute in fp32.
     spec = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-2,
             torch.bfloat16: 1e-2}

@@ -1,4 +1,4 @@
-"""Decode context parallelism, simulated (SPEC section 9; ``mla.reference.dcp``).
+"""Decode context parallelism, simulated (conventions §9; ``mla.reference.dcp``).
 
 - DCP decode equals single-rank decode (``mla_decode_paged``, ``decode_forward``) in float64 to
   1e-10 for W in 1, 2, 3, 4, 8, lengths shorter than W, equal to W, not multiples of W or of
@@ -141,7 +141,7 @@ def test_dcp_decode_not_fooled_by_the_local_mask() -> None:
 
 
 def test_cp_lse_ag_out_rs_is_the_merge() -> None:
-    """The combination equals merging the ranks' partial states (SPEC 6), head by head;
+    """The combination equals merging the ranks' partial states (conventions §6), head by head;
     empty ranks (+inf or -inf) weigh nothing and a query no rank saw gives 0 and -inf."""
     W, Tq, H, D = 3, 5, 6, 4
     outs = [randn(Tq, H, D, seed=r) for r in range(W)]
@@ -178,7 +178,7 @@ def test_dcp_local_seq_lens_properties(lens: list[int], W: int, data: st.DataObj
     r = data.draw(st.integers(0, W - 1))
     counted = [sum(1 for t in range(L) if t % W == r) for L in lens]
     assert per_rank[r].tolist() == counted
-    # the seed's expression agrees unless W divides L, where it counts one token too many
+    # vLLM's expression agrees unless W divides L, where it counts one token too many
     seed_formula = seq // W + (r <= (seq - 1) % W).int()
     for L, mine, theirs in zip(lens, per_rank[r].tolist(), seed_formula.tolist()):
         if L and L % W == 0:
@@ -274,7 +274,7 @@ def test_reorg_kvcache_properties(ctx: list[int], W: int, k: int, data: st.DataO
     c = data.draw(st.integers(0, plan.num_chunks - 1))
     ids = [torch.arange(n, dtype=torch.float64) + 1000 * (i + 1) for i, n in enumerate(ctx)]
     toks = plan.seq_tot[c]
-    # the seed's metadata: ceil(chunk_len / W) rows per rank, chunk starts c·MCC/W
+    # vLLM's metadata: ceil(chunk_len / W) rows per rank, chunk starts c·MCC/W
     for i, n in enumerate(plan.plan.chunk_seq_lens[c]):
         assert plan.cp_chunk_seq_lens[c][i] == -(-n // W)
         assert plan.cp_chunk_starts[c][i] == c * k
@@ -416,7 +416,7 @@ def test_dcp_chunked_prefill_forward_equals_chunked_prefill_forward(W: int) -> N
 
 
 def test_dcp_chunked_prefill_forward_default_plan() -> None:
-    """Without a plan, the seed's workspace-derived one (page-aligned chunks: 16 | 2, not 3)."""
+    """Without a plan, vLLM's workspace-derived one (page-aligned chunks: 16 | 2, not 3)."""
     ctx, new = [40, 3], [2, 3]
     kv_cache, table = filled_cache(ctx, [c + n for c, n in zip(ctx, new)], seed=9)
     hidden = randn(sum(new), CONFIG.hidden_size, seed=10)

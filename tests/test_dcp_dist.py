@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from mla import MLAWeights, get_config
+from mla.check.dcp import TorchDistCommunicator, run_all, run_process_group
 from mla.compare import assert_close
-from mla.dcp_dist import TorchDistCommunicator, run_all, run_process_group
 from mla.reference import chunked_prefill_forward, decode_forward, make_block_table, write_context
 from mla.reference.dcp import (
     Communicator,
@@ -171,12 +171,12 @@ def test_run_process_group_reraises_a_rank_error() -> None:
 
 
 def test_check_script_under_torchrun(tmp_path: Path) -> None:
-    """``torchrun --nproc-per-node 2 -m mla.dcp_dist --check --backend gloo`` (tiny shapes)."""
+    """``torchrun --nproc-per-node 2 -m mla.check.dcp --check --backend gloo`` (tiny shapes)."""
     out = tmp_path / "dcp.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "mla.dcp_dist", "--check", "--backend", "gloo", "--quick", "--out", str(out)]
+           "2", "-m", "mla.check.dcp", "--check", "--backend", "gloo", "--quick", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())

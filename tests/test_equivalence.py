@@ -1,9 +1,10 @@
-"""Every path equals the definition (SPEC sections 2-5, 11).
+"""Every path equals the definition (conventions §2-§5 and §11).
 
 Model level: ``prefill_forward`` and ``decode_forward`` against ``naive_forward`` (float64, on the
 upcast same weights and inputs), in float64 to 1e-10, float32 to 1e-5, bfloat16 to 1e-2 (the
 error is printed). Attention level: ``attention_with_lse`` against a softmax written out here,
-``absorbed_attention`` against ``prefill_attention``, the edge cases of SPEC 5 (all-masked rows,
+``absorbed_attention`` against ``prefill_attention``, the edge cases of conventions §5 (all-masked
+rows,
 no keys), adversarial logits, and a check that the classic softmax-scale bug cannot pass.
 Chunked prefill is in ``test_chunked.py``, the paged kernel in ``test_paged_cache.py``.
 """
@@ -124,7 +125,8 @@ def _max_logit(w, h: torch.Tensor) -> float:
 # bfloat16 with logits x30: its 8-bit mantissa on q and k gives a logit of ~100 an absolute error
 # of ~0.4, so the softmax weights themselves move. Measured on 13 tokens over 12 seeds (tiny,
 # tiny-noq, V2-Lite): median 1.2e-2 to 1.5e-2, max 2.3e-2, against 4.8e-3 max for the same
-# inputs unscaled. So bf16 is legitimately above SPEC 11's 1e-2 here, and even above 2e-2 for
+# inputs unscaled. So bf16 is legitimately above conventions §11's 1e-2 here, and even above 2e-2
+# for
 # some seeds; hidden states x sqrt(30) measured median 7.5e-3 to 9.6e-3, max 2.0e-2. These
 # scaled-logit cases alone are bounded by 3e-2 (and the value is printed).
 BF16_X30_TOL = 3e-2

@@ -12,7 +12,8 @@ copies and index maps must match bit for bit. One exception, for the lse of the 
 that up-project the latent: the keys ``kv_c · W_UK`` are materialized in the input dtype (as
 the reference does when it runs in that dtype, and as any bf16 path feeding an attention
 kernel must), which moves a bf16 lse by about 3e-3 from the float64 one (measured for the
-reference itself in bf16: 3.1e-3 at S=512, N=16). Their lse is held to SPEC 11's 1e-3 against
+reference itself in bf16: 3.1e-3 at S=512, N=16). Their lse is held to conventions §11's 1e-3
+against
 the reference run in the input dtype (float32 accumulation); their ``o`` still against float64.
 """
 
@@ -102,7 +103,7 @@ def check_merge(o_p, lse_p, o_s, lse_s) -> None:
     assert not torch.isnan(out).any() and not torch.isnan(out_lse).any()
     assert_close(out, ref_o, out_tol(o_p.dtype), name="o")
     assert_close(out_lse, ref_lse, name="lse", abs_tol=LSE_ABS_TOL)
-    # SPEC 6 edge cases, exactly: one side empty passes the other through bit for bit
+    # conventions §6 edge cases, exactly: one side empty passes the other through bit for bit
     p_empty, s_empty = torch.isinf(lse_p), torch.isinf(lse_s)
     for only, o_src, lse_src in ((p_empty & ~s_empty, o_s, lse_s),
                                  (s_empty & ~p_empty, o_p, lse_p)):

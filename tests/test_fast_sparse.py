@@ -43,7 +43,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def _tols(dtype: torch.dtype) -> tuple[float, float]:
-    """(relative tolerance of out, absolute tolerance of lse / max_logits): SPEC 11."""
+    """(relative tolerance of out, absolute tolerance of lse / max_logits): conventions §11."""
     return (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, LSE_ABS_TOL)
 
 

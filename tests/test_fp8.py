@@ -1,4 +1,4 @@
-"""The fp8_ds_mla cache format (SPEC 10) and the indexer's act_quant, checked byte by byte.
+"""The fp8_ds_mla cache format (conventions §10) and the indexer's act_quant, checked byte by byte.
 
 The bytes are decoded here independently of the package: scales and rope values with numpy's
 little-endian ``<f4`` / ``<u2``, the e4m3 values with a 256-entry table built from the format's

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2's lightning indexer (SPEC 10): projections, scores, top-k, FP8 option.
+"""DeepSeek-V3.2's lightning indexer (conventions §10): projections, scores, top-k, FP8 option.
 
 The projections are checked against the official inference code's steps written out here
 (its complex-number RoPE with the non-interleaved layout, ``F.layer_norm``, the weights

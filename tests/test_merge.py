@@ -1,4 +1,4 @@
-"""Properties of ``merge_attn_states`` and ``merge_attn_states_list`` (SPEC section 6).
+"""Properties of ``merge_attn_states`` and ``merge_attn_states_list`` (conventions §6).
 
 Layouts: ``o [T, N, D]``, ``lse [N, T]``. An entry whose ``lse`` is ``-inf`` or ``+inf`` saw no
 keys; its ``o`` is garbage (NaN, inf or a large number) that must never leak into the result.
@@ -203,7 +203,7 @@ def test_list_merge_of_one_state(size, seed, scale, p_empty, garbage):
        st.sampled_from([torch.bfloat16, torch.float16]))
 def test_low_precision_keeps_dtypes_and_accuracy(size, seed, scale, p_empty, dtype):
     """bf16/fp16 outputs stay bf16/fp16, lse stays float32, and the result matches a float64
-    merge of the upcast inputs within SPEC 11's tolerances."""
+    merge of the upcast inputs within conventions §11's tolerances."""
     gen = torch.Generator().manual_seed(seed)
     a = _state(gen, *size, scale=scale, p_empty=p_empty, dtype=dtype)
     b = _state(gen, *size, scale=scale, p_empty=p_empty, dtype=dtype)
@@ -213,7 +213,7 @@ def test_low_precision_keeps_dtypes_and_accuracy(size, seed, scale, p_empty, dty
     assert o_k.dtype == dtype and lse_k.dtype == torch.float32
     o_ref, lse_ref = merge_attn_states(a[0].double(), a[1].double(), b[0].double(),
                                        b[1].double())
-    assert_close(o, o_ref, name="o")  # the bf16/fp16 tolerance of SPEC 11
+    assert_close(o, o_ref, name="o")  # the bf16/fp16 tolerance of conventions §11
     assert_close(lse, lse_ref, abs_tol=LSE_ABS_TOL, name="lse")
 
 

@@ -1,4 +1,4 @@
-"""The paged latent cache (SPEC section 8) and the paged decode kernel over it (section 12).
+"""The paged latent cache (conventions §8) and the paged decode kernel over it (section 12).
 
 Write: exact rows at the slots of the formula, slot -1 skipped, nothing else touched (the cache
 is NaN-poisoned first). Gather: page-unaligned ``seq_starts`` equal slicing the dense sequence.

@@ -1,4 +1,4 @@
-"""RoPE, YaRN, the softmax scale, and the shared front (SPEC section 1), each against a form
+"""RoPE, YaRN, the softmax scale, and the shared front (conventions §1), each against a form
 built independently here.
 
 Interleaved RoPE is a complex multiplication of the pairs ``(x[2i], x[2i+1])`` by
@@ -80,7 +80,7 @@ def test_neox_is_rotate_half(R: int) -> None:
 @pytest.mark.parametrize("name", ["tiny", "tiny-neox", "tiny-yarn", "deepseek-v2-lite"])
 def test_rope_with_config_frequencies(name: str) -> None:
     """With the config's own (maybe YaRN) frequencies the independent forms still hold, and
-    float32 / bfloat16 inputs land within SPEC 11 of the float64 rotation."""
+    float32 / bfloat16 inputs land within conventions §11 of the float64 rotation."""
     cfg = CONFIGS[name]
     R = cfg.qk_rope_head_dim
     x = randn(8, 2, R, seed=5)

@@ -1,7 +1,7 @@
-"""Sparse top-k MLA (SPEC 10): index conversion, sparse prefill/decode, model level.
+"""Sparse top-k MLA (conventions §10): index conversion, sparse prefill/decode, model level.
 
 What must hold:
-- the index conversion is the seed kernel's map (hypothesis, against a plain loop);
+- the index conversion is vLLM's kernel's map (hypothesis, against a plain loop);
 - with every visible key selected, sparse prefill and decode are the dense paths
   (``absorbed_attention``, ``mla_decode_paged``, ``naive_forward``), float64 to 1e-10;
 - with a real top-k they are the masked dense formulation (dense scores, ``-inf`` off the
@@ -412,7 +412,7 @@ def test_decode_fp8_cache_reads_the_dequantized_rows() -> None:
     err = rel_err(out, sparse_mla_decode(q, exact, slots, 576 ** -0.5, False)[0])
     print(f"fp8_ds_mla decode vs unquantized cache: relative error {err:.2e}")
     assert 0 < err < 2.0 ** -4
-    # bf16 queries on the fp8 cache, as served: within SPEC 11's bf16 tolerance
+    # bf16 queries on the fp8 cache, as served: within conventions §11's bf16 tolerance
     out_bf16, lse_bf16 = sparse_mla_decode(q.to(torch.bfloat16), fp8, slots, 576 ** -0.5, True)
     assert_close(out_bf16, ref_out, name="out bf16")
     assert_close(lse_bf16, ref_lse, abs_tol=1e-2, name="lse bf16")

@@ -1,7 +1,7 @@
 """Configs, derived sizes, DeepSeek-V2's Table 1, and the weights of one layer.
 
 The checkpoint names and layouts are DeepSeek's (``model.layers.{i}.self_attn.{name}.weight``);
-``W_UK [Lkv, N, P]`` and ``W_UV [Lkv, N, V]`` must be the seed's views of ``kv_b_proj``
+``W_UK [Lkv, N, P]`` and ``W_UV [Lkv, N, V]`` must be vLLM's views of ``kv_b_proj``
 (``kv_b_proj.T.view(Lkv, N, P+V).split([P, V], -1)``).
 """
 
@@ -71,7 +71,7 @@ def test_derived_sizes(name):
 
 @pytest.mark.parametrize("name", DEEPSEEK)
 def test_deepseek_cache_row_is_576_numbers_1152_bytes(name):
-    # SPEC 0: Lkv + R = 512 + 64 for every DeepSeek model; 2 bytes each in bf16
+    # conventions §0: Lkv + R = 512 + 64 for every DeepSeek model; 2 bytes each in bf16
     c = get_config(name)
     assert (c.kv_lora_rank, c.qk_rope_head_dim) == (512, 64)
     assert c.latent_dim == 512 + 64 == 576
@@ -228,7 +228,7 @@ def test_wrong_prefix_is_a_missing_key(tmp_path):
         MLAWeights.load_safetensors(c, path, prefix="model.layers.1.self_attn.")
 
 
-# --- the seed's views of kv_b_proj -------------------------------------------------------------
+# --- vLLM's views of kv_b_proj -------------------------------------------------------------
 
 def test_W_UK_W_UV_orientation():  # noqa: N802
     """Build ``kv_b_proj`` from known per-head blocks: head ``n`` owns rows
@@ -244,7 +244,7 @@ def test_W_UK_W_UV_orientation():  # noqa: N802
     for n, block in enumerate(blocks):
         assert torch.equal(w.W_UK[:, n, :], block[:P].T)
         assert torch.equal(w.W_UV[:, n, :], block[P:].T)
-    # the seed's process_weights_after_loading, written out
+    # vLLM's process_weights_after_loading, written out
     seed_uk, seed_uv = kv_b_proj.T.reshape(Lkv, N, P + V).split([P, V], dim=-1)
     assert torch.equal(w.W_UK, seed_uk) and torch.equal(w.W_UV, seed_uv)
     # the bmm layouts: W_UK_T [N, P, Lkv] = W_UK.permute(1, 2, 0), W_UV [N, Lkv, V]

@@ -1,6 +1,6 @@
 """Attention that returns its log-sum-exp, fast: cuDNN where it applies, else a Triton kernel.
 
-Same contract as ``mla.reference.attention.attention_with_lse`` (SPEC section 5):
+Same contract as ``mla.reference.attention.attention_with_lse`` (conventions §5):
 
     s_j = scale · q_i · k_j;   lse = log Σ_j exp(s_j);   o_i = Σ_j exp(s_j - lse) · v_j
 
@@ -35,10 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.checks import check_float, check_index, check_same_device, check_same_dtype
 from mla.fast.decode import _ensure_allocator, _interpreting
 from mla.reference.attention import attention_with_lse as _reference_attention
 from mla.reference.attention import default_positions
+from mla.validation import check_float, check_index, check_same_device, check_same_dtype
 
 __all__ = ["AttnConfig", "attention_with_lse", "cudnn_attention_with_lse",
            "flash_attention_with_lse", "pick_route"]
@@ -359,7 +359,7 @@ def flash_attention_with_lse(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DA=Da, BLOCK_DA=_block(Da), DB=Db, BLOCK_DB=_block(Db), DV=Dv, BLOCK_DV=_block(Dv),
         USE_TMA=use_tma, CAUSAL=bool(causal), HAS_POS=q_positions is not None,
-        # float32 stays float32 (SPEC 11's 1e-5 rules out tf32); 16-bit dots need no choice
+        # float32 stays float32 (conventions §11's 1e-5 rules out tf32); 16-bit dots need no choice
         DOT_PREC="ieee" if q_a.dtype == torch.float32 else None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -1,6 +1,6 @@
 """Chunked prefill with cached context, fast: the reference's plan run on the fast pieces.
 
-Same contract as ``mla.reference.chunked.chunked_prefill_attention`` (SPEC section 7), with the
+Same contract as ``mla.reference.chunked.chunked_prefill_attention`` (conventions §7), with the
 same ``ChunkPlan`` (a plan is a value; nothing here re-plans):
 
     (o, lse) = attention(q, new keys, causal)                     suffix, all requests at once

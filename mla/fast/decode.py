@@ -6,7 +6,7 @@ DeepSeek), V = the first ``head_dim_v`` columns of K; ``out [B, s_q, N, head_dim
 dtype, ``lse [B, N, s_q]`` float32, ``+inf`` lse and 0 out for a query that sees no key; with
 ``causal`` query ``i`` sees keys ``0 .. L - s_q + i``.
 
-How it is fast (shared/KERNELS.md):
+How it is fast (docs/kernels.md):
 
 - One KV "head" serves all query heads, so a program stacks up to ``BLOCK_M`` (16 or 64) of
   the request's ``s_q · N`` query rows as the M dimension of its dots. Each ``BLOCK_N × D`` KV
@@ -17,7 +17,8 @@ How it is fast (shared/KERNELS.md):
   for the logits. The dims need not be powers of two (masked), e.g. the tiny preset's 32 + 8.
 - Split-KV (Flash-Decoding): each request's keys are cut into ``num_splits`` equal runs of
   whole tiles, one program each, writing a partial ``(o, lse)``; a second small kernel merges
-  them (SPEC 6). ``num_splits`` comes from host-known shapes only (batch, head groups, the block
+  them (conventions §6). ``num_splits`` comes from host-known shapes only (batch, head groups, the
+  block
   table's capacity, the SM count), never from device values, so a call never synchronizes and
   can be captured in a CUDA graph. With one split the first kernel writes the result directly.
 - Online softmax in base 2 with the scale folded into one multiply; full tiles run without
@@ -293,7 +294,7 @@ def _combine_kernel(
     N: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    """Grid ``(s_q · N, B)``: merge one query row's partials by their lse (SPEC 6)."""
+    """Grid ``(s_q · N, B)``: merge one query row's partials by their lse (conventions §6)."""
     ROWS: tl.constexpr = S_Q * N
     r = tl.program_id(0)
     b = tl.program_id(1)

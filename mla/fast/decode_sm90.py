@@ -4,7 +4,7 @@ The Triton kernel of ``mla.fast.decode`` loses a third of the tensor-core work a
 Triton lays a dot that feeds another dot out with all warps along M, so with 64 query rows and
 two warp groups both groups compute the same 64 × 64 logits (benchmarks/NOTES.md). Gluon lets
 the kernel choose its layouts, so here the work is split as FlashMLA splits it
-(shared/KERNELS.md):
+(docs/kernels.md):
 
 - One program = one request, 64 query rows (``s_q · N`` flattened), one run of key tiles,
   8 warps = two warp groups. The logits ``S = q · Kᵀ`` of a 64-key tile are split by keys:

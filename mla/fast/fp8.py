@@ -1,6 +1,6 @@
 """``concat_and_cache_fp8_ds_mla`` in Triton: quantize and write ``fp8_ds_mla`` rows in one pass.
 
-Same contract as ``mla.reference.fp8.concat_and_cache_fp8_ds_mla`` (SPEC section 10): row
+Same contract as ``mla.reference.fp8.concat_and_cache_fp8_ds_mla`` (conventions §10): row
 ``slot`` of ``kv_cache [num_blocks, block_size, 656]`` (uint8) receives
 
     bytes [  0, 512)   e4m3(kv_c / scale_tile), 4 tiles of 128

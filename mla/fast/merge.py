@@ -1,6 +1,6 @@
 """``merge_attn_states`` in Triton: one pass over both partial outputs, bandwidth-bound.
 
-Same contract as ``mla.reference.merge`` (SPEC section 6):
+Same contract as ``mla.reference.merge`` (conventions §6):
 
     m   = max(lse_p, lse_s);   w_p = exp(lse_p - m);   w_s = exp(lse_s - m)
     lse = m + log(w_p + w_s)
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.checks import check_float, check_same_device, check_same_dtype
+from mla.validation import check_float, check_same_device, check_same_dtype
 
 __all__ = ["merge_attn_states"]
 

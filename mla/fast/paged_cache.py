@@ -1,6 +1,6 @@
 """The paged latent cache in Triton: write new rows by slot, gather a chunk's rows by block table.
 
-Same contract as ``mla.reference.paged_cache`` (SPEC section 8):
+Same contract as ``mla.reference.paged_cache`` (conventions §8):
 
     kv_cache [num_blocks, block_size, Lkv + R],   slot = block · block_size + offset
     write:  kv_cache.view(-1, Lkv+R)[slot_mapping[t]] = kv_c[t] ‖ k_pe[t]     (slot -1 skipped)
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.checks import (
+from mla.validation import (
     check_float,
     check_index,
     check_same_device,

@@ -1,6 +1,6 @@
 """Compute-friendly prefill with its LSE, fast: two GEMMs up-project the latent, then attention.
 
-Same contract as ``mla.reference.prefill.prefill_attention`` (SPEC section 3):
+Same contract as ``mla.reference.prefill.prefill_attention`` (conventions §3):
 
     k_nope = kv_c · W_UK      [Skv, N, P]        v = kv_c · W_UV      [Skv, N, V]
     (o, lse) = attention([q_nope, q_pe], [k_nope, k_pe broadcast], v)   o [Sq,N,V], lse [N,Sq]
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import check_float, check_same_device, check_same_dtype
 from mla.fast.attention import cudnn_attention_with_lse, flash_attention_with_lse, pick_route
 from mla.reference.attention import default_positions
 from mla.reference.prefill import prefill_attention as _reference_prefill
+from mla.validation import check_float, check_same_device, check_same_dtype
 
 __all__ = ["up_project", "prefill_attention"]
 

@@ -2,7 +2,7 @@
 ``sparse_mla_prefill``, fast (DeepSeek-V3.2's DSA; FlashMLA's ``flash_mla_with_kvcache`` with
 indices and ``flash_mla_sparse_fwd``).
 
-Same signatures, shapes and conventions as the reference (SPEC sections 10 and 12): per query,
+Same signatures, shapes and conventions as the reference (conventions §10 and §12): per query,
 
     s_j        = sm_scale · q · kv[indices[j]]          j < topk_length, index valid
     max_logits = max_j s_j
@@ -12,7 +12,7 @@ Same signatures, shapes and conventions as the reference (SPEC sections 10 and 1
 a repeated index counts once per appearance; a lonely query (no valid index) gets ``out = 0``,
 ``lse = +inf``, ``max_logits = -inf``.
 
-How (shared/KERNELS.md, "Sparse"):
+How (docs/kernels.md, "Sparse"):
 
 - One program takes all heads of one query (up to ``BLOCK_M = 64`` of them) as the M dimension
   of its dots: the query's ``topk`` rows are gathered once per head group (128 heads: two
@@ -29,7 +29,7 @@ How (shared/KERNELS.md, "Sparse"):
   is read through uint8, float32 and bfloat16 views of the same bytes (656 = 4 · 164).
 - Split-``topk`` (Flash-Decoding): when ``queries × head groups`` is below the SMs' worth of
   programs, each query's list is cut into ``num_splits`` runs of whole tiles; partial
-  ``(o, lse, max)`` go to float32 scratch and a second kernel merges them by lse (SPEC 6).
+  ``(o, lse, max)`` go to float32 scratch and a second kernel merges them by lse (conventions §6).
   ``num_splits`` comes from shapes only, so a call never synchronizes (CUDA graphs).
 
 Validation: shape/dtype/device checks (host metadata) always run. The value checks read device
@@ -258,7 +258,7 @@ def _combine_kernel(
     N: tl.constexpr, S: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, HAS_MAXL: tl.constexpr,
 ):
-    """Grid ``(queries · N,)``: merge one (query, head)'s partials by their lse (SPEC 6)."""
+    """Grid ``(queries · N,)``: merge one (query, head)'s partials by their lse (conventions §6)."""
     r = tl.program_id(0).to(tl.int64)
     qi = r // N
     h = r % N

@@ -1,6 +1,6 @@
 """``convert_req_index_to_global_index`` in Triton: request-local top-k indices to cache slots.
 
-Same contract as ``mla.reference.sparse.convert_req_index_to_global_index`` (SPEC section 10):
+Same contract as ``mla.reference.sparse.convert_req_index_to_global_index`` (conventions §10):
 
     global(i) = block_table[req, i // bs] · bs + i % bs
     -1        when i < 0, or when the block i // bs is outside [0, max_blocks_per_req)

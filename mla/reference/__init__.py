@@ -1,6 +1,6 @@
 """The plain-PyTorch reference of Multi-head Latent Attention: the oracle.
 
-One module per idea, each opening with its equations (see ``../shared/SPEC.md``). Runs in any
+One module per idea, each opening with its equations (see ``docs/conventions.md``). Runs in any
 float dtype on any device; in float64 on the CPU it is the ground truth every kernel is
 checked against. Nothing here imports from ``mla.fast``.
 """
@@ -85,7 +85,7 @@ __all__ = [
     "indexer_topk", "q_latent", "quantize_fp8_ds_mla", "select_topk", "sparse_decode_forward",
     "sparse_index_mask", "sparse_masked_dense_forward", "sparse_mla_decode",
     "sparse_mla_prefill", "sparse_prefill_forward",
-    # decode context parallelism (simulated; mla.dcp_dist runs it on torch.distributed)
+    # decode context parallelism (simulated; mla.check.dcp runs it on torch.distributed)
     "DCPChunkPlan", "DCPSharding", "cp_lse_ag_out_rs", "dcp_chunked_prefill_forward_simulated",
     "dcp_chunked_prefill_simulated", "dcp_decode_forward_simulated", "dcp_decode_simulated",
     "dcp_local_seq_lens", "plan_dcp_context_chunks", "reorg_kvcache", "run_simulated",

@@ -1,6 +1,6 @@
 """Scaled dot-product attention that also returns the log-sum-exp of the logits.
 
-SPEC section 5. For one query ``i`` and head ``n`` over its visible keys ``j``:
+conventions §5. For one query ``i`` and head ``n`` over its visible keys ``j``:
 
     s_j  = scale · q_i · k_j
     lse  = log Σ_j exp(s_j)                    (natural log)
@@ -13,7 +13,7 @@ the convention of FlashAttention and of a prefill whose context precedes the new
 
 Edge case, decided here: a query with no visible key (or ``Skv = 0``) gets ``o = 0`` and
 ``lse = -inf``. ``-inf`` is the natural value (the log of an empty sum) and is what the merge
-of SPEC 6 treats as "no keys"; the FlashMLA-compatible entry points convert it to ``+inf``.
+of conventions §6 treats as "no keys"; the FlashMLA-compatible entry points convert it to ``+inf``.
 
 Grouped heads: ``k`` and ``v`` may have ``Nk`` heads with ``N % Nk == 0`` (``Nk = 1`` is the
 MQA of the absorbed path, ``Nk = N`` the MHA of the compute-friendly path).
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import (
+from mla.validation import (
     acc_dtype,
     check_float,
     check_index,

@@ -1,7 +1,8 @@
-"""Chunked prefill with cached context, merged through the log-sum-exp (the seed's
+"""Chunked prefill with cached context, merged through the log-sum-exp (vLLM 0.11
+``v1/attention/backends/mla/common.py``,
 "Chunked Prefill" and ``_compute_prefill_context``).
 
-SPEC section 7. New tokens attend causally to themselves (the *suffix*) and, without a mask,
+conventions §7. New tokens attend causally to themselves (the *suffix*) and, without a mask,
 to the cached context (the *prefix*). The context is up-projected in chunks of at most ``MCC``
 tokens so the per-head keys ``[MCC, N, P+R]`` never outgrow a fixed workspace:
 
@@ -11,7 +12,7 @@ tokens so the per-head keys ``[MCC, N, P+R]`` never outgrow a fixed workspace:
         (o_c, l_c) = MHA(q, up_project(rows), non-causal)
         (o, lse)  = merge_attn_states(o_c, l_c, o, lse)
 
-The batched plan, as the seed's metadata builder computes it:
+The batched plan, as vLLM's metadata builder computes it:
 
     workspace  W = max(min(max(8·max_model_len, 4·max_num_seqs·block_size), 64·1024),
                        max_num_seqs·block_size)
@@ -30,11 +31,17 @@ from dataclasses import dataclass
 
 import torch
 
-from mla.checks import check_float, check_index, check_same_device, check_same_dtype, check_scale
 from mla.reference.attention import attention_with_lse
 from mla.reference.merge import merge_attn_states
 from mla.reference.paged_cache import gather_cache
 from mla.reference.prefill import up_project_kv
+from mla.validation import (
+    check_float,
+    check_index,
+    check_same_device,
+    check_same_dtype,
+    check_scale,
+)
 
 __all__ = ["workspace_size", "ChunkPlan", "plan_context_chunks", "chunked_prefill_attention",
            "check_chunked_prefill_args", "suffix_attention", "context_chunk_attention"]
@@ -108,7 +115,7 @@ def plan_context_chunks(
     max_context_chunk: int | None = None,
 ) -> ChunkPlan:
     """The seed's chunk plan. Give either ``max_context_chunk`` (MCC) directly, or
-    ``workspace_size`` and ``block_size`` to derive it as the seed does."""
+    ``workspace_size`` and ``block_size`` to derive it as vLLM's MLA backend does."""
     lens = tuple(int(n) for n in context_lens)
     if any(n < 0 for n in lens):
         raise ValueError(f"context_lens must be >= 0, got {list(lens)}")

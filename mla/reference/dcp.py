@@ -1,6 +1,7 @@
 """Decode context parallelism (DCP): one request's latent cache spread over ``W`` ranks.
 
-SPEC section 9 (the seed's DCP branch of the metadata builder, ``reorg_kvcache`` and
+conventions §9 (vLLM 0.11 ``v1/attention/backends/mla/common.py``: the DCP branch of the metadata
+builder, ``reorg_kvcache`` and
 ``_context_parallel_compute_prefill_context``; vLLM's ``cp_lse_ag_out_rs``).
 
 Placement is *interleaved*: the token at position ``t`` lives on rank ``t mod W`` at local
@@ -14,7 +15,7 @@ vLLM fixed it upstream in vllm-project/vllm#27518. This module follows the fix.)
 
 Decode. Rank ``r`` holds the query of its own ``N/W`` heads (its tensor-parallel slice); the
 heads are all-gathered, every rank attends with all ``N`` heads over its local tokens only,
-and the partial results are combined exactly through their log-sum-exp (SPEC 6):
+and the partial results are combined exactly through their log-sum-exp (conventions §6):
 
     q                = all_gather_heads(q_r)                      [B, s_q, N, Lkv+R]
     (o_r, lse_r)     = absorbed MQA of q over rank r's tokens      ranks with none: lse_r = -inf
@@ -31,7 +32,7 @@ attention is non-causal, so this rank-major order of the keys is as good as posi
 
 The math is written once against ``Communicator`` (``rank``, ``world_size``, ``all_gather``,
 ``reduce_scatter``). ``run_simulated`` runs it in one process on a list of ``W`` shards (a
-thread per rank meeting at a barrier; no communication library), ``mla.dcp_dist`` on a real
+thread per rank meeting at a barrier; no communication library), ``mla.check.dcp`` on a real
 ``torch.distributed`` process group (gloo on CPU, NCCL on GPUs), with the same functions.
 
 Conventions kept from the single-rank kernels: a decode ``lse`` is ``[B, N, s_q]`` with
@@ -49,14 +50,6 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from mla.checks import (
-    acc_dtype,
-    check_float,
-    check_index,
-    check_nonnegative,
-    check_positive_int,
-    check_same_device,
-)
 from mla.reference.chunked import (
     ChunkPlan,
     check_chunked_prefill_args,
@@ -75,6 +68,14 @@ from mla.reference.paged_cache import (
     slot_mapping_from_block_table,
 )
 from mla.reference.prefill import up_project_kv
+from mla.validation import (
+    acc_dtype,
+    check_float,
+    check_index,
+    check_nonnegative,
+    check_positive_int,
+    check_same_device,
+)
 from mla.weights import MLAWeights
 
 __all__ = [
@@ -561,7 +562,7 @@ def dcp_decode_rank(comm: Communicator, q: torch.Tensor, kv_cache: torch.Tensor,
     """What rank ``comm.rank`` does, given the *global* inputs of ``mla_decode_paged``.
 
     It keeps its shard of the cache and its heads of ``q`` and runs ``dcp_decode``: the one
-    program both backends run (``run_simulated`` here, a process group in ``mla.dcp_dist``).
+    program both backends run (``run_simulated`` here, a process group in ``mla.check.dcp``).
     """
     check_float("q", q, ndim=4)
     heads = head_slice(q.shape[2], comm.world_size, comm.rank)
@@ -598,10 +599,10 @@ class DCPChunkPlan:
     """The seed's DCP chunk metadata: a global ``ChunkPlan`` and each rank's share of it.
 
     ``plan`` is the ordinary plan (its ``cu_seq_lens`` index the rebuilt chunk, its
-    ``max_context_chunk`` is the seed's ``chunk_size``). Per chunk ``c`` and request ``i``,
+    ``max_context_chunk`` is vLLM's ``chunk_size``). Per chunk ``c`` and request ``i``,
     every rank gathers ``cp_chunk_seq_lens[c][i]`` local rows from local position
     ``cp_chunk_starts[c][i] = c·MCC/W``; ``cp_cu_seq_lens[c]`` are their prefix sums and
-    ``seq_tot[c]`` (the seed's ``toks``) their sum.
+    ``seq_tot[c]`` (vLLM's ``toks``) their sum.
     """
 
     plan: ChunkPlan
@@ -654,7 +655,7 @@ class DCPChunkPlan:
 
     @property
     def seq_tot(self) -> tuple[int, ...]:
-        """Rows each rank gathers per chunk (the seed's ``toks``)."""
+        """Rows each rank gathers per chunk (vLLM's ``toks``)."""
         return tuple(cu[-1] for cu in self.cp_cu_seq_lens)
 
     def padding_rows(self, chunk_idx: int) -> list[int]:
@@ -739,14 +740,14 @@ def reorg_kvcache(
     chunk_idx: int,
     toks: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rebuild one context chunk from the all-gathered local gathers (the seed's function).
+    """Rebuild one context chunk from the all-gathered local gathers (vLLM's function).
 
     ``allgatered_*`` hold ``cp_world_size`` blocks of ``toks`` rows, rank-major; inside rank
     ``r``'s block, request ``i``'s ``cp_chunk_seq_lens_lst[i]`` rows follow those of the
     requests before it. The output is request by request, and within a request rank 0's rows,
     then rank 1's, ...; a rank past ``(chunk_len - 1) mod W`` contributes one row less (its
     last, a padding row). ``chunk_len`` is ``min(chunk_size, origin_context_lens[i] -
-    chunk_size·chunk_idx)``. Checks, as the seed asserts: the output has ``sum_seq_len`` rows
+    chunk_size·chunk_idx)``. Checks, as vLLM's asserts: the output has ``sum_seq_len`` rows
     (the sum of the *global* chunk lengths) and the longest request has ``max_seq_len``;
     they raise ``ValueError`` here. An all-empty chunk gives empty tensors.
     """
@@ -976,7 +977,7 @@ def dcp_chunked_prefill_forward(
     """``chunked_prefill_forward`` on one rank of a DCP group: ``hidden [T, H] -> [T, H]``.
 
     ``kv_cache``/``block_table`` are this rank's local cache holding its share of the
-    context; the new tokens are written by their owners. Without ``plan`` the seed's plan for
+    context; the new tokens are written by their owners. Without ``plan`` vLLM's plan for
     ``workspace_size`` is used (its chunk size must be divisible by ``W``).
     """
     c = weights.config

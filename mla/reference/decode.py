@@ -1,6 +1,7 @@
-"""Absorbed-weight decode: MQA over the 576-wide latent (the seed's ``_forward_decode``).
+"""Absorbed-weight decode: MQA over the 576-wide latent (``_forward_decode`` of vLLM 0.11
+``v1/attention/backends/mla/common.py``).
 
-SPEC section 4 (DeepSeek-V2 appendix, "weight absorption"). ``W_UK`` folds into the query and
+conventions §4 (DeepSeek-V2 appendix, "weight absorption"). ``W_UK`` folds into the query and
 ``W_UV`` into the output, so the keys and values stay in the latent space:
 
     ql_nope = einsum("snp,lnp->snl", q_nope, W_UK)                      [Sq, N, Lkv]
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import (
+from mla.reference.attention import attention_with_lse
+from mla.reference.paged_cache import cache_rows
+from mla.validation import (
     acc_dtype,
     check_float,
     check_index,
@@ -31,8 +34,6 @@ from mla.checks import (
     check_same_dtype,
     check_scale,
 )
-from mla.reference.attention import attention_with_lse
-from mla.reference.paged_cache import cache_rows
 
 __all__ = ["absorb_q", "absorbed_attention", "mla_decode_paged", "check_paged_decode_args",
            "check_paged_decode_shapes", "check_paged_decode_values", "paged_mqa"]

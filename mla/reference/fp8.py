@@ -1,6 +1,6 @@
 """FP8 formats of DeepSeek-V3.2: the ``fp8_ds_mla`` latent cache and the indexer's ``act_quant``.
 
-SPEC section 10 (FlashMLA's interface and ``tests/quant.py``; vLLM's ``flashmla_sparse.py``).
+conventions §10 (FlashMLA's interface and ``tests/quant.py``; vLLM's ``flashmla_sparse.py``).
 
 ``fp8_ds_mla``: one token's cached row is 656 bytes,
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import check_float, check_index, check_same_device, check_tensor
 from mla.reference.paged_cache import cache_rows
+from mla.validation import check_float, check_index, check_same_device, check_tensor
 
 __all__ = [
     "FP8_DS_MLA_BYTES", "FP8_MAX", "act_quant", "concat_and_cache_fp8_ds_mla",

@@ -1,6 +1,6 @@
 """The shared front of both MLA paths: hidden states to queries and the cached latent.
 
-SPEC section 1 (DeepSeek-V2 section 2.1.2-2.1.3, equations 9-10 and 12-17):
+conventions §1 (DeepSeek-V2 section 2.1.2-2.1.3, equations 9-10 and 12-17):
 
     q_c      = RMSNorm(h_t @ W_DQ)                 [S, Lq]     (V2-Lite: q = h_t @ W_Q)
     q_nope   = (q_c @ W_UQ).view(S, N, P)
@@ -18,14 +18,14 @@ from typing import NamedTuple
 
 import torch
 
-from mla.checks import (
+from mla.reference.rope import apply_rope
+from mla.validation import (
     acc_dtype,
     check_float,
     check_index,
     check_same_device,
     check_same_dtype,
 )
-from mla.reference.rope import apply_rope
 from mla.weights import MLAWeights
 
 __all__ = ["Front", "rms_norm", "mla_front"]

@@ -1,6 +1,6 @@
 """DeepSeek-V3.2's lightning indexer: which earlier tokens each query attends to.
 
-SPEC section 10 (DeepSeek-V3.2-Exp, "DeepSeek Sparse Attention"; its ``inference/model.py``
+conventions §10 (DeepSeek-V3.2-Exp, "DeepSeek Sparse Attention"; its ``inference/model.py``
 ``Indexer``). With ``n_I`` index heads of dim ``d_I`` (64 and 128 in DeepSeek-V3.2), for a query
 token ``t`` and a key token ``s`` at or before it:
 
@@ -33,11 +33,11 @@ from typing import NamedTuple
 
 import torch
 
-from mla.checks import acc_dtype, check_float, check_index, check_same_device
 from mla.config import MLAConfig
 from mla.reference.fp8 import act_quant
 from mla.reference.front import rms_norm
 from mla.reference.rope import apply_rope
+from mla.validation import acc_dtype, check_float, check_index, check_same_device
 from mla.weights import MLAWeights
 
 __all__ = ["IndexerWeights", "IndexerQK", "q_latent", "hadamard_rotate", "indexer_qk",

@@ -1,6 +1,6 @@
 """Merging two attention results over disjoint key sets through their log-sum-exp.
 
-SPEC section 6 (vLLM's ``merge_attn_states``; FlashAttention's split-KV combine):
+conventions §6 (vLLM's ``merge_attn_states``; FlashAttention's split-KV combine):
 
     m   = max(lse_p, lse_s);   w_p = exp(lse_p - m);   w_s = exp(lse_s - m)
     lse = m + log(w_p + w_s)
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mla.checks import acc_dtype, check_float, check_same_device, check_same_dtype
+from mla.validation import acc_dtype, check_float, check_same_device, check_same_dtype
 
 __all__ = ["merge_attn_states", "merge_attn_states_list"]
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import check_float, check_index, check_nonnegative, check_same_device
 from mla.reference.chunked import ChunkPlan, chunked_prefill_attention, plan_context_chunks
 from mla.reference.decode import absorb_q, mla_decode_paged
 from mla.reference.front import mla_front
 from mla.reference.naive import naive_forward
 from mla.reference.paged_cache import concat_and_cache_mla, slot_mapping_from_block_table
 from mla.reference.prefill import prefill_forward
+from mla.validation import check_float, check_index, check_nonnegative, check_same_device
 from mla.weights import MLAWeights
 
 __all__ = ["naive_forward", "prefill_forward", "chunked_prefill_forward", "decode_forward",
@@ -57,7 +57,7 @@ def chunked_prefill_forward(
     """Prefill ``hidden [T, H]`` (requests split by ``query_start_loc``) after their context.
 
     Request ``i`` already has ``context_lens[i]`` tokens in the cache; its new tokens take the
-    positions after them and are written to the cache too. Without ``plan`` the seed's plan for
+    positions after them and are written to the cache too. Without ``plan`` vLLM's plan for
     ``workspace_size`` is used. Returns ``[T, H]``.
     """
     c = weights.config

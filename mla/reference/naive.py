@@ -1,6 +1,6 @@
 """The definition: MLA as plain multi-head attention over up-projected keys and values.
 
-SPEC section 2 (DeepSeek-V2 section 2.1, equations 9-19). For one request of ``S`` tokens at
+conventions §2 (DeepSeek-V2 section 2.1, equations 9-19). For one request of ``S`` tokens at
 absolute positions ``positions``:
 
     k_nope = einsum("sl,lnp->snp", kv_c, W_UK)          [S, N, P]
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import acc_dtype, check_float, check_index
 from mla.reference.front import mla_front
+from mla.validation import acc_dtype, check_float, check_index
 from mla.weights import MLAWeights
 
 __all__ = ["naive_attention", "naive_forward"]

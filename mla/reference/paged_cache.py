@@ -1,6 +1,6 @@
 """The paged latent cache: one tensor per layer, one row per token, ``kv_c ‖ k_pe``.
 
-SPEC section 8 (vLLM's ``concat_and_cache_mla`` and ``gather_and_maybe_dequant_cache``):
+conventions §8 (vLLM's ``concat_and_cache_mla`` and ``gather_and_maybe_dequant_cache``):
 
     kv_cache [num_blocks, block_size, Lkv + R]
     slot(r, p) = block_table[r, p // block_size] · block_size + p % block_size
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import (
+from mla.validation import (
     check_float,
     check_index,
     check_nonnegative,

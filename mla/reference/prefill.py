@@ -1,6 +1,7 @@
-"""Compute-friendly prefill: MHA over up-projected keys (the seed's ``_forward_prefill``).
+"""Compute-friendly prefill: MHA over up-projected keys (``_forward_prefill`` of vLLM 0.11
+``v1/attention/backends/mla/common.py``).
 
-SPEC section 3. The latent of every key is expanded to per-head keys and values,
+conventions §3. The latent of every key is expanded to per-head keys and values,
 
     k_nope = einsum("sl,lnp->snp", kv_c, W_UK)          [Skv, N, P]
     v      = einsum("sl,lnv->snv", kv_c, W_UV)          [Skv, N, V]
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import check_float, check_index
 from mla.reference.attention import attention_with_lse
 from mla.reference.front import mla_front
+from mla.validation import check_float, check_index
 from mla.weights import MLAWeights
 
 __all__ = ["up_project_kv", "prefill_attention", "prefill_forward"]

@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from mla.checks import acc_dtype, check_float, check_index
 from mla.config import MLAConfig
+from mla.validation import acc_dtype, check_float, check_index
 
 __all__ = ["rope_frequencies", "apply_rope"]
 

@@ -1,7 +1,8 @@
 """Sparse top-k MLA (DeepSeek-V3.2's DSA): index conversion and attention over selected rows.
 
-SPEC section 10 (FlashMLA's ``flash_mla_sparse_fwd`` / ``flash_mla_with_kvcache`` and their
-reference in ``tests/ref.py``; the seed's ``triton_convert_req_index_to_global_index``).
+conventions §10 (FlashMLA's ``flash_mla_sparse_fwd`` / ``flash_mla_with_kvcache`` and their
+reference in ``tests/ref.py``; ``triton_convert_req_index_to_global_index`` of vLLM 0.14
+``v1/attention/backends/mla/flashmla_sparse.py``).
 
 Index conversion. The indexer names keys by their position ``i`` inside request ``req``; the
 kernels read a flat cache, so
@@ -11,7 +12,8 @@ kernels read a flat cache, so
     workspace variant: a prefill token (prefill_workspace_request_ids[t] = p >= 0) maps to
               prefill_workspace_starts[p] + i instead (still -1 under the two rules above)
 
-The block table entry itself is not checked (as in the seed): an unassigned ``-1`` entry gives a
+The block table entry itself is not checked (as in vLLM's kernel): an unassigned ``-1`` entry gives
+a
 negative slot, which the sparse prefill masks and the sparse decode rejects.
 
 Attention. The absorbed MQA of section 4 restricted, per query, to the rows it names:
@@ -32,7 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import (
+from mla.reference.fp8 import FP8_DS_MLA_BYTES, dequantize_fp8_ds_mla
+from mla.validation import (
     acc_dtype,
     check_float,
     check_index,
@@ -42,7 +45,6 @@ from mla.checks import (
     check_scale,
     check_tensor,
 )
-from mla.reference.fp8 import FP8_DS_MLA_BYTES, dequantize_fp8_ds_mla
 
 __all__ = ["convert_req_index_to_global_index", "sparse_mla_prefill", "sparse_mla_decode",
            "sparse_index_mask"]
@@ -120,7 +122,7 @@ def convert_req_index_to_global_index(
     ``req_id [T]`` is each token's request (a row of ``block_table [R, max_blocks]``). With the
     workspace pair, ``prefill_workspace_request_ids [T]`` is ``-1`` for decode tokens and the
     prefill request's number ``p`` otherwise, ``prefill_workspace_starts [P]`` its first
-    workspace row. All int32, as the seed asserts; returns int32 ``[T, topk]``.
+    workspace row. All int32, as vLLM's kernel asserts; returns int32 ``[T, topk]``.
     """
     has_workspace = check_index_conversion_shapes(
         req_id, block_table, token_indices, block_size, prefill_workspace_request_ids,

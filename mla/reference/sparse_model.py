@@ -1,6 +1,6 @@
 """Sparse MLA at model level: hidden states in, hidden states out (DeepSeek-V3.2).
 
-SPEC section 10. Two formulations of the same layer, which must agree:
+conventions §10. Two formulations of the same layer, which must agree:
 
 Serving (vLLM's ``FlashMLASparseImpl``), on a paged cache, per step:
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from mla.checks import acc_dtype, check_float, check_index, check_same_device, check_tensor
 from mla.reference.decode import absorb_q
 from mla.reference.fp8 import (
     FP8_DS_MLA_BYTES,
@@ -56,6 +55,7 @@ from mla.reference.sparse import (
     sparse_mla_decode,
     sparse_mla_prefill,
 )
+from mla.validation import acc_dtype, check_float, check_index, check_same_device, check_tensor
 from mla.weights import MLAWeights
 
 __all__ = ["sparse_prefill_forward", "sparse_decode_forward", "sparse_masked_dense_forward"]

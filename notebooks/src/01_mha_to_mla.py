@@ -9,7 +9,7 @@
 # notebook walks from the definition to the absorbed kernel that DeepSeek serves with, one step
 # at a time, and checks with `mla.compare` that each step computes the same numbers as the one
 # before. Everything runs on the `tiny` preset in float64, so the checks hold to about `1e-12`;
-# change the preset, the lengths or the seed and run it again.
+# change the preset, the lengths or the random seed and run it again.
 #
 # | step | what changes | package function |
 # | --- | --- | --- |
@@ -52,7 +52,7 @@ print(cfg)
 # %% [markdown]
 # ## Step 0: the definition
 #
-# One request of `S` tokens with hidden states `h [S, H]`. The shared front (SPEC section 1)
+# One request of `S` tokens with hidden states `h [S, H]`. The shared front (conventions §1)
 # computes per token the query parts `q_nope [N, P]`, `q_pe [N, R]` (rotated), the normed
 # latent `kv_c [Lkv]` and one rotary key `k_pe [R]` shared by all heads. The definition then
 # up-projects the latent to ordinary per-head keys and values,

@@ -151,7 +151,7 @@ save(fig, "roofline")
 
 # %% [markdown]
 # For decode (`Sq` of 1 to 4) over long contexts the absorbed form's intensity is about
-# `(2·Lkv+R)/(Lkv+R)·N·Sq ≈ 1.9·N·Sq` FLOP/byte (`KERNELS.md`): memory-bound with 16 heads,
+# `(2·Lkv+R)/(Lkv+R)·N·Sq ≈ 1.9·N·Sq` FLOP/byte (`docs/kernels.md`): memory-bound with 16 heads,
 # at the ridge with 128 heads. The compute-friendly form sits on the flat roof at every `Sq`,
 # but not because it is efficient: each step it re-up-projects every cached key
 # (`2·Lkv·N·(P+V)` FLOPs per key, for one query or four thousand), and it also moves
@@ -212,7 +212,8 @@ for (heads, skv), sq in crossover.items():
 # queries, whatever the context length and the head count (causal masking moves it a little).
 # Below it, the absorbed form's extra attention FLOPs (`2·Lkv+R = 1088` against `P+R+V = 320`
 # per pair and head) cost less than up-projecting every key; above it, they cost more. That is
-# why vLLM's MLA backend, like the seed, runs the new tokens of a prefill through the
+# why vLLM's MLA backend (vLLM 0.11 `v1/attention/backends/mla/common.py`) runs the new tokens of a
+# prefill through the
 # compute-friendly form and decode tokens through the absorbed one. What the crossover is on
 # real kernels is measured by the benchmarks (`benchmarks/results/`), not by this model.
 

@@ -6,7 +6,7 @@
 #
 # A prefill with a long cached context cannot up-project all of the context's keys at once:
 # `k [C, N, P+R]` and `v [C, N, V]` for 128K tokens and 128 heads are 10 GB in bf16. The
-# compute-friendly path of vLLM (the seed's "chunked prefill") therefore walks the context in
+# compute-friendly path of vLLM (vLLM's "chunked prefill") therefore walks the context in
 # chunks of at most `MCC` tokens through a fixed workspace and merges the partial attentions.
 # This notebook derives the merge, draws the chunk plan, checks that the chunked prefill equals
 # the one-shot one for every chunk size, and plots the workspace size against the context.
@@ -117,7 +117,7 @@ print(f"merged in float32 vs float64 reference: rel err {assert_close(o_m, o_ref
 # ## The chunk plan
 #
 # The seed sizes the workspace from the serving limits and cuts every request's context into
-# chunks of `MCC` tokens (SPEC section 7):
+# chunks of `MCC` tokens (conventions §7):
 #
 # - `W = max(min(max(8·max_model_len, 4·max_num_seqs·block_size), 64·1024),
 #   max_num_seqs·block_size)` tokens (`mla.reference.workspace_size`),

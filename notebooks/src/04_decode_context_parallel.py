@@ -11,7 +11,7 @@
 # derives the exact combination of the ranks' partial attentions through their log-sum-exp,
 # and follows the rows of a context chunk through the gather, the all-gather and
 # `reorg_kvcache`. The ranks are simulated in one process (`mla.reference.dcp.run_simulated`);
-# `mla.dcp_dist` runs the same functions on a `torch.distributed` process group.
+# `mla.check.dcp` runs the same functions on a `torch.distributed` process group.
 
 # %%
 import matplotlib.pyplot as plt
@@ -156,7 +156,7 @@ print("each head's weights sum to 1 over the ranks")
 # local rows per request from local position `c·MCC/W` (`cp_chunk_seq_lens`, `cp_chunk_starts`;
 # the chunk size must be divisible by `W`). The ranks whose share is one token short gather one
 # row past their last token: a *padding* row. The gathers are all-gathered into one buffer of
-# `W·toks` rows, rank-major, and `reorg_kvcache` (the seed's function, same arguments) rebuilds
+# `W·toks` rows, rank-major, and `reorg_kvcache` (vLLM's function, same arguments) rebuilds
 # the chunk request by request, rank 0's rows first, then rank 1's, ..., dropping the padding
 # rows. To see it, each cached row below carries its request and position in its first two
 # numbers.

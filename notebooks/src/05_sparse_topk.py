@@ -105,7 +105,7 @@ print(f"FP8 indexer keeps {same:.1%} of the float64 indexer's selections")
 # ## From request-local indices to cache slots
 #
 # The indexer names keys by their position `i` inside the request; the kernels read a flat
-# paged cache. `convert_req_index_to_global_index` (the seed's Triton kernel's semantics) maps
+# paged cache. `convert_req_index_to_global_index` (vLLM's Triton kernel's semantics) maps
 #
 # $$i \mapsto \mathrm{block\_table}[\mathrm{req}, \lfloor i / bs \rfloor]\cdot bs + i \bmod bs,$$
 #

@@ -6,7 +6,7 @@
 #
 # A fast attention kernel is trusted when it computes the same tensors as a slow one that is
 # obviously right, on inputs chosen to break it. This notebook shows the recipe the package
-# uses (SPEC section 11), runs it on our Triton decode kernel (`mla.fast.mla_decode_paged`,
+# uses (conventions §11), runs it on our Triton decode kernel (`mla.fast.mla_decode_paged`,
 # executed by Triton's interpreter on the CPU here), looks at the error distributions on
 # adversarial inputs, and ends with a checker for *any* kernel that follows FlashMLA's calling
 # convention (`flash_mla_with_kvcache`), with deliberately broken kernels to show it catches

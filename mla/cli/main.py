@@ -5,7 +5,7 @@
     mla plan          the chunked-prefill chunk plan for some context lengths
 
 ``main(argv)`` returns the exit status, so tests can call it directly; ``walkthrough`` exits
-with 1 when a row exceeds the SPEC 11 tolerance for its dtype, 2 on bad arguments.
+with 1 when a row exceeds the conventions §11 tolerance for its dtype, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ __all__ = ["main", "build_parser"]
 
 
 def _add_walkthrough(sub: argparse._SubParsersAction) -> None:
-    from mla.walkthrough import DEFAULT_CONTEXT_LENS, DTYPES
+    from mla.cli.walkthrough import DEFAULT_CONTEXT_LENS, DTYPES
 
     p = sub.add_parser(
         "walkthrough", help="run every MLA path on an embedded example and check it",
@@ -48,7 +48,7 @@ def _add_walkthrough(sub: argparse._SubParsersAction) -> None:
 
 
 def _walkthrough(args: argparse.Namespace) -> int:
-    from mla.walkthrough import format_table, run_walkthrough
+    from mla.cli.walkthrough import format_table, run_walkthrough
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -66,7 +66,7 @@ def _walkthrough(args: argparse.Namespace) -> int:
           f"context lens {args.context_lens}, {args.new_tokens} new tokens, "
           f"block size {args.block_size}, MCC {args.max_context_chunk}, seed {args.seed}")
     print(f"reference: float64 on the CPU, same inputs upcast; tolerance {tol:.0e} "
-          "(relative Frobenius error, SPEC 11)")
+          "(relative Frobenius error, conventions §11)")
     print()
     print(format_table(rows))
     failed = [r for r in rows if not r.passed]
@@ -141,16 +141,17 @@ def _config(args: argparse.Namespace) -> int:
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plan", help="print a chunked-prefill chunk plan",
-        description="Print the chunk plan of chunked prefill (SPEC 7). Without "
-                    "--max-context-chunk, MCC comes from the workspace as the seed derives it.")
+        description="Print the chunk plan of chunked prefill (conventions §7). Without "
+                    "--max-context-chunk, MCC comes from the workspace as vLLM's MLA backend "
+                    "derives it.")
     p.add_argument("--context-lens", type=int, nargs="+", metavar="N",
                    default=[0, 1000, 17000, 40000, 70000])
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--max-context-chunk", type=int, help="MCC; overrides the workspace")
     p.add_argument("--workspace-size", type=int,
-                   help="workspace tokens (default: the seed's formula)")
+                   help="workspace tokens (default: vLLM's formula)")
     p.add_argument("--max-model-len", type=int, default=4096,
-                   help="for the seed's workspace formula")
+                   help="for vLLM's workspace formula")
     p.set_defaults(run=_plan, parser=p)
 
 

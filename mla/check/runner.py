@@ -2,7 +2,8 @@
 
 Meant for a GPU (bf16 inputs, DeepSeek shapes); ``--device cpu`` runs the edge cases under
 ``TRITON_INTERPRET=1`` in float16 (the interpreter's bf16 ``tl.dot`` is wrong). The reference
-runs in float64 on upcast copies of the same inputs; errors are SPEC 11's: relative Frobenius
+runs in float64 on upcast copies of the same inputs; errors are conventions §11's: relative
+Frobenius
 error of the outputs, max absolute error of the lse, exact equality for integer outputs.
 Outputs and workspaces the fast path allocates are poisoned with NaN (``torch.empty`` is
 patched while the fast call runs), and cache rows no request uses hold NaN, so an unwritten
@@ -410,7 +411,7 @@ def convert_cases(ctx: Ctx) -> Iterator[Case]:
 
 def _check_prefill_cases(name: str) -> Callable[[Ctx], Iterable[Case]]:
     def cases(ctx: Ctx) -> Iterable[Case]:
-        from mla import check_prefill
+        from mla.check import prefill as check_prefill
 
         return getattr(check_prefill, name)(ctx, Case, poisoned_alloc, _gen)
     return cases
@@ -426,7 +427,7 @@ register("concat_and_cache_fp8_ds_mla", "fp8:concat_and_cache_fp8_ds_mla")(
 # sparse top-k decode (bf16 and fp8_ds_mla caches) and prefill: cases in mla/check_sparse.py
 def _check_sparse_cases(name: str) -> Callable[[Ctx], Iterable[Case]]:
     def cases(ctx: Ctx) -> Iterable[Case]:
-        from mla import check_sparse
+        from mla.check import sparse as check_sparse
 
         return getattr(check_sparse, name)(ctx, Case, poisoned_alloc, _gen)
     return cases

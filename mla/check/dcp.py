@@ -9,14 +9,14 @@ group (gloo on CPU, NCCL on GPUs), and the same functions (``dcp_decode_rank``,
 - ``run_process_group(world_size, fn)`` spawns ``world_size`` CPU processes on a gloo group
   (``file://`` rendezvous in a temporary directory, no TCP port to pick), runs ``fn(comm)`` on
   each and returns the results in rank order: the process-group twin of ``run_simulated``.
-- ``python -m mla.dcp_dist --check --out result.json``, launched by ``torchrun`` on ``W``
+- ``python -m mla.check.dcp --check --out result.json``, launched by ``torchrun`` on ``W``
   processes, runs DCP decode (kernel level, N = 16 and 128) and DCP decode / chunked prefill
   from hidden states (DeepSeek-V2-Lite shapes) in bfloat16 and float32 on realistic sizes,
   compares each rank's heads with the single-rank float64 reference on the same (upcast)
   inputs, and writes GPU, versions, date and errors as JSON::
 
-      torchrun --nproc-per-node 2 -m mla.dcp_dist --check --out dcp_nccl.json
-      torchrun --nproc-per-node 2 -m mla.dcp_dist --check --backend gloo --out /tmp/x.json
+      torchrun --nproc-per-node 2 -m mla.check.dcp --check --out dcp_nccl.json
+      torchrun --nproc-per-node 2 -m mla.check.dcp --check --backend gloo --out /tmp/x.json
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def _start_method() -> str:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["torch", "torch.distributed", "mla.reference.dcp", "mla.dcp_dist"])
+        ["torch", "torch.distributed", "mla.reference.dcp", "mla.check.dcp"])
     return "forkserver"
 
 
@@ -396,7 +396,7 @@ def _table(records: Sequence[dict[str, object]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mla.dcp_dist",
+        prog="python -m mla.check.dcp",
         description="DCP decode and chunked prefill on a real process group, checked against "
                     "the single-rank float64 reference. Launch with torchrun.")
     parser.add_argument("--check", action="store_true", help="run the check (required)")
@@ -409,7 +409,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("nothing to do: pass --check")
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if "RANK" not in os.environ:
-        parser.error("launch with torchrun, e.g. torchrun --nproc-per-node 2 -m mla.dcp_dist "
+        parser.error("launch with torchrun, e.g. torchrun --nproc-per-node 2 -m mla.check.dcp "
                      "--check --out result.json")
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -4,7 +4,7 @@ One example (``Case``): random weights of a preset, and a batch of requests of
 ``context_lens[i] + new_tokens`` random hidden states each, at positions ``0 .. L_i - 1``.
 Every path computes some of these requests' outputs, and each result is compared with the
 definition (``mla.reference.naive_forward``) run in float64 on the CPU on the same inputs
-upcast (SPEC 11). The kernel-level rows compare ``mla_decode_paged`` with the dense
+upcast (conventions §11). The kernel-level rows compare ``mla_decode_paged`` with the dense
 ``absorbed_attention`` instead, on the same latents.
 
 A row is produced by a function registered with ``@register_row``: it gets the ``Case`` and
@@ -335,7 +335,7 @@ def _kernel_lse(case: Case) -> Measurement:
 
 
 # DeepSeek-V3.2 sparse kernels with a top-k that covers every visible key: they must then be
-# the dense absorbed attention (SPEC 10). The latents are the float64 front rounded to the
+# the dense absorbed attention (conventions §10). The latents are the float64 front rounded to the
 # case's dtype, as in the mla_decode_paged rows.
 
 def _sparse_latents(case: Case) -> list:

@@ -1,0 +1,1 @@
+"""``python -m mla.check``: every fast kernel against the float64 reference, on a GPU."""
