@@ -22,7 +22,7 @@ import nbformat
 HERE = Path(__file__).resolve().parent
 SOURCES = HERE / "src"
 
-KERNEL_SPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+JUPYTER_KERNEL = {"display_name": "Python 3", "language": "python", "name": "python3"}
 
 
 def parse_cells(text: str) -> list[tuple[str, str]]:
@@ -53,7 +53,7 @@ def parse_cells(text: str) -> list[tuple[str, str]]:
 def build_notebook(source: Path) -> nbformat.NotebookNode:
     """The output-free notebook of one source file."""
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = dict(KERNEL_SPEC)
+    nb.metadata["kernelspec"] = dict(JUPYTER_KERNEL)
     nb.metadata["language_info"] = {"name": "python"}
     for i, (kind, text) in enumerate(parse_cells(source.read_text())):
         cell = (nbformat.v4.new_markdown_cell(text) if kind == "markdown"
