@@ -177,6 +177,21 @@ def test_mscale_and_softmax_scale(name: str, rope_mscale: float) -> None:
     assert abs(cfg.softmax_scale - (cfg.kv_lora_rank + R) ** -0.5 * mscale ** 2) > 0.01
 
 
+def test_deepseek_v3_softmax_scale_is_the_hand_worked_number() -> None:
+    """The formula above, written out once by hand, so that it and the code cannot share a slip.
+
+    DeepSeek-V3: rope_factor 40, rope_mscale 1.0, P + R = 128 + 64 = 192.
+      ln 40             = 3.688879454
+      mscale            = 0.1 * 3.688879454 + 1 = 1.368887945
+      mscale²           = 1.873854207
+      sqrt(192)         = 13.856406461
+      mscale² / sqrt(192) = 0.135233779
+    (Without YaRN it would be 1/sqrt(192) = 0.0722; with the classic bug 1/sqrt(512 + 64):
+    0.0781 before mscale².)
+    """
+    assert get_config("deepseek-v3").softmax_scale == pytest.approx(0.135233779, abs=1e-9)
+
+
 def test_softmax_scale_without_yarn() -> None:
     cfg = get_config("tiny")
     assert cfg.softmax_scale == pytest.approx((16 + 8) ** -0.5, rel=1e-15)
