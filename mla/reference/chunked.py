@@ -98,11 +98,17 @@ class ChunkPlan:
             _, ax = plt.subplots(figsize=(8, 0.5 + 0.4 * len(self.context_lens)))
         colors = plt.get_cmap("tab10")
         for c in range(self.num_chunks):
+            label = f"chunk {c} ({self.seq_tot[c]} rows)"
             for i, (s, n) in enumerate(zip(self.chunk_starts[c], self.chunk_seq_lens[c])):
                 if n:
-                    ax.barh(i, n, left=s, color=colors(c % 10), edgecolor="black")
-        ax.set_xlabel("context token")
-        ax.set_ylabel("request")
+                    ax.barh(i, n, left=s, color=colors(c % 10), edgecolor="black", label=label)
+                    label = None  # one legend entry per chunk
+        ax.set_xlabel("context position (tokens)")
+        ax.set_ylabel("request (index)")
+        ax.set_yticks(range(len(self.context_lens)))
+        ax.invert_yaxis()  # request 0 on top, as the printed plan lists them
+        if self.num_chunks:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
         ax.set_title(f"context chunks, MCC = {self.max_context_chunk}")
         return ax
 
