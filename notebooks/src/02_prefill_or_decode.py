@@ -17,13 +17,15 @@
 # bytes of both as functions of the number of queries `Sq`, the number of keys `Skv` and the
 # heads `N`, checks the FLOP counts against PyTorch's own count of the reference code, and
 # places both on the H200 roofline to see where each wins. The ceilings are those measured on
-# this project's H200 (`ENVIRONMENT.md`): about 4.25 TB/s of memory bandwidth and about
-# 700 TFLOP/s of dense bf16 matmul.
+# this project's H200 by the benchmarks (`benchmarks/results/`: a device-to-device copy at
+# 4.22-4.25 TB/s and a dense bf16 matmul at 687-694 TFLOP/s), rounded to 4.25 TB/s and
+# 700 TFLOP/s; the datasheet says 4.8 TB/s and about 989 TFLOP/s.
 
 # %%
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.lines import Line2D
 from nbhelp import figure_saver  # puts the repository root on sys.path, before `import mla`
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -31,8 +33,8 @@ from mla import get_config
 from mla.reference import absorbed_attention, prefill_attention
 
 save = figure_saver("02_prefill_or_decode")
-PEAK_FLOPS = 700e12  # bf16 dense matmul, FLOP/s (H200, ENVIRONMENT.md)
-PEAK_BYTES = 4.25e12  # HBM bandwidth, bytes/s (H200, ENVIRONMENT.md)
+PEAK_FLOPS = 700e12  # bf16 dense matmul, FLOP/s (H200, measured: benchmarks/results/)
+PEAK_BYTES = 4.25e12  # HBM bandwidth, bytes/s (H200, measured: benchmarks/results/)
 RIDGE = PEAK_FLOPS / PEAK_BYTES
 ELEM = 2  # bytes per number in bf16
 print(f"ridge point: {RIDGE:.0f} FLOP/byte")
@@ -122,32 +124,45 @@ print("the FLOP model equals FlopCounterMode's count of the reference for every 
 #
 # Intensity is FLOPs per byte moved. A kernel below the ridge (`700e12 / 4.25e12 ≈ 165`
 # FLOP/byte) is limited by memory bandwidth, above it by the tensor cores. Below, DeepSeek-V3's
-# shapes with 128 heads (tensor parallel 1) and 16 heads (TP 8), a batch of 32 requests of 8192
-# keys each, and `Sq` from one decode token to a prefill chunk of 4096.
+# shapes with 16 heads (tensor parallel 8) and 128 heads (TP 1), a batch of 32 requests of 8192
+# keys each, and `Sq` from one decode token to a prefill chunk of 4096: colour is the form,
+# marker shape the number of queries `Sq`. The table under the figure gives the same points as
+# numbers.
 
 # %%
 v3 = get_config("deepseek-v3")
 SKV, BATCH = 8192, 32
 sqs = [1, 4, 64, 4096]
+FORM_COLOR = {"compute-friendly": "tab:blue", "absorbed": "tab:orange"}
+SQ_MARKER = dict(zip(sqs, ["o", "s", "^", "D"]))
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+rows = []
 for ax, heads in zip(axes, [16, 128]):
     cfg = v3.replace(num_heads=heads)
     x = np.logspace(0, 4.5, 200)
     ax.loglog(x, np.minimum(PEAK_FLOPS, PEAK_BYTES * x) / 1e12, color="black", lw=1)
-    for form, marker, dy in [("compute-friendly", "o", 8), ("absorbed", "s", -14)]:
-        pts = [cost(cfg, form, sq, SKV, causal=True, batch=BATCH) for sq in sqs]
-        inten = [f / b for f, b in pts]
-        perf = [min(PEAK_FLOPS, PEAK_BYTES * i) / 1e12 for i in inten]
-        ax.loglog(inten, perf, marker=marker, ls=":", lw=0.8, label=form)
-        for sq, i, p in zip(sqs, inten, perf):
-            ax.annotate(f"{sq}", (i, p), textcoords="offset points", xytext=(-3, dy), fontsize=7)
+    for form, color in FORM_COLOR.items():
+        for sq in sqs:
+            f, b = cost(cfg, form, sq, SKV, causal=True, batch=BATCH)
+            perf = min(PEAK_FLOPS, PEAK_BYTES * f / b) / 1e12
+            ax.loglog(f / b, perf, marker=SQ_MARKER[sq], color=color, ls="none", ms=8,
+                      alpha=0.8, markeredgecolor="black")
+            rows.append((heads, form, sq, f / b, perf))
     ax.axvline(RIDGE, color="gray", ls=":", lw=1)
+    ax.text(RIDGE * 1.1, 6, f"ridge {RIDGE:.0f} FLOP/byte", color="gray", fontsize=8)
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_title(f"N = {heads}, B = {BATCH}, Skv = {SKV}; point labels: Sq")
-    ax.legend(loc="lower right")
-axes[0].set_ylabel("attainable throughput (TFLOP/s)")
-axes[1].set_ylabel("attainable throughput (TFLOP/s)")
+    ax.set_title(f"N = {heads} heads, B = {BATCH}, Skv = {SKV}")
+for ax in axes:
+    ax.set_ylabel("attainable throughput (TFLOP/s)")
+handles = ([Line2D([], [], color=c, marker="o", ls="none", label=form)
+            for form, c in FORM_COLOR.items()]
+           + [Line2D([], [], color="gray", marker=m, ls="none", label=f"Sq = {sq}")
+              for sq, m in SQ_MARKER.items()])
+axes[1].legend(handles=handles, loc="upper left", fontsize=8)
 save(fig, "roofline")
+print(f"{'N':>4} | {'form':<16} | {'Sq':>5} | {'FLOP/byte':>9} | attainable TFLOP/s")
+for heads, form, sq, inten, perf in rows:
+    print(f"{heads:>4} | {form:<16} | {sq:>5} | {inten:>9.0f} | {perf:.0f}")
 
 # %% [markdown]
 # For decode (`Sq` of 1 to 4) over long contexts the absorbed form's intensity is about

@@ -116,8 +116,8 @@ print(f"merged in float32 vs float64 reference: rel err {assert_close(o_m, o_ref
 # %% [markdown]
 # ## The chunk plan
 #
-# The seed sizes the workspace from the serving limits and cuts every request's context into
-# chunks of `MCC` tokens (conventions §7):
+# vLLM 0.11's MLA backend (`v1/attention/backends/mla/common.py`) sizes the workspace from the
+# serving limits and cuts every request's context into chunks of `MCC` tokens (conventions §7):
 #
 # - `W = max(min(max(8·max_model_len, 4·max_num_seqs·block_size), 64·1024),
 #   max_num_seqs·block_size)` tokens (`mla.reference.workspace_size`),
@@ -132,9 +132,6 @@ context_lens = [0, 37, 100, 64]
 plan = plan_context_chunks(context_lens, block_size=16, workspace_size=96)
 print(plan)
 ax = plan.plot()
-ax.set_xlabel("context position (tokens)")
-ax.set_ylabel("request (index)")
-ax.set_yticks(range(len(context_lens)))
 save(ax.figure, "chunk_plan")
 
 # %% [markdown]

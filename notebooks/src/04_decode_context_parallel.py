@@ -16,6 +16,7 @@
 # %%
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.patches import Patch
 from nbhelp import figure_saver  # puts the repository root on sys.path, before `import mla`
 
 from mla import MLAWeights, get_config
@@ -69,21 +70,22 @@ save(ax.figure, "interleaved_placement")
 #
 # $$n_r = \lfloor L / W \rfloor + [\, r < L \bmod W \,].$$
 #
-# (`mla.reference.dcp.dcp_local_seq_lens`.) The seed's decode metadata writes
+# (`mla.reference.dcp.dcp_local_seq_lens`.) vLLM 0.11's decode metadata
+# (`v1/attention/backends/mla/common.py`) writes
 # `L // W + (r <= (L-1) mod W)`, which agrees except when `W` divides `L`: then it gives every
 # rank one token too many (vLLM fixed it upstream, vllm-project/vllm#27518). Both, next to a
 # count of the positions:
 
 # %%
 lens = torch.tensor(seq_lens, dtype=torch.int32)
-print(f"{'L':>4} | {'n_r (package)':<16} | {'seed expression':<16} | counted")
+print(f"{'L':>4} | {'n_r (package)':<16} | {'vLLM 0.11':<16} | counted")
 for i, L in enumerate(seq_lens):
     package = [int(dcp_local_seq_lens(lens, W, r)[i]) for r in range(W)]
-    seed = [L // W + int(r <= (L - 1) % W) for r in range(W)]
+    vllm_011 = [L // W + int(r <= (L - 1) % W) for r in range(W)]
     counted = [sum(1 for t in range(L) if t % W == r) for r in range(W)]
     assert package == counted and sum(package) == L
-    print(f"{L:>4} | {str(package):<16} | {str(seed):<16} | {counted}"
-          + ("   <- seed over-counts" if seed != counted else ""))
+    print(f"{L:>4} | {str(package):<16} | {str(vllm_011):<16} | {counted}"
+          + ("   <- vLLM 0.11 over-counts" if vllm_011 != counted else ""))
 
 # %% [markdown]
 # ## Decode: partial attentions and the LSE correction
@@ -168,6 +170,11 @@ print(dplan)
 ax = dplan.plot(0)
 ax.set_xlabel("row of the all-gathered buffer (index; colour = request, grey = padding)")
 ax.set_ylabel("rank that gathered it (index)")
+colors = plt.get_cmap("tab10")  # the plot colours request i with colors(i)
+ax.legend(handles=[Patch(color=colors(i), label=f"request {i}")
+                   for i, n in enumerate(dplan.plan.chunk_seq_lens[0]) if n]
+          + [Patch(color="lightgrey", label="padding")],
+          loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
 save(ax.figure, "reorg_buffer_chunk0")
 
 # %%

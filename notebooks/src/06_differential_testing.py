@@ -156,11 +156,12 @@ for k, (name, (_, dtype)) in enumerate(KERNELS.items()):
     data = [results[(case, name)].numpy() for case in CASES]
     pos = [i + (k - 1) * width for i in range(len(CASES))]
     parts = ax.boxplot(data, positions=pos, widths=width * 0.9, patch_artist=True,
-                       showfliers=True, flierprops=dict(markersize=2))
+                       showfliers=True, flierprops=dict(markersize=2),
+                       medianprops=dict(color="black"))
     for box in parts["boxes"]:
         box.set_facecolor(f"C{k}")
     ax.axhline(TOLERANCES[dtype], color=f"C{k}", ls=":", lw=1)
-    ax.plot([], [], color=f"C{k}", lw=6, label=f"{name} (dotted: tolerance)")
+    ax.plot([], [], color=f"C{k}", lw=6, label=f"{name} (dotted line: its tolerance)")
 ax.set_xticks(range(len(CASES)), list(CASES))
 ax.set_yscale("log")
 ax.set_xlabel("input case (DeepSeek widths 576/512, 16 heads, page size 64)")
