@@ -1,12 +1,15 @@
 """Decode context parallelism, simulated (conventions §9; ``mla.reference.dcp``).
 
+Every rank program runs on ``W`` simulated ranks through ``run_simulated``.
+
 - DCP decode equals single-rank decode (``mla_decode_paged``, ``decode_forward``) in float64 to
   1e-10 for W in 1, 2, 3, 4, 8, lengths shorter than W, equal to W, not multiples of W or of
   the block size, in mixed batches, s_q 1 and 2;
 - DCP chunked prefill equals the single-rank chunked prefill (kernel and model level);
 - ``reorg_kvcache`` drops exactly the padding rows; hypothesis properties for
   ``dcp_local_seq_lens``, the sharding and ``reorg_kvcache`` over random layouts;
-- the simulated communicator's collectives, failures that must not hang, and bad input.
+- the simulated communicator's collectives, failures that must not hang, ``same_on_all_ranks``,
+  and bad input.
 """
 
 from __future__ import annotations
@@ -36,16 +39,18 @@ from mla.reference.dcp import (
     DCPSharding,
     SimulatedCommunicator,
     cp_lse_ag_out_rs,
-    dcp_chunked_prefill_forward_simulated,
-    dcp_chunked_prefill_simulated,
-    dcp_decode_forward_simulated,
-    dcp_decode_simulated,
+    dcp_chunked_prefill_forward_rank,
+    dcp_chunked_prefill_rank,
+    dcp_decode_forward_rank,
+    dcp_decode_rank,
+    dcp_local_decode,
     dcp_local_seq_lens,
     dcp_slot_mapping,
     head_slice,
     plan_dcp_context_chunks,
     reorg_kvcache,
     run_simulated,
+    same_on_all_ranks,
     shard_kv_cache,
 )
 
@@ -89,6 +94,15 @@ def filled_cache(contexts: list[int], capacities: list[int], seed: int
     return kv_cache, table
 
 
+def simulated_decode(W: int, q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor,
+                     seqlens: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dcp_decode_rank`` on W simulated ranks, their heads joined: ``mla_decode_paged``'s."""
+    parts = run_simulated(W, functools.partial(
+        dcp_decode_rank, q=q, kv_cache=kv_cache, block_table=table, cache_seqlens=seqlens,
+        softmax_scale=SCALE, **kwargs))
+    return torch.cat([o for o, _ in parts], dim=2), torch.cat([lse for _, lse in parts], dim=1)
+
+
 # --- decode -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("W", WORLD_SIZES)
@@ -100,8 +114,7 @@ def test_dcp_decode_equals_single_rank(W: int, s_q: int, causal: bool) -> None:
     seqlens = torch.tensor(lens, dtype=torch.int32)
     ref_o, ref_lse = mla_decode_paged(q, kv_cache, table, seqlens, SCALE, causal=causal,
                                       head_dim_v=LKV)
-    out, lse = dcp_decode_simulated(q, kv_cache, table, seqlens, SCALE, W, causal=causal,
-                                    head_dim_v=LKV)
+    out, lse = simulated_decode(W, q, kv_cache, table, seqlens, causal=causal, head_dim_v=LKV)
     assert_close(out, ref_o, 1e-10, name="out")
     assert_close(lse, ref_lse, 1e-10, name="lse")
 
@@ -113,7 +126,7 @@ def test_dcp_decode_with_idle_ranks(lens: list[int]) -> None:
     q = randn(len(lens), 1, N, LKV + R, seed=8)
     seqlens = torch.tensor(lens, dtype=torch.int32)
     ref_o, ref_lse = mla_decode_paged(q, kv_cache, table, seqlens, SCALE, head_dim_v=LKV)
-    out, lse = dcp_decode_simulated(q, kv_cache, table, seqlens, SCALE, 8, head_dim_v=LKV)
+    out, lse = simulated_decode(8, q, kv_cache, table, seqlens, head_dim_v=LKV)
     assert_close(out, ref_o, 1e-10)
     assert_close(lse, ref_lse, 1e-10)
 
@@ -127,14 +140,12 @@ def test_dcp_decode_not_fooled_by_the_local_mask() -> None:
     seqlens = torch.tensor(lens, dtype=torch.int32)
     ref_o, _ = mla_decode_paged(q, kv_cache, table, seqlens, SCALE, causal=True,
                                 head_dim_v=LKV)
-    out, _ = dcp_decode_simulated(q, kv_cache, table, seqlens, SCALE, 2, causal=True,
-                                  head_dim_v=LKV)
+    out, _ = simulated_decode(2, q, kv_cache, table, seqlens, causal=True, head_dim_v=LKV)
     assert_close(out, ref_o, 1e-10)
     # the local-mask shortcut, on rank 0's shard: differs from the exact partial result
     shard = shard_kv_cache(kv_cache, table, seqlens, 2)[0]
     local_o, _ = mla_decode_paged(q, shard.kv_cache, shard.block_table, shard.seq_lens, SCALE,
                                   causal=True, head_dim_v=LKV)
-    from mla.reference.dcp import dcp_local_decode
     exact_o, _ = dcp_local_decode(q, shard.kv_cache, shard.block_table, seqlens, SCALE, 0, 2,
                                   causal=True, head_dim_v=LKV)
     assert (local_o - exact_o).abs().max() > 1e-3
@@ -178,9 +189,10 @@ def test_dcp_local_seq_lens_properties(lens: list[int], W: int, data: st.DataObj
     r = data.draw(st.integers(0, W - 1))
     counted = [sum(1 for t in range(L) if t % W == r) for L in lens]
     assert per_rank[r].tolist() == counted
-    # vLLM's expression agrees unless W divides L, where it counts one token too many
-    seed_formula = seq // W + (r <= (seq - 1) % W).int()
-    for L, mine, theirs in zip(lens, per_rank[r].tolist(), seed_formula.tolist()):
+    # vLLM's expression before vllm-project/vllm#27518 agrees unless W divides L, where it
+    # counts one token too many
+    pre_fix = seq // W + (r <= (seq - 1) % W).int()
+    for L, mine, theirs in zip(lens, per_rank[r].tolist(), pre_fix.tolist()):
         if L and L % W == 0:
             assert theirs == mine + 1
         elif L:
@@ -376,8 +388,13 @@ def test_dcp_chunked_prefill_attention_equals_single_rank(W: int) -> None:
         plan = plan_dcp_context_chunks(ctx, W, max_context_chunk=mcc)
         ref_o, ref_lse = chunked_prefill_attention(q_nope, q_pe, kv_c, k_pe, qsl, kv_cache,
                                                    table, plan.plan, W_UK, W_UV, SCALE)
-        out, lse = dcp_chunked_prefill_simulated(q_nope, q_pe, kv_c, k_pe, qsl, kv_cache,
-                                                 table, plan, W_UK, W_UV, SCALE)
+        parts = run_simulated(W, functools.partial(
+            dcp_chunked_prefill_rank, q_nope=q_nope, q_pe=q_pe, kv_c=kv_c, k_pe=k_pe,
+            query_start_loc=qsl, kv_cache=kv_cache, block_table=table, plan=plan, W_UK=W_UK,
+            W_UV=W_UV, softmax_scale=SCALE))
+        # each rank returns its N/W heads: o [T, N/W, V], lse [N/W, T]
+        out = torch.cat([o for o, _ in parts], dim=1)
+        lse = torch.cat([lse for _, lse in parts], dim=0)
         assert_close(out, ref_o, 1e-10, name=f"o (MCC {mcc})")
         assert_close(lse, ref_lse, 1e-10, name=f"lse (MCC {mcc})")
 
@@ -392,7 +409,9 @@ def test_dcp_decode_forward_equals_decode_forward(W: int, s_q: int) -> None:
     hidden = randn(len(ctx), s_q, CONFIG.hidden_size, seed=50 + W)
     seqlens = torch.tensor(ctx, dtype=torch.int32)
     before = kv_cache.clone()
-    out = dcp_decode_forward_simulated(weights(), hidden, kv_cache, table, seqlens, W)
+    out = same_on_all_ranks(run_simulated(W, functools.partial(
+        dcp_decode_forward_rank, weights=weights(), hidden=hidden, kv_cache=kv_cache,
+        block_table=table, cache_seqlens=seqlens)))
     assert torch.equal(kv_cache.nan_to_num(7.0), before.nan_to_num(7.0))  # global untouched
     ref = decode_forward(weights(), hidden, kv_cache, table, seqlens)
     assert_close(out, ref, 1e-10)
@@ -408,8 +427,10 @@ def test_dcp_chunked_prefill_forward_equals_chunked_prefill_forward(W: int) -> N
     qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     for mcc in (W if W > 1 else 4, 24 if 24 % W == 0 else 8 * W):
         plan = plan_dcp_context_chunks(ctx, W, max_context_chunk=mcc)
-        out = dcp_chunked_prefill_forward_simulated(weights(), hidden, qsl, ctx, kv_cache,
-                                                    table, W, plan=plan)
+        out = same_on_all_ranks(run_simulated(W, functools.partial(
+            dcp_chunked_prefill_forward_rank, weights=weights(), hidden=hidden,
+            query_start_loc=qsl, context_lens=ctx, kv_cache=kv_cache, block_table=table,
+            plan=plan)))
         ref = chunked_prefill_forward(weights(), hidden, qsl, ctx, kv_cache.clone(), table,
                                       plan=plan.plan)
         assert_close(out, ref, 1e-10, name=f"out (MCC {mcc})")
@@ -421,14 +442,19 @@ def test_dcp_chunked_prefill_forward_default_plan() -> None:
     kv_cache, table = filled_cache(ctx, [c + n for c, n in zip(ctx, new)], seed=9)
     hidden = randn(sum(new), CONFIG.hidden_size, seed=10)
     qsl = torch.tensor([0, 2, 5], dtype=torch.int32)
-    out = dcp_chunked_prefill_forward_simulated(weights(), hidden, qsl, ctx, kv_cache, table, 2,
-                                                workspace_size=32)
+    program = functools.partial(dcp_chunked_prefill_forward_rank, weights=weights(),
+                                hidden=hidden, query_start_loc=qsl, context_lens=ctx,
+                                kv_cache=kv_cache, block_table=table, workspace_size=32)
+    out = same_on_all_ranks(run_simulated(2, program))
     ref = chunked_prefill_forward(weights(), hidden, qsl, ctx, kv_cache.clone(), table,
                                   workspace_size=32)
     assert_close(out, ref, 1e-10)
     with pytest.raises(ValueError, match="divisible by world_size=3"):
-        dcp_chunked_prefill_forward_simulated(weights(), hidden, qsl, ctx, kv_cache, table, 3,
-                                              workspace_size=32)
+        run_simulated(3, program)
+    # a plan made for another number of ranks
+    with pytest.raises(ValueError, match="plan is for world_size=2, the communicator has 3"):
+        run_simulated(3, functools.partial(
+            program, plan=plan_dcp_context_chunks(ctx, 2, max_context_chunk=6)))
 
 
 # --- the simulated communicator -----------------------------------------------------------
@@ -477,6 +503,19 @@ def test_simulated_failures_do_not_hang() -> None:
     assert threading.active_count() < 20  # the rank threads are gone
 
 
+def test_same_on_all_ranks() -> None:
+    x = randn(2, 3, seed=0)
+    assert torch.equal(same_on_all_ranks(run_simulated(3, lambda comm: x.clone())), x)
+    assert torch.equal(same_on_all_ranks([x, x.clone()]), x)
+    # a rank whose result differs in one element (its broken twin)
+    y = x.clone()
+    y[1, 2] += 1e-15
+    with pytest.raises(ValueError, match="rank 2's result differs from rank 0's"):
+        same_on_all_ranks([x, x.clone(), y])
+    with pytest.raises(ValueError, match="one tensor per rank"):
+        same_on_all_ranks([])
+
+
 def test_bad_input() -> None:
     seq = torch.tensor([3, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="world_size must be positive, got 0"):
@@ -501,8 +540,8 @@ def test_bad_input() -> None:
     q = randn(2, 1, N, LKV + R, seed=1)
     lens = torch.tensor([5, 9], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"heads \(24\) must be divisible by world_size=5"):
-        dcp_decode_simulated(q, kv_cache, table, lens, SCALE, 5, head_dim_v=LKV)
+        simulated_decode(5, q, kv_cache, table, lens, head_dim_v=LKV)
     with pytest.raises(ValueError, match="capacities"):
         shard_kv_cache(kv_cache, table, lens, 2, capacities=[5, 8])
     with pytest.raises(ValueError, match="q must have 4 dims"):
-        dcp_decode_simulated(q[0], kv_cache, table, lens, SCALE, 2, head_dim_v=LKV)
+        simulated_decode(2, q[0], kv_cache, table, lens, head_dim_v=LKV)

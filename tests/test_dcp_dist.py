@@ -1,10 +1,11 @@
 """DCP on real ``torch.distributed`` process groups (gloo, CPU) gives the simulation's tensors.
 
 One spawn per world size (2 and 3 ranks) runs every rank program of ``mla.reference.dcp``
-(kernel-level decode, kernel-level chunked prefill, both model-level paths) plus the
-collectives and a mismatched-shape error; the results are compared with ``run_simulated`` on
-the same inputs (bitwise for the all-gathers; to 1e-12 where gloo's reduction order may
-differ) and with the single-rank reference. The ``--check`` script runs under ``torchrun``.
+(kernel-level decode, kernel-level chunked prefill, both model-level paths) through
+``ProcessGroupCommunicator``, plus the collectives and a mismatched-shape error; the results
+are compared with ``run_simulated`` on the same inputs (bitwise for the all-gathers; to 1e-12
+where gloo's reduction order may differ) and with the single-rank reference. The ``--check``
+script runs under ``torchrun``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import pytest
 import torch
 
 from mla import MLAWeights, get_config
-from mla.check.dcp import TorchDistCommunicator, run_all, run_process_group
+from mla.check.dcp import run_all, run_process_group
 from mla.compare import assert_close
 from mla.reference import chunked_prefill_forward, decode_forward, make_block_table, write_context
 from mla.reference.dcp import (
     Communicator,
+    ProcessGroupCommunicator,
     dcp_chunked_prefill_forward_rank,
     dcp_chunked_prefill_rank,
     dcp_decode_forward_rank,
@@ -155,7 +157,7 @@ def test_communicator_needs_a_process_group() -> None:
     if torch.distributed.is_initialized():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(RuntimeError, match="initialized process group"):
-        TorchDistCommunicator()
+        ProcessGroupCommunicator()
 
 
 def test_run_process_group_reraises_a_rank_error() -> None:

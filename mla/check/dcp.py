@@ -1,10 +1,8 @@
-"""Decode context parallelism on a real ``torch.distributed`` process group.
+"""Decode context parallelism on a real ``torch.distributed`` process group: the tool.
 
-``mla.reference.dcp`` writes the DCP math once against a four-method communicator and runs it
-on simulated ranks; this module gives it real ones: ``TorchDistCommunicator`` wraps a process
-group (gloo on CPU, NCCL on GPUs), and the same functions (``dcp_decode_rank``,
-``dcp_chunked_prefill_forward_rank``, ...) run unchanged on it. It lives outside
-``mla/reference`` because it needs an initialized process group.
+``mla.reference.dcp`` writes the DCP math once against a four-method communicator, as rank
+programs ``fn(comm, ...)``, and runs them on simulated ranks or on a process group through
+``ProcessGroupCommunicator`` (gloo on CPU, NCCL on GPUs). This module starts the processes:
 
 - ``run_process_group(world_size, fn)`` spawns ``world_size`` CPU processes on a gloo group
   (``file://`` rendezvous in a temporary directory, no TCP port to pick), runs ``fn(comm)`` on
@@ -39,7 +37,7 @@ from mla.compare import LSE_ABS_TOL, TOLERANCES, max_abs_err, rel_err
 from mla.config import MLAConfig, get_config
 from mla.reference.dcp import (
     Communicator,
-    check_same_shapes,
+    ProcessGroupCommunicator,
     dcp_chunked_prefill_forward_rank,
     dcp_decode_forward_rank,
     dcp_decode_rank,
@@ -51,81 +49,9 @@ from mla.reference.model import chunked_prefill_forward, decode_forward, write_c
 from mla.reference.paged_cache import make_block_table
 from mla.weights import MLAWeights
 
-__all__ = ["TorchDistCommunicator", "run_process_group", "run_all", "run_check", "main"]
+__all__ = ["run_process_group", "run_all", "run_check", "main"]
 
 Result = TypeVar("Result")
-
-_DTYPE_CODES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                torch.int32, torch.bool)
-_MAX_DIMS = 8
-
-# torch >= 2.12 renames the two single-tensor collectives; 2.11 (the GPU machine) has the old
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                          or dist.reduce_scatter_tensor)
-
-
-class TorchDistCommunicator:
-    """A ``Communicator`` over a ``torch.distributed`` process group (default: the world).
-
-    Before each collective the ranks exchange their tensor's shape and dtype, so that a
-    mismatch raises the same ``ValueError`` on every rank instead of a hang or garbage.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("TorchDistCommunicator needs an initialized process group "
-                               "(torch.distributed.init_process_group)")
-        self.group = group
-        self._rank = dist.get_rank(group)
-        self._world_size = dist.get_world_size(group)
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    def _check_shapes(self, op: str, x: torch.Tensor) -> None:
-        if x.dim() > _MAX_DIMS or x.dtype not in _DTYPE_CODES:
-            raise ValueError(f"{op}: tensors of at most {_MAX_DIMS} dims and dtype in "
-                             f"{_DTYPE_CODES} only, got {x.dtype} of shape {list(x.shape)}")
-        desc = torch.full((2 + _MAX_DIMS,), -1, dtype=torch.int64, device=x.device)
-        desc[0], desc[1] = x.dim(), _DTYPE_CODES.index(x.dtype)
-        desc[2: 2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-        all_desc = torch.empty(self._world_size * desc.numel(), dtype=torch.int64,
-                               device=x.device)
-        _all_gather_single(all_desc, desc, group=self.group)
-        rows = all_desc.view(self._world_size, -1).tolist()
-        check_same_shapes(op, [tuple(r[2: 2 + r[0]]) for r in rows],
-                          [_DTYPE_CODES[r[1]] for r in rows])
-
-    def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        self._check_shapes("all_gather", x)
-        dim = dim % x.dim()
-        W = self._world_size
-        out = x.new_empty((W * x.shape[0], *x.shape[1:]))
-        _all_gather_single(out, x.contiguous(), group=self.group)
-        if dim == 0:
-            return out
-        return torch.cat(out.view(W, *x.shape).unbind(0), dim=dim)
-
-    def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        self._check_shapes("reduce_scatter", x)
-        dim = dim % x.dim()
-        W = self._world_size
-        if x.shape[dim] % W:
-            raise ValueError(f"reduce_scatter: dim {dim} of shape {list(x.shape)} must be "
-                             f"divisible by world_size={W}")
-        xm = x.movedim(dim, 0).contiguous()  # the collective splits dim 0
-        out = xm.new_empty((xm.shape[0] // W, *xm.shape[1:]))
-        _reduce_scatter_single(out, xm, group=self.group)
-        return out.movedim(0, dim).contiguous()
-
-    def __repr__(self) -> str:
-        return f"TorchDistCommunicator(rank={self._rank}, world_size={self._world_size})"
 
 
 # --- spawning a CPU group ------------------------------------------------------------------
@@ -137,7 +63,7 @@ def _child(rank: int, world_size: int, fn: Callable[[Communicator], object], bac
                             world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     try:
-        result = fn(TorchDistCommunicator())
+        result = fn(ProcessGroupCommunicator())
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -419,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = torch.device("cpu")
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     try:
-        comm = TorchDistCommunicator()
+        comm = ProcessGroupCommunicator()
         records = run_check(comm, device, quick=args.quick)
         if comm.rank == 0:
             result = {**_environment(backend, device, comm.world_size), "quick": args.quick,

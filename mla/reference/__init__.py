@@ -16,14 +16,15 @@ from mla.reference.dcp import (
     DCPChunkPlan,
     DCPSharding,
     cp_lse_ag_out_rs,
-    dcp_chunked_prefill_forward_simulated,
-    dcp_chunked_prefill_simulated,
-    dcp_decode_forward_simulated,
-    dcp_decode_simulated,
+    dcp_chunked_prefill_forward_rank,
+    dcp_chunked_prefill_rank,
+    dcp_decode_forward_rank,
+    dcp_decode_rank,
     dcp_local_seq_lens,
     plan_dcp_context_chunks,
     reorg_kvcache,
     run_simulated,
+    same_on_all_ranks,
     shard_kv_cache,
 )
 from mla.reference.decode import absorb_q, absorbed_attention, mla_decode_paged
@@ -85,9 +86,9 @@ __all__ = [
     "indexer_topk", "q_latent", "quantize_fp8_ds_mla", "select_topk", "sparse_decode_forward",
     "sparse_index_mask", "sparse_masked_dense_forward", "sparse_mla_decode",
     "sparse_mla_prefill", "sparse_prefill_forward",
-    # decode context parallelism (simulated; mla.check.dcp runs it on torch.distributed)
-    "DCPChunkPlan", "DCPSharding", "cp_lse_ag_out_rs", "dcp_chunked_prefill_forward_simulated",
-    "dcp_chunked_prefill_simulated", "dcp_decode_forward_simulated", "dcp_decode_simulated",
+    # decode context parallelism: rank programs, run by run_simulated or on a process group
+    "DCPChunkPlan", "DCPSharding", "cp_lse_ag_out_rs", "dcp_chunked_prefill_forward_rank",
+    "dcp_chunked_prefill_rank", "dcp_decode_forward_rank", "dcp_decode_rank",
     "dcp_local_seq_lens", "plan_dcp_context_chunks", "reorg_kvcache", "run_simulated",
-    "shard_kv_cache",
+    "same_on_all_ranks", "shard_kv_cache",
 ]
