@@ -33,13 +33,15 @@ from mla.reference import (
 )
 from mla.reference.dcp import (
     DCPSharding,
-    dcp_chunked_prefill_forward_simulated,
-    dcp_decode_forward_simulated,
-    dcp_decode_simulated,
+    dcp_chunked_prefill_forward_rank,
+    dcp_decode_forward_rank,
+    dcp_decode_rank,
     dcp_local_decode,
     dcp_local_seq_lens,
     plan_dcp_context_chunks,
     reorg_kvcache,
+    run_simulated,
+    same_on_all_ranks,
     shard_kv_cache,
 )
 
@@ -126,9 +128,12 @@ print(f"partials merged vs single-rank decode: out rel err "
       f"{assert_close(out_m, out_ref, TOL):.1e}, lse rel err "
       f"{assert_close(lse_m[has_keys], lse_ref[has_keys], TOL):.1e}")
 
-out_dcp, lse_dcp = dcp_decode_simulated(q, kv_cache, table, lens, scale, W, causal=True,
-                                        head_dim_v=DV)
-print(f"dcp_decode_simulated (all-gather, correction, reduce-scatter): out rel err "
+# the rank program: shard, all-gather q, local decode, correction, reduce-scatter
+ranks = run_simulated(W, lambda comm: dcp_decode_rank(comm, q, kv_cache, table, lens, scale,
+                                                      causal=True, head_dim_v=DV))
+out_dcp = torch.cat([o for o, _ in ranks], dim=2)  # each rank returns its N/W heads
+lse_dcp = torch.cat([lse for _, lse in ranks], dim=1)
+print(f"dcp_decode_rank on {W} simulated ranks, their heads joined: out rel err "
       f"{assert_close(out_dcp, out_ref, TOL):.1e}, lse rel err "
       f"{assert_close(lse_dcp, lse_ref, TOL):.1e}")
 print("request of length 1, its lse per rank:",
@@ -250,9 +255,11 @@ hidden = torch.randn(len(ctx), 2, cfg.hidden_size, dtype=torch.float64)
 seqlens = torch.tensor(ctx, dtype=torch.int32)
 qsl = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
 for world in [1, 2, 4]:
-    dec = dcp_decode_forward_simulated(w, hidden, cache, tab, seqlens, world)
-    pre = dcp_chunked_prefill_forward_simulated(w, hidden.reshape(-1, cfg.hidden_size), qsl, ctx,
-                                                cache, tab, world, workspace_size=16)
+    # every rank returns the whole output (the heads are all-gathered before W_O)
+    dec = same_on_all_ranks(run_simulated(world, lambda comm: dcp_decode_forward_rank(
+        comm, w, hidden, cache, tab, seqlens)))
+    pre = same_on_all_ranks(run_simulated(world, lambda comm: dcp_chunked_prefill_forward_rank(
+        comm, w, hidden.reshape(-1, cfg.hidden_size), qsl, ctx, cache, tab, workspace_size=16)))
     dec_ref = decode_forward(w, hidden, cache.clone(), tab, seqlens)
     pre_ref = chunked_prefill_forward(w, hidden.reshape(-1, cfg.hidden_size), qsl, ctx,
                                       cache.clone(), tab, workspace_size=16)
