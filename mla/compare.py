@@ -4,17 +4,26 @@
 
 NaN never passes: a NaN anywhere in ``out`` (or a NaN/inf mismatch) is an infinite error.
 Infinite entries (an empty query's ``lse``) must sit at the same places with the same sign
-and are left out of the norm. ``poison_like`` gives NaN-filled buffers for kernels that write
-into caller-provided outputs, so an unwritten element cannot pass as a correct one.
+and are left out of the norm. ``poison_like`` gives poisoned buffers for kernels that write
+into caller-provided outputs and ``poisoned_alloc`` poisons the buffers a kernel allocates
+itself, so an unwritten element cannot pass as a correct one.
+
+Two kinds of limits: ``TOLERANCES`` / ``LSE_ABS_TOL`` for model-level paths (the reference run
+in a low precision against float64), and ``ERROR_BUDGETS`` for each fast kernel, derived from
+the roundings the kernel does and set at about twice the worst error measured over many seeds
+(conventions §11, "Error budgets").
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
-__all__ = ["TOLERANCES", "rel_err", "max_abs_err", "assert_close", "poison_like", "tolerance"]
+__all__ = ["TOLERANCES", "ERROR_BUDGETS", "LSE_ABS_TOL", "rel_err", "max_abs_err",
+           "assert_close", "budget", "poison_like", "poisoned_alloc", "tolerance"]
 
 # Relative Frobenius tolerances against a float64 reference on upcast inputs (conventions §11).
 TOLERANCES: dict[torch.dtype, float] = {
@@ -25,6 +34,61 @@ TOLERANCES: dict[torch.dtype, float] = {
 }
 LSE_ABS_TOL = 1e-3  # absolute, for lse in float32
 
+# Each fast kernel's error budget, keyed (kernel, input dtype, quantity): out_rel is the
+# relative Frobenius error of the output, lse_abs / max_abs the max absolute error of the
+# float32 lse / max logit, all against the float64 reference on upcast inputs (lse_abs of the
+# prefill paths: against the reference run in the input dtype; lse_abs_f64: against float64).
+# Derivation and measurements: conventions §11, "Error budgets". Each budget is about twice the
+# worst error measured over many seeds (benchmarks/results/error_budget_*.json; the test
+# tests/test_check_budgets.py holds each between 1.5x and 3x of it).
+ERROR_BUDGETS: dict[tuple[str, str, str], float] = {
+    ("mla_decode_paged", "bfloat16", "out_rel"): 3.5e-3,
+    ("mla_decode_paged", "bfloat16", "lse_abs"): 3.5e-4,
+    ("mla_decode_paged", "float16", "out_rel"): 4e-4,
+    ("mla_decode_paged", "float16", "lse_abs"): 1.5e-5,
+    ("mla_decode_paged", "float32", "out_rel"): 1e-6,
+    ("mla_decode_paged", "float32", "lse_abs"): 5e-6,
+    ("merge_attn_states", "bfloat16", "out_rel"): 2e-3,
+    ("merge_attn_states", "bfloat16", "lse_abs"): 1.6e-6,
+    ("merge_attn_states", "float16", "out_rel"): 3e-4,
+    ("merge_attn_states", "float16", "lse_abs"): 1.6e-6,
+    ("merge_attn_states", "float32", "out_rel"): 2e-7,
+    ("merge_attn_states", "float32", "lse_abs"): 1.6e-6,
+    ("prefill_attention", "bfloat16", "out_rel"): 6e-3,
+    ("prefill_attention", "bfloat16", "lse_abs"): 4e-6,
+    ("prefill_attention", "bfloat16", "lse_abs_f64"): 9e-3,
+    ("prefill_attention", "float16", "out_rel"): 8e-4,
+    ("prefill_attention", "float16", "lse_abs"): 4e-6,
+    ("prefill_attention", "float16", "lse_abs_f64"): 1.2e-3,
+    ("prefill_attention", "float32", "out_rel"): 2e-6,
+    ("prefill_attention", "float32", "lse_abs"): 4e-6,
+    ("prefill_attention", "float32", "lse_abs_f64"): 4e-6,
+    ("chunked_prefill_attention", "bfloat16", "out_rel"): 6.5e-3,
+    ("chunked_prefill_attention", "bfloat16", "lse_abs"): 4e-6,
+    ("chunked_prefill_attention", "bfloat16", "lse_abs_f64"): 6e-3,
+    ("chunked_prefill_attention", "float16", "out_rel"): 8e-4,
+    ("chunked_prefill_attention", "float16", "lse_abs"): 4e-6,
+    ("chunked_prefill_attention", "float16", "lse_abs_f64"): 1.2e-3,
+    ("chunked_prefill_attention", "float32", "out_rel"): 2e-6,
+    ("chunked_prefill_attention", "float32", "lse_abs"): 4e-6,
+    ("chunked_prefill_attention", "float32", "lse_abs_f64"): 4e-6,
+    ("sparse_mla_decode", "bfloat16", "out_rel"): 4e-3,
+    ("sparse_mla_decode", "bfloat16", "lse_abs"): 2e-4,
+    ("sparse_mla_decode", "float16", "out_rel"): 5e-4,
+    ("sparse_mla_decode", "float16", "lse_abs"): 1e-5,
+    ("sparse_mla_decode", "float32", "out_rel"): 4e-6,
+    ("sparse_mla_decode", "float32", "lse_abs"): 6e-6,
+    ("sparse_mla_prefill", "bfloat16", "out_rel"): 4e-3,
+    ("sparse_mla_prefill", "bfloat16", "lse_abs"): 1.1e-5,
+    ("sparse_mla_prefill", "bfloat16", "max_abs"): 1.6e-5,
+    ("sparse_mla_prefill", "float16", "out_rel"): 5e-4,
+    ("sparse_mla_prefill", "float16", "lse_abs"): 1.1e-5,
+    ("sparse_mla_prefill", "float16", "max_abs"): 1.6e-5,
+    ("sparse_mla_prefill", "float32", "out_rel"): 4e-6,
+    ("sparse_mla_prefill", "float32", "lse_abs"): 1.1e-5,
+    ("sparse_mla_prefill", "float32", "max_abs"): 1.6e-5,
+}
+
 
 def tolerance(dtype: torch.dtype) -> float:
     """conventions §11's relative tolerance for outputs of ``dtype``."""
@@ -33,6 +97,19 @@ def tolerance(dtype: torch.dtype) -> float:
     except KeyError:
         raise ValueError(f"no default tolerance for dtype {dtype}; pass tol= explicitly "
                          f"(known: {sorted(str(d) for d in TOLERANCES)})") from None
+
+
+def budget(kernel: str, dtype: torch.dtype | str, quantity: str) -> float:
+    """``ERROR_BUDGETS[(kernel, dtype, quantity)]``; a ``ValueError`` naming what is missing
+    (a kernel, dtype or quantity without a measured budget has no silent default)."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    try:
+        return ERROR_BUDGETS[(kernel, name, quantity)]
+    except KeyError:
+        known = sorted({f"{k}/{d}" for k, d, _ in ERROR_BUDGETS})
+        raise ValueError(f"no error budget for kernel {kernel!r}, dtype {name}, quantity "
+                         f"{quantity!r} (kernels/dtypes with budgets: {', '.join(known)})"
+                         ) from None
 
 
 def _aligned(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -96,11 +173,50 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None,
     return err
 
 
-def poison_like(t: torch.Tensor) -> torch.Tensor:
-    """A tensor like ``t`` full of NaN (floating), 0xFF (uint8: NaN as e4m3, so an unwritten
-    fp8 cache byte cannot pass) or the dtype's minimum (other integers)."""
-    if t.is_floating_point():
-        return torch.full_like(t, float("nan"))
+def _poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` in place with NaN (floating, complex), 0xFF (uint8: NaN as e4m3, so an
+    unwritten fp8 cache byte cannot pass), True (bool) or the dtype's minimum (other
+    integers: an index no valid row has)."""
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
     if t.dtype == torch.uint8:
-        return torch.full_like(t, 0xFF)
-    return torch.full_like(t, torch.iinfo(t.dtype).min)
+        return t.fill_(0xFF)
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    return t.fill_(torch.iinfo(t.dtype).min)
+
+
+def poison_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor like ``t`` (shape, dtype, device, strides) full of poison (see ``_poison_``)."""
+    return _poison_(torch.zeros_like(t))
+
+
+@contextlib.contextmanager
+def poisoned_alloc() -> Iterator[None]:
+    """Within the block, every buffer from ``torch.empty``, ``torch.empty_like`` and
+    ``Tensor.new_empty`` starts poisoned as ``poison_like``'s (floats, integers and bytes
+    alike), so an output or workspace element a kernel wrapper allocates and never writes
+    shows up as NaN or an impossible value. Not thread-safe: it patches ``torch`` globally."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+    own_new_empty = "new_empty" in vars(torch.Tensor)
+    real_new_empty = torch.Tensor.new_empty
+
+    def empty(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return _poison_(real_empty(*args, **kwargs))
+
+    def empty_like(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return _poison_(real_empty_like(*args, **kwargs))
+
+    def new_empty(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return _poison_(real_new_empty(self, *args, **kwargs))
+
+    torch.empty, torch.empty_like = empty, empty_like  # type: ignore[assignment]
+    torch.Tensor.new_empty = new_empty  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = real_empty, real_empty_like  # type: ignore[assignment]
+        if own_new_empty:
+            torch.Tensor.new_empty = real_new_empty  # type: ignore[method-assign]
+        else:
+            del torch.Tensor.new_empty

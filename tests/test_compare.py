@@ -14,11 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mla.compare import (
+    ERROR_BUDGETS,
     LSE_ABS_TOL,
     TOLERANCES,
     assert_close,
+    budget,
     max_abs_err,
     poison_like,
+    poisoned_alloc,
     rel_err,
     tolerance,
 )
@@ -256,3 +259,88 @@ def test_unknown_dtype_has_no_silent_default_tolerance():
     with pytest.raises(ValueError, match="no default tolerance for dtype torch.int32"):
         assert_close(t, t)
     assert assert_close(t, t, tol=0.0) == 0.0
+
+
+# --- poisoned allocations --------------------------------------------------------------------
+
+POISON_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int32,
+                 torch.int64, torch.int8, torch.uint8, torch.bool]
+
+
+def _is_poison(t: torch.Tensor) -> bool:
+    return torch.equal(t, poison_like(t)) if not t.is_floating_point() else bool(
+        torch.isnan(t.float()).all())
+
+
+@pytest.mark.parametrize("dtype", POISON_DTYPES)
+def test_poisoned_alloc_poisons_every_dtype_and_allocator(dtype):
+    """Floats (fp8 included) NaN, uint8 0xFF, bool True, other integers their minimum: from
+    torch.empty, torch.empty_like and Tensor.new_empty alike, so an integer index output or
+    a workspace a wrapper allocates with new_empty cannot pass unwritten."""
+    base = torch.zeros(3, 4, dtype=dtype)
+    with poisoned_alloc():
+        made = [torch.empty(3, 4, dtype=dtype), torch.empty((2,), dtype=dtype),
+                torch.empty_like(base), base.new_empty(5), base.new_empty((2, 2))]
+    for t in made:
+        assert t.dtype == dtype and _is_poison(t), (dtype, t)
+    if dtype == torch.uint8:
+        assert (made[0] == 0xFF).all()
+    elif dtype == torch.bool:
+        assert made[0].all()
+    elif not base.is_floating_point():
+        assert (made[0] == torch.iinfo(dtype).min).all()
+
+
+def test_poisoned_alloc_restores_the_allocators():
+    before = (torch.empty, torch.empty_like, torch.Tensor.new_empty)
+    with pytest.raises(RuntimeError, match="inside"):
+        with poisoned_alloc():
+            with poisoned_alloc():  # nested: the inner exit restores the outer's patch
+                pass
+            assert torch.isnan(torch.empty(2)).all()
+            raise RuntimeError("inside")
+    assert (torch.empty, torch.empty_like, torch.Tensor.new_empty) == before
+    assert "new_empty" not in vars(torch.Tensor)  # the method is TensorBase's again
+    # outside the block, allocations are plain again (no fill at all: zeros stay zeros)
+    assert torch.zeros(3).new_empty(0).numel() == 0
+
+
+def test_poisoned_alloc_catches_an_unwritten_output():
+    """A wrapper that forgets one element of its output fails the comparison."""
+    def lazy_kernel(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        out[:-1] = x[:-1] * 2
+        return out
+
+    x = torch.randn(8, dtype=torch.float64)
+    with poisoned_alloc():
+        out = lazy_kernel(x)
+    assert rel_err(out, x * 2) == math.inf
+
+
+# --- error budgets ---------------------------------------------------------------------------
+
+def test_budget_lookup_and_missing_keys():
+    key = next(iter(ERROR_BUDGETS))
+    assert budget(*key) == ERROR_BUDGETS[key]
+    assert budget(key[0], getattr(torch, key[1]), key[2]) == ERROR_BUDGETS[key]
+    with pytest.raises(ValueError, match="no error budget for kernel 'nope', dtype float16"):
+        budget("nope", torch.float16, "out_rel")
+    with pytest.raises(ValueError, match="quantity 'typo'"):
+        budget(key[0], key[1], "typo")
+
+
+def test_budgets_sit_under_the_old_blanket_tolerances_and_over_one_rounding():
+    """Every budget is tighter than the blanket 1e-2 / 1e-3 they replace, so a 1% error fails;
+    an output budget still lets through the output's own rounding (about 0.4 u, conventions
+    §11), and an lse budget a float32 rounding of an lse of 10. (The prefill lse against
+    float64 carries the keys' rounding to the input dtype: it had no limit before; its
+    budget is held under the 1e-2 that a 1% error of an lse near 1 would reach.)"""
+    u = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}
+    for (kernel, dtype, q), b in ERROR_BUDGETS.items():
+        if q == "out_rel":
+            assert 0.4 * u[dtype] < b < 1e-2 / 1.5, (kernel, dtype, b)
+        elif q == "lse_abs_f64":
+            assert 10 * 2.0 ** -24 < b < 1e-2, (kernel, dtype, q, b)
+        else:
+            assert 10 * 2.0 ** -24 < b < LSE_ABS_TOL, (kernel, dtype, q, b)

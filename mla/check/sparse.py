@@ -1,6 +1,6 @@
-"""``python -m mla.check`` cases for the fast sparse kernels (``mla.fast.sparse``), registered by
-``mla.check``; the functions take its helpers as arguments so that this module imports nothing
-from it.
+"""``python -m mla.check`` cases for the fast sparse kernels: the index conversion
+``mla.fast.convert_req_index_to_global_index``, ``mla.fast.sparse_mla_decode`` and
+``mla.fast.sparse_mla_prefill``.
 
 DeepSeek-V3.2 shapes on a GPU (rows of 576, V 512, top-k 2048, 16 and 128 heads, bf16 q and
 cache or the ``fp8_ds_mla`` cache), small ones with ``quick`` (the interpreter, the sanitizer).
@@ -13,24 +13,54 @@ is dequantized by the reference itself).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from mla.compare import LSE_ABS_TOL, max_abs_err, rel_err
+import mla.fast as fast
+from mla.check.registry import Case, Ctx, Metrics, gen, register
+from mla.compare import max_abs_err, poisoned_alloc, rel_err
+from mla.reference.fp8 import FP8_DS_MLA_BYTES, quantize_fp8_ds_mla
+from mla.reference.paged_cache import make_block_table
+from mla.reference.sparse import convert_req_index_to_global_index as ref_convert
+from mla.reference.sparse import sparse_mla_decode as ref_decode
+from mla.reference.sparse import sparse_mla_prefill as ref_prefill
 
-__all__ = ["decode_cases", "prefill_cases"]
+__all__ = ["convert_cases", "decode_cases", "prefill_cases", "decode_inputs"]
 
-Metrics = dict[str, float]
 D, DV = 576, 512
 SCALE = 192 ** -0.5  # DeepSeek: 1 / sqrt(qk_nope + qk_rope)
 
 
-def _limits(dtype: torch.dtype, *names: str) -> Metrics:
-    lim = {"out_rel": 1e-5 if dtype == torch.float32 else 1e-2}
-    lim.update({n: 1e-5 if dtype == torch.float32 else LSE_ABS_TOL for n in names})
-    return lim
+def _convert(ctx: Ctx, T: int, topk: int, bs: int, workspace: bool, salt: int) -> Metrics:
+    g = gen(ctx, salt)
+    R = 4
+    bt, _ = make_block_table([3000, 100, 0, 2048], bs, seed=salt)
+    req = torch.randint(R, (T,), generator=g, dtype=torch.int32)
+    tok = torch.randint(-1, 3200, (T, topk), generator=g, dtype=torch.int32)
+    extra: tuple[torch.Tensor, ...] = ()
+    if workspace:
+        ids = torch.randint(-1, 2, (T,), generator=g, dtype=torch.int32)
+        extra = (ids, torch.tensor([0, 5000], dtype=torch.int32))
+    expect = ref_convert(req, bt, tok, bs, *extra)
+    with poisoned_alloc():
+        got = fast.convert_req_index_to_global_index(
+            req.to(ctx.device), bt.to(ctx.device), tok.to(ctx.device), bs,
+            *(t.to(ctx.device) for t in extra))
+    if got.shape != expect.shape or got.dtype != expect.dtype:
+        return {"mismatches": math.inf}
+    return {"mismatches": float((got.cpu() != expect).sum())}
+
+
+@register("convert_req_index_to_global_index", "convert_req_index_to_global_index")
+def convert_cases(ctx: Ctx) -> Iterator[Case]:
+    cases = [(3, 20, 16, False), (3, 20, 16, True)] if ctx.quick else [
+        (64, 2048, 64, False), (37, 2048, 64, True), (5, 100, 1, False)]
+    for i, (T, topk, bs, ws) in enumerate(cases):
+        yield Case(f"T={T} topk={topk} page={bs} workspace={int(ws)}",
+                   lambda a=(T, topk, bs, ws, 80 + i): _convert(ctx, *a), torch.int32)
 
 
 def _pick(g: torch.Generator, shape: tuple[int, ...], used: torch.Tensor,
@@ -48,8 +78,6 @@ def decode_inputs(g: torch.Generator, B: int, s_q: int, N: int, topk: int, n_slo
                   logit_scale: float = 1.0):
     """q, a cache of ``n_slots`` rows (2/3 of them written, NaN elsewhere), indices with -1s,
     the last query of request 0 lonely (unless it is the only query)."""
-    from mla.reference.fp8 import FP8_DS_MLA_BYTES, quantize_fp8_ds_mla
-
     nb = -(-n_slots // page)
     used = torch.randperm(nb * page, generator=g)[: (2 * nb * page) // 3]
     q = (torch.randn(B, s_q, N, D, generator=g) * logit_scale).to(dtype)
@@ -68,9 +96,7 @@ def decode_inputs(g: torch.Generator, B: int, s_q: int, N: int, topk: int, n_slo
 
 
 def _decode_metrics(q, cache, idx, fp8, topk_length, out, lse) -> Metrics:
-    from mla.reference.sparse import sparse_mla_decode as ref
-
-    r_out, r_lse = ref(q.double(), cache if fp8 else cache.double(), idx, SCALE, fp8,
+    r_out, r_lse = ref_decode(q.double(), cache if fp8 else cache.double(), idx, SCALE, fp8,
                        topk_length)
     ok = (out.shape == r_out.shape and lse.shape == r_lse.shape and out.dtype == q.dtype
           and lse.dtype == torch.float32)
@@ -79,12 +105,10 @@ def _decode_metrics(q, cache, idx, fp8, topk_length, out, lse) -> Metrics:
             "lse_abs": max_abs_err(lse, r_lse) if ok else inf}
 
 
-def _graph_case(ctx: Any, gen: Callable) -> tuple[Metrics, Metrics]:
+def _graph_case(ctx: Ctx) -> Metrics:
     """fp8 cache, 16 heads: one call captured in a CUDA graph (validation skipped while
     capturing), replayed on new q, indices and lengths; also no device-to-host sync with
     ``validate=False`` (``torch.cuda.set_sync_debug_mode('error')``)."""
-    from mla.fast.sparse import sparse_mla_decode
-
     B, s_q, N, topk, n_slots = 4, 2, 16, 2048, 20000
     sets = []
     for i in range(3):
@@ -96,8 +120,8 @@ def _graph_case(ctx: Any, gen: Callable) -> tuple[Metrics, Metrics]:
     static = [t.clone() for t in sets[0]]
 
     def call():
-        return sparse_mla_decode(static[0], static[1], static[2], SCALE, True, static[3],
-                                 validate=False)
+        return fast.sparse_mla_decode(static[0], static[1], static[2], SCALE, True, static[3],
+                                      validate=False)
     call()  # compile outside the capture
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -107,9 +131,8 @@ def _graph_case(ctx: Any, gen: Callable) -> tuple[Metrics, Metrics]:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = sparse_mla_decode(*static[:3], SCALE, True, static[3])  # validate=None
+        out, lse = fast.sparse_mla_decode(*static[:3], SCALE, True, static[3])  # validate=None
     metrics: Metrics = {}
-    limits: Metrics = {}
     for i, x in enumerate(sets[1:] + sets[:1]):
         for dst, src in zip(static, x):
             dst.copy_(src)
@@ -120,20 +143,16 @@ def _graph_case(ctx: Any, gen: Callable) -> tuple[Metrics, Metrics]:
         m = _decode_metrics(x[0], x[1], x[2], True, x[3], out, lse)
         for k, v in m.items():
             metrics[f"{k}[{i}]"] = v
-            limits[f"{k}[{i}]"] = _limits(ctx.dtype, "lse_abs")[k]
-    return metrics, limits
+    return metrics
 
 
-def decode_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa: N803
-                 gen: Callable) -> Iterator[Any]:
+@register("sparse_mla_decode", "sparse_mla_decode")
+def decode_cases(ctx: Ctx) -> Iterator[Case]:
     """``mla.fast.sparse_mla_decode``: bf16 and fp8_ds_mla caches, 16/128 heads, top-k 2048 and
     ragged ``topk_length``, all-invalid requests, forced splits, a CUDA graph."""
     def run(salt: int, B: int, s_q: int, N: int, topk: int, n_slots: int, fp8: bool,
             lens: list[int] | None = None, plan: Any = None, dtype: torch.dtype | None = None,
-            all_invalid: int | None = None, logit_scale: float = 1.0
-            ) -> tuple[Metrics, Metrics]:
-        from mla.fast.sparse import sparse_mla_decode
-
+            all_invalid: int | None = None, logit_scale: float = 1.0) -> Metrics:
         dt = dtype or ctx.dtype
         q, cache, idx = decode_inputs(gen(ctx, salt), B, s_q, N, topk, n_slots, fp8, dt,
                                       ctx.device, logit_scale=logit_scale)
@@ -141,13 +160,13 @@ def decode_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa: N8
             idx[all_invalid] = -1
         tl_ = None if lens is None else torch.tensor(lens, dtype=torch.int32, device=ctx.device)
         with poisoned_alloc():
-            out, lse = sparse_mla_decode(q, cache, idx, SCALE, fp8, tl_, plan=plan)
-        return _decode_metrics(q, cache, idx, fp8, tl_, out, lse), _limits(dt, "lse_abs")
+            out, lse = fast.sparse_mla_decode(q, cache, idx, SCALE, fp8, tl_, plan=plan)
+        return _decode_metrics(q, cache, idx, fp8, tl_, out, lse)
 
-    def case(name: str, *args: Any, **kw: Any) -> Any:
-        return Case(name, lambda: run(*args, **kw))
+    def case(name: str, *args: Any, **kw: Any) -> Case:
+        return Case(name, lambda: run(*args, **kw), kw.get("dtype"))
 
-    from mla.fast.sparse import SparsePlan
+    SparsePlan = fast.SparsePlan  # noqa: N806
 
     if ctx.quick:
         yield case("fp8 B=2 s_q=2 N=2 topk=70 lens 70,29", 500, 2, 2, 2, 70, 300, True,
@@ -183,18 +202,15 @@ def decode_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa: N8
         yield case(f"fp8 cache B=3 N=128 topk=2048 lens 2048,7,1500 forced {plan}", 540 + j,
                    3, 1, 128, 2048, 20000, True, [2048, 7, 1500], plan)
     if ctx.device.type == "cuda":
-        yield Case("fp8 cuda graph capture + replay, no sync", lambda: _graph_case(ctx, gen))
+        yield Case("fp8 cuda graph capture + replay, no sync", lambda: _graph_case(ctx))
 
 
-def prefill_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa: N803
-                  gen: Callable) -> Iterator[Any]:
+@register("sparse_mla_prefill", "sparse_mla_prefill")
+def prefill_cases(ctx: Ctx) -> Iterator[Case]:
     """``mla.fast.sparse_mla_prefill``: 16/64/128 heads, top-k 2048 and ragged lengths,
     indices ``-1``, ``< -1`` and ``>= s_kv``, a lonely query, few queries (splits)."""
     def run(salt: int, s_q: int, N: int, topk: int, s_kv: int, with_lens: bool = False,
-            plan: Any = None) -> tuple[Metrics, Metrics]:
-        from mla.fast.sparse import sparse_mla_prefill
-        from mla.reference.sparse import sparse_mla_prefill as ref
-
+            plan: Any = None) -> Metrics:
         g = gen(ctx, salt)
         dt, dev = ctx.dtype, ctx.device
         q = torch.randn(s_q, N, D, generator=g).to(dt).to(dev)
@@ -212,21 +228,21 @@ def prefill_cases(ctx: Any, Case: Callable, poisoned_alloc: Callable,  # noqa: N
             lens[0] = topk
             lens = lens.to(dev)
         with poisoned_alloc():
-            out, max_logits, lse = sparse_mla_prefill(q, kv, idx, SCALE, DV, lens, plan=plan)
-        r_out, r_max, r_lse = ref(q.double(), kv.double(), idx, SCALE, DV, lens)
+            out, max_logits, lse = fast.sparse_mla_prefill(q, kv, idx, SCALE, DV, lens,
+                                                           plan=plan)
+        r_out, r_max, r_lse = ref_prefill(q.double(), kv.double(), idx, SCALE, DV, lens)
         ok = (out.shape == r_out.shape and lse.shape == r_lse.shape
               and max_logits.shape == r_max.shape and out.dtype == dt
               and lse.dtype == torch.float32 and max_logits.dtype == torch.float32)
         inf = float("inf")
         return ({"out_rel": rel_err(out, r_out) if ok else inf,
                  "lse_abs": max_abs_err(lse, r_lse) if ok else inf,
-                 "max_abs": max_abs_err(max_logits, r_max) if ok else inf},
-                _limits(dt, "lse_abs", "max_abs"))
+                 "max_abs": max_abs_err(max_logits, r_max) if ok else inf})
 
-    def case(name: str, *args: Any, **kw: Any) -> Any:
+    def case(name: str, *args: Any, **kw: Any) -> Case:
         return Case(name, lambda: run(*args, **kw))
 
-    from mla.fast.sparse import SparsePlan
+    SparsePlan = fast.SparsePlan  # noqa: N806
 
     if ctx.quick:
         yield case("s_q=5 N=4 topk=70 s_kv=200 lens", 560, 5, 4, 70, 200, True)

@@ -1,0 +1,178 @@
+"""The GPU check's registry: contexts, cases, results, running them, and what a result records.
+
+A kernel family registers its cases with ``@register(kernel, fast_name)`` on a function
+``(ctx: Ctx) -> Iterable[Case]``; ``fast_name`` is the kernel's public name in ``mla.fast``
+(a kernel whose fast function cannot be imported fails with one result saying so: nothing is
+skipped). Each case's ``run()`` returns its measured errors by quantity (``out_rel``,
+``lse_abs``, ..., ``mismatches``; a ``[i]`` suffix for repeats). Limits are not the case's
+own: each error is held to ``mla.compare.budget(kernel, dtype, quantity)`` (``mismatches``: 0),
+so the budget table is the one place a tolerance lives. A case fails on an error over its
+budget, on a quantity without a budget, on an exception, or when it measures nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import math
+import os
+import platform
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from mla.compare import budget
+
+__all__ = ["Ctx", "Case", "Result", "REGISTRY", "register", "gen", "limits_for", "run_checks",
+           "environment", "kernel_sources", "worst_errors", "dtype_name"]
+
+Metrics = dict[str, float]
+EXACT = "mismatches"  # bit-for-bit quantities: the limit is 0, whatever the dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+    device: torch.device
+    dtype: torch.dtype  # of the fast path's inputs
+    quick: bool  # edge-case sizes only (interpreter, compute-sanitizer)
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    run: Callable[[], Metrics]
+    dtype: torch.dtype | None = None  # the inputs' dtype when it is not the context's
+
+
+@dataclasses.dataclass
+class Result:
+    kernel: str
+    case: str
+    dtype: str
+    metrics: Metrics
+    limits: Metrics
+    passed: bool
+    seconds: float
+    error: str = ""
+    seed: int = 0
+
+
+REGISTRY: dict[str, tuple[str, Callable[[Ctx], Iterable[Case]]]] = {}
+
+
+def register(kernel: str, fast_name: str) -> Callable:
+    """Register a case generator for ``kernel``, run by ``mla.fast.<fast_name>``."""
+    def deco(fn: Callable[[Ctx], Iterable[Case]]) -> Callable[[Ctx], Iterable[Case]]:
+        REGISTRY[kernel] = (fast_name, fn)
+        return fn
+    return deco
+
+
+def gen(ctx: Ctx, salt: int) -> torch.Generator:
+    """The CPU generator of one case: a case's inputs depend on the seed and its salt only."""
+    return torch.Generator().manual_seed(ctx.seed * 1000003 + salt)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def quantity(metric: str) -> str:
+    """``out_rel[2]`` -> ``out_rel``."""
+    return metric.split("[", 1)[0]
+
+
+def limits_for(kernel: str, dtype: torch.dtype, metrics: Metrics) -> Metrics:
+    """Each metric's limit from the budget table (``ValueError`` for a quantity without one)."""
+    return {k: 0.0 if quantity(k) == EXACT else budget(kernel, dtype, quantity(k))
+            for k in metrics}
+
+
+def _missing(fast_name: str) -> str:
+    """Why ``mla.fast.<fast_name>`` cannot be called, or "" when it can."""
+    try:
+        import mla.fast as fast
+    except ImportError as e:
+        return f"mla.fast fails to import: {type(e).__name__}: {e}"
+    return "" if callable(getattr(fast, fast_name, None)) else f"mla.fast has no {fast_name}"
+
+
+def run_checks(ctx: Ctx, kernels: list[str] | None = None,
+               progress: Callable[[str], None] | None = None) -> list[Result]:
+    """Every registered case (of ``kernels``, when given) under ``ctx``."""
+    results = []
+    for kernel, (fast_name, cases) in REGISTRY.items():
+        if kernels and kernel not in kernels:
+            continue
+        missing = _missing(fast_name)
+        if missing:
+            results.append(Result(kernel, "import", dtype_name(ctx.dtype), {}, {}, False, 0.0,
+                                  missing[:500], ctx.seed))
+            if progress:
+                progress(f"FAIL {kernel}: {missing}")
+            continue
+        for case in cases(ctx):
+            dtype = case.dtype or ctx.dtype
+            t0 = time.perf_counter()
+            metrics: Metrics = {}
+            limits: Metrics = {}
+            try:
+                metrics = case.run()
+                limits = limits_for(kernel, dtype, metrics)
+                passed = bool(metrics) and all(metrics[k] <= limits[k] for k in metrics)
+                err = ""
+            except Exception as e:  # a crash is a failed case, reported, not a stopped run
+                passed, err = False, f"{type(e).__name__}: {e}"
+            res = Result(kernel, case.name, dtype_name(dtype), metrics, limits, passed,
+                         time.perf_counter() - t0, err[:500], ctx.seed)
+            results.append(res)
+            if progress:
+                progress(f"{'PASS' if passed else 'FAIL'} {kernel}: {case.name} "
+                         f"({res.seconds:.1f} s) {err[:200]}")
+    return results
+
+
+def worst_errors(results: Iterable[Result]) -> dict[str, dict]:
+    """The largest error of each ``kernel|dtype|quantity`` over ``results`` (all seeds), with
+    the case and seed that gave it; exact quantities are left out (their budget is 0)."""
+    worst: dict[str, dict] = {}
+    for r in results:
+        for k, v in r.metrics.items():
+            q = quantity(k)
+            if q == EXACT:
+                continue
+            key = f"{r.kernel}|{r.dtype}|{q}"
+            # NaN or inf is a failure, not a measurement: it must not hide as a small number
+            v = v if math.isfinite(v) else math.inf
+            if key not in worst or v > worst[key]["error"]:
+                worst[key] = {"error": v, "case": r.case, "seed": r.seed}
+    return dict(sorted(worst.items()))
+
+
+KERNEL_DIR = Path(__file__).resolve().parent.parent / "fast"
+
+
+def kernel_sources(root: Path = KERNEL_DIR) -> dict[str, str]:
+    """sha256 of every ``.py`` under ``mla/fast/`` (the kernels and their wrappers), keyed by
+    the path relative to the repository root: what a check result was measured on."""
+    repo = root.parent.parent
+    return {p.relative_to(repo).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*.py"))}
+
+
+def environment() -> dict[str, str]:
+    """Date, versions and GPU of a run (for the heading of every results file)."""
+    import triton
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "triton": triton.__version__,
+           "python": platform.python_version(),
+           "triton_interpret": os.environ.get("TRITON_INTERPRET", "0")}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = str(torch.version.cuda)
+    return env
