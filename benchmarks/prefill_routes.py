@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 
@@ -31,6 +30,7 @@ import torch
 import triton
 import triton.testing
 
+from benchmarks.common import log
 from mla.check.runner import environment
 from mla.compare import max_abs_err, rel_err
 from mla.fast import merge as fast_merge
@@ -43,10 +43,6 @@ DQK, DNOPE, DV = 192, 128, 128
 SCALE = DQK ** -0.5
 OURS_CONFIGS = [AttnConfig(128, 64, 8, 3), AttnConfig(128, 128, 8, 2), AttnConfig(128, 64, 8, 2)]
 MERGE_CONFIGS = [(8, 512, 4), (4, 512, 4), (16, 512, 8), (2, 512, 4), (16, 256, 4), (32, 128, 8)]
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def bench(fn: Callable[[], object]) -> float:

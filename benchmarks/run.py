@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -36,9 +35,11 @@ import torch
 import triton
 import triton.testing
 
+from benchmarks.common import ceilings, kernel_name, log, report_heading, report_rows, time_graph
 from mla.check.runner import environment
 from mla.compare import rel_err
-from mla.fast.decode import DecodePlan, _num_sms, mla_decode_paged, plan_decode
+from mla.fast.common import num_sms
+from mla.fast.decode import DecodePlan, mla_decode_paged, plan_decode
 
 D, DV = 576, 512
 SCALE = 192 ** -0.5  # DeepSeek: 1 / sqrt(qk_nope + qk_rope)
@@ -67,32 +68,6 @@ SHAPES = [
 ]
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _copy_ms(n: int) -> float:
-    x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty_like(x)
-    return triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
-
-
-def _matmul_ms(n: int) -> float:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    return triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-
-
-def ceilings() -> dict[str, float]:
-    n = 1 << 30  # bytes each way
-    t_copy = _copy_ms(n)
-    torch.cuda.empty_cache()
-    t_mm = _matmul_ms(8192)
-    torch.cuda.empty_cache()
-    return {"copy_TBps": 2 * n / (t_copy * 1e-3) / 1e12,
-            "matmul_TFLOPs": 2 * 8192 ** 3 / (t_mm * 1e-3) / 1e12}
-
-
 def make_inputs(s: Shape, gen: torch.Generator):
     bs = 64
     blocks_per = -(-s.L // bs)
@@ -109,29 +84,6 @@ def work(s: Shape) -> tuple[float, float]:
     flops = 2.0 * s.N * s.s_q * s.L * (D + DV) * s.B
     nbytes = (s.B * s.L * D * 2 + s.B * s.s_q * s.N * (D + DV) * 2 + s.B * s.N * s.s_q * 4)
     return flops, nbytes
-
-
-def time_graph(fn, reps: int = 50) -> float:
-    """Median ms of graph replays of ``fn``, L2 flushed (outside the timing) before each."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps + 5):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[5:])
 
 
 def candidate_plans(s: Shape, default: DecodePlan) -> list[DecodePlan]:
@@ -163,7 +115,7 @@ def split_plans(s: Shape, best: DecodePlan) -> list[DecodePlan]:
 def bench_shape(s: Shape, ceil: dict[str, float], sweep: bool, seed: int) -> dict:
     q, kv, bt, sl = make_inputs(s, torch.Generator().manual_seed(seed))
     default = plan_decode(s.B, s.s_q, s.N, D, DV, bt.shape[1], kv.shape[1], q.dtype,
-                          _num_sms(q.device))
+                          num_sms(q.device))
     flops, nbytes = work(s)
     ref_out = None
     rows = []
@@ -224,36 +176,6 @@ def metric(r: dict, s: dict) -> tuple[float, bool]:
     return us, us <= s["target"]
 
 
-def report_heading(title: str, res: dict) -> list[str]:
-    """The first lines of every benchmark report: GPU, date, versions and the ceilings."""
-    env, ceil = res["environment"], res["ceilings"]
-    line = (f"torch {env['torch']}, triton {env['triton']}, CUDA {env.get('cuda', '?')}. "
-            f"Ceilings measured in the same run: copy {ceil['copy_TBps']:.2f} TB/s")
-    if "matmul_TFLOPs" in ceil:
-        line += f", bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s"
-    return [f"# {title}, {env.get('gpu', '?')}, {env['date']}", "", line + ".", ""]
-
-
-def _kernel(plan: dict) -> str:
-    """Which kernel a plan ran: the Gluon sm_90 one takes 64-row plans with ``sm90`` (on an
-    H100/H200; the benchmarks run there)."""
-    return "Gluon sm90" if plan.get("sm90", False) and plan["block_m"] == 64 else "Triton"
-
-
-def _report_rows(e: dict) -> list[tuple[str, dict]]:
-    """The default plan, the fastest if another, and the fastest Triton plan of a sweep when
-    the default is the sm_90 kernel (what the Gluon kernel gained)."""
-    rows = [("default", e["default"])] if e.get("default") else []
-    if e.get("best") and e["best"] != e.get("default"):
-        rows.append(("best", e["best"]))
-    timed = [r for r in e.get("variants", []) if "error" not in r]
-    tri = [r for r in timed if _kernel(r["plan"]) == "Triton"
-           and r.get("rel_err_vs_default", 0.0) < 1e-2]
-    if tri and all(_kernel(r["plan"]) != "Triton" for _, r in rows):
-        rows.append(("best Triton", min(tri, key=lambda r: min(r["us"], r["us_graph"]))))
-    return rows
-
-
 def markdown(res: dict) -> str:
     lines = report_heading("Decode benchmark", res) + [
              "| shape | plan (block_m, block_n, splits, warps, stages, tma) | µs eager | "
@@ -261,9 +183,9 @@ def markdown(res: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for e in res["decode"]:
         s = e["shape"]
-        for label, r in _report_rows(e):
+        for label, r in report_rows(e):
             p = r["plan"]
-            plan = (f"{label} ({_kernel(p)}): {p['block_m']}, {p['block_n']}, "
+            plan = (f"{label} ({kernel_name(p)}): {p['block_m']}, {p['block_n']}, "
                     f"{p['num_splits']}, {p['num_warps']}, {p['num_stages']}, "
                     f"{int(p['use_tma'])}")
             unit = {"memory": "TB/s", "compute": "TFLOP/s", "latency": "µs"}[s["bound"]]

@@ -1,6 +1,6 @@
 """``python -m benchmarks.sm90_compile``: compile the Gluon sm_90 kernels without a GPU.
 
-``mla.fast.decode_sm90._decode_sm90_kernel`` and ``mla.fast.sparse_sm90._sparse_sm90_kernel``
+``mla.fast.sm90.decode.decode_kernel`` and ``mla.fast.sm90.sparse.sparse_kernel``
 cannot run under the Triton interpreter, but Triton compiles them ahead of time for a named
 target with the ``ptxas`` it ships. So what decides whether they can be fast, and whether they
 fit at all, can be read on a CPU-only machine before any GPU time is spent: shared memory per
@@ -39,7 +39,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from mla.fast import decode_sm90, sparse_sm90
+from mla.fast.sm90 import decode as sm90_decode
+from mla.fast.sm90 import sparse as sm90_sparse
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on an H200 (227 KB)
@@ -83,7 +84,7 @@ def _specialize(fn, const: dict, ptrs: dict, floats: dict, ints: dict) -> GluonA
 
 def compile_decode(N: int = 128, S_Q: int = 1, CAUSAL: bool = False, SPLIT: bool = False,
                    dtype: str = "bf16") -> triton.compiler.CompiledKernel:
-    """``_decode_sm90_kernel`` for sm_90 as ``mla.fast.decode.mla_decode_paged`` launches it:
+    """``decode_kernel`` for sm_90 as ``mla.fast.decode.mla_decode_paged`` launches it:
     a ``[B, S_Q, N, 576]`` query, 64-row pages of a 576-column cache, 32K-token block tables."""
     dt = _DTYPES[dtype]
     page, splits, max_pages = 64, 4 if SPLIT else 1, 512
@@ -95,14 +96,14 @@ def compile_decode(N: int = 128, S_Q: int = 1, CAUSAL: bool = False, SPLIT: bool
                 stride_ob=S_Q * N * _DV, stride_ot=N * _DV, stride_oh=_DV,
                 stride_lb=N * S_Q, stride_lh=S_Q,  # lse is [B, N, S_Q]
                 num_splits=splits, kv_rows=4096 * page)
-    src = _specialize(decode_sm90._decode_sm90_kernel, const, ptrs, {"qk_scale": "fp32"}, ints)
+    src = _specialize(sm90_decode.decode_kernel, const, ptrs, {"qk_scale": "fp32"}, ints)
     return triton.compile(src, target=TARGET, options={"num_warps": NUM_WARPS})
 
 
 def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = False,
                    HAS_MAXL: bool = False, N: int = 128, S: int = 1,
                    dtype: str = "bf16") -> triton.compiler.CompiledKernel:
-    """``_sparse_sm90_kernel`` for sm_90 as ``mla.fast.sparse`` launches it: a ``[Q, N, 576]``
+    """``sparse_kernel`` for sm_90 as ``mla.fast.sparse`` launches it: a ``[Q, N, 576]``
     query, top-k 2048, a cache of 576-element rows or ``fp8_ds_mla`` 656-byte rows."""
     dt = _DTYPES[dtype]
     if FP8 and dt != "bf16":
@@ -119,7 +120,7 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                 stride_lb=S * N, stride_lt=N, stride_lh=1,
                 stride_mq=N if HAS_MAXL else 0, stride_mh=1 if HAS_MAXL else 0,
                 n_rows=rows, topk=topk, num_splits=splits)
-    src = _specialize(sparse_sm90._sparse_sm90_kernel, const, ptrs, {"qk_scale": "fp32"}, ints)
+    src = _specialize(sm90_sparse.sparse_kernel, const, ptrs, {"qk_scale": "fp32"}, ints)
     return triton.compile(src, target=TARGET, options={"num_warps": NUM_WARPS})
 
 

@@ -2,7 +2,7 @@
 
 Each kernel moves bytes and does almost no arithmetic, so the one number that matters is the
 achieved bandwidth (bytes read + written per second) as a fraction of a device-to-device copy
-measured in the same run (``benchmarks.run.ceilings``):
+measured in the same run (``benchmarks.common.ceilings``):
 
     concat_and_cache_mla          T rows of kv_c ‖ k_pe (bf16, 576) scattered into a paged cache
     concat_and_cache_fp8_ds_mla   the same rows quantized into 656-byte fp8_ds_mla rows
@@ -24,12 +24,12 @@ import time
 import torch
 import triton.testing
 
-from benchmarks.run import ceilings, log, report_heading
+from benchmarks.common import ceilings, log, report_heading
 from mla import reference as ref
 from mla.check.runner import environment
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
 from mla.fast.paged_cache import concat_and_cache_mla, gather_cache_known
-from mla.fast.sparse_index import convert_req_index_to_global_index
+from mla.fast.sparse import convert_req_index_to_global_index
 from mla.reference.fp8 import concat_and_cache_fp8_ds_mla as ref_concat_fp8
 
 BS, LKV, R = 64, 512, 64

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.testing
 
-from benchmarks.run import _kernel, _report_rows, log, report_heading, time_graph
+from benchmarks.common import kernel_name, log, report_heading, report_rows, time_graph
 from mla.compare import rel_err
-from mla.fast.decode import _num_sms
+from mla.fast.common import num_sms
 from mla.fast.sparse import SparsePlan, plan_sparse, sparse_mla_decode, sparse_mla_prefill
 from mla.reference.fp8 import FP8_DS_MLA_BYTES
 
@@ -133,7 +133,7 @@ def candidate_plans(s: SparseShape, default: SparsePlan) -> list[SparsePlan]:
 
 def bench_shape(s: SparseShape, ceil: dict[str, float], sweep: bool, seed: int) -> dict:
     q, kv, idx = make_inputs(s, seed)
-    default = plan_sparse(s.queries, s.N, s.topk, q.dtype, s.fp8, _num_sms(q.device))
+    default = plan_sparse(s.queries, s.N, s.topk, q.dtype, s.fp8, num_sms(q.device))
     flops, nbytes = work(s)
     rows: list[dict] = []
     ref_out = None
@@ -192,9 +192,9 @@ def markdown(res: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for e in res["sparse"]:
         s = e["shape"]
-        for label, r in _report_rows(e):
+        for label, r in report_rows(e):
             p = r["plan"]
-            plan = (f"{label} ({_kernel(p)}): {p['block_m']}, {p['block_n']}, "
+            plan = (f"{label} ({kernel_name(p)}): {p['block_m']}, {p['block_n']}, "
                     f"{p['num_splits']}, {p['num_warps']}, {p['num_stages']}")
             err = r.get("rel_err_vs_reference")
             met = "-" if not s["target"] else ("yes" if r["TFLOPs"] >= s["target"] else "no")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _nan_rule import assert_nan_rule
 
 import mla.fast.decode as fast_decode
 from mla.compare import LSE_ABS_TOL, assert_close
@@ -146,3 +147,26 @@ def test_argument_errors():
     bad[0] = -1
     with pytest.raises(ValueError, match="cache_seqlens"):
         mla_decode_paged(q, kv, bt, bad, 0.1, head_dim_v=32, validate=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("plan", [DecodePlan(16, 16, 1, 4, 1), DecodePlan(16, 16, 3, 4, 1)],
+                         ids=["one split", "three splits"])
+def test_nan_input_is_nan_out_not_a_marker(poisoned_alloc, plan, causal):
+    """conventions §13, on both paths: a NaN in one query's q makes that query's out and lse
+    NaN (not lse = +inf, the "no key" marker; with splits, not the combine's "empty split"
+    either); a NaN in a cache row makes every query that sees it NaN; a query of a request
+    without keys stays "no key"; every other query is untouched."""
+    q, kv, bt, sl = make_inputs([37, 0, 20], 2, 4, 40, 16, torch.float32, seed=12)
+    q[0, 1, 2, 5] = float("nan")
+    q[1, 0, 1, 0] = float("nan")  # request 1 has no keys
+    row = bt[2, 1].long() * 16 + 2  # request 2's key 18: both of its queries see it
+    kv.view(-1, 40)[row, 7] = float("nan")
+    scale = 40 ** -0.5
+    out, lse = mla_decode_paged(q, kv, bt, sl, scale, causal, 32, plan=plan)
+    ref_out, ref_lse = ref_decode_paged(q.double().cpu(), kv.double().cpu(), bt.cpu(), sl.cpu(),
+                                        scale, causal, 32)
+    assert torch.isnan(ref_lse[0, 2, 1]) and torch.isnan(ref_lse[2]).all()
+    assert torch.isposinf(ref_lse[1]).all() and (ref_out[1] == 0).all()
+    assert_nan_rule(out, ref_out, 1e-5, name="out")
+    assert_nan_rule(lse, ref_lse, name="lse", abs_tol=1e-5)

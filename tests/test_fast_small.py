@@ -34,7 +34,7 @@ from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
 from mla.fast.merge import merge_attn_states
 from mla.fast.paged_cache import concat_and_cache_mla, gather_cache
 from mla.fast.prefill import prefill_attention
-from mla.fast.sparse_index import convert_req_index_to_global_index
+from mla.fast.sparse import convert_req_index_to_global_index
 from mla.reference import attention as ref_attention
 from mla.reference import chunked as ref_chunked
 from mla.reference import fp8 as ref_fp8

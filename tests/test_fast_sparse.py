@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _nan_rule import assert_nan_rule
 
 import mla.fast.sparse as fast_sparse
 from mla.compare import LSE_ABS_TOL, assert_close, poison_like
@@ -256,6 +257,36 @@ def test_decode_out_of_range_indices(poisoned_alloc):
                               head_dim_v=32)
     assert_close(out, r_out, 1e-5, name="out")
     assert_close(lse, r_lse, name="lse", abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("plan", [SparsePlan(16, 16, 1, 4, 1), SparsePlan(16, 16, 3, 4, 1)],
+                         ids=["one split", "three splits"])
+def test_nan_input_is_nan_out_not_a_marker(poisoned_alloc, plan):
+    """conventions §13, on both paths: a NaN in one query's q makes its out, lse and
+    max_logits NaN (never the lonely query's +inf / -inf, nor the combine's "empty split"); a
+    NaN in a row that a query names makes that query NaN; a lonely query stays lonely whatever
+    its q holds; every other query is untouched."""
+    q, kv, idx = prefill_inputs(4, 3, 40, 30, 37, torch.float32, seed=27)
+    q[0, 2, 4] = float("nan")
+    q[1, 0, 0] = float("nan")  # query 1 names nothing valid (lonely)
+    named = idx[3][(idx[3] >= 0) & (idx[3] < 30)]
+    kv[named[0], 3] = float("nan")  # a row query 3 names
+    got = sparse_mla_prefill(q, kv, idx, 0.2, 32, plan=plan)
+    ref = ref_prefill(q.double().cpu(), kv.double().cpu(), idx.cpu(), 0.2, 32)
+    assert torch.isnan(ref[2][0, 2]) and torch.isnan(ref[2][3]).all()
+    assert torch.isposinf(ref[2][1]).all() and torch.isneginf(ref[1][1]).all()
+    for name, g, r, tol in zip(("out", "max_logits", "lse"), got, ref, (1e-5, None, None)):
+        assert_nan_rule(g, r, tol, name=name, abs_tol=None if tol else 1e-5)
+
+    qd, cache, idx_d = decode_inputs(2, 2, 3, 40, 4, 16, 37, torch.float32, seed=35)
+    qd[1, 0, 2, 9] = float("nan")
+    qd[0, 1, 1, 0] = float("nan")  # query (0, last) names nothing valid
+    out, lse = sparse_mla_decode(qd, cache, idx_d, 0.2, False, head_dim_v=32, plan=plan)
+    r_out, r_lse = ref_decode(qd.double().cpu(), cache.double().cpu(), idx_d.cpu(), 0.2, False,
+                              head_dim_v=32)
+    assert torch.isnan(r_lse[1, 2, 0]) and torch.isposinf(r_lse[0, :, 1]).all()
+    assert_nan_rule(out, r_out, 1e-5, name="out")
+    assert_nan_rule(lse, r_lse, name="lse", abs_tol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from mla.fast import decode_sm90, sparse_sm90  # noqa: E402
+from mla.fast.sm90 import decode as sm90_decode  # noqa: E402
+from mla.fast.sm90 import sparse as sm90_sparse  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 232448  # bytes of shared memory per program on an H200 (227 KB)
@@ -126,8 +127,8 @@ def test_sparse_gathers_rows_with_16_byte_cp_async(args):
 def test_supported_is_false_for_cpu_tensors(dtype):
     q = torch.zeros(2, 1, 128, 576, dtype=dtype)
     kv_cache = torch.zeros(4, 64, 576, dtype=dtype)
-    assert decode_sm90.supported(q, kv_cache, 512) is False
+    assert sm90_decode.supported(q, kv_cache, 512) is False
     q = torch.zeros(3, 128, 576, dtype=dtype)
-    assert sparse_sm90.supported(q, kv_cache.view(-1, 576), 512, False, 64) is False
+    assert sm90_sparse.supported(q, kv_cache.view(-1, 576), 512, False, 64) is False
     kv8 = torch.zeros(256, 656, dtype=torch.uint8)
-    assert sparse_sm90.supported(q, kv8, 512, True, 64) is False
+    assert sm90_sparse.supported(q, kv8, 512, True, 64) is False

@@ -35,15 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.decode import _ensure_allocator, _interpreting
+from mla.fast.common import LOG2E, capability, ensure_allocator, interpreting
 from mla.reference.attention import attention_with_lse as _reference_attention
 from mla.reference.attention import default_positions
 from mla.validation import check_float, check_index, check_same_device, check_same_dtype
 
 __all__ = ["AttnConfig", "attention_with_lse", "cudnn_attention_with_lse",
            "flash_attention_with_lse", "pick_route"]
-
-_LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -248,7 +246,7 @@ def _attn_fwd_kernel(
         BLOCK_N, DA, BLOCK_DA, DB, BLOCK_DB, DV, BLOCK_DV, USE_TMA, True, CAUSAL, HAS_POS,
         DOT_PREC)
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # l = 0: no key; a NaN l (a NaN logit) stays NaN, never "no key"
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     row_lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
                        float("-inf"))
@@ -263,9 +261,9 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     split at 128 qualifies; a k_pe broadcast over heads by a zero stride too)."""
     t0 = tensors[0]
     if t0.device.type == "cuda":
-        if torch.cuda.get_device_capability(t0.device)[0] < 9:
+        if capability(t0.device)[0] < 9:
             return False
-    elif not _interpreting():
+    elif not interpreting():
         return False
     for t in tensors:
         e = t.element_size()
@@ -347,13 +345,13 @@ def flash_attention_with_lse(
     kb_t = k_a if k_b is None else k_b
     use_tma = _tma_ok(q_a, qb_t, k_a, kb_t, v)
     if use_tma and q_a.device.type == "cuda":
-        _ensure_allocator()
+        ensure_allocator()
     pos_q = cu_seqlens_q if q_positions is None else q_positions
     pos_k = cu_seqlens_k if k_positions is None else k_positions
     grid = (triton.cdiv(max_seqlen_q, config.block_m), N, B)
     _attn_fwd_kernel[grid](
         q_a, qb_t, k_a, kb_t, v, out, lse, pos_q, pos_k, cu_seqlens_q, cu_seqlens_k,
-        softmax_scale * _LOG2E, N // Nk,
+        softmax_scale * LOG2E, N // Nk,
         *q_a.stride(), *qb_t.stride(), *k_a.stride(), *kb_t.stride(), *v.stride(),
         out.stride(0), out.stride(1), lse.stride(0),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,

@@ -33,20 +33,26 @@ capturing a graph. Pass ``validate=False`` on a serving hot path.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from mla.fast.paged_cache import should_validate
+from mla.fast import sm90
+from mla.fast.common import (
+    LOG2E,
+    capability,
+    check_kernel_input,
+    ensure_allocator,
+    interpreting,
+    next_pow2,
+    num_sms,
+    should_validate,
+)
+from mla.fast.softmax import load_2d, softmax_pv
 from mla.reference.decode import check_paged_decode_shapes, check_paged_decode_values
 
 __all__ = ["DecodePlan", "plan_decode", "mla_decode_paged"]
-
-_LOG2E = 1.4426950408889634
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +65,10 @@ class DecodePlan:
     num_warps: int
     num_stages: int
     use_tma: bool = True  # full page-aligned tiles through tensor descriptors (TMA)
-    # 64-row programs on Hopper: the Gluon kernel of ``mla.fast.decode_sm90`` where it applies
+    # 64-row programs on Hopper: the Gluon kernel of ``mla.fast.sm90.decode`` where it applies
     # (it uses its own tiles: 64 × 64, 8 warps, two TMA stages; ``block_n``, ``num_warps``,
     # ``num_stages`` and ``use_tma`` then describe only the Triton fallback)
     sm90: bool = True
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a small machine, so that tests see splits
 
 
 def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v: int,
@@ -82,11 +77,12 @@ def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v:
     """The default plan, from shapes alone (benchmarks/NOTES.md has the measurements).
 
     - ``s_q · N <= 32`` rows (memory-bound, e.g. 16 heads): 16-row programs, 4 warps,
-      pointer loads (``cp.async``): 139 registers and 94 KB of shared memory, so two programs
-      share an SM, and about four programs of work per SM. Faster here than 8 warps or TMA
-      tiles (the in-kernel descriptors push the 4-warp kernel into spills).
-    - more rows (compute-bound, e.g. 128 heads): 64-row programs, 8 warps, TMA tiles; 221 KB
-      of shared memory, one program per SM, so splits only to reach one program per SM.
+      pointer loads (``cp.async``): small enough in registers and shared memory that two
+      programs share an SM, and about four programs of work per SM. Faster here than 8 warps
+      or TMA tiles (the in-kernel descriptors push the 4-warp kernel into spills).
+    - more rows (compute-bound, e.g. 128 heads): 64-row programs, 8 warps, TMA tiles; q and
+      two stages of 576-wide key tiles fill the shared memory, one program per SM, so splits
+      only to reach one program per SM.
     Splits keep at least 2 tiles each. The block table's capacity (``max_blocks ·
     block_size``) stands in for the lengths: those live on the device and reading them would
     cost a sync.
@@ -110,23 +106,6 @@ def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v:
         splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at capacity
     return DecodePlan(block_m=block_m, block_n=block_n, num_splits=splits,
                       num_warps=num_warps, num_stages=2, use_tma=use_tma)
-
-
-@triton.jit
-def _load_2d(ptrs, row_mask, col_mask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
-    # Row-only masks keep the loads vectorized along the contiguous columns; a column mask is
-    # needed only when the head dim is not a power of two.
-    if MASK_ROWS:
-        if MASK_COLS:
-            x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        else:
-            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
-    else:
-        if MASK_COLS:
-            x = tl.load(ptrs, mask=col_mask[None, :], other=0.0)
-        else:
-            x = tl.load(ptrs)
-    return x
 
 
 @triton.jit
@@ -165,10 +144,10 @@ def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, e
             else:
                 page = tl.load(bt_row + kpos // PAGE_SIZE).to(tl.int64)
             row_off = page * stride_kvb + (kpos % PAGE_SIZE).to(tl.int64) * stride_kvr
-            kv_nope = _load_2d(KV + row_off[:, None] + offs_dv[None, :], kmask, dv_mask,
+            kv_nope = load_2d(KV + row_off[:, None] + offs_dv[None, :], kmask, dv_mask,
                                MASKED, BLOCK_DV != DV)
             if HAS_PE:
-                k_pe = _load_2d(KV + row_off[:, None] + DV + offs_dr[None, :], kmask, dr_mask,
+                k_pe = load_2d(KV + row_off[:, None] + DV + offs_dr[None, :], kmask, dr_mask,
                                 MASKED, BLOCK_DR != DR)
         qk = tl.dot(q_nope, tl.trans(kv_nope), input_precision=DOT_PREC)
         if HAS_PE:
@@ -179,15 +158,7 @@ def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, e
             if CAUSAL:
                 vis = vis & (kpos[None, :] <= limit[:, None])
             qk = tl.where(vis, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc, input_precision=DOT_PREC)
-        m_i = m_new
+        acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, kv_nope, DOT_PREC)
     return acc, l_i, m_i
 
 
@@ -220,9 +191,9 @@ def _decode_kernel(
     dv_mask = offs_dv < DV
 
     q_row = Q + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
-    q_nope = _load_2d(q_row[:, None] + offs_dv[None, :], row_ok, dv_mask, True, BLOCK_DV != DV)
+    q_nope = load_2d(q_row[:, None] + offs_dv[None, :], row_ok, dv_mask, True, BLOCK_DV != DV)
     if HAS_PE:
-        q_pe = _load_2d(q_row[:, None] + DV + offs_dr[None, :], row_ok, offs_dr < DR, True,
+        q_pe = load_2d(q_row[:, None] + DV + offs_dr[None, :], row_ok, offs_dr < DR, True,
                         BLOCK_DR != DR)
     else:
         q_pe = q_nope  # unused
@@ -242,8 +213,7 @@ def _decode_kernel(
 
     # The tail (at most a tile plus the causal diagonal) goes in 16-key steps through masked
     # pointer loads: a 64-row masked gather needs enough address registers to make the whole
-    # kernel spill, while 16 rows do not (measured with ptxas for sm_90: 250 registers, no
-    # spill, against 255 and 128 bytes of stack).
+    # kernel spill, while 16 rows do not (ptxas for sm_90; benchmarks/NOTES.md, v1).
     TAIL_N: tl.constexpr = 16
     bt_row = BT + b.to(tl.int64) * stride_btb
     if USE_TMA:  # descriptors over the cache as [num_blocks · block_size, D] rows
@@ -270,7 +240,8 @@ def _decode_kernel(
                             DV, DR, PAGE_SIZE, TAIL_N, BLOCK_DV, BLOCK_DR, HAS_PE, PAGE_TILE,
                             USE_TMA, True, CAUSAL, DOT_PREC)
 
-    seen = l_i > 0.0
+    # l = 0 exactly when no key was seen; a NaN l (a NaN logit) is "seen" and stays NaN
+    seen = l_i != 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453
     if SPLIT:
@@ -316,19 +287,12 @@ def _combine_kernel(
             o_s = tl.load(OP + ((first + s) * ROWS + r) * DV + offs_dv, mask=dv_mask,
                           other=0.0)
             acc += tl.exp(lse_s - m_use) * o_s
-    seen = w_sum > 0.0
+    seen = w_sum != 0.0  # a NaN partial lse makes w_sum NaN: NaN out, not "no key"
     o = acc / tl.where(seen, w_sum, 1.0)
     tl.store(O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + offs_dv,
              o.to(O.dtype.element_ty), mask=dv_mask)
     tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t,
              tl.where(seen, m_use + tl.log(tl.where(seen, w_sum, 1.0)), float("inf")))
-
-
-@functools.lru_cache(maxsize=16)
-def capability(device: torch.device) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability``, cached per device (it is asked on every call;
-    uncached it is several µs of the ~130 µs a small decode call spends on the host)."""
-    return torch.cuda.get_device_capability(device)
 
 
 def _tma_ok(kv_cache: torch.Tensor, DV: int, DR: int) -> bool:
@@ -337,7 +301,7 @@ def _tma_ok(kv_cache: torch.Tensor, DV: int, DR: int) -> bool:
     if kv_cache.device.type == "cuda":
         if capability(kv_cache.device)[0] < 9:
             return False
-    elif not _interpreting():
+    elif not interpreting():
         return False
     nb, bs, _ = kv_cache.shape
     esize = kv_cache.element_size()
@@ -346,41 +310,16 @@ def _tma_ok(kv_cache: torch.Tensor, DV: int, DR: int) -> bool:
             and (DR == 0 or (DV * esize) % 16 == 0))
 
 
-def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator() -> None:
-    """In-kernel tensor descriptors live in a small global scratch that Triton asks its
-    allocator for at launch; install a torch one unless the caller installed their own.
-    (Descriptors built on the host instead cost ~170 µs of launch overhead, measured.)"""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_torch_scratch)
-
-
-def _sm90_supported(q: torch.Tensor, kv_cache: torch.Tensor, DV: int) -> bool:
-    if q.device.type != "cuda" or _interpreting():
+def _sm90_route(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor, DV: int) -> bool:
+    """Whether this call goes to the Gluon sm_90 kernel (``mla.fast.sm90.decode``): a 64-row
+    plan that allows it, on a Hopper GPU whose Triton can build the Gluon kernels."""
+    if not (plan.sm90 and plan.block_m == 64) or q.device.type != "cuda" or interpreting():
         return False
-    from mla.fast.decode_sm90 import supported
+    if not sm90.usable():
+        return False
+    from mla.fast.sm90.decode import supported
 
     return supported(q, kv_cache, DV)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def check_kernel_input(q: torch.Tensor) -> None:
-    """What the Triton kernels add to the reference's checks: a 16/32-bit float ``q`` on a CUDA
-    device (any device under the interpreter)."""
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"q must have dtype float16, bfloat16 or float32 for the fast path, "
-                        f"got {q.dtype}")
-    if q.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), "
-                         f"got {q.device}")
 
 
 def mla_decode_paged(
@@ -419,7 +358,7 @@ def mla_decode_paged(
         return out, lse
     if plan is None:
         plan = plan_decode(B, s_q, N, D, DV, block_table.shape[1], block_size, q.dtype,
-                           _num_sms(q.device))
+                           num_sms(q.device))
     # the kernel needs unit stride along the head dim (vectorized rows); copy only if not
     q = q if q.stride(3) == 1 else q.contiguous()
     kv_cache = kv_cache if kv_cache.stride(2) == 1 else kv_cache.contiguous()
@@ -435,34 +374,36 @@ def mla_decode_paged(
                                device=q.device)
     else:
         o_part, lse_part = out, lse  # unused
-    block_dv = max(16, _next_pow2(DV))
-    block_dr = max(16, _next_pow2(DR)) if DR else 16
-    if plan.sm90 and plan.block_m == 64 and _sm90_supported(q, kv_cache, DV):
-        from mla.fast.decode_sm90 import _decode_sm90_kernel
+    block_dv = max(16, next_pow2(DV))
+    block_dr = max(16, next_pow2(DR)) if DR else 16
+    launched = False
+    if _sm90_route(plan, q, kv_cache, DV):
+        from mla.fast.sm90.decode import decode_kernel
 
-        _ensure_allocator()
-        _decode_sm90_kernel[(groups, plan.num_splits, B)](
+        ensure_allocator()
+        launched = sm90.launch(
+            decode_kernel, (groups, plan.num_splits, B),
             q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
-            softmax_scale * _LOG2E, plan.num_splits, num_blocks * block_size,
+            softmax_scale * LOG2E, plan.num_splits, num_blocks * block_size,
             N=N, S_Q=s_q, PAGE_SIZE=block_size, CAUSAL=bool(causal), SPLIT=split,
             num_warps=8,
         )
-    else:
+    if not launched:
         page_tile = block_size % plan.block_n == 0
         use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
         if use_tma:
-            _ensure_allocator()
+            ensure_allocator()
         _decode_kernel[(groups, plan.num_splits, B)](
             q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part,
             q.stride(0), q.stride(1), q.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1),
-            softmax_scale * _LOG2E, plan.num_splits, num_blocks * block_size,
+            softmax_scale * LOG2E, plan.num_splits, num_blocks * block_size,
             N=N, S_Q=s_q, DV=DV, DR=DR, PAGE_SIZE=block_size,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
             BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0,
@@ -475,6 +416,6 @@ def mla_decode_paged(
             o_part, lse_part, out, lse, plan.num_splits,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
             N=N, S_Q=s_q, DV=DV, BLOCK_DV=block_dv,
-            BLOCK_S=max(2, _next_pow2(plan.num_splits)), num_warps=4,
+            BLOCK_S=max(2, next_pow2(plan.num_splits)), num_warps=4,
         )
     return out, lse

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.paged_cache import check_slot_range, should_validate
+from mla.fast.common import should_validate
+from mla.fast.paged_cache import check_slot_range
 from mla.reference.fp8 import (
     D_NOPE,
     D_ROPE,

@@ -8,7 +8,8 @@ Same contract as ``mla.reference.merge`` (conventions §6):
 
 ``o [T, N, D]`` (any strides, any ``D``), ``lse [N, T]``. ``±inf`` means "no keys"; one side
 empty passes the other through bit for bit (its ``o`` is never read, so garbage there cannot
-leak in); both empty gives ``o = 0``, ``lse = -inf``.
+leak in); both empty gives ``o = 0``, ``lse = -inf``. A NaN ``lse`` is not empty: merged with
+a present side it gives NaN ``o`` and ``lse`` (conventions §13).
 
 One program merges ``BLOCK_R`` rows ``(t, n)`` times ``BLOCK_D`` columns. The weights are
 per row (a few bytes beside a ``D``-wide row), so the kernel reads ``2·T·N·D`` elements and
@@ -44,9 +45,10 @@ def _merge_kernel(
 
     lp = tl.load(lse_p + n * lp_n + t * lp_t, mask=row_ok, other=float("-inf")).to(ACC)
     ls = tl.load(lse_s + n * ls_n + t * ls_t, mask=row_ok, other=float("-inf")).to(ACC)
-    # +inf and -inf both mean "this side saw no keys"
-    p_ok = (lp > float("-inf")) & (lp < float("inf"))
-    s_ok = (ls > float("-inf")) & (ls < float("inf"))
+    # +inf and -inf both mean "this side saw no keys"; a NaN lse is no such marker: the side
+    # counts as present and the NaN reaches o and lse (conventions §13)
+    p_ok = tl.abs(lp) != float("inf")
+    s_ok = tl.abs(ls) != float("inf")
     any_ok = p_ok | s_ok
     m = tl.maximum(tl.where(p_ok, lp, float("-inf")), tl.where(s_ok, ls, float("-inf")))
     m = tl.where(any_ok, m, 0.0)
@@ -73,8 +75,9 @@ def _merge_kernel(
                  mask=mask & s_ok[:, None], other=0.0)
     c_p2 = c_p[:, None]
     c_s2 = c_s[:, None]
-    merged = (tl.where(c_p2 > 0, xp.to(ACC) * c_p2, 0.0)
-              + tl.where(c_s2 > 0, xs.to(ACC) * c_s2, 0.0)).to(xp.dtype)
+    # a weight that underflowed to 0 adds nothing (not 0 · inf); a NaN weight adds NaN
+    merged = (tl.where(c_p2 != 0, xp.to(ACC) * c_p2, 0.0)
+              + tl.where(c_s2 != 0, xs.to(ACC) * c_s2, 0.0)).to(xp.dtype)
     merged = tl.where(only_p[:, None], xp, tl.where(only_s[:, None], xs, merged))
     tl.store(out + (t * so_t + n * so_n)[:, None] + cols[None, :], merged, mask=mask)
 

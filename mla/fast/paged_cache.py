@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.fast.common import should_validate
 from mla.validation import (
     check_float,
     check_index,
@@ -37,18 +38,7 @@ from mla.validation import (
     check_tensor,
 )
 
-__all__ = ["check_slot_range", "concat_and_cache_mla", "gather_cache", "gather_cache_known",
-           "should_validate"]
-
-
-def should_validate(validate: bool | None, t: torch.Tensor) -> bool:
-    """Resolve a ``validate`` argument: value checks read device memory on the host, which a
-    CUDA graph capture forbids."""
-    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-    if validate and capturing:
-        raise ValueError("validate=True reads device values on the host, which a CUDA graph "
-                         "capture forbids; pass validate=False while capturing")
-    return (not capturing) if validate is None else validate
+__all__ = ["check_slot_range", "concat_and_cache_mla", "gather_cache", "gather_cache_known"]
 
 
 def check_slot_range(slot_mapping: torch.Tensor, n_slots: int) -> None:
@@ -88,7 +78,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     """Write ``kv_c [T, Lkv]`` and ``k_pe [T, R]`` (or ``[T, 1, R]``) into ``kv_cache`` in place.
 
     ``validate``: check ``slot_mapping``'s range on the host (a sync); ``None`` (default): only
-    when the current CUDA stream is not capturing a graph (``mla.fast.decode``'s convention).
+    when the current CUDA stream is not capturing a graph (``mla.fast.common.should_validate``).
     """
     check_float("kv_cache", kv_cache, ndim=3)
     if k_pe.dim() == 3 and k_pe.shape[1] == 1:

@@ -32,12 +32,19 @@ How (docs/kernels.md, "Sparse"):
   ``(o, lse, max)`` go to float32 scratch and a second kernel merges them by lse (conventions §6).
   ``num_splits`` comes from shapes only, so a call never synchronizes (CUDA graphs).
 
+``convert_req_index_to_global_index``: the indexer's request-local top-k positions to the cache
+slots these kernels read, as ``mla.reference.sparse``'s (conventions §10; vLLM 0.14's
+``triton_convert_req_index_to_global_index``). One program converts ``BLOCK_N`` indices of one
+token: a load of the indices, a gather of at most ``BLOCK_N / bs + 1`` distinct block-table
+entries (cached), a store.
+
 Validation: shape/dtype/device checks (host metadata) always run. The value checks read device
-tensors on the host (a sync): ``topk_length``'s range, and for decode the indices' range
-``[-1, num_slots)``. They run with ``validate=True`` or, by default (``None``), when no CUDA
-graph is being captured. Without them the kernels still never read outside the cache: an index
-outside ``[0, rows)`` is masked (as the prefill's contract says) and ``topk_length`` is clamped
-to ``[0, topk]``.
+tensors on the host (a sync): ``topk_length``'s range, for decode the indices' range
+``[-1, num_slots)``, for the conversion the ranges of ``req_id`` and the workspace ids. They run
+with ``validate=True`` or, by default (``None``), when no CUDA graph is being captured. Without
+them the kernels still never read outside their tensors: an index outside ``[0, rows)`` is
+masked (as the prefill's contract says), ``topk_length`` is clamped to ``[0, topk]``, and a
+token whose request or workspace entry is out of range converts to ``-1`` everywhere.
 """
 
 from __future__ import annotations
@@ -48,25 +55,28 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.decode import (
-    _interpreting,
-    _load_2d,
-    _next_pow2,
-    _num_sms,
+from mla.fast import sm90
+from mla.fast.common import (
+    LOG2E,
     check_kernel_input,
+    interpreting,
+    next_pow2,
+    num_sms,
+    should_validate,
 )
-from mla.fast.paged_cache import should_validate
+from mla.fast.softmax import load_2d, softmax_pv
 from mla.reference.fp8 import D_NOPE, D_ROPE, FP8_DS_MLA_BYTES, NUM_TILES, ROPE_OFFSET, TILE
 from mla.reference.sparse import (
     _check_topk_length_values,
+    check_index_conversion_shapes,
+    check_index_conversion_values,
     check_sparse_decode_shapes,
     check_sparse_decode_values,
     check_sparse_prefill_shapes,
 )
 
-__all__ = ["SparsePlan", "plan_sparse", "sparse_mla_decode", "sparse_mla_prefill"]
-
-_LOG2E = 1.4426950408889634
+__all__ = ["SparsePlan", "convert_req_index_to_global_index", "plan_sparse",
+           "sparse_mla_decode", "sparse_mla_prefill"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +88,7 @@ class SparsePlan:
     num_splits: int  # programs per query along its top-k list (1: no combine kernel)
     num_warps: int
     num_stages: int
-    # 64-head programs on Hopper: the Gluon kernel of ``mla.fast.sparse_sm90`` where it
+    # 64-head programs on Hopper: the Gluon kernel of ``mla.fast.sm90.sparse`` where it
     # applies (its own 64-entry tiles and 8 warps; the other fields then describe only the
     # Triton fallback)
     sm90: bool = True
@@ -93,15 +103,14 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
     - Tiles of 64 gathered rows, two pipeline stages: the row gathers become ``cp.async``
       copies into shared memory. float32 (a correctness path on a GPU, not a fast one): tiles
       of 16, one stage, else the tiles overflow the 227 KB of shared memory.
-    - Warps: 8, except 16-head programs over a 16-bit cache (4). ptxas for sm_90
-      (``python -m benchmarks.sparse_compile``, no GPU needed; Triton 3.6): 64 heads use
-      185 KB of shared memory (fp8) / 216 KB (bf16), 255 registers, no spill; 16 heads 193
-      registers (fp8, 8 warps) / 212 (bf16, 4 warps), no spill, where fp8 with 4 warps
-      spills. So one 64-head program per SM, two of the 16-head bf16 ones.
+    - Warps: 8, except 16-head programs over a 16-bit cache (4): the fewest warps that
+      compile without spills (fp8 with 4 warps spills: ``python -m benchmarks.sparse_compile``
+      reads it off ptxas without a GPU; benchmarks/NOTES.md). So one 64-head program per SM,
+      two of the 16-head bf16 ones.
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
       least two tiles of ``topk``.
     """
-    block_m = min(64, max(16, _next_pow2(num_heads)))
+    block_m = min(64, max(16, next_pow2(num_heads)))
     num_warps, per_sm = (4, 2) if block_m == 16 and not fp8 else (8, 1)
     block_n, num_stages = (16, 1) if dtype == torch.float32 else (64, 2)
     if dtype == torch.float32:
@@ -148,10 +157,10 @@ def _gather_rows(Q, KV, KV_F32, KV_BF16, idx, valid, stride_row,
                        + offs_dr[None, :], mask=valid[:, None], other=0.0).to(Q.dtype.element_ty)
     else:
         row_off = row * stride_row
-        k_nope = _load_2d(KV + row_off[:, None] + offs_dv[None, :], valid, offs_dv < DV,
+        k_nope = load_2d(KV + row_off[:, None] + offs_dv[None, :], valid, offs_dv < DV,
                           True, BLOCK_DV != DV)
         if HAS_PE:
-            k_pe = _load_2d(KV + row_off[:, None] + DV + offs_dr[None, :], valid,
+            k_pe = load_2d(KV + row_off[:, None] + DV + offs_dr[None, :], valid,
                             offs_dr < DR, True, BLOCK_DR != DR)
         else:
             k_pe = k_nope  # unused
@@ -188,9 +197,9 @@ def _sparse_kernel(
     offs_dr = tl.arange(0, BLOCK_DR)
     dv_mask = offs_dv < DV
     q_row = Q + qi64 * stride_qq + heads * stride_qh
-    q_nope = _load_2d(q_row[:, None] + offs_dv[None, :], h_ok, dv_mask, True, BLOCK_DV != DV)
+    q_nope = load_2d(q_row[:, None] + offs_dv[None, :], h_ok, dv_mask, True, BLOCK_DV != DV)
     if HAS_PE:
-        q_pe = _load_2d(q_row[:, None] + DV + offs_dr[None, :], h_ok, offs_dr < DR, True,
+        q_pe = load_2d(q_row[:, None] + DV + offs_dr[None, :], h_ok, offs_dr < DR, True,
                         BLOCK_DR != DR)
     else:
         q_pe = q_nope  # unused
@@ -220,21 +229,14 @@ def _sparse_kernel(
         if HAS_PE:
             qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PREC)
         qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))  # log2 domain
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # a row that has seen no valid entry keeps m = -inf; shift by 0 so exp2 gives 0
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_use)
-        p = tl.math.exp2(qk - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(k_nope.dtype), k_nope, acc, input_precision=DOT_PREC)
-        m_i = m_new
+        acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, k_nope, DOT_PREC)
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # l = 0: nothing seen; a NaN l (a NaN logit) stays NaN, never "nothing"
     l_safe = tl.where(seen, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
-    mx = m_i * 0.6931471805599453  # -inf where nothing was seen
+    # -inf where nothing was seen; NaN with the lse (tl.max may skip a NaN logit)
+    mx = tl.where(l_i == l_i, m_i, float("nan")) * 0.6931471805599453
     if SPLIT:
         # partials [queries, splits, N, DV] and [queries, splits, N]; "nothing" is lse -inf
         part = (qi64 * num_splits + split) * N + heads
@@ -278,7 +280,7 @@ def _combine_kernel(
         if lse_s > float("-inf"):  # an empty split wrote no o
             o_s = tl.load(OP + p * DV + offs_dv, mask=dv_mask, other=0.0)
             acc += tl.exp(lse_s - m_use) * o_s
-    seen = w_sum > 0.0
+    seen = w_sum != 0.0  # a NaN partial lse makes w_sum NaN: NaN out, not "nothing"
     o = acc / tl.where(seen, w_sum, 1.0)
     tl.store(O + qi * stride_oq + h * stride_oh + offs_dv, o.to(O.dtype.element_ty),
              mask=dv_mask)
@@ -286,6 +288,7 @@ def _combine_kernel(
              tl.where(seen, m_use + tl.log(tl.where(seen, w_sum, 1.0)), float("inf")))
     if HAS_MAXL:
         mx = tl.max(tl.load(MAXP + part, mask=s_ok, other=float("-inf")), 0)
+        mx = tl.where(w_sum == w_sum, mx, float("nan"))  # NaN with the lse
         tl.store(MAXL + qi * stride_mq + h * stride_mh, mx)
 
 
@@ -301,10 +304,10 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
     if topk_length is not None:
         topk_length = topk_length.contiguous()
     if plan is None:
-        plan = plan_sparse(Q, N, topk, q.dtype, fp8, _num_sms(q.device))
+        plan = plan_sparse(Q, N, topk, q.dtype, fp8, num_sms(q.device))
     DV, DR = dv, D - dv
-    block_dv = max(16, _next_pow2(DV))
-    block_dr = max(16, _next_pow2(DR)) if DR else 16
+    block_dv = max(16, next_pow2(DV))
+    block_dr = max(16, next_pow2(DR)) if DR else 16
     if fp8:
         kv_f32, kv_bf16 = kv.view(torch.float32), kv.view(torch.bfloat16)
     else:
@@ -320,26 +323,28 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
     has_maxl = max_logits is not None
     maxl = max_logits if has_maxl else lse
     m_strides = (maxl.stride(0), maxl.stride(1)) if has_maxl else (0, 0)
-    if plan.sm90 and _sm90_supported(q, kv, dv, fp8, plan.block_m):
-        from mla.fast.sparse_sm90 import _sparse_sm90_kernel
+    launched = False
+    if _sm90_route(plan, q, kv, dv, fp8):
+        from mla.fast.sm90.sparse import sparse_kernel
 
-        _sparse_sm90_kernel[(Q * groups, plan.num_splits)](
+        launched = sm90.launch(
+            sparse_kernel, (Q * groups, plan.num_splits),
             q, kv, idx, topk_length if topk_length is not None else idx,
             out, lse, maxl, o_part, lse_part, max_part,
             q.stride(0), q.stride(1), idx.stride(0), kv.stride(0),
             out.stride(0), out.stride(1), *lse_strides, *m_strides,
-            kv.shape[0], topk, sm_scale * _LOG2E, plan.num_splits,
+            kv.shape[0], topk, sm_scale * LOG2E, plan.num_splits,
             N=N, S=S, GROUPS=groups, FP8=fp8, HAS_TOPK_LEN=topk_length is not None,
             HAS_MAXL=has_maxl, SPLIT=split, SCALE_OFFSET=DV if fp8 else 0,
             ROPE_OFFSET=ROPE_OFFSET, num_warps=8,
         )
-    else:
+    if not launched:
         _sparse_kernel[(Q * groups, plan.num_splits)](
             q, kv, kv_f32, kv_bf16, idx, topk_length if topk_length is not None else idx,
             out, lse, maxl, o_part, lse_part, max_part,
             q.stride(0), q.stride(1), idx.stride(0), kv.stride(0),
             out.stride(0), out.stride(1), *lse_strides, *m_strides,
-            kv.shape[0], topk, sm_scale * _LOG2E, plan.num_splits,
+            kv.shape[0], topk, sm_scale * LOG2E, plan.num_splits,
             N=N, S=S, GROUPS=groups, DV=DV, DR=DR, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
             BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0, FP8=fp8,
             HAS_TOPK_LEN=topk_length is not None,
@@ -352,18 +357,20 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
         _combine_kernel[(Q * N,)](
             o_part, lse_part, max_part, out, lse, maxl, plan.num_splits,
             out.stride(0), out.stride(1), *lse_strides, *m_strides,
-            N=N, S=S, DV=DV, BLOCK_DV=block_dv, BLOCK_S=max(2, _next_pow2(plan.num_splits)),
+            N=N, S=S, DV=DV, BLOCK_DV=block_dv, BLOCK_S=max(2, next_pow2(plan.num_splits)),
             HAS_MAXL=has_maxl, num_warps=4,
         )
 
 
-def _sm90_supported(q: torch.Tensor, kv: torch.Tensor, dv: int, fp8: bool,
-                    block_m: int) -> bool:
-    if q.device.type != "cuda" or _interpreting():
+def _sm90_route(plan: SparsePlan, q: torch.Tensor, kv: torch.Tensor, dv: int,
+                fp8: bool) -> bool:
+    """Whether this call goes to the Gluon sm_90 kernel (``mla.fast.sm90.sparse``): a plan
+    that allows it, on a Hopper GPU whose Triton can build the Gluon kernels."""
+    if not plan.sm90 or q.device.type != "cuda" or interpreting() or not sm90.usable():
         return False
-    from mla.fast.sparse_sm90 import supported
+    from mla.fast.sm90.sparse import supported
 
-    return supported(q, kv, dv, fp8, block_m)
+    return supported(q, kv, dv, fp8, plan.block_m)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -455,3 +462,75 @@ def sparse_mla_prefill(
     _launch(_unit_stride(q), kv, idx, topk_length, out, lse, (lse.stride(0), 0, lse.stride(1)),
             1, max_logits, sm_scale, d_v, False, plan)
     return out, max_logits, lse
+
+
+# ------------------------------------------------------------------ top-k index conversion
+
+@triton.jit
+def _convert_kernel(
+    req_id, block_table, token_indices, out, ws_req, ws_starts,
+    topk, num_reqs, max_blocks, num_prefills,
+    s_bt_r, s_bt_b, s_ti_t, s_ti_k,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WORKSPACE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < topk
+    req = tl.load(req_id + t).to(tl.int64)
+    req_ok = (req >= 0) & (req < num_reqs)
+    tok = tl.load(token_indices + t * s_ti_t + cols * s_ti_k, mask=col_ok, other=-1)
+    tok = tok.to(tl.int64)
+    block = tok // BLOCK_SIZE  # tok >= 0 wherever the result is used
+    invalid = (tok < 0) | (block >= max_blocks) | ~req_ok
+    use_table = col_ok & ~invalid
+    if HAS_WORKSPACE:
+        p = tl.load(ws_req + t).to(tl.int64)
+        invalid = invalid | (p >= num_prefills) | (p < -1)
+        use_table = use_table & (p < 0)  # prefill tokens read the workspace, not the table
+    base = tl.load(block_table + req * s_bt_r + block * s_bt_b, mask=use_table,
+                   other=0).to(tl.int64)
+    slot = base * BLOCK_SIZE + tok % BLOCK_SIZE
+    if HAS_WORKSPACE:
+        start = tl.load(ws_starts + p, mask=(p >= 0) & (p < num_prefills), other=0).to(tl.int64)
+        slot = tl.where(p >= 0, start + tok, slot)
+    slot = tl.where(invalid, -1, slot)
+    tl.store(out + t * topk + cols, slot.to(tl.int32), mask=col_ok)
+
+
+def convert_req_index_to_global_index(
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    token_indices: torch.Tensor,
+    block_size: int,
+    prefill_workspace_request_ids: torch.Tensor | None = None,
+    prefill_workspace_starts: torch.Tensor | None = None,
+    *,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Request-local ``token_indices [T, topk]`` -> global cache slots (or workspace rows).
+
+    As the reference (all int32; returns int32 ``[T, topk]``). ``validate``: run the range
+    checks on the host (a sync); ``None``: only when no CUDA graph is being captured.
+    """
+    has_workspace = check_index_conversion_shapes(
+        req_id, block_table, token_indices, block_size, prefill_workspace_request_ids,
+        prefill_workspace_starts)
+    T = req_id.shape[0]
+    topk = token_indices.shape[1]
+    out = torch.empty((T, topk), dtype=torch.int32, device=token_indices.device)
+    if T == 0 or topk == 0:
+        return out
+    if should_validate(validate, token_indices):
+        check_index_conversion_values(req_id, block_table, prefill_workspace_request_ids,
+                                      prefill_workspace_starts)
+    block_n = min(triton.next_power_of_2(topk), 512)
+    ws_req = prefill_workspace_request_ids if has_workspace else req_id
+    ws_starts = prefill_workspace_starts if has_workspace else req_id
+    num_prefills = prefill_workspace_starts.shape[0] if has_workspace else 0
+    _convert_kernel[(T, triton.cdiv(topk, block_n))](
+        req_id, block_table, token_indices, out, ws_req, ws_starts,
+        topk, block_table.shape[0], block_table.shape[1], num_prefills,
+        *block_table.stride(), *token_indices.stride(),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_WORKSPACE=has_workspace, num_warps=4,
+    )
+    return out

@@ -14,6 +14,8 @@ Edge cases, decided here:
 - One side empty: the other side's ``o`` and ``lse`` pass through bit for bit, whatever the
   empty side's ``o`` holds (even NaN).
 - Both empty: ``o = 0`` and ``lse = -inf``. Never NaN.
+- A NaN ``lse`` is not a marker (conventions §13): that side counts as present, so with another
+  present side the merged ``o`` and ``lse`` are NaN, and with an empty one it passes through.
 The weights are computed in float32 or wider; ``o`` keeps the dtype of ``prefix_output``.
 """
 
@@ -84,8 +86,9 @@ def merge_attn_states_list(
     o = None
     for k, out_k in enumerate(outputs):
         wk = (w[k] / torch.where(any_present, w_sum, 1.0)).transpose(0, 1)[..., None]  # [T,N,1]
-        # an empty side contributes exactly nothing, even if its output is garbage
-        term = torch.where(wk > 0, out_k.to(work) * wk, 0.0)
+        # an empty side (or one whose weight underflowed) contributes exactly nothing, even if
+        # its output is garbage; a NaN weight (a NaN lse) contributes NaN
+        term = torch.where(wk != 0, out_k.to(work) * wk, 0.0)
         o = term if o is None else o + term
     assert o is not None
     merged = o.to(out_dtype)

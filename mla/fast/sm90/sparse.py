@@ -3,7 +3,7 @@
 The Triton kernel of ``mla.fast.sparse`` pays twice at 64 heads per program: Triton makes both
 warp groups compute the same 64 × 64 logits (the dot feeds a dot, benchmarks/NOTES.md), and the
 gathered rows are loaded and, for ``fp8_ds_mla``, dequantized in registers in series with the
-dots. Here, as in ``mla.fast.decode_sm90``:
+dots. Here, as in ``mla.fast.sm90.decode``:
 
 - one program = one query (decode: one ``(b, t)``; prefill: one token), 64 of its heads as the
   M of the dots, one run of its top-k list in tiles of 64 entries; 8 warps = two warp groups;
@@ -22,9 +22,10 @@ dots. Here, as in ``mla.fast.decode_sm90``:
     dots. About 194 KB of shared memory.
 
 ``mla.fast.sparse`` routes 64-head programs here on an sm_90 GPU (``supported``); this kernel
-writes exactly what ``mla.fast.sparse._sparse_kernel`` writes (result, or split partials for its
-combine kernel). The Triton interpreter does not run Gluon: the CPU tests compile it for sm_90
-(``tests/test_sm90_compile.py``) and ``python -m mla.check`` checks it on the GPU.
+writes exactly what the Triton sparse kernel of ``mla.fast.sparse`` writes (result, or split
+partials for its combine kernel). The Triton interpreter does not run Gluon: the CPU tests
+compile it for sm_90 (``tests/test_sm90_compile.py``) and ``python -m mla.check`` checks it on
+the GPU.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.fast.decode import capability
-from mla.fast.decode_sm90 import softmax_pv
+from mla.fast.common import capability
+from mla.fast.sm90.softmax import barrier, softmax_pv
 
-__all__ = ["supported"]
+__all__ = ["sparse_kernel", "supported"]
 
 _DV = 512
 _DR = 64
@@ -66,7 +67,7 @@ def supported(q: torch.Tensor, kv: torch.Tensor, head_dim_v: int, fp8: bool,
 
 
 @gluon.jit
-def _sparse_sm90_kernel(
+def sparse_kernel(
     Q, KV, IDX, TOPK_LEN, O, LSE, MAXL, OP, LSEP, MAXP,
     stride_qq, stride_qh, stride_iq, stride_row,
     stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
@@ -169,7 +170,7 @@ def _sparse_sm90_kernel(
         idx = gl.load(idx_row + cols, mask=cols < hi, other=-1)  # for the logits' mask
         async_copy.wait_group(0)  # this thread's copies of tile i have landed
         fence_async_shared()
-        gl.thread_barrier()  # everyone's have; everyone is done with tile i-1
+        barrier()  # everyone's have; everyone is done with tile i-1
         if FP8:
             kn = k_nope.index(0)
             sc = raw_sc.load(lds)  # [BN, 4] float32
@@ -181,7 +182,7 @@ def _sparse_sm90_kernel(
                 v = b8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
                 kn.slice(c * F8, F8, dim=1).store(v.to(dtype))
             fence_async_shared()
-            gl.thread_barrier()  # the staged bytes are consumed, K is written
+            barrier()  # the staged bytes are consumed, K is written
         else:
             kn = k_nope.index(s)
         if i + 1 < t_hi:
@@ -198,10 +199,11 @@ def _sparse_sm90_kernel(
         acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, row_o)
     async_copy.wait_group(0)
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # l = 0: nothing seen; a NaN l (a NaN logit) stays NaN, never "nothing"
     l_safe = gl.where(seen, l_i, 1.0)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
-    mx = m_i * 0.6931471805599453  # -inf where nothing was seen
+    # -inf where nothing was seen; NaN with the lse (gl.max may skip a NaN logit)
+    mx = gl.where(l_i == l_i, m_i, float("nan")) * 0.6931471805599453
     o = acc / gl.convert_layout(l_safe, row_o)[:, None]
     h_s = g * BM + gl.arange(0, BM, layout=row_s)
     hs_ok = h_s < N

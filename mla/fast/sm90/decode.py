@@ -21,9 +21,9 @@ the kernel choose its layouts, so here the work is split as FlashMLA splits it
   after the copy lands, as ``0 · NaN`` would poison ``P · V``. Key masks (length, split end,
   causal diagonal) are applied to the logits only on tiles that need them.
 
-It writes what ``mla.fast.decode._decode_kernel`` writes (the result, or the split partials
-that ``_combine_kernel`` merges), so ``mla.fast.decode.mla_decode_paged`` routes to it when
-``supported(...)`` holds. The Triton interpreter does not run Gluon: this kernel is compiled
+It writes what the Triton decode kernel of ``mla.fast.decode`` writes (the result, or the split
+partials that its combine kernel merges), so ``mla.fast.decode.mla_decode_paged`` routes to it
+when ``supported(...)`` holds. The Triton interpreter does not run Gluon: this kernel is compiled
 for sm_90 in the CPU tests (``tests/test_sm90_compile.py``) and checked against the reference
 on the GPU by ``python -m mla.check``.
 """
@@ -41,9 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from mla.fast.decode import capability
+from mla.fast.common import capability
+from mla.fast.sm90.softmax import barrier, softmax_pv
 
-__all__ = ["supported", "BLOCK_M", "BLOCK_N", "NUM_WARPS"]
+__all__ = ["BLOCK_M", "BLOCK_N", "NUM_WARPS", "decode_kernel", "supported"]
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per tile
@@ -70,7 +71,7 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
 
 
 @gluon.jit
-def _decode_sm90_kernel(
+def decode_kernel(
     Q, KV, BT, SEQLENS, O, LSE, OP, LSEP,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvr, stride_btb,
@@ -150,7 +151,7 @@ def _decode_sm90_kernel(
     TILE_BYTES: gl.constexpr = BN * (DV + DR) * 2
 
     fence_async_shared()
-    gl.thread_barrier()
+    barrier()
 
     if t_lo < t_hi:  # first tile -> stage 0
         page = gl.load(bt_row + (t_lo * BN) // PAGE_SIZE)
@@ -169,13 +170,14 @@ def _decode_sm90_kernel(
     l_i = gl.zeros([BM], gl.float32, layout=row_s)
 
     # each tile's page is looked up a tile ahead of its TMA issue, so that the issue never
-    # waits for a block-table load (measured: fp8 sparse, the same idea for indices, +5%)
+    # waits for a block-table load (the same idea for the sparse kernel's indices paid off
+    # on the GPU: benchmarks/NOTES.md)
     nxt_page = gl.load(bt_row + ((t_lo + 1) * BN) // PAGE_SIZE, mask=t_lo + 1 < t_hi, other=0)
     for i in range(t_lo, t_hi):
         it = i - t_lo
         s = it % 2
         # every warp has finished tile i-1 (its P · V read stage 1-s and P): refill them
-        gl.thread_barrier()
+        barrier()
         if i + 1 < t_hi:
             row0 = nxt_page * PAGE_SIZE + ((i + 1) * BN) % PAGE_SIZE
             mbarrier.expect(bars.index(1 - s), TILE_BYTES)
@@ -196,7 +198,7 @@ def _decode_sm90_kernel(
                 v = part.load(ld)
                 part.store(gl.where(keep[:, None], v, gl.zeros_like(v)))
             fence_async_shared()
-            gl.thread_barrier()
+            barrier()
 
         sc = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc, is_async=True)
@@ -213,7 +215,7 @@ def _decode_sm90_kernel(
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # l = 0: no key; a NaN l (a NaN logit) stays NaN, never "no key"
     l_safe = gl.where(seen, l_i, 1.0)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
     o = acc / gl.convert_layout(l_safe, row_o)[:, None]
@@ -236,23 +238,3 @@ def _decode_sm90_kernel(
         gl.store(LSE + b.to(gl.int64) * stride_lb + (r_s % N).to(gl.int64) * stride_lh
                  + r_s // N, gl.where(seen, lse, float("inf")), mask=r_ok_s)
 
-
-@gluon.jit
-def softmax_pv(qk, m_i, l_i, acc, p_smem, kv, row_o: gl.constexpr):
-    """One online-softmax step shared by the sm_90 kernels: the logits ``qk`` (log2 domain,
-    ``-inf`` where masked) update the running max ``m_i`` and sum ``l_i``; ``P`` goes through
-    ``p_smem`` to both warp groups and ``acc += P · V`` (V = the first 512 columns of ``kv``).
-    Returns ``(acc, m_i, l_i)``."""
-    m_new = gl.maximum(m_i, gl.max(qk, axis=1))
-    # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = gl.exp2(m_i - m_use)
-    p = gl.exp2(qk - m_use[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    p_smem.store(p.to(p_smem.dtype))
-    fence_async_shared()
-    gl.thread_barrier()  # all of P is written before either warp group's wgmma reads it
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-    acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return acc, m_new, l_i

@@ -1,0 +1,92 @@
+"""What the benchmark scripts share: progress lines, the machine's ceilings, CUDA-graph timing,
+and the heading and rows of their reports."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+import triton.testing
+
+__all__ = ["ceilings", "kernel_name", "log", "report_heading", "report_rows", "time_graph"]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _copy_ms(n: int) -> float:
+    x = torch.randn(n // 2, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    return triton.testing.do_bench(lambda: y.copy_(x), warmup=25, rep=200, return_mode="median")
+
+
+def _matmul_ms(n: int) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+
+
+def ceilings() -> dict[str, float]:
+    n = 1 << 30  # bytes each way
+    t_copy = _copy_ms(n)
+    torch.cuda.empty_cache()
+    t_mm = _matmul_ms(8192)
+    torch.cuda.empty_cache()
+    return {"copy_TBps": 2 * n / (t_copy * 1e-3) / 1e12,
+            "matmul_TFLOPs": 2 * 8192 ** 3 / (t_mm * 1e-3) / 1e12}
+
+
+def time_graph(fn, reps: int = 50) -> float:
+    """Median ms of graph replays of ``fn``, L2 flushed (outside the timing) before each."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps + 5):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[5:])
+
+
+def report_heading(title: str, res: dict) -> list[str]:
+    """The first lines of every benchmark report: GPU, date, versions and the ceilings."""
+    env, ceil = res["environment"], res["ceilings"]
+    line = (f"torch {env['torch']}, triton {env['triton']}, CUDA {env.get('cuda', '?')}. "
+            f"Ceilings measured in the same run: copy {ceil['copy_TBps']:.2f} TB/s")
+    if "matmul_TFLOPs" in ceil:
+        line += f", bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s"
+    return [f"# {title}, {env.get('gpu', '?')}, {env['date']}", "", line + ".", ""]
+
+
+def kernel_name(plan: dict) -> str:
+    """Which kernel a plan ran: the Gluon sm_90 one takes 64-row plans with ``sm90`` (on an
+    H100/H200; the benchmarks run there)."""
+    return "Gluon sm90" if plan.get("sm90", False) and plan["block_m"] == 64 else "Triton"
+
+
+def report_rows(e: dict) -> list[tuple[str, dict]]:
+    """The default plan, the fastest if another, and the fastest Triton plan of a sweep when
+    the default is the sm_90 kernel (what the Gluon kernel gained)."""
+    rows = [("default", e["default"])] if e.get("default") else []
+    if e.get("best") and e["best"] != e.get("default"):
+        rows.append(("best", e["best"]))
+    timed = [r for r in e.get("variants", []) if "error" not in r]
+    tri = [r for r in timed if kernel_name(r["plan"]) == "Triton"
+           and r.get("rel_err_vs_default", 0.0) < 1e-2]
+    if tri and all(kernel_name(r["plan"]) != "Triton" for _, r in rows):
+        rows.append(("best Triton", min(tri, key=lambda r: min(r["us"], r["us_graph"]))))
+    return rows

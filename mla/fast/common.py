@@ -1,0 +1,110 @@
+"""What the fast path's modules share on the host: where kernels run, and how calls validate.
+
+- ``interpreting()``: Triton's interpreter (``TRITON_INTERPRET=1``) runs the kernels on the
+  CPU; it is read from the environment, which Triton itself reads once, at import.
+- ``num_sms``, ``capability``: the GPU's SM count (launch plans) and compute capability
+  (routes), cached per device because each call asks.
+- ``ensure_allocator``: the scratch allocator that in-kernel tensor descriptors need.
+- ``should_validate``: whether a call may read device values on the host.
+- ``check_kernel_input``: the dtype and device the Triton kernels accept.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+__all__ = ["LOG2E", "capability", "check_kernel_input", "ensure_allocator",
+           "interpreting", "next_pow2", "num_sms", "should_validate"]
+
+LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x · LOG2E)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under the interpreter (on the CPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=16)
+def num_sms(device: torch.device) -> int:
+    """The SM count of a CUDA device; 4 under the interpreter (a small machine, so that the
+    tests' launch plans split their work)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+@functools.lru_cache(maxsize=16)
+def capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability``, cached per device: the routes ask on every call,
+    and uncached it is a noticeable share of a small decode call's host time."""
+    return torch.cuda.get_device_capability(device)
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """In-kernel tensor descriptors live in a small global scratch that Triton asks its
+    allocator for at launch; install a torch one unless the caller installed their own.
+    (Descriptors built on the host instead cost far more launch overhead: benchmarks/NOTES.md.)
+    """
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
+
+
+def should_validate(validate: bool | None, t: torch.Tensor) -> bool:
+    """Resolve a ``validate`` argument: value checks read device memory on the host, which a
+    CUDA graph capture forbids. ``None``: validate unless the current stream is capturing."""
+    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
+    if validate and capturing:
+        raise ValueError("validate=True reads device values on the host, which a CUDA graph "
+                         "capture forbids; pass validate=False while capturing")
+    return (not capturing) if validate is None else validate
+
+
+def check_kernel_input(q: torch.Tensor) -> None:
+    """What the Triton kernels add to the reference's checks: a 16/32-bit float ``q`` on a CUDA
+    device (any device under the interpreter)."""
+    if q.dtype not in _KERNEL_DTYPES:
+        raise TypeError(f"q must have dtype float16, bfloat16 or float32 for the fast path, "
+                        f"got {q.dtype}")
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), "
+                         f"got {q.device}")
+
+
+def _fix_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into a 1-element array and calls ``int()`` on it
+    in ``range(lo, hi)`` loop bounds, which numpy >= 2.4 refuses ("only 0-dimensional arrays
+    can be converted to Python scalars"; triton-lang/triton#9171, fixed upstream by #9172).
+    Re-register ``__index__`` with an explicit squeeze. Interpreter only; kernels unchanged."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_mla_fixed", False):
+        return
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._mla_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _fix_interpreter_index()

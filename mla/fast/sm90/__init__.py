@@ -1,0 +1,63 @@
+"""Gluon kernels for Hopper (sm_90): the 64-row programs of the fast decode and sparse kernels.
+
+``mla.fast.decode`` and ``mla.fast.sparse`` route a call here when its plan and shapes allow it
+on an sm_90 GPU (each module's ``supported``); everywhere else their Triton kernels run.
+
+- ``decode``: paged decode (``decode_kernel``), ``sparse``: sparse top-k decode and prefill
+  (``sparse_kernel``); ``softmax``: the online-softmax + ``P · V`` step both share, and the
+  CTA barrier under the name this Triton gives it.
+
+Gluon is Triton's experimental layer and its names move between releases (3.6's
+``gl.thread_barrier`` is 3.7's ``gl.barrier``). These kernels are built and compile-tested
+under Triton 3.6 and 3.7. Under a Triton whose Gluon cannot build them, the first call that
+would use them warns once (``RuntimeWarning``) and that call and every later one run the
+Triton kernels instead: slower at 64+ rows, same results.
+
+Importing this package imports no Gluon: that happens at the first call on a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import triton
+from triton.errors import TritonError
+
+__all__ = ["launch", "usable"]
+
+_why_not = ""  # why the Gluon kernels cannot be used with this Triton ("" while not known)
+_imported = False
+
+
+def _give_up(error: BaseException) -> None:
+    global _why_not
+    _why_not = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
+    warnings.warn(f"mla.fast: the Gluon sm_90 kernels cannot be built with triton "
+                  f"{triton.__version__} ({_why_not}); the Triton kernels run instead",
+                  RuntimeWarning, stacklevel=3)
+
+
+def usable() -> bool:
+    """Whether the Gluon kernels can be tried: their modules import with this Triton (the first
+    call imports them) and no launch has failed to build."""
+    global _imported
+    if not _imported and not _why_not:
+        try:
+            from mla.fast.sm90 import decode, sparse  # noqa: F401
+        except (ImportError, AttributeError) as e:
+            _give_up(e)
+        _imported = True
+    return not _why_not
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> bool:
+    """``kernel[grid](*args, **kwargs)``; False, with the one warning, when Triton cannot build
+    or load it (a ``TritonError``: compilation, ptxas or resources; raised before anything
+    runs, so the outputs are untouched and the caller runs its Triton kernel instead)."""
+    try:
+        kernel[grid](*args, **kwargs)
+    except TritonError as e:
+        _give_up(e)
+        return False
+    return True
