@@ -58,7 +58,7 @@ def _randn(*shape: int, seed: int, dtype: torch.dtype = F64) -> torch.Tensor:
 def _convert_loop(req_id: list[int], block_table: list[list[int]], token_indices: list[list[int]],
                   bs: int, ws_ids: list[int] | None = None,
                   ws_starts: list[int] | None = None) -> list[list[int]]:
-    """The seed kernel's semantics, one index at a time."""
+    """vLLM's kernel semantics, one index at a time."""
     max_blocks = len(block_table[0])
     out = []
     for t, row in enumerate(token_indices):

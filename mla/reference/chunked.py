@@ -50,7 +50,8 @@ __all__ = ["workspace_size", "ChunkPlan", "plan_context_chunks", "chunked_prefil
 def workspace_size(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
     """Tokens of the chunked-prefill workspace.
 
-    The seed's ``determine_chunked_prefill_workspace_size``.
+    ``determine_chunked_prefill_workspace_size`` of vLLM 0.11
+    ``v1/attention/backends/mla/common.py``.
     """
     size = min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 64 * 1024)
     return max(size, max_num_seqs * block_size)
@@ -120,8 +121,8 @@ def plan_context_chunks(
     workspace_size: int | None = None,
     max_context_chunk: int | None = None,
 ) -> ChunkPlan:
-    """The seed's chunk plan. Give either ``max_context_chunk`` (MCC) directly, or
-    ``workspace_size`` and ``block_size`` to derive it as vLLM's MLA backend does."""
+    """vLLM's chunk plan (0.11 ``mla/common.py``). Give either ``max_context_chunk`` (MCC)
+    directly, or ``workspace_size`` and ``block_size`` to derive it as vLLM's MLA backend does."""
     lens = tuple(int(n) for n in context_lens)
     if any(n < 0 for n in lens):
         raise ValueError(f"context_lens must be >= 0, got {list(lens)}")
