@@ -4,8 +4,12 @@
     mla config        a preset's shapes, derived sizes and DeepSeek-V2's Table 1 comparison
     mla plan          the chunked-prefill chunk plan for some context lengths
 
-``main(argv)`` returns the exit status, so tests can call it directly; ``walkthrough`` exits
-with 1 when a row exceeds the conventions §11 tolerance for its dtype, 2 on bad arguments.
+``main(argv)`` returns the exit status, so tests can call it directly. Exit statuses:
+
+    0  done; for ``walkthrough``: every row that ran is within its tolerance (conventions §11)
+    1  ``walkthrough``: a row is over its tolerance
+    2  bad arguments (one line from argparse)
+    3  ``walkthrough``: the device asked for is not available here (one line on stderr)
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -28,9 +33,17 @@ def _add_walkthrough(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "walkthrough", help="run every MLA path on an embedded example and check it",
-        description="Run every path (definition, prefill, chunked prefill, paged decode, "
-                    "the decode kernel) on random weights and print each one's error against "
-                    "the float64 definition. Exit status 1 if a row exceeds the tolerance.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run every path (definition, prefill, chunked prefill, paged decode, DCP) "
+                    "on random weights and print each one's error against the float64 "
+                    "definition; then the reference's kernel-level functions and mla.fast's "
+                    "kernels on the same latents against the dense absorbed attention.",
+        epilog="mla.fast rows: on a CUDA device in --dtype (bfloat16 or float32); on the CPU "
+               "in float32 under\nTriton's interpreter (this command sets TRITON_INTERPRET=1 "
+               "unless it is set), on the requests\nwith the shortest and the longest context; "
+               "a row that cannot run says why instead of passing.\n\n"
+               "exit status: 0 every row that ran is within its tolerance, 1 a row is over "
+               "it,\n2 bad arguments, 3 the device is not available.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v2-lite")
     p.add_argument("--dtype", choices=list(DTYPES), default="float64",
                    help="dtype of the paths (the reference is always float64 on the CPU)")
@@ -44,43 +57,66 @@ def _add_walkthrough(sub: argparse._SubParsersAction) -> None:
                    help="MCC of the chunked prefill: small, so there are several chunks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    p.add_argument("--no-fast", dest="fast", action="store_false",
+                   help="skip the mla.fast rows (on the CPU, Triton's interpreter is slow)")
     p.set_defaults(run=_walkthrough, parser=p)
 
 
 def _walkthrough(args: argparse.Namespace) -> int:
-    from mla.cli.walkthrough import format_table, run_walkthrough
+    import torch
+
+    from mla.cli.walkthrough import DeviceUnavailableError, format_table, run_walkthrough
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    try:
+        on_cpu = torch.device(args.device).type == "cpu"
+    except RuntimeError:
+        on_cpu = False  # run_walkthrough rejects the name
+    if args.fast and on_cpu:
+        # the interpreter is chosen when triton is imported, which mla.fast does at its first
+        # row: set it before. An explicit TRITON_INTERPRET=0 is kept (the rows then say why).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     t0 = time.perf_counter()
     try:
         rows = run_walkthrough(args.preset, args.dtype, args.device, args.context_lens,
                                args.new_tokens, args.block_size, args.max_context_chunk,
-                               args.seed, progress=progress)
+                               args.seed, progress=progress, fast=args.fast)
+    except DeviceUnavailableError as e:
+        print(f"mla walkthrough: {e}", file=sys.stderr)
+        return 3
     except (ValueError, TypeError) as e:
         args.parser.error(str(e))
     total = time.perf_counter() - t0
-    tol = rows[0].tolerance
     print(f"mla walkthrough: preset {args.preset}, {args.dtype} on {args.device}, "
           f"context lens {args.context_lens}, {args.new_tokens} new tokens, "
           f"block size {args.block_size}, MCC {args.max_context_chunk}, seed {args.seed}")
-    print(f"reference: float64 on the CPU, same inputs upcast; tolerance {tol:.0e} "
-          "(relative Frobenius error, conventions §11)")
+    print("reference: float64 on the CPU, same inputs upcast. limit: the relative Frobenius "
+          "(rel) or max absolute (abs) error a row may have: the tolerance of its dtype, or "
+          "for mla.fast the kernel's error budget (conventions §11)")
     print()
     print(format_table(rows))
-    failed = [r for r in rows if not r.passed]
     print()
+    ran = [r for r in rows if r.skipped is None]
+    failed = [r for r in ran if r.failed]
+    if on_cpu and any(r.path.startswith("fast ") for r in ran):
+        from mla.cli.kernel_rows import interpreter_requests
+
+        ctx = [args.context_lens[i] for i in interpreter_requests(args.context_lens)]
+        print(f"fast rows: Triton's interpreter on the CPU, float32, the requests with "
+              f"context {' and '.join(map(str, ctx))}")
+    skipped = f"; {len(rows) - len(ran)} skipped" if len(ran) < len(rows) else ""
     if failed:
-        print(f"{len(failed)} of {len(rows)} rows exceed the tolerance {tol:.0e}: "
+        print(f"{len(failed)} of {len(ran)} rows exceed their tolerance{skipped}: "
               + ", ".join(r.path for r in failed))
     else:
-        print(f"all {len(rows)} rows within {tol:.0e}  ({total:.1f} s)")
+        print(f"all {len(ran)} rows within their tolerance{skipped}  ({total:.1f} s)")
     if args.json:
         doc = {"preset": args.preset, "dtype": args.dtype, "device": args.device,
                "context_lens": args.context_lens, "new_tokens": args.new_tokens,
                "block_size": args.block_size, "max_context_chunk": args.max_context_chunk,
-               "seed": args.seed,
+               "seed": args.seed, "fast": args.fast,
                "rows": [{k: _json_number(v) for k, v in r.to_dict().items()} for r in rows]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2, allow_nan=False)
