@@ -65,6 +65,7 @@ def _index_off_by_one(f: Callable) -> Callable:
 
 # kernel -> (name in mla.fast, broken twins: label -> wrapper)
 TWINS: dict[str, dict[str, Callable]] = {
+    "attention_with_lse": {"out": _scaled_outputs(0), "lse": _scaled_outputs(1)},
     "mla_decode_paged": {"out": _scaled_outputs(0), "lse": _scaled_outputs(1)},
     "merge_attn_states": {"out": _scaled_outputs(0), "lse": _scaled_outputs(1)},
     "prefill_attention": {"out": _scaled_outputs(0), "lse": _scaled_outputs(1)},

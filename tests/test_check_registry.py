@@ -24,8 +24,9 @@ from mla.check.registry import (
 )
 from mla.compare import ERROR_BUDGETS
 
-FAMILIES = {"mla_decode_paged", "merge_attn_states", "concat_and_cache_mla", "gather_cache",
-            "convert_req_index_to_global_index", "prefill_attention",
+FAMILIES = {"attention_with_lse", "mla_decode_paged", "merge_attn_states",
+            "concat_and_cache_mla", "gather_cache", "convert_req_index_to_global_index",
+            "prefill_attention",
             "chunked_prefill_attention", "concat_and_cache_fp8_ds_mla", "sparse_mla_decode",
             "sparse_mla_prefill"}
 CPU = Ctx(device=torch.device("cpu"), dtype=torch.float16, quick=True)

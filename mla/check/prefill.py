@@ -29,7 +29,7 @@ from mla.reference.chunked import plan_context_chunks
 from mla.reference.paged_cache import make_block_table
 from mla.reference.prefill import prefill_attention as ref_prefill
 
-__all__ = ["prefill_cases", "chunked_cases"]
+__all__ = ["prefill_cases", "chunked_cases", "forced_route"]
 
 
 def _dims(quick: bool) -> tuple[int, int, int, int]:
@@ -46,7 +46,7 @@ def _weights(g: torch.Generator, Lkv: int, N: int, P: int, V: int, dtype: torch.
 
 
 @contextlib.contextmanager
-def _route(module: ModuleType, picker: str, route: str | None) -> Iterator[None]:
+def forced_route(module: ModuleType, picker: str, route: str | None) -> Iterator[None]:
     """Force ``module.<picker>`` to answer ``route`` within the block (None: leave it be).
     On the CPU the default route is the reference's own math, so the CPU cases force the
     Triton route: they are there to run the kernel."""
@@ -84,7 +84,7 @@ def _prefill(ctx: Ctx, salt: int, Sq: int, Skv: int, N: int, positions: bool,
         pos = {"q_positions": torch.arange(Skv - Sq, Skv, device=dev) * 3 - 1,
                "k_positions": torch.arange(Skv, device=dev) * 3}
     scale = (P + R) ** -0.5
-    with _route(fast_prefill, "pick_route", route), poisoned_alloc():
+    with forced_route(fast_prefill, "pick_route", route), poisoned_alloc():
         out, lse = fast.prefill_attention(q_nope, q_pe, kv_c, k_pe, W_UK, W_UV, scale, True,
                                           **pos)
     r_out, r_lse = ref_prefill(q_nope.double(), q_pe.double(), kv_c.double(), k_pe.double(),
@@ -126,7 +126,7 @@ def _chunked(ctx: Ctx, salt: int, ctx_lens: list[int], new: list[int], N: int, m
                        device=dev)
     plan = plan_context_chunks(ctx_lens, max_context_chunk=mcc)
     scale = (P + R) ** -0.5
-    with _route(fast_chunked, "varlen_route", route), poisoned_alloc():
+    with forced_route(fast_chunked, "varlen_route", route), poisoned_alloc():
         out, lse = fast.chunked_prefill_attention(q_nope, q_pe, kv_c, k_pe, qsl, kv_cache,
                                                   bt.to(dev), plan, W_UK, W_UV, scale)
     r_out, r_lse = ref_chunked(q_nope.double(), q_pe.double(), kv_c.double(), k_pe.double(),

@@ -1,0 +1,45 @@
+"""No kernel edit goes unchecked on the GPU.
+
+The Gluon sm_90 kernels cannot run in CI (Triton's interpreter does not run Gluon), so the
+last committed GPU check, ``benchmarks/results/gpu_check.json`` (written by ``PYTHONPATH=.
+python -m mla.check --out benchmarks/results/gpu_check.json`` on a GPU), records the sha256
+of every source under ``mla/fast/`` it ran. This test fails when a source in the tree differs
+from the one that check ran (edited, added or removed), when that check did not pass, or when
+it did not run the full bf16 case set on CUDA. The fix is to re-run the command above on a
+GPU and commit the result with the kernel change.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mla.check.registry import kernel_sources
+
+RECORD = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "gpu_check.json"
+RERUN = ("re-run `PYTHONPATH=. python -m mla.check --out benchmarks/results/gpu_check.json` "
+         "on a GPU and commit the result")
+
+
+@pytest.fixture(scope="module")
+def record() -> dict:
+    assert RECORD.exists(), f"no committed GPU check at {RECORD}: {RERUN}"
+    return json.loads(RECORD.read_text())
+
+
+def test_the_committed_gpu_check_passed_on_the_full_bf16_set(record):
+    assert record["device"].startswith("cuda"), f"{RECORD} ran on {record['device']}: {RERUN}"
+    assert record["dtype"] == "bfloat16" and not record["quick"], RERUN
+    assert record["passed"] and record["n_failed"] == 0, (
+        f"the committed GPU check has {record['n_failed']} failures: fix them, then {RERUN}")
+
+
+def test_kernel_sources_are_the_ones_the_gpu_check_ran(record):
+    ran, now = record["kernel_sources"], kernel_sources()
+    changed = sorted(p for p in ran.keys() & now.keys() if ran[p] != now[p])
+    added, removed = sorted(now.keys() - ran.keys()), sorted(ran.keys() - now.keys())
+    assert not (changed or added or removed), (
+        f"kernel sources differ from those the committed GPU check ({RECORD.name}) ran: "
+        f"changed {changed}, new {added}, gone {removed}; {RERUN}")
