@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mla import fast
 from mla.compare import LSE_ABS_TOL, assert_close, rel_err
 from mla.reference import attention_with_lse, merge_attn_states, merge_attn_states_list
 
@@ -228,3 +230,55 @@ def test_merge_of_halves_is_not_their_average():
     (o_a, _), (o_b, _) = (attention_with_lse(q, k[:4], v[:4], 1.0),
                           attention_with_lse(q, k[4:], v[4:], 1.0))
     assert rel_err((o_a + o_b) / 2, o_full) > 1e-2
+
+
+NAN = float("nan")
+INF = float("inf")
+
+
+@pytest.mark.parametrize("path", ["reference", "fast"])
+def test_nan_lse_is_nan_out_not_a_marker(path):
+    """conventions §13 on both paths (the reference in float64, ``mla.fast``'s kernel in
+    float32, under the interpreter on the CPU): a NaN lse is not the "empty" marker. Merged
+    with a present side it gives NaN o and lse (not 0, not the other side passed through);
+    beside an empty side it is the present one and passes through like any other; a NaN in a
+    present side's o stays in that element; an empty side's NaN o is never read."""
+    merge, dtype = ((merge_attn_states, torch.float64) if path == "reference"
+                    else (fast.merge_attn_states, torch.float32))
+    gen = torch.Generator().manual_seed(7)
+    T, N, D = 6, 2, 5
+    o_p, o_s = (torch.randn(T, N, D, generator=gen, dtype=torch.float64).to(dtype)
+                for _ in range(2))
+    lse_p, lse_s = (torch.randn(N, T, generator=gen, dtype=torch.float64).to(dtype)
+                    for _ in range(2))
+    clean_o, clean_lse = merge(o_p, lse_p, o_s, lse_s)
+    lse_p[0, 0] = NAN  # (n, t) = (0, 0): NaN beside a present side
+    lse_p[0, 1], lse_s[0, 1] = NAN, INF  # (0, 1): NaN beside an empty side
+    lse_p[0, 2], lse_s[0, 2] = -INF, NAN  # (0, 2): the same, the other way round
+    o_p[3, 0, 1] = NAN  # (0, 3): one NaN element in a present side's o
+    lse_p[1, 4], lse_s[1, 4] = NAN, NAN  # (1, 4): both NaN
+    lse_p[1, 5], o_p[5, 1] = INF, NAN  # (1, 5): an empty side holding NaN
+    o, lse = merge(o_p, lse_p, o_s, lse_s)
+
+    assert torch.isnan(o[0, 0]).all() and torch.isnan(lse[0, 0])
+    assert torch.isnan(o[4, 1]).all() and torch.isnan(lse[1, 4])
+    assert torch.equal(o[1, 0], o_p[1, 0]) and torch.isnan(lse[0, 1])
+    assert torch.equal(o[2, 0], o_s[2, 0]) and torch.isnan(lse[0, 2])
+    assert torch.isnan(o[3, 0, 1]) and not torch.isnan(o[3, 0, [0, 2, 3, 4]]).any()
+    assert torch.equal(lse[0, 3], clean_lse[0, 3])
+    assert torch.equal(o[5, 1], o_s[5, 1]) and torch.equal(lse[1, 5], lse_s[1, 5])
+    untouched = torch.ones(N, T, dtype=torch.bool)
+    untouched[0, :4] = untouched[1, 4:] = False
+    assert torch.equal(o[untouched.T], clean_o[untouched.T])
+    assert torch.equal(lse[untouched], clean_lse[untouched])
+
+
+def test_nan_lse_in_a_list_merge():
+    """The K-state merge: one NaN lse among present states makes the entry NaN."""
+    gen = torch.Generator().manual_seed(8)
+    states = [(torch.randn(3, 2, 4, generator=gen, dtype=torch.float64),
+               torch.randn(2, 3, generator=gen, dtype=torch.float64)) for _ in range(3)]
+    states[1][1][1, 2] = NAN
+    o, lse = merge_attn_states_list([s[0] for s in states], [s[1] for s in states])
+    assert torch.isnan(o[2, 1]).all() and torch.isnan(lse[1, 2])
+    assert torch.isfinite(o[:2]).all() and torch.isfinite(lse[:, :2]).all()

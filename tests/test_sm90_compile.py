@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,8 +30,18 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
+from triton.compiler.errors import CompilationError  # noqa: E402
+
+import mla.fast.decode as fast_decode  # noqa: E402
+import mla.fast.sparse as fast_sparse  # noqa: E402
+from mla.fast import sm90  # noqa: E402
+from mla.fast.decode import DecodePlan, mla_decode_paged  # noqa: E402
 from mla.fast.sm90 import decode as sm90_decode  # noqa: E402
 from mla.fast.sm90 import sparse as sm90_sparse  # noqa: E402
+from mla.fast.sparse import SparsePlan, sparse_mla_prefill  # noqa: E402
+from mla.reference.decode import mla_decode_paged as ref_decode  # noqa: E402
+from mla.reference.paged_cache import make_block_table  # noqa: E402
+from mla.reference.sparse import sparse_mla_prefill as ref_prefill  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 232448  # bytes of shared memory per program on an H200 (227 KB)
@@ -132,3 +143,90 @@ def test_supported_is_false_for_cpu_tensors(dtype):
     assert sm90_sparse.supported(q, kv_cache.view(-1, 576), 512, False, 64) is False
     kv8 = torch.zeros(256, 656, dtype=torch.uint8)
     assert sm90_sparse.supported(q, kv8, 512, True, 64) is False
+
+
+# ------------------------------------------------------------------------------------------
+# A Triton whose Gluon cannot build the kernels: the Triton kernels run instead, one warning
+# ------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def gluon_state(monkeypatch):
+    """``mla.fast.sm90``'s verdict as a fresh process starts with it, restored afterwards."""
+    monkeypatch.setattr(sm90, "_why_not", "")
+    monkeypatch.setattr(sm90, "_imported", False)
+
+
+class _Unbuildable:
+    """A Gluon kernel as Triton 3.7 treated 3.6's ``gl.thread_barrier``: compiling it raises."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.attempts += 1
+            raise CompilationError(None, None, "AttributeError(\"module 'triton.experimental."
+                                   "gluon.language' has no attribute 'thread_barrier'\")")
+        return launch
+
+
+def _decode_inputs():
+    g = torch.Generator().manual_seed(0)
+    bt, nb = make_block_table([37, 20], 16, seed=0)
+    kv = torch.randn(nb, 16, 40, generator=g)
+    q = torch.randn(2, 1, 4, 40, generator=g)
+    return q, kv, bt, torch.tensor([37, 20], dtype=torch.int32)
+
+
+def test_gluon_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch,
+                                                                        gluon_state):
+    """The first 64-row call routed to a Gluon kernel that does not compile warns once
+    (RuntimeWarning naming the Triton version and the error) and returns the Triton kernel's
+    result; later calls, decode and sparse, go to Triton without trying or warning again."""
+    decode_kernel, sparse_kernel = _Unbuildable(), _Unbuildable()
+    monkeypatch.setattr(sm90_decode, "decode_kernel", decode_kernel)
+    monkeypatch.setattr(sm90_sparse, "sparse_kernel", sparse_kernel)
+    # as on an H200: the route is taken whenever the Gluon kernels are usable
+    monkeypatch.setattr(fast_decode, "_sm90_route", lambda *args: sm90.usable())
+    monkeypatch.setattr(fast_sparse, "_sm90_route", lambda *args: sm90.usable())
+    q, kv, bt, sl = _decode_inputs()
+    plan = DecodePlan(64, 16, 2, 4, 1)
+    ref_out, ref_lse = ref_decode(q.double(), kv.double(), bt, sl, 0.2, False, 32)
+    with pytest.warns(RuntimeWarning, match=r"Gluon sm_90 kernels cannot be built with triton "
+                      r"\S+ \(CompilationError: .*thread_barrier") as record:
+        out, lse = mla_decode_paged(q, kv, bt, sl, 0.2, False, 32, plan=plan)
+    assert len(record) == 1 and decode_kernel.attempts == 1
+    assert torch.allclose(out.double(), ref_out, atol=1e-5)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again, _ = mla_decode_paged(q, kv, bt, sl, 0.2, False, 32, plan=plan)
+        qs, kvs = torch.randn(3, 4, 40), torch.randn(10, 40)
+        idx = torch.randint(-1, 10, (3, 16), dtype=torch.int32)
+        got = sparse_mla_prefill(qs, kvs, idx, 0.2, 32, plan=SparsePlan(64, 16, 1, 4, 1))
+    assert torch.equal(again, out) and decode_kernel.attempts == 1
+    assert sparse_kernel.attempts == 0
+    ref = ref_prefill(qs.double(), kvs.double(), idx, 0.2, 32)
+    assert all(torch.allclose(a.double(), b, atol=1e-5) for a, b in zip(got, ref))
+
+
+def test_gluon_that_fails_to_import_falls_back_with_one_warning(monkeypatch, gluon_state):
+    """A Triton without the Gluon names the kernels import (their modules fail to import):
+    ``usable()`` is False after one warning, and stays False without another."""
+    monkeypatch.setitem(sys.modules, "mla.fast.sm90.decode", None)
+    monkeypatch.delattr(sm90, "decode")
+    with pytest.warns(RuntimeWarning, match="Gluon sm_90 kernels cannot be built"):
+        assert sm90.usable() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sm90.usable() is False
+
+
+def test_the_barrier_is_this_triton_s():
+    """3.6 names the CTA barrier ``gl.thread_barrier``, 3.7 ``gl.barrier``: the kernels use
+    whichever this Triton has."""
+    from triton.experimental.gluon import language as gl
+
+    from mla.fast.sm90.softmax import barrier
+
+    assert barrier is getattr(gl, "barrier", getattr(gl, "thread_barrier", None))
