@@ -14,7 +14,7 @@ PyTorch ``Linear`` layout: a weight is ``[out_features, in_features]`` and ``y =
 
 "Per head" means head-major rows: head ``n`` owns rows ``n·(P+R) .. (n+1)·(P+R)``, its ``P``
 nope rows first. ``W_UK`` viewed ``[Lkv, N, P]`` and ``W_UV`` viewed ``[Lkv, N, V]`` are the
-seed's orientations (``process_weights_after_loading``).
+orientations of vLLM 0.11 ``mla/common.py`` (``process_weights_after_loading``).
 """
 
 from __future__ import annotations

@@ -176,6 +176,25 @@ def test_cp_lse_ag_out_rs_is_the_merge() -> None:
         assert torch.equal(o_r, out[:, head_slice(H, W, r)])
 
 
+
+def test_cp_lse_ag_out_rs_keeps_nan() -> None:
+    """A NaN lse on one rank is a NaN result for that query and head on every path
+    (conventions §13), not "no keys": the other queries and heads are untouched."""
+    W, Tq, H, D = 2, 3, 4, 5
+    outs = [randn(Tq, H, D, seed=r) for r in range(W)]
+    lses = [randn(Tq, H, seed=20 + r) for r in range(W)]
+    lses[1][2, 3] = float("nan")
+    got = run_simulated(W, lambda comm: cp_lse_ag_out_rs(outs[comm.rank], lses[comm.rank],
+                                                        comm, return_lse=True))
+    out = torch.cat([o for o, _ in got], dim=1)
+    lse = torch.cat([lse for _, lse in got], dim=1)
+    assert out[2, 3].isnan().all() and lse[2, 3].isnan()
+    keep = torch.ones(Tq, H, dtype=torch.bool)
+    keep[2, 3] = False
+    ref_o, ref_lse = merge_attn_states_list(outs, [x.T for x in lses])
+    assert_close(out[keep], ref_o[keep], 1e-12)
+    assert_close(lse[keep], ref_lse.T[keep], 1e-12)
+
 # --- sharding -----------------------------------------------------------------------------
 
 @given(lens=st.lists(st.integers(0, 200), min_size=1, max_size=6), W=st.integers(1, 9),

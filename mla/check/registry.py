@@ -73,7 +73,7 @@ def register(kernel: str, fast_name: str) -> Callable:
 
 
 def gen(ctx: Ctx, salt: int) -> torch.Generator:
-    """The CPU generator of one case: a case's inputs depend on the seed and its salt only."""
+    """The CPU generator of one case: its inputs depend on the random seed and the salt only."""
     return torch.Generator().manual_seed(ctx.seed * 1000003 + salt)
 
 

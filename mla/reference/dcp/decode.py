@@ -66,9 +66,11 @@ def cp_lse_ag_out_rs(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, comm:
     keys, all ``N`` heads. The lse are all-gathered, each rank scales its output by
     ``exp(lse_r - lse)`` and the scaled outputs are reduce-scattered along heads: rank ``r``
     returns ``out [T, N/W, D]`` (heads ``head_slice(N, W, r)``) and, with ``return_lse``,
-    ``lse [T, N/W]``. ``±inf`` and NaN in ``cp_attn_lse`` mean "no keys" and weigh 0; a query
-    no rank saw gets ``out = 0``, ``lse = -inf``. The scaling and the sum run in float32 (or
-    float64), so that adding ``W`` partials costs no extra rounding in bf16.
+    ``lse [T, N/W]``. ``±inf`` in ``cp_attn_lse`` means "no keys" and weighs 0; a query no
+    rank saw gets ``out = 0``, ``lse = -inf``. A NaN lse on any rank makes that query's ``out``
+    and ``lse`` NaN (conventions §13: a NaN is never read as "no keys"). The scaling and the
+    sum run in float32 (or float64), so that adding ``W`` partials costs no extra rounding in
+    bf16.
     """
     check_float("cp_attn_out", cp_attn_out, ndim=3)
     Tq, N, _ = cp_attn_out.shape
@@ -77,6 +79,7 @@ def cp_lse_ag_out_rs(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, comm:
     heads = head_slice(N, comm.world_size, comm.rank)
     work = acc_dtype(cp_attn_out.dtype)
     lses = comm.all_gather(cp_attn_lse.to(work)[None], dim=0)  # [W, T, N]
+    poisoned = torch.isnan(lses).any(dim=0)  # [T, N]
     lses = torch.where(torch.isinf(lses) | torch.isnan(lses), float("-inf"), lses)
     m = lses.max(dim=0).values
     m_safe = torch.where(torch.isneginf(m), 0.0, m)
@@ -85,6 +88,8 @@ def cp_lse_ag_out_rs(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, comm:
     factor = torch.where(torch.isneginf(mine), 0.0, torch.exp(mine - lse))[..., None]
     # a rank without keys contributes exactly nothing, whatever its output holds
     scaled = torch.where(factor > 0, cp_attn_out.to(work) * factor, 0.0)
+    scaled = torch.where(poisoned[..., None], float("nan"), scaled)
+    lse = torch.where(poisoned, float("nan"), lse)
     out = comm.reduce_scatter(scaled, dim=1).to(cp_attn_out.dtype)
     if return_lse:
         return out, lse[:, heads].contiguous()
