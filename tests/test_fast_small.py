@@ -19,8 +19,13 @@ the reference run in the input dtype (float32 accumulation); their ``o`` still a
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from _nan_rule import assert_nan_rule
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -339,6 +344,12 @@ def test_attention_cases_cover_both_load_paths():
     assert not _tma_ok(x[..., :16], x[..., 16:], v20)
 
 
+# The routes the attention and prefill tests force. "default" is whatever the function picks:
+# on the CPU that is the reference's own math, which would compare the reference with itself,
+# so there test_cpu_route_is_the_reference checks the choice once instead.
+ROUTES = ["triton"] + (["default"] if ON_GPU else [])
+
+
 def _cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 
@@ -374,13 +385,37 @@ def test_flash_attention_matches_reference(case, dtype, poisoned_alloc):
     assert_close(lse, torch.cat(ref_lse, dim=1), name="lse", abs_tol=LSE_ABS_TOL)
 
 
-@pytest.mark.parametrize("route", ["default", "triton"])
+def test_flash_attention_nan_is_nan_out_not_a_marker(poisoned_alloc):
+    """conventions §13, on both paths: a NaN in one query's q makes its o and lse NaN (not
+    lse = -inf, the "no key" marker); a NaN in a key makes exactly the queries that see it NaN
+    (causally: the later ones); a request without keys stays "no key"."""
+    gen = torch.Generator().manual_seed(9)
+    q_lens, k_lens = [12, 3], [20, 0]
+    q = rand(15, 2, 24, gen=gen, dtype=torch.float32)
+    k = rand(20, 2, 24, gen=gen, dtype=torch.float32)
+    v = rand(20, 2, 16, gen=gen, dtype=torch.float32)
+    q[3, 1, 5] = float("nan")
+    q[13, 0, 0] = float("nan")  # request 1 has no keys
+    k[15, 0, 2] = float("nan")  # seen by queries 7.. of request 0, head 0
+    cu_q, cu_k = _cu(q_lens), _cu(k_lens)
+    o, lse = flash_attention_with_lse(q[..., :16], q[..., 16:], k[..., :16], k[..., 16:], v,
+                                      cu_q.to(DEVICE), cu_k.to(DEVICE), 12, 0.3, True)
+    parts = [ref_attention.attention_with_lse(up(q[:12]), up(k), up(v), 0.3, True),
+             ref_attention.attention_with_lse(up(q[12:]), up(k[:0]), up(v[:0]), 0.3, True)]
+    ref_o = torch.cat([p[0] for p in parts])
+    ref_lse = torch.cat([p[1] for p in parts], dim=1)
+    assert torch.isnan(ref_lse[1, 3]) and torch.isnan(ref_lse[0, 7:12]).all()
+    assert not torch.isnan(ref_lse[0, :7]).any() and torch.isneginf(ref_lse[:, 12:]).all()
+    assert_nan_rule(o, ref_o, 1e-5, name="o")
+    assert_nan_rule(lse, ref_lse, name="lse", abs_tol=1e-5)
+
+
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("Sq,Skv,causal", [(33, 33, True), (17, 40, False), (0, 5, True)])
 def test_attention_with_lse_dispatch(Sq, Skv, causal, dtype, route, monkeypatch):
-    """The public entry point, by the route it picks (cuDNN on a GPU for bf16/fp16, the
-    reference's math on the CPU) and forced onto the Triton route (the kernel, under the
-    interpreter on the CPU)."""
+    """The public entry point forced onto the Triton route (the kernel, under the interpreter
+    on the CPU) and, on a GPU, by the route it picks (cuDNN for bf16/fp16)."""
     if route != "default":
         monkeypatch.setattr(fast_attention, "pick_route", lambda *args: route)
     gen = torch.Generator().manual_seed(Sq)
@@ -396,6 +431,28 @@ def test_attention_with_lse_dispatch(Sq, Skv, causal, dtype, route, monkeypatch)
 
 # ----------------------------------------------------------------------- prefill, chunked
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU's route")
+def test_cpu_route_is_the_reference():
+    """On the CPU ``attention_with_lse`` and ``prefill_attention`` pick the reference's math
+    (the Triton kernel runs there only under the interpreter, forced in the tests above): their
+    results are the reference's own, bit for bit (float32 here, float64 alike)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (rand(9, 2, 24, gen=gen, dtype=torch.float32) for _ in range(3))
+    assert fast_attention.pick_route(q.device, q.dtype, 9, 9, 2, 2, 24, 24, True,
+                                     False) == "reference"
+    got = attention_with_lse(q, k, v, 0.3, True)
+    ref = ref_attention.attention_with_lse(q, k, v, 0.3, True)
+    assert all(bitwise_equal(a, b) for a, b in zip(got, ref))
+    W_UK, W_UV = _mla(gen, torch.float32)
+    args = (rand(9, 4, 16, gen=gen, dtype=torch.float32), rand(9, 4, 8, gen=gen,
+                                                               dtype=torch.float32),
+            rand(9, 32, gen=gen, dtype=torch.float32), rand(9, 8, gen=gen, dtype=torch.float32),
+            W_UK, W_UV, 0.2, True)
+    got = prefill_attention(*args)
+    ref = ref_prefill.prefill_attention(*args)
+    assert all(bitwise_equal(a, b) for a, b in zip(got, ref))
+
+
 def _mla(gen: torch.Generator, dtype: torch.dtype, Lkv: int = 32, N: int = 4, P: int = 16,
          R: int = 8, V: int = 16):
     W_UK = rand(Lkv, N, P, gen=gen, dtype=dtype, scale=0.3)
@@ -403,12 +460,12 @@ def _mla(gen: torch.Generator, dtype: torch.dtype, Lkv: int = 32, N: int = 4, P:
     return W_UK, W_UV
 
 
-@pytest.mark.parametrize("route", ["default", "triton"])
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("Sq,Skv,positions", [(29, 29, False), (11, 30, False), (9, 9, True)])
 def test_prefill_attention_matches_reference(Sq, Skv, positions, dtype, route, monkeypatch):
-    """By the route ``pick_route`` picks (on the CPU: the reference's math) and forced onto the
-    Triton route (up-projection + the kernel; under the interpreter on the CPU)."""
+    """Forced onto the Triton route (up-projection + the kernel; under the interpreter on the
+    CPU) and, on a GPU, by the route ``pick_route`` picks."""
     if route != "default":
         monkeypatch.setattr(fast_prefill, "pick_route", lambda *args: route)
     gen = torch.Generator().manual_seed(Skv)
@@ -433,12 +490,15 @@ def test_prefill_attention_matches_reference(Sq, Skv, positions, dtype, route, m
     assert_close(lse, ref_lse, name="lse", abs_tol=LSE_ABS_TOL)
 
 
-# "default" is whatever varlen_route picks (the reference's attention on the CPU); cuDNN
-# attention takes bf16/fp16 only. Chunk size 1 (40 chunks) on the default route only: the
-# interpreter runs each launch in Python.
+# "default" (on a GPU) is whatever varlen_route picks; cuDNN attention takes bf16/fp16 only.
+# On the CPU the route varlen_route picks is the reference's attention, named "reference"
+# here: those cases still run fast code, the gathers and merges (Triton, under the
+# interpreter) around it. Chunk size 1 (40 chunks) on that route only: the interpreter runs
+# each launch in Python.
+_PICKED = "default" if ON_GPU else "reference"
 CHUNKED_CASES = [(route, dtype, mcc) for dtype in FLOATS
-                 for route in ["default", "triton"] + (["cudnn"] if ON_GPU else [])
-                 for mcc in ([1, 64] if route == "default" else [7, 64])
+                 for route in [_PICKED, "triton"] + (["cudnn"] if ON_GPU else [])
+                 for mcc in ([1, 64] if route == _PICKED else [7, 64])
                  if not (route == "cudnn" and dtype == torch.float32)]
 
 
@@ -493,3 +553,21 @@ def test_gpu_check_fails_a_missing_kernel(monkeypatch):
     ctx = check.Ctx(device=torch.device(DEVICE), dtype=torch.float16, quick=True)
     (result,) = check.run_checks(ctx, ["nowhere"])
     assert not result.passed and "no_such_function" in result.error
+
+# ------------------------------------------------------------------------------- set-up
+
+def test_import_without_triton_says_what_to_install():
+    """Without triton, ``import mla.fast`` raises an ImportError naming the extra to install
+    (not a bare ModuleNotFoundError), while ``mla`` and ``mla.reference`` import as usual."""
+    code = ("import sys\n"
+            "sys.modules['triton'] = None  # as if not installed: 'import triton' fails\n"
+            "import mla, mla.reference\n"
+            "try:\n"
+            "    import mla.fast\n"
+            "except ImportError as e:\n"
+            "    print(type(e).__name__ + ': ' + str(e))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("ImportError: mla.fast needs Triton"), done.stdout
+    assert 'pip install "mla[triton]"' in done.stdout
