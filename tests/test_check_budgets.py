@@ -20,8 +20,9 @@ RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 LOW, HIGH = 1.5, 3.0
 MIN_SEEDS = 10
 COMMANDS = {
-    ("cuda", "bfloat16"): "PYTHONPATH=. python -m mla.check --seeds 10 "
-                          "--out benchmarks/results/error_budget_gpu_bfloat16.json (on a GPU)",
+    ("cuda", "bfloat16"): "on a GPU, in parts that fit a time limit: PYTHONPATH=. python -m "
+                          "mla.check --seed 0 --seeds 5 --out benchmarks/results/"
+                          "error_budget_gpu_bfloat16_s0.json, then --seed 5 ... _s5.json",
     ("cpu", "float16"): "TRITON_INTERPRET=1 python -m mla.check --device cpu --dtype float16 "
                         "--seeds 30 --out benchmarks/results/error_budget_cpu_float16.json",
     ("cpu", "float32"): "TRITON_INTERPRET=1 python -m mla.check --device cpu --dtype float32 "

@@ -24,10 +24,11 @@ __all__ = ["attention_cases"]
 
 
 def _attention(ctx: Ctx, salt: int, Sq: int, Skv: int, N: int, Nk: int, D: int, Dv: int,
-               causal: bool, positions: bool, route: str | None) -> Metrics:
+               causal: bool, positions: bool, route: str | None, logit_scale: float = 1.0
+               ) -> Metrics:
     g = gen(ctx, salt)
     dev, dt = ctx.device, ctx.dtype
-    q = torch.randn(Sq, N, D, generator=g).to(dt).to(dev)
+    q = (torch.randn(Sq, N, D, generator=g) * logit_scale).to(dt).to(dev)
     k = torch.randn(Skv, Nk, D, generator=g).to(dt).to(dev)
     v = torch.randn(Skv, Nk, Dv, generator=g).to(dt).to(dev)
     pos = {}
@@ -45,18 +46,21 @@ def _attention(ctx: Ctx, salt: int, Sq: int, Skv: int, N: int, Nk: int, D: int, 
 def attention_cases(ctx: Ctx) -> Iterator[Case]:
     if ctx.quick:
         route = "triton" if ctx.device.type == "cpu" else None
-        cases = [(33, 33, 4, 4, 24, 16, True, False, route),
-                 (17, 40, 4, 2, 24, 16, False, False, route),
-                 (9, 20, 2, 2, 24, 16, True, True, route),
-                 (1, 1, 2, 2, 24, 16, True, False, route)]
+        cases = [(33, 33, 4, 4, 24, 16, True, False, route, 1.0),
+                 (17, 40, 4, 2, 24, 16, False, False, route, 1.0),
+                 (9, 20, 2, 2, 24, 16, True, True, route, 1.0),
+                 (1, 1, 2, 2, 24, 16, True, False, route, 1.0),
+                 (17, 40, 4, 4, 24, 16, False, False, route, 30.0)]
     else:
-        cases = [(s, k, N, N, 192, 128, c, p, r) for r in (None, "triton")
+        cases = [(s, k, N, N, 192, 128, c, p, r, 1.0) for r in (None, "triton")
                  for s, k, N, c, p in ((2048, 2048, 16, True, False),
                                        (777, 1300, 16, False, False),
                                        (500, 500, 128, True, True))]
-        cases.append((1, 1, 128, 128, 192, 128, True, False, None))
-    for i, (Sq, Skv, N, Nk, D, Dv, causal, positions, route) in enumerate(cases):
+        cases += [(1, 1, 128, 128, 192, 128, True, False, None, 1.0),
+                  (777, 1300, 16, 16, 192, 128, False, False, "triton", 30.0)]
+    for i, (Sq, Skv, N, Nk, D, Dv, causal, positions, route, x) in enumerate(cases):
         yield Case(f"Sq={Sq} Skv={Skv} N={N}/{Nk} D={D}/{Dv} causal={int(causal)} "
-                   f"positions={int(positions)} route={route or 'default'}",
-                   lambda a=(100 + i, Sq, Skv, N, Nk, D, Dv, causal, positions, route):
+                   f"positions={int(positions)} route={route or 'default'}"
+                   + (f" logits x{x:g}" if x != 1.0 else ""),
+                   lambda a=(100 + i, Sq, Skv, N, Nk, D, Dv, causal, positions, route, x):
                    _attention(ctx, *a))

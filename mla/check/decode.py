@@ -125,6 +125,10 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
         yield Case("D=576/512 N=2 split=3 no-TMA",
                    _case(ctx, 11, [0, 1, 65, 200], 1, 2, False,
                          plan=DecodePlan(16, 64, 3, 4, 1, use_tma=False)))
+        yield Case("D=40/32 N=4 logits x30", _case(ctx, 14, edge_small, 1, 4, False, 16, D=40,
+                                                   dv=32, logit_scale=30.0))
+        yield Case("D=576/512 N=16 logits x30", _case(ctx, 15, [0, 1, 65, 200], 1, 16, False,
+                                                      logit_scale=30.0))
         yield Case("D=576/512 N=64 s_q=2 causal TMA split=2",
                    _case(ctx, 12, [0, 1, 65, 200], 2, 64, True,
                          plan=DecodePlan(64, 32, 2, 8, 2, use_tma=True)))

@@ -173,6 +173,8 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
                    [70, 29])
         yield case("latent cache B=3 N=16 topk=100 split=3", 501, 3, 1, 16, 100, 400, False,
                    plan=SparsePlan(16, 64, 3, 4, 1), all_invalid=1)
+        yield case("latent cache B=2 N=16 topk=100 logits x30", 504, 2, 1, 16, 100, 400, False,
+                   logit_scale=30.0)
         if ctx.device.type == "cuda":  # the sm_90 kernel's fp8 and bf16 paths
             yield case("fp8 B=2 N=128 topk=2048", 502, 2, 1, 128, 2048, 5000, True)
             yield case("bf16 cache B=2 s_q=2 N=64 topk=130 lens 130,1", 503, 2, 2, 64, 130,
@@ -210,10 +212,10 @@ def prefill_cases(ctx: Ctx) -> Iterator[Case]:
     """``mla.fast.sparse_mla_prefill``: 16/64/128 heads, top-k 2048 and ragged lengths,
     indices ``-1``, ``< -1`` and ``>= s_kv``, a lonely query, few queries (splits)."""
     def run(salt: int, s_q: int, N: int, topk: int, s_kv: int, with_lens: bool = False,
-            plan: Any = None) -> Metrics:
+            plan: Any = None, logit_scale: float = 1.0) -> Metrics:
         g = gen(ctx, salt)
         dt, dev = ctx.dtype, ctx.device
-        q = torch.randn(s_q, N, D, generator=g).to(dt).to(dev)
+        q = (torch.randn(s_q, N, D, generator=g) * logit_scale).to(dt).to(dev)
         kv = torch.full((s_kv, D), float("nan"), dtype=dt)
         used = torch.randperm(s_kv, generator=g)[: (3 * s_kv) // 4]
         kv[used] = torch.randn(len(used), D, generator=g).to(dt)
@@ -248,6 +250,8 @@ def prefill_cases(ctx: Ctx) -> Iterator[Case]:
         yield case("s_q=5 N=4 topk=70 s_kv=200 lens", 560, 5, 4, 70, 200, True)
         yield case("s_q=3 N=16 topk=100 s_kv=300 split=2", 561, 3, 16, 100, 300,
                    plan=SparsePlan(16, 64, 2, 4, 1))
+        yield case("s_q=4 N=16 topk=70 s_kv=200 logits x30", 563, 4, 16, 70, 200,
+                   logit_scale=30.0)
         if ctx.device.type == "cuda":  # the sm_90 kernel
             yield case("s_q=5 N=64 topk=65 s_kv=90 lens", 562, 5, 64, 65, 90, True)
         return
@@ -259,3 +263,5 @@ def prefill_cases(ctx: Ctx) -> Iterator[Case]:
                plan=SparsePlan(64, 64, 4, 8, 2))
     yield case("s_q=33 N=128 topk=64 s_kv=50 (more picks than rows)", 575, 33, 128, 64, 50)
     yield case("s_q=7 N=128 topk=1 s_kv=10 (one pick)", 576, 7, 128, 1, 10)
+    yield case("s_q=64 N=128 topk=2048 s_kv=4096 logits x30", 577, 64, 128, 2048, 4096,
+               logit_scale=30.0)
