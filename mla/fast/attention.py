@@ -13,18 +13,18 @@ Routes (``pick_route``), measured on the H200 in benchmarks/results/prefill_rout
 - ``"cudnn"``: ``torch.ops.aten._scaled_dot_product_cudnn_attention`` with
   ``compute_log_sumexp=True``. bf16/fp16 on CUDA, ``Nk = N``, no explicit positions, and
   ``Sq = Skv`` when causal (cuDNN's causal mask is top-left aligned, which equals ours only
-  then). The fastest route measured: 544 and 569 TFLOP/s for causal QK 192 / V 128 at
-  (1, 4096, 128) and (1, 16384, 16), against 412 and 487 for the Triton kernel below.
+  then). The fastest route measured for causal QK 192 / V 128, ahead of the Triton kernel
+  below.
 - ``"triton"``: the kernel below (FlashAttention-2 style online softmax in base 2). Any case
   on CUDA: fp16/bf16/fp32, grouped heads, explicit positions, ``Sq != Skv``, ragged batches in
   one launch (``flash_attention_with_lse``), QK dims that are not powers of two (the query and
   key come in two parts, e.g. 128 nope + 64 rope columns, so nothing is padded or concatenated).
   Tiles come through tensor descriptors (TMA) when the layout allows it (16-byte aligned rows,
-  heads and widths, as DeepSeek's 128 + 64 / 128 are): ptxas reports no spills at 128×64
-  tiles, 8 warps, 3 stages, where the same kernel with per-element pointer tiles spills
-  1.5 KB per thread. Other layouts take the pointer loads.
+  heads and widths, as DeepSeek's 128 + 64 / 128 are): the per-element pointer tiles need so
+  many address registers that the kernel spills at 128×64 tiles, 8 warps, 3 stages (ptxas),
+  the descriptor tiles do not. Other layouts take the pointer loads.
 - ``"reference"``: the reference's math, on the CPU and for float64. (The Triton kernel runs on
-  the CPU too under ``TRITON_INTERPRET=1``: the tests call ``flash_attention_with_lse``.)
+  the CPU too under ``TRITON_INTERPRET=1``: the tests force the ``"triton"`` route.)
 """
 
 from __future__ import annotations
