@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU-machine session: correctness grid, then the benchmark (with the plan sweep).
 # Usage (repo root, on the GPU machine):
-#   OUT=dir bash benchmarks/device_run.sh [check|bench|bench-nosweep|sparse|small|routes|sanitize]...
+#   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|sanitize]...
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -13,6 +13,10 @@ steps=("$@")
 for step in "${steps[@]}"; do
   case $step in
     check) timeout 300 python -m mla.check --out "$OUT/check.json" 2>&1 | tee "$OUT/check.log" ;;
+    # the fast kernels' tests on the GPU: bf16 cases, and the Gluon sm_90 kernels' NaN rule
+    tests) timeout 500 python -m pytest -q -p no:cacheprovider tests/test_fast_sm90.py \
+             tests/test_fast_decode.py tests/test_fast_sparse.py tests/test_fast_small.py \
+             tests/test_merge.py 2>&1 | tee "$OUT/tests.log" ;;
     bench) timeout 330 python -m benchmarks.run --only decode --sweep --out-dir "$OUT" 2>&1 \
              | tee "$OUT/bench.log" ;;
     sparse) timeout 200 python -m benchmarks.run --only sparse --out-dir "$OUT" 2>&1 \
