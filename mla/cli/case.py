@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -22,12 +23,13 @@ from mla.reference import Front, make_block_table, mla_front, naive_forward
 from mla.weights import MLAWeights
 
 __all__ = ["Case", "DeviceUnavailableError", "DTYPES", "Measurement", "REFERENCE", "Row", "RowSpec",
-           "CannotRunError", "check_device", "make_registrar", "timed"]
+           "CannotRunError", "UpProj", "check_device", "make_registrar", "timed"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
 }
 REFERENCE = torch.float64  # the definition always runs in float64 on the CPU
 
@@ -51,10 +53,10 @@ def check_device(device: str | torch.device) -> torch.device:
     if dev.type == "cpu":
         return dev
     if dev.type == "cuda":
-        if torch.version.cuda is None:
-            why = f"this torch ({torch.__version__}) is built without CUDA"
-        elif not torch.cuda.is_available():
-            why = "no CUDA device is visible"
+        if not torch.cuda.is_available():
+            built = torch.version.cuda is not None or torch.version.hip is not None
+            why = ("no CUDA device is visible" if built else
+                   f"this torch ({torch.__version__}) is built without CUDA")
         elif dev.index is not None and dev.index >= torch.cuda.device_count():
             why = f"this machine has {torch.cuda.device_count()} CUDA device(s)"
         else:
@@ -66,6 +68,11 @@ def check_device(device: str | torch.device) -> torch.device:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DeviceUnavailableError(f"device {str(device)!r} is not available: {first}") from None
     return dev
+
+
+class UpProj(NamedTuple):
+    W_UK: torch.Tensor  # [Lkv, N, P]
+    W_UV: torch.Tensor  # [Lkv, N, V]
 
 
 @dataclass
@@ -143,20 +150,21 @@ class Case:
                               for f in self.fronts_ref]
         return self.memo[key]  # type: ignore[return-value]
 
-    def weights_as(self, dtype: torch.dtype, device: torch.device) -> MLAWeights:
-        """``weights_ref`` rounded to ``dtype`` on ``device`` (the run's own for its dtype)."""
-        key = ("weights", dtype, device)
+    def up_proj(self, dtype: torch.dtype, device: torch.device) -> UpProj:
+        """The up-projections of ``weights_ref`` rounded to ``dtype`` on ``device`` (the run's
+        own for its dtype): the weights the kernel-level rows use."""
+        key = ("up_proj", dtype, device)
         if key not in self.memo:
-            self.memo[key] = self.weights_ref.to(dtype=dtype, device=device)
+            w = self.weights_ref
+            self.memo[key] = UpProj(w.W_UK.to(dtype=dtype, device=device),
+                                    w.W_UV.to(dtype=dtype, device=device))
         return self.memo[key]  # type: ignore[return-value]
 
-    def weights_ref_as(self, dtype: torch.dtype) -> MLAWeights:
-        """``weights_as(dtype)`` upcast back to float64 on the CPU: the reference's weights
-        for a path that runs in ``dtype``."""
-        key = ("weights_ref", dtype)
-        if key not in self.memo:
-            self.memo[key] = self.weights_as(dtype, torch.device("cpu")).to(dtype=REFERENCE)
-        return self.memo[key]  # type: ignore[return-value]
+    def up_proj_ref(self, dtype: torch.dtype) -> UpProj:
+        """``up_proj(dtype)`` upcast back to float64 on the CPU: the reference's weights for a
+        kernel run in ``dtype``."""
+        w = self.up_proj(dtype, torch.device("cpu"))
+        return UpProj(w.W_UK.to(REFERENCE), w.W_UV.to(REFERENCE))
 
     def empty_cache(self, capacities: Sequence[int], dtype: torch.dtype | None = None,
                     device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,6 +245,7 @@ class RowSpec:
 
 
 RowFn = Callable[[Case], Measurement]
+T = TypeVar("T")
 
 
 def make_registrar(rows: list[RowSpec]) -> Callable[..., Callable[[RowFn], RowFn]]:
@@ -252,7 +261,7 @@ def make_registrar(rows: list[RowSpec]) -> Callable[..., Callable[[RowFn], RowFn
     return register_row
 
 
-def timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
+def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     """``fn()`` and the seconds it took (the device synchronized before and after)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

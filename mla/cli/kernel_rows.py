@@ -48,7 +48,7 @@ from mla.reference import (
     slot_mapping_from_block_table,
 )
 
-__all__ = ["ROWS", "FAST_DTYPES"]
+__all__ = ["ROWS", "FAST_DTYPES", "fast_target", "interpreter_requests"]
 
 ROWS: list[RowSpec] = []
 register_row = make_registrar(ROWS)
@@ -117,7 +117,7 @@ def dense_ref(case: Case, fronts: Sequence[Front], dtype: torch.dtype, s_q: int 
     (upcast), causal by position: the last ``s_q`` queries of every request
     ``[B, s_q, N, V]``, or all of them concatenated ``[sum L, N, V]`` (``s_q=None``).
     ``latent``: per request ``(kv_c, k_pe)`` to use instead."""
-    w, c, outs = case.weights_ref_as(dtype), case.config, []
+    w, c, outs = case.up_proj_ref(dtype), case.config, []
     for i, f in enumerate(fronts):
         q_nope, q_pe, kv_c, k_pe = _upcast(f)
         if latent is not None:
@@ -137,7 +137,7 @@ def scores_lse(case: Case, fronts: Sequence[Front], dtype: torch.dtype, s_q: int
     """``lse [B, N, s_q]`` of the last ``s_q`` queries from the definition's scores
     ``(q_nope · kv_c W_UK + q_pe · k_pe) · scale`` (float64, causal by position), on the
     latents and weights of a path run in ``dtype`` (upcast)."""
-    w, c, out = case.weights_ref_as(dtype), case.config, []
+    w, c, out = case.up_proj_ref(dtype), case.config, []
     for f in fronts:
         q_nope, q_pe, kv_c, k_pe = _upcast(f)
         L = kv_c.shape[0]
@@ -189,7 +189,7 @@ def _paged_decode(case: Case, impl: ModuleType, dtype: torch.dtype, device: torc
     if key in case.memo:
         return case.memo[key]  # type: ignore[return-value]
     c, s_q = case.config, DECODE_S_Q
-    w, fronts = case.weights_as(dtype, device), case.fronts(dtype, device)
+    w, fronts = case.up_proj(dtype, device), case.fronts(dtype, device)
     kv_cache, block_table = case.empty_cache(case.seq_lens, dtype, device)
     _write_latents(case, fronts, kv_cache, block_table, case.seq_lens)
     cache_seqlens = torch.tensor(case.seq_lens, dtype=torch.int32, device=device)
@@ -220,7 +220,7 @@ def _sparse_prefill(case: Case, impl: ModuleType, dtype: torch.dtype, device: to
     """Every request's new tokens in one call over one flat ``kv`` of all requests' latents
     (request i's rows at its offset), as vLLM calls the kernel on a gathered workspace."""
     c, n = case.config, case.new_tokens
-    w, fronts = case.weights_as(dtype, device), case.fronts(dtype, device)
+    w, fronts = case.up_proj(dtype, device), case.fronts(dtype, device)
     kv = torch.cat([torch.cat([f.kv_c, f.k_pe], dim=-1) for f in fronts])
     topk = max(case.seq_lens) + 5  # wider than any request: padded with -1
     indices = torch.cat([causal_topk(range(L - n, L), topk, device,
@@ -246,7 +246,7 @@ def _sparse_decode(case: Case, impl: ModuleType, dtype: torch.dtype, device: tor
     latent smaller than 512 + 64 is zero-padded into the format (zeros add nothing to any dot
     product), and the reference reads the latent as the cache rounded it."""
     c, bs, s_q = case.config, case.block_size, DECODE_S_Q
-    w, fronts = case.weights_as(dtype, device), case.fronts(dtype, device)
+    w, fronts = case.up_proj(dtype, device), case.fronts(dtype, device)
     Lkv, R = c.kv_lora_rank, c.qk_rope_head_dim
     if fp8 and (Lkv > 512 or R > 64):
         raise CannotRunError(f"fp8_ds_mla holds at most 512 + 64 latent values, preset "
@@ -300,7 +300,7 @@ def _merge(case: Case, impl: ModuleType, dtype: torch.dtype, device: torch.devic
     Against the reference merge in float64 on those inputs upcast (the dense rows above show
     the merge of the exact partial states is the whole attention). An empty context is an
     empty partial state (``o = 0``, ``lse = -inf``)."""
-    c, n, w = case.config, case.new_tokens, case.weights_ref_as(dtype)
+    c, n, w = case.config, case.new_tokens, case.up_proj_ref(dtype)
     fronts = case.fronts(dtype, device)
     parts: dict[str, list[torch.Tensor]] = {"o_p": [], "lse_p": [], "o_s": [], "lse_s": []}
     for f, ctx in zip(fronts, case.context_lens):
@@ -325,7 +325,7 @@ def _chunked_prefill(case: Case, impl: ModuleType, dtype: torch.dtype, device: t
     """All requests' new tokens in one call, their contexts in the paged cache, in chunks of
     at most the case's MCC."""
     c, n, ctx = case.config, case.new_tokens, case.context_lens
-    w, fronts = case.weights_as(dtype, device), case.fronts(dtype, device)
+    w, fronts = case.up_proj(dtype, device), case.fronts(dtype, device)
     kv_cache, block_table = case.empty_cache(case.seq_lens, dtype, device)
     _write_latents(case, fronts, kv_cache, block_table, ctx)
     plan = plan_context_chunks(ctx, max_context_chunk=case.max_context_chunk)
@@ -345,7 +345,7 @@ def _prefill(case: Case, impl: ModuleType, dtype: torch.dtype, device: torch.dev
         raise CannotRunError("on the CPU mla.fast.prefill_attention is the reference's own "
                              "math (its kernels are cuDNN and a Triton kernel on CUDA)")
     c = case.config
-    w, fronts = case.weights_as(dtype, device), case.fronts(dtype, device)
+    w, fronts = case.up_proj(dtype, device), case.fronts(dtype, device)
     out, sec = timed(lambda: torch.cat([
         impl.prefill_attention(f.q_nope, f.q_pe, f.kv_c, f.k_pe, w.W_UK, w.W_UV,
                                c.softmax_scale, causal=True)[0] for f in fronts]), device)

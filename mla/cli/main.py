@@ -34,16 +34,16 @@ def _add_walkthrough(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "walkthrough", help="run every MLA path on an embedded example and check it",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Run every path (definition, prefill, chunked prefill, paged decode, DCP) "
-                    "on random weights and print each one's error against the float64 "
-                    "definition; then the reference's kernel-level functions and mla.fast's "
+        description="Run every path (definition, prefill, chunked prefill, paged decode, DCP)\n"
+                    "on random weights and print each one's error against the float64\n"
+                    "definition; then the reference's kernel-level functions and mla.fast's\n"
                     "kernels on the same latents against the dense absorbed attention.",
-        epilog="mla.fast rows: on a CUDA device in --dtype (bfloat16 or float32); on the CPU "
-               "in float32 under\nTriton's interpreter (this command sets TRITON_INTERPRET=1 "
-               "unless it is set), on the requests\nwith the shortest and the longest context; "
-               "a row that cannot run says why instead of passing.\n\n"
-               "exit status: 0 every row that ran is within its tolerance, 1 a row is over "
-               "it,\n2 bad arguments, 3 the device is not available.")
+        epilog="mla.fast rows: on a CUDA device in --dtype (bfloat16, float16 or float32);\n"
+               "on the CPU in float32 under Triton's interpreter (this command sets\n"
+               "TRITON_INTERPRET=1 unless it is set), on the requests with the shortest and\n"
+               "the longest context. A row that cannot run says why instead of passing.\n\n"
+               "exit status: 0 every row that ran is within its tolerance, 1 a row is over\n"
+               "it, 2 bad arguments, 3 the device is not available.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v2-lite")
     p.add_argument("--dtype", choices=list(DTYPES), default="float64",
                    help="dtype of the paths (the reference is always float64 on the CPU)")

@@ -52,8 +52,8 @@ from mla.reference.dcp import (
 __all__ = ["Case", "DeviceUnavailableError", "DTYPES", "Measurement", "Row", "RowSpec", "ROWS",
            "CannotRunError", "register_row", "run_walkthrough", "format_table"]
 
-MODEL_ROWS: list[RowSpec] = []
-register_row = make_registrar(MODEL_ROWS)
+ROWS: list[RowSpec] = []  # the table, in order: the model-level rows, then the kernel-level
+register_row = make_registrar(ROWS)
 
 
 # --- the rows ----------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def _naive(case: Case) -> Measurement:
     if case.dtype == REFERENCE and case.device.type == "cpu":
         raise CannotRunError("in float64 on the CPU the definition is the reference itself")
     out, sec = timed(lambda: torch.cat([naive_forward(case.weights, h) for h in case.hidden]),
-                      case.device)
+                     case.device)
     return Measurement(out, torch.cat(case.reference), sec)
 
 
@@ -86,8 +86,8 @@ def _chunked_prefill(case: Case) -> Measurement:
     new_hidden = torch.cat([h[ctx[i]:] for i, h in enumerate(case.hidden)])
     qsl = torch.arange(0, new * (len(ctx) + 1), new, dtype=torch.int32, device=case.device)
     out, sec = timed(lambda: chunked_prefill_forward(case.weights, new_hidden, qsl, list(ctx),
-                                                      kv_cache, block_table, plan=plan),
-                      case.device)
+                                                     kv_cache, block_table, plan=plan),
+                     case.device)
     return Measurement(out, case.last_rows(new).flatten(0, 1), sec)
 
 
@@ -101,7 +101,7 @@ def _decode(case: Case, s_q: int) -> Measurement:
                                  device=case.device)
     hidden = torch.stack([h[-s_q:] for h in case.hidden])  # [B, s_q, H]
     out, sec = timed(lambda: decode_forward(case.weights, hidden, kv_cache, block_table,
-                                             cache_seqlens), case.device)
+                                            cache_seqlens), case.device)
     return Measurement(out, case.last_rows(s_q), sec)
 
 
@@ -155,7 +155,7 @@ def _dcp_chunked_prefill(case: Case) -> Measurement:
 
 # --- running and printing ----------------------------------------------------------------
 
-ROWS: list[RowSpec] = [*MODEL_ROWS, *kernel_rows.ROWS]  # the table, in order
+ROWS.extend(kernel_rows.ROWS)  # after the model-level rows above; a later register_row appends
 DEFAULT_CONTEXT_LENS = (0, 1, 17, 40, 70)  # an empty and a length-1 context; 70 spans 2 pages
 
 
