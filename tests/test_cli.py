@@ -29,6 +29,17 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETING or find_spec("triton") i
                                        reason="the fast rows need triton and its interpreter")
 
 
+@pytest.fixture(autouse=True)
+def _restore_triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``main`` sets TRITON_INTERPRET for a CPU walkthrough, as the command must before triton
+    is imported; put it back after each test (on a GPU machine the other test files run the
+    kernels without it)."""
+    if "TRITON_INTERPRET" in os.environ:
+        monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 @pytest.mark.parametrize("dtype, bound", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_walkthrough_tiny_agrees_with_definition(dtype: torch.dtype, bound: float) -> None:
     rows = run_walkthrough("tiny", dtype=dtype, fast=False)
@@ -80,6 +91,16 @@ def test_walkthrough_fast_rows_run_under_the_interpreter() -> None:
         assert 0.0 < r.error < r.tolerance <= 1e-5, (path, r.error, r.tolerance)
     assert rows["fast mla_decode_paged s_q=2: lse"].tolerance == budget(
         "mla_decode_paged", torch.float32, "lse_abs")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_walkthrough_fast_rows_on_cuda(dtype: str) -> None:
+    rows = run_walkthrough("deepseek-v2-lite", dtype=dtype, device="cuda")
+    assert all(r.skipped is None for r in rows), [(r.path, r.skipped) for r in rows]
+    bad = [(r.path, r.error, r.tolerance) for r in rows if not r.passed]
+    assert not bad
+    assert {r.dtype for r in rows} == {dtype}
 
 
 def test_interpreter_requests_are_the_two_ends() -> None:

@@ -92,9 +92,9 @@ def _walkthrough(args: argparse.Namespace) -> int:
     print(f"mla walkthrough: preset {args.preset}, {args.dtype} on {args.device}, "
           f"context lens {args.context_lens}, {args.new_tokens} new tokens, "
           f"block size {args.block_size}, MCC {args.max_context_chunk}, seed {args.seed}")
-    print("reference: float64 on the CPU, same inputs upcast. limit: the relative Frobenius "
-          "(rel) or max absolute (abs) error a row may have: the tolerance of its dtype, or "
-          "for mla.fast the kernel's error budget (conventions §11)")
+    print("reference: float64 on the CPU, same inputs upcast")
+    print("limit: on the relative Frobenius (rel) or max absolute (abs) error; the dtype's "
+          "tolerance, for mla.fast the kernel's error budget (conventions §11)")
     print()
     print(format_table(rows))
     print()
