@@ -18,11 +18,12 @@ from mla.reference.merge import merge_attn_states as ref_merge
 __all__ = ["merge_cases"]
 
 
-def _case(ctx: Ctx, salt: int, T: int, N: int, D: int) -> Callable[[], Metrics]:
+def _case(ctx: Ctx, salt: int, T: int, N: int, D: int, lse_scale: float = 4.0
+          ) -> Callable[[], Metrics]:
     def run() -> Metrics:
         g = gen(ctx, salt)
         o = [torch.randn(T, N, D, generator=g).to(ctx.dtype).to(ctx.device) for _ in range(2)]
-        lse = [(torch.randn(N, T, generator=g) * 4).to(ctx.device) for _ in range(2)]
+        lse = [(torch.randn(N, T, generator=g) * lse_scale).to(ctx.device) for _ in range(2)]
         # empty sides: +inf (FlashMLA), -inf, both; NaN in an empty side's output
         for k, val in enumerate((float("inf"), float("-inf"))):
             lse[k][:, k::5] = val
@@ -39,7 +40,10 @@ def _case(ctx: Ctx, salt: int, T: int, N: int, D: int) -> Callable[[], Metrics]:
 
 @register("merge_attn_states", "merge_attn_states")
 def merge_cases(ctx: Ctx) -> Iterator[Case]:
-    shapes = [(37, 4, 40)] if ctx.quick else [(1, 16, 512), (1000, 16, 512), (4099, 128, 512),
-                                              (333, 16, 128)]
-    for i, (T, N, D) in enumerate(shapes):
-        yield Case(f"T={T} N={N} D={D} (+inf/-inf/both empty)", _case(ctx, 50 + i, T, N, D))
+    # lse of a few units, and of a few thousand (its float32 rounding, then, is about 1e-4)
+    shapes = [(37, 4, 40, 4.0), (37, 4, 40, 1e3)] if ctx.quick else [
+        (1, 16, 512, 4.0), (1000, 16, 512, 4.0), (4099, 128, 512, 4.0), (333, 16, 128, 4.0),
+        (1000, 16, 512, 1e3)]
+    for i, (T, N, D, x) in enumerate(shapes):
+        yield Case(f"T={T} N={N} D={D} lse ~{x:g} (+inf/-inf/both empty)",
+                   _case(ctx, 50 + i, T, N, D, x))
