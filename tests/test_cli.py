@@ -87,8 +87,8 @@ def test_walkthrough_fast_rows_run_under_the_interpreter() -> None:
             continue
         assert r.skipped is None and r.dtype == "float32" and r.passed, (path, r)
         assert r.metric == ("abs" if path.endswith("lse") else "rel")
-        # against float64: float32 rounding shows, well under the kernel's budget
-        assert 0.0 < r.error < r.tolerance <= 1e-5, (path, r.error, r.tolerance)
+        # against float64: float32 rounding shows, under the kernel's budget
+        assert 0.0 < r.error < r.tolerance, (path, r.error, r.tolerance)
     assert rows["fast mla_decode_paged s_q=2: lse"].tolerance == budget(
         "mla_decode_paged", torch.float32, "lse_abs")
 
