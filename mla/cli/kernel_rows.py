@@ -323,7 +323,8 @@ def _merge(case: Case, impl: ModuleType, dtype: torch.dtype, device: torch.devic
 def _chunked_prefill(case: Case, impl: ModuleType, dtype: torch.dtype, device: torch.device
                      ) -> Measurement:
     """All requests' new tokens in one call, their contexts in the paged cache, in chunks of
-    at most the case's MCC."""
+    at most the case's MCC. On the CPU the gathers and merges are the Triton kernels and the
+    attention is torch's (``mla.fast.chunked``'s route there)."""
     c, n, ctx = case.config, case.new_tokens, case.context_lens
     w, fronts = case.up_proj(dtype, device), case.fronts(dtype, device)
     kv_cache, block_table = case.empty_cache(case.seq_lens, dtype, device)
