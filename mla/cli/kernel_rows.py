@@ -55,7 +55,7 @@ register_row = make_registrar(ROWS)
 
 FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton kernels take
 DENSE = "absorbed_attention (dense)"
-SCORES_LSE = "logsumexp of the definition's scores"
+SCORES_LSE = "logsumexp of the kernel query's scores"
 DECODE_S_Q = 2  # MTP decode: two queries per request, causal among themselves
 
 
@@ -132,18 +132,18 @@ def dense_ref(case: Case, fronts: Sequence[Front], dtype: torch.dtype, s_q: int 
     return torch.cat(outs) if s_q is None else torch.stack(outs)
 
 
-def scores_lse(case: Case, fronts: Sequence[Front], dtype: torch.dtype, s_q: int
-               ) -> torch.Tensor:
-    """``lse [B, N, s_q]`` of the last ``s_q`` queries from the definition's scores
-    ``(q_nope · kv_c W_UK + q_pe · k_pe) · scale`` (float64, causal by position), on the
-    latents and weights of a path run in ``dtype`` (upcast)."""
-    w, c, out = case.up_proj_ref(dtype), case.config, []
-    for f in fronts:
-        q_nope, q_pe, kv_c, k_pe = _upcast(f)
-        L = kv_c.shape[0]
-        k_nope = torch.einsum("sl,lnp->snp", kv_c, w.W_UK)
-        scores = (torch.einsum("qnp,snp->nqs", q_nope[-s_q:], k_nope)
-                  + torch.einsum("qnr,sr->nqs", q_pe[-s_q:], k_pe)) * c.softmax_scale
+def scores_lse(q: torch.Tensor, fronts: Sequence[Front], scale: float) -> torch.Tensor:
+    """``lse [B, N, s_q]`` of the kernel's own absorbed queries ``q [B, s_q, N, Lkv+R]`` over
+    each request's cached latent rows ``[kv_c, k_pe]``: ``logsumexp((q · rowᵀ) · scale)`` in
+    float64, causal by position, written out here rather than taken from either path. The
+    queries are the ones the kernel was given (``ql_nope`` already rounded to the run's
+    dtype), so the row measures the kernel's lse, not the rounding of ``ql_nope``, which moves
+    a bf16 lse by about ``2^-9·|s|`` (conventions §11, "The prefill lse")."""
+    out = []
+    for qb, f in zip(q.to(dtype=REFERENCE, device="cpu"), fronts):
+        rows = torch.cat([f.kv_c, f.k_pe], dim=-1).to(dtype=REFERENCE, device="cpu")
+        s_q, L = qb.shape[0], rows.shape[0]
+        scores = torch.einsum("qnd,sd->nqs", qb, rows) * scale
         visible = torch.arange(L)[None, :] <= torch.arange(L - s_q, L)[:, None]
         out.append(torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1))
     return torch.stack(out)
@@ -194,9 +194,10 @@ def _paged_decode(case: Case, impl: ModuleType, dtype: torch.dtype, device: torc
     _write_latents(case, fronts, kv_cache, block_table, case.seq_lens)
     cache_seqlens = torch.tensor(case.seq_lens, dtype=torch.int32, device=device)
 
+    q = torch.stack([torch.cat([absorb_q(f.q_nope[-s_q:], w.W_UK), f.q_pe[-s_q:]], dim=-1)
+                     for f in fronts])  # [B, s_q, N, Lkv+R]
+
     def path() -> tuple[torch.Tensor, torch.Tensor]:
-        q = torch.stack([torch.cat([absorb_q(f.q_nope[-s_q:], w.W_UK), f.q_pe[-s_q:]], dim=-1)
-                         for f in fronts])  # [B, s_q, N, Lkv+R]
         o_lat, lse = impl.mla_decode_paged(q, kv_cache, block_table, cache_seqlens,
                                            c.softmax_scale, causal=True,
                                            head_dim_v=c.kv_lora_rank)
@@ -206,7 +207,7 @@ def _paged_decode(case: Case, impl: ModuleType, dtype: torch.dtype, device: torc
     case.memo[key] = (
         Measurement(out, dense_ref(case, fronts, dtype, s_q), sec,
                     **_limits(impl, "mla_decode_paged", dtype, "out_rel")),
-        Measurement(lse, scores_lse(case, fronts, dtype, s_q), sec,
+        Measurement(lse, scores_lse(q, fronts, c.softmax_scale), sec,
                     **_limits(impl, "mla_decode_paged", dtype, "lse_abs")))
     return case.memo[key]  # type: ignore[return-value]
 
