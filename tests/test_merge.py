@@ -245,11 +245,14 @@ def test_nan_lse_is_nan_out_not_a_marker(path):
     present side's o stays in that element; an empty side's NaN o is never read."""
     merge, dtype = ((merge_attn_states, torch.float64) if path == "reference"
                     else (fast.merge_attn_states, torch.float32))
+    device = "cuda" if path == "fast" and torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(7)
     T, N, D = 6, 2, 5
-    o_p, o_s = (torch.randn(T, N, D, generator=gen, dtype=torch.float64).to(dtype)
+    o_p, o_s = (torch.randn(T, N, D, generator=gen, dtype=torch.float64).to(dtype=dtype,
+                                                                           device=device)
                 for _ in range(2))
-    lse_p, lse_s = (torch.randn(N, T, generator=gen, dtype=torch.float64).to(dtype)
+    lse_p, lse_s = (torch.randn(N, T, generator=gen, dtype=torch.float64).to(dtype=dtype,
+                                                                              device=device)
                     for _ in range(2))
     clean_o, clean_lse = merge(o_p, lse_p, o_s, lse_s)
     lse_p[0, 0] = NAN  # (n, t) = (0, 0): NaN beside a present side
@@ -267,7 +270,7 @@ def test_nan_lse_is_nan_out_not_a_marker(path):
     assert torch.isnan(o[3, 0, 1]) and not torch.isnan(o[3, 0, [0, 2, 3, 4]]).any()
     assert torch.equal(lse[0, 3], clean_lse[0, 3])
     assert torch.equal(o[5, 1], o_s[5, 1]) and torch.equal(lse[1, 5], lse_s[1, 5])
-    untouched = torch.ones(N, T, dtype=torch.bool)
+    untouched = torch.ones(N, T, dtype=torch.bool, device=device)
     untouched[0, :4] = untouched[1, 4:] = False
     assert torch.equal(o[untouched.T], clean_o[untouched.T])
     assert torch.equal(lse[untouched], clean_lse[untouched])

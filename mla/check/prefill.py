@@ -148,6 +148,9 @@ def chunked_cases(ctx: Ctx) -> Iterator[Case]:
                 ([0, 1000, 1, 3000], [17, 300, 1, 64], 16, 1024, 64, "cudnn"),
                 ([0, 1000, 1, 3000], [17, 300, 1, 64], 16, 1024, 64, "triton"),
                 ([4097, 64], [128, 1], 128, 2048, 64, None)]
+    if ctx.dtype == torch.float32:
+        # cuDNN's attention takes 16-bit inputs only; varlen_route never sends float32 there
+        grid = [g for g in grid if g[-1] != "cudnn"]
     for i, (ctx_lens, new, N, mcc, bs, route) in enumerate(grid):
         yield Case(f"ctx={ctx_lens} new={new} N={N} MCC={mcc} route={route or 'default'}",
                    lambda a=(300 + i, ctx_lens, new, N, mcc, bs, route): _chunked(ctx, *a))

@@ -55,6 +55,9 @@ class AttnConfig:
 
 
 _INTERPRETER_CONFIG = AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+# float32 tiles take twice the shared memory of 16-bit ones: the default tiles of a 192-wide
+# q/k and 128-wide v do not fit an SM's 227 KB at float32, these do
+_FLOAT32_CONFIG = AttnConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
 @triton.jit
@@ -340,7 +343,8 @@ def flash_attention_with_lse(
             lse.fill_(float("-inf"))
         return out, lse
     if config is None:
-        config = _INTERPRETER_CONFIG if q_a.device.type == "cpu" else AttnConfig()
+        config = (_INTERPRETER_CONFIG if q_a.device.type == "cpu" else
+                  _FLOAT32_CONFIG if q_a.dtype == torch.float32 else AttnConfig())
     qb_t = q_a if q_b is None else q_b
     kb_t = k_a if k_b is None else k_b
     use_tma = _tma_ok(q_a, qb_t, k_a, kb_t, v)
