@@ -3,8 +3,8 @@
 Each kernel gets the example's latents (the float64 front, ``Case.fronts_ref``, rounded to the
 kernel's dtype). Its ``o`` is compared with the dense absorbed attention
 (``mla.reference.absorbed_attention``) run in float64 on the CPU on the same numbers upcast;
-its ``lse`` with the log-sum-exp of the definition's own scores (keys up-projected, nothing
-absorbed: code neither path shares). Two sets of rows:
+its ``lse`` with a log-sum-exp written out here (the kernel's own absorbed queries against
+the cached latent rows, in float64: code neither path shares). Two sets of rows:
 
 - ``reference <kernel>``: ``mla.reference``'s kernel-level functions, in the run's dtype and
   device: the paged / sparse / fp8 data paths of the reference against its dense math;
