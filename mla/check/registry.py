@@ -13,11 +13,8 @@ budget, on a quantity without a budget, on an exception, or when it measures not
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
 import math
-import os
-import platform
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -25,6 +22,7 @@ from pathlib import Path
 import torch
 
 from mla.compare import budget
+from mla.environment import environment
 
 __all__ = ["Ctx", "Case", "Result", "REGISTRY", "register", "gen", "limits_for", "run_checks",
            "environment", "kernel_sources", "worst_errors", "dtype_name"]
@@ -162,17 +160,3 @@ def kernel_sources(root: Path = KERNEL_DIR) -> dict[str, str]:
     repo = root.parent.parent
     return {p.relative_to(repo).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*.py"))}
-
-
-def environment() -> dict[str, str]:
-    """Date, versions and GPU of a run (for the heading of every results file)."""
-    import triton
-
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "torch": torch.__version__, "triton": triton.__version__,
-           "python": platform.python_version(),
-           "triton_interpret": os.environ.get("TRITON_INTERPRET", "0")}
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        env["cuda"] = str(torch.version.cuda)
-    return env

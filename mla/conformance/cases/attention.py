@@ -1,0 +1,1 @@
+"""Cases of the attention family (being written)."""

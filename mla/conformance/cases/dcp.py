@@ -1,0 +1,1 @@
+"""Cases of the dcp family (being written)."""

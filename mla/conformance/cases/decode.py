@@ -1,0 +1,217 @@
+"""Cases of ``mla_decode_paged``: the absorbed decode over a paged latent cache.
+
+``q [B, s_q, N, D]`` attends to request ``b``'s first ``cache_seqlens[b]`` rows of
+``kv_cache [num_blocks, page, D]`` through ``block_table``; V is a row's first ``head_dim_v``
+columns; ``out [B, s_q, N, head_dim_v]`` in q's dtype and ``lse [B, N, s_q]`` float32 in the
+natural log, ``+inf`` and ``out = 0`` for a query that sees no key. With ``causal``, query
+``i`` of ``s_q`` sees keys ``0 .. L - s_q + i``: ``L`` counts the ``s_q`` new tokens, which
+are already in the cache (FlashMLA's multi-token-prediction mask; conventions §4, §12).
+
+Every case scatters the pages (a seeded permutation), fills the rows no request uses with NaN
+and points the block table's unused entries at a page of NaN (so a read past a length shows
+as NaN), and poisons the buffers the kernel allocates. Only the "empty" topic has queries
+that see no key, only the "causal" topic sets ``causal`` with ``s_q > 1``, only the "scale"
+topic passes a scale other than ``1/sqrt(D)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from mla.conformance.cases.common import (
+    DEEPSEEK_SCALE,
+    DEFAULT_SCALE,
+    DV,
+    YARN_SCALE,
+    D,
+    call_poisoned,
+    long_length,
+)
+from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.reference.decode import mla_decode_paged, paged_mqa
+from mla.reference.paged_cache import make_block_table
+
+__all__ = ["DecodeSpec", "decode_trial"]
+
+KERNEL = "mla_decode_paged"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    lens: tuple[int, ...]
+    heads: int = 16
+    s_q: int = 1
+    causal: bool = False
+    page: int = 64
+    scale: float = DEFAULT_SCALE
+    d: int = D
+    dv: int = DV
+    q_gain: float = 1.0  # >1: sharper softmax
+    dominant: bool = False  # one key per request aligned with its queries
+    unused_entry: str = "nan_page"  # what unused block-table entries hold: "nan_page" or "-1"
+
+
+def _inputs(spec: DecodeSpec, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """float64 q, cache, block table, lengths on the CPU (see the module doc)."""
+    lens = list(spec.lens)
+    table, nb = make_block_table(lens, spec.page, spare_blocks=1,
+                                 seed=int(torch.randint(1 << 30, (1,), generator=g)))
+    nan_page = nb - 1  # the spare page no request uses
+    cache = torch.full((nb, spec.page, spec.d), float("nan"), dtype=torch.float64)
+    flat = cache.view(-1, spec.d)
+    q = torch.randn(len(lens), spec.s_q, spec.heads, spec.d, generator=g,
+                    dtype=torch.float64) * spec.q_gain
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        rows = table[b].long()[pos // spec.page] * spec.page + pos % spec.page
+        flat[rows] = torch.randn(n, spec.d, generator=g, dtype=torch.float64)
+        if spec.dominant and n:
+            flat[rows[n // 2]] = 6.0 * q[b].mean(dim=(0, 1)) / q[b].mean(dim=(0, 1)).norm() * (
+                spec.d ** 0.5)
+    if spec.unused_entry == "nan_page":
+        table = torch.where(table < 0, nan_page, table)
+    return q, cache, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def _ref(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+         spec: DecodeSpec, *, scale: float | None = None, causal: bool | None = None,
+         shift: int = 0) -> dict[str, torch.Tensor]:
+    """The float64 reference; ``shift`` moves the causal diagonal (an off-by-one kernel)."""
+    scale = spec.scale if scale is None else scale
+    causal = spec.causal if causal is None else causal
+    if shift == 0:
+        out, lse = mla_decode_paged(q, cache, table, lens, scale, causal, spec.dv)
+    else:
+        out, lse = paged_mqa(q, cache, table, [n + shift for n in lens.tolist()],
+                             lens.tolist(), scale, causal, spec.dv)
+    return {"out": out, "lse": lse}
+
+
+def decode_trial(setting: Setting, spec: DecodeSpec, salt: int) -> Trial:
+    """A trial of ``spec``: inputs in the setting's dtype, the reference on upcast copies."""
+    q64, c64, table, lens = _inputs(spec, generator(setting, salt))
+    q, cache = q64.to(setting.dtype), c64.to(setting.dtype)
+    q64, c64 = q.double(), cache.double()  # the reference sees exactly the kernel's inputs
+    dev = setting.device
+    args = (q.to(dev), cache.to(dev), table.to(dev), lens.to(dev))
+
+    def invoke(fn: Callable) -> dict[str, torch.Tensor]:
+        out, lse = call_poisoned(fn, *args, spec.scale, spec.causal, spec.dv)
+        return {"out": out, "lse": lse}
+
+    alts: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
+        f"softmax scale 1/sqrt({spec.d}) used instead of the scale passed":
+            lambda: _ref(q64, c64, table, lens, spec, scale=spec.d ** -0.5),
+        "softmax scale 1/sqrt(head_dim_v) used instead of the scale passed":
+            lambda: _ref(q64, c64, table, lens, spec, scale=spec.dv ** -0.5)}
+    if spec.causal and spec.s_q > 1:
+        alts.update({
+            "causal mask ignored (every query sees all L keys)":
+                lambda: _ref(q64, c64, table, lens, spec, causal=False),
+            "causal mask off by one: query i sees keys 0..L-s_q+i-1 (one too few)":
+                lambda: _ref(q64, c64, table, lens, spec, shift=-1),
+            "causal mask off by one: query i sees keys 0..L-s_q+i+1 (one too many)":
+                lambda: _ref(q64, c64, table, lens, spec, shift=1)})
+    elif spec.s_q > 1:
+        alts["causal mask applied although causal=False"] = (
+            lambda: _ref(q64, c64, table, lens, spec, causal=True))
+    return Trial(invoke, _ref(q64, c64, table, lens, spec),
+                 {"out": "out_rel", "lse": "lse_abs"}, alts)
+
+
+def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], DecodeSpec],
+              salt: int) -> None:
+    case(KERNEL, topic, name=name, doc=doc)(lambda s: decode_trial(s, spec(s), salt))
+
+
+def _edges(page: int) -> tuple[int, ...]:
+    return (1, page - 1 if page > 1 else 2, page, page + 1)
+
+
+# ---- DeepSeek shapes ------------------------------------------------------------------------
+_register("deepseek_v2_lite", "shapes",
+          "DeepSeek-V2-Lite: 16 heads, rows of 576 (512 latent + 64 rope), V of 512, page 64.",
+          lambda s: DecodeSpec((1, 63, 64, 65, long_length(s.small)), heads=16), 1)
+_register("deepseek_v2", "shapes",
+          "DeepSeek-V2 at tensor parallel 1: 128 heads share one latent KV head.",
+          lambda s: DecodeSpec((1, 65, long_length(s.small)), heads=128), 2)
+_register("deepseek_v3_tp8", "shapes",
+          "DeepSeek-V3 at tensor parallel 8: 16 heads, ragged lengths around the page size.",
+          lambda s: DecodeSpec((63, 64, 65, 130, 1037 if not s.small else 200), heads=16), 3)
+_register("deepseek_v3_batch", "shapes",
+          "DeepSeek-V3, 128 heads, a batch of 9 requests with different lengths.",
+          lambda s: DecodeSpec(tuple(1 + 37 * i for i in range(9)), heads=128), 4)
+# ---- head counts ----------------------------------------------------------------------------
+for _i, _n in enumerate((1, 64, 3, 33, 127)):
+    _register(f"heads_{_n}", "heads",
+              f"{_n} query heads{' (an odd count: a partly filled head tile)' if _n % 2 else ''}"
+              " attend to one latent KV head.",
+              lambda s, n=_n: DecodeSpec((1, 65, 130), heads=n), 10 + _i)
+# ---- page sizes -----------------------------------------------------------------------------
+for _i, _p in enumerate((1, 16, 128, 256)):
+    _register(f"page_{_p}", "pages",
+              f"Page size {_p} with lengths page-1, page and page+1: the last page partly full.",
+              lambda s, p=_p: DecodeSpec(_edges(p) + ((300,) if p == 1 else ()), page=p), 20 + _i)
+# ---- lengths --------------------------------------------------------------------------------
+_register("length_1", "lengths",
+          "Contexts of one token: the output is that token's value row, the lse its logit.",
+          lambda s: DecodeSpec((1, 1, 1)), 30)
+_register("length_page_edges", "lengths",
+          "Lengths 63, 64, 65, 127, 128, 129 at page 64: rows at both ends of a page.",
+          lambda s: DecodeSpec((63, 64, 65, 127, 128, 129)), 31)
+_register("length_long_single", "lengths",
+          "One long request alone (batch 1): split-KV kernels split it and merge the parts.",
+          lambda s: DecodeSpec((long_length(s.small) * 2 + 7,), heads=16), 32)
+_register("length_long_ragged", "lengths",
+          "A long request beside short ones: the split of the long one must not leak.",
+          lambda s: DecodeSpec((2, long_length(s.small), 5), heads=16), 33)
+# ---- multi-token prediction and the causal rule ---------------------------------------------
+for _i, _sq in enumerate((2, 3, 4)):
+    _register(f"causal_s_q_{_sq}", "causal",
+              f"s_q = {_sq} causal: query i sees keys 0..L-{_sq}+i, L counting the new tokens.",
+              lambda s, sq=_sq: DecodeSpec((sq, 64, 65, 200), s_q=sq, causal=True), 40 + _i)
+_register("causal_diagonal_page_edge", "causal",
+          "s_q = 4 causal with the diagonal crossing a page edge (L = 66, 130 at page 64).",
+          lambda s: DecodeSpec((66, 130, 4), s_q=4, causal=True, heads=32), 43)
+_register("causal_128_heads", "causal",
+          "s_q = 2 causal with 128 heads (DeepSeek-V3's speculative decoding).",
+          lambda s: DecodeSpec((2, 65, 300), s_q=2, causal=True, heads=128), 44)
+for _i, _sq in enumerate((2, 4)):
+    _register(f"non_causal_s_q_{_sq}", "non_causal",
+              f"s_q = {_sq} without causal: every query sees all L keys.",
+              lambda s, sq=_sq: DecodeSpec((1, 64, 65, 200), s_q=sq), 45 + _i)
+# ---- queries that see no key ----------------------------------------------------------------
+_register("empty_request", "empty",
+          "A request of length 0 beside others: its queries get out = 0 and lse = +inf.",
+          lambda s: DecodeSpec((0, 65, 0, 3)), 50)
+_register("all_empty", "empty",
+          "Every request of length 0: all outputs 0, all lse +inf, nothing read.",
+          lambda s: DecodeSpec((0, 0)), 51)
+_register("empty_causal_queries", "empty",
+          "Causal s_q = 3 with L = 1 and 2: the first queries see no key (out 0, lse +inf).",
+          lambda s: DecodeSpec((1, 2, 3, 70), s_q=3, causal=True), 52)
+# ---- NaN where nothing may be read ----------------------------------------------------------
+_register("unused_entries_minus_one", "nan",
+          "Unused block-table entries hold -1 (vLLM's padding) instead of a NaN page.",
+          lambda s: DecodeSpec((1, 65, 130), unused_entry="-1"), 60)
+_register("nan_tail_of_last_page", "nan",
+          "NaN fills every row past a request's length in its last page: none may be read.",
+          lambda s: DecodeSpec((1, 2, 33, 127), page=128, heads=64), 61)
+# ---- the softmax scale ----------------------------------------------------------------------
+_register("scale_deepseek", "scale",
+          "DeepSeek's scale 1/sqrt(P+R) = 1/sqrt(192), not 1/sqrt(576): the scale passed "
+          "is the one used.",
+          lambda s: DecodeSpec((1, 65, 200), scale=DEEPSEEK_SCALE), 70)
+_register("scale_yarn_v3", "scale",
+          "DeepSeek-V3's YaRN scale mscale²/sqrt(192) = 0.1352 with 128 heads.",
+          lambda s: DecodeSpec((1, 65, 200), heads=128, scale=YARN_SCALE), 71)
+# ---- numerics -------------------------------------------------------------------------------
+_register("sharp_softmax", "numerics",
+          "Logits 30 times larger: a softmax without the running maximum overflows.",
+          lambda s: DecodeSpec((1, 65, 300), q_gain=30.0), 80)
+_register("dominant_key", "numerics",
+          "One key per request aligned with its queries: a near one-hot softmax.",
+          lambda s: DecodeSpec((5, 65, 300), dominant=True), 81)

@@ -1,0 +1,1 @@
+"""Cases of the fp8 family (being written)."""

@@ -1,0 +1,1 @@
+"""Cases of the indices family (being written)."""

@@ -1,0 +1,1 @@
+"""Cases of the merge family (being written)."""

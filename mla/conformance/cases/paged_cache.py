@@ -1,0 +1,1 @@
+"""Cases of the paged_cache family (being written)."""

@@ -1,0 +1,1 @@
+"""Cases of the sparse_decode family (being written)."""

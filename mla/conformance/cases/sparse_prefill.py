@@ -1,0 +1,1 @@
+"""Cases of the sparse_prefill family (being written)."""

@@ -1,0 +1,136 @@
+"""The conformance catalogue: named cases, each pinning one convention or edge of one kernel.
+
+A case is a function ``(Setting) -> Trial`` registered with ``@case(kernel, topic)``; its
+docstring's first sentence says what it pins. A ``Trial`` holds the inputs in the setting's
+device and dtype (built on the CPU from the seed, so every target sees the same numbers), a
+way to call a kernel on them, the float64 reference's outputs and the error quantity each
+output is held to. ``alternatives`` are the outputs a kernel would give under a known
+different convention (a ``1/sqrt(576)`` scale, the causal mask off by one, ...): when a
+failing kernel matches one, the report names it.
+
+Kernel names are ``mla.reference``'s (``KERNELS``); a target supplies callables under those
+names with the reference's signature and conventions (docs/conventions.md §12).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+__all__ = ["KERNELS", "Setting", "Trial", "Case", "CATALOGUE", "case", "cases_of",
+           "Unsupported", "generator"]
+
+# the kernels a target can supply, by mla.reference's names (cp_lse_ag_out_rs: the DCP
+# correction, run once per rank over a simulated communicator)
+KERNELS = ("mla_decode_paged", "sparse_mla_decode", "sparse_mla_prefill", "merge_attn_states",
+           "concat_and_cache_mla", "gather_cache", "convert_req_index_to_global_index",
+           "concat_and_cache_fp8_ds_mla", "attention_with_lse", "cp_lse_ag_out_rs")
+
+
+class Unsupported(Exception):  # noqa: N818 (a status, not an error)
+    """Raised by an adapter for inputs its kernel does not take (a page size, ``s_q > 1``,
+    a dtype): the case is reported "unsupported", never "fail"."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """Where and in what dtype a case runs; ``seed`` makes its inputs."""
+    device: torch.device
+    dtype: torch.dtype
+    seed: int = 0
+
+    @property
+    def small(self) -> bool:
+        """Interpreter runs (CPU): "long" lengths shrink so a case takes seconds."""
+        return self.device.type == "cpu"
+
+
+Outputs = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class Trial:
+    """One case's inputs, made for one setting.
+
+    ``invoke(kernel)`` calls the kernel on the inputs and returns its outputs by name (for an
+    in-place kernel, the buffers it wrote). ``expected`` holds the float64 reference's outputs
+    under the same names and ``quantities`` the error each is held to: ``<name> -> out_rel``
+    (relative Frobenius), ``lse_abs`` / ``max_abs`` (max absolute) or ``mismatches`` (exact).
+    ``budget_kernel`` names the kernel whose budgets apply (default: the case's kernel);
+    ``limits`` sets an output's limit from the trial itself where no table applies (the fp8
+    dequantization error, held to the reference's own on the same inputs).
+    """
+    invoke: Callable[[Callable], Outputs]
+    expected: Outputs
+    quantities: dict[str, str]
+    alternatives: Mapping[str, Callable[[], Outputs]] = dataclasses.field(default_factory=dict)
+    budget_kernel: str | None = None
+    limits: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """``kernel/name``; ``topic`` groups the cases of a kernel that pin one convention
+    (``causal``, ``empty``, ``scale``, ...); the cases of one kernel are its family."""
+    kernel: str
+    name: str
+    topic: str
+    doc: str
+    build: Callable[[Setting], Trial]
+
+
+CATALOGUE: dict[str, Case] = {}  # by "kernel/name"
+
+
+def case(kernel: str, topic: str, name: str | None = None,
+         doc: str | None = None) -> Callable[[Callable[[Setting], Trial]],
+                                             Callable[[Setting], Trial]]:
+    """Register ``fn`` as the case ``kernel/name`` (default name: the function's) on ``topic``.
+
+    ``doc`` (default: the docstring's first sentence) says what the case pins; a case without
+    one is refused, and so is a repeated name."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+
+    def deco(fn: Callable[[Setting], Trial]) -> Callable[[Setting], Trial]:
+        key = f"{kernel}/{name or fn.__name__}"
+        text = (doc or (fn.__doc__ or "")).strip().split("\n\n")[0]
+        text = " ".join(text.split())
+        if not text:
+            raise ValueError(f"case {key} has no docstring saying what it pins")
+        if key in CATALOGUE:
+            raise ValueError(f"case {key} is registered twice")
+        CATALOGUE[key] = Case(kernel, name or fn.__name__, topic, text, fn)
+        return fn
+    return deco
+
+
+def cases_of(kernels: list[str] | None = None, names: list[str] | None = None) -> Iterator[Case]:
+    """The catalogue's cases, of ``kernels`` and with ``names`` (``kernel/name``, ``name``
+    or a topic) when given; an unknown name is a ``ValueError``."""
+    import mla.conformance.cases  # noqa: F401  (the families register on import)
+
+    if kernels:
+        unknown = sorted(set(kernels) - set(KERNELS))
+        if unknown:
+            raise ValueError(f"unknown kernels {unknown}; known: {list(KERNELS)}")
+    wanted = set(names or ())
+    if wanted:
+        known = ({k for k in CATALOGUE} | {c.name for c in CATALOGUE.values()}
+                 | {c.topic for c in CATALOGUE.values()})
+        unknown = sorted(wanted - known)
+        if unknown:
+            raise ValueError(f"unknown cases {unknown} (give kernel/name, a name or a topic)")
+    for key, c in CATALOGUE.items():
+        if kernels and c.kernel not in kernels:
+            continue
+        if wanted and not wanted & {key, c.name, c.topic}:
+            continue
+        yield c
+
+
+def generator(setting: Setting, salt: int) -> torch.Generator:
+    """The CPU generator of one case: its inputs depend on the seed and the salt only."""
+    return torch.Generator().manual_seed(setting.seed * 1000003 + salt)

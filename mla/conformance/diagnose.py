@@ -1,0 +1,168 @@
+"""Measuring a kernel's outputs against the reference's, and saying why they differ.
+
+``measure`` gives one error per output (conventions §11: relative Frobenius error for
+``*_rel``, max absolute error for ``*_abs``, the number of unequal elements for
+``mismatches``); NaN, a misplaced infinity, a wrong shape or a wrong dtype is an infinite
+error. ``describe`` says where a failing output is wrong: the worst element's index, where
+NaN or infinities appeared that the reference does not have, and one line naming a known
+convention difference when one explains the output (base-2 lse, ``-inf`` for a query with no
+key, an output left unwritten, or a case's own alternatives: a ``1/sqrt(576)`` scale, the
+causal mask off by one, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+
+from mla.compare import max_abs_err, rel_err
+
+__all__ = ["measure", "describe", "explain", "LOG2E"]
+
+LOG2E = 1.0 / math.log(2.0)
+
+Outputs = dict[str, torch.Tensor]
+
+
+def _mismatches(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Elements that differ; NaN equals NaN only where both hold one (float outputs)."""
+    g, w = got.detach().cpu(), want.detach().cpu()
+    if g.is_floating_point():
+        g, w = g.double(), w.double()
+        same = (g == w) | (torch.isnan(g) & torch.isnan(w))
+        return float((~same).sum())
+    return float((g != w).sum())
+
+
+def _form_error(got: object, want: torch.Tensor, quantity: str) -> str:
+    """Why ``got`` cannot be compared with ``want``, or ""."""
+    if not isinstance(got, torch.Tensor):
+        return f"returned {type(got).__name__}, expected a tensor"
+    if list(got.shape) != list(want.shape):
+        return f"shape {list(got.shape)}, expected {list(want.shape)}"
+    if quantity == "mismatches" and got.dtype != want.dtype:
+        return f"dtype {got.dtype}, expected {want.dtype}"
+    if quantity != "mismatches" and not got.is_floating_point():
+        return f"dtype {got.dtype}, expected a floating dtype"
+    return ""
+
+
+def measure(quantity: str, got: object, want: torch.Tensor) -> float:
+    """The error of ``got`` against ``want`` for ``quantity`` (``inf`` when not comparable)."""
+    if _form_error(got, want, quantity):
+        return math.inf
+    assert isinstance(got, torch.Tensor)
+    if quantity == "mismatches":
+        return _mismatches(got, want)
+    if quantity.endswith("_rel"):
+        return rel_err(got, want)
+    if quantity.endswith("_abs"):
+        return max_abs_err(got, want)
+    raise ValueError(f"unknown quantity {quantity!r} (expected *_rel, *_abs or mismatches)")
+
+
+def _where(mask: torch.Tensor, limit: int = 4) -> str:
+    """The first few indices where ``mask`` holds, and per dimension the indices it covers
+    when those are not all of them (e.g. "heads 64..127")."""
+    idx = mask.nonzero()
+    first = ", ".join(str(tuple(i.tolist())) for i in idx[:limit])
+    parts = [f"{len(idx)} of {mask.numel()} elements, first at {first}"]
+    for d in range(mask.dim()):
+        hit = sorted(set(idx[:, d].tolist()))
+        if 0 < len(hit) < mask.shape[d]:
+            span = (f"{hit[0]}..{hit[-1]}" if hit == list(range(hit[0], hit[-1] + 1))
+                    else ",".join(map(str, hit[:8])) + ("..." if len(hit) > 8 else ""))
+            parts.append(f"dim {d} only at {span}")
+    return "; ".join(parts)
+
+
+def _one_output(name: str, got: object, want: torch.Tensor, quantity: str) -> list[str]:
+    form = _form_error(got, want, quantity)
+    if form:
+        return [f"{name}: {form}"]
+    assert isinstance(got, torch.Tensor)
+    g, w = got.detach().cpu(), want.detach().cpu()
+    if quantity == "mismatches":
+        diff = g != w if not g.is_floating_point() else ~((g == w) | (g.isnan() & w.isnan()))
+        return [f"{name}: differs at {_where(diff)}"] if diff.any() else []
+    g, w = g.double(), w.double()
+    lines = []
+    nan = torch.isnan(g) & ~torch.isnan(w)
+    if nan.any():
+        lines.append(f"{name}: NaN at {_where(nan)}")
+    inf = torch.isinf(g) & ~(torch.isinf(w) & (torch.sign(g) == torch.sign(w)))
+    if inf.any():
+        lines.append(f"{name}: unexpected inf at {_where(inf)}")
+    lost = torch.isinf(w) & ~(torch.isinf(g) & (torch.sign(g) == torch.sign(w)))
+    if lost.any():
+        i = tuple(lost.nonzero()[0].tolist())
+        lines.append(f"{name}: reference has {w[i].item()} at {_where(lost)}; got "
+                     f"{g[i].item()} at {i}")
+    ok = torch.isfinite(g) & torch.isfinite(w)
+    if ok.any():
+        err = torch.where(ok, (g - w).abs(), 0.0)
+        i = tuple(int(v) for v in torch.unravel_index(err.argmax(), err.shape))
+        lines.append(f"{name}: worst element {i}: got {g[i].item():.6g}, reference "
+                     f"{w[i].item():.6g}")
+    return lines
+
+
+def describe(outputs: Mapping[str, object], expected: Outputs,
+             quantities: Mapping[str, str]) -> list[str]:
+    """Where each output differs from the reference (one line per finding)."""
+    lines = []
+    for name, want in expected.items():
+        if name not in outputs:
+            lines.append(f"{name}: not returned")
+            continue
+        lines += _one_output(name, outputs[name], want, quantities[name])
+    return lines
+
+
+def _matches(outputs: Mapping[str, object], other: Outputs, quantities: Mapping[str, str],
+             limits: Mapping[str, float]) -> bool:
+    return all(name in outputs and measure(quantities[name], outputs[name], want)
+               <= limits[name] for name, want in other.items())
+
+
+def _generic(expected: Outputs) -> dict[str, Callable[[], Outputs]]:
+    """Conventions any kernel with an lse can differ in."""
+    alts: dict[str, Callable[[], Outputs]] = {}
+    lse_names = [n for n in expected if n.endswith("lse")]
+    for n in lse_names:
+        want = expected[n]
+        alts[f"{n} in base 2 (log2); the reference's lse is the natural log"] = (
+            lambda n=n, want=want: {**expected, n: want * LOG2E})
+        alts[f"{n} is -inf for a query that sees no key; the reference's (FlashMLA's) is "
+             "+inf"] = (lambda n=n, want=want: {**expected, n: torch.where(
+                 torch.isposinf(want), float("-inf"), want)})
+        alts[f"{n} is 0 for a query that sees no key; the reference's (FlashMLA's) is +inf"] = (
+            lambda n=n, want=want: {**expected, n: torch.where(torch.isposinf(want), 0.0, want)})
+    return alts
+
+
+def explain(outputs: Mapping[str, object], expected: Outputs, quantities: Mapping[str, str],
+            limits: Mapping[str, float], alternatives: Mapping[str, Callable[[], Outputs]]
+            ) -> str:
+    """The known convention difference that explains ``outputs``, or ""."""
+    candidates = {**alternatives, **_generic(expected)}
+    for why, make in candidates.items():
+        try:
+            if _matches(outputs, make(), quantities, limits):
+                return why
+        except Exception:  # noqa: BLE001 (an alternative that cannot be built explains nothing)
+            continue
+    # NaN only where a value was expected, finite elsewhere: the poisoned buffer shows
+    for name, want in expected.items():
+        got = outputs.get(name)
+        if (isinstance(got, torch.Tensor) and got.shape == want.shape
+                and got.is_floating_point()):
+            g = got.detach().cpu().double()
+            nan = torch.isnan(g) & ~torch.isnan(want.cpu())
+            if nan.any():
+                return (f"{name} holds NaN where the reference has values: left unwritten "
+                        "(outputs are poisoned with NaN before the call) or read from an "
+                        "unused cache row or block-table entry (they hold NaN or poison)")
+    return ""

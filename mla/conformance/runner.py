@@ -1,0 +1,121 @@
+"""``run(target)``: every case of the catalogue on a target's kernels, as a ``Report``.
+
+A target maps kernel names (``catalogue.KERNELS``) to callables with ``mla.reference``'s
+signatures and conventions: a dict, a module, or any object with those attributes. A name the
+target lacks is "unsupported". Each output is held to its error budget: ``mla.compare``'s table
+for the input dtype (``ERROR_BUDGETS``, about twice the worst error our kernels measure over
+many seeds, conventions §11), 0 for exact outputs (indices, bytes, copies), and
+``FLOAT64_BUDGET`` for float64 inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from mla.compare import budget
+from mla.conformance.catalogue import KERNELS, Case, Setting, Trial, Unsupported, cases_of
+from mla.conformance.diagnose import describe, explain, measure
+from mla.conformance.report import Report, Row
+from mla.environment import environment
+
+__all__ = ["run", "run_case", "kernels_of", "FLOAT64_BUDGET", "limit"]
+
+# float64 inputs: a float64 kernel differs from the reference only in the order of its sums,
+# about n·2^-53 ≈ 1e-13 for the n ≤ 1e3 terms the cases sum per element; 1e-12 leaves 10x
+# (a 1% bug is 1e10 times over it)
+FLOAT64_BUDGET = 1e-12
+
+
+def kernels_of(target: object) -> dict[str, Callable]:
+    """The kernels ``target`` supplies, by name: a mapping's entries, or a module's (any
+    object's) attributes of those names."""
+    if isinstance(target, Mapping):
+        found = {k: v for k, v in target.items() if k in KERNELS}
+        bad = [k for k, v in found.items() if not callable(v)]
+        if bad:
+            raise TypeError(f"target's kernels must be callable; {bad} are not")
+        unknown = sorted(set(target) - set(KERNELS))
+        if unknown:
+            raise ValueError(f"target names kernels the catalogue does not know: {unknown} "
+                             f"(known: {list(KERNELS)})")
+        return dict(found)
+    return {k: getattr(target, k) for k in KERNELS if callable(getattr(target, k, None))}
+
+
+def limit(kernel: str, dtype: torch.dtype, quantity: str) -> float:
+    """The budget of one output: 0 when exact, ``FLOAT64_BUDGET`` in float64, else the table's
+    (``ValueError`` when it has none)."""
+    if quantity == "mismatches":
+        return 0.0
+    if dtype == torch.float64:
+        return FLOAT64_BUDGET
+    return budget(kernel, dtype, quantity)
+
+
+def run_case(kernel_fn: Callable | None, c: Case, setting: Setting) -> Row:
+    """One case on one kernel (``None``: the target lacks it)."""
+    row = Row(c.kernel, c.name, c.topic, c.doc, "unsupported")
+    if kernel_fn is None:
+        row.detail = f"the target has no {c.kernel}"
+        return row
+    t0 = time.perf_counter()
+    try:
+        trial: Trial = c.build(setting)
+        row.quantities = dict(trial.quantities)
+        bk = trial.budget_kernel or c.kernel
+        row.limits = {n: trial.limits[n] if n in trial.limits else limit(bk, setting.dtype, q)
+                      for n, q in trial.quantities.items()}
+        outputs = trial.invoke(kernel_fn)
+    except Unsupported as e:
+        row.detail = str(e) or "the target's adapter does not take these inputs"
+        row.seconds = time.perf_counter() - t0
+        return row
+    except Exception as e:  # a crash is a result of the case, reported, not a stopped run
+        row.status = "error"
+        row.detail = f"{type(e).__name__}: {e}"[:600]
+        row.seconds = time.perf_counter() - t0
+        return row
+    row.errors = {n: measure(q, outputs.get(n), trial.expected[n])
+                  for n, q in trial.quantities.items()}
+    ok = all(row.errors[n] <= row.limits[n] for n in row.errors)  # NaN: never <=
+    row.status = "pass" if ok and row.errors else "fail"
+    if row.status == "fail":
+        wrong = {n: w for n, w in trial.expected.items() if not row.errors[n] <= row.limits[n]}
+        row.detail = "; ".join(describe(outputs, wrong, trial.quantities))[:1500]
+        row.convention = explain(outputs, trial.expected, trial.quantities, row.limits,
+                                 trial.alternatives)
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def run(target: object, kernels: list[str] | None = None, device: str | torch.device | None
+        = None, dtype: torch.dtype | None = None, cases: list[str] | None = None, seed: int = 0,
+        name: str | None = None, progress: Callable[[Row], None] | None = None) -> Report:
+    """Run the catalogue (or its ``kernels`` / ``cases``) on ``target``; see the module doc.
+
+    ``device`` defaults to CUDA when there is one; ``dtype`` to bfloat16 on CUDA and float32
+    on the CPU (Triton's interpreter). ``progress`` is called with each row as it finishes.
+    """
+    dev = torch.device(device) if device is not None else _default_device()
+    if dtype is None:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    fns = kernels_of(target)
+    setting = Setting(dev, dtype, seed)
+    rows = []
+    for c in cases_of(kernels, cases):
+        row = run_case(fns.get(c.kernel), c, setting)
+        rows.append(row)
+        if progress:
+            progress(row)
+    label = name or getattr(target, "__name__", None) or type(target).__name__
+    return Report(str(label), str(dev), str(dtype).removeprefix("torch."), rows,
+                  environment(dev))
