@@ -1,0 +1,205 @@
+"""The conformance library's core: the catalogue, the runner's statuses, the report, and the
+decode family's bite (each broken convention fails the cases that pin it, with its name).
+
+The other families' broken twins are in tests/test_conformance_{sparse,merge,cache}.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import mla.reference as ref
+from mla.conformance import CATALOGUE, KERNELS, Unsupported, cases_of, run
+from mla.reference.decode import paged_mqa
+
+F64 = dict(device="cpu", dtype=torch.float64)
+REFERENCE = {k: getattr(ref, k) for k in KERNELS}
+
+
+def _failing(report, status=("fail", "error")):
+    return [r for r in report.rows if r.status in status]
+
+
+# ---- the catalogue ----------------------------------------------------------------------------
+
+def test_catalogue_has_sixty_documented_cases_over_every_kernel():
+    cases = list(cases_of())
+    assert len(cases) >= 60 and len(cases) == len(CATALOGUE)
+    assert {c.kernel for c in cases} == set(KERNELS)
+    for c in cases:
+        assert c.doc.endswith(".") and len(c.doc) > 20, (c.kernel, c.name, c.doc)
+        assert c.topic and c.name.isidentifier(), (c.kernel, c.name)
+
+
+def test_the_reference_passes_every_case_in_float64():
+    report = run(REFERENCE, name="mla.reference", **F64)
+    assert report.passed, report.to_text()
+    assert [r.status for r in report.rows] == ["pass"] * len(CATALOGUE)
+
+
+def test_selection_by_kernel_name_and_topic():
+    one = run(REFERENCE, cases=["mla_decode_paged/length_1"], **F64)
+    assert [r.case for r in one.rows] == ["length_1"]
+    topic = run(REFERENCE, kernels=["mla_decode_paged"], cases=["causal"], **F64)
+    assert topic.rows and {r.topic for r in topic.rows} == {"causal"}
+    with pytest.raises(ValueError, match="unknown cases"):
+        run(REFERENCE, cases=["no_such_case"], **F64)
+    with pytest.raises(ValueError, match="unknown kernels"):
+        run(REFERENCE, kernels=["flash_attn"], **F64)
+
+
+# ---- statuses ---------------------------------------------------------------------------------
+
+def test_a_missing_kernel_is_unsupported_not_a_failure():
+    report = run({"mla_decode_paged": ref.mla_decode_paged}, kernels=["mla_decode_paged",
+                                                                     "merge_attn_states"], **F64)
+    merge = [r for r in report.rows if r.kernel == "merge_attn_states"]
+    assert merge and {r.status for r in merge} == {"unsupported"}
+    assert "has no merge_attn_states" in merge[0].detail
+    assert report.passed
+
+
+def test_an_adapter_refusing_inputs_is_unsupported_with_its_reason():
+    def only_one_query(q, *args):
+        if q.shape[1] != 1:
+            raise Unsupported("s_q > 1: this kernel takes one query row per request")
+        return ref.mla_decode_paged(q, *args)
+
+    report = run({"mla_decode_paged": only_one_query}, **F64)
+    refused = [r for r in report.rows if r.status == "unsupported"]
+    assert refused and all("one query row" in r.detail for r in refused)
+    assert {r.case for r in refused} >= {"causal_s_q_2", "non_causal_s_q_4"}
+    assert report.passed
+
+
+def test_a_crash_is_an_error_row_and_the_run_goes_on():
+    def crashes(q, *args):
+        if q.shape[2] == 1:
+            raise RuntimeError("illegal head count")
+        return ref.mla_decode_paged(q, *args)
+
+    report = run({"mla_decode_paged": crashes}, kernels=["mla_decode_paged"], **F64)
+    bad = _failing(report)
+    assert [r.case for r in bad] == ["heads_1"] and bad[0].status == "error"
+    assert "RuntimeError: illegal head count" in bad[0].detail
+    assert not report.passed and sum(r.status == "pass" for r in report.rows) > 20
+
+
+def test_a_wrong_shape_or_dtype_fails_with_what_was_expected():
+    def lse_transposed(*args):
+        out, lse = ref.mla_decode_paged(*args)
+        return out, lse.transpose(1, 2)
+
+    report = run({"mla_decode_paged": lse_transposed}, cases=["causal_s_q_3"], **F64)
+    (row,) = report.rows
+    assert row.status == "fail" and math.isinf(row.errors["lse"])
+    assert "lse: shape" in row.detail and "expected" in row.detail
+
+
+def test_bad_targets_and_arguments_are_refused():
+    with pytest.raises(ValueError, match="does not know"):
+        run({"mla_decode": ref.mla_decode_paged}, **F64)
+    with pytest.raises(TypeError, match="callable"):
+        run({"mla_decode_paged": 3}, **F64)
+    with pytest.raises(TypeError, match="dtype"):
+        run(REFERENCE, device="cpu", dtype=torch.int32)
+
+
+def test_nothing_run_is_not_a_pass():
+    report = run({}, kernels=["mla_decode_paged"], **F64)
+    assert {r.status for r in report.rows} == {"unsupported"} and not report.passed
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+def test_report_json_and_markdown_hold_every_row():
+    report = run({"mla_decode_paged": _log2_lse}, kernels=["mla_decode_paged"], **F64)
+    data = json.loads(report.to_json())
+    assert data["passed"] is False and len(data["rows"]) == len(report.rows)
+    for row in data["rows"]:
+        assert {"kernel", "case", "status", "errors", "limits", "detail"} <= set(row)
+    assert data["environment"]["torch"] == torch.__version__
+    md = report.to_markdown()
+    assert md.count("\n| mla_decode_paged |") == len(report.rows)
+    assert "base 2" in md
+
+
+# ---- the decode family bites ------------------------------------------------------------------
+
+def _log2_lse(*args):
+    out, lse = ref.mla_decode_paged(*args)
+    return out, lse * (1 / math.log(2))
+
+
+def _empty_minus_inf(*args):
+    out, lse = ref.mla_decode_paged(*args)
+    return out, torch.where(torch.isposinf(lse), float("-inf"), lse)
+
+
+def _scale_ignored(q, kv, bt, lens, scale, causal, dv):
+    return ref.mla_decode_paged(q, kv, bt, lens, q.shape[-1] ** -0.5, causal, dv)
+
+
+def _causal_one_short(q, kv, bt, lens, scale, causal, dv):
+    return paged_mqa(q, kv, bt, [n - 1 for n in lens.tolist()], lens.tolist(), scale, causal,
+                     dv)
+
+
+def _causal_ignored(q, kv, bt, lens, scale, causal, dv):
+    return ref.mla_decode_paged(q, kv, bt, lens, scale, False, dv)
+
+
+def _half_heads_unwritten(*args):
+    out, lse = ref.mla_decode_paged(*args)
+    out = out.clone()
+    out[:, :, out.shape[2] // 2:] = float("nan")
+    return out, lse
+
+
+def _reads_one_past(q, kv, bt, lens, scale, causal, dv):
+    return paged_mqa(q, kv, bt, lens.tolist(), [n + 1 if n else 0 for n in lens.tolist()],
+                     scale, causal, dv)
+
+
+# broken twin -> (the topics that must fail: all their cases and nothing else, the words the
+# failing rows' convention line must hold)
+DECODE_TWINS = {
+    _empty_minus_inf: ({"empty"}, "-inf for a query that sees no key"),
+    _scale_ignored: ({"scale"}, "1/sqrt(576) used instead"),
+    _causal_one_short: ({"causal", "empty"}, "off by one"),
+    _causal_ignored: ({"causal", "empty"}, "causal mask ignored"),
+    _log2_lse: (None, "base 2"),
+    _half_heads_unwritten: (None, "NaN where the reference has values"),
+    _reads_one_past: (None, "read from an unused cache row"),
+}
+
+
+@pytest.mark.parametrize("twin", list(DECODE_TWINS), ids=lambda f: f.__name__.strip("_"))
+def test_decode_broken_twin_fails_exactly_its_cases_and_is_named(twin):
+    topics, words = DECODE_TWINS[twin]
+    report = run({**REFERENCE, "mla_decode_paged": twin}, **F64)
+    failing = _failing(report)
+    assert failing and {r.kernel for r in failing} == {"mla_decode_paged"}, report.to_text()
+    decode = [r for r in report.rows if r.kernel == "mla_decode_paged"]
+    if topics is None:  # a fault every decode case shows (lengths 0 aside)
+        assert {r.case for r in failing} >= {r.case for r in decode if r.topic != "empty"}
+    else:
+        assert {r.topic for r in failing} == topics
+        assert all(r.status == "fail" for r in decode if r.topic in topics - {"empty"})
+    named = [r for r in failing if words in r.convention]
+    assert len(named) >= len(failing) // 2, [(r.case, r.convention) for r in failing]
+
+
+def test_a_one_percent_output_error_fails_every_dtype_budget():
+    def one_percent(*args):
+        out, lse = ref.mla_decode_paged(*args)
+        return out * 1.01, lse
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        ref_in_dtype = run({"mla_decode_paged": one_percent}, cases=["length_page_edges"],
+                           device="cpu", dtype=dtype)
+        assert ref_in_dtype.rows[0].status == "fail", (dtype, ref_in_dtype.to_text())
