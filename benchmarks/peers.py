@@ -1,0 +1,267 @@
+"""``python -m benchmarks.peers [--wheel PATH] [--dest peers] [--flashinfer]``: other people's
+MLA kernels, unpacked for ``mla conform`` without installing vLLM.
+
+The ``vllm==0.33.0`` wheel (about 330 MB) holds FlashMLA's compiled extension and its Python
+interface and vLLM's Triton MLA kernels. This script takes only those out of it (about 4 MB)
+into ``--dest`` (default ``peers/``, kept out of git), keeping their ``vllm/...`` paths:
+
+    vllm/_flashmla_C.abi3.so, _flashmla_extension_C.abi3.so   FlashMLA (stable ABI, CUDA 13)
+    vllm/third_party/flashmla/                    flash_mla_with_kvcache, get_mla_metadata,
+                                                  flash_mla_sparse_fwd
+    vllm/v1/attention/ops/triton_decode_attention.py   decode_attention_fwd
+    vllm/v1/attention/ops/triton_merge_attn_states.py  merge_attn_states (Triton)
+    vllm/v1/attention/ops/merge_attn_states.py         vLLM's dispatcher, kept for reading
+    vllm/v1/attention/ops/dcp_correct_attn_out.py      the DCP correction kernel, see below
+
+plus empty ``__init__.py`` files and two stubs for what those files import from vLLM:
+``vllm/platforms.py`` (``current_platform``) and ``vllm/triton_utils.py`` (``triton``, ``tl``).
+
+The DCP correction kernel (``correct_attn_out``, under ``cp_lse_ag_out_rs``) lives in 0.33's
+``vllm/v1/attention/ops/dcp.py`` inside a JIT-warmup class whose module imports a dozen vLLM
+subsystems; the script copies the kernel's source (``CorrectAttnCPOutKernel.kernel``, a
+``@triton.jit`` function) verbatim into a module of its own; the adapter launches it as
+``CorrectAttnCPOutKernel.__call__`` does (``mla.conformance.adapters.vllm_triton``).
+``MANIFEST.json`` records the wheel and every written file's sha256.
+
+``--flashinfer`` also fetches the ``flashinfer-python`` and ``flashinfer-cubin`` wheels and
+unpacks them into ``--dest`` (FlashInfer compiles its MLA kernels with nvcc at first use).
+
+The GPU machine has no network: run this where the registry is reachable, then carry
+``peers/`` over; the adapters find it at ``<repo>/peers`` or ``$MLA_PEERS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import importlib
+import json
+import os
+import py_compile
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+VLLM = "vllm==0.33.0"
+FLASHINFER = ("flashinfer-python", "flashinfer-cubin")
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE = Path.home() / ".cache" / "mla-peers"
+
+# members taken from the wheel as they are
+COPIED = (
+    "vllm/_flashmla_C.abi3.so",
+    "vllm/_flashmla_extension_C.abi3.so",
+    "vllm/v1/attention/ops/triton_decode_attention.py",
+    "vllm/v1/attention/ops/triton_merge_attn_states.py",
+    "vllm/v1/attention/ops/merge_attn_states.py",
+)
+COPIED_DIRS = ("vllm/third_party/flashmla/",)
+DCP_SOURCE = "vllm/v1/attention/ops/dcp.py"
+DCP_CLASS, DCP_KERNEL = "CorrectAttnCPOutKernel", "kernel"
+DCP_MODULE = "vllm/v1/attention/ops/dcp_correct_attn_out.py"
+PACKAGES = ("vllm", "vllm/third_party", "vllm/v1", "vllm/v1/attention", "vllm/v1/attention/ops")
+
+STUBS = {
+    "vllm/platforms.py": '''\
+"""Stub of vllm.platforms for the files benchmarks/peers.py extracts: the platform calls they
+make at import and in their dispatch (a CUDA build of torch counts as CUDA)."""
+
+import torch
+
+
+class _Platform:
+    def is_cuda(self) -> bool:
+        return torch.version.cuda is not None
+
+    def is_rocm(self) -> bool:
+        return torch.version.hip is not None
+
+    def is_cpu(self) -> bool:
+        return not (self.is_cuda() or self.is_rocm())
+
+    def fp8_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fnuz if self.is_rocm() else torch.float8_e4m3fn
+
+
+current_platform = _Platform()
+''',
+    "vllm/triton_utils.py": '''\
+"""Stub of vllm.triton_utils: Triton itself."""
+
+import triton
+import triton.language as tl
+
+HAS_TRITON = True
+
+__all__ = ["HAS_TRITON", "tl", "triton"]
+''',
+}
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def download(spec: str, cache: Path) -> Path:
+    """``pip download --no-deps spec`` into ``cache``; the wheel's path."""
+    cache.mkdir(parents=True, exist_ok=True)
+    name = spec.split("==")[0].replace("-", "_")
+    before = set(cache.glob(f"{name}-*.whl"))
+    log(f"pip download --no-deps {spec} -> {cache}")
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary",
+                    ":all:", "-d", str(cache), spec], check=True)
+    version = spec.split("==")[1] if "==" in spec else ""
+    found = sorted(p for p in cache.glob(f"{name}-{version}*.whl"))
+    if not found:
+        raise SystemExit(f"pip download left no {name} wheel in {cache} "
+                         f"(had {sorted(map(str, before))})")
+    return found[-1]
+
+
+def dcp_kernel_source(dcp_py: str) -> str:
+    """The module written to ``DCP_MODULE``: ``CorrectAttnCPOutKernel.kernel``'s source,
+    dedented, under its own name (``correct_attn_cp_out_kernel``)."""
+    tree = ast.parse(dcp_py)
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == DCP_CLASS),
+               None)
+    fn = cls and next((n for n in cls.body if isinstance(n, ast.FunctionDef)
+                       and n.name == DCP_KERNEL), None)
+    if fn is None:
+        raise SystemExit(f"{DCP_SOURCE} has no {DCP_CLASS}.{DCP_KERNEL}: the wheel's layout "
+                         "changed; update benchmarks/peers.py")
+    decorators = [ast.unparse(d) for d in fn.decorator_list]
+    if "triton.jit" not in decorators:
+        raise SystemExit(f"{DCP_CLASS}.{DCP_KERNEL} is decorated {decorators}, expected "
+                         "triton.jit")
+    lines = dcp_py.splitlines()
+    body = textwrap.dedent("\n".join(lines[fn.lineno - 1: fn.end_lineno]))
+    body = body.replace(f"def {DCP_KERNEL}(", "def correct_attn_cp_out_kernel(", 1)
+    return (f'"""``{DCP_CLASS}.{DCP_KERNEL}`` of vLLM 0.33.0 ``{DCP_SOURCE}`` (lines '
+            f'{fn.lineno}-{fn.end_lineno}), copied verbatim by benchmarks/peers.py.\n\n'
+            f"vLLM launches it with grid (num_tokens, num_heads, 1) and these keyword "
+            f"constants:\nHEAD_DIM, N_ROUNDED (= the number of ranks), IS_BASE_E.\n"
+            f'"""\n\nfrom vllm.triton_utils import tl, triton\n\n\n@triton.jit\n{body}\n')
+
+
+def extract_vllm(wheel: Path, dest: Path) -> dict[str, str]:
+    """Write the members, the stubs and the DCP kernel module into ``dest``; returns
+    {relative path: sha256}."""
+    written: dict[str, str] = {}
+
+    def write(rel: str, data: bytes) -> None:
+        path = dest / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        written[rel] = hashlib.sha256(data).hexdigest()
+
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        missing = [m for m in COPIED + (DCP_SOURCE,) if m not in names]
+        if missing:
+            raise SystemExit(f"{wheel.name} lacks {missing}")
+        for m in COPIED:
+            write(m, z.read(m))
+        for d in COPIED_DIRS:
+            members = sorted(n for n in names if n.startswith(d) and not n.endswith("/"))
+            if not members:
+                raise SystemExit(f"{wheel.name} has no {d}")
+            for m in members:
+                write(m, z.read(m))
+        write(DCP_MODULE, dcp_kernel_source(z.read(DCP_SOURCE).decode()).encode())
+    for rel, text in STUBS.items():
+        write(rel, text.encode())
+    for pkg in PACKAGES:
+        if f"{pkg}/__init__.py" not in written:
+            write(f"{pkg}/__init__.py", b"")
+    return written
+
+
+def extract_wheel(wheel: Path, dest: Path) -> dict[str, str]:
+    """Unpack a whole wheel (FlashInfer's) into ``dest``, leaving out its dist-info."""
+    written = {}
+    with zipfile.ZipFile(wheel) as z:
+        for m in z.namelist():
+            if m.endswith("/") or ".dist-info/" in m:
+                continue
+            data = z.read(m)
+            (dest / m).parent.mkdir(parents=True, exist_ok=True)
+            (dest / m).write_bytes(data)
+            written[m] = hashlib.sha256(data).hexdigest()
+    return written
+
+
+def check_python(dest: Path, written: dict[str, str]) -> list[str]:
+    """Compile every written .py; import the pure-Triton modules. Returns one line per
+    module saying whether it imported (the FlashMLA interface needs a CUDA build of torch)."""
+    for rel in written:
+        if rel.endswith(".py"):
+            py_compile.compile(str(dest / rel), doraise=True)
+    sys.path.insert(0, str(dest))
+    lines = []
+    for mod in ("vllm.v1.attention.ops.triton_decode_attention",
+                "vllm.v1.attention.ops.triton_merge_attn_states",
+                "vllm.v1.attention.ops.dcp_correct_attn_out",
+                "vllm.third_party.flashmla.flash_mla_interface"):
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # noqa: BLE001 (reported, e.g. the .so without CUDA)
+            lines.append(f"  {mod}: not importable here ({type(e).__name__}: {e})"[:300])
+        else:
+            lines.append(f"  {mod}: imports")
+    sys.path.remove(str(dest))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.peers",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--wheel", type=Path, help=f"a downloaded {VLLM} wheel (default: download)")
+    p.add_argument("--dest", type=Path, default=REPO / "peers",
+                   help="where to unpack (default: <repo>/peers)")
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
+                   help=f"where downloaded wheels go (default: {DEFAULT_CACHE})")
+    p.add_argument("--flashinfer", action="store_true",
+                   help=f"also fetch and unpack {' and '.join(FLASHINFER)}")
+    args = p.parse_args(argv)
+
+    wheel = args.wheel or download(VLLM, args.cache)
+    if not wheel.is_file():
+        p.error(f"--wheel {wheel} is not a file")
+    if args.dest.exists():
+        shutil.rmtree(args.dest)  # a stale file from another version must not linger
+    args.dest.mkdir(parents=True)
+    written = extract_vllm(wheel, args.dest)
+    manifest = {"vllm_wheel": wheel.name,
+                "vllm_wheel_sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(),
+                "files": written}
+    if args.flashinfer:
+        for spec in FLASHINFER:
+            fw = download(spec, args.cache)
+            manifest[f"{spec}_wheel"] = fw.name
+            manifest["files"].update(extract_wheel(fw, args.dest))
+    (args.dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+    total = sum((args.dest / rel).stat().st_size for rel in manifest["files"])
+    print(f"from {wheel.name} into {args.dest}:")
+    for rel in sorted(manifest["files"]):
+        if not rel.startswith("flashinfer"):
+            print(f"  {(args.dest / rel).stat().st_size:>9}  {rel}")
+    if args.flashinfer:
+        n = sum(rel.startswith("flashinfer") for rel in manifest["files"])
+        print(f"  and {n} files of FlashInfer")
+    print(f"{len(manifest['files'])} files, {total / 2**20:.1f} MiB; MANIFEST.json lists "
+          "their sha256")
+    print("import check (with the extracted files first on sys.path):")
+    print("\n".join(check_python(args.dest, manifest["files"])))
+    if os.environ.get("MLA_PEERS") and Path(os.environ["MLA_PEERS"]) != args.dest.resolve():
+        print(f"note: MLA_PEERS={os.environ['MLA_PEERS']} points elsewhere; the adapters read "
+              "that")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
