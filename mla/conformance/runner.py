@@ -97,11 +97,14 @@ def _default_device() -> torch.device:
 
 def run(target: object, kernels: list[str] | None = None, device: str | torch.device | None
         = None, dtype: torch.dtype | None = None, cases: list[str] | None = None, seed: int = 0,
-        name: str | None = None, progress: Callable[[Row], None] | None = None) -> Report:
+        name: str | None = None, progress: Callable[[Row], None] | None = None,
+        small: bool | None = None) -> Report:
     """Run the catalogue (or its ``kernels`` / ``cases``) on ``target``; see the module doc.
 
     ``device`` defaults to CUDA when there is one; ``dtype`` to bfloat16 on CUDA and float32
     on the CPU (Triton's interpreter). ``progress`` is called with each row as it finishes.
+    ``small`` (default: on the CPU) shortens the "long" lengths, for the interpreter and for
+    compute-sanitizer.
     """
     dev = torch.device(device) if device is not None else _default_device()
     if dtype is None:
@@ -109,7 +112,7 @@ def run(target: object, kernels: list[str] | None = None, device: str | torch.de
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     fns = kernels_of(target)
-    setting = Setting(dev, dtype, seed)
+    setting = Setting(dev, dtype, seed, dev.type == "cpu" if small is None else small)
     rows = []
     for c in cases_of(kernels, cases):
         row = run_case(fns.get(c.kernel), c, setting)
