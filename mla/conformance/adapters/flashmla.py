@@ -1,0 +1,144 @@
+"""FlashMLA (as vendored in vLLM 0.33.0, unpacked by ``benchmarks.peers``) as a conformance target.
+
+``vllm/third_party/flashmla/flash_mla_interface.py`` over ``vllm/_flashmla_C.abi3.so`` (torch's
+stable ABI, CUDA 13, SM90 and SM100 kernels):
+
+- ``mla_decode_paged``: ``flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens,
+  head_dim_v, sched_meta, None, softmax_scale, causal)`` with ``k_cache =
+  kv_cache.unsqueeze(2)`` (FlashMLA's cache is ``[num_blocks, page, h_k = 1, D]``) and a
+  fresh ``get_mla_metadata()[0]`` per call (in this version an empty ``FlashMLASchedMeta``
+  filled at the first call). Its outputs are ours already: ``out [B, s_q, N, 512]`` and
+  ``lse [B, N, s_q]`` float32. What its C++ checks take (csrc ``dense_decode``): SM90 only,
+  float16 or bfloat16, head dim 576 (or 512, DeepSeek-V4), ``head_dim_v = 512``, page size 64,
+  batch >= 1. It ignores ``causal`` when ``s_q = 1``.
+- ``sparse_mla_decode``: the same function with ``indices`` and ``topk_length``; in this
+  version the interface asserts ``is_fp8_kvcache`` for sparse decode, so a bf16 cache is
+  "unsupported". The fp8_ds_mla cache (656 bytes a row) is passed as ``uint8 [num_blocks,
+  page, 1, 656]``, as vLLM does (``.view(torch.uint8).unsqueeze(-2)``).
+- ``sparse_mla_prefill``: ``flash_mla_sparse_fwd(q, kv [s_kv, 1, d], indices [s_q, 1, topk],
+  sm_scale, d_v, topk_length=...)`` returning ``(out, max_logits, lse)``, bfloat16 only.
+
+Layout plumbing, as vLLM's backends do it (``flashmla_sparse.py``), never a change of values:
+the sparse kernels take 64 or 128 query heads (and ``topk`` a multiple of the kernel's
+``B_TOPK``, 64 or 128), so ``q`` is padded with zero heads to 64 or 128 and the padding heads'
+results are sliced off, and ``indices`` is padded with ``-1`` columns (FlashMLA's "no index")
+to a multiple of 128, ``topk_length`` unchanged.
+
+The lse, as read in this version's sources and passed through unchanged: natural-log in all
+three (the interface calls it "log-sum-exp of attention scores"; FlashMLA's ``tests/ref.py``
+computes it with ``torch.logsumexp`` and compares the kernel's to it unconverted; vLLM feeds
+the sparse prefill's to its natural-log DCP combine). A query with no valid key: ``out = 0``,
+``lse = +inf`` and ``max_logits = -inf`` (``tests/ref.py``'s "lonely q"), the reference's own
+convention, which it took from FlashMLA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mla.conformance.adapters import import_peer, require, require_device, require_dtype
+
+__all__ = ["target", "mla_decode_paged", "sparse_mla_decode", "sparse_mla_prefill"]
+
+INTERFACE = "vllm.third_party.flashmla.flash_mla_interface"
+DENSE = "FlashMLA's flash_mla_with_kvcache (dense)"
+SPARSE_DECODE = "FlashMLA's flash_mla_with_kvcache (sparse)"
+SPARSE_PREFILL = "FlashMLA's flash_mla_sparse_fwd"
+_HEADS = (64, 128)  # what the sparse kernels take (vLLM pads to these)
+_TOPK_ALIGN = 128  # a multiple of both kernels' B_TOPK (vLLM's _SPARSE_PREFILL_TOPK_ALIGNMENT)
+
+
+def _padded_heads(peer: str, n: int) -> int:
+    require(n <= _HEADS[-1], peer, f"takes at most {_HEADS[-1]} query heads, got {n}")
+    return next(h for h in _HEADS if n <= h)
+
+
+def _pad_heads(q: torch.Tensor, dim: int, heads: int) -> torch.Tensor:
+    """``q`` with zero heads appended along ``dim`` up to ``heads``."""
+    n = q.shape[dim]
+    if n == heads:
+        return q
+    shape = list(q.shape)
+    shape[dim] = heads - n
+    return torch.cat([q, q.new_zeros(shape)], dim=dim)
+
+
+def _pad_topk(indices: torch.Tensor) -> torch.Tensor:
+    """``indices`` with ``-1`` columns appended up to a multiple of ``_TOPK_ALIGN``."""
+    topk = indices.shape[-1]
+    want = max(_TOPK_ALIGN, -(-topk // _TOPK_ALIGN) * _TOPK_ALIGN)
+    if want == topk:
+        return indices
+    pad = indices.new_full((*indices.shape[:-1], want - topk), -1)
+    return torch.cat([indices, pad], dim=-1)
+
+
+def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     cache_seqlens: torch.Tensor, softmax_scale: float, causal: bool = False,
+                     head_dim_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``flash_mla_with_kvcache`` with ``mla.reference.mla_decode_paged``'s signature."""
+    require_device(DENSE, "cuda", q=q, kv_cache=kv_cache, block_table=block_table,
+                   cache_seqlens=cache_seqlens)
+    require_dtype(DENSE, (torch.bfloat16, torch.float16), q=q, kv_cache=kv_cache)
+    require(q.shape[-1] in (576, 512), DENSE, f"takes head dim 576 (or 512) only, got "
+            f"{q.shape[-1]}")
+    require(head_dim_v == 512, DENSE, f"takes head_dim_v = 512 only, got {head_dim_v}")
+    require(kv_cache.shape[1] == 64, DENSE, f"takes page size 64 only, got {kv_cache.shape[1]}")
+    require(q.shape[0] > 0, DENSE, "takes a batch of at least one request, got 0")
+    fm = import_peer(INTERFACE, DENSE)
+    sched, _ = fm.get_mla_metadata()
+    return fm.flash_mla_with_kvcache(q, kv_cache.unsqueeze(2), block_table, cache_seqlens,
+                                     head_dim_v, sched, None, softmax_scale, causal)
+
+
+def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
+                      softmax_scale: float, is_fp8_kvcache: bool,
+                      topk_length: torch.Tensor | None = None, head_dim_v: int = 512
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse ``flash_mla_with_kvcache`` with ``mla.reference.sparse_mla_decode``'s signature."""
+    require_device(SPARSE_DECODE, "cuda", q=q, kv_cache=kv_cache, indices=indices,
+                   topk_length=topk_length)
+    require(is_fp8_kvcache, SPARSE_DECODE, "takes the fp8_ds_mla cache only (its interface "
+            "asserts is_fp8_kvcache when indices are given)")
+    require_dtype(SPARSE_DECODE, (torch.bfloat16,), q=q)
+    require(q.shape[-1] == 576 and head_dim_v == 512, SPARSE_DECODE,
+            f"takes DeepSeek-V3.2's rows only (head dim 576, head_dim_v 512), got "
+            f"{q.shape[-1]} and {head_dim_v}")
+    fm = import_peer(INTERFACE, SPARSE_DECODE)
+    N = q.shape[2]
+    k_cache = kv_cache.view(torch.uint8)
+    if k_cache.dim() == 3:
+        k_cache = k_cache.unsqueeze(2)  # [num_blocks, page, 1, 656]
+    sched, _ = fm.get_mla_metadata()
+    out, lse = fm.flash_mla_with_kvcache(
+        _pad_heads(q, 2, _padded_heads(SPARSE_DECODE, N)), k_cache, None, None, head_dim_v,
+        sched, None, softmax_scale, False, True, _pad_topk(indices), topk_length=topk_length)
+    return out[:, :, :N], lse[:, :N]
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+                       sm_scale: float, d_v: int = 512,
+                       topk_length: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``flash_mla_sparse_fwd`` with ``mla.reference.sparse_mla_prefill``'s signature."""
+    require_device(SPARSE_PREFILL, "cuda", q=q, kv=kv, indices=indices,
+                   topk_length=topk_length)
+    require_dtype(SPARSE_PREFILL, (torch.bfloat16,), q=q, kv=kv)
+    require(q.shape[-1] in (576, 512) and d_v == 512, SPARSE_PREFILL,
+            f"takes head dim 576 (or 512) with d_v 512 only, got {q.shape[-1]} and {d_v}")
+    fm = import_peer(INTERFACE, SPARSE_PREFILL)
+    N = q.shape[1]
+    kv3 = kv if kv.dim() == 3 else kv.unsqueeze(1)  # [s_kv, h_kv = 1, d]
+    idx3 = indices if indices.dim() == 3 else indices.unsqueeze(1)  # [s_q, h_kv = 1, topk]
+    out, max_logits, lse = fm.flash_mla_sparse_fwd(
+        _pad_heads(q, 1, _padded_heads(SPARSE_PREFILL, N)), kv3, _pad_topk(idx3), sm_scale,
+        d_v, topk_length=topk_length)
+    return out[:, :N], max_logits[:, :N], lse[:, :N]
+
+
+def target() -> dict[str, Callable]:
+    """FlashMLA's dense decode, sparse decode and sparse prefill."""
+    return {"mla_decode_paged": mla_decode_paged, "sparse_mla_decode": sparse_mla_decode,
+            "sparse_mla_prefill": sparse_mla_prefill}

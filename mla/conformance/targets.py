@@ -1,0 +1,103 @@
+"""Targets by name: what ``mla conform --target SPEC`` runs.
+
+    mla.fast          this package's Triton kernels (needs triton; on the CPU, its interpreter)
+    reference         mla.reference itself (passes every case by construction)
+    flashmla          FlashMLA, vLLM's Triton kernels, FlashInfer: the adapters of
+    vllm-triton       mla.conformance.adapters (their peers are imported when a case runs;
+    flashinfer        missing ones make the rows "unsupported")
+    pkg.module        a module whose attributes named like mla.reference's kernels are the kernels
+    pkg.module:attr   a mapping or object holding kernels, or one function: the kernel named in
+                      ``kernels`` (exactly one), else the kernel its ``__name__`` names
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Mapping
+
+from mla.conformance.catalogue import KERNELS
+from mla.conformance.runner import kernels_of
+
+__all__ = ["TARGETS", "load_target"]
+
+TARGETS = {
+    "mla.fast": "this package's Triton kernels (mla.fast; on the CPU under Triton's interpreter)",
+    "reference": "mla.reference, the float64 oracle itself (passes every case)",
+    "flashmla": "FlashMLA from vLLM 0.33.0's wheel: dense and sparse decode, sparse prefill",
+    "vllm-triton": "vLLM 0.33.0's Triton MLA decode, merge_attn_states and DCP correction",
+    "flashinfer": "FlashInfer's BatchMLAPagedAttentionWrapper (paged decode), if importable",
+}
+
+_ADAPTERS = {"flashmla": "flashmla", "vllm-triton": "vllm_triton", "flashinfer": "flashinfer"}
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
+_EXPECTED = (f"expected one of {sorted(TARGETS)}, a module 'pkg.module' or "
+             "'pkg.module:attr'")
+
+
+def _import(spec: str, module: str) -> object:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"target {spec!r}: cannot import {module!r} ({e}); {_EXPECTED}") from e
+
+
+def _named(spec: str) -> object:
+    if spec == "reference":
+        return _import(spec, "mla.reference")
+    if spec == "mla.fast":
+        return _import(spec, "mla.fast")
+    adapter = _import(spec, f"mla.conformance.adapters.{_ADAPTERS[spec]}")
+    return adapter.target()  # type: ignore[attr-defined]
+
+
+def _from_function(spec: str, fn: Callable, kernels: list[str] | None) -> dict[str, Callable]:
+    if kernels:
+        if len(kernels) != 1:
+            raise ValueError(f"target {spec!r} is one function: give the one kernel it "
+                             f"implements with kernels, got {kernels}")
+        return {kernels[0]: fn}
+    name = getattr(fn, "__name__", "")
+    if name not in KERNELS:
+        raise ValueError(f"target {spec!r} is a function named {name!r}, not a kernel name; "
+                         f"name the kernel it implements (--kernels K, one of {list(KERNELS)})")
+    return {name: fn}
+
+
+def load_target(spec: str, kernels: list[str] | None = None) -> tuple[str, object]:
+    """``(name, target)`` for ``spec`` (see the module doc); ``kernels`` narrows a run and
+    names the kernel a single function implements.
+
+    ``ValueError`` for a malformed or unknown spec, a module or attribute that cannot be
+    found, or a target that holds none of the kernels; ``TypeError`` for a non-string spec or
+    an attribute that is neither a mapping, an object with kernels nor a function."""
+    if not isinstance(spec, str):
+        raise TypeError(f"target must be a str, got {type(spec).__name__}")
+    if kernels is not None:
+        unknown = sorted(set(kernels) - set(KERNELS))
+        if unknown:
+            raise ValueError(f"unknown kernels {unknown}; known: {list(KERNELS)}")
+    if spec in TARGETS:
+        return spec, _named(spec)
+    module, sep, attr = spec.partition(":")
+    if not _DOTTED.match(module) or (sep and not _DOTTED.match(attr)):
+        raise ValueError(f"target {spec!r} is not a name; {_EXPECTED}")
+    obj = _import(spec, module)
+    if sep:
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise ValueError(f"target {spec!r}: {module!r} has no attribute {attr!r}")
+            obj = getattr(obj, part)
+        if (not isinstance(obj, Mapping) and callable(obj)
+                and not any(callable(getattr(obj, k, None)) for k in KERNELS)):
+            obj = _from_function(spec, obj, kernels)
+        elif not isinstance(obj, Mapping) and not hasattr(obj, "__dict__"):
+            raise TypeError(f"target {spec!r} is a {type(obj).__name__}; expected a mapping of "
+                            "kernels, an object or module with kernel attributes, or a function")
+    try:
+        found = kernels_of(obj)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"target {spec!r}: {e}") from e
+    if not found:
+        raise ValueError(f"target {spec!r} holds none of the kernels {list(KERNELS)}")
+    return spec, obj
