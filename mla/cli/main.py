@@ -3,6 +3,7 @@
     mla walkthrough   every path on an embedded example, checked against the definition
     mla config        a preset's shapes, derived sizes and DeepSeek-V2's Table 1 comparison
     mla plan          the chunked-prefill chunk plan for some context lengths
+    mla conform       the conformance catalogue on a kernel target (exit statuses: its doc)
 
 ``main(argv)`` returns the exit status, so tests can call it directly. Exit statuses:
 
@@ -23,6 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from mla.cli.conform import add_conform_parser
 from mla.config import PRESETS, get_config, kv_cache_comparison
 
 __all__ = ["main", "build_parser"]
@@ -226,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_walkthrough(sub)
     _add_config(sub)
     _add_plan(sub)
+    add_conform_parser(sub)
     return parser
 
 

@@ -1,0 +1,109 @@
+"""``mla conform``: the conformance catalogue on a target, as a table (``mla.conformance``).
+
+    mla conform --target {mla.fast, reference, flashmla, vllm-triton, flashinfer,
+                          pkg.module, pkg.module:attr}
+                [--kernels K ...] [--cases C ...] [--device D] [--dtype T] [--seed N]
+                [--out report.md] [--json report.json]
+
+One progress line per case on stderr while it runs, the table on stdout at the end. Exit
+statuses: 0 no case failed or raised (unsupported ones allowed), 1 a case failed or raised,
+2 bad arguments (an unknown target, kernel or case included), 3 the device is not available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+__all__ = ["add_conform_parser"]
+
+DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def add_conform_parser(sub: argparse._SubParsersAction) -> None:
+    from mla.conformance.targets import TARGETS
+
+    named = "\n".join(f"  {k:<12} {v}" for k, v in TARGETS.items())
+    p = sub.add_parser(
+        "conform", help="run the conformance catalogue on a kernel target",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run the catalogue of named cases (each pins one convention or edge) on a\n"
+                    "target's kernels against the float64 reference, and print one row per "
+                    "case.",
+        epilog=f"targets:\n{named}\n  pkg.module   a module with kernels named like "
+               "mla.reference's\n  pkg.module:attr  a mapping or object of kernels, or one "
+               "function (name\n               its kernel with --kernels)\n\n"
+               "On the CPU, Triton kernels run under Triton's interpreter: this command sets\n"
+               "TRITON_INTERPRET=1 unless it is set; the dtype defaults to float32 there and\n"
+               "to bfloat16 on CUDA.\n\nexit status: 0 no case failed, 1 a case failed or "
+               "raised, 2 bad arguments,\n3 the device is not available.")
+    p.add_argument("--target", required=True, metavar="SPEC",
+                   help="a named target, pkg.module or pkg.module:attr")
+    p.add_argument("--kernels", nargs="+", metavar="K", help="only these kernels")
+    p.add_argument("--cases", nargs="+", metavar="C",
+                   help="only these cases: kernel/name, a name or a topic")
+    p.add_argument("--device", help="cpu or cuda[:n] (default: cuda when there is one)")
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="input dtype (default: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", metavar="PATH", help="also write the report as markdown")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.set_defaults(run=_conform, parser=p)
+
+
+def _conform(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        device = torch.device(args.device) if args.device else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError as e:
+        args.parser.error(f"--device {args.device!r}: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"mla conform: --device {args.device} asked for but CUDA is not available here",
+              file=sys.stderr)
+        return 3
+    if device.type == "cpu":
+        # the interpreter is chosen when triton is first imported (mla.fast, a peer): set it
+        # before loading the target
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if args.target == "mla.fast" and os.environ["TRITON_INTERPRET"] != "1":
+            args.parser.error(f"--target mla.fast on the CPU runs under Triton's interpreter: "
+                              f"TRITON_INTERPRET must be 1, it is "
+                              f"{os.environ['TRITON_INTERPRET']!r}")
+
+    from mla.conformance.catalogue import cases_of
+    from mla.conformance.runner import run
+    from mla.conformance.targets import load_target
+
+    try:
+        name, target = load_target(args.target, args.kernels)
+        total = sum(1 for _ in cases_of(args.kernels, args.cases))
+    except (ValueError, TypeError) as e:
+        args.parser.error(str(e))
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    done = 0
+
+    def progress(row: object) -> None:
+        nonlocal done
+        done += 1
+        print(f"[{done}/{total}] {row.status:<11} {row.kernel}/{row.case}"  # type: ignore[attr-defined]
+              f"  ({row.seconds:.1f} s)", file=sys.stderr, flush=True)  # type: ignore[attr-defined]
+
+    t0 = time.perf_counter()
+    report = run(target, kernels=args.kernels, device=device, dtype=dtype, cases=args.cases,
+                 seed=args.seed, name=name, progress=progress)
+    print(f"mla conform: target {name}, {report.dtype} on {report.device}, seed {args.seed}, "
+          f"{time.perf_counter() - t0:.1f} s")
+    print("reference: float64 on the CPU on the same inputs; budgets: conventions §11")
+    print()
+    print(report.to_text())
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report.to_markdown())
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(report.to_json())
+    return 1 if any(r.status in ("fail", "error") for r in report.rows) else 0
