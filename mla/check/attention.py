@@ -15,6 +15,7 @@ import torch
 
 import mla.fast as fast
 import mla.fast.attention as fast_attention
+from mla.check.catalogue import catalogue_cases
 from mla.check.prefill import forced_route
 from mla.check.registry import Case, Ctx, Metrics, gen, register
 from mla.compare import max_abs_err, poisoned_alloc, rel_err
@@ -44,6 +45,7 @@ def _attention(ctx: Ctx, salt: int, Sq: int, Skv: int, N: int, Nk: int, D: int, 
 
 @register("attention_with_lse", "attention_with_lse")
 def attention_cases(ctx: Ctx) -> Iterator[Case]:
+    yield from catalogue_cases(ctx, "attention_with_lse")
     if ctx.quick:
         route = "triton" if ctx.device.type == "cpu" else None
         cases = [(33, 33, 4, 4, 24, 16, True, False, route, 1.0),

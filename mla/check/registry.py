@@ -6,8 +6,10 @@ A kernel family registers its cases with ``@register(kernel, fast_name)`` on a f
 skipped). Each case's ``run()`` returns its measured errors by quantity (``out_rel``,
 ``lse_abs``, ..., ``mismatches``; a ``[i]`` suffix for repeats). Limits are not the case's
 own: each error is held to ``mla.compare.budget(kernel, dtype, quantity)`` (``mismatches``: 0),
-so the budget table is the one place a tolerance lives. A case fails on an error over its
-budget, on a quantity without a budget, on an exception, or when it measures nothing.
+so the budget table is the one place a tolerance lives (a case that returns ``Measured``
+brings its limits along: the conformance catalogue's, see ``mla.check.catalogue``). A case
+fails on an error over its budget, on a quantity without a budget, on an exception, or when
+it measures nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch
 from mla.compare import budget
 from mla.environment import environment
 
-__all__ = ["Ctx", "Case", "Result", "REGISTRY", "register", "gen", "limits_for", "run_checks",
-           "environment", "kernel_sources", "worst_errors", "dtype_name"]
+__all__ = ["Ctx", "Case", "Measured", "Result", "REGISTRY", "register", "gen", "limits_for",
+           "run_checks", "environment", "kernel_sources", "worst_errors", "dtype_name"]
 
 Metrics = dict[str, float]
 EXACT = "mismatches"  # bit-for-bit quantities: the limit is 0, whatever the dtype
@@ -40,9 +42,17 @@ class Ctx:
 
 
 @dataclasses.dataclass
+class Measured:
+    """What a case returns when some of its limits are its own (the catalogue's cases:
+    an fp8 dequantization error held to the reference's own on the same inputs)."""
+    metrics: Metrics
+    limits: Metrics
+
+
+@dataclasses.dataclass
 class Case:
     name: str
-    run: Callable[[], Metrics]
+    run: Callable[[], Metrics | Measured]
     dtype: torch.dtype | None = None  # the inputs' dtype when it is not the context's
 
 
@@ -119,8 +129,11 @@ def run_checks(ctx: Ctx, kernels: list[str] | None = None,
             metrics: Metrics = {}
             limits: Metrics = {}
             try:
-                metrics = case.run()
-                limits = limits_for(kernel, dtype, metrics)
+                got = case.run()
+                if isinstance(got, Measured):
+                    metrics, limits = got.metrics, got.limits
+                else:
+                    metrics, limits = got, limits_for(kernel, dtype, got)
                 passed = bool(metrics) and all(metrics[k] <= limits[k] for k in metrics)
                 err = ""
             except Exception as e:  # a crash is a failed case, reported, not a stopped run

@@ -1,6 +1,6 @@
-"""``python -m mla.check`` cases for the fast sparse kernels: the index conversion
-``mla.fast.convert_req_index_to_global_index``, ``mla.fast.sparse_mla_decode`` and
-``mla.fast.sparse_mla_prefill``.
+"""``python -m mla.check`` cases for the fast sparse kernels ``mla.fast.sparse_mla_decode`` and
+``mla.fast.sparse_mla_prefill``: the conformance catalogue's cases, then these (the index
+conversion's check is the catalogue's alone).
 
 DeepSeek-V3.2 shapes on a GPU (rows of 576, V 512, top-k 2048, 16 and 128 heads, bf16 q and
 cache or the ``fp8_ds_mla`` cache), small ones with ``quick`` (the interpreter, the sanitizer).
@@ -13,54 +13,23 @@ is dequantized by the reference itself).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 import mla.fast as fast
+from mla.check.catalogue import catalogue_cases
 from mla.check.registry import Case, Ctx, Metrics, gen, register
 from mla.compare import max_abs_err, poisoned_alloc, rel_err
 from mla.reference.fp8 import FP8_DS_MLA_BYTES, quantize_fp8_ds_mla
-from mla.reference.paged_cache import make_block_table
-from mla.reference.sparse import convert_req_index_to_global_index as ref_convert
 from mla.reference.sparse import sparse_mla_decode as ref_decode
 from mla.reference.sparse import sparse_mla_prefill as ref_prefill
 
-__all__ = ["convert_cases", "decode_cases", "prefill_cases", "decode_inputs"]
+__all__ = ["decode_cases", "prefill_cases", "decode_inputs"]
 
 D, DV = 576, 512
 SCALE = 192 ** -0.5  # DeepSeek: 1 / sqrt(qk_nope + qk_rope)
-
-
-def _convert(ctx: Ctx, T: int, topk: int, bs: int, workspace: bool, salt: int) -> Metrics:
-    g = gen(ctx, salt)
-    R = 4
-    bt, _ = make_block_table([3000, 100, 0, 2048], bs, seed=salt)
-    req = torch.randint(R, (T,), generator=g, dtype=torch.int32)
-    tok = torch.randint(-1, 3200, (T, topk), generator=g, dtype=torch.int32)
-    extra: tuple[torch.Tensor, ...] = ()
-    if workspace:
-        ids = torch.randint(-1, 2, (T,), generator=g, dtype=torch.int32)
-        extra = (ids, torch.tensor([0, 5000], dtype=torch.int32))
-    expect = ref_convert(req, bt, tok, bs, *extra)
-    with poisoned_alloc():
-        got = fast.convert_req_index_to_global_index(
-            req.to(ctx.device), bt.to(ctx.device), tok.to(ctx.device), bs,
-            *(t.to(ctx.device) for t in extra))
-    if got.shape != expect.shape or got.dtype != expect.dtype:
-        return {"mismatches": math.inf}
-    return {"mismatches": float((got.cpu() != expect).sum())}
-
-
-@register("convert_req_index_to_global_index", "convert_req_index_to_global_index")
-def convert_cases(ctx: Ctx) -> Iterator[Case]:
-    cases = [(3, 20, 16, False), (3, 20, 16, True)] if ctx.quick else [
-        (64, 2048, 64, False), (37, 2048, 64, True), (5, 100, 1, False)]
-    for i, (T, topk, bs, ws) in enumerate(cases):
-        yield Case(f"T={T} topk={topk} page={bs} workspace={int(ws)}",
-                   lambda a=(T, topk, bs, ws, 80 + i): _convert(ctx, *a), torch.int32)
 
 
 def _pick(g: torch.Generator, shape: tuple[int, ...], used: torch.Tensor,
@@ -150,6 +119,7 @@ def _graph_case(ctx: Ctx) -> Metrics:
 def decode_cases(ctx: Ctx) -> Iterator[Case]:
     """``mla.fast.sparse_mla_decode``: bf16 and fp8_ds_mla caches, 16/128 heads, top-k 2048 and
     ragged ``topk_length``, all-invalid requests, forced splits, a CUDA graph."""
+    yield from catalogue_cases(ctx, "sparse_mla_decode")
     def run(salt: int, B: int, s_q: int, N: int, topk: int, n_slots: int, fp8: bool,
             lens: list[int] | None = None, plan: Any = None, dtype: torch.dtype | None = None,
             all_invalid: int | None = None, logit_scale: float = 1.0) -> Metrics:
@@ -211,6 +181,7 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
 def prefill_cases(ctx: Ctx) -> Iterator[Case]:
     """``mla.fast.sparse_mla_prefill``: 16/64/128 heads, top-k 2048 and ragged lengths,
     indices ``-1``, ``< -1`` and ``>= s_kv``, a lonely query, few queries (splits)."""
+    yield from catalogue_cases(ctx, "sparse_mla_prefill")
     def run(salt: int, s_q: int, N: int, topk: int, s_kv: int, with_lens: bool = False,
             plan: Any = None, logit_scale: float = 1.0) -> Metrics:
         g = gen(ctx, salt)

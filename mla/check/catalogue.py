@@ -1,0 +1,44 @@
+"""The conformance catalogue's cases as ``python -m mla.check`` cases of ``mla.fast``.
+
+``mla.conformance`` holds the one catalogue of named cases for every kernel anyone may check;
+the GPU check runs it on ``mla.fast`` first, then only what our kernels alone have (forced
+plans and routes, CUDA-graph capture, the prefill paths). A catalogue row becomes a check
+result: its errors by quantity (``out_rel``, ``lse_abs``, ..., ``mismatches``) with the same
+budgets, so ``--seeds`` measures the catalogue's worst errors as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mla.fast as fast
+from mla.check.registry import Case, Ctx, Measured, register
+from mla.conformance.catalogue import Setting, cases_of
+from mla.conformance.runner import run_case
+
+__all__ = ["catalogue_cases"]
+
+
+def _measure(kernel: str, name: str, ctx: Ctx) -> Measured:
+    (c,) = [c for c in cases_of([kernel]) if c.name == name]
+    row = run_case(getattr(fast, kernel), c, Setting(ctx.device, ctx.dtype, ctx.seed,
+                                                      small=ctx.quick))
+    if row.status in ("error", "unsupported"):
+        raise RuntimeError(f"{row.status}: {row.detail}")
+    metrics = {row.quantities[n]: v for n, v in row.errors.items()}
+    if len(metrics) != len(row.errors):
+        raise RuntimeError(f"outputs {sorted(row.errors)} share a quantity")
+    limits = {row.quantities[n]: v for n, v in row.limits.items()}
+    return Measured(metrics, limits)
+
+
+def catalogue_cases(ctx: Ctx, kernel: str) -> Iterator[Case]:
+    """Every catalogue case of ``kernel``, run on ``mla.fast`` in the context's dtype."""
+    for c in cases_of([kernel]):
+        yield Case(f"catalogue {c.name}", lambda n=c.name: _measure(kernel, n, ctx))
+
+
+# kernels whose check is the catalogue alone (the others add their own cases after it)
+for _kernel in ("merge_attn_states", "concat_and_cache_mla", "gather_cache",
+                "concat_and_cache_fp8_ds_mla", "convert_req_index_to_global_index"):
+    register(_kernel, _kernel)(lambda ctx, k=_kernel: catalogue_cases(ctx, k))
