@@ -1,1 +1,284 @@
-"""Cases of the sparse_decode family (being written)."""
+"""Cases of ``sparse_mla_decode``: DeepSeek-V3.2's sparse decode over the paged cache.
+
+``q [B, s_q, N, D]``; query ``(b, s)`` attends to the cache rows named by
+``indices[b, s, :topk_length[b]]``, global slots ``block · page + offset`` of
+``kv_cache [num_blocks, page, D]`` (or ``[num_blocks, page, 656]`` ``fp8_ds_mla`` bytes with
+``is_fp8_kvcache=True``, which the reference dequantizes itself); ``-1`` names no row. A repeated
+index counts once per appearance. ``out [B, s_q, N, head_dim_v]`` in q's dtype and
+``lse [B, N, s_q]`` in the natural log; a lonely query (no valid entry) gets ``out = 0`` and
+``lse = +inf`` (conventions §10, §12). The reference rejects any other negative index and any
+index past the cache, and a ``topk_length`` past ``topk``: those are errors, not cases.
+
+Every case fills the slots no index names with NaN (the fp8 cache: 0xFF bytes, NaN in the
+values, the scales and the rope part) and poisons the buffers the kernel allocates. Slot 0 and
+the last slot always hold a written row, so that a kernel reading ``-1`` as slot 0 (an
+unmasked gather) or as the last slot (Python's negative indexing) gives finite outputs the
+report can name. Only the "sentinels" topic has scattered ``-1`` entries, only "empty" and
+"topk_length" have lonely queries, only "topk_length" passes ``topk_length`` and only "scale"
+passes a scale other than ``1/sqrt(D)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from mla.conformance.cases.common import (
+    DEEPSEEK_SCALE,
+    DEFAULT_SCALE,
+    DV,
+    YARN_SCALE,
+    D,
+    call_poisoned,
+)
+from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.reference.fp8 import (
+    D_NOPE,
+    D_ROPE,
+    FP8_DS_MLA_BYTES,
+    NUM_TILES,
+    SCALE_OFFSET,
+    TILE,
+    quantize_fp8_ds_mla,
+)
+from mla.reference.sparse import sparse_mla_decode
+
+__all__ = ["SparseDecodeSpec", "sparse_decode_trial", "draw_indices", "once_each",
+           "scale_alternatives"]
+
+KERNEL = "sparse_mla_decode"
+Outputs = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseDecodeSpec:
+    batch: int = 3
+    s_q: int = 1
+    heads: int = 16
+    topk: int = 64
+    page: int = 64
+    slots: int = 600  # at least this many cache slots (whole pages); a third left unwritten
+    fp8: bool = False  # the fp8_ds_mla cache (else the cache is in q's dtype)
+    scale: float = DEFAULT_SCALE
+    minus_one: float = 0.0  # share of entries set to -1 (scattered, plus a -1 tail per query)
+    lonely: tuple[tuple[int, int], ...] = ()  # queries (b, s) whose entries are all -1
+    topk_length: tuple[int, ...] | None = None  # per request
+    past_length: str = "rows"  # entries past topk_length name "rows" (written) or "nan" slots
+    repeats: int = 0  # > 0: every query's entries drawn from this many slots
+    q_gain: float = 1.0  # > 1: a sharper softmax
+
+
+def draw_indices(g: torch.Generator, shape: tuple[int, ...], pool: torch.Tensor,
+                 repeats: int = 0) -> torch.Tensor:
+    """int32 entries drawn with replacement from ``pool`` (so a few repeat); with ``repeats``,
+    from that many of its members only (so most repeat)."""
+    if repeats:
+        pool = pool[torch.randperm(len(pool), generator=g)[:repeats]]
+    return pool[torch.randint(len(pool), shape, generator=g)].to(torch.int32)
+
+
+def once_each(idx: torch.Tensor) -> torch.Tensor:
+    """``idx`` with every repeat of an entry within its row (last dim) replaced by ``-1``: what
+    a kernel that counts each distinct row once reads."""
+    flat = idx.reshape(-1, idx.shape[-1])
+    ordered, order = torch.sort(flat, dim=-1, stable=True)
+    repeat_sorted = torch.zeros_like(ordered, dtype=torch.bool)
+    repeat_sorted[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    repeat = torch.zeros_like(repeat_sorted).scatter(1, order, repeat_sorted)
+    return torch.where(repeat, -1, flat).reshape(idx.shape)
+
+
+def scale_alternatives(make: Callable[[float], Outputs], d: int, dv: int
+                       ) -> dict[str, Callable[[], Outputs]]:
+    """The reference's outputs under the two usual wrong softmax scales."""
+    return {f"softmax scale 1/sqrt({d}) used instead of the scale passed":
+            lambda: make(d ** -0.5),
+            "softmax scale 1/sqrt(head_dim_v) used instead of the scale passed":
+            lambda: make(dv ** -0.5)}
+
+
+def _cache(spec: SparseDecodeSpec, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
+                                                                torch.Tensor]:
+    """float64 (or fp8_ds_mla bytes) cache ``[nb, page, ·]``, the written slots and the
+    unwritten ones."""
+    nb = -(-spec.slots // spec.page)
+    n = nb * spec.page
+    perm = torch.randperm(n, generator=g)
+    cut = (2 * n) // 3
+    written = torch.cat([torch.tensor([0, n - 1]), perm[:cut][(perm[:cut] != 0)
+                                                               & (perm[:cut] != n - 1)]])
+    unwritten = perm[cut:][(perm[cut:] != 0) & (perm[cut:] != n - 1)]
+    if spec.fp8:
+        flat = torch.full((n, FP8_DS_MLA_BYTES), 0xFF, dtype=torch.uint8)
+        kv_c = torch.randn(len(written), D_NOPE, generator=g, dtype=torch.float64)
+        kv_c[:, TILE:2 * TILE] *= 1e-3  # tiles of different scales
+        k_pe = torch.randn(len(written), D_ROPE, generator=g, dtype=torch.float64)
+        flat[written] = quantize_fp8_ds_mla(kv_c, k_pe)
+    else:
+        flat = torch.full((n, D), float("nan"), dtype=torch.float64)
+        flat[written] = torch.randn(len(written), D, generator=g, dtype=torch.float64)
+    return flat.view(nb, spec.page, -1), written, unwritten
+
+
+def _indices(spec: SparseDecodeSpec, g: torch.Generator, written: torch.Tensor,
+             unwritten: torch.Tensor) -> torch.Tensor:
+    B, S, K = spec.batch, spec.s_q, spec.topk
+    idx = draw_indices(g, (B, S, K), written, spec.repeats)
+    if spec.minus_one:
+        idx[torch.rand(B, S, K, generator=g) < spec.minus_one] = -1
+        tail = torch.randint(1, K, (B, S), generator=g)  # a short context: a -1 tail
+        idx[torch.arange(K)[None, None, :] >= tail[..., None]] = -1
+    if spec.topk_length is not None and spec.past_length == "nan":
+        past = torch.arange(K)[None, :] >= torch.tensor(spec.topk_length)[:, None]
+        nan_entries = draw_indices(g, (B, S, K), unwritten)
+        idx = torch.where(past[:, None, :], nan_entries, idx)
+    for b, s in spec.lonely:
+        idx[b, s] = -1
+    return idx
+
+
+def _unscaled_fp8(cache: torch.Tensor) -> torch.Tensor:
+    """The bytes with every tile scale set to 1.0: a reader that ignores the scales."""
+    out = cache.clone()
+    flat = out.view(-1, FP8_DS_MLA_BYTES)
+    ones = torch.ones(flat.shape[0], NUM_TILES, dtype=torch.float32)
+    flat[:, SCALE_OFFSET:SCALE_OFFSET + 4 * NUM_TILES] = ones.view(torch.uint8)
+    return out
+
+
+def sparse_decode_trial(setting: Setting, spec: SparseDecodeSpec, salt: int) -> Trial:
+    """A trial of ``spec``: inputs in the setting's dtype, the reference on upcast copies."""
+    g = generator(setting, salt)
+    cache64, written, unwritten = _cache(spec, g)
+    q = (torch.randn(spec.batch, spec.s_q, spec.heads, D, generator=g, dtype=torch.float64)
+         * spec.q_gain).to(setting.dtype)
+    idx = _indices(spec, g, written, unwritten)
+    lens = (None if spec.topk_length is None
+            else torch.tensor(spec.topk_length, dtype=torch.int32))
+    cache = cache64 if spec.fp8 else cache64.to(setting.dtype)
+    q64 = q.double()  # the reference sees exactly the kernel's inputs
+    c64 = cache if spec.fp8 else cache.double()
+    dev = setting.device
+    args = (q.to(dev), cache.to(dev), idx.to(dev))
+    dev_lens = None if lens is None else lens.to(dev)
+
+    def invoke(fn: Callable) -> Outputs:
+        out, lse = call_poisoned(fn, *args, spec.scale, spec.fp8, dev_lens, DV)
+        return {"out": out, "lse": lse}
+
+    def ref(scale: float = spec.scale, indices: torch.Tensor = idx,
+            topk_length: torch.Tensor | None = lens, kv: torch.Tensor = c64) -> Outputs:
+        out, lse = sparse_mla_decode(q64, kv, indices, scale, spec.fp8, topk_length, DV)
+        return {"out": out, "lse": lse}
+
+    alts = scale_alternatives(lambda sc: ref(scale=sc), D, DV)
+    if bool((idx == -1).any()):
+        last = cache.shape[0] * cache.shape[1] - 1
+        alts["-1 entries read slot 0 instead of being dropped"] = (
+            lambda: ref(indices=torch.where(idx == -1, 0, idx)))
+        alts["-1 entries read the last slot (negative indexing) instead of being dropped"] = (
+            lambda: ref(indices=torch.where(idx == -1, last, idx)))
+    if lens is not None:
+        alts["topk_length ignored: all topk entries used"] = lambda: ref(topk_length=None)
+    if spec.repeats:
+        alts["a repeated index counted once; the reference counts every appearance"] = (
+            lambda: ref(indices=once_each(idx)))
+    if spec.fp8:
+        alts["fp8_ds_mla tile scales ignored (the e4m3 values used unscaled)"] = (
+            lambda: ref(kv=_unscaled_fp8(cache)))
+    return Trial(invoke, ref(), {"out": "out_rel", "lse": "lse_abs"}, alts)
+
+
+def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], SparseDecodeSpec],
+              salt: int) -> None:
+    case(KERNEL, topic, name=name, doc=doc)(lambda s: sparse_decode_trial(s, spec(s), salt))
+
+
+def _topk(small: bool) -> int:
+    """DeepSeek-V3.2's top-k, shorter under the interpreter."""
+    return 128 if small else 2048
+
+
+def _slots(small: bool) -> int:
+    return 600 if small else 40000
+
+
+# ---- DeepSeek-V3.2 shapes -------------------------------------------------------------------
+_register("deepseek_v32_tp8", "shapes",
+          "DeepSeek-V3.2 at tensor parallel 8: 16 heads, rows of 576 (V 512), the fp8_ds_mla "
+          "cache, top-k 2048, page 64.",
+          lambda s: SparseDecodeSpec(batch=4, heads=16, topk=_topk(s.small),
+                                     slots=_slots(s.small), fp8=True), 100)
+_register("deepseek_v32_tp1", "shapes",
+          "DeepSeek-V3.2 at tensor parallel 1: 128 heads share one fp8_ds_mla latent row.",
+          lambda s: SparseDecodeSpec(batch=2, heads=128, topk=_topk(s.small),
+                                     slots=_slots(s.small), fp8=True), 101)
+_register("deepseek_v32_latent_cache", "shapes",
+          "DeepSeek-V3.2 with the latent cache in q's dtype (bf16 in serving) instead of fp8, "
+          "128 heads.",
+          lambda s: SparseDecodeSpec(batch=3, heads=128, topk=_topk(s.small),
+                                     slots=_slots(s.small)), 102)
+# ---- queries per request --------------------------------------------------------------------
+_register("s_q_2_mtp", "s_q",
+          "s_q = 2 (multi-token prediction), 128 heads, fp8 cache: each query reads its own "
+          "index row.",
+          lambda s: SparseDecodeSpec(batch=2, s_q=2, heads=128, fp8=True), 110)
+for _i, _sq in enumerate((3, 4)):
+    _register(f"s_q_{_sq}", "s_q",
+              f"s_q = {_sq}: query (b, s) reads indices[b, s], lse is laid out [B, N, s_q].",
+              lambda s, sq=_sq: SparseDecodeSpec(batch=2, s_q=sq, heads=16), 111 + _i)
+# ---- head counts ----------------------------------------------------------------------------
+for _i, _n in enumerate((1, 5, 64)):
+    _register(f"heads_{_n}", "heads",
+              f"{_n} query heads{' (an odd count: a partly filled head tile)' if _n % 2 else ''}"
+              " share one latent row per index.",
+              lambda s, n=_n: SparseDecodeSpec(heads=n, fp8=n == 64), 120 + _i)
+# ---- page sizes -----------------------------------------------------------------------------
+for _i, _p in enumerate((1, 16, 128, 256)):
+    _register(f"page_{_p}", "pages",
+              f"Page size {_p}: a slot is block · {_p} + offset of a [num_blocks, {_p}, D] "
+              "cache.",
+              lambda s, p=_p: SparseDecodeSpec(page=p, fp8=p == 16), 130 + _i)
+# ---- index sentinels ------------------------------------------------------------------------
+_register("minus_one", "sentinels",
+          "-1 entries, scattered and as a tail after a short context, name no row: dropped.",
+          lambda s: SparseDecodeSpec(batch=3, s_q=2, minus_one=0.3), 140)
+_register("minus_one_fp8", "sentinels",
+          "-1 entries over the fp8_ds_mla cache: dropped before any byte is dequantized.",
+          lambda s: SparseDecodeSpec(batch=2, heads=64, minus_one=0.3, fp8=True), 141)
+# ---- lonely queries -------------------------------------------------------------------------
+_register("lonely_queries", "empty",
+          "Queries whose entries are all -1 beside normal ones: out = 0, lse = +inf.",
+          lambda s: SparseDecodeSpec(batch=3, s_q=2, lonely=((0, 1), (2, 0))), 150)
+_register("all_lonely", "empty",
+          "Every entry of every query -1: all out 0, all lse +inf, no cache row read.",
+          lambda s: SparseDecodeSpec(batch=2, s_q=2, heads=128, fp8=True,
+                                     lonely=((0, 0), (0, 1), (1, 0), (1, 1))), 151)
+# ---- repeated indices -----------------------------------------------------------------------
+_register("repeated_indices", "repeats",
+          "Each query's entries name only 5 rows: a repeated index counts once per appearance.",
+          lambda s: SparseDecodeSpec(batch=2, s_q=2, repeats=5), 160)
+# ---- topk_length ----------------------------------------------------------------------------
+_register("topk_length_ragged", "topk_length",
+          "topk_length per request (topk, 1, 37): the entries past it name written rows and "
+          "must be ignored.",
+          lambda s: SparseDecodeSpec(batch=3, s_q=2, topk_length=(64, 1, 37)), 170)
+_register("topk_length_zero", "topk_length",
+          "topk_length 0 makes a request's queries lonely (out 0, lse +inf); its entries name "
+          "0xFF rows of the fp8 cache.",
+          lambda s: SparseDecodeSpec(batch=3, fp8=True, topk_length=(5, 0, 64),
+                                     past_length="nan"), 171)
+# ---- the softmax scale ----------------------------------------------------------------------
+_register("scale_deepseek", "scale",
+          "DeepSeek's scale 1/sqrt(P+R) = 1/sqrt(192), not 1/sqrt(576): the scale passed is "
+          "the one used.",
+          lambda s: SparseDecodeSpec(batch=2, scale=DEEPSEEK_SCALE), 180)
+_register("scale_yarn_v32", "scale",
+          "DeepSeek-V3.2's YaRN scale mscale²/sqrt(192) with 128 heads over the fp8 cache.",
+          lambda s: SparseDecodeSpec(batch=2, heads=128, fp8=True, scale=YARN_SCALE), 181)
+# ---- numerics -------------------------------------------------------------------------------
+_register("sharp_softmax", "numerics",
+          "Logits 30 times larger: a softmax without the running maximum overflows.",
+          lambda s: SparseDecodeSpec(batch=2, q_gain=30.0), 190)
