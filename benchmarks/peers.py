@@ -1,4 +1,4 @@
-"""``python -m benchmarks.peers [--wheel PATH] [--dest peers] [--flashinfer]``: other people's
+"""``python -m benchmarks.peers [--wheel PATH] [--dest peers]``: other people's
 MLA kernels, unpacked for ``mla conform`` without installing vLLM.
 
 The ``vllm==0.33.0`` wheel (about 330 MB) holds FlashMLA's compiled extension and its Python
@@ -23,8 +23,9 @@ subsystems; the script copies the kernel's source (``CorrectAttnCPOutKernel.kern
 ``CorrectAttnCPOutKernel.__call__`` does (``mla.conformance.adapters.vllm_triton``).
 ``MANIFEST.json`` records the wheel and every written file's sha256.
 
-``--flashinfer`` also fetches the ``flashinfer-python`` and ``flashinfer-cubin`` wheels and
-unpacks them into ``--dest`` (FlashInfer compiles its MLA kernels with nvcc at first use).
+FlashInfer is not unpacked here: ``flashinfer-python`` 0.7.2.post1 unpacks to 685 MiB (its
+CUDA sources, which it compiles with nvcc at the first ``plan``), and it needs packages of its
+own; its adapter runs where ``import flashinfer`` works.
 
 The GPU machine has no network: run this where the registry is reachable, then carry
 ``peers/`` over; the adapters find it at ``<repo>/peers`` or ``$MLA_PEERS``.
@@ -47,7 +48,6 @@ import zipfile
 from pathlib import Path
 
 VLLM = "vllm==0.33.0"
-FLASHINFER = ("flashinfer-python", "flashinfer-cubin")
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = Path.home() / ".cache" / "mla-peers"
 
@@ -180,20 +180,6 @@ def extract_vllm(wheel: Path, dest: Path) -> dict[str, str]:
     return written
 
 
-def extract_wheel(wheel: Path, dest: Path) -> dict[str, str]:
-    """Unpack a whole wheel (FlashInfer's) into ``dest``, leaving out its dist-info."""
-    written = {}
-    with zipfile.ZipFile(wheel) as z:
-        for m in z.namelist():
-            if m.endswith("/") or ".dist-info/" in m:
-                continue
-            data = z.read(m)
-            (dest / m).parent.mkdir(parents=True, exist_ok=True)
-            (dest / m).write_bytes(data)
-            written[m] = hashlib.sha256(data).hexdigest()
-    return written
-
-
 def check_python(dest: Path, written: dict[str, str]) -> list[str]:
     """Compile every written .py; import the pure-Triton modules. Returns one line per
     module saying whether it imported (the FlashMLA interface needs a CUDA build of torch)."""
@@ -224,8 +210,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="where to unpack (default: <repo>/peers)")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
                    help=f"where downloaded wheels go (default: {DEFAULT_CACHE})")
-    p.add_argument("--flashinfer", action="store_true",
-                   help=f"also fetch and unpack {' and '.join(FLASHINFER)}")
     args = p.parse_args(argv)
 
     wheel = args.wheel or download(VLLM, args.cache)
@@ -238,21 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     manifest = {"vllm_wheel": wheel.name,
                 "vllm_wheel_sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(),
                 "files": written}
-    if args.flashinfer:
-        for spec in FLASHINFER:
-            fw = download(spec, args.cache)
-            manifest[f"{spec}_wheel"] = fw.name
-            manifest["files"].update(extract_wheel(fw, args.dest))
     (args.dest / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
 
     total = sum((args.dest / rel).stat().st_size for rel in manifest["files"])
     print(f"from {wheel.name} into {args.dest}:")
     for rel in sorted(manifest["files"]):
-        if not rel.startswith("flashinfer"):
-            print(f"  {(args.dest / rel).stat().st_size:>9}  {rel}")
-    if args.flashinfer:
-        n = sum(rel.startswith("flashinfer") for rel in manifest["files"])
-        print(f"  and {n} files of FlashInfer")
+        print(f"  {(args.dest / rel).stat().st_size:>9}  {rel}")
     print(f"{len(manifest['files'])} files, {total / 2**20:.1f} MiB; MANIFEST.json lists "
           "their sha256")
     print("import check (with the extracted files first on sys.path):")

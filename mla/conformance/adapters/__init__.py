@@ -37,9 +37,10 @@ def peers_dir() -> Path:
     return Path(os.environ.get("MLA_PEERS") or REPO / "peers")
 
 
-def import_peer(module: str, what: str) -> ModuleType:
+def import_peer(module: str, what: str,
+                hint: str = "unpack it with python -m benchmarks.peers") -> ModuleType:
     """Import ``module`` with ``peers_dir()`` first on ``sys.path``; ``Unsupported`` naming
-    ``what`` and the cause when it cannot be imported."""
+    ``what``, the cause and ``hint`` (how to get it) when it cannot be imported."""
     root = peers_dir()
     if root.is_dir() and str(root) not in sys.path:
         sys.path.insert(0, str(root))  # ahead of an installed vllm: the unpacked 0.33.0 files
@@ -49,7 +50,7 @@ def import_peer(module: str, what: str) -> ModuleType:
         where = (f"{root} holds no such module" if not root.is_dir() or
                  not (root / module.split(".")[0]).exists() else f"from {root}")
         raise Unsupported(f"{what} is not importable ({type(e).__name__}: {e}; {where}; "
-                          "unpack it with python -m benchmarks.peers)"[:500]) from e
+                          f"{hint})"[:500]) from e
 
 
 def require(condition: bool, peer: str, reason: str) -> None:

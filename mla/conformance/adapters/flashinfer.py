@@ -1,7 +1,7 @@
 """FlashInfer's MLA paged attention (``flashinfer.mla.BatchMLAPagedAttentionWrapper``) as a
-conformance target, when ``import flashinfer`` works (installed, or unpacked into the peers
-directory by ``python -m benchmarks.peers --flashinfer``; it compiles its kernels with nvcc at
-the first ``plan``, so a machine without the CUDA toolkit gets "unsupported").
+conformance target, when ``import flashinfer`` works (``pip install flashinfer-python``; it
+compiles its kernels with nvcc at the first ``plan``, so a machine without the CUDA toolkit or
+without network for its dependencies gets "unsupported").
 
 ``mla_decode_paged`` plans and runs the wrapper as its docstring shows: ragged queries
 (``qo_indptr = [0, s_q, 2·s_q, ...]``, ``q_nope [B·s_q, N, Lkv]``, ``q_pe [B·s_q, N, R]``), the
@@ -40,7 +40,7 @@ def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     """``BatchMLAPagedAttentionWrapper`` with ``mla.reference.mla_decode_paged``'s signature."""
     require_device(PEER, "cuda", q=q, kv_cache=kv_cache)
     require_dtype(PEER, (torch.float16, torch.bfloat16), q=q, kv_cache=kv_cache)
-    fi = import_peer("flashinfer.mla", PEER)
+    fi = import_peer("flashinfer.mla", PEER, hint="pip install flashinfer-python")
     B, s_q, N, D = q.shape
     page = kv_cache.shape[1]
     dev = q.device
