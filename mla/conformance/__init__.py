@@ -7,6 +7,7 @@ the budgets they are held to, and for a failure where it is wrong and which know
 difference explains it. ``mla conform --target ...`` is the command.
 """
 
+from mla.conformance.cases import CASE_FAMILIES
 from mla.conformance.catalogue import (
     CATALOGUE,
     KERNELS,
@@ -20,6 +21,6 @@ from mla.conformance.catalogue import (
 from mla.conformance.report import Report, Row
 from mla.conformance.runner import FLOAT64_BUDGET, kernels_of, limit, run, run_case
 
-__all__ = ["CATALOGUE", "FLOAT64_BUDGET", "KERNELS", "Case", "Report", "Row", "Setting",
-           "Trial", "Unsupported", "case", "cases_of", "kernels_of", "limit", "run",
+__all__ = ["CASE_FAMILIES", "CATALOGUE", "FLOAT64_BUDGET", "KERNELS", "Case", "Report", "Row",
+           "Setting", "Trial", "Unsupported", "case", "cases_of", "kernels_of", "limit", "run",
            "run_case"]

@@ -106,8 +106,6 @@ def case(kernel: str, topic: str, name: str | None = None,
 def cases_of(kernels: list[str] | None = None, names: list[str] | None = None) -> Iterator[Case]:
     """The catalogue's cases, of ``kernels`` and with ``names`` (``kernel/name``, ``name``
     or a topic) when given; an unknown name is a ``ValueError``."""
-    import mla.conformance.cases  # noqa: F401  (the families register on import)
-
     if kernels:
         unknown = sorted(set(kernels) - set(KERNELS))
         if unknown:

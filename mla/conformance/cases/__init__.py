@@ -1,6 +1,7 @@
-"""The catalogue's case families, one module per kernel family; importing registers them."""
+"""The catalogue's case families, one module per kernel family; importing registers them
+(``import mla.conformance`` does)."""
 
-from mla.conformance.cases import (  # noqa: F401
+from mla.conformance.cases import (
     attention,
     dcp,
     decode,
@@ -11,3 +12,6 @@ from mla.conformance.cases import (  # noqa: F401
     sparse_decode,
     sparse_prefill,
 )
+
+CASE_FAMILIES = (attention, dcp, decode, fp8, indices, merge, paged_cache, sparse_decode,
+                 sparse_prefill)
