@@ -5,12 +5,13 @@
 # # Differential testing: checking a kernel against the reference
 #
 # A fast attention kernel is trusted when it computes the same tensors as a slow one that is
-# obviously right, on inputs chosen to break it. This notebook shows the recipe the package
-# uses (conventions §11), runs it on our Triton decode kernel (`mla.fast.mla_decode_paged`,
-# executed by Triton's interpreter on the CPU here), looks at the error distributions on
-# adversarial inputs, and ends with a checker for *any* kernel that follows FlashMLA's calling
-# convention (`flash_mla_with_kvcache`), with deliberately broken kernels to show it catches
-# them.
+# obviously right, on inputs chosen to break it. The package does this for any kernel with
+# `mla.conformance`: a catalogue of named cases, each pinning one convention or edge, run
+# against the float64 reference. This notebook shows what a case is, runs a few on our Triton
+# decode kernel (`mla.fast.mla_decode_paged`, executed by Triton's interpreter on the CPU
+# here), looks at the error of every output row on adversarial inputs, and checks a kernel
+# written by hand, with three deliberately broken versions of it, each of which the library
+# catches and names.
 
 # %%
 import os
@@ -21,148 +22,159 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # run Triton kernels on the CPU
 
 # %%
+import functools
+import time
+
 import matplotlib.pyplot as plt
 from nbhelp import figure_saver  # puts the repository root on sys.path, before `import mla`
 
-from mla import fast
-from mla.compare import LSE_ABS_TOL, TOLERANCES, max_abs_err, poison_like, rel_err
-from mla.reference import make_block_table, mla_decode_paged
+import mla.fast
+import mla.reference
+from mla.conformance import CATALOGUE, Setting, limit, run
+from mla.conformance.cases.decode import DecodeSpec, decode_trial
+from mla.conformance.diagnose import measure
 
 save = figure_saver("06_differential_testing")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 print(f"device {DEVICE}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}")
 
 # %% [markdown]
-# ## The recipe
+# ## The recipe, and what a case is
 #
 # 1. Draw fresh random inputs (never zeros: a kernel that forgets to write returns zeros, and
-#    zeros times anything agree).
-# 2. Run the kernel in its own dtype; run the reference in **float64** on the same inputs
-#    upcast, so that the reference's rounding is negligible next to the kernel's.
-# 3. Compare by the relative Frobenius error `‖out − ref‖ / ‖ref‖` (`mla.compare.rel_err`), with
-#    a tolerance per input dtype; the log-sum-exp by its largest absolute error.
-# 4. NaN never passes, and an infinity must sit where the reference has the same infinity
-#    (an empty query's `lse`).
-# 5. Where a kernel writes into a buffer it is given, fill the buffer with NaN first
-#    (`poison_like`): an element it forgot to write cannot pass for a right one.
+#    zeros times anything agree). Fill every cache row no request uses with NaN, and point
+#    unused block-table entries at a page of NaN: a read past a length shows up as NaN.
+# 2. Run the kernel in its own dtype; run the reference in **float64** on upcast copies of
+#    exactly the kernel's inputs, so that the reference's rounding is negligible.
+# 3. Poison what the kernel allocates (NaN): an element it forgot to write cannot pass.
+# 4. Compare the output by its relative Frobenius error `‖out − ref‖ / ‖ref‖` and the
+#    log-sum-exp by its largest absolute error, each against a budget per kernel and input dtype
+#    (about twice the worst error our kernels measure over many seeds; `1e-12` for float64).
+#    NaN never passes, and an infinity must sit where the reference has the same infinity.
+#
+# A **case** packs one such experiment under a name: a function that builds the inputs for a
+# device and dtype and returns a `Trial` (a way to call a kernel, the reference's outputs, the
+# error each output is held to). Its docstring says which convention or edge it pins; its
+# `topic` groups the cases of one convention. `mla.conformance.CATALOGUE` holds them all.
 
 # %%
-print("tolerances (relative Frobenius, against float64):",
-      {str(k).removeprefix("torch."): v for k, v in TOLERANCES.items()},
-      f"lse: {LSE_ABS_TOL} absolute")
+for key in ["mla_decode_paged/causal_s_q_2", "mla_decode_paged/empty_request",
+            "mla_decode_paged/scale_deepseek"]:
+    c = CATALOGUE[key]
+    print(f"{c.kernel} / {c.name}  (topic {c.topic!r})\n    {c.doc}")
+decode_cases = [c for c in CATALOGUE.values() if c.kernel == "mla_decode_paged"]
+print(f"\n{len(decode_cases)} cases of mla_decode_paged, topics:",
+      sorted({c.topic for c in decode_cases}))
+
+trial = CATALOGUE["mla_decode_paged/causal_s_q_2"].build(
+    Setting(torch.device("cpu"), torch.float32, small=True))
+print("\nthe trial's reference outputs:",
+      {k: (list(v.shape), str(v.dtype)) for k, v in trial.expected.items()})
+print("held to:", {k: f"{q} <= {limit('mla_decode_paged', torch.float32, q):.1e}"
+                   for k, q in trial.quantities.items()})
+print("conventions it can name when a kernel fails:", *trial.alternatives, sep="\n    ")
+
+# %% [markdown]
+# The measure itself: a NaN anywhere, or an `lse` of `-inf` where the reference has `+inf`, is
+# an infinite error.
+
+# %%
 ref = torch.randn(4, 8, dtype=torch.float64)
-print("a NaN anywhere:", rel_err(torch.where(ref > 2, float("nan"), ref), ref))
-print("an lse of +inf where the reference has -inf:",
-      rel_err(torch.tensor([float("inf"), 1.0]), torch.tensor([float("-inf"), 1.0])))
-buffer = poison_like(torch.empty(3, 4))
-buffer[:2] = 1.0  # a "kernel" that forgot the last row
-print("partly written output vs what it should be:", rel_err(buffer, torch.ones(3, 4)))
+print("out with a NaN:", measure("out_rel", torch.where(ref > 2, float("nan"), ref), ref))
+print("lse -inf for +inf:", measure("lse_abs", torch.tensor([float("-inf"), 1.0]),
+                                    torch.tensor([float("inf"), 1.0])))
+print("a float32 copy:", measure("out_rel", ref.float(), ref))
 
 # %% [markdown]
 # ## Our decode kernel under the interpreter
 #
-# `mla.fast.mla_decode_paged` has the reference's signature. Inputs with DeepSeek's widths
-# (`D = Lkv + R = 576`, `V = Lkv = 512`), 16 heads (DeepSeek-V3 at tensor parallel 8), a page
-# size of 64, ragged lengths that are not multiples of the page size (an empty one included),
-# two query tokens per request with the causal mask of multi-token prediction. On the CPU the
-# interpreter runs float32 and float16; bfloat16 is checked on the GPU, because the
-# interpreter's `tl.dot` on bfloat16 is wrong (triton-lang/triton#11584).
+# `mla.fast` has the reference's kernel names and signatures, so the module itself is a
+# target. One case per topic, in float32 (on the CPU the interpreter runs float32 and float16;
+# bfloat16 is checked on the GPU, because the interpreter's `tl.dot` on bfloat16 multiplies
+# bit patterns: triton-lang/triton#11584). Without `cases=` the run takes every case.
 
 # %%
-D, DV, HEADS, BLOCK = 576, 512, 16, 64
-SCALE = 192 ** -0.5  # DeepSeek's 1/sqrt(P + R): not 1/sqrt(576)
+FAST_CASES = ["deepseek_v3_tp8", "heads_3", "page_16", "length_page_edges", "causal_s_q_3",
+              "non_causal_s_q_2", "empty_request", "nan_tail_of_last_page", "scale_deepseek",
+              "sharp_softmax"]
+t0 = time.perf_counter()
+report = run(mla.fast, kernels=["mla_decode_paged"], cases=FAST_CASES, device=DEVICE,
+             dtype=torch.float32)
+print(report.to_text())
+print(f"({time.perf_counter() - t0:.1f} s)")
+assert report.passed
 
+# %% [markdown]
+# The rows are plain objects, so a table needs no library:
 
-def decode_inputs(lens, s_q, *, q_scale=1.0, dominant=False, seed=0):
-    """q [B, s_q, N, D], a paged cache holding len_b rows per request, its block table."""
-    gen = torch.Generator().manual_seed(seed)
-    table, num_blocks = make_block_table(lens, BLOCK, seed=seed)
-    q = torch.randn(len(lens), s_q, HEADS, D, generator=gen, dtype=torch.float64) * q_scale
-    kv_cache = torch.randn(num_blocks, BLOCK, D, generator=gen, dtype=torch.float64)
-    if dominant:  # one key per request aligned with its queries: a near one-hot softmax
-        for b, n in enumerate(lens):
-            if n:
-                j = n // 2
-                kv_cache[table[b, j // BLOCK], j % BLOCK] = 8 * q[b].mean(dim=(0, 1))
-    return q, kv_cache, table, torch.tensor(lens, dtype=torch.int32)
-
-
-def check_kernel(kernel, dtype, q, kv_cache, table, seqlens, causal):
-    """Errors of ``kernel`` in ``dtype`` against the float64 reference on the upcast inputs."""
-    q_k, kv_k = q.to(dtype), kv_cache.to(dtype)
-    out, lse = kernel(q_k.to(DEVICE), kv_k.to(DEVICE), table.to(DEVICE), seqlens.to(DEVICE),
-                      SCALE, causal=causal, head_dim_v=DV)
-    out_ref, lse_ref = mla_decode_paged(q_k.double(), kv_k.double(), table, seqlens, SCALE,
-                                        causal=causal, head_dim_v=DV)
-    return out.cpu(), out_ref, rel_err(out, out_ref), max_abs_err(lse.cpu(), lse_ref)
-
-
-inputs = decode_inputs([37, 0, 64, 130, 1], s_q=2)
-for dtype in [torch.float32, torch.float16]:
-    _, _, err, lse_err = check_kernel(fast.mla_decode_paged, dtype, *inputs, causal=True)
-    print(f"fast kernel, {str(dtype):>13}: out rel err {err:.1e} (tol {TOLERANCES[dtype]:.0e}),"
-          f" lse max abs err {lse_err:.1e}")
-    assert err <= TOLERANCES[dtype] and lse_err <= LSE_ABS_TOL
+# %%
+print(f"{'case':24s} {'topic':11s} {'out rel err':>12s} {'budget':>8s} {'lse abs err':>12s}"
+      f" {'budget':>8s}")
+for r in report.rows:
+    print(f"{r.case:24s} {r.topic:11s} {r.errors['out']:12.1e} {r.limits['out']:8.0e} "
+          f"{r.errors['lse']:12.1e} {r.limits['lse']:8.0e}")
 
 # %% [markdown]
 # ## Error distributions on adversarial inputs
 #
 # One number per tensor hides where the error sits. Below, the relative error of every output
-# row (one per request, query and head) for inputs built to be hard: logits scaled ×30 (a
-# sharp softmax, where a missing running-max subtraction overflows), one dominant key, length-1
-# contexts, and ragged lengths around the page and tile sizes. For comparison, the reference
-# itself run in bfloat16 shows what bf16 rounding of the inputs and output alone costs. Rows
-# whose softmax is (numerically) one-hot copy one value row and are exact in every dtype: they
-# sit at the plot's floor.
+# row (one per request, query and head) on inputs built to be hard, made by the same function
+# the cases use (`decode_trial`): logits scaled ×30 (a sharp softmax, where a missing
+# running-max subtraction overflows), one dominant key, length-1 contexts, and ragged lengths
+# around the page size with three causal queries. For comparison, the reference itself run in
+# bfloat16 shows what bfloat16 arithmetic alone costs. Rows whose softmax is (numerically)
+# one-hot copy one value row and are exact in every dtype: they sit at the plot's floor.
 
 # %%
-CASES = {
-    "random": dict(lens=[37, 70, 5], s_q=1),
-    "logits x30": dict(lens=[37, 70, 5], s_q=1, q_scale=30.0),
-    "dominant key": dict(lens=[37, 70, 5], s_q=1, dominant=True),
-    "length 1": dict(lens=[1, 1, 1], s_q=1),
-    "ragged MTP": dict(lens=[63, 65, 129, 2], s_q=3, causal=True),
+ADVERSARIAL = {
+    "random": DecodeSpec((37, 70, 5)),
+    "logits x30": DecodeSpec((37, 70, 5), q_gain=30.0),
+    "dominant key": DecodeSpec((37, 70, 5), dominant=True),
+    "length 1": DecodeSpec((1, 1, 1)),
+    "ragged MTP": DecodeSpec((63, 65, 129, 2), s_q=3, causal=True),
 }
 KERNELS = {
-    "fast float32": (fast.mla_decode_paged, torch.float32),
-    "fast float16": (fast.mla_decode_paged, torch.float16),
-    "reference bfloat16": (mla_decode_paged, torch.bfloat16),
+    "fast float32": (mla.fast.mla_decode_paged, torch.float32, DEVICE),
+    "fast float16": (mla.fast.mla_decode_paged, torch.float16, DEVICE),
+    "reference bfloat16": (mla.reference.mla_decode_paged, torch.bfloat16, "cpu"),
 }
 
 
 def row_errors(out, out_ref):
-    diff = (out.double() - out_ref).norm(dim=-1).flatten()
+    diff = (out.cpu().double() - out_ref).norm(dim=-1).flatten()
     norm = out_ref.norm(dim=-1).flatten()
     keep = norm > 0  # rows of queries that see no key are zero in both
     return (diff[keep] / norm[keep]).clamp_min(1e-12)
 
 
 results = {}
-for c, (case, spec) in enumerate(CASES.items()):
-    spec = dict(spec)
-    causal = spec.pop("causal", False)
-    data = decode_inputs(**spec, seed=c)
-    for name, (kernel, dtype) in KERNELS.items():
-        out, out_ref, err, lse_err = check_kernel(kernel, dtype, *data, causal=causal)
-        results[(case, name)] = row_errors(out, out_ref)
-        assert err <= TOLERANCES[dtype] and lse_err <= LSE_ABS_TOL, (case, name, err, lse_err)
-        print(f"{case:>13} | {name:>18}: out rel err {err:.1e}, lse abs err {lse_err:.1e}, "
-              f"worst row {results[(case, name)].max():.1e}")
+for salt, (case_name, spec) in enumerate(ADVERSARIAL.items(), start=100):
+    for name, (kernel, dtype, device) in KERNELS.items():
+        trial = decode_trial(Setting(torch.device(device), dtype, small=True), spec, salt)
+        got = trial.invoke(kernel)
+        err = {k: measure(q, got[k], trial.expected[k]) for k, q in trial.quantities.items()}
+        results[(case_name, name)] = row_errors(got["out"], trial.expected["out"])
+        print(f"{case_name:>12} | {name:>18}: out rel err {err['out']:.1e}, lse abs err "
+              f"{err['lse']:.1e}, worst row {results[(case_name, name)].max():.1e}")
+        if kernel is mla.fast.mla_decode_paged:  # the budgets are our kernel's
+            assert all(err[k] <= limit("mla_decode_paged", dtype, q)
+                       for k, q in trial.quantities.items()), (case_name, name, err)
 
 # %%
 fig, ax = plt.subplots(figsize=(10, 4.5))
 width = 0.25
-for k, (name, (_, dtype)) in enumerate(KERNELS.items()):
-    data = [results[(case, name)].numpy() for case in CASES]
-    pos = [i + (k - 1) * width for i in range(len(CASES))]
+for k, (name, (_, dtype, _)) in enumerate(KERNELS.items()):
+    data = [results[(case_name, name)].numpy() for case_name in ADVERSARIAL]
+    pos = [i + (k - 1) * width for i in range(len(ADVERSARIAL))]
     parts = ax.boxplot(data, positions=pos, widths=width * 0.9, patch_artist=True,
                        showfliers=True, flierprops=dict(markersize=2),
                        medianprops=dict(color="black"))
     for box in parts["boxes"]:
         box.set_facecolor(f"C{k}")
-    ax.axhline(TOLERANCES[dtype], color=f"C{k}", ls=":", lw=1)
-    ax.plot([], [], color=f"C{k}", lw=6, label=f"{name} (dotted line: its tolerance)")
-ax.set_xticks(range(len(CASES)), list(CASES))
+    ax.axhline(limit("mla_decode_paged", dtype, "out_rel"), color=f"C{k}", ls=":", lw=1)
+    ax.plot([], [], color=f"C{k}", lw=6,
+            label=f"{name} (dotted: the fast kernel's {str(dtype)[6:]} budget)")
+ax.set_xticks(range(len(ADVERSARIAL)), list(ADVERSARIAL))
 ax.set_yscale("log")
 ax.set_xlabel("input case (DeepSeek widths 576/512, 16 heads, page size 64)")
 ax.set_ylabel("relative error per output row (ratio, floor 1e-12)")
@@ -171,121 +183,112 @@ ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
 save(fig, "error_distributions")
 
 # %% [markdown]
-# ## Checking someone else's kernel: FlashMLA's convention
+# ## Checking your own kernel
 #
-# FlashMLA's decode entry point is
+# A target is anything that maps the reference's kernel names to callables: a module, or a
+# plain dict. Here is a paged decode written directly in PyTorch, one loop over requests, with
+# the reference's signature and conventions: `out [B, s_q, N, head_dim_v]`, `lse [B, N, s_q]`
+# in the natural log, `out = 0` and `lse = +inf` for a query that sees no key, and with
+# `causal`, query `i` of `s_q` sees keys `0 .. L - s_q + i`, where `L` counts the new tokens.
+# A `bug` switch turns it into three classic broken kernels:
 #
-# ```python
-# flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
-#                        tile_scheduler_metadata, num_splits, softmax_scale=None, causal=False)
-# -> (out [B, s_q, h_q, head_dim_v], softmax_lse [B, h_q, s_q] float32)
-# ```
+# - `"scale"`: uses `1/sqrt(576)`, the usual default for a head dimension of 576, instead of the
+#   scale passed. DeepSeek's scale comes from the MHA form: `1/sqrt(192)` without YaRN,
+#   `mscale²/sqrt(192) = 0.1352` for DeepSeek-V3.
+# - `"empty_lse"`: returns what `torch.logsumexp` gives over no keys, `-inf`. FlashAttention-3
+#   does the same; FlashAttention-2 and FlashMLA write `+inf` (vLLM PR #15492 made
+#   `merge_attn_states` accept both). Merges that meet an empty row they do not expect produce
+#   NaN: vLLM issue #27491, fixed for MLA's context chunks by PR #49294.
+# - `"causal"`: the causal mask off by one (`<` for `<=`): query `i` sees one key too few.
 #
-# with `k_cache [num_blocks, page_block_size, h_kv = 1, 576]`, `block_table` and
-# `cache_seqlens` int32, the metadata from `get_mla_metadata(cache_seqlens, s_q·h_q/h_kv, h_kv)`
-# (newer versions take no arguments and fill it on the first call), and a query that sees no
-# key returning `out = 0`, `lse = +inf`. `check_flash_mla_kernel` below drives any callable with
-# that signature over edge cases, compares with `mla.reference.mla_decode_paged` in float64 and
-# returns one row per case. On a GPU machine with FlashMLA installed:
-#
-# ```python
-# from flash_mla import flash_mla_with_kvcache, get_mla_metadata
-# rows = check_flash_mla_kernel(flash_mla_with_kvcache, get_mla_metadata, device="cuda")
-# ```
+# The run is in float64 on the CPU, where the budget is `1e-12`: a correct float64 kernel
+# differs from the reference only in the order of its sums.
 
 # %%
-FLASH_CASES = {
-    "decode, ragged": dict(lens=[1, 63, 64, 200], s_q=1, causal=False),
-    "MTP, causal": dict(lens=[5, 130, 67], s_q=2, causal=True),
-    "lonely queries": dict(lens=[0, 1, 9], s_q=2, causal=True),
-    "sharp softmax": dict(lens=[100, 3], s_q=1, causal=False, q_scale=30.0),
+def my_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal=False,
+              head_dim_v=512, bug=None):
+    B, s_q, N, D = q.shape
+    page = kv_cache.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_zeros(B, s_q, N, head_dim_v)
+    lse = q.new_full((B, N, s_q), float("inf"), dtype=acc)
+    scale = D ** -0.5 if bug == "scale" else softmax_scale
+    for b, L in enumerate(cache_seqlens.tolist()):
+        pos = torch.arange(L, device=q.device)
+        rows = kv_cache[block_table[b, pos // page].long(), pos % page].to(acc)  # [L, D]
+        logits = torch.einsum("snd,ld->snl", q[b].to(acc), rows) * scale
+        if causal:
+            last = L - s_q + torch.arange(s_q, device=q.device)  # query i's last key
+            if bug == "causal":
+                last = last - 1
+            logits = logits.masked_fill(pos > last[:, None, None], float("-inf"))
+        m = logits.logsumexp(-1)  # [s_q, N]; -inf for a query that sees no key
+        empty = torch.isneginf(m)  # (not ~isfinite: a NaN input must stay NaN)
+        p = torch.where(empty[..., None], 0.0, torch.exp(logits - m[..., None]))
+        out[b] = torch.einsum("snl,lv->snv", p, rows[:, :head_dim_v]).to(q.dtype)
+        lse[b] = (m if bug == "empty_lse" else torch.where(empty, float("inf"), m)).T
+    return out, lse
+
+
+CHECK_CASES = ["length_page_edges", "scale_deepseek", "empty_request", "empty_causal_queries",
+               "causal_s_q_2", "non_causal_s_q_2"]
+
+
+def check(target, name):
+    return run(target, kernels=["mla_decode_paged"], cases=CHECK_CASES, device="cpu",
+               dtype=torch.float64, name=name)
+
+
+t0 = time.perf_counter()
+for target, name in [(mla.reference, "mla.reference"),
+                     ({"mla_decode_paged": my_decode}, "my_decode")]:
+    good = check(target, name)
+    print(good.summary())
+    assert good.passed, good.to_text()
+
+# the cases each bug must fail, and words of the convention the library must name
+EXPECTED = {
+    "scale": ({"scale_deepseek"}, "1/sqrt(576)"),
+    "empty_lse": ({"empty_request", "empty_causal_queries"}, "-inf for a query that sees no key"),
+    "causal": ({"causal_s_q_2", "empty_causal_queries"}, "causal mask off by one"),
 }
-
-
-def check_flash_mla_kernel(flash_mla_with_kvcache, get_mla_metadata=None, *, device="cpu",
-                           dtype=torch.bfloat16, seed=0):
-    """Run ``flash_mla_with_kvcache`` (FlashMLA's signature) on edge cases; one dict per case.
-
-    The reference runs in float64 on the same inputs upcast. A case passes when the output is
-    within the dtype's tolerance, the finite lse within ``LSE_ABS_TOL``, and every ``+inf``
-    lse (a query that sees no key) is where the reference has one.
-    """
-    rows = []
-    for c, (case, spec) in enumerate(FLASH_CASES.items()):
-        spec = dict(spec)
-        causal = spec.pop("causal")
-        q, kv_cache, table, seqlens = decode_inputs(**spec, seed=seed + c)
-        q, kv_cache = q.to(dtype), kv_cache.to(dtype)
-        h_kv = 1
-        k_cache = kv_cache[:, :, None, :]  # FlashMLA's [num_blocks, page, h_kv, D]
-        dev = [t.to(device) for t in (q, k_cache, table, seqlens)]
-        meta, splits = (get_mla_metadata(dev[3], q.shape[1] * HEADS // h_kv, h_kv)
-                        if get_mla_metadata is not None else (None, None))
-        out, lse = flash_mla_with_kvcache(*dev, DV, meta, splits, softmax_scale=SCALE,
-                                          causal=causal)
-        out_ref, lse_ref = mla_decode_paged(q.double(), kv_cache.double(), table, seqlens,
-                                            SCALE, causal=causal, head_dim_v=DV)
-        out_err = rel_err(out.cpu(), out_ref)
-        lse_err = max_abs_err(lse.cpu(), lse_ref)
-        rows.append(dict(case=case, out_rel_err=out_err, lse_abs_err=lse_err,
-                         passed=out_err <= TOLERANCES[dtype] and lse_err <= LSE_ABS_TOL))
-    return rows
-
-
-def report(name, rows):
-    for r in rows:
-        print(f"{name:>22} | {r['case']:>15}: out {r['out_rel_err']:9.1e}  "
-              f"lse {r['lse_abs_err']:9.1e}  {'pass' if r['passed'] else 'FAIL'}")
-    return all(r["passed"] for r in rows)
+for bug, (cases, words) in EXPECTED.items():
+    broken = check({"mla_decode_paged": functools.partial(my_decode, bug=bug)},
+                   f"my_decode, bug={bug!r}")
+    failed = [r for r in broken.rows if r.status != "pass"]
+    print(f"\n{broken.summary()}")
+    for r in failed:
+        print(f"  {r.case}: {r.convention}")
+    assert not broken.passed and {r.case for r in failed} == cases, [r.case for r in failed]
+    assert all(words in r.convention for r in failed), [r.convention for r in failed]
+print(f"\n({time.perf_counter() - t0:.1f} s)")
 
 # %% [markdown]
-# Two kernels that pass: the reference and our Triton kernel behind FlashMLA's signature
-# (adapters that drop the `h_kv` axis and ignore the scheduling metadata), and three broken
-# ones, each with a classic bug: the default scale `1/sqrt(576)` instead of the one passed,
-# FlashAttention's `-inf` for an empty query instead of FlashMLA's `+inf`, and the causal flag
-# ignored.
+# Besides the convention, a failing row says where the output is wrong (the worst element's
+# indices, where NaN or infinities appeared); here the last report, the causal bug's.
+# `report.to_markdown()` and `report.to_json()` give the same rows for a file.
 
 # %%
-def as_flash_mla(kernel):
-    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
-                               tile_scheduler_metadata, num_splits, softmax_scale=None,
-                               causal=False):
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        return kernel(q, k_cache[:, :, 0], block_table, cache_seqlens, scale, causal=causal,
-                      head_dim_v=head_dim_v)
-    return flash_mla_with_kvcache
+print(broken.to_text())
 
-
-def ignores_scale(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, splits,
-                  softmax_scale=None, causal=False):
-    return mla_decode_paged(q, k_cache[:, :, 0], block_table, cache_seqlens,
-                            q.shape[-1] ** -0.5, causal=causal, head_dim_v=head_dim_v)
-
-
-def empty_is_minus_inf(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, splits,
-                       softmax_scale=None, causal=False):
-    out, lse = mla_decode_paged(q, k_cache[:, :, 0], block_table, cache_seqlens, softmax_scale,
-                                causal=causal, head_dim_v=head_dim_v)
-    return out, torch.where(torch.isposinf(lse), float("-inf"), lse)
-
-
-def ignores_causal(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, splits,
-                   softmax_scale=None, causal=False):
-    return mla_decode_paged(q, k_cache[:, :, 0], block_table, cache_seqlens, softmax_scale,
-                            causal=False, head_dim_v=head_dim_v)
-
-
-good = {
-    "reference (bfloat16)": check_flash_mla_kernel(as_flash_mla(mla_decode_paged)),
-    "fast (float16)": check_flash_mla_kernel(as_flash_mla(fast.mla_decode_paged),
-                                             device=DEVICE, dtype=torch.float16),
-}
-bad = {
-    "ignores softmax_scale": check_flash_mla_kernel(ignores_scale),
-    "empty lse = -inf": check_flash_mla_kernel(empty_is_minus_inf),
-    "ignores causal": check_flash_mla_kernel(ignores_causal),
-}
-for name, rows in good.items():
-    assert report(name, rows), name
-for name, rows in bad.items():
-    assert not report(name, rows), f"the checker missed the bug of {name!r}"
+# %% [markdown]
+# ## Other people's kernels, on a GPU
+#
+# The same catalogue runs on FlashMLA, vLLM's Triton MLA decode and FlashInfer through adapters
+# (`mla.conformance.adapters`) that only change layouts, never values, so a convention the peer
+# does not share shows up as a failing case that names it. On a GPU machine with the peers
+# unpacked (`python -m benchmarks.peers`):
+#
+# ```bash
+# mla conform --target flashmla --out flashmla.md      # exit status 1 on any failure
+# ```
+#
+# or from Python:
+#
+# ```python
+# from mla.conformance import run
+# from mla.conformance.targets import load_target
+#
+# report = run(load_target("flashmla")[1])    # CUDA, bfloat16 by default
+# print(report.to_text())
+# ```
