@@ -72,8 +72,8 @@ class Fp8Spec:
     values: str  # how kv_c and k_pe are made: a key of _VALUES
     tokens: int = 9
     page: int = 64
-    blocks: int = 3
-    padding: tuple[int, ...] = ()  # tokens whose slot is -1
+    blocks: int = 2
+    padding: tuple[int, ...] = ()  # tokens whose slot is -1 (they share one row of values)
     dequant: bool = False  # outputs: the dequantized rows (fp8_dequant), not the bytes
 
 
@@ -268,6 +268,8 @@ def fp8_trial(setting: Setting, spec: Fp8Spec, salt: int) -> Trial:
                          dtype=torch.int64).reshape(spec.tokens)
     slots[list(spec.padding)] = -1
     kv64, pe64 = _VALUES[spec.values](g, spec.tokens)
+    for x in (kv64, pe64):  # as paged_cache's padding: one row whichever wrapped token wins
+        x[list(spec.padding)] = x[list(spec.padding[:1])]
     kv_c, k_pe = kv64.to(setting.dtype), pe64.to(setting.dtype)
     cache = poison_like(torch.empty(spec.blocks, spec.page, FP8_DS_MLA_BYTES, dtype=torch.uint8))
     earlier = torch.rand(n_slots, generator=g) < 0.5

@@ -74,7 +74,7 @@ class WriteSpec:
     blocks: int = 3
     lkv: int = DV
     r: int = D - DV
-    padding: tuple[int, ...] = ()  # tokens whose slot is -1
+    padding: tuple[int, ...] = ()  # tokens whose slot is -1 (they share one row of values)
     k_pe_3d: bool = False  # k_pe as [T, 1, R]
     views: bool = False  # kv_c, k_pe as column slices of one [T, Lkv + R] tensor (vLLM's split)
     last_slot: bool = False  # one token goes to the cache's very last row
@@ -88,7 +88,7 @@ def _write_rows(cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     rope columns as they were."""
     out = cache.clone()
     flat = out.view(-1, out.shape[-1])
-    k_pe = k_pe.reshape(k_pe.shape[0], -1)
+    k_pe = k_pe.reshape(k_pe.shape[0], k_pe.shape[-1])
     keep = torch.ones_like(slots, dtype=torch.bool) if wrap else slots >= 0
     rows = torch.cat([k_pe, kv_c] if pe_first else [kv_c, k_pe], dim=-1)[keep]
     if write_pe:
@@ -98,6 +98,15 @@ def _write_rows(cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
     return out
 
 
+def _packed(view: torch.Tensor) -> torch.Tensor:
+    """What a kernel that ignores ``view``'s strides reads: its storage from the view's offset
+    on, as if contiguous."""
+    strides = [1]
+    for n in reversed(view.shape[1:]):
+        strides.insert(0, strides[0] * n)
+    return torch.as_strided(view, view.shape, strides, view.storage_offset())
+
+
 def write_trial(setting: Setting, spec: WriteSpec, salt: int) -> Trial:
     """A trial of ``spec`` (see the module doc): inputs in the setting's dtype."""
     g = generator(setting, salt)
@@ -105,7 +114,10 @@ def write_trial(setting: Setting, spec: WriteSpec, salt: int) -> Trial:
     slots = torch.tensor(scattered_slots(g, n_slots, spec.page, spec.tokens, spec.last_slot),
                          dtype=torch.int64).reshape(spec.tokens)
     slots[list(spec.padding)] = -1
-    rows = torch.randn(spec.tokens, width, generator=g, dtype=torch.float64).to(setting.dtype)
+    rows = torch.randn(spec.tokens, width, generator=g, dtype=torch.float64)
+    # padding tokens share one row, so a kernel that wraps -1 writes it whichever token wins
+    rows[list(spec.padding)] = rows[list(spec.padding[:1])]
+    rows = rows.to(setting.dtype)
     cache = torch.randn(spec.blocks, spec.page, width, generator=g, dtype=torch.float64)
     never_written = torch.rand(n_slots, generator=g) < 0.5
     never_written[-1] = False  # an earlier token: where a wrapped -1 slot would land
@@ -134,6 +146,9 @@ def write_trial(setting: Setting, spec: WriteSpec, salt: int) -> Trial:
             lambda: {"kv_cache": _write_rows(cache, kv_c, k_pe, slots, pe_first=True)},
         "k_pe not written (the rope columns keep their earlier contents)":
             lambda: {"kv_cache": _write_rows(cache, kv_c, k_pe, slots, write_pe=False)}}
+    if spec.views:
+        alts["kv_c and k_pe read as contiguous (their row strides ignored)"] = (
+            lambda: {"kv_cache": _write_rows(cache, _packed(kv_c), _packed(k_pe), slots)})
     if spec.padding:
         alts[WRAP_MINUS_ONE] = lambda: {"kv_cache": _write_rows(cache, kv_c, k_pe, slots,
                                                                  wrap=True)}
