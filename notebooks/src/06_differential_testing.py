@@ -197,8 +197,8 @@ save(fig, "error_distributions")
 #   `mscale²/sqrt(192) = 0.1352` for DeepSeek-V3.
 # - `"empty_lse"`: returns what `torch.logsumexp` gives over no keys, `-inf`. FlashAttention-3
 #   does the same; FlashAttention-2 and FlashMLA write `+inf` (vLLM PR #15492 made
-#   `merge_attn_states` accept both). Merges that meet an empty row they do not expect produce
-#   NaN: vLLM issue #27491, fixed for MLA's context chunks by PR #49294.
+#   `merge_attn_states` accept both). Empty rows a merge does not expect still turned into
+#   NaN in vLLM's MLA chunked prefill (issue #27491); PR #49294 marks them before merging.
 # - `"causal"`: the causal mask off by one (`<` for `<=`): query `i` sees one key too few.
 #
 # The run is in float64 on the CPU, where the budget is `1e-12`: a correct float64 kernel
