@@ -63,6 +63,7 @@ KERNEL = "concat_and_cache_fp8_ds_mla"
 NOPE, ROPE, TILE, TILES = 512, 64, 128, 4
 SCALES_AT, ROPE_AT = 512, 528  # byte offsets in a row
 DEQUANT_MARGIN = 1.5  # the fp8_dequant limit: this times the reference's own error
+UNROUNDED = "scale amax/448 not rounded up to a power of two"
 
 Outputs = dict[str, torch.Tensor]
 
@@ -230,12 +231,11 @@ def _alternatives(cache: torch.Tensor, slots: torch.Tensor, kv_c: torch.Tensor,
         "scales in reverse order": at(_reorder(rows, scales=True)),
         "scales stored as 1/scale (the quantizer's multiplier; the row holds the "
         "dequantizer's kv_c ≈ fp8 · scale)": at(_inverted_scales(rows)),
-        "scale amax/448 not rounded up to a power of two":
-            at(_pack(kv_c, k_pe, unrounded)),
-        "one scale per row (its amax) instead of one per tile of 128":
-            at(_pack(kv_c, k_pe, row_scale.expand(-1, TILES))),
         "values truncated toward zero instead of rounded to nearest (even)":
             at(_pack(kv_c, k_pe, tile_scales, toward_zero=True)),
+        "one scale per row (its amax) instead of one per tile of 128":
+            at(_pack(kv_c, k_pe, row_scale.expand(-1, TILES))),
+        UNROUNDED: at(_pack(kv_c, k_pe, unrounded)),
         "k_pe stored as float32 (its first 32 values fill the rope bytes)":
             at(_rope_float32(rows, k_pe)),
         "k_pe stored before the scales (rope at bytes 512..640, scales after)":
@@ -297,8 +297,13 @@ def fp8_trial(setting: Setting, spec: Fp8Spec, salt: int) -> Trial:
     expected = {"kv_c": given["kv_c"] * weights, "k_pe": given["k_pe"]}
     own = _dequantized(want, kept, weights)
     limits = {n: DEQUANT_MARGIN * rel_err(own[n], expected[n]) for n in expected}
+    # the byte layouts' alternatives, dequantized; not the unrounded scale, which is sound
+    # (it passes) and lies within the limit of other roundings
+    alts = {why: (lambda make=make: _dequantized(make()["kv_cache"], kept, weights))
+            for why, make in _alternatives(cache, slots, kv_c, k_pe).items()
+            if why != UNROUNDED}
     return Trial(lambda fn: _dequantized(write(fn), kept, weights), expected,
-                 {"kv_c": "dequant_rel", "k_pe": "dequant_rel"}, limits=limits)
+                 {"kv_c": "dequant_rel", "k_pe": "dequant_rel"}, alts, limits=limits)
 
 
 def _register(name: str, topic: str, doc: str, spec: Fp8Spec, salt: int) -> None:
