@@ -575,3 +575,20 @@ def test_import_without_triton_says_what_to_install():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("ImportError: mla.fast needs Triton"), done.stdout
     assert 'pip install "mla[triton]"' in done.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("qk,v", [(192, 128), (576, 512), (256, 256), (64, 64), (40, 32)])
+def test_attention_tiles_fit_shared_memory(dtype, qk, v):
+    """The GPU tiles for every width the package uses fit an SM90 block's 227 KB (the absorbed
+    widths 576/512 overflowed the prefill tiles: 553 KB), and the prefill widths in 16 bits
+    keep the largest tiles."""
+    da, db = _split_dim(qk)
+    block = fast_attention._block
+    bqk, bv = block(da) + (block(db) if db else 0), block(v)
+    config = fast_attention.pick_config(dtype, bqk, bv)
+    elem = 4 if dtype == torch.float32 else 2
+    assert fast_attention.tile_bytes(config, bqk, bv, elem) <= 227 * 1024 - 4096
+    if (qk, v) == (192, 128) and dtype != torch.float32:
+        assert config == fast_attention.AttnConfig()
+    assert fast_attention.tile_bytes(fast_attention.AttnConfig(), 576, 512, 2) > 227 * 1024

@@ -41,7 +41,7 @@ from mla.reference.attention import default_positions
 from mla.validation import check_float, check_index, check_same_device, check_same_dtype
 
 __all__ = ["AttnConfig", "attention_with_lse", "cudnn_attention_with_lse",
-           "flash_attention_with_lse", "pick_route"]
+           "flash_attention_with_lse", "pick_config", "pick_route", "tile_bytes"]
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,34 @@ class AttnConfig:
 
 
 _INTERPRETER_CONFIG = AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-# float32 tiles take twice the shared memory of 16-bit ones: the default tiles of a 192-wide
-# q/k and 128-wide v do not fit an SM's 227 KB at float32, these do
-_FLOAT32_CONFIG = AttnConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+# Tiles in order of preference; the first whose shared memory fits is taken. The default
+# suits the prefill widths (q/k 192, v 128) in 16 bits; float32 tiles take twice the bytes;
+# the absorbed widths (q/k 576, v 512) need smaller tiles and fewer stages.
+_CONFIGS_16BIT = (AttnConfig(), AttnConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
+                  AttnConfig(block_m=32, block_n=32, num_warps=4, num_stages=1))
+_CONFIGS_FLOAT32 = (AttnConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
+                    AttnConfig(block_m=32, block_n=32, num_warps=4, num_stages=1),
+                    AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1))
+# an SM90 block may use 227 KB of shared memory; the kernel needs about 1 KB beyond its tiles
+_SHARED_MEMORY_BYTES = 227 * 1024 - 4096
+
+
+def tile_bytes(config: AttnConfig, block_qk: int, block_v: int, elem: int) -> int:
+    """Shared memory of the kernel's tiles: the q tile and ``num_stages`` k/v tiles."""
+    return elem * (config.block_m * block_qk
+                   + config.num_stages * config.block_n * (block_qk + block_v))
+
+
+def pick_config(dtype: torch.dtype, block_qk: int, block_v: int) -> AttnConfig:
+    """The first tiles of the dtype's list that fit shared memory (``block_*``: the padded
+    widths of q/k and v)."""
+    configs = _CONFIGS_FLOAT32 if dtype == torch.float32 else _CONFIGS_16BIT
+    elem = 4 if dtype == torch.float32 else 2
+    for config in configs:
+        if tile_bytes(config, block_qk, block_v, elem) <= _SHARED_MEMORY_BYTES:
+            return config
+    raise ValueError(f"head dims too wide for the Triton kernel: q/k {block_qk}, v {block_v} "
+                     f"in {dtype} do not fit shared memory even at the smallest tiles")
 
 
 @triton.jit
@@ -344,7 +369,7 @@ def flash_attention_with_lse(
         return out, lse
     if config is None:
         config = (_INTERPRETER_CONFIG if q_a.device.type == "cpu" else
-                  _FLOAT32_CONFIG if q_a.dtype == torch.float32 else AttnConfig())
+                  pick_config(q_a.dtype, _block(Da) + (_block(Db) if Db else 0), _block(Dv)))
     qb_t = q_a if q_b is None else q_b
     kb_t = k_a if k_b is None else k_b
     use_tma = _tma_ok(q_a, qb_t, k_a, kb_t, v)
