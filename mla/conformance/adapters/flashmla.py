@@ -106,6 +106,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     require(q.shape[-1] == 576 and head_dim_v == 512, SPARSE_DECODE,
             f"takes DeepSeek-V3.2's rows only (head dim 576, head_dim_v 512), got "
             f"{q.shape[-1]} and {head_dim_v}")
+    # measured on an H200 (vLLM 0.33.0's build): the sm_90 sparse decode kernel asserts
+    # topk_length == nullptr on the host, so it has no topk_length there
+    require(topk_length is None or torch.cuda.get_device_capability(q.device)[0] != 9,
+            SPARSE_DECODE, "takes no topk_length on sm_90 (its kernel asserts topk_length "
+            "== nullptr)")
     fm = import_peer(INTERFACE, SPARSE_DECODE)
     N = q.shape[2]
     k_cache = kv_cache.view(torch.uint8)
