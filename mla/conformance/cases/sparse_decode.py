@@ -13,7 +13,8 @@ Every case fills the slots no index names with NaN (the fp8 cache: 0xFF bytes, N
 values, the scales and the rope part) and poisons the buffers the kernel allocates. Slot 0 and
 the last slot always hold a written row, so that a kernel reading ``-1`` as slot 0 (an
 unmasked gather) or as the last slot (Python's negative indexing) gives finite outputs the
-report can name. Only the "sentinels" topic has scattered ``-1`` entries, only "empty" and
+report can name. A query's entries are distinct (as the indexer's top-k are) except in the
+"repeats" topic; only the "sentinels" topic has scattered ``-1`` entries, only "empty" and
 "topk_length" have lonely queries, only "topk_length" passes ``topk_length`` and only "scale"
 passes a scale other than ``1/sqrt(D)``.
 """
@@ -21,6 +22,7 @@ passes a scale other than ``1/sqrt(D)``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -45,7 +47,7 @@ from mla.reference.fp8 import (
 )
 from mla.reference.sparse import sparse_mla_decode
 
-__all__ = ["SparseDecodeSpec", "sparse_decode_trial", "draw_indices", "once_each",
+__all__ = ["SparseDecodeSpec", "sparse_decode_trial", "draw_indices", "draw_any", "once_each",
            "scale_alternatives"]
 
 KERNEL = "sparse_mla_decode"
@@ -72,10 +74,21 @@ class SparseDecodeSpec:
 
 def draw_indices(g: torch.Generator, shape: tuple[int, ...], pool: torch.Tensor,
                  repeats: int = 0) -> torch.Tensor:
-    """int32 entries drawn with replacement from ``pool`` (so a few repeat); with ``repeats``,
-    from that many of its members only (so most repeat)."""
+    """int32 entries from ``pool``, distinct within each row (last dim) as the indexer's top-k
+    are; with ``repeats``, drawn with replacement from that many of its members (most repeat).
+    """
     if repeats:
         pool = pool[torch.randperm(len(pool), generator=g)[:repeats]]
+        return pool[torch.randint(len(pool), shape, generator=g)].to(torch.int32)
+    k = shape[-1]
+    if k > len(pool):
+        raise ValueError(f"cannot draw {k} distinct entries from {len(pool)}")
+    rows = torch.rand(math.prod(shape[:-1]), len(pool), generator=g).argsort(dim=1)[:, :k]
+    return pool[rows].reshape(shape).to(torch.int32)
+
+
+def draw_any(g: torch.Generator, shape: tuple[int, ...], pool: torch.Tensor) -> torch.Tensor:
+    """int32 entries drawn with replacement from ``pool``."""
     return pool[torch.randint(len(pool), shape, generator=g)].to(torch.int32)
 
 
@@ -132,7 +145,7 @@ def _indices(spec: SparseDecodeSpec, g: torch.Generator, written: torch.Tensor,
         idx[torch.arange(K)[None, None, :] >= tail[..., None]] = -1
     if spec.topk_length is not None and spec.past_length == "nan":
         past = torch.arange(K)[None, :] >= torch.tensor(spec.topk_length)[:, None]
-        nan_entries = draw_indices(g, (B, S, K), unwritten)
+        nan_entries = draw_any(g, (B, S, K), unwritten)
         idx = torch.where(past[:, None, :], nan_entries, idx)
     for b, s in spec.lonely:
         idx[b, s] = -1

@@ -11,7 +11,8 @@ entry) gets ``out = 0``, ``lse = +inf`` and ``max_logits = -inf`` (conventions Â
 
 Every case fills the rows no index names with NaN (row 0 and the last row always hold data, so
 that a kernel clamping an invalid index instead of dropping it gives finite outputs the report
-can name) and poisons the buffers the kernel allocates. Only the "sentinels" topic has invalid
+can name) and poisons the buffers the kernel allocates. A query's entries are distinct (as the
+indexer's top-k are) except in the "repeats" topic; only the "sentinels" topic has invalid
 entries, only "empty" and "topk_length" have lonely queries, only "topk_length" passes
 ``topk_length`` and only "scale" passes a scale other than ``1/sqrt(D)``.
 """
@@ -31,7 +32,12 @@ from mla.conformance.cases.common import (
     D,
     call_poisoned,
 )
-from mla.conformance.cases.sparse_decode import draw_indices, once_each, scale_alternatives
+from mla.conformance.cases.sparse_decode import (
+    draw_any,
+    draw_indices,
+    once_each,
+    scale_alternatives,
+)
 from mla.conformance.catalogue import Setting, Trial, case, generator
 from mla.conformance.diagnose import LOG2E
 from mla.reference.sparse import sparse_mla_prefill
@@ -83,7 +89,7 @@ def _indices(spec: SparsePrefillSpec, g: torch.Generator, written: torch.Tensor,
         idx = torch.where(torch.rand(S, K, generator=g) < 0.25, pick, idx)
     if spec.topk_length is not None and spec.past_length == "nan":
         past = torch.arange(K)[None, :] >= torch.tensor(spec.topk_length)[:, None]
-        idx = torch.where(past, draw_indices(g, (S, K), unwritten), idx)
+        idx = torch.where(past, draw_any(g, (S, K), unwritten), idx)
     for t in spec.lonely:
         idx[t] = pick[t]
     return idx
