@@ -107,6 +107,10 @@ def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache
         return
     if should_validate(validate, kv_cache):
         check_slot_range(slot_mapping, n_slots)
+    if k_pe.dtype != torch.bfloat16:
+        # stored as bf16: torch rounds to nearest even from any dtype, as the reference does
+        # (Triton's interpreter truncates, and its float64 -> bf16 cast is wrong)
+        k_pe = k_pe.to(torch.bfloat16)
     u8 = kv_cache.view(torch.uint8)
     _quant_cache_kernel[(T,)](
         kv_c, k_pe, u8, u8.view(torch.float32), u8.view(torch.bfloat16), slot_mapping,
