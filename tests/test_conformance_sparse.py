@@ -20,7 +20,7 @@ import torch
 import mla.conformance.cases  # noqa: F401  (the families register on import)
 import mla.reference as ref
 from mla.conformance import KERNELS, Case, Row, Setting, Trial, cases_of, run, run_case
-from mla.conformance.cases.sparse_decode import _unscaled_fp8, once_each
+from mla.conformance.cases.sparse_decode import once_each, unscaled_fp8
 from mla.conformance.diagnose import LOG2E
 
 SPARSE = ("sparse_mla_decode", "sparse_mla_prefill", "convert_req_index_to_global_index")
@@ -72,7 +72,7 @@ def dec_last_head_nan(*args):
 
 
 def dec_fp8_scales_ignored(q, kv, idx, scale, fp8, *rest):
-    return ref.sparse_mla_decode(q, _unscaled_fp8(kv) if fp8 else kv, idx, scale, fp8, *rest)
+    return ref.sparse_mla_decode(q, unscaled_fp8(kv) if fp8 else kv, idx, scale, fp8, *rest)
 
 
 def pre_scale_ignored(q, kv, idx, scale, dv=512, tl=None):

@@ -48,7 +48,7 @@ from mla.reference.fp8 import (
 from mla.reference.sparse import sparse_mla_decode
 
 __all__ = ["SparseDecodeSpec", "sparse_decode_trial", "draw_indices", "draw_any", "once_each",
-           "scale_alternatives"]
+           "scale_alternatives", "split_rows", "unscaled_fp8"]
 
 KERNEL = "sparse_mla_decode"
 Outputs = dict[str, torch.Tensor]
@@ -103,6 +103,16 @@ def once_each(idx: torch.Tensor) -> torch.Tensor:
     return torch.where(repeat, -1, flat).reshape(idx.shape)
 
 
+def split_rows(g: torch.Generator, n: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``0 .. n-1`` split at random into about ``count`` written and the rest unwritten;
+    the first and the last row always written (where a kernel that reads an invalid entry as
+    row 0 or as row -1 lands)."""
+    perm = torch.randperm(n, generator=g)
+    inner = (perm != 0) & (perm != n - 1)
+    written = torch.cat([torch.tensor([0, n - 1]), perm[:count][inner[:count]]])
+    return written, perm[count:][inner[count:]]
+
+
 def scale_alternatives(make: Callable[[float], Outputs], d: int, dv: int
                        ) -> dict[str, Callable[[], Outputs]]:
     """The reference's outputs under the two usual wrong softmax scales."""
@@ -118,11 +128,7 @@ def _cache(spec: SparseDecodeSpec, g: torch.Generator) -> tuple[torch.Tensor, to
     unwritten ones."""
     nb = -(-spec.slots // spec.page)
     n = nb * spec.page
-    perm = torch.randperm(n, generator=g)
-    cut = (2 * n) // 3
-    written = torch.cat([torch.tensor([0, n - 1]), perm[:cut][(perm[:cut] != 0)
-                                                               & (perm[:cut] != n - 1)]])
-    unwritten = perm[cut:][(perm[cut:] != 0) & (perm[cut:] != n - 1)]
+    written, unwritten = split_rows(g, n, (2 * n) // 3)
     if spec.fp8:
         flat = torch.full((n, FP8_DS_MLA_BYTES), 0xFF, dtype=torch.uint8)
         kv_c = torch.randn(len(written), D_NOPE, generator=g, dtype=torch.float64)
@@ -152,7 +158,7 @@ def _indices(spec: SparseDecodeSpec, g: torch.Generator, written: torch.Tensor,
     return idx
 
 
-def _unscaled_fp8(cache: torch.Tensor) -> torch.Tensor:
+def unscaled_fp8(cache: torch.Tensor) -> torch.Tensor:
     """The bytes with every tile scale set to 1.0: a reader that ignores the scales."""
     out = cache.clone()
     flat = out.view(-1, FP8_DS_MLA_BYTES)
@@ -200,7 +206,7 @@ def sparse_decode_trial(setting: Setting, spec: SparseDecodeSpec, salt: int) -> 
             lambda: ref(indices=once_each(idx)))
     if spec.fp8:
         alts["fp8_ds_mla tile scales ignored (the e4m3 values used unscaled)"] = (
-            lambda: ref(kv=_unscaled_fp8(cache)))
+            lambda: ref(kv=unscaled_fp8(cache)))
     return Trial(invoke, ref(), {"out": "out_rel", "lse": "lse_abs"}, alts)
 
 

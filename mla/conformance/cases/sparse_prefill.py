@@ -12,9 +12,9 @@ entry) gets ``out = 0``, ``lse = +inf`` and ``max_logits = -inf`` (conventions Â
 Every case fills the rows no index names with NaN (row 0 and the last row always hold data, so
 that a kernel clamping an invalid index instead of dropping it gives finite outputs the report
 can name) and poisons the buffers the kernel allocates. A query's entries are distinct (as the
-indexer's top-k are) except in the "repeats" topic; only the "sentinels" topic has invalid
-entries, only "empty" and "topk_length" have lonely queries, only "topk_length" passes
-``topk_length`` and only "scale" passes a scale other than ``1/sqrt(D)``.
+indexer's top-k are) except in the "repeats" topic; only the "sentinels" and "empty" topics
+have invalid entries, only "empty" and "topk_length" have lonely queries, only "topk_length"
+passes ``topk_length`` and only "scale" passes a scale other than ``1/sqrt(D)``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from mla.conformance.cases.sparse_decode import (
     draw_indices,
     once_each,
     scale_alternatives,
+    split_rows,
 )
 from mla.conformance.catalogue import Setting, Trial, case, generator
 from mla.conformance.diagnose import LOG2E
@@ -69,11 +70,7 @@ def _kv(spec: SparsePrefillSpec, g: torch.Generator) -> tuple[torch.Tensor, torc
                                                              torch.Tensor]:
     """float64 ``kv [s_kv, D]``, its written rows and its unwritten (NaN) ones."""
     n = spec.s_kv
-    perm = torch.randperm(n, generator=g)
-    cut = (3 * n) // 4
-    ends = (perm != 0) & (perm != n - 1)
-    written = torch.cat([torch.tensor([0, n - 1]), perm[:cut][ends[:cut]]])
-    unwritten = perm[cut:][ends[cut:]]
+    written, unwritten = split_rows(g, n, (3 * n) // 4)
     kv = torch.full((n, D), float("nan"), dtype=torch.float64)
     kv[written] = torch.randn(len(written), D, generator=g, dtype=torch.float64)
     return kv, written, unwritten
