@@ -139,8 +139,11 @@ def _alternatives(setting: Setting, outs: torch.Tensor, lses: torch.Tensor, expe
     def rounded_partials() -> Outputs:
         lse = full["lse"].masked_fill(torch.isneginf(full["lse"]), 0.0)
         w = torch.where(empty, 0.0, torch.exp(lses - lse))[..., None]
-        parts = torch.where(w > 0, outs * w, 0.0).to(setting.dtype).double()
-        return {**expected, "out": parts.sum(dim=0).to(setting.dtype).double()}
+        parts = torch.where(w > 0, outs * w, 0.0).to(setting.dtype)
+        total = parts[0]
+        for p in parts[1:]:  # the reduce-scatter adds in that dtype, in rank order
+            total = total + p
+        return {**expected, "out": total.double()}
 
     none = empty.all(dim=0)  # [T, N]: no rank saw a key
     alts: dict[str, Callable[[], Outputs]] = {
@@ -159,8 +162,8 @@ def _alternatives(setting: Setting, outs: torch.Tensor, lses: torch.Tensor, expe
             outs, lses.nan_to_num(nan=-INF, posinf=INF, neginf=-INF), with_lse)}
     if setting.dtype not in (torch.float32, torch.float64):
         name = str(setting.dtype).removeprefix("torch.")
-        alts[f"each rank's scaled output rounded to {name} before the reduce-scatter sums "
-             f"them ({name} partials); the sum should run in float32"] = rounded_partials
+        alts[f"each rank's scaled output rounded to {name} and the reduce-scatter summing "
+             f"in {name} ({name} partials); the sum should run in float32"] = rounded_partials
     return alts
 
 

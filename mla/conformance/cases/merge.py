@@ -187,18 +187,23 @@ def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], MergeSp
     case(KERNEL, topic, name=name, doc=doc)(lambda s: merge_trial(s, spec(s), salt))
 
 
+def _tokens(setting: Setting, small: int, full: int) -> int:
+    """T: a few rows a program under the interpreter (every program runs in Python), many
+    blocks on a GPU."""
+    return small if setting.small else full
+
+
 # ---- DeepSeek widths, head and token counts -------------------------------------------------
 _register("latent_16_heads", "shapes",
           "DeepSeek-V3 at tensor parallel 8: 16 heads of latent width 512 (the absorbed path's "
-          "V), 33 tokens.",
-          lambda s: MergeSpec(33, heads=16), 400)
+          "V).",
+          lambda s: MergeSpec(_tokens(s, 9, 257), heads=16), 400)
 _register("latent_128_heads_one_token", "shapes",
           "128 heads of width 512 for a single token (T = 1): DeepSeek-V3 at tensor parallel 1.",
           lambda s: MergeSpec(1, heads=128), 401)
 _register("prefill_v_width_128", "shapes",
-          "The chunked prefill's merge: 16 heads of V width 128 (DeepSeek's v_head_dim), 64 "
-          "tokens.",
-          lambda s: MergeSpec(64, heads=16, d=128), 402)
+          "The chunked prefill's merge: 16 heads of V width 128 (DeepSeek's v_head_dim).",
+          lambda s: MergeSpec(_tokens(s, 64, 1031), heads=16, d=128), 402)
 _register("heads_1", "heads",
           "One head (N = 1) over 17 tokens: the lse layout [N, T] is one row.",
           lambda s: MergeSpec(17, heads=1), 403)
@@ -212,20 +217,20 @@ _register("no_tokens", "tokens",
 _register("lse_base_natural", "lse_base",
           "The lse is the natural log: sides up to 6 apart weigh exp(lse - m), not 2^(lse - m) "
           "(vLLM PR #47079 merged base-2 partials as natural ones).",
-          lambda s: MergeSpec(24, lse_spread=3.0), 410)
+          lambda s: MergeSpec(_tokens(s, 8, 64), lse_spread=3.0), 410)
 # ---- empty sides ----------------------------------------------------------------------------
 _register("empty_side_plus_inf", "empty_plus_inf",
           "One side empty (lse +inf, FlashMLA's marker, output NaN) on half the rows: the other "
           "side's out and lse pass through.",
-          lambda s: MergeSpec(20, empty="either", markers=(INF,)), 420)
+          lambda s: MergeSpec(_tokens(s, 8, 64), empty="either", markers=(INF,)), 420)
 _register("empty_side_minus_inf", "empty_minus_inf",
           "One side empty (lse -inf, FA3's and attention_with_lse's marker, output NaN) on half "
           "the rows: the other side's out and lse pass through.",
-          lambda s: MergeSpec(20, empty="either", markers=(-INF,)), 421)
+          lambda s: MergeSpec(_tokens(s, 8, 64), empty="either", markers=(-INF,)), 421)
 _register("both_sides_empty", "both_empty",
           "A third of the rows empty on both sides (+inf and -inf mixed): out 0 and lse -inf; "
           "a third empty on one side.",
-          lambda s: MergeSpec(30, empty="both", markers=(INF, -INF)), 422)
+          lambda s: MergeSpec(_tokens(s, 9, 90), empty="both", markers=(INF, -INF)), 422)
 _register("all_rows_empty", "both_empty",
           "Every row empty on both sides (+inf and -inf mixed): all out 0, all lse -inf, no NaN.",
           lambda s: MergeSpec(6, heads=16, empty="all", markers=(INF, -INF)), 423)
@@ -233,16 +238,16 @@ _register("all_rows_empty", "both_empty",
 _register("dominant_side", "numerics",
           "One side's lse 120 above the other's: the small weight underflows in float32 and "
           "must add nothing (not 0 · inf), the big side passes through.",
-          lambda s: MergeSpec(16, gap=120.0), 430)
+          lambda s: MergeSpec(_tokens(s, 6, 64), gap=120.0), 430)
 _register("equal_lse", "numerics",
           "Both sides with the same lse: weights 1/2 each, lse + log 2.",
-          lambda s: MergeSpec(16, equal=True), 431)
+          lambda s: MergeSpec(_tokens(s, 6, 64), equal=True), 431)
 _register("large_lse", "numerics",
           "lse near +1000 and -1000: exp(lse) overflows or underflows in float32 unless the "
           "max is subtracted first.",
-          lambda s: MergeSpec(16, lse_center=1000.0, signs=True), 432)
+          lambda s: MergeSpec(_tokens(s, 6, 64), lse_center=1000.0, signs=True), 432)
 # ---- NaN ------------------------------------------------------------------------------------
 _register("nan_lse_is_not_empty", "nan",
           "A NaN lse on one side of a quarter of the rows gives a NaN row, never the other side "
           "passed through as if the NaN meant 'no keys' (conventions §13).",
-          lambda s: MergeSpec(20, nan=True), 440)
+          lambda s: MergeSpec(_tokens(s, 8, 64), nan=True), 440)
