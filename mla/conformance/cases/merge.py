@@ -73,8 +73,8 @@ class MergeSpec:
     gap: float = 0.0  # one side, chosen per row, this much above the other
     equal: bool = False  # both sides the same lse
     signs: bool = False  # lse centred at -lse_center or +lse_center, per row
-    empty: str = ""  # "either": one side empty on half the rows; "both": a third of the rows
-    # one side, a third both; "all": every row both sides
+    one_empty: float = 0.0  # the share of rows with one side (either) empty
+    both_empty: float = 0.0  # the share of rows with both sides empty
     markers: tuple[float, ...] = (INF,)  # the "no key" markers empty sides hold
     nan: bool = False  # a quarter of the rows: a NaN lse on one side, the other present
 
@@ -95,13 +95,14 @@ def _inputs(spec: MergeSpec, g: torch.Generator) -> tuple[torch.Tensor, ...]:
     lse_p, lse_s = lse_p + side * spec.gap / 2, lse_s - side * spec.gap / 2
 
     u = torch.rand(N, T, generator=g, dtype=torch.float64)
-    which = torch.rand(N, T, generator=g) < 0.5  # the prefix (else the suffix) is the empty one
-    one = {"": u < 0, "either": u < 0.5, "both": u < 1 / 3, "all": u < 0}[spec.empty]
-    both = {"": u < 0, "either": u < 0, "both": u > 2 / 3, "all": u >= 0}[spec.empty]
+    both = u < spec.both_empty
+    one = ~both & (u < spec.both_empty + spec.one_empty)
+    which = torch.rand(N, T, generator=g) < 0.5  # the prefix (else the suffix) is the one
     markers = torch.tensor(spec.markers, dtype=torch.float64)
-    pick = torch.randint(len(markers), (2, N, T), generator=g)
-    for lse, o, empty in ((lse_p, o_p, both | (one & which)), (lse_s, o_s, both | (one & ~which))):
-        lse[empty] = markers[pick[0 if lse is lse_p else 1]][empty]
+    pick = markers[torch.randint(len(markers), (2, N, T), generator=g)]
+    sides = ((lse_p, o_p, both | (one & which)), (lse_s, o_s, both | (one & ~which)))
+    for k, (lse, o, empty) in enumerate(sides):
+        lse[empty] = pick[k][empty]
         o[empty.transpose(0, 1)] = float("nan")  # an empty side's output is never read
     if spec.nan:
         poisoned = torch.rand(N, T, generator=g) < 0.25
@@ -222,18 +223,19 @@ _register("lse_base_natural", "lse_base",
 _register("empty_side_plus_inf", "empty_plus_inf",
           "One side empty (lse +inf, FlashMLA's marker, output NaN) on half the rows: the other "
           "side's out and lse pass through.",
-          lambda s: MergeSpec(_tokens(s, 8, 64), empty="either", markers=(INF,)), 420)
+          lambda s: MergeSpec(_tokens(s, 8, 64), one_empty=0.5, markers=(INF,)), 420)
 _register("empty_side_minus_inf", "empty_minus_inf",
           "One side empty (lse -inf, FA3's and attention_with_lse's marker, output NaN) on half "
           "the rows: the other side's out and lse pass through.",
-          lambda s: MergeSpec(_tokens(s, 8, 64), empty="either", markers=(-INF,)), 421)
+          lambda s: MergeSpec(_tokens(s, 8, 64), one_empty=0.5, markers=(-INF,)), 421)
 _register("both_sides_empty", "both_empty",
           "A third of the rows empty on both sides (+inf and -inf mixed): out 0 and lse -inf; "
           "a third empty on one side.",
-          lambda s: MergeSpec(_tokens(s, 9, 90), empty="both", markers=(INF, -INF)), 422)
+          lambda s: MergeSpec(_tokens(s, 9, 90), one_empty=1 / 3, both_empty=1 / 3,
+                              markers=(INF, -INF)), 422)
 _register("all_rows_empty", "both_empty",
           "Every row empty on both sides (+inf and -inf mixed): all out 0, all lse -inf, no NaN.",
-          lambda s: MergeSpec(6, heads=16, empty="all", markers=(INF, -INF)), 423)
+          lambda s: MergeSpec(6, heads=16, both_empty=1.0, markers=(INF, -INF)), 423)
 # ---- numerics -------------------------------------------------------------------------------
 _register("dominant_side", "numerics",
           "One side's lse 120 above the other's: the small weight underflows in float32 and "
