@@ -10,7 +10,22 @@ import shutil
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_triton_interpret():
+    """``mla walkthrough`` and ``mla conform`` on the CPU set TRITON_INTERPRET, as they must
+    before triton is imported; put it back after each test, absent where it was absent (on a
+    GPU machine the kernels run compiled, and a leftover variable would send CPU tensors to
+    them). ``monkeypatch.delenv`` would not: it records nothing for a variable not yet set."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    yield
+    if saved is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = saved
 
 settings.register_profile(
     "ci", deadline=None, max_examples=40,

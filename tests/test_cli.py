@@ -29,16 +29,6 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETING or find_spec("triton") i
                                        reason="the fast rows need triton and its interpreter")
 
 
-@pytest.fixture(autouse=True)
-def _restore_triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``main`` sets TRITON_INTERPRET for a CPU walkthrough, as the command must before triton
-    is imported; put it back after each test (on a GPU machine the other test files run the
-    kernels without it)."""
-    if "TRITON_INTERPRET" in os.environ:
-        monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
-    else:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_walkthrough_tiny_agrees_with_definition(dtype: torch.dtype, bound: float) -> None:

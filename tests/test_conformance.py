@@ -69,7 +69,7 @@ def test_an_adapter_refusing_inputs_is_unsupported_with_its_reason():
             raise Unsupported("s_q > 1: this kernel takes one query row per request")
         return ref.mla_decode_paged(q, *args)
 
-    report = run({"mla_decode_paged": only_one_query}, **F64)
+    report = run({"mla_decode_paged": only_one_query}, kernels=["mla_decode_paged"], **F64)
     refused = [r for r in report.rows if r.status == "unsupported"]
     assert refused and all("one query row" in r.detail for r in refused)
     assert {r.case for r in refused} >= {"causal_s_q_2", "non_causal_s_q_4"}

@@ -51,14 +51,6 @@ def helper(x):
 '''
 
 
-@pytest.fixture(autouse=True)
-def _restore_triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``mla conform`` on the CPU sets TRITON_INTERPRET; put it back after each test."""
-    if "TRITON_INTERPRET" in os.environ:
-        monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
-    else:
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:

@@ -1,7 +1,8 @@
 """What the fast path's modules share on the host: where kernels run, and how calls validate.
 
 - ``interpreting()``: Triton's interpreter (``TRITON_INTERPRET=1``) runs the kernels on the
-  CPU; it is read from the environment, which Triton itself reads once, at import.
+  CPU; read from the environment once, when this package is imported, as Triton decides it
+  then for every kernel it decorates (setting the variable later changes nothing).
 - ``num_sms``, ``capability``: the GPU's SM count (launch plans) and compute capability
   (routes), cached per device because each call asks.
 - ``ensure_allocator``: the scratch allocator that in-kernel tensor descriptors need.
@@ -24,9 +25,13 @@ LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x · LOG2E)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    """Whether Triton kernels run under the interpreter (on the CPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Whether this package's Triton kernels run under the interpreter (on the CPU): the
+    environment as it was when ``mla.fast`` was imported and its kernels decorated."""
+    return _INTERPRETING
 
 
 def next_pow2(n: int) -> int:
@@ -81,8 +86,8 @@ def check_kernel_input(q: torch.Tensor) -> None:
         raise TypeError(f"q must have dtype float16, bfloat16 or float32 for the fast path, "
                         f"got {q.dtype}")
     if q.device.type != "cuda" and not interpreting():
-        raise ValueError(f"q must be on a CUDA device (or run with TRITON_INTERPRET=1), "
-                         f"got {q.device}")
+        raise ValueError(f"q must be on a CUDA device (or TRITON_INTERPRET=1 set before "
+                         f"mla.fast is imported), got {q.device}")
 
 
 def _fix_interpreter_index() -> None:

@@ -135,8 +135,8 @@ def merge_attn_states(prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton ``merge_attn_states`` with ``mla.reference.merge_attn_states``'s signature:
     returns ``(output, output_lse)``, ``output_lse`` in ``prefix_lse``'s dtype."""
-    triton_runs_on(MERGE, prefix_output, suffix_output)
     require_dtype(MERGE, _DTYPES, prefix_output=prefix_output, suffix_output=suffix_output)
+    triton_runs_on(MERGE, prefix_output, suffix_output)
     mod = import_peer("vllm.v1.attention.ops.triton_merge_attn_states", MERGE)
     # the kernel indexes outputs as contiguous [T, N, D] through prefix_output's head stride
     p, s = prefix_output.contiguous(), suffix_output.contiguous()
@@ -153,8 +153,8 @@ def cp_lse_ag_out_rs(cp_attn_out: torch.Tensor, cp_attn_lse: torch.Tensor, comm:
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """vLLM's DCP correction with ``mla.reference.cp_lse_ag_out_rs``'s signature (``comm``:
     ``mla.reference.dcp.comm.Communicator``)."""
-    triton_runs_on(DCP, cp_attn_out, cp_attn_lse)
     require_dtype(DCP, _DTYPES, cp_attn_out=cp_attn_out)
+    triton_runs_on(DCP, cp_attn_out, cp_attn_lse)
     T, N, D = cp_attn_out.shape
     W, rank = comm.world_size, comm.rank  # type: ignore[attr-defined]
     require(_pow2(W), DCP, f"spans the ranks with tl.arange: a power-of-two world size only, "
