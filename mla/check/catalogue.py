@@ -25,10 +25,9 @@ def _measure(kernel: str, name: str, ctx: Ctx) -> Measured:
                                                       small=ctx.quick))
     if row.status in ("error", "unsupported"):
         raise RuntimeError(f"{row.status}: {row.detail}")
-    metrics = {row.quantities[n]: v for n, v in row.errors.items()}
-    if len(metrics) != len(row.errors):
-        raise RuntimeError(f"outputs {sorted(row.errors)} share a quantity")
-    limits = {row.quantities[n]: v for n, v in row.limits.items()}
+    # keyed "<quantity>[<output>]": outputs may share a quantity (out and dst both exact)
+    metrics = {f"{row.quantities[n]}[{n}]": v for n, v in row.errors.items()}
+    limits = {f"{row.quantities[n]}[{n}]": v for n, v in row.limits.items()}
     return Measured(metrics, limits)
 
 
