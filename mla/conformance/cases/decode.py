@@ -17,6 +17,7 @@ topic passes a scale other than ``1/sqrt(D)``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -118,8 +119,28 @@ def decode_trial(setting: Setting, spec: DecodeSpec, salt: int) -> Trial:
     elif spec.s_q > 1:
         alts["causal mask applied although causal=False"] = (
             lambda: _ref(q64, c64, table, lens, spec, causal=True))
-    return Trial(invoke, _ref(q64, c64, table, lens, spec),
-                 {"out": "out_rel", "lse": "lse_abs"}, alts)
+    expected = _ref(q64, c64, table, lens, spec)
+    alts.update(_empty_query_alternatives(expected))
+    return Trial(invoke, expected, {"out": "out_rel", "lse": "lse_abs"}, alts)
+
+
+def _empty_query_alternatives(expected: dict[str, torch.Tensor]
+                              ) -> dict[str, Callable[[], dict[str, torch.Tensor]]]:
+    """Other answers for a query that sees no key (``lse = +inf`` in the reference): the
+    softmax's 0/0 left in the output, with either infinity."""
+    empty = torch.isposinf(expected["lse"]).transpose(1, 2)[..., None]  # [B, s_q, N, 1]
+    if not empty.any():
+        return {}
+
+    def nan_out(lse_value: float) -> dict[str, torch.Tensor]:
+        return {"out": torch.where(empty, float("nan"), expected["out"]),
+                "lse": torch.where(torch.isposinf(expected["lse"]), lse_value,
+                                   expected["lse"])}
+
+    return {"a query that sees no key gets out = NaN (0/0) and lse = -inf; the reference "
+            "(FlashMLA's convention) gives out = 0 and lse = +inf": lambda: nan_out(-math.inf),
+            "a query that sees no key gets out = NaN (0/0); the reference gives out = 0 "
+            "(its lse, +inf, agrees)": lambda: nan_out(math.inf)}
 
 
 def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], DecodeSpec],
