@@ -203,3 +203,23 @@ def test_a_one_percent_output_error_fails_every_dtype_budget():
         ref_in_dtype = run({"mla_decode_paged": one_percent}, cases=["length_page_edges"],
                            device="cpu", dtype=dtype)
         assert ref_in_dtype.rows[0].status == "fail", (dtype, ref_in_dtype.to_text())
+
+
+def test_the_readme_five_lines_run(monkeypatch):
+    """The README's "check your kernel" block, with the reference as ``my_kernels.my_decode``."""
+    import re
+    import sys
+    import types
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Checking your kernel (conformance)", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert len([line for line in code.splitlines() if line.strip()]) == 5
+    monkeypatch.setitem(sys.modules, "my_kernels",
+                        types.SimpleNamespace(my_decode=ref.mla_decode_paged))
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    report = scope["report"]
+    assert report.passed and {r.kernel for r in report.rows if r.status == "pass"} == {
+        "mla_decode_paged"}
