@@ -223,3 +223,37 @@ def test_the_readme_five_lines_run(monkeypatch):
     report = scope["report"]
     assert report.passed and {r.kernel for r in report.rows if r.status == "pass"} == {
         "mla_decode_paged"}
+
+
+def test_invalid_inputs_must_be_refused():
+    """``topk_length`` past topk: a ValueError passes, a result fails, another crash errs."""
+    def clamps(q, kv, idx, scale, fp8, topk_length, dv):
+        return ref.sparse_mla_decode(q, kv, idx, scale, fp8,
+                                     None if topk_length is None
+                                     else topk_length.clamp(max=idx.shape[-1]), dv)
+
+    def crashes(*args):
+        raise RuntimeError("illegal memory access")
+
+    rows = {}
+    for name, fn in (("reference", ref.sparse_mla_decode), ("clamps", clamps),
+                     ("crashes", crashes)):
+        (rows[name],) = run({"sparse_mla_decode": fn}, cases=["topk_length_past_topk"],
+                            kernels=["sparse_mla_decode"], **F64).rows
+    assert rows["reference"].status == "pass" and "refused: ValueError" in rows["reference"].detail
+    assert rows["clamps"].status == "fail" and "reads past" in rows["clamps"].detail
+    assert rows["crashes"].status == "error"
+
+
+def test_mla_fast_passes_the_whole_catalogue_from_the_command(capsys):
+    """``mla conform --target mla.fast`` on the CPU, Triton's interpreter, float32: every
+    case passes but the DCP correction's (no fast kernel: unsupported); exit status 0."""
+    from mla.cli import main
+    from mla.fast.common import interpreting
+
+    if not interpreting():
+        pytest.skip("mla.fast runs compiled here: the command's CPU run needs the interpreter")
+    assert main(["conform", "--target", "mla.fast", "--device", "cpu", "--dtype",
+                 "float32"]) == 0
+    table = capsys.readouterr().out
+    assert f"{len(CATALOGUE) - 11} pass, 0 fail, 11 unsupported, 0 error" in table

@@ -25,6 +25,10 @@ def _measure(kernel: str, name: str, ctx: Ctx) -> Measured:
                                                       small=ctx.quick))
     if row.status in ("error", "unsupported"):
         raise RuntimeError(f"{row.status}: {row.detail}")
+    if row.status == "fail" and not row.errors:  # an invalid input the kernel did not refuse
+        raise RuntimeError(row.detail)
+    if not row.errors:  # refused as it must be: one exact "error" of 0
+        return Measured({"mismatches[refusal]": 0.0}, {"mismatches[refusal]": 0.0})
     # keyed "<quantity>[<output>]": outputs may share a quantity (out and dst both exact)
     metrics = {f"{row.quantities[n]}[{n}]": v for n, v in row.errors.items()}
     limits = {f"{row.quantities[n]}[{n}]": v for n, v in row.limits.items()}

@@ -56,7 +56,8 @@ class Trial:
     (relative Frobenius), ``lse_abs`` / ``max_abs`` (max absolute) or ``mismatches`` (exact).
     ``budget_kernel`` names the kernel whose budgets apply (default: the case's kernel);
     ``limits`` sets an output's limit from the trial itself where no table applies (the fp8
-    dequantization error, held to the reference's own on the same inputs).
+    dequantization error, held to the reference's own on the same inputs). ``refuses``: the
+    inputs are invalid, and the case passes when the kernel raises one of these.
     """
     invoke: Callable[[Callable], Outputs]
     expected: Outputs
@@ -64,6 +65,9 @@ class Trial:
     alternatives: Mapping[str, Callable[[], Outputs]] = dataclasses.field(default_factory=dict)
     budget_kernel: str | None = None
     limits: dict[str, float] = dataclasses.field(default_factory=dict)
+    # inputs the reference refuses (a ValueError naming them): the kernel must raise one of
+    # these rather than return, so that it never reads past what it was given
+    refuses: tuple[type[Exception], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,8 @@ def run_case(kernel_fn: Callable | None, c: Case, setting: Setting) -> Row:
         bk = trial.budget_kernel or c.kernel
         row.limits = {n: trial.limits[n] if n in trial.limits else limit(bk, setting.dtype, q)
                       for n, q in trial.quantities.items()}
+        if trial.refuses:
+            return _run_refusal(kernel_fn, trial, row, t0)
         outputs = trial.invoke(kernel_fn)
     except Unsupported as e:
         row.detail = str(e) or "the target's adapter does not take these inputs"
@@ -87,6 +89,21 @@ def run_case(kernel_fn: Callable | None, c: Case, setting: Setting) -> Row:
         row.detail = "; ".join(describe(outputs, wrong, trial.quantities))[:1500]
         row.convention = explain(outputs, trial.expected, trial.quantities, row.limits,
                                  trial.alternatives)
+    row.seconds = time.perf_counter() - t0
+    return row
+
+
+def _run_refusal(kernel_fn: Callable, trial: Trial, row: Row, t0: float) -> Row:
+    """A case of invalid inputs: "pass" when the kernel raises one of ``trial.refuses``."""
+    names = " or ".join(e.__name__ for e in trial.refuses)
+    try:
+        trial.invoke(kernel_fn)
+    except trial.refuses as e:
+        row.status, row.detail = "pass", f"refused: {type(e).__name__}: {e}"[:600]
+    else:
+        row.status = "fail"
+        row.detail = (f"returned a result for inputs the reference refuses; expected {names} "
+                      f"(a kernel that runs on them reads past what it was given)")
     row.seconds = time.perf_counter() - t0
     return row
 

@@ -133,6 +133,12 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     require_dtype(SPARSE_PREFILL, (torch.bfloat16,), q=q, kv=kv)
     require(q.shape[-1] in (576, 512) and d_v == 512, SPARSE_PREFILL,
             f"takes head dim 576 (or 512) with d_v 512 only, got {q.shape[-1]} and {d_v}")
+    # FlashMLA does not check topk_length against topk: with the padded indices below it
+    # would read the padding, unpadded past the array; such inputs are not passed to it
+    require(topk_length is None or not topk_length.numel()
+            or int(topk_length.max()) <= indices.shape[-1], SPARSE_PREFILL,
+            "is not given topk_length past topk: it does not check it and would read past "
+            "the index array")
     fm = import_peer(INTERFACE, SPARSE_PREFILL)
     N = q.shape[1]
     kv3 = kv if kv.dim() == 3 else kv.unsqueeze(1)  # [s_kv, h_kv = 1, d]

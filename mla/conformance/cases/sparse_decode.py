@@ -68,6 +68,7 @@ class SparseDecodeSpec:
     lonely: tuple[tuple[int, int], ...] = ()  # queries (b, s) whose entries are all -1
     topk_length: tuple[int, ...] | None = None  # per request
     past_length: str = "rows"  # entries past topk_length name "rows" (written) or "nan" slots
+    refused: bool = False  # invalid inputs: the kernel must raise a ValueError
     repeats: int = 0  # > 0: every query's entries drawn from this many slots
     q_gain: float = 1.0  # > 1: a sharper softmax
 
@@ -207,6 +208,8 @@ def sparse_decode_trial(setting: Setting, spec: SparseDecodeSpec, salt: int) -> 
     if spec.fp8:
         alts["fp8_ds_mla tile scales ignored (the e4m3 values used unscaled)"] = (
             lambda: ref(kv=unscaled_fp8(cache)))
+    if spec.refused:
+        return Trial(invoke, {}, {}, refuses=(ValueError,))
     return Trial(invoke, ref(), {"out": "out_rel", "lse": "lse_abs"}, alts)
 
 
@@ -284,6 +287,11 @@ _register("topk_length_ragged", "topk_length",
           "topk_length per request (topk, 1, 37): the entries past it name written rows and "
           "must be ignored.",
           lambda s: SparseDecodeSpec(batch=3, s_q=2, topk_length=(64, 1, 37)), 170)
+_register("topk_length_past_topk", "topk_length",
+          "topk_length past topk (topk + 1) is refused with a ValueError: a kernel that "
+          "runs reads past the index array.",
+          lambda s: SparseDecodeSpec(batch=3, fp8=True, topk_length=(5, 65, 64),
+                                     refused=True), 172)
 _register("topk_length_zero", "topk_length",
           "topk_length 0 makes a request's queries lonely (out 0, lse +inf); its entries name "
           "0xFF rows of the fp8 cache.",

@@ -64,6 +64,7 @@ class SparsePrefillSpec:
     past_length: str = "rows"  # entries past topk_length name "rows" (written) or "nan" rows
     repeats: int = 0  # > 0: every query's entries drawn from this many rows
     q_gain: float = 1.0
+    refused: bool = False  # invalid inputs: the kernel must raise a ValueError
 
 
 def _kv(spec: SparsePrefillSpec, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
@@ -116,6 +117,8 @@ def sparse_prefill_trial(setting: Setting, spec: SparsePrefillSpec, salt: int) -
         out, max_logits, lse = sparse_mla_prefill(q64, kv64, indices, scale, DV, topk_length)
         return {"out": out, "max_logits": max_logits, "lse": lse}
 
+    if spec.refused:
+        return Trial(invoke, {}, {}, refuses=(ValueError,))
     expected = ref()
     lonely = torch.isposinf(expected["lse"])
     alts = scale_alternatives(lambda sc: ref(scale=sc), D, DV)
@@ -199,6 +202,10 @@ _register("topk_length_ragged", "topk_length",
           "topk_length per query (topk, 1, 17, 63, 64, 40): entries past it name written rows "
           "and must be ignored.",
           lambda s: SparsePrefillSpec(topk_length=(64, 1, 17, 63, 64, 40)), 250)
+_register("topk_length_past_topk", "topk_length",
+          "topk_length past topk (topk + 1) is refused with a ValueError: a kernel that runs "
+          "reads past the index array.",
+          lambda s: SparsePrefillSpec(topk_length=(64, 65, 3, 0, 64, 1), refused=True), 252)
 _register("topk_length_zero", "topk_length",
           "topk_length 0 makes a query lonely (out 0, lse +inf, max_logits -inf); entries past "
           "every length name NaN rows.",
