@@ -39,7 +39,7 @@ def add_conform_parser(sub: argparse._SubParsersAction) -> None:
                "TRITON_INTERPRET=1 unless it is set; the dtype defaults to float32 there and\n"
                "to bfloat16 on CUDA.\n\nexit status: 0 no case failed, 1 a case failed or "
                "raised, 2 bad arguments,\n3 the device is not available.")
-    p.add_argument("--target", required=True, metavar="SPEC",
+    p.add_argument("--target", required=True, metavar="TARGET",
                    help="a named target, pkg.module or pkg.module:attr")
     p.add_argument("--kernels", nargs="+", metavar="K", help="only these kernels")
     p.add_argument("--cases", nargs="+", metavar="C",

@@ -2,7 +2,7 @@
 
 A case is a function ``(Setting) -> Trial`` registered with ``@case(kernel, topic)``; its
 docstring's first sentence says what it pins. A ``Trial`` holds the inputs in the setting's
-device and dtype (built on the CPU from the seed, so every target sees the same numbers), a
+device and dtype (built on the CPU from a random seed, so every target sees the same numbers), a
 way to call a kernel on them, the float64 reference's outputs and the error quantity each
 output is held to. ``alternatives`` are the outputs a kernel would give under a known
 different convention (a ``1/sqrt(576)`` scale, the causal mask off by one, ...): when a
@@ -130,5 +130,5 @@ def cases_of(kernels: list[str] | None = None, names: list[str] | None = None) -
 
 
 def generator(setting: Setting, salt: int) -> torch.Generator:
-    """The CPU generator of one case: its inputs depend on the seed and the salt only."""
+    """The CPU generator of one case: its inputs depend on the random seed and the salt only."""
     return torch.Generator().manual_seed(setting.seed * 1000003 + salt)

@@ -1,4 +1,4 @@
-"""Targets by name: what ``mla conform --target SPEC`` runs.
+"""Targets by name: what ``mla conform --target TARGET`` runs.
 
     mla.fast          this package's Triton kernels (needs triton; on the CPU, its interpreter)
     reference         mla.reference itself (passes every case by construction)
