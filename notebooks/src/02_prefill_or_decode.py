@@ -18,8 +18,10 @@
 # heads `N`, checks the FLOP counts against PyTorch's own count of the reference code, and
 # places both on the H200 roofline to see where each wins. The ceilings are those measured on
 # this project's H200 by the benchmarks (`benchmarks/results/`: a device-to-device copy at
-# 4.22-4.25 TB/s and a dense bf16 matmul at 687-694 TFLOP/s), rounded to 4.25 TB/s and
-# 700 TFLOP/s; the datasheet says 4.8 TB/s and about 989 TFLOP/s.
+# 4.22-4.25 TB/s and a dense bf16 matmul at 673-701 TFLOP/s), rounded to 4.25 TB/s and
+# 700 TFLOP/s: a ridge of about 165 FLOP/byte. NVIDIA's datasheet for the H200 SXM says
+# 4.8 TB/s and 989 TFLOP/s (dense bf16): a ridge of about 206 FLOP/byte. Both are printed
+# below; the figures use the measured one.
 
 # %%
 import matplotlib.pyplot as plt
@@ -36,8 +38,11 @@ save = figure_saver("02_prefill_or_decode")
 PEAK_FLOPS = 700e12  # bf16 dense matmul, FLOP/s (H200, measured: benchmarks/results/)
 PEAK_BYTES = 4.25e12  # HBM bandwidth, bytes/s (H200, measured: benchmarks/results/)
 RIDGE = PEAK_FLOPS / PEAK_BYTES
+DATASHEET_RIDGE = 989e12 / 4.8e12  # H200 SXM datasheet: dense bf16 FLOP/s over HBM bytes/s
 ELEM = 2  # bytes per number in bf16
-print(f"ridge point: {RIDGE:.0f} FLOP/byte")
+print(f"ridge point: {RIDGE:.0f} FLOP/byte from the measured ceilings, "
+      f"{DATASHEET_RIDGE:.0f} FLOP/byte from the datasheet's")
+assert round(RIDGE) == 165 and round(DATASHEET_RIDGE) == 206  # the numbers the text quotes
 
 # %% [markdown]
 # ## The cost model
@@ -123,7 +128,9 @@ print("the FLOP model equals FlopCounterMode's count of the reference for every 
 # ## Arithmetic intensity on the H200 roofline
 #
 # Intensity is FLOPs per byte moved. A kernel below the ridge (`700e12 / 4.25e12 ≈ 165`
-# FLOP/byte) is limited by memory bandwidth, above it by the tensor cores. Below, DeepSeek-V3's
+# FLOP/byte with the measured ceilings, `989e12 / 4.8e12 ≈ 206` with the datasheet's: the
+# dotted and dashed lines) is limited by memory bandwidth, above it by the tensor cores. Below,
+# DeepSeek-V3's
 # shapes with 16 heads (tensor parallel 8) and 128 heads (TP 1), a batch of 32 requests of 8192
 # keys each, and `Sq` from one decode token to a prefill chunk of 4096: colour is the form,
 # marker shape the number of queries `Sq`. The table under the figure gives the same points as
@@ -149,7 +156,11 @@ for ax, heads in zip(axes, [16, 128]):
                       alpha=0.8, markeredgecolor="black")
             rows.append((heads, form, sq, f / b, perf))
     ax.axvline(RIDGE, color="gray", ls=":", lw=1)
-    ax.text(RIDGE * 1.1, 6, f"ridge {RIDGE:.0f} FLOP/byte", color="gray", fontsize=8)
+    ax.axvline(DATASHEET_RIDGE, color="gray", ls="--", lw=1)
+    ax.text(RIDGE * 0.9, 6, f"ridge {RIDGE:.0f} (measured)", color="gray", fontsize=8,
+            ha="right")
+    ax.text(DATASHEET_RIDGE * 1.1, 6, f"{DATASHEET_RIDGE:.0f} (datasheet)", color="gray",
+            fontsize=8)
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
     ax.set_title(f"N = {heads} heads, B = {BATCH}, Skv = {SKV}")
 for ax in axes:
@@ -166,21 +177,30 @@ for heads, form, sq, inten, perf in rows:
 
 # %% [markdown]
 # For decode (`Sq` of 1 to 4) over long contexts the absorbed form's intensity is about
-# `(2·Lkv+R)/(Lkv+R)·N·Sq ≈ 1.9·N·Sq` FLOP/byte (`docs/kernels.md`): memory-bound with 16 heads,
-# at the ridge with 128 heads. The compute-friendly form sits on the flat roof at every `Sq`,
+# `(2·Lkv+R)/(Lkv+R)·N·Sq = 1088/576·N·Sq ≈ 1.89·N·Sq` FLOP/byte (`docs/kernels.md`): with 16
+# heads (about 30 at `Sq = 1`) far below either ridge, memory-bound; with 128 heads (about 242)
+# above both the measured ridge (165) and the datasheet's (206), compute-bound, and more so at
+# larger `Sq` (the figure's point for `Sq = 1`, at 208, is lower than 242 because 8192 keys
+# are few enough for the per-query tensors and the weights to count; the cell below uses
+# 65536). The compute-friendly form sits on the flat roof at every `Sq`,
 # but not because it is efficient: each step it re-up-projects every cached key
 # (`2·Lkv·N·(P+V)` FLOPs per key, for one query or four thousand), and it also moves
 # `N·(2P+2V+R)` numbers per key instead of `Lkv + R`. The roofline says which resource limits
 # a kernel; the time says which kernel to run (next section).
 
 # %%
+N, P, R, V, L = dims(v3)
+per_head_query = (2 * L + R) / (L + R)  # FLOP per cached byte, per head and query: 1.89
 for heads in [16, 128]:
     cfg = v3.replace(num_heads=heads)
     for sq in [1, 2, 4]:
         f, b = cost(cfg, "absorbed", sq, 65536, batch=BATCH)
+        bound = "compute" if f / b > max(RIDGE, DATASHEET_RIDGE) else (
+            "memory" if f / b < min(RIDGE, DATASHEET_RIDGE) else "depends on the ridge")
         print(f"N = {heads:3d}, Sq = {sq}: absorbed intensity {f / b:6.1f} FLOP/byte "
-              f"(1.9·N·Sq = {1.9 * heads * sq:6.1f})")
-        assert abs(f / b / (1.9 * heads * sq) - 1) < 0.05
+              f"(1.89·N·Sq = {per_head_query * heads * sq:6.1f}): {bound}-bound")
+        assert abs(f / b / (per_head_query * heads * sq) - 1) < 0.05
+        assert bound == ("memory" if heads == 16 else "compute")  # as the text says
 ratio = (v3.num_heads * (2 * v3.qk_nope_head_dim + 2 * v3.v_head_dim + v3.qk_rope_head_dim)
          / v3.latent_dim)
 print(f"bytes per cached key, compute-friendly / absorbed at N = 128: {ratio:.0f}x")
@@ -191,9 +211,24 @@ print(f"bytes per cached key, compute-friendly / absorbed at N = 128: {ratio:.0f
 # The ratio of roofline times, absorbed over compute-friendly: below 1 the absorbed form is
 # faster. Left against the number of queries per request `Sq`, right against `Sq/Skv`. Decode
 # and short speculative steps sit far left; a prefill whose queries are a large fraction of the
-# keys sits right.
+# keys sits right. `first_sq` finds where the ratio crosses 1 by bisection on `Sq`.
 
 # %%
+def first_sq(absorbed_loses, hi):
+    """The smallest integer Sq in [1, hi] where ``absorbed_loses(Sq)`` holds (false, then true)."""
+    lo = 1
+    assert not absorbed_loses(lo) and absorbed_loses(hi), "no single crossover in [1, hi]"
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if absorbed_loses(mid) else (mid, hi)
+    return hi
+
+
+def time_crossover(cfg, skv):
+    return first_sq(lambda sq: seconds(cfg, "absorbed", sq, skv, True, BATCH)
+                    > seconds(cfg, "compute-friendly", sq, skv, True, BATCH), skv)
+
+
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
 crossover = {}
 for heads, style in [(16, "--"), (128, "-")]:
@@ -204,8 +239,7 @@ for heads, style in [(16, "--"), (128, "-")]:
              / seconds(cfg, "compute-friendly", int(s), skv, True, BATCH) for s in sq_grid]
         axes[0].loglog(sq_grid, r, style, label=f"N = {heads}, Skv = {skv}")
         axes[1].loglog(sq_grid / skv, r, style, label=f"N = {heads}, Skv = {skv}")
-        above = [int(s) for s, x in zip(sq_grid, r) if x > 1]
-        crossover[(heads, skv)] = above[0] if above else None
+        crossover[(heads, skv)] = time_crossover(cfg, skv)
 for ax in axes:
     ax.axhline(1.0, color="black", lw=1)
     ax.legend(fontsize=7)
@@ -216,28 +250,86 @@ axes[1].set_ylabel("time absorbed / time compute-friendly (ratio)")
 fig.suptitle(f"H200 roofline model, batch of {BATCH}: below 1 the absorbed form wins")
 save(fig, "where_each_wins")
 for (heads, skv), sq in crossover.items():
-    print(f"N = {heads:3d}, Skv = {skv:6d}: compute-friendly wins from Sq ≈ {sq}")
+    print(f"N = {heads:3d}, Skv = {skv:6d}: compute-friendly wins from Sq = {sq}")
 
 # %% [markdown]
-# The crossover hardly moves with `Skv` or `N`. Both forms are compute-bound there, and equating
-# their FLOPs per key and head, `Sq·(2·Lkv+R) = Lkv·(P+V) + Sq·(P+R+V)`, gives
+# The crossover does not move with `N` and moves little with `Skv`. Both forms are
+# compute-bound there, so it is where their FLOPs are equal. With every pair computed
+# (`pairs = Sq·Skv`), equating the two FLOP counts of the table above and dividing by
+# `2·N·Skv` gives
 #
-# $$Sq^* = \frac{L_{kv}(P+V)}{2L_{kv}+R-(P+R+V)} = \frac{512\cdot 256}{768} \approx 171$$
+# $$L_{kv}(P+V) + S_q(P+R+V) = \frac{S_q}{S_{kv}}\,L_{kv}(P+V) + S_q(2L_{kv}+R),$$
 #
-# queries, whatever the context length and the head count (causal masking moves it a little).
-# Below it, the absorbed form's extra attention FLOPs (`2·Lkv+R = 1088` against `P+R+V = 320`
-# per pair and head) cost less than up-projecting every key; above it, they cost more. That is
-# why vLLM's MLA backend (vLLM 0.11 `v1/attention/backends/mla/common.py`) runs the new tokens of a
-# prefill through the
-# compute-friendly form and decode tokens through the absorbed one. What the crossover is on
-# real kernels is measured by the benchmarks (`benchmarks/results/`), not by this model.
+# whose solution is
+#
+# $$\frac{1}{S_q^*} = \frac{2L_{kv}+R-(P+R+V)}{L_{kv}(P+V)} + \frac{1}{S_{kv}}
+#   = \frac{1}{171} + \frac{1}{S_{kv}} .$$
+#
+# The second term is the absorbed form's own projections, `2·Sq·N·Lkv·(P+V)` FLOPs for the
+# queries and the outputs. Dropping it gives the usual approximation, the same for every
+# context length and head count,
+#
+# $$S_q^* \approx \frac{L_{kv}(P+V)}{2L_{kv}+R-(P+R+V)} = \frac{512\cdot 256}{768} \approx 171,$$
+#
+# which the exact crossover approaches from below as `Skv` grows: about 146 queries at
+# `Skv = 1024`, 167 at 8192 and 170 at 65536. A causal kernel that skips the masked pairs
+# computes fewer of the absorbed form's expensive ones, which moves the crossover up a little.
+# Below the crossover, the absorbed form's extra attention FLOPs (`2·Lkv+R = 1088` against
+# `P+R+V = 320` per pair and head) cost less than up-projecting every key; above it, they cost
+# more. That is why vLLM's MLA backend (vLLM 0.11 `v1/attention/backends/mla/common.py`) runs
+# the new tokens of a prefill through the compute-friendly form and decode tokens through the
+# absorbed one. What the crossover is on real kernels is measured by the benchmarks
+# (`benchmarks/results/`), not by this model.
+#
+# The table below computes the crossover three ways: the formula, bisection on the FLOP model
+# (`cost`, checked against PyTorch's count above) with all pairs and with causal pairs, and
+# the roofline times of the figure (causal, both head counts).
 
 # %%
 N, P, R, V, L = dims(v3)
-sq_star = L * (P + V) / (2 * L + R - (P + R + V))
-print(f"Sq* = {sq_star:.0f}")
-for sq in crossover.values():
-    assert abs(sq / sq_star - 1) < 0.2, (sq, sq_star)
+sq_star_approx = L * (P + V) / (2 * L + R - (P + R + V))
+
+
+def sq_star_exact(skv):
+    """Where the FLOPs of the two forms are equal with every pair computed (real-valued)."""
+    return 1 / (1 / sq_star_approx + 1 / skv)
+
+
+def flop_crossover(cfg, skv, causal):
+    return first_sq(lambda sq: cost(cfg, "absorbed", sq, skv, causal)[0]
+                    > cost(cfg, "compute-friendly", sq, skv, causal)[0], skv)
+
+
+print(f"approximation: Sq* = {sq_star_approx:.1f}")
+print(f"{'Skv':>6} | {'formula':>7} | {'FLOPs, all pairs':>16} | {'FLOPs, causal':>13} | "
+      f"{'time N = 16':>11} | {'time N = 128':>12}")
+for skv in [1024, 8192, 65536]:
+    exact = sq_star_exact(skv)
+    all_pairs = flop_crossover(v3, skv, causal=False)
+    causal = flop_crossover(v3, skv, causal=True)
+    print(f"{skv:>6} | {exact:7.1f} | {all_pairs:>16} | {causal:>13} | "
+          f"{crossover[(16, skv)]:>11} | {crossover[(128, skv)]:>12}")
+    assert all_pairs == int(np.floor(exact)) + 1  # the first integer past the formula's root
+    assert exact < causal < sq_star_approx + 2  # causal masking moves it up a little
+    assert crossover[(16, skv)] == crossover[(128, skv)] == causal  # compute-bound: FLOPs decide
+assert round(sq_star_approx) == 171
+assert [round(sq_star_exact(skv)) for skv in [1024, 8192, 65536]] == [146, 167, 170]
+
+# %%
+skv_grid = np.unique(np.logspace(np.log10(256), np.log10(131072), 40).astype(int))
+fig, ax = plt.subplots(figsize=(7, 4))
+ax.semilogx(skv_grid, [sq_star_exact(int(s)) for s in skv_grid], label="all pairs (exact)")
+ax.semilogx(skv_grid, [flop_crossover(v3, int(s), causal=True) for s in skv_grid], "--",
+            label="causal pairs (bisection on the FLOP model)")
+ax.axhline(sq_star_approx, color="black", lw=1, ls=":",
+           label=f"approximation, {sq_star_approx:.0f}")
+ax.set_xlabel("keys per request, Skv (tokens)")
+ax.set_ylabel("crossover Sq* (tokens)")
+ax.set_title("Queries per request above which the compute-friendly form is cheaper")
+ax.legend(fontsize=8)
+save(fig, "crossover_against_context")
+
+# %%
 for heads in [16, 128]:
     cfg = v3.replace(num_heads=heads)
     f_cf, _ = cost(cfg, "compute-friendly", 4096, 4096, causal=True)
