@@ -12,13 +12,22 @@
 # the selected set), and opens up the 656-byte `fp8_ds_mla` row and its rounding error.
 
 # %%
+import dataclasses
+import math
+
 import matplotlib.pyplot as plt
 import torch
 from nbhelp import figure_saver  # puts the repository root on sys.path, before `import mla`
 
 from mla import MLAWeights, get_config
 from mla.compare import TOLERANCES, assert_close, rel_err
-from mla.reference import cache_rows, make_block_table, naive_forward
+from mla.reference import (
+    cache_rows,
+    make_block_table,
+    merge_attn_states,
+    naive_forward,
+    sparse_mla_prefill,
+)
 from mla.reference.fp8 import dequantize_fp8_ds_mla, fp8_ds_mla_scales, quantize_fp8_ds_mla
 from mla.reference.indexer import (
     IndexerWeights,
@@ -50,8 +59,9 @@ print(f"DeepSeek-V3.2 indexer: {v32.index_n_heads} heads of dim {v32.index_head_
 #
 # $$I_{t,s} = \sum_{j=1}^{n_I} w_{t,j}\, \mathrm{ReLU}\!\left(q^I_{t,j} \cdot k^I_s\right),$$
 #
-# `q^I` from the MLA's query latent, one key `k^I` per token (LayerNorm, RoPE on its first dims),
-# per-head weights `w` from the hidden state (`mla.reference.indexer.indexer_qk`,
+# `q^I` from the MLA's query latent, one key `k^I` per token (LayerNorm, RoPE on its first `R`
+# dims, paired differently from the MLA's: see below), per-head weights `w` from the hidden
+# state (`mla.reference.indexer.indexer_qk`,
 # `index_scores`). Each query keeps its `topk` highest-scoring keys among those at or before it;
 # a row of a query with fewer than `topk` visible keys ends in `-1` (`select_topk`). Below, the
 # `tiny` preset with a small indexer (4 heads of dim 16, top-8) on 40 tokens.
@@ -100,6 +110,23 @@ print(f"Hadamard rotation changes the dot products by {rel_err(dots_rotated, dot
 local_fp8 = indexer_topk(iw, w, hidden, use_fp8=True)
 same = (sparse_index_mask(local_fp8, S) & selected).sum().item() / selected.sum().item()
 print(f"FP8 indexer keeps {same:.1%} of the float64 indexer's selections")
+
+# %% [markdown]
+# The indexer's RoPE pairs coordinates differently from the MLA's. The MLA rotates interleaved
+# pairs `(x_{2i}, x_{2i+1})` (DeepSeek's code, notebook 01); the indexer rotates the pairs
+# `(x_i, x_{i+R/2})`, the first half of the rotary dims against the second ("rotate-half",
+# GPT-NeoX style). DeepSeek's released code used the interleaved pairing in the indexer too
+# until its fix of November 2025; `IndexerWeights.rope_style` holds the pairing (`"neox"` by
+# default). The two pairings give different scores, so a kernel that copies the MLA's RoPE
+# into the indexer selects different keys:
+
+# %%
+print(f"MLA RoPE pairs: {cfg.rope_style!r}; indexer RoPE pairs: {iw.rope_style!r}")
+assert (cfg.rope_style, iw.rope_style) == ("interleaved", "neox")
+local_interleaved = indexer_topk(dataclasses.replace(iw, rope_style="interleaved"), w, hidden)
+kept = (sparse_index_mask(local_interleaved, S) & selected).sum().item() / selected.sum().item()
+print(f"an indexer with the MLA's interleaved pairing keeps {kept:.1%} of the selections")
+assert kept < 0.9
 
 # %% [markdown]
 # ## From request-local indices to cache slots
@@ -182,6 +209,47 @@ w_all = MLAWeights.random(cfg.replace(index_topk=64), seed=0, dtype=torch.float6
 iw_all = IndexerWeights.random(cfg.replace(index_topk=64), seed=1, dtype=torch.float64)
 print(f"top-64 over 33 tokens vs dense MLA: rel err "
       f"{assert_close(serve(w_all, iw_all, h33, [30, 1, 2]), naive_forward(w_all, h33), TOL):.1e}")
+
+# %% [markdown]
+# ## The log-sum-exp of the sparse prefill: natural log, not base 2
+#
+# `sparse_mla_prefill` (FlashMLA's `flash_mla_sparse_fwd`) returns, besides the output, the
+# largest logit and the log-sum-exp of each query and head, so that a caller can merge its
+# output with another partial attention over other keys (notebook 03). The merge weighs each
+# part by `e^{lse}`, so it needs the natural log. Kernels compute in base 2 (`exp2` is the
+# fast instruction); one that returns `lse_2 = log_2 Σ_j e^{s_j} = log_2(e) · lse` unconverted,
+# merged as if it were natural, has every lse off by the factor `log_2 e ≈ 1.44` and weighs
+# the parts by `(Σ_j e^{s_j})^{1.44}` instead of `Σ_j e^{s_j}`: a wrong output, not a rounding
+# error. FlashMLA's README has documented the sparse prefill's lse in base 2, while its own
+# reference (`tests/ref.py`) computes the natural log. This package returns the natural log
+# everywhere, and its conformance run on an H200 found FlashMLA's `flash_mla_sparse_fwd` (the
+# build in the vLLM 0.33.0 wheel) returning the natural log too
+# (`benchmarks/results/conformance_flashmla_2026-11-30.md`, case `lse_natural_log`). Below,
+# each query's selected keys split in two halves, each half attended on its own and the two
+# merged: with natural logs the merge equals attending to all of them; with base-2 logs read
+# as natural it does not; converting (`lse = lse_2 · ln 2`) first repairs it.
+
+# %%
+s_q, heads, d, dv, s_kv, topk = 6, 4, 40, 32, 50, 16
+q = torch.randn(s_q, heads, d, dtype=torch.float64) * 3  # logits of a few units
+kv = torch.randn(s_kv, d, dtype=torch.float64)
+idx = torch.stack([torch.randperm(s_kv)[:topk] for _ in range(s_q)]).to(torch.int32)
+scale = d ** -0.5
+o_all, _, lse_all = sparse_mla_prefill(q, kv, idx, scale, d_v=dv)
+o_a, _, lse_a = sparse_mla_prefill(q, kv, idx[:, : topk // 2], scale, d_v=dv)
+o_b, _, lse_b = sparse_mla_prefill(q, kv, idx[:, topk // 2:], scale, d_v=dv)
+o_m, lse_m = merge_attn_states(o_a, lse_a.T, o_b, lse_b.T)  # the merge takes lse as [heads, s_q]
+print(f"halves merged, natural log: o rel err {assert_close(o_m, o_all, TOL):.1e}, "
+      f"lse rel err {assert_close(lse_m.T, lse_all, TOL):.1e}")
+
+LOG2E = math.log2(math.e)
+lse2_a, lse2_b = lse_a * LOG2E, lse_b * LOG2E  # what a kernel returning base 2 gives
+o_wrong, _ = merge_attn_states(o_a, lse2_a.T, o_b, lse2_b.T)
+print(f"halves merged, base-2 lse read as natural: o rel err {rel_err(o_wrong, o_all):.2f}")
+assert rel_err(o_wrong, o_all) > 100 * TOL
+o_fixed, _ = merge_attn_states(o_a, (lse2_a * math.log(2)).T, o_b, (lse2_b * math.log(2)).T)
+print(f"halves merged, base-2 lse converted first: o rel err "
+      f"{assert_close(o_fixed, o_all, TOL):.1e}")
 
 # %% [markdown]
 # ## The `fp8_ds_mla` cache: 656 bytes per token
