@@ -101,8 +101,12 @@ def test_a_one_percent_bug_fails(kernel, label, monkeypatch):
     failed = [r for r in results if not r.passed]
     assert failed
     # every case catches it but those the change cannot touch: outputs all empty, zero or
-    # infinite (every query of the case sees no key), which then match exactly
-    missed = [(r.case, r.metrics) for r in results if r.passed and any(r.metrics.values())]
+    # infinite (every query of the case sees no key), which then match exactly; and the fp8
+    # write's dequantization-error bound (1.5x the reference's own quantization error), which
+    # bounds quality, not bytes: one flipped low bit stays within it by design, and the same
+    # family's byte-exact cases catch it
+    missed = [(r.case, r.metrics) for r in results if r.passed
+              and any(v for k, v in r.metrics.items() if not k.startswith("dequant_rel"))]
     assert not missed, missed
     for r in failed:
         assert not r.error, r.error  # failed by the comparison, not by a crash
