@@ -92,11 +92,13 @@ def render_table1() -> str:
         row += [f"{comparisons[n][i]['numbers_per_token']:,}" for n in TABLE1_PRESETS]
         rows.append(row)
     v2 = get_config("deepseek-v2")
-    note = (f"`d_h = qk_nope_head_dim`, `l` layers, GQA with `n_g = {GQA_GROUPS}` groups. "
+    note = (f"`d_h = qk_nope_head_dim`, `l` layers, GQA with `n_g = {GQA_GROUPS}` groups "
+            f"(our choice: the paper gives GQA's formula, no group count). "
             f"DeepSeek-V2 (`n_h = {v2.num_heads}`, `d_c = {v2.kv_lora_rank} = "
             f"{v2.kv_lora_rank // v2.qk_nope_head_dim}·d_h`, `d_h^R = {v2.qk_rope_head_dim} = "
             f"d_h/{v2.qk_nope_head_dim // v2.qk_rope_head_dim}`): the paper's "
-            f"`(d_c + d_h^R)·l ≈ 9/2·d_h·l` for MLA.")
+            f"`(d_c + d_h^R)·l ≈ 9/2·d_h·l` for MLA, the cache of GQA with 2.25 groups; "
+            f"every other number here is computed from the presets.")
     return "\n".join(_table(header, rows) + ["", note])
 
 
