@@ -5,11 +5,15 @@
 # # From multi-head attention to MLA
 #
 # Multi-head Latent Attention (DeepSeek-V2, section 2.1) is ordinary multi-head attention whose
-# keys and values are *generated* from one small vector per token, the latent `kv_c`. This
+# keys and values are *generated* from one small vector per token, the latent `c^{KV}` (the
+# code's `kv_c`). This
 # notebook walks from the definition to the absorbed kernel that DeepSeek serves with, one step
 # at a time, and checks with `mla.compare` that each step computes the same numbers as the one
 # before. Everything runs on the `tiny` preset in float64, so the checks hold to about `1e-12`;
-# change the preset, the lengths or the random seed and run it again.
+# change the preset, the lengths or the random seed and run it again. The symbols are those of
+# the table at the top of `papers/derivation.md`: `N` heads, `P` non-rotary and `R` rotary
+# widths of a query and key, `V` the value width, `Lkv` the latent width, `Sq` query tokens,
+# `Skv` key tokens, `C = Skv − Sq` cached ones, `τ` the softmax scale.
 #
 # | step | what changes | package function |
 # | --- | --- | --- |
@@ -52,15 +56,18 @@ print(cfg)
 # %% [markdown]
 # ## Step 0: the definition
 #
-# One request of `S` tokens with hidden states `h [S, H]`. The shared front (conventions §1)
-# computes per token the query parts `q_nope [N, P]`, `q_pe [N, R]` (rotated), the normed
-# latent `kv_c [Lkv]` and one rotary key `k_pe [R]` shared by all heads. The definition then
-# up-projects the latent to ordinary per-head keys and values,
+# One request of 40 tokens (the code's `S`), all of them queries: a prefill, `Sq = Skv = 40`,
+# with hidden states `h [40, H]`. The shared front (`docs/conventions.md` §1) computes per token
+# `t` the query parts `q^{nope}_{t,n}` (`q_nope [N, P]`) and `q^{pe}_{t,n}` (`q_pe [N, R]`,
+# rotated), the normed latent `c^{KV}_t` (`kv_c [Lkv]`) and one rotary key `k^{pe}_t`
+# (`k_pe [R]`) shared by all heads. The definition then up-projects the latent to ordinary
+# per-head keys and values,
 #
-# $$k^{nope}_{s,n} = kv_{c,s} W^{UK}_n, \qquad v_{s,n} = kv_{c,s} W^{UV}_n,$$
+# $$k^{nope}_{s,n} = c^{KV}_s W^{UK}_n, \qquad v_{s,n} = c^{KV}_s W^{UV}_n,$$
 #
-# appends the shared `k_pe` to every head's key and runs causal MHA with head dim `P + R` and
-# softmax scale `1/sqrt(P + R)`.
+# appends the shared `k^{pe}` to every head's key and runs causal MHA with head dim `P + R` and
+# softmax scale `τ` (`cfg.softmax_scale`: `1/√(P+R)`, times YaRN's `λ²` for the presets that
+# extend the context; `tiny` has no YaRN).
 
 # %%
 S = 40
@@ -73,8 +80,8 @@ print("out", tuple(out_naive.shape), "norm", out_naive.norm().item())
 # ## Step 1: low-rank KV
 #
 # What MHA would cache is `k` and `v` for every head: `2·N·P` numbers per token (plus the rope
-# part). Here they are all linear images of `kv_c`, so the stacked keys of all heads have rank
-# at most `Lkv` whatever `N·P` is, and caching `kv_c` (and `k_pe`) loses nothing.
+# part). Here they are all linear images of `c^{KV}`, so the stacked keys of all heads have rank
+# at most `Lkv` whatever `N·P` is, and caching `c^{KV}` (and `k^{pe}`) loses nothing.
 
 # %%
 f = mla_front(w, hidden, positions)
@@ -94,10 +101,11 @@ print(f"step 1 (compute-friendly MHA over up-projected keys): rel err {err_1:.1e
 # Without position information a logit is a bilinear form, and associativity moves `W_UK` from
 # the key side to the query side:
 #
-# $$q^{nope}_{t,n} \cdot (kv_{c,s} W^{UK}_n) = (q^{nope}_{t,n} {W^{UK}_n}^\top) \cdot kv_{c,s}
-# = ql^{nope}_{t,n} \cdot kv_{c,s}.$$
+# $$q^{nope}_{t,n} \cdot (c^{KV}_s W^{UK}_n) = (q^{nope}_{t,n} {W^{UK}_n}^\top) \cdot c^{KV}_s
+# = ql^{nope}_{t,n} \cdot c^{KV}_s.$$
 #
-# `ql_nope` is computed once per query (`absorb_q`), and the keys never leave the latent space.
+# The absorbed query `ql^{nope}` (`ql_nope`) is computed once per query (`absorb_q`), and the
+# keys never leave the latent space.
 
 # %%
 k_nope = torch.einsum("sl,lnp->snp", f.kv_c, w.W_UK)
@@ -110,11 +118,13 @@ assert rel_err(logits_absorbed, logits_mha) <= TOL
 
 # %% [markdown]
 # Now rotate the per-head keys and queries by their positions, as standard RoPE attention does
-# (RoFormer). With `R_p` the rotation at position `p`,
+# (RoFormer). With `Rot_p` the rotation at position `p` (the block-diagonal matrix of RoPE's
+# 2×2 rotations) and the query's non-rotary part `q` as a column vector,
 #
-# $$(R_t q_t) \cdot (R_s W^{UK\top} kv_{c,s}) = q_t^\top R_{s-t} W^{UK\top} kv_{c,s},$$
+# $$(\mathrm{Rot}_t\, q) \cdot (\mathrm{Rot}_s W^{UK\top} c^{KV}_s)
+# = q^\top \mathrm{Rot}_{s-t} W^{UK\top} c^{KV}_s,$$
 #
-# and the matrix between query and latent, `R_{s-t} W^{UK⊤}`, depends on the *pair* of
+# and the matrix between query and latent, `Rot_{s−t} W^{UK⊤}`, depends on the *pair* of
 # positions: there is no single absorbed query that serves every key. Folding `W_UK` into the
 # rotated query anyway gives the wrong logits:
 
@@ -137,16 +147,19 @@ print(f"RoPE logits after shifting all positions by 1000: rel change "
 # %% [markdown]
 # MLA's fix (DeepSeek-V2, section 2.1.3) is to *decouple* position from content: the nope part
 # carries no rotation (so it absorbs), and a separate small part of `R` dims per head carries
-# RoPE, with one rotary key `k_pe` shared by all heads and cached next to `kv_c`. The logit is
-# the sum of the two parts,
+# RoPE, with one rotary key `k^{pe}` shared by all heads and cached next to `c^{KV}`. The scaled
+# logit is the sum of the two parts,
 #
-# $$\ell_{t,s,n} = q^{nope}_{t,n}\cdot k^{nope}_{s,n} + q^{pe}_{t,n}\cdot k^{pe}_s
-# = [ql^{nope}_{t,n}, q^{pe}_{t,n}] \cdot [kv_{c,s}, k^{pe}_s],$$
+# $$\ell_{t,s,n} = \tau\left(q^{nope}_{t,n}\cdot k^{nope}_{s,n} + q^{pe}_{t,n}\cdot k^{pe}_s\right)
+# = \tau\,[ql^{nope}_{t,n}, q^{pe}_{t,n}] \cdot [c^{KV}_s, k^{pe}_s],$$
 #
 # a dot product over `Lkv + R` dims between a per-head query and one key shared by all heads:
-# multi-query attention (MQA) whose value is `kv_c` itself (the first `Lkv` columns of the key).
-# The output is mapped back per head with `W_UV` after the attention. The softmax scale stays
-# `1/sqrt(P + R)`: the logits are the same numbers as step 1's.
+# multi-query attention (MQA) whose value is `c^{KV}` itself (the first `Lkv` columns of the
+# key). The output is mapped back per head with `W^{UV}` after the attention. The softmax scale
+# is the MHA form's `τ`, not `1/√(Lkv + R)` although the dot runs over `Lkv + R` dims: the
+# logits are the same numbers as step 1's. With YaRN `τ = λ²/√(P+R)`: 0.1147 for the
+# DeepSeek-V2 presets, 0.1352 for DeepSeek-V3, against `1/√192 = 0.0722` without it and
+# `1/√576 = 0.0417` for the classic bug (printed below).
 
 # %%
 o_mha, lse_mha = prefill_attention(f.q_nope, f.q_pe, f.kv_c, f.k_pe, w.W_UK, w.W_UV,
@@ -163,18 +176,26 @@ print(f"step 2 (absorbed MQA over [kv_c, k_pe]): o rel err {err_2:.1e}, "
 # the classic bug: scaling by the absorbed dot's width instead of P + R
 o_bug, _ = absorbed_attention(f.q_nope, f.q_pe, f.kv_c, f.k_pe, w.W_UK, w.W_UV,
                               cfg.latent_dim ** -0.5, causal=True)
-print(f"with scale 1/sqrt(Lkv + R) instead of 1/sqrt(P + R): rel err "
+print(f"with scale 1/sqrt(Lkv + R) instead of the MHA form's: rel err "
       f"{rel_err(o_bug, o_mha):.2f}")
 assert rel_err(o_bug, o_mha) > 10 * TOL
+
+for name in ["tiny", "deepseek-v2", "deepseek-v3"]:
+    c = get_config(name)
+    print(f"{name:>12}: tau = {c.softmax_scale:.4f} (lambda = {c.mscale:.4f}); "
+          f"1/sqrt(P + R) = {c.qk_head_dim ** -0.5:.4f}, 1/sqrt(Lkv + R) = "
+          f"{c.latent_dim ** -0.5:.4f}")
+assert [round(get_config(n).softmax_scale, 4) for n in ["deepseek-v2", "deepseek-v3"]] == [
+    0.1147, 0.1352]
 
 # %% [markdown]
 # ## Step 3: the absorbed form over a paged cache
 #
 # In serving, the first `C` tokens' latents sit in a paged cache (`kv_cache [blocks, block_size,
-# Lkv + R]`, one row per token) and the next `s_q` tokens are decoded against it.
-# `decode_forward` runs the front, writes the new rows, and calls `mla_decode_paged`, the
-# kernel-level function with FlashMLA's conventions. Its output for those tokens must equal the
-# definition's last `s_q` rows.
+# Lkv + R]`, one row per token) and the next `Sq` tokens (the code's `s_q`) are decoded against
+# it. `decode_forward` runs the front, writes the new rows, and calls `mla_decode_paged`, the
+# kernel-level function with FlashMLA's conventions, over the `Skv = C + Sq` keys. Its output
+# for those tokens must equal the definition's last `Sq` rows.
 
 # %%
 block_size, s_q = 16, 3
@@ -191,10 +212,13 @@ print(f"block table {table.tolist()}")
 # %% [markdown]
 # ## What it buys: the KV cache per token (DeepSeek-V2, Table 1)
 #
-# Per token and layer, MHA caches `2·n_h·d_h` numbers, GQA with `n_g` groups `2·n_g·d_h`,
-# MQA `2·d_h`, and MLA `d_c + d_h^R` (= `Lkv + R`). `mla.kv_cache_comparison` computes the table
+# In the paper's names (`n_h = N` heads, `d_h = P`, `d_c = Lkv`, `d_h^R = R`, `l` layers), per
+# token and layer MHA caches `2·n_h·d_h` numbers, GQA with `n_g` groups `2·n_g·d_h`, MQA
+# `2·d_h`, and MLA `d_c + d_h^R` (= `Lkv + R`). `mla.kv_cache_comparison` computes the table
 # from a config; for DeepSeek-V2 (`d_c = 4·d_h`, `d_h^R = d_h/2`) the MLA row is `4.5·d_h·l`,
-# as the paper says, against `256·d_h·l` for its 128-head MHA.
+# the paper's "about 9/2·d_h·l" (equal to GQA with 2.25 groups), against `256·d_h·l` for its
+# 128-head MHA. The paper's table gives the formulas; the GQA row below, with 8 groups, is our
+# choice of `n_g`.
 
 # %%
 presets = ["deepseek-v2-lite", "deepseek-v2", "deepseek-v3"]

@@ -15,8 +15,9 @@
 #
 # They compute the same numbers but cost differently. This notebook counts the FLOPs and the
 # bytes of both as functions of the number of queries `Sq`, the number of keys `Skv` and the
-# heads `N`, checks the FLOP counts against PyTorch's own count of the reference code, and
-# places both on the H200 roofline to see where each wins. The ceilings are those measured on
+# heads `N` (the symbols of the table at the top of `papers/derivation.md`), checks the FLOP
+# counts against PyTorch's own count of the reference code, and places both on the H200
+# roofline to see where each wins. The ceilings are those measured on
 # this project's H200 by the benchmarks (`benchmarks/results/`: a device-to-device copy at
 # 4.22-4.25 TB/s and a dense bf16 matmul at 673-701 TFLOP/s), rounded to 4.25 TB/s and
 # 700 TFLOP/s: a ridge of about 165 FLOP/byte. NVIDIA's datasheet for the H200 SXM says
@@ -47,16 +48,18 @@ assert round(RIDGE) == 165 and round(DATASHEET_RIDGE) == 206  # the numbers the 
 # %% [markdown]
 # ## The cost model
 #
-# With `pairs` the (query, key) pairs that are computed (`Sq·Skv`; a causal kernel that skips
-# masked tiles does about `Sq·Skv − Sq(Sq−1)/2`) and a matmul of `m×k` by `k×n` costing `2mkn`:
+# With `π` the (query, key) pairs that are computed (the code's `pairs`: `Sq·Skv`, or
+# `Sq·Skv − Sq(Sq−1)/2` for a causal kernel that skips masked tiles) and two FLOPs per
+# multiply-add of a matrix product, the FLOPs `F_cf` and `F_abs` of the two forms are the sums
+# of the columns:
 #
-# | | compute-friendly | absorbed |
+# | | compute-friendly, `F_cf` | absorbed, `F_abs` |
 # | --- | --- | --- |
 # | projections | keys up: `2·Skv·Lkv·N·(P+V)` | queries, outputs: `2·Sq·N·Lkv·(P+V)` |
-# | attention | `2·pairs·N·(P+R+V)` | `2·pairs·N·(2·Lkv+R)` |
+# | attention | `2·π·N·(P+R+V)` | `2·π·N·(2·Lkv+R)` |
 #
 # Bytes, for kernels that read and write each tensor once in bf16: both read the cached rows
-# `Skv·(Lkv+R)` of every request and, once per batch of `B` requests, the weights `W_UK`, `W_UV`
+# `Skv·(Lkv+R)` of every request and, once per batch of requests, the weights `W_UK`, `W_UV`
 # (`Lkv·N·(P+V)`). The compute-friendly form then
 # writes the up-projected `k_nope` and `v` (`Skv·N·(P+V)`) and its attention reads `k` and `v`
 # back (`Skv·N·(P+R+V)`: the shared `k_pe` is broadcast to every head), plus `q` and `o`. The
@@ -162,7 +165,7 @@ for ax, heads in zip(axes, [16, 128]):
     ax.text(DATASHEET_RIDGE * 1.1, 6, f"{DATASHEET_RIDGE:.0f} (datasheet)", color="gray",
             fontsize=8)
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_title(f"N = {heads} heads, B = {BATCH}, Skv = {SKV}")
+    ax.set_title(f"N = {heads} heads, batch of {BATCH}, Skv = {SKV}")
 for ax in axes:
     ax.set_ylabel("attainable throughput (TFLOP/s)")
 handles = ([Line2D([], [], color=c, marker="o", ls="none", label=form)
@@ -255,25 +258,22 @@ for (heads, skv), sq in crossover.items():
 # %% [markdown]
 # The crossover does not move with `N` and moves little with `Skv`. Both forms are
 # compute-bound there, so it is where their FLOPs are equal. With every pair computed
-# (`pairs = Sq·Skv`), equating the two FLOP counts of the table above and dividing by
-# `2·N·Skv` gives
+# (`π = Sq·Skv`), setting `F_cf = F_abs` and dividing by `2·N·Skv` gives
 #
 # $$L_{kv}(P+V) + S_q(P+R+V) = \frac{S_q}{S_{kv}}\,L_{kv}(P+V) + S_q(2L_{kv}+R),$$
 #
-# whose solution is
+# whose solution, the exact crossover `S_q^*`, is a harmonic sum:
 #
-# $$\frac{1}{S_q^*} = \frac{2L_{kv}+R-(P+R+V)}{L_{kv}(P+V)} + \frac{1}{S_{kv}}
-#   = \frac{1}{171} + \frac{1}{S_{kv}} .$$
+# $$\frac{1}{S_q^*} = \frac{1}{S_q^\infty} + \frac{1}{S_{kv}}, \qquad
+#   S_q^\infty = \frac{L_{kv}(P+V)}{2L_{kv}+R-(P+R+V)} = \frac{512\cdot 256}{768} \approx 171 .$$
 #
-# The second term is the absorbed form's own projections, `2·Sq·N·Lkv·(P+V)` FLOPs for the
-# queries and the outputs. Dropping it gives the usual approximation, the same for every
-# context length and head count,
-#
-# $$S_q^* \approx \frac{L_{kv}(P+V)}{2L_{kv}+R-(P+R+V)} = \frac{512\cdot 256}{768} \approx 171,$$
-#
-# which the exact crossover approaches from below as `Skv` grows: about 146 queries at
-# `Skv = 1024`, 167 at 8192 and 170 at 65536. A causal kernel that skips the masked pairs
-# computes fewer of the absorbed form's expensive ones, which moves the crossover up a little.
+# The term `1/Skv` comes from the absorbed form's own projections, `2·Sq·N·Lkv·(P+V)` FLOPs for
+# the queries and the outputs. Dropping it gives the usual approximation `S_q^* ≈ S_q^∞ ≈ 171`,
+# the same for every context length and head count, which the exact crossover approaches from
+# below as `Skv` grows: about 146 queries at `Skv = 1024`, 167 at 8192 and 170 at 65536 (the
+# approximation is too large by the factor `1 + S_q^∞/Skv`). A causal kernel that skips the
+# masked pairs computes fewer of the absorbed form's expensive ones, which moves the crossover
+# up a little.
 # Below the crossover, the absorbed form's extra attention FLOPs (`2·Lkv+R = 1088` against
 # `P+R+V = 320` per pair and head) cost less than up-projecting every key; above it, they cost
 # more. That is why vLLM's MLA backend (vLLM 0.11 `v1/attention/backends/mla/common.py`) runs
@@ -287,12 +287,12 @@ for (heads, skv), sq in crossover.items():
 
 # %%
 N, P, R, V, L = dims(v3)
-sq_star_approx = L * (P + V) / (2 * L + R - (P + R + V))
+sq_star_inf = L * (P + V) / (2 * L + R - (P + R + V))
 
 
 def sq_star_exact(skv):
     """Where the FLOPs of the two forms are equal with every pair computed (real-valued)."""
-    return 1 / (1 / sq_star_approx + 1 / skv)
+    return 1 / (1 / sq_star_inf + 1 / skv)
 
 
 def flop_crossover(cfg, skv, causal):
@@ -300,7 +300,7 @@ def flop_crossover(cfg, skv, causal):
                     > cost(cfg, "compute-friendly", sq, skv, causal)[0], skv)
 
 
-print(f"approximation: Sq* = {sq_star_approx:.1f}")
+print(f"approximation: S_q^inf = {sq_star_inf:.1f}")
 print(f"{'Skv':>6} | {'formula':>7} | {'FLOPs, all pairs':>16} | {'FLOPs, causal':>13} | "
       f"{'time N = 16':>11} | {'time N = 128':>12}")
 for skv in [1024, 8192, 65536]:
@@ -310,9 +310,9 @@ for skv in [1024, 8192, 65536]:
     print(f"{skv:>6} | {exact:7.1f} | {all_pairs:>16} | {causal:>13} | "
           f"{crossover[(16, skv)]:>11} | {crossover[(128, skv)]:>12}")
     assert all_pairs == int(np.floor(exact)) + 1  # the first integer past the formula's root
-    assert exact < causal < sq_star_approx + 2  # causal masking moves it up a little
+    assert exact < causal < sq_star_inf + 2  # causal masking moves it up a little
     assert crossover[(16, skv)] == crossover[(128, skv)] == causal  # compute-bound: FLOPs decide
-assert round(sq_star_approx) == 171
+assert round(sq_star_inf) == 171
 assert [round(sq_star_exact(skv)) for skv in [1024, 8192, 65536]] == [146, 167, 170]
 
 # %%
@@ -321,10 +321,10 @@ fig, ax = plt.subplots(figsize=(7, 4))
 ax.semilogx(skv_grid, [sq_star_exact(int(s)) for s in skv_grid], label="all pairs (exact)")
 ax.semilogx(skv_grid, [flop_crossover(v3, int(s), causal=True) for s in skv_grid], "--",
             label="causal pairs (bisection on the FLOP model)")
-ax.axhline(sq_star_approx, color="black", lw=1, ls=":",
-           label=f"approximation, {sq_star_approx:.0f}")
+ax.axhline(sq_star_inf, color="black", lw=1, ls=":",
+           label=f"S_q^inf (the approximation), {sq_star_inf:.0f}")
 ax.set_xlabel("keys per request, Skv (tokens)")
-ax.set_ylabel("crossover Sq* (tokens)")
+ax.set_ylabel("crossover S_q* (tokens)")
 ax.set_title("Queries per request above which the compute-friendly form is cheaper")
 ax.legend(fontsize=8)
 save(fig, "crossover_against_context")
