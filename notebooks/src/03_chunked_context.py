@@ -37,32 +37,42 @@ TOL = TOLERANCES[torch.float64]
 # %% [markdown]
 # ## The merge, derived
 #
-# For one query and head, with scaled logits `s_j` over a key set `K`, attention returns
+# For one query and head, with scaled logits `ℓ_s` over the keys `𝒦` it sees (the symbols of
+# the table at the top of `papers/derivation.md`), attention returns
 #
-# $$\mathrm{lse}_K = \log \sum_{j\in K} e^{s_j}, \qquad
-#   o_K = \sum_{j\in K} e^{s_j - \mathrm{lse}_K}\, v_j .$$
+# $$\mathrm{lse} = \ln \sum_{s\in \mathcal{K}} e^{\ell_s}, \qquad
+#   o = \sum_{s\in \mathcal{K}} e^{\ell_s - \mathrm{lse}}\, v_s .$$
 #
-# Split `K` into disjoint `A ∪ B`. The normaliser is a sum, so it splits:
-# `e^{lse_K} = e^{lse_A} + e^{lse_B}`. The output is a sum weighted by `e^{s_j}`, so
+# Split `𝒦` into two disjoint parts `𝒦_1 ∪ 𝒦_2`, with `(o_1, lse_1)` and `(o_2, lse_2)` the
+# attention over each. The normaliser is a sum, so it splits: `e^{lse} = e^{lse_1} + e^{lse_2}`.
+# The output is a sum weighted by `e^{ℓ_s}`, so
 #
-# $$o_K = \frac{e^{\mathrm{lse}_A} o_A + e^{\mathrm{lse}_B} o_B}{e^{\mathrm{lse}_A} +
-#   e^{\mathrm{lse}_B}}, \qquad \mathrm{lse}_K = \log\left(e^{\mathrm{lse}_A} +
-#   e^{\mathrm{lse}_B}\right).$$
+# $$o = \frac{e^{\mathrm{lse}_1} o_1 + e^{\mathrm{lse}_2} o_2}{e^{\mathrm{lse}_1} +
+#   e^{\mathrm{lse}_2}}, \qquad \mathrm{lse} = \ln\left(e^{\mathrm{lse}_1} +
+#   e^{\mathrm{lse}_2}\right).$$
 #
-# Computed as written this overflows for large logits; subtracting `m = max(lse_A, lse_B)`
-# from both exponents changes nothing and keeps every exponential in `(0, 1]`:
-# `w_A = e^{lse_A − m}`, `w_B = e^{lse_B − m}`, `o = (w_A o_A + w_B o_B)/(w_A + w_B)`,
-# `lse = m + log(w_A + w_B)`. This is the online softmax of Milakov and Gimelshein (2018)
-# applied to whole blocks, the combine step of FlashAttention's split-KV and of Flash-Decoding,
-# and vLLM's `merge_attn_states` (`mla.reference.merge_attn_states`). An empty side has
-# `lse = −∞` (the log of an empty sum) and weight 0; FlashMLA writes `+∞` for it instead, and
-# the merge reads both as "no keys".
+# Computed as written this overflows for large logits; subtracting `m = max(lse_1, lse_2)`
+# from every exponent changes nothing and keeps every exponential in `(0, 1]`:
+#
+# $$o = \frac{e^{\mathrm{lse}_1 - m} o_1 + e^{\mathrm{lse}_2 - m} o_2}
+#   {e^{\mathrm{lse}_1 - m} + e^{\mathrm{lse}_2 - m}}, \qquad
+#   \mathrm{lse} = m + \ln\left(e^{\mathrm{lse}_1 - m} + e^{\mathrm{lse}_2 - m}\right).$$
+#
+# This is the online softmax of Milakov and Gimelshein (2018) applied to whole blocks, the
+# combine step of FlashAttention's split-KV and of Flash-Decoding, and vLLM's
+# `merge_attn_states` (`mla.reference.merge_attn_states`). An empty part has `lse = −∞` (the log
+# of an empty sum); FlashMLA writes `+∞` for it instead, for which the formula would compute
+# `e^{+∞ − (+∞)}`, NaN. So the merge first maps `+∞` to `−∞` (both mean "no keys"): an empty
+# part then has weight `e^{−∞} = 0` and its `o` is never read. When both parts are empty there
+# is no finite `m` to subtract (`−∞ − (−∞)` is NaN too), and the merge defines the result:
+# `o = 0`, `lse = −∞`.
 
 # %%
-Sq, Skv, N, D = 5, 50, 3, 16
-q, k, v = (torch.randn(Sq, N, D, dtype=torch.float64), torch.randn(Skv, N, D, dtype=torch.float64),
-           torch.randn(Skv, N, D, dtype=torch.float64))
-scale = D ** -0.5
+Sq, Skv, N, head_dim = 5, 50, 3, 16
+q, k, v = (torch.randn(Sq, N, head_dim, dtype=torch.float64),
+           torch.randn(Skv, N, head_dim, dtype=torch.float64),
+           torch.randn(Skv, N, head_dim, dtype=torch.float64))
+scale = head_dim ** -0.5
 o_all, lse_all = attention_with_lse(q, k, v, scale)
 
 cut = 17
@@ -74,7 +84,7 @@ print(f"two halves merged vs all keys at once: o rel err {rel_err(o_ab, o_all):.
 assert_close(o_ab, o_all, TOL)
 assert_close(lse_ab, lse_all, TOL)
 
-# by hand, the stable formula above: the package's merge is exactly this
+# by hand, the stable formula above (both parts have keys): the package's merge is this
 m = torch.maximum(lse_a, lse_b)
 w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
 o_hand = (w_a.T[..., None] * o_a + w_b.T[..., None] * o_b) / (w_a + w_b).T[..., None]
@@ -99,8 +109,19 @@ for name, (o_x, lse_x) in {"streaming": (o_run, lse_run), "one pass": (o_one, ls
           f"lse rel err {assert_close(lse_x, lse_all, TOL):.1e}")
 print("lse of the empty piece:", parts[1][1][0, 0].item())
 
+# the rules for empty parts: +inf means "no keys" too, and two empty parts give o = 0, lse = -inf
+empty_o = torch.full_like(o_a, float("nan"))  # an empty part's output is never read
+for empty_lse in [float("inf"), float("-inf")]:
+    o_x, lse_x = merge_attn_states(o_a, lse_a, empty_o, torch.full_like(lse_a, empty_lse))
+    assert torch.equal(o_x, o_a) and torch.equal(lse_x, lse_a)  # passed through bit for bit
+o_none, lse_none = merge_attn_states(empty_o, torch.full_like(lse_a, float("inf")), empty_o,
+                                     torch.full_like(lse_a, float("-inf")))
+assert (o_none == 0).all() and torch.isneginf(lse_none).all()
+print("an empty part (lse +inf or -inf, output NaN) passes the other through; two give o = 0, "
+      "lse = -inf")
+
 # %% [markdown]
-# Large logits are where the stable form matters: with logits around 30·√D the naive
+# Large logits are where the stable form matters: with the queries scaled by 30 the naive
 # `e^{lse}` overflows float32, the merge does not.
 
 # %%
@@ -117,12 +138,15 @@ print(f"merged in float32 vs float64 reference: rel err {assert_close(o_m, o_ref
 # ## The chunk plan
 #
 # vLLM 0.11's MLA backend (`v1/attention/backends/mla/common.py`) sizes the workspace from the
-# serving limits and cuts every request's context into chunks of `MCC` tokens (conventions §7):
+# serving limits and cuts every request's context into chunks of `MCC` tokens
+# (`docs/conventions.md` §7). With `S_max` the longest sequence (`max_model_len`), `B_max` the
+# most sequences in a batch (`max_num_seqs`), `b` the block size, `n_ctx` the prefills of the
+# batch that have cached context and `C_r` the context of request `r`:
 #
-# - `W = max(min(max(8·max_model_len, 4·max_num_seqs·block_size), 64·1024),
-#   max_num_seqs·block_size)` tokens (`mla.reference.workspace_size`),
-# - `MCC = round_down(W / num_prefills_with_context, block_size)`,
-# - chunk `c` of request `i` covers context tokens `[c·MCC, min(ctx_i, (c+1)·MCC))`.
+# - the workspace holds `S_ws = max(min(max(8·S_max, 4·B_max·b), 65536), B_max·b)` tokens
+#   (`mla.reference.workspace_size`),
+# - `MCC = b·⌊(S_ws / n_ctx) / b⌋`,
+# - chunk `ν` of request `r` covers the context tokens `[ν·MCC, min(C_r, (ν+1)·MCC))`.
 #
 # `plan_context_chunks` returns that plan as a value (`ChunkPlan`) that prints and plots itself.
 # Below, a small workspace so that the chunks are visible.
@@ -170,9 +194,9 @@ for mcc in [1, 7, 16, 48, 128]:
 # %% [markdown]
 # ## Workspace size against context length
 #
-# The workspace holds `W` latent rows (`Lkv + R` numbers each) and, during a chunk, their
-# up-projected keys and values (`N·(P+R+V)` numbers per token). `W` grows with `max_model_len`
-# up to a cap of 64K tokens (more only when `max_num_seqs` pages need more); past it the memory
+# The workspace holds `S_ws` latent rows (`Lkv + R` numbers each) and, during a chunk, their
+# up-projected keys and values (`N·(P+R+V)` numbers per token). `S_ws` grows with `S_max` up
+# to a cap of 64K tokens (more only when `B_max` pages need more); past it the memory
 # stays fixed and the number of chunks grows instead, the more so the more prefills with
 # context share the workspace.
 
@@ -188,16 +212,16 @@ for seqs in [1, 256, 2048]:
 ax1.set_xlabel("max_model_len (tokens)")
 ax1.set_ylabel("up-projected k, v of the workspace (GiB)")
 ax1.set_title("DeepSeek-V3, bf16, block size 64")
-W = workspace_size(131072, 256, 64)
+S_ws = workspace_size(131072, 256, 64)
 for batch in [1, 4, 16]:
-    chunks = [plan_context_chunks([n] * batch, workspace_size=W, block_size=64).num_chunks
+    chunks = [plan_context_chunks([n] * batch, workspace_size=S_ws, block_size=64).num_chunks
               for n in lens]
     ax2.loglog(lens, chunks, marker="o", base=2, label=f"{batch} prefills with context")
 ax2.set_xlabel("context length of each request (tokens)")
 ax2.set_ylabel("chunks (count)")
-ax2.set_title(f"W = {W} tokens shared by the batch")
+ax2.set_title(f"S_ws = {S_ws} tokens shared by the batch")
 for ax in (ax1, ax2):
     ax.legend()
 save(fig, "workspace")
-print(f"W = {W} tokens for DeepSeek-V3: {W * per_token / 2 ** 30:.1f} GiB of up-projected k, v;"
-      f" {W * v3.latent_dim * 2 / 2 ** 20:.0f} MiB of latent rows")
+print(f"S_ws = {S_ws} tokens for DeepSeek-V3: {S_ws * per_token / 2 ** 30:.1f} GiB of "
+      f"up-projected k, v; {S_ws * v3.latent_dim * 2 / 2 ** 20:.0f} MiB of latent rows")
