@@ -6,12 +6,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from mla.config import get_config
+from mla.reference.decode import absorbed_attention
+from mla.reference.prefill import prefill_attention
 
 PAPERS = Path(__file__).resolve().parents[1] / "papers"
 PAPER = PAPERS / "derivation.md"
@@ -204,3 +209,135 @@ def test_citations_and_bibliography_match():
 ])
 def test_bibliography_has_the_works_the_issue_names(needle: str):
     assert needle in BIB.read_text()
+
+
+# --- numbers the paper states, recomputed (issue 16: items 1, 2, 9) ------------------------
+
+def _eq13_flops(cfg, form: str, sq: float, skv: float) -> float:
+    """Eq. (13) with every (query, key) pair computed (``π = Sq·Skv``)."""
+    N, P, R, V, Lkv = (cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                       cfg.v_head_dim, cfg.kv_lora_rank)
+    pairs = sq * skv
+    if form == "compute-friendly":
+        return 2 * skv * Lkv * N * (P + V) + 2 * pairs * N * (P + R + V)
+    return 2 * sq * N * Lkv * (P + V) + 2 * pairs * N * (2 * Lkv + R)
+
+
+def _crossover_by_bisection(cfg, skv: int) -> float:
+    """The ``Sq`` where the two forms of (13) cost the same, solved numerically (not by (14))."""
+    def gap(sq: float) -> float:
+        return _eq13_flops(cfg, "absorbed", sq, skv) - _eq13_flops(cfg, "compute-friendly", sq, skv)
+    lo, hi = 1e-9, 1e6
+    assert gap(lo) < 0 < gap(hi)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def test_eq13_counts_the_flops_of_the_two_reference_functions():
+    """(13) equals what FlopCounterMode counts running the reference on meta tensors."""
+    cfg = get_config("deepseek-v3").replace(num_heads=4)
+    N, P, R, V, Lkv = 4, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, 512
+    sq, skv = 3, 37
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    args = (torch.empty(sq, N, P, **meta), torch.empty(sq, N, R, **meta),
+            torch.empty(skv, Lkv, **meta), torch.empty(skv, R, **meta),
+            torch.empty(Lkv, N, P, **meta), torch.empty(Lkv, N, V, **meta))
+    for form, fn in [("compute-friendly", prefill_attention), ("absorbed", absorbed_attention)]:
+        with FlopCounterMode(display=False) as counter:
+            fn(*args, cfg.softmax_scale, causal=True)
+        assert counter.get_total_flops() == _eq13_flops(cfg, form, sq, skv), form
+
+
+def _stated_crossovers() -> dict[int, float]:
+    """The exact crossovers as the paper states them after (14): '146.3 at `Skv = 1024`, ...'."""
+    match = re.search(r"The exact `S_q\^\*` grows with\s+`Skv` towards `S_q\^∞`: (.+?)\s+for\s+"
+                      r"DeepSeek's dimensions", TEXT, re.S)
+    assert match, "the paragraph after (14) that gives the exact crossover is gone"
+    pairs = re.findall(r"([\d.]+) at (?:`Skv = )?(\d+)`?", match.group(1))
+    return {int(skv): float(sq) for sq, skv in pairs}
+
+
+def test_the_exact_crossover_the_paper_states_solves_eq13():
+    cfg = get_config("deepseek-v3")
+    stated = _stated_crossovers()
+    assert set(stated) == {1024, 4096, 8192, 65536}
+    P, R, V, Lkv = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                    cfg.kv_lora_rank)
+    sq_inf = Lkv * (P + V) / (2 * Lkv + R - (P + R + V))
+    assert round(sq_inf, 1) == 170.7 and "\\approx 170.7" in TEXT
+    for skv, sq in stated.items():
+        exact = _crossover_by_bisection(cfg, skv)
+        assert round(exact, 1) == sq, (skv, exact, sq)
+        assert exact == pytest.approx(1 / (1 / sq_inf + 1 / skv), rel=1e-9)  # (14) itself
+        # N cancels: 16 heads cross at the same Sq
+        assert _crossover_by_bisection(cfg.replace(num_heads=16), skv) == pytest.approx(exact)
+    # the broken twin: the approximation that drops the absorbed form's 2·Sq·N·Lkv(P+V) term
+    assert round(sq_inf, 1) != stated[1024] and abs(sq_inf - stated[1024]) > 20
+
+
+def test_the_approximation_error_the_paper_states():
+    match = re.search(r"overestimates the crossover by\s+the factor `1 \+ S_q\^∞/Skv`, "
+                      r"(\d+)% at `Skv = 1024`, ([\d.]+)% at 8192 and ([\d.]+)% at 65536", TEXT)
+    assert match, "the error of the approximation S_q^∞ is no longer stated"
+    cfg = get_config("deepseek-v3")
+    for text, skv in zip(match.groups(), (1024, 8192, 65536)):
+        error = 100 * (_crossover_by_bisection(cfg, 10 ** 9) / _crossover_by_bisection(cfg, skv)
+                       - 1)
+        assert float(text) == pytest.approx(error, abs=0.5 * 10 ** -(len(text.split(".")[-1])
+                                                                     if "." in text else 0)), skv
+
+
+@pytest.mark.parametrize("preset, stated", [("deepseek-v3", 0.1352), ("deepseek-v2", 0.1147)])
+def test_the_absorbed_scale_the_paper_states_is_the_presets(preset: str, stated: float):
+    c = get_config(preset)
+    # recomputed from the fields by (4), not read back from softmax_scale only
+    lam = 0.1 * c.rope_mscale * math.log(c.rope_factor) + 1
+    assert round(lam ** 2 / math.sqrt(c.qk_nope_head_dim + c.qk_rope_head_dim), 4) == stated
+    assert round(c.softmax_scale, 4) == stated and round(c.mscale, 4) == round(lam, 4)
+    assert round(1 / math.sqrt(c.latent_dim), 4) != stated  # the classic bug's scale
+    name = "V3" if preset == "deepseek-v3" else "V2"
+    assert f"{stated} for DeepSeek-{name}" in TEXT or f"{stated} for {name}" in TEXT
+    table_row = next(ln for ln in TEXT.splitlines() if ln.startswith("| `τ` |"))
+    assert str(stated) in table_row
+    readme = (PAPERS.parent / "README.md").read_text()
+    five_lines = readme.split("## MLA in five lines", 1)[1].split("\n## ", 1)[0]
+    assert f"{stated} for {name}" in five_lines and "not `1/sqrt(576)`" in five_lines
+
+
+def _measured_ceilings() -> list[tuple[float, float]]:
+    """``(matmul TFLOP/s, copy TB/s)`` of every committed result file that measured them."""
+    out = []
+    for path in sorted(tables.RESULTS.glob("*.json")):
+        try:
+            ceil = json.loads(path.read_text()).get("ceilings")
+        except (json.JSONDecodeError, AttributeError):
+            continue
+        if ceil:
+            tbps = ceil.get("copy_TBps", ceil.get("copy_GBps", 0) / 1000)
+            out.append((ceil["matmul_TFLOPs"], tbps))
+    return out
+
+
+def test_the_ridge_numbers_follow_from_the_measured_and_datasheet_ceilings():
+    measured = _measured_ceilings()
+    assert len(measured) >= 3
+    # the paper's "about 700 TFLOP/s" and "about 4.25 TB/s" are the measured ceilings
+    for tflops, tbps in measured:
+        assert tflops == pytest.approx(700, rel=0.05) and tbps == pytest.approx(4.25, rel=0.02)
+    assert round(700 / 4.25) == 165 and "≈ 165` FLOP/byte" in TEXT
+    assert round(989 / 4.8) == 206 and "989·10^12 / 4.8·10^12 ≈ 206" in TEXT
+    v3 = get_config("deepseek-v3")
+    per_head = (2 * v3.kv_lora_rank + v3.qk_rope_head_dim) / v3.latent_dim
+    assert round(per_head, 2) == 1.89 and "≈ 1.89·N·Sq" in TEXT
+    assert round(1.89 * 128) == 242 and "`1.89·128 ≈ 242`" in TEXT
+    assert 16 * per_head < 700 / 4.25 < 989 / 4.8 < 128 * per_head  # 16 heads below both ridges
+
+
+def test_retired_notations_do_not_come_back():
+    """Issue 16, item 7: one meaning per symbol; the clashing notations were renamed."""
+    for old in ["L_{max}", "p_{t,s,n}", "m = 0.1", "\\frac{i-\\ell}{u-\\ell}", "R_{s-t}",
+                "\\operatorname{top-}k", "n_r", "stays\n`τ = 1/√(P+R)`", "2mkn",
+                "independently of `Skv`"]:
+        assert old not in TEXT, old
