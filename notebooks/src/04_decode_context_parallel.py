@@ -6,8 +6,9 @@
 #
 # A 128K-token context of DeepSeek-V3 caches `128K × 576 × 2 bytes ≈ 151 MB` per layer, 9 GB over
 # 61 layers, for one request. Decode context parallelism (DCP) spreads each request's latent
-# cache over the `W` ranks of a group, so that long contexts fit and each rank reads only
-# `1/W` of the cache per step. This notebook draws the placement, counts each rank's share,
+# cache over the `D` ranks of a group (the symbols are those of the table at the top of
+# `papers/derivation.md`), so that long contexts fit and each rank reads only `1/D` of the
+# cache per step. This notebook draws the placement, counts each rank's share,
 # derives the exact combination of the ranks' partial attentions through their log-sum-exp,
 # and follows the rows of a context chunk through the gather, the all-gather and
 # `reorg_kvcache`. The ranks are simulated in one process (`mla.reference.dcp.run_simulated`);
@@ -52,14 +53,14 @@ TOL = TOLERANCES[torch.float64]
 # %% [markdown]
 # ## Interleaved placement
 #
-# The token at position `t` lives on rank `t mod W`, at local position `t // W`. Consecutive
+# The token at position `s` lives on rank `s mod D`, at local position `⌊s/D⌋`. Consecutive
 # tokens land on different ranks, so every rank holds an almost equal share of every request
 # whatever its length, and a new decode token is written by exactly one rank.
 
 # %%
-W = 4
+D = 4
 seq_lens = [13, 4, 8, 1, 0, 9]
-sharding = DCPSharding.of(seq_lens, W)
+sharding = DCPSharding.of(seq_lens, D)
 print(sharding)
 ax = sharding.plot()
 ax.set_xlabel("position in the request (tokens)")
@@ -68,23 +69,23 @@ ax.figure.axes[-1].set_ylabel("rank holding the token (index)")
 save(ax.figure, "interleaved_placement")
 
 # %% [markdown]
-# Rank `r` of a request of length `L` holds the positions `t < L` with `t ≡ r (mod W)`:
+# Rank `ρ` of a request of `Skv` tokens holds the positions `s < Skv` with `s ≡ ρ (mod D)`:
 #
-# $$n_r = \lfloor L / W \rfloor + [\, r < L \bmod W \,].$$
+# $$n_\rho = \lfloor S_{kv} / D \rfloor + [\, \rho < S_{kv} \bmod D \,].$$
 #
 # (`mla.reference.dcp.dcp_local_seq_lens`.) vLLM 0.11's decode metadata
 # (`v1/attention/backends/mla/common.py`) writes
-# `L // W + (r <= (L-1) mod W)`, which agrees except when `W` divides `L`: then it gives every
+# `⌊Skv/D⌋ + [ρ ≤ (Skv−1) mod D]`, which agrees except when `D` divides `Skv`: then it gives every
 # rank one token too many (vLLM fixed it upstream, vllm-project/vllm#27518). Both, next to a
 # count of the positions:
 
 # %%
 lens = torch.tensor(seq_lens, dtype=torch.int32)
-print(f"{'L':>4} | {'n_r (package)':<16} | {'vLLM 0.11':<16} | counted")
+print(f"{'Skv':>4} | {'n_rho (package)':<16} | {'vLLM 0.11':<16} | counted")
 for i, L in enumerate(seq_lens):
-    package = [int(dcp_local_seq_lens(lens, W, r)[i]) for r in range(W)]
-    vllm_011 = [L // W + int(r <= (L - 1) % W) for r in range(W)]
-    counted = [sum(1 for t in range(L) if t % W == r) for r in range(W)]
+    package = [int(dcp_local_seq_lens(lens, D, r)[i]) for r in range(D)]
+    vllm_011 = [L // D + int(r <= (L - 1) % D) for r in range(D)]
+    counted = [sum(1 for t in range(L) if t % D == r) for r in range(D)]
     assert package == counted and sum(package) == L
     print(f"{L:>4} | {str(package):<16} | {str(vllm_011):<16} | {counted}"
           + ("   <- vLLM 0.11 over-counts" if vllm_011 != counted else ""))
@@ -92,48 +93,50 @@ for i, L in enumerate(seq_lens):
 # %% [markdown]
 # ## Decode: partial attentions and the LSE correction
 #
-# All `N` query heads are all-gathered onto every rank; rank `r` runs the absorbed MQA over its
-# own tokens only, giving `(o_r, lse_r)` per query and head. The ranks' key sets are disjoint and
-# cover the request, so the merge of notebook 03 recombines them exactly:
+# All `N` query heads are all-gathered onto every rank; rank `ρ` runs the absorbed MQA over its
+# own tokens only, giving `(o_ρ, lse_ρ)` per query and head. The ranks' key sets are disjoint
+# and cover the request, so the merge of notebook 03 recombines them exactly:
 #
-# $$\mathrm{lse} = \log \sum_r e^{\mathrm{lse}_r}, \qquad
-#   o = \sum_r e^{\mathrm{lse}_r - \mathrm{lse}}\, o_r .$$
+# $$\mathrm{lse} = \ln \sum_\rho e^{\mathrm{lse}_\rho}, \qquad
+#   o = \sum_\rho e^{\mathrm{lse}_\rho - \mathrm{lse}}\, o_\rho ,$$
 #
-# A rank with no token of a request contributes `lse_r = ±∞` ("no keys") and weight 0. In
-# vLLM (`cp_lse_ag_out_rs`) the lse are all-gathered, each rank scales its own `o_r`, and a
-# reduce-scatter along heads sums the scaled outputs and leaves each rank its `N/W` heads.
-# Below, with DeepSeek's widths (576/512) and 8 heads.
+# with the merge's rules: a rank with no visible key of a request reports `lse_ρ = +∞`
+# (FlashMLA's convention) or `−∞`, mapped to `−∞` before the sum, so its weight is 0 and its
+# `o_ρ` is never read; a query no rank saw gets `o = 0` (and the decode reports its `lse` as
+# `+∞`). In vLLM (`cp_lse_ag_out_rs`) the lse are all-gathered, each rank scales its own `o_ρ`,
+# and a reduce-scatter along heads sums the scaled outputs and leaves each rank its `N/D`
+# heads. Below, with DeepSeek's widths (576/512) and 8 heads.
 
 # %%
-D, DV, HEADS, BLOCK, S_Q = 576, 512, 8, 16, 2
+D_QK, D_V, HEADS, BLOCK, S_Q = 576, 512, 8, 16, 2
 table, num_blocks = make_block_table(seq_lens, BLOCK, seed=0)
-kv_cache = torch.randn(num_blocks, BLOCK, D, dtype=torch.float64)
-q = torch.randn(len(seq_lens), S_Q, HEADS, D, dtype=torch.float64)
+kv_cache = torch.randn(num_blocks, BLOCK, D_QK, dtype=torch.float64)
+q = torch.randn(len(seq_lens), S_Q, HEADS, D_QK, dtype=torch.float64)
 scale = 192 ** -0.5
-out_ref, lse_ref = mla_decode_paged(q, kv_cache, table, lens, scale, causal=True, head_dim_v=DV)
+out_ref, lse_ref = mla_decode_paged(q, kv_cache, table, lens, scale, causal=True, head_dim_v=D_V)
 
-shards = shard_kv_cache(kv_cache, table, lens, W)
+shards = shard_kv_cache(kv_cache, table, lens, D)
 print(shards[1])
-partials = [dcp_local_decode(q, s.kv_cache, s.block_table, lens, scale, s.rank, W,
-                             causal=True, head_dim_v=DV) for s in shards]
-# the merge works in vLLM's layout: o [T, N, D], lse [N, T]
+partials = [dcp_local_decode(q, s.kv_cache, s.block_table, lens, scale, s.rank, D,
+                             causal=True, head_dim_v=D_V) for s in shards]
+# the merge works in vLLM's layout: o [tokens, N, head_dim_v], lse [N, tokens]
 B = len(seq_lens)
 o_m, lse_m = merge_attn_states_list(
-    [o.reshape(B * S_Q, HEADS, DV) for o, _ in partials],
+    [o.reshape(B * S_Q, HEADS, D_V) for o, _ in partials],
     [lse.transpose(1, 2).reshape(B * S_Q, HEADS).T for _, lse in partials])
 lse_m = lse_m.T.reshape(B, S_Q, HEADS).transpose(1, 2)
-out_m = o_m.reshape(B, S_Q, HEADS, DV)
+out_m = o_m.reshape(B, S_Q, HEADS, D_V)
 has_keys = torch.isfinite(lse_ref)
 print(f"partials merged vs single-rank decode: out rel err "
       f"{assert_close(out_m, out_ref, TOL):.1e}, lse rel err "
       f"{assert_close(lse_m[has_keys], lse_ref[has_keys], TOL):.1e}")
 
 # the rank program: shard, all-gather q, local decode, correction, reduce-scatter
-ranks = run_simulated(W, lambda comm: dcp_decode_rank(comm, q, kv_cache, table, lens, scale,
-                                                      causal=True, head_dim_v=DV))
-out_dcp = torch.cat([o for o, _ in ranks], dim=2)  # each rank returns its N/W heads
+ranks = run_simulated(D, lambda comm: dcp_decode_rank(comm, q, kv_cache, table, lens, scale,
+                                                      causal=True, head_dim_v=D_V))
+out_dcp = torch.cat([o for o, _ in ranks], dim=2)  # each rank returns its N/D heads
 lse_dcp = torch.cat([lse for _, lse in ranks], dim=1)
-print(f"dcp_decode_rank on {W} simulated ranks, their heads joined: out rel err "
+print(f"dcp_decode_rank on {D} simulated ranks, their heads joined: out rel err "
       f"{assert_close(out_dcp, out_ref, TOL):.1e}, lse rel err "
       f"{assert_close(lse_dcp, lse_ref, TOL):.1e}")
 print("request of length 1, its lse per rank:",
@@ -143,14 +146,14 @@ print("request of length 1, its lse per rank:",
 req, query = 0, S_Q - 1
 weights = torch.stack([torch.where(torch.isinf(lse[req, :, query]), 0.0,
                                    torch.exp(lse[req, :, query] - lse_ref[req, :, query]))
-                       for _, lse in partials])  # [W, N]
+                       for _, lse in partials])  # [D, N]
 assert torch.allclose(weights.sum(0), torch.ones(HEADS, dtype=torch.float64))
 fig, ax = plt.subplots(figsize=(7, 3))
 im = ax.imshow(weights.numpy(), cmap="viridis", vmin=0, aspect="auto")
 ax.set_xlabel("query head (index)")
 ax.set_ylabel("rank (index)")
-ax.set_yticks(range(W))
-ax.set_title(f"request {req} (L = {seq_lens[req]}), last query: exp(lse_r - lse)")
+ax.set_yticks(range(D))
+ax.set_title(f"request {req} (Skv = {seq_lens[req]}), last query: exp(lse_rho - lse)")
 fig.colorbar(im, ax=ax).set_label("correction weight (fraction)")
 save(fig, "lse_correction_weights")
 print("each head's weights sum to 1 over the ranks")
@@ -159,18 +162,18 @@ print("each head's weights sum to 1 over the ranks")
 # ## Prefill context under DCP: what `reorg_kvcache` does to the rows
 #
 # A prefill with cached context (notebook 03) needs the context chunk *whole* on every rank to
-# up-project it. Under DCP every rank gathers its share of the chunk: `ceil(chunk_len / W)`
-# local rows per request from local position `c·MCC/W` (`cp_chunk_seq_lens`, `cp_chunk_starts`;
-# the chunk size must be divisible by `W`). The ranks whose share is one token short gather one
-# row past their last token: a *padding* row. The gathers are all-gathered into one buffer of
-# `W·toks` rows, rank-major, and `reorg_kvcache` (vLLM's function, same arguments) rebuilds
-# the chunk request by request, rank 0's rows first, then rank 1's, ..., dropping the padding
-# rows. To see it, each cached row below carries its request and position in its first two
-# numbers.
+# up-project it. Under DCP every rank gathers its share of the chunk: `ceil(chunk_len / D)`
+# local rows per request from local position `ν·MCC/D` for chunk `ν` (`cp_chunk_seq_lens`,
+# `cp_chunk_starts`; the chunk size must be divisible by `D`). The ranks whose share is one
+# token short gather one row past their last token: a *padding* row. The gathers are
+# all-gathered into one buffer of `D·toks` rows, rank-major, and `reorg_kvcache` (vLLM's
+# function, same arguments) rebuilds the chunk request by request, rank 0's rows first, then
+# rank 1's, ..., dropping the padding rows. To see it, each cached row below carries its
+# request and position in its first two numbers.
 
 # %%
 ctx_lens = [21, 6, 0, 11]
-dplan = plan_dcp_context_chunks(ctx_lens, W, max_context_chunk=16)
+dplan = plan_dcp_context_chunks(ctx_lens, D, max_context_chunk=16)
 print(dplan)
 ax = dplan.plot(0)
 ax.set_xlabel("row of the all-gathered buffer (index; colour = request, grey = padding)")
@@ -189,7 +192,7 @@ labelled = torch.zeros(nblk, 4, LKV + R, dtype=torch.float64)
 for i, n in enumerate(ctx_lens):
     for t in range(n):
         labelled[tab[i, t // 4], t % 4, :2] = torch.tensor([i, t], dtype=torch.float64)
-local = shard_kv_cache(labelled, tab, torch.tensor(ctx_lens, dtype=torch.int32), W)
+local = shard_kv_cache(labelled, tab, torch.tensor(ctx_lens, dtype=torch.int32), D)
 
 for c in range(dplan.num_chunks):
     toks = dplan.seq_tot[c]
@@ -202,12 +205,12 @@ for c in range(dplan.num_chunks):
     kv_c, k_pe = reorg_kvcache(
         allgathered[:, None, :LKV], allgathered[:, None, LKV:],
         cp_chunk_seq_lens_lst=list(dplan.cp_chunk_seq_lens[c]),
-        origin_context_lens=ctx_lens, cp_world_size=W,
+        origin_context_lens=ctx_lens, cp_world_size=D,
         sum_seq_len=dplan.cu_seq_lens_lst[c][-1], max_seq_len=dplan.max_seq_lens[c],
         chunk_size=dplan.chunk_size, chunk_idx=c, toks=toks)
     nan_rows = torch.isnan(allgathered[:, 0]).nonzero().flatten().tolist()
     assert nan_rows == dplan.padding_rows(c) and not torch.isnan(kv_c).any()
-    print(f"chunk {c}: gathered {W} x {toks} rows, padding rows {nan_rows} (NaN: slots no "
+    print(f"chunk {c}: gathered {D} x {toks} rows, padding rows {nan_rows} (NaN: slots no "
           f"token wrote), reorg keeps {kv_c.shape[0]}")
     cu = dplan.cu_seq_lens_lst[c]
     for i in range(len(ctx_lens)):
@@ -239,7 +242,7 @@ print(f"keys in rank-major order vs position order: o rel err "
 # ## Hidden states in, hidden states out
 #
 # The model-level functions run the front, write each new token on its owner rank, and run DCP
-# decode or DCP chunked prefill; with `W` simulated ranks (each keeping `N/W` of the `tiny`
+# decode or DCP chunked prefill; with `D` simulated ranks (each keeping `N/D` of the `tiny`
 # preset's 4 heads) they must equal the single-rank paths.
 
 # %%
@@ -263,5 +266,5 @@ for world in [1, 2, 4]:
     dec_ref = decode_forward(w, hidden, cache.clone(), tab, seqlens)
     pre_ref = chunked_prefill_forward(w, hidden.reshape(-1, cfg.hidden_size), qsl, ctx,
                                       cache.clone(), tab, workspace_size=16)
-    print(f"W = {world}: decode rel err {assert_close(dec, dec_ref, TOL):.1e}, "
+    print(f"D = {world}: decode rel err {assert_close(dec, dec_ref, TOL):.1e}, "
           f"chunked prefill rel err {assert_close(pre, pre_ref, TOL):.1e}")
