@@ -55,16 +55,17 @@ print(f"DeepSeek-V3.2 indexer: {v32.index_n_heads} heads of dim {v32.index_head_
 # %% [markdown]
 # ## The indexer's scores
 #
-# For a query token `t` and an earlier key token `s`, with `n_I` index heads:
+# For a query token `t` and an earlier key token `s`, with `n_I` index heads (the symbols are
+# those of the table at the top of `papers/derivation.md`):
 #
 # $$I_{t,s} = \sum_{j=1}^{n_I} w_{t,j}\, \mathrm{ReLU}\!\left(q^I_{t,j} \cdot k^I_s\right),$$
 #
 # `q^I` from the MLA's query latent, one key `k^I` per token (LayerNorm, RoPE on its first `R`
-# dims, paired differently from the MLA's: see below), per-head weights `w` from the hidden
-# state (`mla.reference.indexer.indexer_qk`,
-# `index_scores`). Each query keeps its `topk` highest-scoring keys among those at or before it;
-# a row of a query with fewer than `topk` visible keys ends in `-1` (`select_topk`). Below, the
-# `tiny` preset with a small indexer (4 heads of dim 16, top-8) on 40 tokens.
+# dims, paired differently from the MLA's: see below), per-head weights `w_{t,j}` from the
+# hidden state (`mla.reference.indexer.indexer_qk`, `index_scores`). Each query `t` keeps the
+# set `𝒮_t` of its `topk` highest-scoring keys among those at or before it; a row of a query
+# with fewer than `topk` visible keys ends in `-1` (`select_topk`). Below, the `tiny` preset
+# with a small indexer (4 heads of dim 16, top-8) on 40 tokens.
 
 # %%
 cfg = get_config("tiny").replace(name="tiny-sparse", index_n_heads=4, index_head_dim=16,
@@ -98,7 +99,8 @@ assert (selected.sum(1) == torch.clamp(positions + 1, max=cfg.index_topk)).all()
 
 # %% [markdown]
 # The official inference code quantizes `q^I` and `k^I` to FP8 first, after a Hadamard rotation
-# `H/√d` (orthogonal, so it changes no dot product; it spreads outliers across the dims before
+# (the ±1 Hadamard matrix of the index head's width, divided by the square root of that width:
+# orthogonal, so it changes no dot product; it spreads outliers across the dims before
 # the per-128 quantization). `use_fp8=True` models it. How many selections does the rounding
 # change?
 
@@ -131,13 +133,15 @@ assert kept < 0.9
 # %% [markdown]
 # ## From request-local indices to cache slots
 #
-# The indexer names keys by their position `i` inside the request; the kernels read a flat
-# paged cache. `convert_req_index_to_global_index` (vLLM's Triton kernel's semantics) maps
+# The indexer names keys by their position `p` inside the request; the kernels read a flat
+# paged cache. `convert_req_index_to_global_index` (vLLM's Triton kernel's semantics) maps the
+# position `p` of request `r`, with `b` tokens per cache block (the code's `bs`), to the slot
 #
-# $$i \mapsto \mathrm{block\_table}[\mathrm{req}, \lfloor i / bs \rfloor]\cdot bs + i \bmod bs,$$
+# $$g(p) = \mathrm{block\_table}[r, \lfloor p / b \rfloor]\cdot b + p \bmod b,$$
 #
-# keeps `-1` as `-1`, and turns an index whose block falls outside the table into `-1`. In the
-# workspace variant a prefill token's index maps to `workspace_starts[p] + i` instead.
+# keeps `-1` as `-1`, and turns a position whose block falls outside the table into `-1`. In the
+# workspace variant a prefill token's position maps to `p` plus the start of its request's rows
+# in the workspace (`prefill_workspace_starts`) instead.
 
 # %%
 bs = 4
@@ -171,7 +175,7 @@ print(" ", ws.tolist())
 # The serving path (vLLM's FlashMLA-sparse backend) caches the latent and the index keys,
 # selects, converts, and runs the absorbed MQA over the selected rows only
 # (`sparse_prefill_forward`, `sparse_decode_forward`). DeepSeek's released code instead runs
-# the dense attention of the definition with an extra mask, `0` on the selected keys and `−∞`
+# the dense attention of the definition with an extra mask, `0` on the selected keys `𝒮_t` and `−∞`
 # elsewhere (`sparse_masked_dense_forward`). Below, one request prefills 30 tokens and then
 # decodes 3 more, two of them in one multi-token step; both formulations must agree. With a
 # `topk` covering the whole context, both equal dense MLA.
@@ -217,13 +221,13 @@ print(f"top-64 over 33 tokens vs dense MLA: rel err "
 # largest logit and the log-sum-exp of each query and head, so that a caller can merge its
 # output with another partial attention over other keys (notebook 03). The merge weighs each
 # part by `e^{lse}`, so it needs the natural log. Kernels compute in base 2 (`exp2` is the
-# fast instruction); one that returns `lse_2 = log_2 Σ_j e^{s_j} = log_2(e) · lse` unconverted,
-# merged as if it were natural, has every lse off by the factor `log_2 e ≈ 1.44` and weighs
-# the parts by `(Σ_j e^{s_j})^{1.44}` instead of `Σ_j e^{s_j}`: a wrong output, not a rounding
-# error. FlashMLA's README has documented the sparse prefill's lse in base 2, while its own
-# reference (`tests/ref.py`) computes the natural log. This package returns the natural log
-# everywhere, and its conformance run on an H200 found FlashMLA's `flash_mla_sparse_fwd` (the
-# build in the vLLM 0.33.0 wheel) returning the natural log too
+# fast instruction); one that returns `lse_2 = log_2 Σ_{s∈𝒮_t} e^{ℓ_s} = log_2(e) · lse`
+# unconverted, merged as if it were natural, has every lse off by the factor `log_2 e ≈ 1.44`
+# and weighs the parts by `(Σ_s e^{ℓ_s})^{1.44}` instead of `Σ_s e^{ℓ_s}`: a wrong output, not
+# a rounding error. FlashMLA's README has documented the sparse prefill's lse in base 2, while
+# its own reference (`tests/ref.py`) computes the natural log. This package returns the
+# natural log everywhere, and its conformance run on an H200 found FlashMLA's
+# `flash_mla_sparse_fwd` (the build in the vLLM 0.33.0 wheel) returning the natural log too
 # (`benchmarks/results/conformance_flashmla_2026-11-30.md`, case `lse_natural_log`). Below,
 # each query's selected keys split in two halves, each half attended on its own and the two
 # merged: with natural logs the merge equals attending to all of them; with base-2 logs read
@@ -257,13 +261,19 @@ print(f"halves merged, base-2 lse converted first: o rel err "
 # | bytes | holds |
 # | --- | --- |
 # | `[0, 512)` | `kv_c`: 512 values as `float8_e4m3fn`, in 4 tiles of 128 |
-# | `[512, 528)` | 4 `float32` inverse scales, one per tile: `kv_c ≈ fp8 · scale` |
+# | `[512, 528)` | 4 `float32` inverse scales `σ_T`, one per tile `T`: `kv_c ≈ e4m3 · σ_T` |
 # | `[528, 656)` | `k_pe`: 64 values as `bfloat16`, not quantized |
 #
-# `scale = 2^⌈log2(max(amax_tile / 448, 1e-4))⌉`: a power of two, so dividing by it is exact and
-# the only rounding is the cast to e4m3 (3 mantissa bits: a relative error of at most `2^-4` for
-# normal numbers, an absolute `2^-10 · scale` below them). 656 bytes against 1152 for a bf16
-# row: 1.76 times more tokens per GB.
+# For a coordinate `z` of tile `T` the round trip gives `ẑ`:
+#
+# $$\sigma_T = 2^{\lceil \log_2 \max(\max_{z\in T}|z| / 448,\ 10^{-4})\rceil}, \qquad
+#   \hat z = \sigma_T\cdot \mathrm{e4m3}(z/\sigma_T),\qquad
+#   |\hat z - z| \le \max(2^{-4}|z|,\ 2^{-10}\sigma_T).$$
+#
+# `σ_T` is a power of two, so dividing by it is exact and the only rounding is the cast to e4m3
+# (3 mantissa bits: a relative error of at most `2^-4` for normal numbers, an absolute
+# `2^-10·σ_T` below them). 656 bytes against 1152 for a bf16 row: 1.76 times more tokens per
+# GB.
 
 # %%
 kv_c = torch.randn(64, 512) * torch.logspace(-3, 1, 64)[:, None]  # magnitudes over 4 decades
