@@ -16,7 +16,7 @@ import torch
 
 import mla.fast as fast
 from mla.check.catalogue import catalogue_cases
-from mla.check.registry import Case, Ctx, Metrics, gen, register
+from mla.check.registry import Case, Ctx, Metrics, gen, graph_replay_metrics, register
 from mla.compare import max_abs_err, poisoned_alloc, rel_err
 from mla.reference.decode import mla_decode_paged as ref_decode
 from mla.reference.paged_cache import make_block_table
@@ -89,27 +89,10 @@ def _graph_case(ctx: Ctx) -> Metrics:
 
     inputs = [fit(x) for x in inputs]
     static = [t.clone() for t in inputs[0]]
-    fast.mla_decode_paged(*static, scale, causal, validate=False)  # compile outside the capture
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fast.mla_decode_paged(*static, scale, causal, validate=False)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = fast.mla_decode_paged(*static, scale, causal)  # validate=None: skipped here
-    metrics: Metrics = {}
-    for i, x in enumerate(inputs[1:] + inputs[:1]):
-        for dst, src in zip(static, x):
-            dst.copy_(src)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for k, v in decode_metrics(*x, scale, causal, 512, out, lse).items():
-            metrics[f"{k}[{i}]"] = v
-    return metrics
+    return graph_replay_metrics(
+        static, inputs,
+        lambda validate: fast.mla_decode_paged(*static, scale, causal, validate=validate),
+        lambda x, out, lse: decode_metrics(*x, scale, causal, 512, out, lse))
 
 
 @register("mla_decode_paged", "mla_decode_paged")

@@ -27,7 +27,8 @@ from mla.compare import budget
 from mla.environment import environment
 
 __all__ = ["Ctx", "Case", "Measured", "Result", "REGISTRY", "register", "gen", "limits_for",
-           "run_checks", "environment", "kernel_sources", "worst_errors", "dtype_name"]
+           "run_checks", "graph_replay_metrics", "environment", "kernel_sources",
+           "worst_errors", "dtype_name"]
 
 Metrics = dict[str, float]
 EXACT = "mismatches"  # bit-for-bit quantities: the limit is 0, whatever the dtype
@@ -145,6 +146,42 @@ def run_checks(ctx: Ctx, kernels: list[str] | None = None,
                 progress(f"{'PASS' if passed else 'FAIL'} {kernel}: {case.name} "
                          f"({res.seconds:.1f} s) {err[:200]}")
     return results
+
+
+def graph_replay_metrics(
+        static: list[torch.Tensor], sets: list[tuple[torch.Tensor, ...]],
+        call: Callable[[bool | None], tuple[torch.Tensor, torch.Tensor]],
+        metrics: Callable[[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor], Metrics]
+        ) -> Metrics:
+    """A kernel call captured in a CUDA graph and replayed on new inputs (CUDA only).
+
+    ``call(validate)`` runs the kernel on the ``static`` buffers. First, with
+    ``validate=False``, it must make no device-to-host sync
+    (``torch.cuda.set_sync_debug_mode('error')``); then it is captured (``validate=None``: the
+    kernel skips its host checks while capturing) and replayed after copying each input set
+    of ``sets`` (the first last) into ``static``, its outputs poisoned with NaN before each
+    replay. Returns ``metrics(set, out, lse)`` of every replay, suffixed ``[i]``."""
+    call(False)  # compile outside the capture
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call(False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = call(None)
+    measured: Metrics = {}
+    for i, x in enumerate(sets[1:] + sets[:1]):
+        for dst, src in zip(static, x):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for k, v in metrics(x, out, lse).items():
+            measured[f"{k}[{i}]"] = v
+    return measured
 
 
 def worst_errors(results: Iterable[Result]) -> dict[str, dict]:

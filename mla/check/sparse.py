@@ -20,7 +20,7 @@ import torch
 
 import mla.fast as fast
 from mla.check.catalogue import catalogue_cases
-from mla.check.registry import Case, Ctx, Metrics, gen, register
+from mla.check.registry import Case, Ctx, Metrics, gen, graph_replay_metrics, register
 from mla.compare import max_abs_err, poisoned_alloc, rel_err
 from mla.reference.fp8 import FP8_DS_MLA_BYTES, quantize_fp8_ds_mla
 from mla.reference.sparse import sparse_mla_decode as ref_decode
@@ -87,32 +87,11 @@ def _graph_case(ctx: Ctx) -> Metrics:
                             device=ctx.device)
         sets.append((q, cache, idx, lens))
     static = [t.clone() for t in sets[0]]
-
-    def call():
-        return fast.sparse_mla_decode(static[0], static[1], static[2], SCALE, True, static[3],
-                                      validate=False)
-    call()  # compile outside the capture
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = fast.sparse_mla_decode(*static[:3], SCALE, True, static[3])  # validate=None
-    metrics: Metrics = {}
-    for i, x in enumerate(sets[1:] + sets[:1]):
-        for dst, src in zip(static, x):
-            dst.copy_(src)
-        out.fill_(float("nan"))
-        lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        m = _decode_metrics(x[0], x[1], x[2], True, x[3], out, lse)
-        for k, v in m.items():
-            metrics[f"{k}[{i}]"] = v
-    return metrics
+    return graph_replay_metrics(
+        static, sets,
+        lambda validate: fast.sparse_mla_decode(static[0], static[1], static[2], SCALE, True,
+                                                static[3], validate=validate),
+        lambda x, out, lse: _decode_metrics(x[0], x[1], x[2], True, x[3], out, lse))
 
 
 @register("sparse_mla_decode", "sparse_mla_decode")
