@@ -56,6 +56,17 @@ PRODUCERS = {
     "sparse_": "python -m benchmarks.run --only sparse",
     "small_": "python -m benchmarks.small",
     "prefill_check": "python -m mla.check --kernel prefill_attention --out <file>",
+    "gpu_check": "python -m mla.check --out <file>",
+    "error_budget_cpu": ("TRITON_INTERPRET=1 python -m mla.check --device cpu --dtype "
+                         "<float16|float32> --seeds 30 --out <file>"),
+    "error_budget_gpu": "python -m mla.check --seed <s> --seeds <n> --out <file>",
+    "conformance_mla_fast_refusal": ("mla conform --target mla.fast --cases "
+                                     "topk_length_past_topk --json <file>"),
+    "conformance_flashmla_refusal": ("mla conform --target flashmla --cases "
+                                     "topk_length_past_topk --json <file>"),
+    "conformance_peers_manifest": "python -m benchmarks.peers (the unpacked peers' sha256)",
+    "conformance_": "mla conform --target <target> --json <file> (python -m "
+                    "benchmarks.conformance_matrix run for all targets at once)",
 }
 
 TABLE1_PRESETS = ("deepseek-v2", "deepseek-v2-lite", "deepseek-v3")
@@ -212,6 +223,21 @@ def producer(path: Path) -> str:
     return "the script named in the file's companion .md"
 
 
+def _render_conformance(data: dict) -> list[str]:
+    """A conformance report: its counts and the rows that failed or raised (every row is in
+    the report's companion .md)."""
+    c = data["counts"]
+    lines = [f"Target `{data['target']}` on {data['device']} ({data['dtype']}): "
+             + ", ".join(f"{v} {k}" for k, v in c.items()) + ".", ""]
+    bad = [r for r in data["rows"] if r["status"] in ("fail", "error")]
+    if bad:
+        lines += _table(["kernel/case", "status", "errors", "convention"],
+                        [[f"{r['kernel']}/{r['case']}", r["status"],
+                          ", ".join(f"{k} {_fmt(v)}" for k, v in r["errors"].items()),
+                          r.get("convention", "")[:120]] for r in bad])
+    return lines
+
+
 def render_benchmarks(results_dir: Path = RESULTS) -> str:
     """Tables of every ``*.json`` under ``results_dir``, or a note that there are none yet."""
     files = sorted(results_dir.glob("*.json")) if results_dir.is_dir() else []
@@ -229,8 +255,10 @@ def render_benchmarks(results_dir: Path = RESULTS) -> str:
             out.append(f"not readable as JSON: {type(e).__name__}")
             continue
         decode = isinstance(data, dict) and "decode" in data and "ceilings" in data
+        conformance = isinstance(data, dict) and {"target", "counts", "rows"} <= set(data)
         out += _metadata(data, skip=("ceilings",) if decode else ())
-        body = _render_decode(data) if decode else _render_generic(data)
+        body = (_render_decode(data) if decode else _render_conformance(data) if conformance
+                else _render_generic(data))
         while body and not body[-1]:
             body.pop()
         out += body or ["(no tables: the file holds no lists of records)"]
