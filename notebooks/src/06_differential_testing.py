@@ -189,12 +189,14 @@ save(fig, "error_distributions")
 # plain dict. Here is a paged decode written directly in PyTorch, one loop over requests, with
 # the reference's signature and conventions: `out [B, s_q, N, head_dim_v]`, `lse [B, N, s_q]`
 # in the natural log, `out = 0` and `lse = +inf` for a query that sees no key, and with
-# `causal`, query `i` of `s_q` sees keys `0 .. L - s_q + i`, where `L` counts the new tokens.
+# `causal`, the `Sq` new tokens (`s_q`) are the last of the request's `Skv` keys
+# (`cache_seqlens` counts them) and the query at position `t`, one of `Skv − Sq, …, Skv − 1`,
+# sees the keys `s ≤ t`.
 # A `bug` switch turns it into three classic broken kernels:
 #
 # - `"scale"`: uses `1/sqrt(576)`, the usual default for a head dimension of 576, instead of the
-#   scale passed. DeepSeek's scale comes from the MHA form: `1/sqrt(192)` without YaRN,
-#   `mscale²/sqrt(192) = 0.1352` for DeepSeek-V3.
+#   scale passed. DeepSeek's scale `τ` comes from the MHA form: `1/√192` without YaRN,
+#   `λ²/√192 = 0.1352` for DeepSeek-V3 (`λ` is YaRN's logit factor, `MLAConfig.mscale`).
 # - `"empty_lse"`: returns what `torch.logsumexp` gives over no keys, `-inf`. FlashAttention-3
 #   does the same; FlashAttention-2 and FlashMLA write `+inf` (vLLM PR #15492 made
 #   `merge_attn_states` accept both). Empty rows a merge does not expect still turned into
