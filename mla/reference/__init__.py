@@ -36,6 +36,13 @@ from mla.reference.fp8 import (
     gather_and_upconvert_fp8_ds_mla,
     quantize_fp8_ds_mla,
 )
+from mla.reference.fp8_model1 import (
+    dequantize_fp8_model1,
+    fp8_model1_cache,
+    fp8_model1_page_bytes,
+    fp8_model1_pages,
+    quantize_fp8_model1,
+)
 from mla.reference.front import Front, mla_front, rms_norm
 from mla.reference.indexer import (
     IndexerQK,
@@ -59,6 +66,7 @@ from mla.reference.paged_cache import (
 )
 from mla.reference.prefill import prefill_attention, prefill_forward, up_project_kv
 from mla.reference.rope import apply_rope, rope_frequencies
+from mla.reference.sink import apply_attn_sink
 from mla.reference.sparse import (
     convert_req_index_to_global_index,
     sparse_index_mask,
@@ -91,4 +99,7 @@ __all__ = [
     "dcp_chunked_prefill_rank", "dcp_decode_forward_rank", "dcp_decode_rank",
     "dcp_local_seq_lens", "plan_dcp_context_chunks", "reorg_kvcache", "run_simulated",
     "same_on_all_ranks", "shard_kv_cache",
+    # DeepSeek-V4: attention sinks and the MODEL1 fp8 cache
+    "apply_attn_sink", "dequantize_fp8_model1", "fp8_model1_cache", "fp8_model1_page_bytes",
+    "fp8_model1_pages", "quantize_fp8_model1",
 ]

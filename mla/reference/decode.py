@@ -25,6 +25,7 @@ import torch
 
 from mla.reference.attention import attention_with_lse
 from mla.reference.paged_cache import cache_rows
+from mla.reference.sink import apply_attn_sink, check_attn_sink
 from mla.validation import (
     acc_dtype,
     check_float,
@@ -128,16 +129,26 @@ def mla_decode_paged(
     softmax_scale: float,
     causal: bool = False,
     head_dim_v: int = 512,
+    *,
+    attn_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA of ``q [B, s_q, N, D]`` over the paged latent cache ``kv_cache [nb, bs, D]``.
 
     V is ``kv_cache[..., :head_dim_v]``. Returns ``out [B, s_q, N, head_dim_v]`` (``q``'s dtype)
     and ``lse [B, N, s_q]`` (float32; float64 for float64 inputs), ``+inf`` for a query with
-    no visible key.
+    no visible key. ``attn_sink [N]`` float32: the sink of ``mla.reference.sink`` (the output
+    scaled, the lse unchanged; FlashMLA's dense decode refuses a sink, its sparse paths take it).
     """
     check_paged_decode_args(q, kv_cache, block_table, cache_seqlens, softmax_scale, head_dim_v)
+    check_attn_sink(attn_sink, q.shape[2], q.device)
     lens = cache_seqlens.tolist()
-    return paged_mqa(q, kv_cache, block_table, lens, lens, softmax_scale, causal, head_dim_v)
+    if attn_sink is None:
+        return paged_mqa(q, kv_cache, block_table, lens, lens, softmax_scale, causal, head_dim_v)
+    # in the accumulation dtype, so that out is rounded to q's dtype once, after the sink
+    work = acc_dtype(q.dtype)
+    out, lse = paged_mqa(q.to(work), kv_cache.to(work), block_table, lens, lens, softmax_scale,
+                         causal, head_dim_v)
+    return apply_attn_sink(out, lse.transpose(1, 2), attn_sink).to(q.dtype), lse
 
 
 def paged_mqa(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

@@ -32,9 +32,14 @@ FlashMLA's reference. A "lonely" query, whose entries are all invalid, gets ``ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mla.reference.fp8 import FP8_DS_MLA_BYTES, dequantize_fp8_ds_mla
+from mla.reference.fp8_model1 import D_QK as FP8_MODEL1_D_QK
+from mla.reference.fp8_model1 import FP8_MODEL1_BYTES, fp8_model1_pages, fp8_model1_rows
+from mla.reference.sink import apply_attn_sink, check_attn_sink
 from mla.validation import (
     acc_dtype,
     check_float,
@@ -148,7 +153,8 @@ def convert_req_index_to_global_index(
 def _attend_gathered(q: torch.Tensor, rows: torch.Tensor, invalid: torch.Tensor,
                      sm_scale: float, d_v: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``q [s, h, d]`` over its own ``rows [s, k, d]`` -> ``(out, max_logits, lse)``.
+    """``q [s, h, d]`` over its own ``rows [s, k, d]`` -> ``(out, max_logits, lse)``, all in
+    the accumulation dtype (the caller casts ``out`` once, after the sink).
 
     ``invalid [s, k]`` rows are dropped (and zeroed first, so garbage in them, NaN included,
     cannot leak through a zero weight).
@@ -167,7 +173,7 @@ def _attend_gathered(q: torch.Tensor, rows: torch.Tensor, invalid: torch.Tensor,
     p = torch.exp(s - torch.where(lonely, 0.0, lse)[..., None])  # masked keys: exp(-inf) = 0
     out = torch.einsum("shk,skv->shv", p, rows[..., :d_v])
     lse = torch.where(lonely, float("inf"), lse)
-    return out.to(q.dtype), max_logits, lse
+    return out, max_logits, lse
 
 
 def _chunk(topk: int, d: int) -> int:
@@ -181,25 +187,27 @@ def _check_topk_length(topk_length: torch.Tensor | None, rows: int, topk: int,
 
 
 def _check_topk_length_shape(topk_length: torch.Tensor | None, rows: int,
-                             device: torch.device) -> None:
+                             device: torch.device, name: str = "topk_length") -> None:
     if topk_length is None:
         return
-    check_index("topk_length", topk_length, shape=[rows], dtype=(torch.int32,))
+    check_index(name, topk_length, shape=[rows], dtype=(torch.int32,))
     if topk_length.device != device:
-        raise ValueError(f"topk_length is on {topk_length.device} but q is on {device}")
+        raise ValueError(f"{name} is on {topk_length.device} but q is on {device}")
 
 
-def _check_topk_length_values(topk_length: torch.Tensor | None, topk: int, what: str) -> None:
+def _check_topk_length_values(topk_length: torch.Tensor | None, topk: int, what: str,
+                              name: str = "topk_length") -> None:
     if topk_length is None or not topk_length.numel():
         return
     if int(topk_length.min()) < 0 or int(topk_length.max()) > topk:
-        raise ValueError(f"topk_length must lie in [0, topk={topk}] ({what}), got range "
+        raise ValueError(f"{name} must lie in [0, topk={topk}] ({what}), got range "
                          f"[{int(topk_length.min())}, {int(topk_length.max())}]")
 
 
 def check_sparse_prefill_shapes(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                                 sm_scale: float, d_v: int,
-                                topk_length: torch.Tensor | None) -> None:
+                                topk_length: torch.Tensor | None,
+                                attn_sink: torch.Tensor | None = None) -> None:
     """Shape, dtype, device and scalar checks of ``sparse_mla_prefill``: no device read."""
     check_float("q", q, ndim=3)
     s_q, h_q, d_qk = q.shape
@@ -221,6 +229,7 @@ def check_sparse_prefill_shapes(q: torch.Tensor, kv: torch.Tensor, indices: torc
     if d_v > d_qk:
         raise ValueError(f"d_v must be <= the head dim {d_qk} (V is kv[:, :d_v]), got {d_v}")
     _check_topk_length_shape(topk_length, s_q, q.device)
+    check_attn_sink(attn_sink, h_q, q.device)
 
 
 def sparse_mla_prefill(
@@ -230,19 +239,24 @@ def sparse_mla_prefill(
     sm_scale: float,
     d_v: int = 512,
     topk_length: torch.Tensor | None = None,
+    *,
+    attn_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashMLA's ``flash_mla_sparse_fwd``: each query attends to the ``kv`` rows it names.
 
     ``q [s_q, h_q, d_qk]``, ``kv [s_kv, d_qk]`` or ``[s_kv, 1, d_qk]`` (one shared KV head),
     ``indices [s_q, topk]`` or ``[s_q, 1, topk]`` int32, ``topk_length [s_q]`` int32 (query
-    ``t`` uses ``indices[t, :topk_length[t]]``). V is ``kv[:, :d_v]``: DeepSeek's rows are
-    576 wide with ``d_v = 512``; smaller configs pass ``d_v = Lkv``.
+    ``t`` uses ``indices[t, :topk_length[t]]``). V is ``kv[:, :d_v]``: DeepSeek-V3.2's rows are
+    576 wide with ``d_v = 512``, DeepSeek-V4's 512 wide with ``d_v = 512`` (V is the whole
+    row); smaller configs pass ``d_v = Lkv``. ``attn_sink [h_q]`` float32: the sink of
+    ``mla.reference.sink`` (keyword-only: FlashMLA passes it before ``topk_length``).
 
     Returns ``out [s_q, h_q, d_v]`` (``q``'s dtype), ``max_logits [s_q, h_q]`` and
-    ``lse [s_q, h_q]`` (float32; float64 for float64 inputs), both over the scaled logits.
-    A lonely query (no valid index): ``out = 0``, ``lse = +inf``, ``max_logits = -inf``.
+    ``lse [s_q, h_q]`` (float32; float64 for float64 inputs), both over the scaled logits
+    and untouched by the sink. A lonely query (no valid index): ``out = 0``, ``lse = +inf``,
+    ``max_logits = -inf``.
     """
-    check_sparse_prefill_shapes(q, kv, indices, sm_scale, d_v, topk_length)
+    check_sparse_prefill_shapes(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
     s_q, h_q, d_qk = q.shape
     kv = kv.reshape(kv.shape[0], d_qk)
     indices = indices.reshape(s_q, indices.shape[-1])
@@ -257,7 +271,7 @@ def sparse_mla_prefill(
         invalid |= cols[None, :] >= topk_length.long()[:, None]
     safe = torch.where(invalid, 0, idx)
     work = acc_dtype(q.dtype)
-    out = q.new_zeros(s_q, h_q, d_v)
+    out = torch.zeros(s_q, h_q, d_v, dtype=work, device=q.device)
     max_logits = torch.full((s_q, h_q), float("-inf"), dtype=work, device=q.device)
     lse = torch.full((s_q, h_q), float("inf"), dtype=work, device=q.device)
     step = _chunk(topk, d_qk)
@@ -266,7 +280,58 @@ def sparse_mla_prefill(
         rows = kv[safe[a:b]]  # [chunk, topk, d_qk]
         out[a:b], max_logits[a:b], lse[a:b] = _attend_gathered(
             q[a:b], rows, invalid[a:b], sm_scale, d_v)
-    return out, max_logits, lse
+    return apply_attn_sink(out, lse, attn_sink).to(q.dtype), max_logits, lse
+
+
+def _cache_format(name: str, kv_cache: torch.Tensor, is_fp8_kvcache: bool,
+                  q: torch.Tensor, head_dim_v: int) -> None:
+    """One sparse-decode cache's checks: a plain cache in ``q``'s dtype with rows of ``D``,
+    or, with ``is_fp8_kvcache``, ``fp8_ds_mla`` (656 bytes, ``D = 576``) or MODEL1 pages
+    (584 bytes, ``D = 512``), both with ``head_dim_v = 512``."""
+    D = q.shape[-1]
+    check_tensor(name, kv_cache, ndim=(3, 4))
+    if kv_cache.dim() == 4 and kv_cache.shape[2] != 1:
+        raise ValueError(f"{name} must have shape [num_blocks, block_size, row] or "
+                         f"[num_blocks, block_size, 1, row] (one KV head), "
+                         f"got {list(kv_cache.shape)}")
+    row = kv_cache.shape[-1]
+    if not is_fp8_kvcache:
+        check_float(name, kv_cache)
+        if row != D:
+            raise ValueError(f"{name}'s last dim must be q's head dim {D} "
+                             f"({FLASHMLA_D_QK} for DeepSeek-V3.2, {FP8_MODEL1_D_QK} for "
+                             f"DeepSeek-V4; {FP8_DS_MLA_BYTES} or {FP8_MODEL1_BYTES} only with "
+                             f"is_fp8_kvcache=True), got {row}")
+        check_same_dtype(q=q, **{name: kv_cache})
+        return
+    check_tensor(name, kv_cache, dtype=(torch.uint8, torch.float8_e4m3fn))
+    widths = {FP8_DS_MLA_BYTES: (FLASHMLA_D_QK, "fp8_ds_mla"),
+              FP8_MODEL1_BYTES: (FP8_MODEL1_D_QK, "MODEL1")}
+    if row not in widths:
+        raise ValueError(f"{name}'s last dim must be {FP8_DS_MLA_BYTES} (fp8_ds_mla bytes) or "
+                         f"{FP8_MODEL1_BYTES} (MODEL1 bytes) with is_fp8_kvcache=True, "
+                         f"got {row}")
+    d_qk, layout = widths[row]
+    if D != d_qk or head_dim_v != FLASHMLA_D_V:
+        raise ValueError(f"the {layout} cache holds {d_qk}-wide rows with V = {FLASHMLA_D_V}: "
+                         f"q must have head dim {d_qk} and head_dim_v must be {FLASHMLA_D_V}, "
+                         f"got q {list(q.shape)}, head_dim_v={head_dim_v}")
+    if row == FP8_MODEL1_BYTES:
+        fp8_model1_pages(kv_cache, name=name)  # the page layout's strides
+
+
+def _cache_reader(kv_cache: torch.Tensor, is_fp8_kvcache: bool
+                  ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Global slots (any shape, all valid) -> their rows ``[*slots.shape, D]``: the cache's
+    own rows, or bf16 rows dequantized as FlashMLA does."""
+    bs, row = kv_cache.shape[1], kv_cache.shape[-1]
+    if is_fp8_kvcache and row == FP8_MODEL1_BYTES:
+        pages = fp8_model1_pages(kv_cache)
+        return lambda slots: fp8_model1_rows(pages, bs, slots)
+    flat = kv_cache.reshape(kv_cache.shape[0] * bs, row)
+    if is_fp8_kvcache:
+        return lambda slots: torch.cat(dequantize_fp8_ds_mla(flat[slots]), dim=-1)
+    return lambda slots: flat[slots]
 
 
 def sparse_mla_decode(
@@ -277,106 +342,134 @@ def sparse_mla_decode(
     is_fp8_kvcache: bool,
     topk_length: torch.Tensor | None = None,
     head_dim_v: int = 512,
+    *,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's ``flash_mla_with_kvcache`` with ``indices``: sparse decode on the paged cache.
 
     ``q [B, s_q, N, D]``; ``indices [B, s_q, topk]`` int32 global slots
     (``block · block_size + offset``, from ``convert_req_index_to_global_index``), ``-1`` for
     none; ``topk_length [B]`` int32 (request ``b`` uses its first ``topk_length[b]`` indices).
-    The cache is ``[num_blocks, block_size, D]`` in ``q``'s dtype (bf16 in serving), or, with
-    ``is_fp8_kvcache``, ``[num_blocks, block_size, 656]`` uint8 ``fp8_ds_mla`` rows (then
-    ``D = 576`` and ``head_dim_v = 512``), dequantized to bf16 as FlashMLA does. FlashMLA's
-    ``[num_blocks, block_size, 1, ·]`` layout is accepted too. V is the first ``head_dim_v``
-    columns of a row (FlashMLA fixes 512; smaller configs pass ``Lkv``).
+    The cache is ``[num_blocks, block_size, D]`` in ``q``'s dtype, or, with ``is_fp8_kvcache``,
+    uint8 ``fp8_ds_mla`` rows ``[num_blocks, block_size, 656]`` (then ``D = 576``) or the
+    ``[num_blocks, block_size, 584]`` view of MODEL1 pages (``fp8_model1_cache``; then
+    ``D = 512``), both with ``head_dim_v = 512`` and dequantized to bf16 as FlashMLA does.
+    FlashMLA's ``[num_blocks, block_size, 1, ·]`` layout is accepted too. V is the first
+    ``head_dim_v`` columns of a row (the whole row for DeepSeek-V4; smaller configs pass
+    ``Lkv``).
+
+    Keyword-only, FlashMLA's names: ``attn_sink [N]`` float32 (``mla.reference.sink``); a
+    second KV scope ``extra_k_cache`` (the first cache's format, its own block count and
+    page size), ``extra_indices_in_kvcache [B, s_q, extra_topk]`` (global slots of that
+    cache) and ``extra_topk_length [B]``, attended in the same softmax as the first scope.
 
     Returns ``out [B, s_q, N, head_dim_v]`` (``q``'s dtype) and ``lse [B, N, s_q]`` (float32;
-    float64 for float64 ``q``); a lonely query gets ``out = 0`` and ``lse = +inf``.
+    float64 for float64 ``q``) over both scopes and untouched by the sink; a lonely query
+    (no valid entry in either scope) gets ``out = 0`` and ``lse = +inf``.
     """
     check_sparse_decode_shapes(q, kv_cache, indices, softmax_scale, is_fp8_kvcache,
-                               topk_length, head_dim_v)
-    check_sparse_decode_values(kv_cache, indices, topk_length)
+                               topk_length, head_dim_v, attn_sink=attn_sink,
+                               extra_k_cache=extra_k_cache,
+                               extra_indices_in_kvcache=extra_indices_in_kvcache,
+                               extra_topk_length=extra_topk_length)
+    check_sparse_decode_values(kv_cache, indices, topk_length,
+                               extra_k_cache=extra_k_cache,
+                               extra_indices_in_kvcache=extra_indices_in_kvcache,
+                               extra_topk_length=extra_topk_length)
     B, s_q, N, D = q.shape
-    row = kv_cache.shape[-1]
-    topk = indices.shape[2]
-    n_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    idx = indices.long()
-
-    flat = kv_cache.reshape(n_slots, row)
-    invalid = idx < 0
-    if topk_length is not None:
-        cols = torch.arange(topk, device=q.device)
-        invalid |= cols[None, None, :] >= topk_length.long()[:, None, None]
-    safe = torch.where(invalid, 0, idx)
-    out = q.new_zeros(B, s_q, N, head_dim_v)
-    lse = torch.full((B, N, s_q), float("inf"), dtype=acc_dtype(q.dtype), device=q.device)
-    step = _chunk(topk, D)
+    scopes = [(kv_cache, indices, topk_length)]
+    if extra_k_cache is not None:
+        scopes.append((extra_k_cache, extra_indices_in_kvcache, extra_topk_length))
+    # (read, safe slots, invalid) per scope that has slots; a scope without any is all -1
+    gathered = []
+    for cache, idx, length in scopes:
+        if cache.shape[0] * cache.shape[1] == 0:
+            continue
+        idx = idx.long()
+        invalid = idx < 0
+        if length is not None:
+            cols = torch.arange(idx.shape[2], device=q.device)
+            invalid |= cols[None, None, :] >= length.long()[:, None, None]
+        gathered.append((_cache_reader(cache, is_fp8_kvcache), torch.where(invalid, 0, idx),
+                         invalid))
+    work = acc_dtype(q.dtype)
+    out = torch.zeros(B, s_q, N, head_dim_v, dtype=work, device=q.device)
+    lse = torch.full((B, N, s_q), float("inf"), dtype=work, device=q.device)
+    step = _chunk(sum(safe.shape[2] for _, safe, _ in gathered), D)
     for b in range(B):
-        for a in range(0, s_q if n_slots else 0, step):
+        for a in range(0, s_q if gathered else 0, step):
             e = min(a + step, s_q)
-            rows = flat[safe[b, a:e]]  # [chunk, topk, row]
-            if is_fp8_kvcache:
-                kv_c, k_pe = dequantize_fp8_ds_mla(rows)
-                rows = torch.cat([kv_c, k_pe], dim=-1)
-            o, _, l_ = _attend_gathered(q[b, a:e], rows, invalid[b, a:e], softmax_scale,
-                                        head_dim_v)
+            rows = torch.cat([read(safe[b, a:e]) for read, safe, _ in gathered], dim=1)
+            invalid = torch.cat([inv[b, a:e] for _, _, inv in gathered], dim=1)
+            o, _, l_ = _attend_gathered(q[b, a:e], rows, invalid, softmax_scale, head_dim_v)
             out[b, a:e] = o
             lse[b, :, a:e] = l_.T
-    return out, lse
+    return apply_attn_sink(out, lse.transpose(1, 2), attn_sink).to(q.dtype), lse
 
 
 def check_sparse_decode_shapes(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
                                softmax_scale: float, is_fp8_kvcache: bool,
-                               topk_length: torch.Tensor | None, head_dim_v: int) -> None:
+                               topk_length: torch.Tensor | None, head_dim_v: int, *,
+                               attn_sink: torch.Tensor | None = None,
+                               extra_k_cache: torch.Tensor | None = None,
+                               extra_indices_in_kvcache: torch.Tensor | None = None,
+                               extra_topk_length: torch.Tensor | None = None) -> None:
     """Shape, dtype, device and scalar checks of ``sparse_mla_decode``: no device read."""
     check_float("q", q, ndim=4)
     B, s_q, N, D = q.shape
     if not isinstance(is_fp8_kvcache, bool):
         raise TypeError(f"is_fp8_kvcache must be a bool, got {type(is_fp8_kvcache).__name__}")
-    check_tensor("kv_cache", kv_cache, ndim=(3, 4))
-    if kv_cache.dim() == 4 and kv_cache.shape[2] != 1:
-        raise ValueError(f"kv_cache must have shape [num_blocks, block_size, row] or "
-                         f"[num_blocks, block_size, 1, row] (one KV head), "
-                         f"got {list(kv_cache.shape)}")
-    row = kv_cache.shape[-1]
-    if is_fp8_kvcache:
-        check_tensor("kv_cache", kv_cache, dtype=(torch.uint8, torch.float8_e4m3fn))
-        if row != FP8_DS_MLA_BYTES:
-            raise ValueError(f"kv_cache's last dim must be {FP8_DS_MLA_BYTES} (fp8_ds_mla bytes) "
-                             f"with is_fp8_kvcache=True, got {row}")
-        if D != FLASHMLA_D_QK or head_dim_v != FLASHMLA_D_V:
-            raise ValueError(f"the fp8_ds_mla cache holds {FLASHMLA_D_QK}-wide rows with V = "
-                             f"{FLASHMLA_D_V}: q must have head dim {FLASHMLA_D_QK} and "
-                             f"head_dim_v must be {FLASHMLA_D_V}, got q {list(q.shape)}, "
-                             f"head_dim_v={head_dim_v}")
-    else:
-        check_float("kv_cache", kv_cache)
-        if row != D:
-            raise ValueError(f"kv_cache's last dim must be q's head dim {D} "
-                             f"({FLASHMLA_D_QK} for DeepSeek; {FP8_DS_MLA_BYTES} only with "
-                             f"is_fp8_kvcache=True), got {row}")
-        check_same_dtype(q=q, kv_cache=kv_cache)
-    check_index("indices", indices, ndim=3, dtype=(torch.int32,))
-    if list(indices.shape[:2]) != [B, s_q]:
-        raise ValueError(f"indices must have shape [{B}, {s_q}, topk] (q's batch and s_q), "
-                         f"got {list(indices.shape)}")
-    check_same_device(q=q, kv_cache=kv_cache, indices=indices)
     check_scale("softmax_scale", softmax_scale)
     check_positive_int("head_dim_v", head_dim_v)
     if head_dim_v > D:
         raise ValueError(f"head_dim_v must be <= q's head dim {D}, got {head_dim_v}")
-    _check_topk_length_shape(topk_length, B, q.device)
+    if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
+        raise ValueError("extra_k_cache and extra_indices_in_kvcache must be given together "
+                         "(the second KV scope) or both be None")
+    if extra_topk_length is not None and extra_k_cache is None:
+        raise ValueError("extra_topk_length needs the second KV scope (extra_k_cache and "
+                         "extra_indices_in_kvcache)")
+    scopes = [("kv_cache", kv_cache, "indices", indices, "topk_length", topk_length)]
+    if extra_k_cache is not None:
+        scopes.append(("extra_k_cache", extra_k_cache, "extra_indices_in_kvcache",
+                       extra_indices_in_kvcache, "extra_topk_length", extra_topk_length))
+    for cache_name, cache, idx_name, idx, length_name, length in scopes:
+        _cache_format(cache_name, cache, is_fp8_kvcache, q, head_dim_v)
+        check_index(idx_name, idx, ndim=3, dtype=(torch.int32,))
+        if list(idx.shape[:2]) != [B, s_q]:
+            raise ValueError(f"{idx_name} must have shape [{B}, {s_q}, topk] (q's batch and "
+                             f"s_q), got {list(idx.shape)}")
+        check_same_device(q=q, **{cache_name: cache, idx_name: idx})
+        _check_topk_length_shape(length, B, q.device, length_name)
+    if extra_k_cache is not None and extra_k_cache.shape[-1] != kv_cache.shape[-1]:
+        raise ValueError(f"extra_k_cache must have kv_cache's format (rows of "
+                         f"{kv_cache.shape[-1]}), got {list(extra_k_cache.shape)}")
+    check_attn_sink(attn_sink, N, q.device)
 
 
 def check_sparse_decode_values(kv_cache: torch.Tensor, indices: torch.Tensor,
-                               topk_length: torch.Tensor | None) -> None:
-    """Value checks of ``sparse_mla_decode`` (``topk_length`` and ``indices`` ranges): these
-    read device tensors on the host."""
-    _check_topk_length_values(topk_length, indices.shape[2], "one per request")
-    n_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    idx = indices.long()
-    if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= n_slots):
-        raise ValueError(f"indices must lie in [-1, {n_slots}) (-1 = none; the cache has "
-                         f"{n_slots} slots), got range [{int(idx.min())}, {int(idx.max())}]")
+                               topk_length: torch.Tensor | None, *,
+                               extra_k_cache: torch.Tensor | None = None,
+                               extra_indices_in_kvcache: torch.Tensor | None = None,
+                               extra_topk_length: torch.Tensor | None = None) -> None:
+    """Value checks of ``sparse_mla_decode`` (``topk_length`` and ``indices`` ranges, of both
+    scopes): these read device tensors on the host."""
+    scopes = [("kv_cache", kv_cache, "indices", indices, "topk_length", topk_length)]
+    if extra_k_cache is not None:
+        assert extra_indices_in_kvcache is not None
+        scopes.append(("extra_k_cache", extra_k_cache, "extra_indices_in_kvcache",
+                       extra_indices_in_kvcache, "extra_topk_length", extra_topk_length))
+    for cache_name, cache, idx_name, idx, length_name, length in scopes:
+        _check_topk_length_values(length, idx.shape[2], "one per request", length_name)
+        n_slots = cache.shape[0] * cache.shape[1]
+        idx = idx.long()
+        if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= n_slots):
+            raise ValueError(f"{idx_name} must lie in [-1, {n_slots}) (-1 = none; {cache_name} "
+                             f"has {n_slots} slots), got range [{int(idx.min())}, "
+                             f"{int(idx.max())}]")
 
 
 def sparse_index_mask(indices: torch.Tensor, s_kv: int,
