@@ -313,9 +313,10 @@ def _cache_format(name: str, kv_cache: torch.Tensor, is_fp8_kvcache: bool,
                          f"got {row}")
     d_qk, layout = widths[row]
     if D != d_qk or head_dim_v != FLASHMLA_D_V:
-        raise ValueError(f"the {layout} cache holds {d_qk}-wide rows with V = {FLASHMLA_D_V}: "
-                         f"q must have head dim {d_qk} and head_dim_v must be {FLASHMLA_D_V}, "
-                         f"got q {list(q.shape)}, head_dim_v={head_dim_v}")
+        raise ValueError(f"{name} is a {layout} cache ({row} bytes a token), whose rows are "
+                         f"{d_qk} wide with V = {FLASHMLA_D_V}: q must have head dim {d_qk} "
+                         f"and head_dim_v must be {FLASHMLA_D_V}, got q {list(q.shape)}, "
+                         f"head_dim_v={head_dim_v}")
     if row == FP8_MODEL1_BYTES:
         fp8_model1_pages(kv_cache, name=name)  # the page layout's strides
 
