@@ -28,6 +28,12 @@ the columns ``j >= topk_length[t]``. A repeated index counts once per appearance
 FlashMLA's reference. A "lonely" query, whose entries are all invalid, gets ``out = 0``,
 ``lse = +inf`` (so that merging it with another state keeps the other side) and
 ``max_logits = -inf`` (the max of an empty set, FlashMLA's reference value).
+
+DeepSeek-V4 (conventions §14): an attention sink (``attn_sink``, applied once by
+``mla.reference.sink`` after the softmax, the lse unchanged), ``d_qk = 512`` rows with V the
+whole row, the MODEL1 fp8 cache (read by ``fp8_model1_rows``), and, in the decode, a second
+KV scope (``extra_k_cache``, its indices and lengths) whose entries join the first scope's in
+one softmax, as if both were one selection.
 """
 
 from __future__ import annotations
