@@ -290,7 +290,7 @@ def sparse_mla_prefill(
 
 
 def _cache_format(name: str, kv_cache: torch.Tensor, is_fp8_kvcache: bool,
-                  q: torch.Tensor, head_dim_v: int) -> None:
+                  q: torch.Tensor, head_dim_v: int, fp8_layouts: tuple[str, ...]) -> None:
     """One sparse-decode cache's checks: a plain cache in ``q``'s dtype with rows of ``D``,
     or, with ``is_fp8_kvcache``, ``fp8_ds_mla`` (656 bytes, ``D = 576``) or MODEL1 pages
     (584 bytes, ``D = 512``), both with ``head_dim_v = 512``."""
@@ -318,6 +318,9 @@ def _cache_format(name: str, kv_cache: torch.Tensor, is_fp8_kvcache: bool,
                          f"{FP8_MODEL1_BYTES} (MODEL1 bytes) with is_fp8_kvcache=True, "
                          f"got {row}")
     d_qk, layout = widths[row]
+    if layout not in fp8_layouts:
+        raise ValueError(f"{name} is a {layout} cache ({row} bytes a token), which this kernel "
+                         f"does not read (it reads {', '.join(fp8_layouts)})")
     if D != d_qk or head_dim_v != FLASHMLA_D_V:
         raise ValueError(f"{name} is a {layout} cache ({row} bytes a token), whose rows are "
                          f"{d_qk} wide with V = {FLASHMLA_D_V}: q must have head dim {d_qk} "
@@ -381,7 +384,8 @@ def sparse_mla_decode(
                                topk_length, head_dim_v, attn_sink=attn_sink,
                                extra_k_cache=extra_k_cache,
                                extra_indices_in_kvcache=extra_indices_in_kvcache,
-                               extra_topk_length=extra_topk_length)
+                               extra_topk_length=extra_topk_length,
+                               fp8_layouts=("fp8_ds_mla", "MODEL1"))
     check_sparse_decode_values(kv_cache, indices, topk_length,
                                extra_k_cache=extra_k_cache,
                                extra_indices_in_kvcache=extra_indices_in_kvcache,
@@ -423,8 +427,11 @@ def check_sparse_decode_shapes(q: torch.Tensor, kv_cache: torch.Tensor, indices:
                                attn_sink: torch.Tensor | None = None,
                                extra_k_cache: torch.Tensor | None = None,
                                extra_indices_in_kvcache: torch.Tensor | None = None,
-                               extra_topk_length: torch.Tensor | None = None) -> None:
-    """Shape, dtype, device and scalar checks of ``sparse_mla_decode``: no device read."""
+                               extra_topk_length: torch.Tensor | None = None,
+                               fp8_layouts: tuple[str, ...] = ("fp8_ds_mla",)) -> None:
+    """Shape, dtype, device and scalar checks of ``sparse_mla_decode``: no device read.
+    ``fp8_layouts``: the fp8 caches the caller reads ("fp8_ds_mla", "MODEL1"); another one
+    is refused by name."""
     check_float("q", q, ndim=4)
     B, s_q, N, D = q.shape
     if not isinstance(is_fp8_kvcache, bool):
@@ -444,7 +451,7 @@ def check_sparse_decode_shapes(q: torch.Tensor, kv_cache: torch.Tensor, indices:
         scopes.append(("extra_k_cache", extra_k_cache, "extra_indices_in_kvcache",
                        extra_indices_in_kvcache, "extra_topk_length", extra_topk_length))
     for cache_name, cache, idx_name, idx, length_name, length in scopes:
-        _cache_format(cache_name, cache, is_fp8_kvcache, q, head_dim_v)
+        _cache_format(cache_name, cache, is_fp8_kvcache, q, head_dim_v, fp8_layouts)
         check_index(idx_name, idx, ndim=3, dtype=(torch.int32,))
         if list(idx.shape[:2]) != [B, s_q]:
             raise ValueError(f"{idx_name} must have shape [{B}, {s_q}, topk] (q's batch and "
