@@ -54,6 +54,20 @@ from mla.reference.indexer import (
     q_latent,
     select_topk,
 )
+from mla.reference.indexer_cache import (
+    dequantize_indexer_k,
+    gather_indexer_k_cache,
+    indexer_k_quant_and_cache,
+    quantize_indexer_k,
+    read_indexer_k_cache,
+)
+from mla.reference.indexer_logits import (
+    decode_row_ends,
+    fp8_mqa_logits,
+    fp8_paged_mqa_logits,
+    quantize_indexer_q,
+    top_k_per_row,
+)
 from mla.reference.merge import merge_attn_states, merge_attn_states_list
 from mla.reference.model import chunked_prefill_forward, decode_forward, write_context
 from mla.reference.naive import naive_attention, naive_forward
@@ -94,6 +108,10 @@ __all__ = [
     "indexer_topk", "q_latent", "quantize_fp8_ds_mla", "select_topk", "sparse_decode_forward",
     "sparse_index_mask", "sparse_masked_dense_forward", "sparse_mla_decode",
     "sparse_mla_prefill", "sparse_prefill_forward",
+    # the indexer's fp8 key cache, logits and top-k
+    "decode_row_ends", "dequantize_indexer_k", "fp8_mqa_logits", "fp8_paged_mqa_logits",
+    "gather_indexer_k_cache", "indexer_k_quant_and_cache", "quantize_indexer_k",
+    "quantize_indexer_q", "read_indexer_k_cache", "top_k_per_row",
     # decode context parallelism: rank programs, run by run_simulated or on a process group
     "DCPChunkPlan", "DCPSharding", "cp_lse_ag_out_rs", "dcp_chunked_prefill_forward_rank",
     "dcp_chunked_prefill_rank", "dcp_decode_forward_rank", "dcp_decode_rank",
