@@ -470,6 +470,11 @@ def test_eq34_ue8m0_scales_and_the_round_trip_bound():
     top = quantize_fp8_model1(torch.full((1, 1, 512), torch.finfo(torch.float32).max))
     assert floor.tolist() == [114] * 7 and top[0, 576:583].tolist() == [247] * 7
     assert "byte 114" in TEXT and "byte 247" in TEXT
+    # the overflow corner the paper states: below 248·2^120 finite, above it ∞
+    edge = torch.tensor([247.9, 248.1]).mul(2.0 ** 120)[:, None, None].expand(2, 1, 512)
+    back = dequantize_fp8_model1(quantize_fp8_model1(edge), 1)[:, 0, 0]
+    assert torch.isfinite(back[0]) and torch.isposinf(back[1])
+    assert "`|z| < 248·2^{120} ≈ 3.3·10^{38}`" in TEXT
 
 
 def test_the_model1_sizes_the_paper_states():
