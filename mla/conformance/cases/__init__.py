@@ -6,6 +6,7 @@ from mla.conformance.cases import (
     dcp,
     decode,
     fp8,
+    indexer,
     indices,
     merge,
     paged_cache,
@@ -13,5 +14,5 @@ from mla.conformance.cases import (
     sparse_prefill,
 )
 
-CASE_FAMILIES = (attention, dcp, decode, fp8, indices, merge, paged_cache, sparse_decode,
-                 sparse_prefill)
+CASE_FAMILIES = (attention, dcp, decode, fp8, indexer, indices, merge, paged_cache,
+                 sparse_decode, sparse_prefill)

@@ -1,0 +1,404 @@
+"""Cases of the lightning indexer's kernels: the fp8 key cache, the logits, the top-k.
+
+Kernel names and signatures are ``mla.reference``'s (conventions §10, "Indexer key cache" and
+"Indexer logits and top-k"), named after vLLM's and DeepGEMM's:
+
+- ``indexer_k_quant_and_cache(k [T, 128], kv_cache uint8 [num_blocks, page, 132],
+  slot_mapping [T])``: per page the 128 e4m3 values of every token, then every token's float32
+  scale ``2^ceil(log2(max(amax, 1e-4) / 448))``; slot ``-1`` skipped. Checked byte for byte
+  (quantity "mismatches") on a cache poisoned with ``0xFF`` and holding earlier tokens' bytes.
+  Inputs are bf16 numbers in the setting's dtype, so no byte depends on how a kernel rounds a
+  wider input.
+- ``fp8_paged_mqa_logits(q [B, next_n, H, 128] e4m3, kv_cache, weights [B·next_n, H] float32,
+  context_lens [B], block_tables, max_model_len)`` -> ``[B·next_n, max_model_len]``: query
+  ``n`` sees keys ``0 .. L - next_n + n``, ``-inf`` elsewhere (DeepGEMM's ``clean_logits``);
+  ``logits = k_scale · Σ_h w_h · ReLU(q_h · k_code)``. Rows past each length and unused
+  block-table entries hold NaN (e4m3 code and scale), so a read past a length shows.
+  DeepGEMM's ``schedule_metadata`` is the adapter's business.
+- ``fp8_mqa_logits(q [S, H, 128] e4m3, (k_codes [N, 128], k_scale [N]), weights [S, H],
+  cu_seqlen_ks [S], cu_seqlen_ke [S])`` -> ``[S, N]``: the ragged prefill form.
+- ``top_k_per_row(logits [R, W], row_starts [R], row_ends [R], topk)`` -> int32 ``[R, topk]``:
+  the ``min(topk, end - start)`` best columns of ``[start, end)`` as ``j - start``, ties to the
+  lower index, ``-1`` after. Columns outside the range hold NaN (never read). The order within
+  a row is free (the sparse attention sums over the set): both sides are compared as sets,
+  each row sorted ascending with its ``-1`` last. topk = 2048 as DeepSeek-V3.2.
+
+**The logits' budget** (``Trial.limits``: no table entry exists for these kernels). The inputs
+are exact: e4m3 codes, float32 weights (q's scale folded in) and float32 k scales, and the
+product of two e4m3 numbers (4 significant bits each) is exact in float32. What rounds is
+float32 accumulation: the dot over ``d = 128`` products, the weighted sum over ``H`` heads and
+the final scaling (exact for the cases' ue8m0 scales). Independent roundings add in quadrature,
+so the relative Frobenius error is of order ``sqrt(d·H)·u_32`` (``u_32 = 2^-24``): for
+``H = 64``, ``5.4e-6``, the limit used (``logits_limit``). The reference's own float32 run
+measures 0.9e-7 to 1.3e-7 on these cases, so the limit leaves room for any summation order, and a
+1% error is 2000 times over it. The limit is the same in every setting: the kernel's inputs
+are fp8 and float32 whatever the setting's dtype. A Hopper kernel on FP8 tensor cores, whose
+MMA accumulates with fewer bits than float32 (DeepSeek-V3's report, §3.3.2), may measure above
+it: that is then a finding about the kernel, to be measured before the limit is revisited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from mla.compare import poison_like
+from mla.conformance.cases.common import call_poisoned, long_length
+from mla.conformance.cases.paged_cache import WRAP_MINUS_ONE, scattered_slots
+from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.reference.indexer_cache import (
+    INDEX_DIM,
+    INDEX_K_BYTES,
+    indexer_k_quant_and_cache,
+    quantize_indexer_k,
+    read_indexer_k_cache,
+)
+from mla.reference.indexer_logits import (
+    decode_row_ends,
+    fp8_mqa_logits,
+    fp8_paged_mqa_logits,
+    quantize_indexer_q,
+    top_k_per_row,
+)
+from mla.reference.paged_cache import make_block_table
+
+__all__ = ["logits_limit", "TOPK", "INVERTED_SCALE", "TOKEN_ROWS", "SCALE_IGNORED",
+           "NO_RELU", "NO_WEIGHTS", "CAUSAL_SHORT", "CAUSAL_IGNORED", "TIES_HIGH"]
+
+TOPK = 2048
+HEADS = 64  # DeepSeek-V3.2's index_n_heads
+U32 = 2.0 ** -24
+Outputs = dict[str, torch.Tensor]
+
+INVERTED_SCALE = ("scales stored as 1/scale (the quantizer's multiplier; the page holds "
+                  "k ≈ code·scale)")
+TOKEN_ROWS = ("132-byte token rows (each token's values, then its scale) instead of a page's "
+              "values of all its tokens, then their scales")
+UNROUNDED = "scale max(amax, 1e-4)/448 not rounded up to a power of two (scale_fmt ue8m0)"
+SCALE_IGNORED = "k scale ignored (logits of the e4m3 codes)"
+NO_RELU = "ReLU missing (negative head dots summed)"
+NO_WEIGHTS = "per-head weights not applied (a plain sum over heads)"
+CAUSAL_SHORT = "causal rule off by one: query n sees keys 0..L-next_n+n-1 (one too few)"
+CAUSAL_LONG = "causal rule off by one: query n sees keys 0..L-next_n+n+1 (one too many)"
+CAUSAL_IGNORED = "causal rule ignored (every query sees all L keys)"
+TIES_HIGH = "ties broken toward the higher index; the reference's go to the lower index"
+ABSOLUTE = "indices are columns of the logits, not relative to row_starts (request-local)"
+
+
+def logits_limit(heads: int) -> float:
+    """The logits' ``logits_rel`` limit: ``sqrt(128·heads)·2^-24`` (module doc)."""
+    return math.sqrt(INDEX_DIM * heads) * U32
+
+
+def _bf16_keys(g: torch.Generator, n: int, spread: int = 4) -> torch.Tensor:
+    """bf16 numbers ``[n, 128]``, one gain per token between ``2^-spread`` and ``2^spread``."""
+    gain = 2.0 ** torch.randint(-spread, spread + 1, (n, 1), generator=g)
+    return (torch.randn(n, INDEX_DIM, generator=g, dtype=torch.float64) * gain).to(
+        torch.bfloat16).double()
+
+
+# ---- indexer_k_quant_and_cache -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    tokens: int
+    page: int
+    blocks: int = 3
+    padding: tuple[int, ...] = ()
+    zero_keys: tuple[int, ...] = ()  # tokens whose key is all zeros (the 1e-4 floor)
+    spread: int = 4
+
+
+def _write(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, *, wrap: bool = False,
+           inverted: bool = False, token_rows: bool = False, unrounded: bool = False
+           ) -> torch.Tensor:
+    """``cache`` after a write under a convention (the reference's with none set)."""
+    out = cache.clone()
+    s = slots.clone()
+    if wrap:
+        s[s < 0] = out.shape[0] * out.shape[1] - 1
+    keep = s >= 0
+    if not (inverted or token_rows or unrounded):
+        indexer_k_quant_and_cache(k[keep], out, s[keep])
+        return out
+    codes, scale = quantize_indexer_k(k[keep], None if unrounded else "ue8m0")
+    if inverted:
+        scale = 1.0 / scale
+    if token_rows:
+        rows = torch.cat([codes, scale.contiguous().view(torch.uint8).view(-1, 4)], dim=1)
+        out.view(-1, INDEX_K_BYTES)[s[keep]] = rows
+        return out
+    bs = out.shape[1]
+    flat = out.view(out.shape[0], -1)
+    scale_bytes = scale.contiguous().view(torch.uint8).view(-1, 4)
+    for slot, c, sc in zip(s[keep].tolist(), codes, scale_bytes):
+        p, o = divmod(slot, bs)
+        flat[p, o * INDEX_DIM:(o + 1) * INDEX_DIM] = c
+        flat[p, bs * INDEX_DIM + 4 * o: bs * INDEX_DIM + 4 * o + 4] = sc
+    return out
+
+
+def cache_trial(setting: Setting, spec: CacheSpec, salt: int) -> Trial:
+    g = generator(setting, salt)
+    n_slots = spec.blocks * spec.page
+    slots = torch.tensor(scattered_slots(g, n_slots, spec.page, spec.tokens),
+                         dtype=torch.int64).reshape(spec.tokens)
+    slots[list(spec.padding)] = -1
+    k64 = _bf16_keys(g, spec.tokens, spec.spread)
+    k64[list(spec.zero_keys)] = 0.0
+    k64[list(spec.padding)] = k64[list(spec.padding[:1])]  # one row whichever wraps
+    k = k64.to(setting.dtype)
+    cache = poison_like(torch.empty(spec.blocks, spec.page, INDEX_K_BYTES, dtype=torch.uint8))
+    earlier = torch.nonzero(torch.rand(n_slots, generator=g) < 0.5).flatten()
+    indexer_k_quant_and_cache(_bf16_keys(g, len(earlier)), cache, earlier)
+    dev = setting.device
+    args = (k.to(dev), slots.to(dev))
+
+    def invoke(fn: Callable) -> Outputs:
+        out = cache.to(dev, copy=True)
+        call_poisoned(fn, args[0], out, args[1])
+        return {"kv_cache": out}
+
+    alts: dict[str, Callable[[], Outputs]] = {
+        INVERTED_SCALE: lambda: {"kv_cache": _write(cache, slots, k, inverted=True)},
+        TOKEN_ROWS: lambda: {"kv_cache": _write(cache, slots, k, token_rows=True)},
+        UNROUNDED: lambda: {"kv_cache": _write(cache, slots, k, unrounded=True)}}
+    if spec.padding:
+        alts[WRAP_MINUS_ONE] = lambda: {"kv_cache": _write(cache, slots, k, wrap=True)}
+    return Trial(invoke, {"kv_cache": _write(cache, slots, k)}, {"kv_cache": "mismatches"},
+                 alts)
+
+
+# ---- fp8_paged_mqa_logits and fp8_mqa_logits ---------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LogitsSpec:
+    lens: tuple[int, ...]
+    next_n: int = 1
+    page: int = 64
+    heads: int = HEADS
+    unused_entry: str = "nan_page"  # unused block-table entries: a page of NaN, or "-1"
+
+
+def _fp8_q(g: torch.Generator, rows: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randn(rows, heads, INDEX_DIM, generator=g, dtype=torch.float64)
+    w = torch.randn(rows, heads, generator=g, dtype=torch.float64) * (heads * INDEX_DIM) ** -0.5
+    return quantize_indexer_q(q, w)
+
+
+def _variant(q8: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+             ends: torch.Tensor, width: int, *, relu: bool = True, weights: bool = True,
+             k_scale: bool = True, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 logits ``[S, width]`` of rows ``q8 [S, H, 128]`` over keys ``codes [N, 128]``
+    (``N <= width``), row ``t`` seeing columns ``[starts[t], ends[t])``."""
+    dots = torch.einsum("thd,nd->thn", q8.double(), codes.view(torch.float8_e4m3fn).double())
+    if relu:
+        dots = dots.clamp_min(0.0)
+    ww = w.double() if weights else torch.ones_like(w, dtype=torch.float64)
+    out = torch.einsum("th,thn->tn", ww, dots) * (scale.double() if k_scale else 1.0)
+    full = torch.full((q8.shape[0], width), float("-inf"), dtype=torch.float64)
+    cols = torch.arange(codes.shape[0])[None, :]
+    lo = torch.zeros_like(ends) if starts is None else starts
+    seen = (cols >= lo[:, None]) & (cols < ends[:, None])
+    full[:, :codes.shape[0]] = out.masked_fill(~seen, float("-inf"))
+    return full
+
+
+def _paged_inputs(spec: LogitsSpec, g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    lens = list(spec.lens)
+    table, nb = make_block_table(lens, spec.page, spare_blocks=1,
+                                 seed=int(torch.randint(1 << 30, (1,), generator=g)))
+    cache = poison_like(torch.empty(nb, spec.page, INDEX_K_BYTES, dtype=torch.uint8))  # NaN
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        indexer_k_quant_and_cache(_bf16_keys(g, n), cache,
+                                  table[b].long()[pos // spec.page] * spec.page
+                                  + pos % spec.page)
+    if spec.unused_entry == "nan_page":
+        table = torch.where(table < 0, nb - 1, table)
+    q8, w = _fp8_q(g, len(lens) * spec.next_n, spec.heads)
+    return q8.view(len(lens), spec.next_n, spec.heads, INDEX_DIM), w, cache, table, \
+        torch.tensor(lens, dtype=torch.int32)
+
+
+def paged_trial(setting: Setting, spec: LogitsSpec, salt: int) -> Trial:
+    q8, w, cache, table, lens = _paged_inputs(spec, generator(setting, salt))
+    width = max(spec.lens) + 3
+    dev = setting.device
+    args = tuple(t.to(dev) for t in (q8, cache, w, lens, table))
+
+    def invoke(fn: Callable) -> Outputs:
+        return {"logits": call_poisoned(fn, *args, width)}
+
+    nn = spec.next_n
+    ends = decode_row_ends(lens, nn).long()
+
+    def variant(shift: int = 0, causal: bool = True, **kw: bool) -> Outputs:
+        rows = []
+        for b, n in enumerate(spec.lens):
+            pos = torch.arange(n)
+            codes, scale = read_indexer_k_cache(cache, table[b].long()[pos // spec.page]
+                                                * spec.page + pos % spec.page)
+            e = ends[b * nn:(b + 1) * nn] + shift if causal else torch.full((nn,), n)
+            rows.append(_variant(q8[b], w[b * nn:(b + 1) * nn], codes, scale,
+                                 e.clamp(0, n), width, **kw))
+        return {"logits": torch.cat(rows)}
+
+    alts = {SCALE_IGNORED: lambda: variant(k_scale=False), NO_RELU: lambda: variant(relu=False),
+            NO_WEIGHTS: lambda: variant(weights=False), CAUSAL_SHORT: lambda: variant(shift=-1),
+            CAUSAL_LONG: lambda: variant(shift=1)}
+    if nn > 1:
+        alts[CAUSAL_IGNORED] = lambda: variant(causal=False)
+    expected = fp8_paged_mqa_logits(q8, cache, w.double(), lens, table, width)
+    return Trial(invoke, {"logits": expected}, {"logits": "logits_rel"}, alts,
+                 limits={"logits": logits_limit(spec.heads)})
+
+
+def ragged_trial(setting: Setting, lens: tuple[int, ...], queries: int, salt: int) -> Trial:
+    """Requests of ``lens`` keys, flat; each asks with its last ``queries`` positions."""
+    g = generator(setting, salt)
+    codes, scale = quantize_indexer_k(_bf16_keys(g, sum(lens)))
+    ks, ke, first = [], [], 0
+    for n in lens:
+        for p in range(max(0, n - queries), n):
+            ks.append(first)
+            ke.append(first + p + 1)
+        first += n
+    ks_t, ke_t = torch.tensor(ks, dtype=torch.int32), torch.tensor(ke, dtype=torch.int32)
+    q8, w = _fp8_q(g, len(ks), HEADS)
+    codes8 = codes.view(torch.float8_e4m3fn)
+    dev = setting.device
+    args = (q8.to(dev), (codes8.to(dev), scale.to(dev)), w.to(dev), ks_t.to(dev), ke_t.to(dev))
+
+    def invoke(fn: Callable) -> Outputs:
+        return {"logits": call_poisoned(fn, *args)}
+
+    def variant(shift: int = 0, **kw: bool) -> Outputs:
+        return {"logits": _variant(q8, w, codes, scale, ke_t.long() + shift, first,
+                                   starts=ks_t.long(), **kw)}
+
+    alts = {SCALE_IGNORED: lambda: variant(k_scale=False), NO_RELU: lambda: variant(relu=False),
+            NO_WEIGHTS: lambda: variant(weights=False), CAUSAL_SHORT: lambda: variant(shift=-1)}
+    expected = fp8_mqa_logits(q8, (codes8, scale), w.double(), ks_t, ke_t)
+    return Trial(invoke, {"logits": expected}, {"logits": "logits_rel"}, alts,
+                 limits={"logits": logits_limit(HEADS)})
+
+
+# ---- top_k_per_row -----------------------------------------------------------------------------
+
+def as_sets(idx: object) -> object:
+    """Each row's indices sorted ascending, ``-1`` last (the comparison is of sets)."""
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.is_floating_point():
+        return idx
+    v = idx.detach().cpu().long()
+    big = torch.iinfo(torch.int64).max
+    s = torch.sort(torch.where(v < 0, big, v), dim=1).values
+    return torch.where(s == big, -1, s).to(idx.dtype)
+
+
+def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: bool = False,
+               ties: bool = False) -> Trial:
+    g = generator(setting, salt)
+    width = max(ends) + (97 if offsets else 5)
+    R = len(ends)
+    starts = (torch.randint(0, 90, (R,), generator=g) if offsets
+              else torch.zeros(R, dtype=torch.int64))
+    stop = starts + torch.tensor(ends)
+    logits = torch.randn(R, width, generator=g)
+    if ties:  # a few hundred distinct values: the 2048th place sits inside a run of equals
+        logits = (logits * 40).round() / 40
+    cols = torch.arange(width)[None, :]
+    logits = logits.masked_fill((cols < starts[:, None]) | (cols >= stop[:, None]),
+                                float("nan"))
+    st, en = starts.to(torch.int32), stop.to(torch.int32)
+    dev = setting.device
+    args = (logits.to(dev), st.to(dev), en.to(dev), TOPK)
+
+    def invoke(fn: Callable) -> Outputs:
+        return {"indices": as_sets(call_poisoned(fn, *args))}
+
+    def high_ties() -> Outputs:
+        flipped = top_k_per_row(logits.flip(1), width - en, width - st, TOPK).long()
+        col = width - 1 - (flipped + (width - stop)[:, None])
+        return {"indices": as_sets(torch.where(flipped >= 0, col - starts[:, None], -1)
+                                   .to(torch.int32))}
+
+    want = top_k_per_row(logits, st, en, TOPK)
+    alts = {TIES_HIGH: high_ties}
+    if offsets:
+        alts[ABSOLUTE] = lambda: {"indices": as_sets(torch.where(
+            want >= 0, want + st[:, None], -1).to(torch.int32))}
+    return Trial(invoke, {"indices": as_sets(want)}, {"indices": "mismatches"}, alts)
+
+
+# ---- the catalogue -----------------------------------------------------------------------------
+
+def _reg(kernel: str, name: str, topic: str, doc: str, build: Callable[[Setting], Trial]
+         ) -> None:
+    case(kernel, topic, name=name, doc=doc)(build)
+
+
+_K, _P, _R, _T = ("indexer_k_quant_and_cache", "fp8_paged_mqa_logits", "fp8_mqa_logits",
+                  "top_k_per_row")
+_reg(_K, "page_16_bytes", "index_cache_bytes",
+     "Page 16: each page holds its tokens' 128 e4m3 values, then their float32 power-of-two "
+     "scales, byte for byte, at scattered slots; other bytes untouched.",
+     lambda s: cache_trial(s, CacheSpec(tokens=21, page=16), 900))
+_reg(_K, "page_1_bytes", "index_cache_page_1",
+     "Page 1: a page is one token's 128 value bytes followed by its 4 scale bytes.",
+     lambda s: cache_trial(s, CacheSpec(tokens=9, page=1, blocks=16), 901))
+_reg(_K, "page_64_magnitudes", "index_cache_bytes",
+     "Page 64, keys from 2^-8 to 2^8 and all-zero keys (scale 2^-22 from the 1e-4 floor on "
+     "amax): the scale is max(amax, 1e-4)/448 rounded up to a power of two.",
+     lambda s: cache_trial(s, CacheSpec(tokens=40, page=64, blocks=2, zero_keys=(3, 17),
+                                        spread=8), 902))
+_reg(_K, "padding_slots", "padding",
+     "Slot -1 (first, middle and last token) is padding: nothing is written for it.",
+     lambda s: cache_trial(s, CacheSpec(tokens=8, page=16, padding=(0, 3, 7)), 903))
+
+_reg(_P, "page_1", "pages",
+     "Page 1 with 64 heads: k_scale · Σ_h w_h · ReLU(q_h · k) over keys read one page each.",
+     lambda s: paged_trial(s, LogitsSpec((1, 2, 17), page=1), 910))
+_reg(_P, "page_16_edges", "pages",
+     "Page 16 with lengths 15, 16, 17 and 1: the last page partly full, NaN past each length.",
+     lambda s: paged_trial(s, LogitsSpec((15, 16, 17, 1), page=16), 911))
+_reg(_P, "page_64_long", "lengths",
+     "Page 64 with lengths 63, 64, 65 and a long one (DeepSeek-V3.2's 64 heads of 128).",
+     lambda s: paged_trial(s, LogitsSpec((63, 64, 65, long_length(s.small))), 912))
+_reg(_P, "next_n_2_causal", "causal",
+     "next_n = 2 (one draft token): query n sees keys 0..L-2+n, L counting the new tokens.",
+     lambda s: paged_trial(s, LogitsSpec((2, 64, 65, 130), next_n=2), 913))
+_reg(_P, "next_n_4_page_edge", "causal",
+     "next_n = 4 with the diagonal crossing a page edge (L = 66, 130 at page 64).",
+     lambda s: paged_trial(s, LogitsSpec((66, 130, 4), next_n=4), 914))
+_reg(_P, "rows_without_keys", "empty",
+     "next_n = 3 with L = 0, 1, 2: the first queries see no key, their rows all -inf.",
+     lambda s: paged_trial(s, LogitsSpec((0, 1, 2, 9), next_n=3, page=16), 915))
+_reg(_P, "unused_entries_minus_one", "nan",
+     "Unused block-table entries hold -1 (vLLM's padding): only the length's pages are read.",
+     lambda s: paged_trial(s, LogitsSpec((1, 65, 130), unused_entry="-1"), 916))
+
+_reg(_R, "ragged_requests", "ragged",
+     "Three requests in one flat key array: each query sees its own request's keys up to its "
+     "position, -inf elsewhere.",
+     lambda s: ragged_trial(s, (1, 17, 70), queries=8, salt=920))
+_reg(_R, "chunk_of_a_long_request", "ragged",
+     "The last 16 queries of a long request and a short one: rows of different lengths.",
+     lambda s: ragged_trial(s, (long_length(s.small), 3), queries=16, salt=921))
+
+_reg(_T, "k_2048_long_rows", "topk",
+     "Rows longer than 2048 keys: the 2048 best columns of each row's range, request-local.",
+     lambda s: topk_trial(s, (long_length(s.small) + 2100, 2049, 4000), 930))
+_reg(_T, "fewer_keys_than_k", "short",
+     "Rows of 0, 1, 2047 and 2048 keys: every key is selected and the rest of the row is -1.",
+     lambda s: topk_trial(s, (0, 1, 2047, 2048), 931))
+_reg(_T, "ties_at_the_boundary", "ties",
+     "Logits with many equal values around the 2048th place: ties go to the lower index.",
+     lambda s: topk_trial(s, (3000, 2600, 4100), 932, ties=True))
+_reg(_T, "ragged_row_starts", "offsets",
+     "Rows starting past column 0 (prefill): indices are relative to the row's start; NaN "
+     "outside [start, end) is never read.",
+     lambda s: topk_trial(s, (2500, 10, 2048), 933, offsets=True))
