@@ -402,11 +402,12 @@ save(fig, "attention_sink_factor")
 # **A sink is one more key whose value is zero.** Add a key `⊥` with logit `ℓ_⊥ = ζ_n` and
 # value `v_⊥ = 0`: (7) over `𝒦 ∪ {⊥}` has `lse' = ln(e^{lse} + e^{ζ_n})` and
 # `o' = Σ_s e^{ℓ_s − lse'} v_s + e^{ζ_n − lse'}·0 = e^{lse − lse'}·o`, which is `o^ζ`. The
-# package can build that key without a sink: one more coordinate, `ζ_n/τ` in head `n`'s query
-# (`τ` the scale) and `1` in the extra row only, gives every real key its old logit and `⊥` the
-# logit `ζ_n`; the extra row's V columns are zero. Its output must equal the sink's; its `lse` is
-# `lse'`, which is why the kernels return the real keys' `lse` instead (the merge needs it).
-# The corners: `ζ_n = +∞` zeroes the output, `ζ_n = −∞` leaves it bit for bit.
+# package can build that key without a sink: one more coordinate, `ζ_n/scale` in head `n`'s
+# query (`scale` the example's softmax scale) and `1` in the extra row only, gives every real
+# key its old logit and `⊥` the logit `ζ_n`; the extra row's V columns are zero. Its output
+# must equal the sink's; its `lse` is `lse'`, which is why the kernels return the real keys'
+# `lse` instead (the merge needs it). The corners: `ζ_n = +∞` zeroes the output, `ζ_n = −∞`
+# leaves it bit for bit.
 
 # %%
 sink = lse_ref[0].float()  # one per head: query 0's lse, where the sink takes half
