@@ -8,6 +8,7 @@ import struct
 import pytest
 import torch
 
+from mla.reference.fp8 import act_quant as ref_act_quant
 from mla.reference.indexer import index_scores, select_topk
 from mla.reference.indexer_cache import (
     dequantize_indexer_k,
@@ -228,3 +229,24 @@ def test_top_k_per_row_equals_select_topk_on_masked_scores():
     masked = logits.masked_fill(torch.arange(300)[None, :] >= ends[:, None], float("-inf"))
     got = top_k_per_row(logits, torch.zeros(12, dtype=torch.long), ends, 64)
     assert torch.equal(got, select_topk(masked, 64))
+
+
+def test_the_cache_holds_act_quant_keys_exactly_and_folding_q_scale_changes_nothing():
+    """The official path's keys (``act_quant`` per 128, ue8m0) re-quantize to the same values;
+    q's scale folded into the weights gives ``index_scores`` of the dequantized q."""
+    g = torch.Generator().manual_seed(6)
+    y, s = ref_act_quant(torch.randn(9, 128, generator=g) * 3)
+    official = y.float() * s
+    codes, scale = quantize_indexer_k(official)
+    assert torch.equal(dequantize_indexer_k(codes.view(torch.float8_e4m3fn), scale), official)
+
+    q = torch.randn(4, 8, 128, generator=g, dtype=torch.float64)
+    w = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    q8, w8 = quantize_indexer_q(q, w)
+    qy, qs = ref_act_quant(q)
+    assert torch.equal(q8.view(torch.uint8), qy.view(torch.uint8))
+    got = fp8_mqa_logits(q8, (codes.view(torch.float8_e4m3fn), scale), w8.double(),
+                         torch.zeros(4, dtype=torch.int32), torch.full((4,), 9))
+    want = index_scores(qy.double() * qs.double(), w, official.double(),
+                        torch.full((4,), 8), torch.arange(9))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)  # w8 = w·q_scale in float32
