@@ -54,7 +54,7 @@ def indexer_k_scales(k: torch.Tensor, scale_fmt: str | None = "ue8m0") -> torch.
     check_float("k", k, shape=[None, INDEX_DIM])
     _check_scale_fmt(scale_fmt)
     a = k.float().abs()
-    amax = torch.where(torch.isnan(a), 0.0, a).amax(dim=-1) if a.numel() else a.sum(-1)
+    amax = torch.where(torch.isnan(a), 0.0, a).amax(dim=-1)
     scale = amax.clamp_min(AMAX_FLOOR) / FP8_MAX
     if scale_fmt == "ue8m0":
         scale = torch.pow(2.0, torch.log2(scale).ceil())
