@@ -47,7 +47,8 @@ def quantize_indexer_q(q_index: torch.Tensor, weights: torch.Tensor,
                        scale_fmt: str | None = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
     """``q_index [..., H, 128]``, ``weights [..., H]`` -> ``(q e4m3, weights · q_scale)`` float32:
     DeepSeek's ``act_quant`` per head (one scale per 128 values), the scale folded into the
-    head's weight as its inference code does."""
+    head's weight as its inference code does (vLLM's fused kernel floors amax at 1e-10, not
+    1e-4: they differ only for a head whose values all lie below 1e-4)."""
     check_float("q_index", q_index)
     if q_index.dim() < 2 or q_index.shape[-1] != INDEX_DIM:
         raise ValueError(f"q_index must have shape [..., H, {INDEX_DIM}], got "
