@@ -3,16 +3,13 @@ poisoned allocations."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-
-import torch
 
 from mla.compare import poisoned_alloc
 from mla.config import PRESETS
 
 __all__ = ["D", "DV", "DEFAULT_SCALE", "DEEPSEEK_SCALE", "YARN_SCALE", "call_poisoned",
-           "long_length", "to_device"]
+           "long_length"]
 
 D, DV = 576, 512  # DeepSeek-V2/V3/V3.2: latent 512 + rope 64 per key row; V is the latent
 # Cases outside the "scale" topic pass D ** -0.5, a kernel's usual default: a kernel that
@@ -28,18 +25,7 @@ def long_length(setting_small: bool) -> int:
     return 300 if setting_small else 4133
 
 
-def to_device(device: torch.device, dtype: torch.dtype | None, *ts: torch.Tensor
-              ) -> tuple[torch.Tensor, ...]:
-    """Copies of ``ts`` on ``device``; floating ones in ``dtype`` when given."""
-    return tuple(t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point()
-                      else t.dtype) for t in ts)
-
-
 def call_poisoned(fn: Callable, *args: object, **kwargs: object) -> object:
     """``fn(*args, **kwargs)`` with every buffer it allocates starting as NaN / poison."""
     with poisoned_alloc():
         return fn(*args, **kwargs)
-
-
-def finite_or(x: float, default: float) -> float:
-    return x if math.isfinite(x) else default
