@@ -228,7 +228,7 @@ def test_bibliography_has_the_works_the_issue_names(needle: str):
     assert needle in BIB.read_text()
 
 
-# --- numbers the paper states, recomputed (issue 16: items 1, 2, 9) ------------------------
+# --- numbers the paper states, recomputed (the scale, the crossover, the ridge) -----------
 
 def _eq13_flops(cfg, form: str, sq: float, skv: float) -> float:
     """Eq. (13) with every (query, key) pair computed (``π = Sq·Skv``)."""
@@ -360,7 +360,7 @@ def test_retired_notations_do_not_come_back():
         assert old not in TEXT, old
 
 
-# --- DeepSeek-V4: the sink (31), (32) and the MODEL1 page (33), (34) (issue 15, item 4) ----
+# --- DeepSeek-V4: the sink (31), (32) and the MODEL1 page (33), (34) --------------------
 
 def _sink_by_definition(logits: torch.Tensor, v: torch.Tensor, sink: torch.Tensor
                         ) -> torch.Tensor:
