@@ -35,10 +35,18 @@ def _measure(kernel: str, name: str, ctx: Ctx) -> Measured:
     return Measured(metrics, limits)
 
 
+# topics of conventions mla.fast does not implement yet (DeepSeek-V4's, conventions §14): the
+# catalogue reports them "unsupported" for mla.fast, and the check, which holds mla.fast to
+# what it implements, leaves them out until its kernels take them
+NOT_IN_FAST = frozenset({"sink", "model1", "second_scope"})
+
+
 def catalogue_cases(ctx: Ctx, kernel: str) -> Iterator[Case]:
-    """Every catalogue case of ``kernel``, run on ``mla.fast`` in the context's dtype."""
+    """Every catalogue case of ``kernel`` (but the ``NOT_IN_FAST`` topics), run on
+    ``mla.fast`` in the context's dtype."""
     for c in cases_of([kernel]):
-        yield Case(f"catalogue {c.name}", lambda n=c.name: _measure(kernel, n, ctx))
+        if c.topic not in NOT_IN_FAST:
+            yield Case(f"catalogue {c.name}", lambda n=c.name: _measure(kernel, n, ctx))
 
 
 # kernels whose check is the catalogue alone (the others add their own cases after it)
