@@ -224,7 +224,8 @@ def test_broken_twin_fails_its_topic(twin: Twin):
                 assert twin.names in r.convention, (r.case, r.convention, r.detail)
             else:
                 assert r.detail, r.case
-        if twin.may_fail is not None and r.status != "pass":
+        # "unsupported": DeepSeek-V4's cases, whose keywords the twins do not take
+        if twin.may_fail is not None and r.status not in ("pass", "unsupported"):
             assert r.topic in twin.may_fail, (r.case, r.topic, r.status, r.detail)
 
 

@@ -5,6 +5,7 @@ from mla.conformance.cases import (
     attention,
     dcp,
     decode,
+    deepseek_v4,
     fp8,
     indexer,
     indices,
@@ -14,5 +15,5 @@ from mla.conformance.cases import (
     sparse_prefill,
 )
 
-CASE_FAMILIES = (attention, dcp, decode, fp8, indexer, indices, merge, paged_cache,
+CASE_FAMILIES = (attention, dcp, decode, deepseek_v4, fp8, indexer, indices, merge, paged_cache,
                  sparse_decode, sparse_prefill)

@@ -28,8 +28,10 @@ from mla.conformance.cases.common import (
     DV,
     YARN_SCALE,
     D,
-    call_poisoned,
+    call_v4,
+    draw_sink,
     long_length,
+    sink_alternatives,
 )
 from mla.conformance.catalogue import Setting, Trial, case, generator
 from mla.reference.decode import mla_decode_paged, paged_mqa
@@ -53,6 +55,7 @@ class DecodeSpec:
     q_gain: float = 1.0  # >1: sharper softmax
     dominant: bool = False  # one key per request aligned with its queries
     unused_entry: str = "nan_page"  # what unused block-table entries hold: "nan_page" or "-1"
+    sink: str = ""  # attn_sink (DeepSeek-V4, deepseek_v4.py): "" or a kind of common.draw_sink
 
 
 def _inputs(spec: DecodeSpec, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -79,12 +82,14 @@ def _inputs(spec: DecodeSpec, g: torch.Generator) -> tuple[torch.Tensor, ...]:
 
 def _ref(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
          spec: DecodeSpec, *, scale: float | None = None, causal: bool | None = None,
-         shift: int = 0) -> dict[str, torch.Tensor]:
-    """The float64 reference; ``shift`` moves the causal diagonal (an off-by-one kernel)."""
+         shift: int = 0, attn_sink: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The float64 reference; ``shift`` moves the causal diagonal (an off-by-one kernel,
+    never with a sink)."""
     scale = spec.scale if scale is None else scale
     causal = spec.causal if causal is None else causal
     if shift == 0:
-        out, lse = mla_decode_paged(q, cache, table, lens, scale, causal, spec.dv)
+        out, lse = mla_decode_paged(q, cache, table, lens, scale, causal, spec.dv,
+                                    attn_sink=attn_sink)
     else:
         out, lse = paged_mqa(q, cache, table, [n + shift for n in lens.tolist()],
                              lens.tolist(), scale, causal, spec.dv)
@@ -93,34 +98,42 @@ def _ref(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.
 
 def decode_trial(setting: Setting, spec: DecodeSpec, salt: int) -> Trial:
     """A trial of ``spec``: inputs in the setting's dtype, the reference on upcast copies."""
-    q64, c64, table, lens = _inputs(spec, generator(setting, salt))
+    g = generator(setting, salt)
+    q64, c64, table, lens = _inputs(spec, g)
     q, cache = q64.to(setting.dtype), c64.to(setting.dtype)
     q64, c64 = q.double(), cache.double()  # the reference sees exactly the kernel's inputs
+    # drawn last, so that the cases without a sink keep their inputs
+    sink = draw_sink(g, spec.sink, spec.heads, max(spec.lens)) if spec.sink else None
     dev = setting.device
     args = (q.to(dev), cache.to(dev), table.to(dev), lens.to(dev))
+    dev_sink = {} if sink is None else {"attn_sink": sink.to(dev)}
 
     def invoke(fn: Callable) -> dict[str, torch.Tensor]:
-        out, lse = call_poisoned(fn, *args, spec.scale, spec.causal, spec.dv)
+        out, lse = call_v4(fn, *args, spec.scale, spec.causal, spec.dv, **dev_sink)
         return {"out": out, "lse": lse}
 
     alts: dict[str, Callable[[], dict[str, torch.Tensor]]] = {
         f"softmax scale 1/sqrt({spec.d}) used instead of the scale passed":
-            lambda: _ref(q64, c64, table, lens, spec, scale=spec.d ** -0.5),
+            lambda: _ref(q64, c64, table, lens, spec, scale=spec.d ** -0.5, attn_sink=sink),
         "softmax scale 1/sqrt(head_dim_v) used instead of the scale passed":
-            lambda: _ref(q64, c64, table, lens, spec, scale=spec.dv ** -0.5)}
+            lambda: _ref(q64, c64, table, lens, spec, scale=spec.dv ** -0.5, attn_sink=sink)}
     if spec.causal and spec.s_q > 1:
         alts.update({
             "causal mask ignored (every query sees all L keys)":
-                lambda: _ref(q64, c64, table, lens, spec, causal=False),
+                lambda: _ref(q64, c64, table, lens, spec, causal=False, attn_sink=sink),
             "causal mask off by one: query i sees keys 0..L-s_q+i-1 (one too few)":
                 lambda: _ref(q64, c64, table, lens, spec, shift=-1),
             "causal mask off by one: query i sees keys 0..L-s_q+i+1 (one too many)":
                 lambda: _ref(q64, c64, table, lens, spec, shift=1)})
     elif spec.s_q > 1:
         alts["causal mask applied although causal=False"] = (
-            lambda: _ref(q64, c64, table, lens, spec, causal=True))
-    expected = _ref(q64, c64, table, lens, spec)
+            lambda: _ref(q64, c64, table, lens, spec, causal=True,
+                         attn_sink=sink))
+    expected = _ref(q64, c64, table, lens, spec, attn_sink=sink)
     alts.update(_empty_query_alternatives(expected))
+    if sink is not None:
+        alts.update(sink_alternatives(lambda: _ref(q64, c64, table, lens, spec), expected, sink,
+                                      lambda lse: lse.transpose(1, 2)))
     return Trial(invoke, expected, {"out": "out_rel", "lse": "lse_abs"}, alts)
 
 

@@ -33,7 +33,9 @@ from mla.conformance.cases.common import (
     DV,
     YARN_SCALE,
     D,
-    call_poisoned,
+    call_v4,
+    draw_sink,
+    sink_alternatives,
 )
 from mla.conformance.catalogue import Setting, Trial, case, generator
 from mla.reference.fp8 import (
@@ -45,10 +47,16 @@ from mla.reference.fp8 import (
     TILE,
     quantize_fp8_ds_mla,
 )
+from mla.reference.fp8_model1 import D_NOPE as MODEL1_NOPE
+from mla.reference.fp8_model1 import DATA_BYTES as MODEL1_DATA_BYTES
+from mla.reference.fp8_model1 import NUM_TILES as MODEL1_TILES
+from mla.reference.fp8_model1 import TILE as MODEL1_TILE
+from mla.reference.fp8_model1 import fp8_model1_cache, fp8_model1_pages, quantize_fp8_model1
 from mla.reference.sparse import sparse_mla_decode
 
 __all__ = ["SparseDecodeSpec", "sparse_decode_trial", "draw_indices", "draw_any", "once_each",
-           "scale_alternatives", "split_rows", "unscaled_fp8"]
+           "scale_alternatives", "split_rows", "unscaled_fp8", "model1_cache",
+           "model1_misread", "MODEL1_MISREADS"]
 
 KERNEL = "sparse_mla_decode"
 Outputs = dict[str, torch.Tensor]
@@ -71,6 +79,13 @@ class SparseDecodeSpec:
     refused: bool = False  # invalid inputs: the kernel must raise a ValueError
     repeats: int = 0  # > 0: every query's entries drawn from this many slots
     q_gain: float = 1.0  # > 1: a sharper softmax
+    # DeepSeek-V4 (conventions §14; the cases in deepseek_v4.py): every draw for these comes
+    # after the ones above, so the other cases' inputs do not depend on them
+    d: int = D  # a row's width: 576 (DeepSeek-V3.2) or 512 (DeepSeek-V4)
+    model1: bool = False  # the MODEL1 fp8 cache (d = 512) instead of fp8_ds_mla's
+    sink: str = ""  # attn_sink: "" (none) or a kind of common.draw_sink
+    extra: SparseDecodeSpec | None = None  # the second KV scope: its page, slots, topk,
+    # minus_one, lonely and topk_length (its other fields are the first scope's)
 
 
 def draw_indices(g: torch.Generator, shape: tuple[int, ...], pool: torch.Tensor,
@@ -130,6 +145,8 @@ def _cache(spec: SparseDecodeSpec, g: torch.Generator) -> tuple[torch.Tensor, to
     nb = -(-spec.slots // spec.page)
     n = nb * spec.page
     written, unwritten = split_rows(g, n, (2 * n) // 3)
+    if spec.model1:
+        return model1_cache(g, nb, spec.page, written), written, unwritten
     if spec.fp8:
         flat = torch.full((n, FP8_DS_MLA_BYTES), 0xFF, dtype=torch.uint8)
         kv_c = torch.randn(len(written), D_NOPE, generator=g, dtype=torch.float64)
@@ -137,8 +154,8 @@ def _cache(spec: SparseDecodeSpec, g: torch.Generator) -> tuple[torch.Tensor, to
         k_pe = torch.randn(len(written), D_ROPE, generator=g, dtype=torch.float64)
         flat[written] = quantize_fp8_ds_mla(kv_c, k_pe)
     else:
-        flat = torch.full((n, D), float("nan"), dtype=torch.float64)
-        flat[written] = torch.randn(len(written), D, generator=g, dtype=torch.float64)
+        flat = torch.full((n, spec.d), float("nan"), dtype=torch.float64)
+        flat[written] = torch.randn(len(written), spec.d, generator=g, dtype=torch.float64)
     return flat.view(nb, spec.page, -1), written, unwritten
 
 
@@ -159,6 +176,24 @@ def _indices(spec: SparseDecodeSpec, g: torch.Generator, written: torch.Tensor,
     return idx
 
 
+def model1_cache(g: torch.Generator, nb: int, page: int, written: torch.Tensor) -> torch.Tensor:
+    """The ``[nb, page, 584]`` view of MODEL1 pages (``fp8_model1_cache``) holding random rows
+    at the ``written`` slots and NaN rows elsewhere (NaN scale bytes 0xFF, NaN rope)."""
+    rows = torch.full((nb * page, 512), float("nan"), dtype=torch.float64)
+    rows[written] = torch.randn(len(written), 512, generator=g, dtype=torch.float64)
+    rows[written, MODEL1_TILE:2 * MODEL1_TILE] *= 1e-3  # tiles of different scales
+    return fp8_model1_cache(quantize_fp8_model1(rows.view(nb, page, 512)), page)
+
+
+def _on(cache: torch.Tensor, device: torch.device, model1: bool) -> torch.Tensor:
+    """``cache`` on ``device``; a MODEL1 view moves with its pages (the block stride kept)."""
+    if not model1:
+        return cache.to(device)
+    nb, page = cache.shape[:2]
+    pages = cache.as_strided((nb, cache.stride(0)), (cache.stride(0), 1)).to(device)
+    return fp8_model1_cache(pages, page)
+
+
 def unscaled_fp8(cache: torch.Tensor) -> torch.Tensor:
     """The bytes with every tile scale set to 1.0: a reader that ignores the scales."""
     out = cache.clone()
@@ -172,28 +207,39 @@ def sparse_decode_trial(setting: Setting, spec: SparseDecodeSpec, salt: int) -> 
     """A trial of ``spec``: inputs in the setting's dtype, the reference on upcast copies."""
     g = generator(setting, salt)
     cache64, written, unwritten = _cache(spec, g)
-    q = (torch.randn(spec.batch, spec.s_q, spec.heads, D, generator=g, dtype=torch.float64)
+    q = (torch.randn(spec.batch, spec.s_q, spec.heads, spec.d, generator=g, dtype=torch.float64)
          * spec.q_gain).to(setting.dtype)
     idx = _indices(spec, g, written, unwritten)
     lens = (None if spec.topk_length is None
             else torch.tensor(spec.topk_length, dtype=torch.int32))
-    cache = cache64 if spec.fp8 else cache64.to(setting.dtype)
+    fp8 = spec.fp8 or spec.model1
+    cache = cache64 if fp8 else cache64.to(setting.dtype)
     q64 = q.double()  # the reference sees exactly the kernel's inputs
-    c64 = cache if spec.fp8 else cache.double()
+    c64 = cache if fp8 else cache.double()
+    v4 = _v4_inputs(setting, spec, g)  # DeepSeek-V4's keywords, the reference's (float64) copy
     dev = setting.device
-    args = (q.to(dev), cache.to(dev), idx.to(dev))
+    args = (q.to(dev), _on(cache, dev, spec.model1), idx.to(dev))
     dev_lens = None if lens is None else lens.to(dev)
+    dev_v4 = {k: _on(v, dev, spec.model1) if k == "extra_k_cache" else v.to(dev)
+              for k, v in v4.items() if k != "extra_k_cache64"}
 
     def invoke(fn: Callable) -> Outputs:
-        out, lse = call_poisoned(fn, *args, spec.scale, spec.fp8, dev_lens, DV)
+        out, lse = call_v4(fn, *args, spec.scale, fp8, dev_lens, DV, model1=spec.model1,
+                           **dev_v4)
         return {"out": out, "lse": lse}
 
     def ref(scale: float = spec.scale, indices: torch.Tensor = idx,
-            topk_length: torch.Tensor | None = lens, kv: torch.Tensor = c64) -> Outputs:
-        out, lse = sparse_mla_decode(q64, kv, indices, scale, spec.fp8, topk_length, DV)
+            topk_length: torch.Tensor | None = lens, kv: torch.Tensor = c64,
+            fp8: bool = fp8, **changed: torch.Tensor | None) -> Outputs:
+        kw = {k: v for k, v in v4.items() if k != "extra_k_cache64"}
+        if "extra_k_cache" in kw:
+            kw["extra_k_cache"] = v4["extra_k_cache64"]
+        kw.update(changed)
+        out, lse = sparse_mla_decode(q64, kv, indices, scale, fp8, topk_length, DV,
+                                     **{k: v for k, v in kw.items() if v is not None})
         return {"out": out, "lse": lse}
 
-    alts = scale_alternatives(lambda sc: ref(scale=sc), D, DV)
+    alts = scale_alternatives(lambda sc: ref(scale=sc), spec.d, DV)
     if bool((idx == -1).any()):
         last = cache.shape[0] * cache.shape[1] - 1
         alts["-1 entries read slot 0 instead of being dropped"] = (
@@ -210,9 +256,111 @@ def sparse_decode_trial(setting: Setting, spec: SparseDecodeSpec, salt: int) -> 
             lambda: ref(kv=unscaled_fp8(cache)))
     if spec.refused:
         return Trial(invoke, {}, {}, refuses=(ValueError,))
-    return Trial(invoke, ref(), {"out": "out_rel", "lse": "lse_abs"}, alts)
+    expected = ref()
+    alts.update(_v4_alternatives(spec, v4, ref, expected, c64))
+    return Trial(invoke, expected, {"out": "out_rel", "lse": "lse_abs"}, alts)
 
 
+def _v4_inputs(setting: Setting, spec: SparseDecodeSpec, g: torch.Generator
+               ) -> dict[str, torch.Tensor]:
+    """The keywords of DeepSeek-V4's cases (conventions §14), drawn after everything else:
+    ``attn_sink`` and the second KV scope, whose float64 cache is ``extra_k_cache64``."""
+    v4: dict[str, torch.Tensor] = {}
+    if spec.extra is not None:
+        extra = dataclasses.replace(spec, page=spec.extra.page, slots=spec.extra.slots,
+                                    topk=spec.extra.topk, minus_one=spec.extra.minus_one,
+                                    lonely=spec.extra.lonely,
+                                    topk_length=spec.extra.topk_length, extra=None)
+        cache64, written, unwritten = _cache(extra, g)
+        v4["extra_k_cache64"] = cache64 if spec.model1 else cache64.to(setting.dtype).double()
+        v4["extra_k_cache"] = cache64 if spec.model1 else cache64.to(setting.dtype)
+        v4["extra_indices_in_kvcache"] = _indices(extra, g, written, unwritten)
+        if extra.topk_length is not None:
+            v4["extra_topk_length"] = torch.tensor(extra.topk_length, dtype=torch.int32)
+    if spec.sink:
+        keys = spec.topk + (spec.extra.topk if spec.extra is not None else 0)
+        v4["attn_sink"] = draw_sink(g, spec.sink, spec.heads, keys)
+    return v4
+
+
+def _v4_alternatives(spec: SparseDecodeSpec, v4: dict[str, torch.Tensor],
+                     ref: Callable[..., Outputs], expected: Outputs, kv: torch.Tensor
+                     ) -> dict[str, Callable[[], Outputs]]:
+    """Other answers under DeepSeek-V4's conventions: a sink taken wrong, the second scope
+    ignored, the MODEL1 bytes misread."""
+    def heads_last(lse: torch.Tensor) -> torch.Tensor:
+        return lse.transpose(1, 2)
+
+    alts: dict[str, Callable[[], Outputs]] = {}
+    if "attn_sink" in v4:
+        alts.update(sink_alternatives(lambda: ref(attn_sink=None), expected, v4["attn_sink"],
+                                      heads_last))
+    if "extra_k_cache" in v4:
+        alts["second KV scope ignored (extra_k_cache and its indices not read)"] = (
+            lambda: ref(extra_k_cache=None, extra_indices_in_kvcache=None,
+                        extra_topk_length=None))
+        if "extra_topk_length" in v4:
+            alts["extra_topk_length ignored: all extra_topk entries used"] = (
+                lambda: ref(extra_topk_length=None))
+        if "attn_sink" in v4:
+            alts["attn_sink applied per scope (each scope's output scaled by its own sink "
+                 "factor, then merged) instead of once"] = lambda: _sink_per_scope(ref, v4)
+    if spec.model1:
+        for how, why in MODEL1_MISREADS.items():
+            alts[why] = lambda how=how: _model1_misread_ref(ref, kv, v4, how)
+    return alts
+
+
+def _sink_per_scope(ref: Callable[..., Outputs], v4: dict[str, torch.Tensor]) -> Outputs:
+    """Each scope attended alone with the sink, the two states merged by their lse: what a
+    kernel that applies the sink before merging its scopes returns."""
+    no_extra = {"extra_k_cache": None, "extra_indices_in_kvcache": None,
+                "extra_topk_length": None}
+    first = ref(**no_extra)
+    second = ref(kv=v4["extra_k_cache64"], indices=v4["extra_indices_in_kvcache"],
+                 topk_length=v4.get("extra_topk_length"), **no_extra)
+    lse1, lse2 = (torch.where(torch.isposinf(s["lse"]), -math.inf, s["lse"])
+                  for s in (first, second))
+    lse = torch.logaddexp(lse1, lse2)
+    seen = torch.isfinite(lse)
+    out = sum(torch.where(seen, torch.exp(part - lse), 0.0).transpose(1, 2)[..., None] * s["out"]
+              for part, s in ((lse1, first), (lse2, second)))
+    return {"out": out, "lse": torch.where(seen, lse, math.inf)}
+
+
+# misreadings of the MODEL1 bytes: how -> what the report says
+MODEL1_MISREADS = {
+    "tile128": "MODEL1 scales read as fp8_ds_mla's: one per 128 nope values (tile t of 128 "
+               "takes scale byte t) instead of one per 64",
+    "rope_e4m3": "MODEL1 rope read as e4m3 (its first 64 bytes, unscaled) instead of 64 "
+                 "bfloat16 values",
+}
+
+
+def model1_misread(cache: torch.Tensor, how: str) -> torch.Tensor:
+    """The float64 rows ``[nb, page, 512]`` a reader of the MODEL1 view ``cache`` that
+    misreads it as ``how`` (``MODEL1_MISREADS``) sees."""
+    nb, page = cache.shape[:2]
+    pages = fp8_model1_pages(cache)
+    data = pages[:, :MODEL1_DATA_BYTES * page].reshape(nb, page, MODEL1_DATA_BYTES)
+    codes = pages[:, MODEL1_DATA_BYTES * page:].reshape(nb, page, -1)[..., :MODEL1_TILES]
+    if how == "tile128":
+        codes = codes[..., [t // 2 for t in range(MODEL1_TILES)]]
+    scale = torch.where(codes == 0xFF, math.nan, torch.pow(2.0, codes.double() - 127))
+    nope = data[..., :MODEL1_NOPE].contiguous().view(torch.float8_e4m3fn).double()
+    nope = (nope.unflatten(-1, (MODEL1_TILES, MODEL1_TILE)) * scale[..., None]).flatten(-2)
+    if how == "rope_e4m3":
+        rope = data[..., MODEL1_NOPE:MODEL1_NOPE + 64].contiguous().view(torch.float8_e4m3fn)
+    else:
+        rope = data[..., MODEL1_NOPE:].contiguous().view(torch.bfloat16)
+    return torch.cat([nope, rope.double()], dim=-1)
+
+
+def _model1_misread_ref(ref: Callable[..., Outputs], kv: torch.Tensor,
+                        v4: dict[str, torch.Tensor], how: str) -> Outputs:
+    extra = ({"extra_k_cache": model1_misread(v4["extra_k_cache64"], how)}
+             if "extra_k_cache64" in v4 else {})
+    return ref(kv=model1_misread(kv, how), fp8=False, **extra)
 def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], SparseDecodeSpec],
               salt: int) -> None:
     case(KERNEL, topic, name=name, doc=doc)(lambda s: sparse_decode_trial(s, spec(s), salt))

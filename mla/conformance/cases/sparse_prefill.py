@@ -30,7 +30,9 @@ from mla.conformance.cases.common import (
     DV,
     YARN_SCALE,
     D,
-    call_poisoned,
+    call_v4,
+    draw_sink,
+    sink_alternatives,
 )
 from mla.conformance.cases.sparse_decode import (
     draw_any,
@@ -65,6 +67,9 @@ class SparsePrefillSpec:
     repeats: int = 0  # > 0: every query's entries drawn from this many rows
     q_gain: float = 1.0
     refused: bool = False  # invalid inputs: the kernel must raise a ValueError
+    # DeepSeek-V4 (conventions §14; the cases in deepseek_v4.py), drawn after the rest
+    d: int = D  # a row's width: 576 (DeepSeek-V3.2) or 512 (DeepSeek-V4, V the whole row)
+    sink: str = ""  # attn_sink: "" (none) or a kind of common.draw_sink
 
 
 def _kv(spec: SparsePrefillSpec, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor,
@@ -72,8 +77,8 @@ def _kv(spec: SparsePrefillSpec, g: torch.Generator) -> tuple[torch.Tensor, torc
     """float64 ``kv [s_kv, D]``, its written rows and its unwritten (NaN) ones."""
     n = spec.s_kv
     written, unwritten = split_rows(g, n, (3 * n) // 4)
-    kv = torch.full((n, D), float("nan"), dtype=torch.float64)
-    kv[written] = torch.randn(len(written), D, generator=g, dtype=torch.float64)
+    kv = torch.full((n, spec.d), float("nan"), dtype=torch.float64)
+    kv[written] = torch.randn(len(written), spec.d, generator=g, dtype=torch.float64)
     return kv, written, unwritten
 
 
@@ -97,31 +102,35 @@ def sparse_prefill_trial(setting: Setting, spec: SparsePrefillSpec, salt: int) -
     """A trial of ``spec``: inputs in the setting's dtype, the reference on upcast copies."""
     g = generator(setting, salt)
     kv64, written, unwritten = _kv(spec, g)
-    q = (torch.randn(spec.s_q, spec.heads, D, generator=g, dtype=torch.float64)
+    q = (torch.randn(spec.s_q, spec.heads, spec.d, generator=g, dtype=torch.float64)
          * spec.q_gain).to(setting.dtype)
     kv = kv64.to(setting.dtype)
     idx = _indices(spec, g, written, unwritten)
     lens = (None if spec.topk_length is None
             else torch.tensor(spec.topk_length, dtype=torch.int32))
     q64, kv64 = q.double(), kv.double()  # the reference sees exactly the kernel's inputs
+    sink = draw_sink(g, spec.sink, spec.heads, spec.topk) if spec.sink else None
     dev = setting.device
     args = (q.to(dev), kv.to(dev), idx.to(dev))
     dev_lens = None if lens is None else lens.to(dev)
+    dev_sink = {} if sink is None else {"attn_sink": sink.to(dev)}
 
     def invoke(fn: Callable) -> Outputs:
-        out, max_logits, lse = call_poisoned(fn, *args, spec.scale, DV, dev_lens)
+        out, max_logits, lse = call_v4(fn, *args, spec.scale, DV, dev_lens, **dev_sink)
         return {"out": out, "max_logits": max_logits, "lse": lse}
 
     def ref(scale: float = spec.scale, indices: torch.Tensor = idx,
-            topk_length: torch.Tensor | None = lens) -> Outputs:
-        out, max_logits, lse = sparse_mla_prefill(q64, kv64, indices, scale, DV, topk_length)
+            topk_length: torch.Tensor | None = lens,
+            attn_sink: torch.Tensor | None = sink) -> Outputs:
+        out, max_logits, lse = sparse_mla_prefill(q64, kv64, indices, scale, DV, topk_length,
+                                                  attn_sink=attn_sink)
         return {"out": out, "max_logits": max_logits, "lse": lse}
 
     if spec.refused:
         return Trial(invoke, {}, {}, refuses=(ValueError,))
     expected = ref()
     lonely = torch.isposinf(expected["lse"])
-    alts = scale_alternatives(lambda sc: ref(scale=sc), D, DV)
+    alts = scale_alternatives(lambda sc: ref(scale=sc), spec.d, DV)
     alts.update({
         "max_logits in base 2 (logits times log2 e); the reference's is the scaled logit":
             lambda: {**expected, "max_logits": expected["max_logits"] * LOG2E},
@@ -147,6 +156,9 @@ def sparse_prefill_trial(setting: Setting, spec: SparsePrefillSpec, salt: int) -
     if spec.repeats:
         alts["a repeated index counted once; the reference counts every appearance"] = (
             lambda: ref(indices=once_each(idx)))
+    if sink is not None:
+        alts.update(sink_alternatives(lambda: ref(attn_sink=None), expected, sink,
+                                      lambda lse: lse))
     return Trial(invoke, expected,
                  {"out": "out_rel", "max_logits": "max_abs", "lse": "lse_abs"}, alts)
 
