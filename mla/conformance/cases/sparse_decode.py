@@ -16,7 +16,8 @@ unmasked gather) or as the last slot (Python's negative indexing) gives finite o
 report can name. A query's entries are distinct (as the indexer's top-k are) except in the
 "repeats" topic; only the "sentinels" topic has scattered ``-1`` entries, only "empty" and
 "topk_length" have lonely queries, only "topk_length" passes ``topk_length`` and only "scale"
-passes a scale other than ``1/sqrt(D)``.
+passes a scale other than ``1/sqrt(D)``. DeepSeek-V4's cases (``deepseek_v4.py``: a sink, the
+MODEL1 cache, a second KV scope, rows of 512) are built here too, under their own topics.
 """
 
 from __future__ import annotations
