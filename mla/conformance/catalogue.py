@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
 __all__ = ["KERNELS", "Setting", "Trial", "Case", "CATALOGUE", "case", "cases_of",
-           "Unsupported", "generator"]
+           "spec_cases", "Unsupported", "generator"]
 
 # the kernels a target can supply, by mla.reference's names (cp_lse_ag_out_rs: the DCP
 # correction, run once per rank over a simulated communicator; the last four: the lightning
@@ -108,6 +109,18 @@ def case(kernel: str, topic: str, name: str | None = None,
         CATALOGUE[key] = Case(kernel, name or fn.__name__, topic, text, fn)
         return fn
     return deco
+
+
+def spec_cases(kernel: str, trial: Callable[[Setting, Any, int], Trial]
+               ) -> Callable[[str, str, str, Any, int], None]:
+    """How a family registers cases built from specs: ``register(name, topic, doc, spec,
+    salt)`` adds ``kernel/name`` whose trial is ``trial(setting, spec, salt)``; ``spec`` is a
+    spec, or a function of the setting giving one (lengths that shrink under the
+    interpreter)."""
+    def register(name: str, topic: str, doc: str, spec: Any, salt: int) -> None:
+        case(kernel, topic, name=name, doc=doc)(
+            lambda s: trial(s, spec(s) if callable(spec) else spec, salt))
+    return register
 
 
 def cases_of(kernels: list[str] | None = None, names: list[str] | None = None) -> Iterator[Case]:

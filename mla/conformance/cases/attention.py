@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from mla.conformance.cases.common import DEEPSEEK_SCALE, DV, YARN_SCALE, D, call_poisoned
-from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
 from mla.reference.attention import attention_with_lse, default_positions
 
 __all__ = ["AttentionSpec", "attention_trial"]
@@ -149,10 +149,7 @@ def attention_trial(setting: Setting, spec: AttentionSpec, salt: int) -> Trial:
                  _alternatives(spec, q64, k64, v64, q_pos, k_pos, expected))
 
 
-def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], AttentionSpec],
-              salt: int) -> None:
-    case(KERNEL, topic, name=name, doc=doc)(lambda s: attention_trial(s, spec(s), salt))
-
+_register = spec_cases(KERNEL, attention_trial)
 
 def _context(small: bool) -> int:
     """A long key set: several tiles on a GPU, short under the interpreter."""

@@ -30,7 +30,7 @@ import torch
 from mla.compare import budget, rel_err
 from mla.conformance.cases.common import DV, call_poisoned
 from mla.conformance.cases.merge import LN2, NAN_QUANTITIES, lse_dtype, nan_split
-from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
 from mla.reference.dcp.comm import Communicator, run_simulated
 from mla.reference.dcp.decode import cp_lse_ag_out_rs
 
@@ -214,10 +214,7 @@ def dcp_trial(setting: Setting, spec: DcpSpec, salt: int) -> Trial:
                  budget_kernel="merge_attn_states", limits=limits)
 
 
-def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], DcpSpec],
-              salt: int) -> None:
-    case(KERNEL, topic, name=name, doc=doc)(lambda s: dcp_trial(s, spec(s), salt))
-
+_register = spec_cases(KERNEL, dcp_trial)
 
 # ---- rank and head counts -------------------------------------------------------------------
 _register("ranks_2", "ranks",

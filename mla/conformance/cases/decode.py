@@ -33,7 +33,7 @@ from mla.conformance.cases.common import (
     long_length,
     sink_alternatives,
 )
-from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
 from mla.reference.decode import mla_decode_paged, paged_mqa
 from mla.reference.paged_cache import make_block_table
 
@@ -156,10 +156,7 @@ def _empty_query_alternatives(expected: dict[str, torch.Tensor]
             "(its lse, +inf, agrees)": lambda: nan_out(math.inf)}
 
 
-def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], DecodeSpec],
-              salt: int) -> None:
-    case(KERNEL, topic, name=name, doc=doc)(lambda s: decode_trial(s, spec(s), salt))
-
+_register = spec_cases(KERNEL, decode_trial)
 
 def _edges(page: int) -> tuple[int, ...]:
     return (1, page - 1 if page > 1 else 2, page, page + 1)

@@ -23,8 +23,6 @@ or refuses the MODEL1 cache by name, is "unsupported" on these cases (``common.c
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from mla.conformance.cases.decode import DecodeSpec, decode_trial
 from mla.conformance.cases.sparse_decode import SparseDecodeSpec, sparse_decode_trial
 from mla.conformance.cases.sparse_prefill import (
@@ -33,7 +31,7 @@ from mla.conformance.cases.sparse_prefill import (
     SparsePrefillSpec,
     sparse_prefill_trial,
 )
-from mla.conformance.catalogue import Setting, case
+from mla.conformance.catalogue import spec_cases
 
 __all__ = ["TOPICS", "D_V4"]
 
@@ -41,22 +39,9 @@ TOPICS = ("sink", "model1", "second_scope")
 D_V4 = 512  # DeepSeek-V4's row: 448 nope + 64 rope, V the whole row
 
 
-def _decode(name: str, topic: str, doc: str, spec: Callable[[Setting], SparseDecodeSpec],
-            salt: int) -> None:
-    case("sparse_mla_decode", topic, name=name, doc=doc)(
-        lambda s: sparse_decode_trial(s, spec(s), salt))
-
-
-def _prefill(name: str, topic: str, doc: str, spec: Callable[[Setting], SparsePrefillSpec],
-             salt: int) -> None:
-    case("sparse_mla_prefill", topic, name=name, doc=doc)(
-        lambda s: sparse_prefill_trial(s, spec(s), salt))
-
-
-def _paged(name: str, topic: str, doc: str, spec: Callable[[Setting], DecodeSpec],
-           salt: int) -> None:
-    case("mla_decode_paged", topic, name=name, doc=doc)(
-        lambda s: decode_trial(s, spec(s), salt))
+_decode = spec_cases("sparse_mla_decode", sparse_decode_trial)
+_prefill = spec_cases("sparse_mla_prefill", sparse_prefill_trial)
+_paged = spec_cases("mla_decode_paged", decode_trial)
 
 
 def _topk(small: bool) -> int:

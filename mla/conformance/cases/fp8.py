@@ -47,7 +47,7 @@ import torch
 from mla.compare import poison_like, rel_err
 from mla.conformance.cases.common import call_poisoned
 from mla.conformance.cases.paged_cache import WRAP_MINUS_ONE, scattered_slots
-from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
 from mla.reference.fp8 import (
     FP8_DS_MLA_BYTES,
     FP8_MAX,
@@ -306,9 +306,7 @@ def fp8_trial(setting: Setting, spec: Fp8Spec, salt: int) -> Trial:
                  {"kv_c": "dequant_rel", "k_pe": "dequant_rel"}, alts, limits=limits)
 
 
-def _register(name: str, topic: str, doc: str, spec: Fp8Spec, salt: int) -> None:
-    case(KERNEL, topic, name=name, doc=doc)(lambda s: fp8_trial(s, spec, salt))
-
+_register = spec_cases(KERNEL, fp8_trial)
 
 _register("bytes_random", "fp8_bytes",
           "The 656 bytes of each row (4 e4m3 tiles, 4 float32 inverse scales, 64 bf16 rope "

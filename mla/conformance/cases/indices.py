@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from mla.conformance.cases.common import call_poisoned
-from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
 from mla.reference.paged_cache import make_block_table
 from mla.reference.sparse import convert_req_index_to_global_index
 
@@ -107,10 +107,7 @@ def convert_trial(setting: Setting, spec: ConvertSpec, salt: int) -> Trial:
     return Trial(invoke, ref(), {"slots": "mismatches"}, alts)
 
 
-def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], ConvertSpec],
-              salt: int) -> None:
-    case(KERNEL, topic, name=name, doc=doc)(lambda s: convert_trial(s, spec(s), salt))
-
+_register = spec_cases(KERNEL, convert_trial)
 
 _register("deepseek_v32", "shapes",
           "DeepSeek-V3.2: page 64, top-k 2048, contexts longer and shorter than top-k (-1 "

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from mla.conformance.cases.common import DV, call_poisoned
-from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
 from mla.reference.merge import merge_attn_states
 
 __all__ = ["MergeSpec", "merge_trial", "lse_dtype", "nan_split", "LN2"]
@@ -183,10 +183,7 @@ def merge_trial(setting: Setting, spec: MergeSpec, salt: int) -> Trial:
                  {why: split(make) for why, make in alts.items()})
 
 
-def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], MergeSpec],
-              salt: int) -> None:
-    case(KERNEL, topic, name=name, doc=doc)(lambda s: merge_trial(s, spec(s), salt))
-
+_register = spec_cases(KERNEL, merge_trial)
 
 def _tokens(setting: Setting, small: int, full: int) -> int:
     """T: a few rows a program under the interpreter (every program runs in Python), many

@@ -33,7 +33,7 @@ import torch
 
 from mla.compare import poison_like
 from mla.conformance.cases.common import DV, D, call_poisoned
-from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
 from mla.reference.paged_cache import (
     cache_rows,
     concat_and_cache_mla,
@@ -155,9 +155,7 @@ def write_trial(setting: Setting, spec: WriteSpec, salt: int) -> Trial:
     return Trial(invoke, {"kv_cache": want}, {"kv_cache": "mismatches"}, alts)
 
 
-def _register_write(name: str, topic: str, doc: str, spec: WriteSpec, salt: int) -> None:
-    case("concat_and_cache_mla", topic, name=name, doc=doc)(
-        lambda s: write_trial(s, spec, salt))
+_register_write = spec_cases("concat_and_cache_mla", write_trial)
 
 
 _register_write("deepseek_scattered", "shapes",
@@ -284,8 +282,7 @@ def gather_trial(setting: Setting, spec: GatherSpec, salt: int) -> Trial:
                  {"out": "mismatches", "dst": "mismatches"}, alts)
 
 
-def _register_gather(name: str, topic: str, doc: str, spec: GatherSpec, salt: int) -> None:
-    case("gather_cache", topic, name=name, doc=doc)(lambda s: gather_trial(s, spec, salt))
+_register_gather = spec_cases("gather_cache", gather_trial)
 
 
 _register_gather("deepseek_chunks", "shapes",

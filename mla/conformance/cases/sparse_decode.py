@@ -38,7 +38,7 @@ from mla.conformance.cases.common import (
     draw_sink,
     sink_alternatives,
 )
-from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
 from mla.reference.fp8 import (
     D_NOPE,
     D_ROPE,
@@ -362,10 +362,7 @@ def _model1_misread_ref(ref: Callable[..., Outputs], kv: torch.Tensor,
     extra = ({"extra_k_cache": model1_misread(v4["extra_k_cache64"], how)}
              if "extra_k_cache64" in v4 else {})
     return ref(kv=model1_misread(kv, how), fp8=False, **extra)
-def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], SparseDecodeSpec],
-              salt: int) -> None:
-    case(KERNEL, topic, name=name, doc=doc)(lambda s: sparse_decode_trial(s, spec(s), salt))
-
+_register = spec_cases(KERNEL, sparse_decode_trial)
 
 def _topk(small: bool) -> int:
     """DeepSeek-V3.2's top-k, shorter under the interpreter."""

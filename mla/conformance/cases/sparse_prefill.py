@@ -41,7 +41,7 @@ from mla.conformance.cases.sparse_decode import (
     scale_alternatives,
     split_rows,
 )
-from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
 from mla.conformance.diagnose import LOG2E
 from mla.reference.sparse import sparse_mla_prefill
 
@@ -163,10 +163,7 @@ def sparse_prefill_trial(setting: Setting, spec: SparsePrefillSpec, salt: int) -
                  {"out": "out_rel", "max_logits": "max_abs", "lse": "lse_abs"}, alts)
 
 
-def _register(name: str, topic: str, doc: str, spec: Callable[[Setting], SparsePrefillSpec],
-              salt: int) -> None:
-    case(KERNEL, topic, name=name, doc=doc)(lambda s: sparse_prefill_trial(s, spec(s), salt))
-
+_register = spec_cases(KERNEL, sparse_prefill_trial)
 
 def _big(small: bool) -> dict[str, int]:
     """DeepSeek-V3.2's top-k 2048 over a 4096-token prompt; shorter under the interpreter."""
