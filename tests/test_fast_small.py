@@ -102,12 +102,38 @@ def merge_state(gen: torch.Generator, T: int, N: int, D: int, dtype: torch.dtype
     return o, lse
 
 
+# Below this many output elements the Frobenius budget (twice the worst error over the check's
+# outputs of thousands of elements) does not hold: over 300 random merges of at most 840
+# float32 elements it reached 1.1e-7 against 7.5e-8, while no element erred by more than 2.8
+# float32 roundings of its terms' magnitude.
+SMALL_MERGE = 1024
+
+
+def assert_merge_elementwise(out, ref_o, ref_lse, o_p, lse_p, o_s, lse_s) -> None:
+    """Each output element within the merge's rounding: four float32 roundings (the weight's
+    exp, two products, the sum) of ``w_p·|o_p| + w_s·|o_s|``, plus one rounding of the result
+    to the output dtype. An empty side (infinite lse) weighs 0 and is never read."""
+    def part(o, lse):
+        lse = up(lse)
+        w = torch.where(torch.isfinite(lse), torch.exp(lse - ref_lse), 0.0).T[..., None]
+        return torch.where(w > 0, w * up(o).abs(), 0.0)
+
+    mag = part(o_p, lse_p) + part(o_s, lse_s)
+    u_out = torch.finfo(out.dtype).eps / 2
+    bound = 4 * 2.0 ** -24 * mag + u_out * ref_o.abs()
+    err = (out.double().cpu() - ref_o).abs()
+    assert bool((err <= bound).all()), f"o: element error {(err - bound).max():.3e} over bound"
+
+
 def check_merge(o_p, lse_p, o_s, lse_s) -> None:
     out, out_lse = merge_attn_states(o_p, lse_p, o_s, lse_s)
     ref_o, ref_lse = ref_merge.merge_attn_states(up(o_p), up(lse_p), up(o_s), up(lse_s))
     assert out.dtype == o_p.dtype and out_lse.dtype == lse_p.dtype
     assert not torch.isnan(out).any() and not torch.isnan(out_lse).any()
-    assert_close(out, ref_o, out_tol("merge_attn_states", o_p.dtype), name="o")
+    if out.numel() >= SMALL_MERGE:
+        assert_close(out, ref_o, out_tol("merge_attn_states", o_p.dtype), name="o")
+    else:  # the budget is a Frobenius statistic; a few elements do not average: bound each
+        assert_merge_elementwise(out, ref_o, ref_lse, o_p, lse_p, o_s, lse_s)
     assert_close(out_lse, ref_lse, name="lse", abs_tol=lse_tol("merge_attn_states", o_p.dtype))
     # conventions §6 edge cases, exactly: one side empty passes the other through bit for bit
     p_empty, s_empty = torch.isinf(lse_p), torch.isinf(lse_s)
