@@ -18,6 +18,11 @@ target shapes.
 4. The sparse group (``benchmarks/sparse.py``: sparse decode on the fp8 cache, sparse
    prefill), before the decode shapes; ``--only sparse`` or ``--only decode`` runs one group.
 
+5. Beside FlashMLA's and vLLM's Triton decode whenever they import (``benchmarks.peers``
+   unpacks them; ``benchmarks.peer_timing`` calls them as an engine does): their times on the
+   same inputs, our time over theirs per shape (eager and graph), and the time of a call with
+   default arguments (``mla_decode_paged(q, cache, block_table, lens, scale, causal)``).
+
 Writes ``decode_<date>.json``, ``.md`` and ``.png`` (achieved fraction of the ceilings) into
 ``--out-dir`` (default ``benchmarks/results``); progress goes to stderr.
 """
@@ -36,6 +41,7 @@ import triton
 import triton.testing
 
 from benchmarks.common import ceilings, kernel_name, log, report_heading, report_rows, time_graph
+from benchmarks.peer_timing import flashmla_decode, vllm_triton_decode
 from mla.check.runner import environment
 from mla.compare import rel_err
 from mla.fast.common import num_sms
@@ -163,8 +169,46 @@ def bench_shape(s: Shape, ceil: dict[str, float], sweep: bool, seed: int) -> dic
     valid = [r for r in timed if r["rel_err_vs_default"] < 1e-2]
     best = min(valid, key=lambda r: min(r["us"], r["us_graph"]))
     dflt = timed[0]
+    # the call a user writes first: default arguments (no plan, no validate), timed eagerly
+    dflt["us_default_args"] = triton.testing.do_bench(
+        lambda: mla_decode_paged(q, kv, bt, sl, SCALE, s.causal, DV), warmup=25, rep=100,
+        return_mode="median") * 1e3
     return {"shape": dataclasses.asdict(s), "flops": flops, "bytes": nbytes,
-            "default": dflt, "best": best, "variants": rows}
+            "default": dflt, "best": best, "variants": rows,
+            "peers": time_peers(s, q, kv, bt, sl, ref_out, dflt)}
+
+
+def time_peers(s: Shape, q, kv, bt, sl, ours: torch.Tensor, dflt: dict) -> dict:
+    """FlashMLA's and vLLM's Triton decode on the same inputs: their times, their distance
+    from our output, and our time over theirs (eager against eager, graph against graph)."""
+    res = {}
+    for name, build in (("FlashMLA", flashmla_decode), ("vLLM Triton", vllm_triton_decode)):
+        calls = build(q, kv, bt, sl, SCALE, s.causal, DV)
+        if calls is None:
+            continue
+        try:
+            out, _ = calls["kernel"]()
+            torch.cuda.synchronize()
+        except Exception as e:  # a peer that refuses the shape: report, go on
+            log(f"  {s.name}: {name} failed: {type(e).__name__}: {str(e)[:300]}")
+            res[name] = {"error": str(e)[:1000]}
+            continue
+        r = {"rel_err_vs_ours": rel_err(out.float(), ours.float()),
+             "us": triton.testing.do_bench(calls["kernel"], warmup=25, rep=100,
+                                           return_mode="median") * 1e3,
+             "us_graph": time_graph(calls["kernel"]) * 1e3}
+        if "direct" in calls:
+            r["us_direct"] = triton.testing.do_bench(calls["direct"], warmup=25, rep=100,
+                                                     return_mode="median") * 1e3
+        r["ours_over_peer"] = dflt["us"] / r["us"]
+        r["ours_over_peer_graph"] = dflt["us_graph"] / r["us_graph"]
+        if "us_direct" in r:
+            r["ours_default_args_over_peer_direct"] = dflt["us_default_args"] / r["us_direct"]
+        log(f"  {s.name}: {name} {r['us']:.1f} us eager, {r['us_graph']:.1f} us graph; ours / "
+            f"{name}: {r['ours_over_peer']:.2f} eager, {r['ours_over_peer_graph']:.2f} graph; "
+            f"distance from ours {r['rel_err_vs_ours']:.1e}")
+        res[name] = r
+    return res
 
 
 def metric(r: dict, s: dict) -> tuple[float, bool]:
@@ -195,6 +239,27 @@ def markdown(res: dict) -> str:
                 f"{r['TBps']:.2f} | {r['TFLOPs']:.0f} | {100 * r['frac_bw']:.0f}% | "
                 f"{100 * r['frac_flops']:.0f}% | {'≥' if unit != 'µs' else '≤'} "
                 f"{s['target']:g} {unit} | {'yes' if met else 'no'} |")
+    lines += ["", "Beside other kernels, same inputs (ours: the default plan; a default-arguments "
+              "call is `mla_decode_paged(q, cache, block_table, lens, scale, causal)`):", "",
+              "| shape | ours µs (eager / graph) | ours, default arguments µs | peer | peer µs "
+              "(eager / graph / direct) | ours / peer (eager / graph) | default call / peer "
+              "direct | distance |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in res["decode"]:
+        d = e["default"]
+        for name, r in e.get("peers", {}).items():
+            if "error" in r:
+                lines.append(f"| {e['shape']['name']} | | | {name} | error: "
+                             f"{r['error'][:80]} | | | |")
+                continue
+            direct = f" / {r['us_direct']:.1f}" if "us_direct" in r else ""
+            dratio = (f"{r['ours_default_args_over_peer_direct']:.2f}"
+                      if "us_direct" in r else "")
+            lines.append(
+                f"| {e['shape']['name']} | {d['us']:.1f} / {d['us_graph']:.1f} | "
+                f"{d['us_default_args']:.1f} | {name} | {r['us']:.1f} / {r['us_graph']:.1f}"
+                f"{direct} | {r['ours_over_peer']:.2f} / {r['ours_over_peer_graph']:.2f} | "
+                f"{dratio} | {r['rel_err_vs_ours']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -210,7 +275,7 @@ def plot(res: dict, path: str) -> None:
         bw.append(e["best"]["frac_bw"])
         fl.append(e["best"]["frac_flops"])
     x = range(len(names))
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(15, 4.5), width_ratios=(2, 1))
     ax.bar([i - 0.2 for i in x], bw, 0.4, label="fraction of copy bandwidth")
     ax.bar([i + 0.2 for i in x], fl, 0.4, label="fraction of bf16 matmul rate")
     ceil = res["ceilings"]
@@ -225,6 +290,19 @@ def plot(res: dict, path: str) -> None:
     ax.set_title(f"mla.fast.mla_decode_paged (bf16, page 64), {env.get('gpu', '?')}, "
                  f"{env['date'][:10]}", fontsize=10)
     ax.legend(fontsize=8)
+    peers = sorted({n for e in res["decode"] for n, r in e.get("peers", {}).items()
+                    if "error" not in r})
+    for k, name in enumerate(peers):
+        ratios = [e.get("peers", {}).get(name, {}).get("ours_over_peer_graph", float("nan"))
+                  for e in res["decode"]]
+        w = 0.8 / len(peers)
+        ax_r.bar([i - 0.4 + w * (k + 0.5) for i in x], ratios, w, label=name)
+    ax_r.axhline(1.0, color="k", lw=1)
+    ax_r.set_xticks(list(x), names, rotation=20, ha="right", fontsize=8)
+    ax_r.set_ylabel("our time / their time (CUDA graph)")
+    ax_r.set_title("beside other kernels, same inputs (< 1: ours faster)", fontsize=10)
+    if peers:
+        ax_r.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -55,7 +55,8 @@ from mla.conformance.adapters import (
     triton_runs_on,
 )
 
-__all__ = ["target", "mla_decode_paged", "decode_rows", "merge_attn_states", "cp_lse_ag_out_rs"]
+__all__ = ["target", "mla_decode_paged", "decode_rows", "merge_attn_states", "cp_lse_ag_out_rs",
+           "num_kv_splits"]
 
 DECODE = "vLLM's Triton decode_attention_fwd"
 MERGE = "vLLM's Triton merge_attn_states"
@@ -79,7 +80,7 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _num_kv_splits(max_seq_len: int, device: torch.device) -> int:
+def num_kv_splits(max_seq_len: int, device: torch.device) -> int:
     """``_compute_num_kv_splits`` of triton_mla.py."""
     sms = (torch.cuda.get_device_properties(device).multi_processor_count
            if device.type == "cuda" else _H200_SMS)
@@ -117,7 +118,7 @@ def decode_rows(decode_attention_fwd: Callable, q: torch.Tensor, kv_cache: torch
         else:
             lens = cache_seqlens.repeat_interleave(s_q)
     max_len = int(cache_seqlens.max()) if B else 0
-    splits = _num_kv_splits(max_len, dev)
+    splits = num_kv_splits(max_len, dev)
     k_buffer = kv_cache.unsqueeze(2)  # [num_blocks, page, 1, D]
     o = torch.empty(rows, N, head_dim_v, dtype=q.dtype, device=dev)
     lse = torch.empty(rows, N, dtype=torch.float32, device=dev)
