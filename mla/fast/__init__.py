@@ -21,6 +21,7 @@ from mla.fast.attention import attention_with_lse, flash_attention_with_lse
 from mla.fast.chunked import chunked_prefill_attention
 from mla.fast.decode import DecodePlan, mla_decode_paged, plan_decode
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
+from mla.fast.indexer_cache import indexer_k_quant_and_cache
 from mla.fast.merge import merge_attn_states
 from mla.fast.paged_cache import concat_and_cache_mla, gather_cache
 from mla.fast.prefill import prefill_attention
@@ -35,5 +36,6 @@ from mla.fast.sparse import (
 __all__ = ["DecodePlan", "SparsePlan", "attention_with_lse", "chunked_prefill_attention",
            "concat_and_cache_fp8_ds_mla", "concat_and_cache_mla",
            "convert_req_index_to_global_index", "flash_attention_with_lse", "gather_cache",
+           "indexer_k_quant_and_cache",
            "merge_attn_states", "mla_decode_paged", "plan_decode", "plan_sparse",
            "prefill_attention", "sparse_mla_decode", "sparse_mla_prefill"]

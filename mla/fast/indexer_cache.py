@@ -1,0 +1,123 @@
+"""``indexer_k_quant_and_cache`` in Triton: the lightning indexer's fp8 key cache, one pass.
+
+Same contract as ``mla.reference.indexer_cache`` (conventions §10, "Indexer key cache"): token
+``o`` of page ``b`` gets its 128 e4m3 values at bytes ``[o·128, o·128 + 128)`` of the page and
+its float32 scale at bytes ``[block_size·128 + 4·o, +4)``; slot ``-1`` is padding. Byte for byte
+the reference's output, so both roundings are done with integer arithmetic on float32 bit
+patterns rather than trusted to a conversion instruction (the interpreter's casts truncate):
+
+- the scale ``2^ceil(log2(max(amax, 1e-4) / 448))``: with ``amax = f · 2^e``, ``f`` in
+  ``[1, 2)``, the ceiling is ``e - 8 + (f > 1.75)`` (``448 = 1.75 · 2^8``), floored at ``-22``
+  (where ``1e-4 / 448`` lands). Exact; the reference's float32 ``log2`` agrees for bf16 and
+  fp16 keys (what vLLM passes); for float32 keys whose ``amax / 448`` lies within a float32
+  rounding above a power of two, it can round down where this does not (a set of measure
+  zero). An infinite ``amax`` gives an infinite scale, as the reference's does.
+- e4m3 round-to-nearest-even (``e4m3_bits``). ``|k / scale| <= 448`` by construction, so nothing
+  saturates; NaN stays NaN (``0x7F`` with its sign, as torch's cast).
+
+One program writes ``BLOCK_T`` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla.fast.common import should_validate
+from mla.fast.paged_cache import check_slot_range
+from mla.reference.indexer_cache import INDEX_DIM, INDEX_K_BYTES
+from mla.validation import check_float, check_index, check_same_device, check_tensor
+
+__all__ = ["indexer_k_quant_and_cache", "e4m3_bits"]
+
+BLOCK_T = 16
+_BYTE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
+
+
+@triton.jit
+def e4m3_bits(v):
+    """float32 ``v`` (``|v| <= 448`` or NaN) -> its e4m3 byte (int32), round to nearest even.
+
+    Normal codes (``|v| >= 2^-6``) keep 3 mantissa bits by add-and-shift; subnormals are
+    ``round(|v| · 2^9)`` steps of ``2^-9`` rounded by the float32 adder; the sign bit is kept,
+    also for a value that rounds to zero (as torch's cast does)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag_bits = bits & 0x7FFFFFFF
+    mag = mag_bits.to(tl.float32, bitcast=True)
+    odd = (mag_bits >> 20) & 1
+    normal = ((mag_bits + 0x7FFFF + odd) >> 20) - (120 << 3)
+    sub = ((mag * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(mag >= 0.015625, normal, sub)
+    code = tl.where(mag_bits > 0x7F800000, 0x7F, code)  # NaN
+    return code | sign
+
+
+@triton.jit
+def _indexer_k_cache_kernel(
+    k, cache_u8, cache_f32, slot_mapping, T, n_slots, block_size, s_k_t, s_k_d,
+    D: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.load(slot_mapping + t, mask=t < T, other=-1).to(tl.int64)
+    ok = (slot >= 0) & (slot < n_slots)  # -1 is padding; nothing outside the cache is written
+    d = tl.arange(0, D)
+    x = tl.load(k + t[:, None] * s_k_t + d[None, :] * s_k_d, mask=ok[:, None],
+                other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    amax = tl.max(tl.where(a == a, a, 0.0), axis=1)  # NaN ignored, as CUDA's fmaxf
+
+    a_bits = amax.to(tl.int32, bitcast=True)
+    e = ((a_bits >> 23) & 0xFF) - 127
+    j = tl.maximum(e - 8 + ((a_bits & 0x7FFFFF) > 0x600000).to(tl.int32), -22)
+    finite = a_bits < 0x7F800000
+    scale = tl.where(finite, ((j + 127) << 23).to(tl.float32, bitcast=True), float("inf"))
+    inv_scale = tl.where(finite, ((127 - j) << 23).to(tl.float32, bitcast=True), 0.0)
+    code = e4m3_bits(x * inv_scale[:, None])  # exact scaling: a power of two
+
+    page = slot // block_size
+    o = slot % block_size
+    base = page * block_size * (D + 4)
+    tl.store(cache_u8 + base[:, None] + o[:, None] * D + d[None, :], code.to(tl.uint8),
+             mask=ok[:, None])
+    tl.store(cache_f32 + (base + block_size * D) // 4 + o, scale, mask=ok)
+
+
+def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor, quant_block_size: int = INDEX_DIM,
+                              scale_fmt: str | None = "ue8m0", *,
+                              validate: bool | None = None) -> None:
+    """Quantize ``k [T, 128]`` into ``kv_cache uint8 [num_blocks, block_size, 132]`` in place.
+
+    As the reference (vLLM's signature); ``scale_fmt`` must be ``"ue8m0"`` (DeepSeek-V3.2's
+    power-of-two scales: the only form this kernel writes). ``validate``: check
+    ``slot_mapping``'s range on the host (a sync); ``None``: only when no CUDA graph is being
+    captured. Slots outside the cache are never written.
+    """
+    check_tensor("kv_cache", kv_cache, ndim=3, dtype=_BYTE_DTYPES, contiguous=True)
+    if kv_cache.shape[2] != INDEX_K_BYTES:
+        raise ValueError(f"kv_cache must have shape [num_blocks, block_size, {INDEX_K_BYTES}] "
+                         f"(the indexer key cache), got {list(kv_cache.shape)}")
+    check_float("k", k, shape=[None, INDEX_DIM])
+    check_index("slot_mapping", slot_mapping, shape=[k.shape[0]])
+    check_same_device(k=k, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    if quant_block_size != INDEX_DIM:
+        raise ValueError(f"quant_block_size must be {INDEX_DIM} (one float32 scale per token "
+                         f"in 132 bytes), got {quant_block_size!r}")
+    if scale_fmt != "ue8m0":
+        raise ValueError(f"scale_fmt must be 'ue8m0' for the fast path (power-of-two scales; "
+                         f"mla.reference also writes None), got {scale_fmt!r}")
+    T = k.shape[0]
+    nb, bs, _ = kv_cache.shape
+    if T == 0:
+        return
+    if should_validate(validate, kv_cache):
+        check_slot_range(slot_mapping, nb * bs)
+    if k.dtype == torch.float64:
+        k = k.float()  # rounded as the reference rounds it (the interpreter's cast truncates)
+    u8 = kv_cache.view(torch.uint8)
+    _indexer_k_cache_kernel[(triton.cdiv(T, BLOCK_T),)](
+        k, u8, u8.view(-1).view(torch.float32), slot_mapping, T, nb * bs, bs, *k.stride(),
+        D=INDEX_DIM, BLOCK_T=BLOCK_T, num_warps=4,
+    )
