@@ -37,12 +37,27 @@ from mla.reference.fp8 import (
 )
 from mla.reference.front import Front, mla_front
 from mla.reference.indexer import (
+    IndexerQK,
     IndexerWeights,
+    hadamard_rotate,
     index_scores,
     indexer_qk,
     indexer_topk,
     q_latent,
     select_topk,
+)
+from mla.reference.indexer_cache import (
+    INDEX_DIM,
+    INDEX_K_BYTES,
+    gather_indexer_k_cache,
+    indexer_k_quant_and_cache,
+)
+from mla.reference.indexer_logits import (
+    decode_row_ends,
+    fp8_mqa_logits,
+    fp8_paged_mqa_logits,
+    quantize_indexer_q,
+    top_k_per_row,
 )
 from mla.reference.paged_cache import (
     cache_rows,
@@ -66,7 +81,7 @@ def _is_fp8(kv_cache: torch.Tensor) -> bool:
 
 
 def _check_caches(weights: MLAWeights, indexer_weights: IndexerWeights, kv_cache: torch.Tensor,
-                  index_k_cache: torch.Tensor) -> None:
+                  index_k_cache: torch.Tensor, use_fp8_indexer: bool | None) -> None:
     c = weights.config
     if indexer_weights.config.q_lora_rank != c.q_lora_rank or \
             indexer_weights.config.hidden_size != c.hidden_size:
@@ -81,42 +96,62 @@ def _check_caches(weights: MLAWeights, indexer_weights: IndexerWeights, kv_cache
     if _is_fp8(kv_cache) and (c.kv_lora_rank, c.qk_rope_head_dim) != (512, 64):
         raise ValueError(f"an fp8_ds_mla cache needs kv_lora_rank=512 and qk_rope_head_dim=64, "
                          f"config {c.name!r} has {c.kv_lora_rank} and {c.qk_rope_head_dim}")
-    check_float("index_k_cache", index_k_cache,
-                shape=[kv_cache.shape[0], kv_cache.shape[1], c.index_head_dim])
+    if not _is_fp8(index_k_cache):
+        check_float("index_k_cache", index_k_cache,
+                    shape=[kv_cache.shape[0], kv_cache.shape[1], c.index_head_dim])
+        return
+    # vLLM's fp8 index key cache (indexer_cache.py): read by the fp8 indexer only
+    check_tensor("index_k_cache", index_k_cache,
+                 shape=[kv_cache.shape[0], kv_cache.shape[1], INDEX_K_BYTES])
+    if c.index_head_dim != INDEX_DIM:
+        raise ValueError(f"an fp8 index key cache holds {INDEX_DIM} values per token, config "
+                         f"{c.name!r} has index_head_dim {c.index_head_dim}")
+    if use_fp8_indexer is False:
+        raise ValueError("an fp8 index key cache (uint8 [num_blocks, block_size, 132]) is read "
+                         "by the fp8 indexer: use_fp8_indexer must be True or None, got False")
 
 
-def _front_and_select(weights: MLAWeights, indexer_weights: IndexerWeights,
-                      hidden: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
-                      kv_cache: torch.Tensor, index_k_cache: torch.Tensor,
-                      block_table: torch.Tensor, use_fp8_indexer: bool
-                      ) -> tuple[Front, torch.Tensor]:
-    """Cache the new tokens' latent and index key; return the front and local top-k ``[T, k]``.
+def _front_and_index(weights: MLAWeights, indexer_weights: IndexerWeights,
+                     hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     kv_cache: torch.Tensor, index_k_cache: torch.Tensor,
+                     use_fp8_indexer: bool | None) -> tuple[Front, IndexerQK]:
+    """Cache the new tokens' latent and index key at ``slots``; return the front and the
+    indexer's query side.
 
-    Token ``t`` of request ``req[t]`` sits at ``positions[t]``; its query sees the request's
-    cached keys at positions ``<= positions[t]``.
+    With an fp8 index cache (vLLM's path): q_index and k_index are Hadamard-rotated, k_index
+    quantized into the cache (``indexer_k_quant_and_cache``), and the returned ``q_index`` is
+    e4m3 with its scale folded into ``weights`` (``quantize_indexer_q``).
     """
-    bs = kv_cache.shape[1]
     f = mla_front(weights, hidden, positions)
-    slots = slot_mapping_from_block_table(block_table, req, positions, bs)
     if _is_fp8(kv_cache):
         concat_and_cache_fp8_ds_mla(f.kv_c, f.k_pe, kv_cache, slots)
     else:
         concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
-    qk = indexer_qk(indexer_weights, hidden, q_latent(weights, hidden), positions,
-                    use_fp8_indexer)
-    d_index = index_k_cache.shape[2]
-    index_k_cache.view(-1, d_index)[slots] = qk.k_index.to(index_k_cache.dtype)
+    q_c = q_latent(weights, hidden)
+    if not _is_fp8(index_k_cache):
+        qk = indexer_qk(indexer_weights, hidden, q_c, positions, bool(use_fp8_indexer))
+        d_index = index_k_cache.shape[2]
+        index_k_cache.view(-1, d_index)[slots] = qk.k_index.to(index_k_cache.dtype)
+        return f, qk
+    qk = indexer_qk(indexer_weights, hidden, q_c, positions, use_fp8=False)
+    indexer_k_quant_and_cache(hadamard_rotate(qk.k_index), index_k_cache, slots)
+    q_fp8, w_q = quantize_indexer_q(hadamard_rotate(qk.q_index), qk.weights)
+    return f, IndexerQK(q_index=q_fp8, k_index=qk.k_index, weights=w_q)
 
-    topk = indexer_weights.config.index_topk
-    local = torch.full((hidden.shape[0], topk), -1, dtype=torch.int32, device=hidden.device)
+
+def _select_float(qk: IndexerQK, index_k_cache: torch.Tensor, block_table: torch.Tensor,
+                  req: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+    """Local top-k ``[T, k]`` from float index keys: token ``t`` of request ``req[t]`` at
+    ``positions[t]`` sees the request's cached keys at positions ``<= positions[t]``."""
+    local = torch.full((req.shape[0], topk), -1, dtype=torch.int32, device=req.device)
     for r in req.unique().tolist():
         rows = (req == r).nonzero().flatten()
         seq_len = int(positions[rows].max()) + 1
         keys = cache_rows(index_k_cache, block_table[r], 0, seq_len)
         scores = index_scores(qk.q_index[rows], qk.weights[rows], keys.to(qk.q_index.dtype),
-                              positions[rows], torch.arange(seq_len, device=hidden.device))
+                              positions[rows], torch.arange(seq_len, device=req.device))
         local[rows] = select_topk(scores, topk)
-    return f, local
+    return local
 
 
 def _up_project(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
@@ -133,13 +168,17 @@ def sparse_prefill_forward(
     kv_cache: torch.Tensor,
     index_k_cache: torch.Tensor,
     block_table: torch.Tensor,
-    use_fp8_indexer: bool = False,
+    use_fp8_indexer: bool | None = None,
 ) -> torch.Tensor:
     """Sparse prefill of ``hidden [T, H]`` (requests split by ``query_start_loc``) after context.
 
     Request ``i`` has ``context_lens[i]`` tokens cached in ``kv_cache [nb, bs, Lkv+R]`` (or
     ``[nb, bs, 656]`` uint8 ``fp8_ds_mla``) and their index keys in
-    ``index_k_cache [nb, bs, d_I]``; the new tokens are cached too. Returns ``[T, H]``.
+    ``index_k_cache [nb, bs, d_I]`` (or vLLM's fp8 ``[nb, bs, 132]`` uint8, read as vLLM does:
+    gathered per request, ``fp8_mqa_logits``, ``top_k_per_row``); the new tokens are cached
+    too. ``use_fp8_indexer``: with a float index cache, the official code's fp8
+    quantize-dequantize (``None`` = False); an fp8 index cache needs True or None.
+    Returns ``[T, H]``.
     """
     c = weights.config
     check_float("hidden", hidden, shape=[None, c.hidden_size])
@@ -148,7 +187,7 @@ def sparse_prefill_forward(
     check_index("block_table", block_table, shape=[B, None])
     check_same_device(hidden=hidden, kv_cache=kv_cache, index_k_cache=index_k_cache,
                       block_table=block_table, query_start_loc=query_start_loc)
-    _check_caches(weights, indexer_weights, kv_cache, index_k_cache)
+    _check_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
     qsl = query_start_loc.tolist()
     if qsl[0] != 0 or qsl[-1] != hidden.shape[0] or any(b < a for a, b in zip(qsl, qsl[1:])):
         raise ValueError(f"query_start_loc must rise from 0 to hidden's {hidden.shape[0]} "
@@ -158,11 +197,27 @@ def sparse_prefill_forward(
     req = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lens, device=dev))
     positions = torch.cat([torch.arange(context_lens[i], context_lens[i] + lens[i])
                            for i in range(B)] or [torch.zeros(0, dtype=torch.long)]).to(dev)
-    f, local = _front_and_select(weights, indexer_weights, hidden, req, positions, kv_cache,
-                                 index_k_cache, block_table, use_fp8_indexer)
+    bs = kv_cache.shape[1]
+    f, qk = _front_and_index(weights, indexer_weights, hidden,
+                             slot_mapping_from_block_table(block_table, req, positions, bs),
+                             positions, kv_cache, index_k_cache, use_fp8_indexer)
+    topk = indexer_weights.config.index_topk
+    if _is_fp8(index_k_cache):
+        # vLLM's prefill: each request's keys gathered into one ragged array; query t of a
+        # request starting at row ks sees rows [ks, ks + position + 1)
+        cu = [0]
+        for i in range(B):
+            cu.append(cu[-1] + context_lens[i] + lens[i])
+        cu_dev = torch.tensor(cu, dtype=torch.int32, device=dev)
+        keys = gather_indexer_k_cache(index_k_cache, block_table, cu_dev)
+        ks = cu_dev[req].to(torch.int32)
+        ke = (ks + positions + 1).to(torch.int32)
+        logits = fp8_mqa_logits(qk.q_index, keys, qk.weights, ks, ke)
+        local = top_k_per_row(logits, ks, ke, topk)
+    else:
+        local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
     q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)  # [T, N, Lkv+R]
     req32, table32 = req.to(torch.int32), block_table.to(torch.int32)
-    bs = kv_cache.shape[1]
     if not _is_fp8(kv_cache):
         slots = convert_req_index_to_global_index(req32, table32, local, bs)
         o_lat, _, _ = sparse_mla_prefill(q, kv_cache.view(-1, c.latent_dim), slots,
@@ -189,13 +244,15 @@ def sparse_decode_forward(
     index_k_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    use_fp8_indexer: bool = False,
+    use_fp8_indexer: bool | None = None,
 ) -> torch.Tensor:
     """Sparse decode of ``s_q`` new tokens per request: ``hidden [B, s_q, H] -> [B, s_q, H]``.
 
     ``cache_seqlens [B]`` counts the tokens cached before this step; new token ``j`` of
     request ``b`` sits at position ``cache_seqlens[b] + j`` and selects among the keys up to
-    it (multi-token prediction with ``s_q > 1``). ``kv_cache`` is float or ``fp8_ds_mla``.
+    it (multi-token prediction with ``s_q > 1``). ``kv_cache`` is float or ``fp8_ds_mla``;
+    ``index_k_cache`` float, or vLLM's fp8 cache read as vLLM does (``fp8_paged_mqa_logits``
+    over the block table, ``top_k_per_row``); ``use_fp8_indexer`` as in the prefill.
     """
     c = weights.config
     check_float("hidden", hidden, shape=[None, None, c.hidden_size])
@@ -204,13 +261,24 @@ def sparse_decode_forward(
     check_index("block_table", block_table, shape=[B, None])
     check_same_device(hidden=hidden, kv_cache=kv_cache, index_k_cache=index_k_cache,
                       block_table=block_table, cache_seqlens=cache_seqlens)
-    _check_caches(weights, indexer_weights, kv_cache, index_k_cache)
+    _check_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
     dev = hidden.device
     positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
     req = torch.arange(B, device=dev).repeat_interleave(s_q)
-    f, local = _front_and_select(weights, indexer_weights, hidden.reshape(B * s_q, -1), req,
-                                 positions, kv_cache, index_k_cache, block_table,
-                                 use_fp8_indexer)
+    bs = kv_cache.shape[1]
+    f, qk = _front_and_index(weights, indexer_weights, hidden.reshape(B * s_q, -1),
+                             slot_mapping_from_block_table(block_table, req, positions, bs),
+                             positions, kv_cache, index_k_cache, use_fp8_indexer)
+    topk = indexer_weights.config.index_topk
+    if _is_fp8(index_k_cache):
+        seq_lens = (cache_seqlens + s_q).to(torch.int32)
+        q_fp8 = qk.q_index.view(B, s_q, *qk.q_index.shape[1:])
+        logits = fp8_paged_mqa_logits(q_fp8, index_k_cache, qk.weights, seq_lens, block_table,
+                                      block_table.shape[1] * bs)
+        local = top_k_per_row(logits, torch.zeros_like(req, dtype=torch.int32),
+                              decode_row_ends(seq_lens, s_q), topk)
+    else:
+        local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
     slots = convert_req_index_to_global_index(req.to(torch.int32), block_table.to(torch.int32),
                                               local, kv_cache.shape[1])
     q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)
