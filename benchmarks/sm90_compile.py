@@ -83,19 +83,21 @@ def _specialize(fn, const: dict, ptrs: dict, floats: dict, ints: dict) -> GluonA
 
 
 def compile_decode(N: int = 128, S_Q: int = 1, CAUSAL: bool = False, SPLIT: bool = False,
-                   dtype: str = "bf16") -> triton.compiler.CompiledKernel:
+                   dtype: str = "bf16",
+                   HAS_SINK: bool = False) -> triton.compiler.CompiledKernel:
     """``decode_kernel`` for sm_90 as ``mla.fast.decode.mla_decode_paged`` launches it:
     a ``[B, S_Q, N, 576]`` query, 64-row pages of a 576-column cache, 32K-token block tables."""
     dt = _DTYPES[dtype]
     page, splits, max_pages = 64, 4 if SPLIT else 1, 512
-    const = dict(N=N, S_Q=S_Q, PAGE_SIZE=page, CAUSAL=CAUSAL, SPLIT=SPLIT)
+    const = dict(N=N, S_Q=S_Q, PAGE_SIZE=page, CAUSAL=CAUSAL, SPLIT=SPLIT, HAS_SINK=HAS_SINK)
     ptrs = dict(Q=dt, KV=dt, BT="i32", SEQLENS="i32", O=dt, LSE="fp32", OP="fp32",
-                LSEP="fp32")
+                LSEP="fp32", SINK="fp32")
     ints = dict(stride_qb=S_Q * N * _D, stride_qt=N * _D, stride_qh=_D,
                 stride_kvb=page * _D, stride_kvr=_D, stride_btb=max_pages,
                 stride_ob=S_Q * N * _DV, stride_ot=N * _DV, stride_oh=_DV,
                 stride_lb=N * S_Q, stride_lh=S_Q,  # lse is [B, N, S_Q]
-                num_splits=splits, kv_rows=4096 * page)
+                num_splits=splits, kv_rows=4096 * page, num_blocks=4096,
+                max_blocks=max_pages)
     src = _specialize(sm90_decode.decode_kernel, const, ptrs, {"qk_scale": "fp32"}, ints)
     return triton.compile(src, target=TARGET, options={"num_warps": NUM_WARPS})
 

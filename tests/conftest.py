@@ -2,6 +2,10 @@
 
 Triton kernels run under the interpreter on machines without a GPU: the variable must be set
 before ``triton`` is first imported, so it is set here, at collection time.
+
+The fast path's value checks (``validate=None``) are off by default; the whole test run turns
+them on (``MLA_FAST_VALIDATE=1``, read when ``mla.fast`` is imported), so that every test that
+does not pass ``validate`` keeps checking the values of its arguments.
 """
 
 import os
@@ -9,6 +13,7 @@ import shutil
 
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["MLA_FAST_VALIDATE"] = "1"
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

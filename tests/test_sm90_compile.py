@@ -48,7 +48,8 @@ SMEM_LIMIT = 232448  # bytes of shared memory per program on an H200 (227 KB)
 
 DECODE = [dict(N=128, S_Q=s_q, CAUSAL=causal, SPLIT=split)
           for s_q in (1, 2) for causal in (False, True) for split in (False, True)]
-DECODE += [dict(N=16, S_Q=4, CAUSAL=True), dict(N=128, S_Q=1, dtype="fp16")]
+DECODE += [dict(N=16, S_Q=4, CAUSAL=True), dict(N=128, S_Q=1, dtype="fp16"),
+           dict(N=128, S_Q=2, CAUSAL=True, HAS_SINK=True)]
 SPARSE = [dict(FP8=fp8, **flags) for fp8 in (True, False) for flags in (
     {}, {"SPLIT": True}, {"HAS_TOPK_LEN": True}, {"HAS_MAXL": True},
     {"SPLIT": True, "HAS_TOPK_LEN": True, "HAS_MAXL": True})]

@@ -6,26 +6,34 @@
 - ``num_sms``, ``capability``: the GPU's SM count (launch plans) and compute capability
   (routes), cached per device because each call asks.
 - ``ensure_allocator``: the scratch allocator that in-kernel tensor descriptors need.
-- ``should_validate``: whether a call may read device values on the host.
+- ``should_validate``, ``set_validation``, ``validation``, ``validation_enabled``: whether a
+  call runs the value checks that read device tensors on the host. An explicit
+  ``validate=True/False`` decides; ``validate=None`` follows the global setting, off unless
+  ``MLA_FAST_VALIDATE=1`` was set when ``mla.fast`` was imported (a host read per call would
+  cost more than a small kernel: the default call must cost what its kernel costs).
 - ``check_kernel_input``: the dtype and device the Triton kernels accept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
 
 __all__ = ["LOG2E", "capability", "check_kernel_input", "ensure_allocator",
-           "interpreting", "next_pow2", "num_sms", "should_validate"]
+           "interpreting", "next_pow2", "num_sms", "set_validation", "should_validate",
+           "validation", "validation_enabled"]
 
 LOG2E = 1.4426950408889634  # kernels work in base 2: exp(x) = exp2(x · LOG2E)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_validate_by_default = os.environ.get("MLA_FAST_VALIDATE", "0") not in ("", "0")
 
 
 def interpreting() -> bool:
@@ -69,14 +77,43 @@ def ensure_allocator() -> None:
         triton.set_allocator(_torch_scratch)
 
 
+def validation_enabled() -> bool:
+    """The global setting that ``validate=None`` follows (off unless turned on)."""
+    return _validate_by_default
+
+
+def set_validation(enabled: bool) -> None:
+    """Turn the value checks of every ``validate=None`` call on or off (a test run, a debug
+    session); an explicit ``validate=True/False`` still decides for its own call."""
+    global _validate_by_default
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _validate_by_default = enabled
+
+
+@contextlib.contextmanager
+def validation(enabled: bool = True) -> Iterator[None]:
+    """``with mla.fast.validation():`` the global setting for a block, restored after it."""
+    saved = _validate_by_default
+    set_validation(enabled)
+    try:
+        yield
+    finally:
+        set_validation(saved)
+
+
 def should_validate(validate: bool | None, t: torch.Tensor) -> bool:
-    """Resolve a ``validate`` argument: value checks read device memory on the host, which a
-    CUDA graph capture forbids. ``None``: validate unless the current stream is capturing."""
-    capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
-    if validate and capturing:
+    """Resolve a ``validate`` argument. Value checks read device memory on the host, which a
+    CUDA graph capture forbids: ``True`` while capturing raises, ``None`` follows the global
+    setting (``validation_enabled()``) and never validates while capturing."""
+    if validate is None:
+        if not _validate_by_default:
+            return False
+        return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    if validate and t.is_cuda and torch.cuda.is_current_stream_capturing():
         raise ValueError("validate=True reads device values on the host, which a CUDA graph "
                          "capture forbids; pass validate=False while capturing")
-    return (not capturing) if validate is None else validate
+    return bool(validate)
 
 
 def check_kernel_input(q: torch.Tensor) -> None:

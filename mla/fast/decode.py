@@ -24,10 +24,18 @@ How it is fast (docs/kernels.md):
 - Online softmax in base 2 with the scale folded into one multiply; full tiles run without
   masks, only the tail (length end, causal diagonal) pays for them.
 
-Validation: the shape/dtype/device checks (host metadata) always run. The value checks of
-``cache_seqlens`` and ``block_table`` read them on the host (a device sync), so they run only
-when ``validate=True``, or by default (``validate=None``) when the current CUDA stream is not
-capturing a graph. Pass ``validate=False`` on a serving hot path.
+Validation: the shape/dtype/device checks (host metadata) run on the first call of each
+combination of shapes, strides, dtypes, devices and pointer alignments, whose launch (plan,
+route, grids, integer and constexpr arguments) is then kept; later calls look it up and launch
+the compiled kernels directly (``mla.fast.launch``). The value checks of ``cache_seqlens`` and
+``block_table`` (one host read) run with ``validate=True``, or with ``validate=None`` when the
+global setting is on (``mla.fast.set_validation``; off by default) and no CUDA graph is being
+captured. Without them the kernels still never read outside their tensors: a request whose
+length is negative or beyond the block table's capacity, or whose used table entries leave
+``[0, num_blocks)``, gets NaN out and NaN lse for every query (NaN here means "invalid input").
+
+Sink: ``attn_sink [N]`` float32 scales out by ``exp(lse) / (exp(lse) + exp(sink))`` in the
+epilogue of the kernel that writes out (the decode kernel, or the combine after a split).
 """
 
 from __future__ import annotations
@@ -49,8 +57,11 @@ from mla.fast.common import (
     num_sms,
     should_validate,
 )
+from mla.fast.launch import CompiledLauncher
 from mla.fast.softmax import load_2d, softmax_pv
 from mla.reference.decode import check_paged_decode_shapes, check_paged_decode_values
+from mla.reference.sink import check_attn_sink
+from mla.validation import check_scale
 
 __all__ = ["DecodePlan", "plan_decode", "mla_decode_paged"]
 
@@ -109,8 +120,8 @@ def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v:
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, end, limit,
-            qk_scale, stride_kvb, stride_kvr,
+def _attend(acc, l_i, m_i, bad, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, end, limit,
+            qk_scale, stride_kvb, stride_kvr, num_blocks,
             DV: tl.constexpr, DR: tl.constexpr, PAGE_SIZE: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr,
             HAS_PE: tl.constexpr, PAGE_TILE: tl.constexpr, USE_TMA: tl.constexpr,
@@ -121,7 +132,10 @@ def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, e
     Full tiles of a page-aligned cache come through the tensor descriptors (TMA: one bulk
     copy per 128-byte column box, no per-thread addresses); the masked tail and other page
     sizes through pointer loads, which zero the rows past ``end`` (a TMA tile would carry
-    whatever the cache holds there, NaN included, into ``P · V``)."""
+    whatever the cache holds there, NaN included, into ``P · V``).
+
+    A block-table entry outside ``[0, num_blocks)`` is never followed: it reads page 0 instead
+    and sets ``bad``, which the epilogue turns into NaN (one scalar compare per page tile)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
@@ -132,17 +146,26 @@ def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, e
         kmask = kpos < end
         if USE_TMA and not MASKED:  # the tile is BLOCK_N consecutive rows of one page
             page = tl.load(bt_row + start // PAGE_SIZE)
+            outside = (page < 0) | (page >= num_blocks)
+            bad = bad | outside
+            page = tl.where(outside, 0, page)
             row0 = page * PAGE_SIZE + start % PAGE_SIZE
             kv_nope = kv_desc.load([row0, 0])
             if HAS_PE:
                 k_pe = pe_desc.load([row0, 0])
         else:
             if PAGE_TILE:  # the whole tile lies in one page: one table lookup
-                page = tl.load(bt_row + start // PAGE_SIZE).to(tl.int64)
-            elif MASKED:
-                page = tl.load(bt_row + kpos // PAGE_SIZE, mask=kmask, other=0).to(tl.int64)
+                page = tl.load(bt_row + start // PAGE_SIZE)
+                outside = (page < 0) | (page >= num_blocks)
+                bad = bad | outside
             else:
-                page = tl.load(bt_row + kpos // PAGE_SIZE).to(tl.int64)
+                if MASKED:
+                    page = tl.load(bt_row + kpos // PAGE_SIZE, mask=kmask, other=0)
+                else:
+                    page = tl.load(bt_row + kpos // PAGE_SIZE)
+                outside = (page < 0) | (page >= num_blocks)
+                bad = bad | (tl.max(outside.to(tl.int32), 0) != 0)
+            page = tl.where(outside, 0, page).to(tl.int64)
             row_off = page * stride_kvb + (kpos % PAGE_SIZE).to(tl.int64) * stride_kvr
             kv_nope = load_2d(KV + row_off[:, None] + offs_dv[None, :], kmask, dv_mask,
                                MASKED, BLOCK_DV != DV)
@@ -159,24 +182,38 @@ def _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, hi, e
                 vis = vis & (kpos[None, :] <= limit[:, None])
             qk = tl.where(vis, qk, float("-inf"))
         acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, kv_nope, DOT_PREC)
-    return acc, l_i, m_i
+    return acc, l_i, m_i, bad
+
+
+@triton.jit
+def _sink_factor(lse, seen, SINK, h, row_ok):
+    """``exp(lse) / (exp(lse) + exp(sink))`` per row, as ``1 / (1 + exp(sink - lse))`` (no
+    overflow: a large ``sink - lse`` gives 0, a ``+inf`` sink 0, a ``-inf`` one 1); 1 for a
+    query with no key (its out stays 0), NaN for a NaN sink (conventions §14)."""
+    sink = tl.load(SINK + h, mask=row_ok, other=0.0)
+    factor = tl.where(seen, 1.0 / (1.0 + tl.exp(sink - tl.where(seen, lse, 0.0))), 1.0)
+    return tl.where(sink != sink, float("nan"), factor)
 
 
 @triton.jit
 def _decode_kernel(
-    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP,
+    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP, SINK,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvr, stride_btb,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lh,
-    qk_scale, num_splits, kv_rows,
+    qk_scale, num_splits, kv_rows, num_blocks, max_blocks,
     N: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr,
     PAGE_TILE: tl.constexpr, USE_TMA: tl.constexpr, CAUSAL: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Grid ``(head groups, splits, B)``: the head groups of one key run are neighbours."""
+    """Grid ``(head groups, splits, B)``: the head groups of one key run are neighbours.
+
+    A request whose length is negative or beyond the block table's ``max_blocks`` pages, or
+    whose used table entries leave ``[0, num_blocks)``, reads nothing outside the tensors and
+    gets NaN for every query (out and lse): the unvalidated path's "invalid input"."""
     ROWS: tl.constexpr = S_Q * N
     g = tl.program_id(0)
     split = tl.program_id(1)
@@ -200,6 +237,9 @@ def _decode_kernel(
 
     # this program's keys: an equal share of whole tiles of the request's length
     L = tl.load(SEQLENS + b)
+    # (L - 1) // PAGE_SIZE >= max_blocks: past the capacity, without overflowing L + PAGE_SIZE
+    bad = (L < 0) | ((L > 0) & ((L - 1) // PAGE_SIZE >= max_blocks))
+    L = tl.where(bad, 0, L)
     n_tiles = tl.cdiv(L, BLOCK_N)
     per_split = tl.cdiv(n_tiles, num_splits)
     lo = split * per_split * BLOCK_N
@@ -231,39 +271,44 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row,
-                            lo, mid, end, limit, qk_scale, stride_kvb, stride_kvr,
-                            DV, DR, PAGE_SIZE, BLOCK_N, BLOCK_DV, BLOCK_DR, HAS_PE, PAGE_TILE,
-                            USE_TMA, False, CAUSAL, DOT_PREC)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row,
-                            mid, end, end, limit, qk_scale, stride_kvb, stride_kvr,
-                            DV, DR, PAGE_SIZE, TAIL_N, BLOCK_DV, BLOCK_DR, HAS_PE, PAGE_TILE,
-                            USE_TMA, True, CAUSAL, DOT_PREC)
+    acc, l_i, m_i, bad = _attend(acc, l_i, m_i, bad, q_nope, q_pe, KV, kv_desc, pe_desc,
+                                 bt_row, lo, mid, end, limit, qk_scale, stride_kvb,
+                                 stride_kvr, num_blocks, DV, DR, PAGE_SIZE, BLOCK_N, BLOCK_DV,
+                                 BLOCK_DR, HAS_PE, PAGE_TILE, USE_TMA, False, CAUSAL, DOT_PREC)
+    acc, l_i, m_i, bad = _attend(acc, l_i, m_i, bad, q_nope, q_pe, KV, kv_desc, pe_desc,
+                                 bt_row, mid, end, end, limit, qk_scale, stride_kvb,
+                                 stride_kvr, num_blocks, DV, DR, PAGE_SIZE, TAIL_N, BLOCK_DV,
+                                 BLOCK_DR, HAS_PE, PAGE_TILE, USE_TMA, True, CAUSAL, DOT_PREC)
 
     # l = 0 exactly when no key was seen; a NaN l (a NaN logit) is "seen" and stays NaN
     seen = l_i != 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453
     if SPLIT:
-        # partials [B, splits, ROWS, DV] and [B, splits, ROWS]; "no key" is lse = -inf
+        # partials [B, splits, ROWS, DV] and [B, splits, ROWS]; "no key" is lse = -inf, and
+        # a NaN lse (bad input) makes the combine's row NaN
         part = (b * num_splits + split).to(tl.int64) * ROWS + rows
-        tl.store(LSEP + part, tl.where(seen, lse, float("-inf")), mask=row_ok)
+        lse = tl.where(bad, float("nan"), tl.where(seen, lse, float("-inf")))
+        tl.store(LSEP + part, lse, mask=row_ok)
         tl.store(OP + part[:, None] * DV + offs_dv[None, :], o,
                  mask=(row_ok & seen)[:, None] & dv_mask[None, :])
     else:
+        if HAS_SINK:
+            o = o * _sink_factor(lse, seen, SINK, h, row_ok)[:, None]
+        o = tl.where(bad, float("nan"), o)
+        lse = tl.where(bad, float("nan"), tl.where(seen, lse, float("inf")))
         o_ptr = O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
         tl.store(o_ptr[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty),
                  mask=row_ok[:, None] & dv_mask[None, :])
-        tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t,
-                 tl.where(seen, lse, float("inf")), mask=row_ok)
+        tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t, lse, mask=row_ok)
 
 
 @triton.jit
 def _combine_kernel(
-    OP, LSEP, O, LSE, num_splits,
+    OP, LSEP, O, LSE, SINK, num_splits,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
     N: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Grid ``(s_q · N, B)``: merge one query row's partials by their lse (conventions §6)."""
     ROWS: tl.constexpr = S_Q * N
@@ -289,10 +334,13 @@ def _combine_kernel(
             acc += tl.exp(lse_s - m_use) * o_s
     seen = w_sum != 0.0  # a NaN partial lse makes w_sum NaN: NaN out, not "no key"
     o = acc / tl.where(seen, w_sum, 1.0)
+    lse = m_use + tl.log(tl.where(seen, w_sum, 1.0))
+    if HAS_SINK:
+        o = o * _sink_factor(lse, seen, SINK, h, True)
     tl.store(O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + offs_dv,
              o.to(O.dtype.element_ty), mask=dv_mask)
     tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t,
-             tl.where(seen, m_use + tl.log(tl.where(seen, w_sum, 1.0)), float("inf")))
+             tl.where(seen, lse, float("inf")))
 
 
 def _tma_ok(kv_cache: torch.Tensor, DV: int, DR: int) -> bool:
@@ -322,6 +370,113 @@ def _sm90_route(plan: DecodePlan, q: torch.Tensor, kv_cache: torch.Tensor, DV: i
     return supported(q, kv_cache, DV)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """What a call derives from its arguments' shapes, strides, dtypes, devices and pointer
+    alignments (the cache key): the plan's grids, the integer and constexpr arguments, which
+    kernel runs. Per call only the tensors and the scale remain to be passed."""
+
+    out_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
+    grid: tuple[int, int, int] | None  # None: nothing to compute (B = 0 or N = 0)
+    sm90: bool = False
+    copy: tuple[bool, bool, bool] = (False, False, False)  # q, kv_cache, block_table
+    part_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # split partials
+    ints: tuple[int, ...] = ()  # strides of the decode kernel
+    tail: tuple[int, ...] = ()  # num_splits, kv_rows, num_blocks, max_blocks
+    constexprs: tuple[object, ...] = ()
+    allocator: bool = False  # in-kernel tensor descriptors: the scratch allocator is needed
+    options: tuple[tuple[str, int], ...] = ()
+    combine_grid: tuple[int, int, int] | None = None
+    combine_ints: tuple[int, ...] = ()
+    combine_constexprs: tuple[object, ...] = ()
+
+
+_launches: dict[object, _Launch] = {}
+_MAX_LAUNCHES = 4096  # distinct shapes kept (a serving engine sees a few hundred)
+_triton_decode = CompiledLauncher(_decode_kernel)
+_triton_combine = CompiledLauncher(_combine_kernel)
+_sm90_decode: CompiledLauncher | None = None  # built at the first sm_90 call (imports Gluon)
+
+
+def _key(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+         cache_seqlens: torch.Tensor, causal: bool, head_dim_v: int,
+         attn_sink: torch.Tensor | None, plan: DecodePlan | None) -> tuple:
+    """Everything the argument checks and ``_prepare`` read, and every specialization Triton
+    gives the kernels' arguments: two calls with equal keys pass the same checks and launch
+    the same compiled kernels with the same integer arguments."""
+    sink = None if attn_sink is None else (
+        attn_sink.shape, attn_sink.stride(), attn_sink.dtype, attn_sink.device,
+        attn_sink.data_ptr() % 16 == 0)
+    return (q.shape, q.stride(), q.dtype, q.device, q.data_ptr() % 16 == 0,
+            kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
+            kv_cache.data_ptr() % 16 == 0,
+            block_table.shape, block_table.stride(), block_table.dtype, block_table.device,
+            block_table.data_ptr() % 16 == 0,
+            cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
+            cache_seqlens.device, cache_seqlens.data_ptr() % 16 == 0,
+            causal, type(causal), head_dim_v, type(head_dim_v), sink, plan)
+
+
+def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+             cache_seqlens: torch.Tensor, softmax_scale: float, causal: bool, head_dim_v: int,
+             attn_sink: torch.Tensor | None, plan: DecodePlan | None) -> _Launch:
+    """The argument checks that read host metadata, then the launch: once per key."""
+    check_paged_decode_shapes(q, kv_cache, block_table, cache_seqlens, softmax_scale,
+                              head_dim_v)
+    check_kernel_input(q)
+    check_attn_sink(attn_sink, q.shape[2], q.device)
+    if plan is not None and not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan must be a DecodePlan or None, got {type(plan).__name__}")
+    B, s_q, N, D = q.shape
+    num_blocks, block_size, _ = kv_cache.shape
+    DV, DR = head_dim_v, D - head_dim_v
+    out_shape, lse_shape = (B, s_q, N, DV), (B, N, s_q)
+    if B == 0 or N == 0:
+        return _Launch(out_shape, lse_shape, None)
+    if plan is None:
+        plan = plan_decode(B, s_q, N, D, DV, block_table.shape[1], block_size, q.dtype,
+                           num_sms(q.device))
+    # the kernels need unit stride along the head dim (vectorized rows); copy only if not
+    copy = (q.stride(3) != 1, kv_cache.stride(2) != 1, block_table.stride(1) != 1)
+    q = q.contiguous() if copy[0] else q
+    kv_cache = kv_cache.contiguous() if copy[1] else kv_cache
+    block_table = block_table.contiguous() if copy[2] else block_table
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    rows = s_q * N
+    split = plan.num_splits > 1
+    has_sink = attn_sink is not None
+    ints = (q.stride(0), q.stride(1), q.stride(2),
+            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1))
+    tail = (plan.num_splits, num_blocks * block_size, num_blocks, block_table.shape[1])
+    block_dv = max(16, next_pow2(DV))
+    common = dict(
+        out_shape=out_shape, lse_shape=lse_shape,
+        grid=(triton.cdiv(rows, plan.block_m), plan.num_splits, B), copy=copy,
+        part_shapes=((B, plan.num_splits, rows, DV), (B, plan.num_splits, rows))
+        if split else None,
+        ints=ints, tail=tail,
+        combine_grid=(rows, B, 1) if split else None,
+        combine_ints=(out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
+                      lse.stride(1)),
+        combine_constexprs=(N, s_q, DV, block_dv, max(2, next_pow2(plan.num_splits)),
+                            has_sink))
+    if _sm90_route(plan, q, kv_cache, DV):
+        return _Launch(sm90=True, allocator=True,
+                       constexprs=(N, s_q, block_size, bool(causal), split, has_sink),
+                       options=(("num_warps", 8),), **common)
+    page_tile = block_size % plan.block_n == 0
+    use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
+    constexprs = (N, s_q, DV, DR, block_size, plan.block_m, plan.block_n, block_dv,
+                  max(16, next_pow2(DR)) if DR else 16, DR > 0, page_tile, use_tma,
+                  bool(causal), split, has_sink, "ieee" if q.dtype == torch.float32 else "tf32")
+    return _Launch(constexprs=constexprs, allocator=use_tma,
+                   options=(("num_warps", plan.num_warps), ("num_stages", plan.num_stages)),
+                   **common)
+
+
 def mla_decode_paged(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -331,6 +486,7 @@ def mla_decode_paged(
     causal: bool = False,
     head_dim_v: int = 512,
     *,
+    attn_sink: torch.Tensor | None = None,
     validate: bool | None = None,
     plan: DecodePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,83 +495,70 @@ def mla_decode_paged(
     Returns ``out [B, s_q, N, head_dim_v]`` (q's dtype) and ``lse [B, N, s_q]`` (float32,
     ``+inf`` for a query with no visible key), as ``mla.reference.mla_decode_paged``.
 
-    ``validate``: run the value checks of ``cache_seqlens``/``block_table`` (a host sync).
-    ``None`` (default): only when the current CUDA stream is not capturing a graph.
+    ``attn_sink [N]`` float32: the reference's sink (``mla.reference.sink``), applied in the
+    kernels' epilogue: out scaled by ``exp(lse) / (exp(lse) + exp(sink))``, lse unchanged.
+    ``validate``: run the value checks of ``cache_seqlens``/``block_table`` (one host read);
+    ``None`` (default): as ``mla.fast.set_validation`` says (off unless turned on), never while
+    a CUDA graph is being captured. Unvalidated bad values give NaN for their request.
     ``plan``: launch parameters; default ``plan_decode(...)`` from the shapes.
     """
-    check_paged_decode_shapes(q, kv_cache, block_table, cache_seqlens, softmax_scale,
-                              head_dim_v)
-    check_kernel_input(q)
+    try:
+        key = _key(q, kv_cache, block_table, cache_seqlens, causal, head_dim_v, attn_sink,
+                   plan)
+        launch = _launches.get(key)
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say why
+        key, launch = None, None
+    if launch is None:
+        launch = _prepare(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal,
+                          head_dim_v, attn_sink, plan)
+        if key is not None:
+            if len(_launches) >= _MAX_LAUNCHES:
+                _launches.clear()
+            _launches[key] = launch
+    else:
+        check_scale("softmax_scale", softmax_scale)  # the one argument the key leaves out
     if should_validate(validate, q):
         check_paged_decode_values(kv_cache, block_table, cache_seqlens)
 
-    B, s_q, N, D = q.shape
-    num_blocks, block_size, _ = kv_cache.shape
-    DV, DR = head_dim_v, D - head_dim_v
-    out = torch.empty(B, s_q, N, DV, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, N, s_q, dtype=torch.float32, device=q.device)
-    if B == 0 or N == 0:
+    out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=q.device)
+    if launch.grid is None:
         return out, lse
-    if plan is None:
-        plan = plan_decode(B, s_q, N, D, DV, block_table.shape[1], block_size, q.dtype,
-                           num_sms(q.device))
-    # the kernel needs unit stride along the head dim (vectorized rows); copy only if not
-    q = q if q.stride(3) == 1 else q.contiguous()
-    kv_cache = kv_cache if kv_cache.stride(2) == 1 else kv_cache.contiguous()
-    block_table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
-
-    rows = s_q * N
-    groups = triton.cdiv(rows, plan.block_m)
-    split = plan.num_splits > 1
-    if split:
-        o_part = torch.empty(B, plan.num_splits, rows, DV, dtype=torch.float32,
-                             device=q.device)
-        lse_part = torch.empty(B, plan.num_splits, rows, dtype=torch.float32,
-                               device=q.device)
+    copy_q, copy_kv, copy_bt = launch.copy
+    q = q.contiguous() if copy_q else q
+    kv_cache = kv_cache.contiguous() if copy_kv else kv_cache
+    block_table = block_table.contiguous() if copy_bt else block_table
+    if launch.part_shapes is not None:
+        o_part = torch.empty(launch.part_shapes[0], dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(launch.part_shapes[1], dtype=torch.float32, device=q.device)
     else:
         o_part, lse_part = out, lse  # unused
-    block_dv = max(16, next_pow2(DV))
-    block_dr = max(16, next_pow2(DR)) if DR else 16
-    launched = False
-    if _sm90_route(plan, q, kv_cache, DV):
-        from mla.fast.sm90.decode import decode_kernel
+    if attn_sink is None:
+        sink = lse  # an unused pointer
+    else:
+        sink = attn_sink if attn_sink.stride(0) == 1 else attn_sink.contiguous()
+    args = (q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part, sink,
+            *launch.ints, softmax_scale * LOG2E, *launch.tail, *launch.constexprs)
+    if launch.sm90:
+        global _sm90_decode
+        if _sm90_decode is None:
+            from mla.fast.sm90.decode import decode_kernel
 
-        ensure_allocator()
-        launched = sm90.launch(
-            decode_kernel, (groups, plan.num_splits, B),
-            q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part,
-            q.stride(0), q.stride(1), q.stride(2),
-            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            softmax_scale * LOG2E, plan.num_splits, num_blocks * block_size,
-            N=N, S_Q=s_q, PAGE_SIZE=block_size, CAUSAL=bool(causal), SPLIT=split,
-            num_warps=8,
-        )
-    if not launched:
-        page_tile = block_size % plan.block_n == 0
-        use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
-        if use_tma:
+            _sm90_decode = CompiledLauncher(decode_kernel)
+        ensure_allocator()  # the Gluon kernel's tensor descriptors
+        if not sm90.launch_compiled(_sm90_decode, key, launch.grid, args,
+                                    **dict(launch.options)):
+            # the Gluon kernel cannot be built here: every later call takes the Triton route
+            _launches.pop(key, None)
+            return mla_decode_paged(q, kv_cache, block_table, cache_seqlens, softmax_scale,
+                                    causal, head_dim_v, attn_sink=attn_sink, validate=False,
+                                    plan=plan)
+    else:
+        if launch.allocator:
             ensure_allocator()
-        _decode_kernel[(groups, plan.num_splits, B)](
-            q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part,
-            q.stride(0), q.stride(1), q.stride(2),
-            kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            softmax_scale * LOG2E, plan.num_splits, num_blocks * block_size,
-            N=N, S_Q=s_q, DV=DV, DR=DR, PAGE_SIZE=block_size,
-            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-            BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0,
-            PAGE_TILE=page_tile, USE_TMA=use_tma, CAUSAL=bool(causal), SPLIT=split,
-            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )
-    if split:
-        _combine_kernel[(rows, B)](
-            o_part, lse_part, out, lse, plan.num_splits,
-            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            N=N, S_Q=s_q, DV=DV, BLOCK_DV=block_dv,
-            BLOCK_S=max(2, next_pow2(plan.num_splits)), num_warps=4,
-        )
+        _triton_decode(key, launch.grid, args, **dict(launch.options))
+    if launch.combine_grid is not None:
+        _triton_combine(key, launch.combine_grid,
+                        (o_part, lse_part, out, lse, sink, launch.tail[0],
+                         *launch.combine_ints, *launch.combine_constexprs), num_warps=4)
     return out, lse

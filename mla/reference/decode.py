@@ -103,22 +103,35 @@ def check_paged_decode_shapes(q: torch.Tensor, kv_cache: torch.Tensor, block_tab
 
 def check_paged_decode_values(kv_cache: torch.Tensor, block_table: torch.Tensor,
                               cache_seqlens: torch.Tensor) -> None:
-    """Value checks of the lengths and the used block-table entries (reads them on the host)."""
+    """Value checks of the lengths and the used block-table entries, with one device-to-host
+    transfer: the reductions run where the tensors are, and only a failure reads again, to
+    name the first offending request."""
+    B = cache_seqlens.shape[0]
+    if B == 0:
+        return
     num_blocks, bs, _ = kv_cache.shape
-    capacity = block_table.shape[1] * bs
-    lens = cache_seqlens.tolist()
-    for b, n in enumerate(lens):
-        if n < 0:
-            raise ValueError(f"cache_seqlens must be >= 0, got {n} for request {b}")
-        if n > capacity:
-            raise ValueError(
-                f"cache_seqlens[{b}] = {n} exceeds the block table's capacity "
-                f"{block_table.shape[1]} blocks x {bs} = {capacity}")
-        used = block_table[b, : -(-n // bs)]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
-            raise ValueError(
-                f"block_table[{b}] points outside kv_cache's {num_blocks} blocks "
-                f"within its first {n} tokens: range [{int(used.min())}, {int(used.max())}]")
+    max_blocks = block_table.shape[1]
+    capacity = max_blocks * bs
+    lens = cache_seqlens.long()
+    bad_len = (lens < 0) | (lens > capacity)
+    used_pages = (lens.clamp(0, capacity) + bs - 1) // bs
+    used = torch.arange(max_blocks, device=lens.device)[None, :] < used_pages[:, None]
+    bad_page = used & ((block_table < 0) | (block_table >= num_blocks))
+    bad = bad_len | bad_page.any(1)
+    if not bool(bad.any()):  # the one transfer of a call that passes
+        return
+    b = int(bad.nonzero()[0, 0])
+    n = int(lens[b])
+    if n < 0:
+        raise ValueError(f"cache_seqlens must be >= 0, got {n} for request {b}")
+    if n > capacity:
+        raise ValueError(
+            f"cache_seqlens[{b}] = {n} exceeds the block table's capacity "
+            f"{max_blocks} blocks x {bs} = {capacity}")
+    lo, hi = block_table[b, : -(-n // bs)].aminmax()
+    raise ValueError(
+        f"block_table[{b}] points outside kv_cache's {num_blocks} blocks "
+        f"within its first {n} tokens: range [{int(lo)}, {int(hi)}]")
 
 
 def mla_decode_paged(

@@ -201,13 +201,23 @@ def _check_topk_length_shape(topk_length: torch.Tensor | None, rows: int,
         raise ValueError(f"{name} is on {topk_length.device} but q is on {device}")
 
 
+def _range(t: torch.Tensor) -> torch.Tensor:
+    """``[min, max]`` of a non-empty integer tensor as an int64 tensor, on its device."""
+    return torch.stack(torch.aminmax(t.long()))
+
+
 def _check_topk_length_values(topk_length: torch.Tensor | None, topk: int, what: str,
                               name: str = "topk_length") -> None:
     if topk_length is None or not topk_length.numel():
         return
-    if int(topk_length.min()) < 0 or int(topk_length.max()) > topk:
+    _raise_topk_length(_range(topk_length).tolist(), topk, what, name)
+
+
+def _raise_topk_length(lo_hi: list[int], topk: int, what: str, name: str) -> None:
+    lo, hi = lo_hi
+    if lo < 0 or hi > topk:
         raise ValueError(f"{name} must lie in [0, topk={topk}] ({what}), got range "
-                         f"[{int(topk_length.min())}, {int(topk_length.max())}]")
+                         f"[{lo}, {hi}]")
 
 
 def check_sparse_prefill_shapes(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
@@ -470,20 +480,27 @@ def check_sparse_decode_values(kv_cache: torch.Tensor, indices: torch.Tensor,
                                extra_indices_in_kvcache: torch.Tensor | None = None,
                                extra_topk_length: torch.Tensor | None = None) -> None:
     """Value checks of ``sparse_mla_decode`` (``topk_length`` and ``indices`` ranges, of both
-    scopes): these read device tensors on the host."""
+    scopes): every range is reduced on the device and read in one transfer."""
     scopes = [("kv_cache", kv_cache, "indices", indices, "topk_length", topk_length)]
     if extra_k_cache is not None:
         assert extra_indices_in_kvcache is not None
         scopes.append(("extra_k_cache", extra_k_cache, "extra_indices_in_kvcache",
                        extra_indices_in_kvcache, "extra_topk_length", extra_topk_length))
+    parts = [_range(t) for _, _, _, idx, _, length in scopes for t in (length, idx)
+             if t is not None and t.numel()]
+    if not parts:
+        return
+    values = torch.cat(parts).tolist()
     for cache_name, cache, idx_name, idx, length_name, length in scopes:
-        _check_topk_length_values(length, idx.shape[2], "one per request", length_name)
-        n_slots = cache.shape[0] * cache.shape[1]
-        idx = idx.long()
-        if idx.numel() and (int(idx.min()) < -1 or int(idx.max()) >= n_slots):
-            raise ValueError(f"{idx_name} must lie in [-1, {n_slots}) (-1 = none; {cache_name} "
-                             f"has {n_slots} slots), got range [{int(idx.min())}, "
-                             f"{int(idx.max())}]")
+        if length is not None and length.numel():
+            _raise_topk_length(values[:2], idx.shape[2], "one per request", length_name)
+            values = values[2:]
+        if idx.numel():
+            (lo, hi), values = values[:2], values[2:]
+            n_slots = cache.shape[0] * cache.shape[1]
+            if lo < -1 or hi >= n_slots:
+                raise ValueError(f"{idx_name} must lie in [-1, {n_slots}) (-1 = none; "
+                                 f"{cache_name} has {n_slots} slots), got range [{lo}, {hi}]")
 
 
 def sparse_index_mask(indices: torch.Tensor, s_kv: int,

@@ -24,7 +24,7 @@ from typing import Any
 import triton
 from triton.errors import TritonError
 
-__all__ = ["launch", "usable"]
+__all__ = ["launch", "launch_compiled", "usable"]
 
 _why_not = ""  # why the Gluon kernels cannot be used with this Triton ("" while not known)
 _imported = False
@@ -57,6 +57,18 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> boo
     runs, so the outputs are untouched and the caller runs its Triton kernel instead)."""
     try:
         kernel[grid](*args, **kwargs)
+    except TritonError as e:
+        _give_up(e)
+        return False
+    return True
+
+
+def launch_compiled(launcher: Any, key: Any, grid: tuple[int, int, int], args: Any,
+                    **options: Any) -> bool:
+    """``launch`` through a ``mla.fast.launch.CompiledLauncher`` (the compiled kernel of
+    ``key`` launched directly after its first launch), with the same fallback."""
+    try:
+        launcher(key, grid, args, **options)
     except TritonError as e:
         _give_up(e)
         return False

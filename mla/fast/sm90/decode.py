@@ -72,16 +72,18 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
 
 @gluon.jit
 def decode_kernel(
-    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP,
+    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP, SINK,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvr, stride_btb,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lh,
-    qk_scale, num_splits, kv_rows,
+    qk_scale, num_splits, kv_rows, num_blocks, max_blocks,
     N: gl.constexpr, S_Q: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    CAUSAL: gl.constexpr, SPLIT: gl.constexpr,
+    CAUSAL: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
 ):
-    """Grid ``(head groups, splits, B)``, 8 warps."""
+    """Grid ``(head groups, splits, B)``, 8 warps. Bad lengths and table entries give NaN
+    for the request, as the Triton kernel's (``mla.fast.decode``); ``HAS_SINK``: the sink
+    factor in the unsplit epilogue (the combine kernel applies it after a split)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
@@ -133,6 +135,9 @@ def decode_kernel(
 
     # this program's keys: an equal share of whole tiles of the request's length
     L = gl.load(SEQLENS + b)
+    # negative, or past the table's capacity (written so that L + PAGE_SIZE cannot overflow)
+    bad = (L < 0) | ((L > 0) & ((L - 1) // PAGE_SIZE >= max_blocks))
+    L = gl.where(bad, 0, L)
     n_tiles = gl.cdiv(L, BN)
     per_split = gl.cdiv(n_tiles, num_splits)
     t_lo = split * per_split
@@ -155,6 +160,9 @@ def decode_kernel(
 
     if t_lo < t_hi:  # first tile -> stage 0
         page = gl.load(bt_row + (t_lo * BN) // PAGE_SIZE)
+        outside = (page < 0) | (page >= num_blocks)  # never followed: page 0, and NaN out
+        bad = bad | outside
+        page = gl.where(outside, 0, page)
         row0 = page * PAGE_SIZE + (t_lo * BN) % PAGE_SIZE
         mbarrier.expect(bars.index(0), TILE_BYTES)
         tma.async_copy_global_to_shared(kv_desc, [row0, 0], bars.index(0), k_nope.index(0))
@@ -179,6 +187,9 @@ def decode_kernel(
         # every warp has finished tile i-1 (its P · V read stage 1-s and P): refill them
         barrier()
         if i + 1 < t_hi:
+            outside = (nxt_page < 0) | (nxt_page >= num_blocks)
+            bad = bad | outside
+            nxt_page = gl.where(outside, 0, nxt_page)
             row0 = nxt_page * PAGE_SIZE + ((i + 1) * BN) % PAGE_SIZE
             mbarrier.expect(bars.index(1 - s), TILE_BYTES)
             tma.async_copy_global_to_shared(kv_desc, [row0, 0], bars.index(1 - s),
@@ -227,14 +238,22 @@ def decode_kernel(
     if SPLIT:
         # partials [B, splits, ROWS, DV] and [B, splits, ROWS]; "no key" is lse = -inf
         part_s = (b * num_splits + split).to(gl.int64) * ROWS + r_s
-        gl.store(LSEP + part_s, gl.where(seen, lse, float("-inf")), mask=r_ok_s)
+        gl.store(LSEP + part_s, gl.where(bad, float("nan"), gl.where(seen, lse, float("-inf"))),
+                 mask=r_ok_s)
         part_o = (b * num_splits + split).to(gl.int64) * ROWS + r_o
         gl.store(OP + part_o[:, None] * DV + c_o[None, :], o,
                  mask=(ok_o & seen_o)[:, None])
     else:
+        if HAS_SINK:  # exp(lse) / (exp(lse) + exp(sink)), as mla.fast.decode._sink_factor
+            sink = gl.load(SINK + r_s % N, mask=r_ok_s, other=0.0)
+            factor = gl.where(seen, 1.0 / (1.0 + gl.exp(sink - gl.where(seen, lse, 0.0))), 1.0)
+            factor = gl.where(sink != sink, float("nan"), factor)
+            o = o * gl.convert_layout(factor, row_o)[:, None]
+        o = gl.where(bad, float("nan"), o)
         o_row = (O + b.to(gl.int64) * stride_ob + (r_o // N).to(gl.int64) * stride_ot
                  + (r_o % N).to(gl.int64) * stride_oh)
         gl.store(o_row[:, None] + c_o[None, :], o.to(dtype), mask=ok_o[:, None])
         gl.store(LSE + b.to(gl.int64) * stride_lb + (r_s % N).to(gl.int64) * stride_lh
-                 + r_s // N, gl.where(seen, lse, float("inf")), mask=r_ok_s)
+                 + r_s // N, gl.where(bad, float("nan"), gl.where(seen, lse, float("inf"))),
+                 mask=r_ok_s)
 

@@ -1,0 +1,80 @@
+"""Launching a compiled kernel again without Triton's per-call JIT dispatch.
+
+``kernel[grid](*args)`` binds the arguments, specializes every one of them (dtype and 16-byte
+alignment of each pointer; each integer's width, ``== 1`` and ``% 16``), builds a cache key
+string from the options and looks the compiled kernel up: tens of microseconds of Python per
+launch, more than a small decode kernel runs (benchmarks/NOTES.md, host time). The caller
+already knows whether anything of that can have changed: it keys its own cache on the shapes,
+strides, dtypes, devices and pointer alignments of its arguments, which determine every
+integer argument and every specialization. So the first launch of a key goes through the JIT
+(compiling if needed) and keeps the ``CompiledKernel`` it returns; later launches of that key
+call the compiled kernel's launcher directly, with the current stream.
+
+The JIT path is always taken under the interpreter (no compiled kernel exists), and while a
+launch hook is installed (profilers such as proton read its launch metadata).
+
+A caller's key must determine Triton's specialization of every non-constexpr argument:
+``int_spec`` gives an integer's class under Triton 3.6's rule and ``ptr_spec`` a pointer's,
+for callers whose integers do not all follow from the shapes in their key
+(``tests/test_fast_decode.py`` checks both against Triton's own specializer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from triton import knobs
+
+from mla.fast.common import interpreting
+
+__all__ = ["CompiledLauncher", "int_spec", "ptr_spec"]
+
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
+def int_spec(x: int) -> int:
+    """An integer argument's specialization class: 1 (a constant), the width (i32 or wider) and
+    divisibility by 16, each of which compiles differently."""
+    if x == 1:
+        return 1
+    return (2 if x % 16 == 0 else 0) + (0 if _I32_MIN <= x <= _I32_MAX else 4 + (x >= 2**63))
+
+
+def ptr_spec(t: torch.Tensor) -> bool:
+    """A pointer argument's specialization: 16-byte aligned or not."""
+    return t.data_ptr() % 16 == 0
+
+
+class CompiledLauncher:
+    """Launches of one ``@triton.jit`` / ``@gluon.jit`` function, the compiled kernel of each
+    caller key kept after its first launch.
+
+    ``args`` are all of the kernel's parameters in order, constexprs included (the compiled
+    launcher skips them); ``options`` (``num_warps``, ``num_stages``) must be determined by the
+    key, as must every specialization of ``args``.
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.compiled: dict[Hashable, Any] = {}
+
+    def __call__(self, key: Hashable | None, grid: tuple[int, int, int], args: Sequence[Any],
+                 **options: Any) -> None:
+        """Launch; ``key=None``: through the JIT, nothing kept."""
+        if key is None or interpreting():
+            self.fn[grid](*args, **options)
+            return
+        device = torch.cuda.current_device()
+        compiled = self.compiled.get((device, key))
+        hooks = knobs.runtime.launch_enter_hook or knobs.runtime.launch_exit_hook
+        if compiled is None or hooks is not None:
+            compiled = self.fn[grid](*args, **options)
+            if hasattr(compiled, "result"):  # an asynchronous compile's future
+                compiled = compiled.result()
+            if compiled is not None:
+                self.compiled[(device, key)] = compiled
+            return
+        compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device),
+                     compiled.function, compiled.packed_metadata, None, None, None, *args)
