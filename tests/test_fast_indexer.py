@@ -14,8 +14,10 @@ import pytest
 import torch
 
 import mla.reference as ref
-from mla.compare import poison_like
-from mla.fast import indexer_k_quant_and_cache
+from mla.compare import poison_like, rel_err
+from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_k_quant_and_cache
+from mla.fast.indexer_logits import logits_budget
+from mla.reference.paged_cache import make_block_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D = 128
@@ -158,3 +160,171 @@ def test_cache_write_refuses_bad_input():
         indexer_k_quant_and_cache(k, cache, slots, scale_fmt=None)
     with pytest.raises((TypeError, ValueError), match="kv_cache"):
         indexer_k_quant_and_cache(k, cache.float(), slots)
+
+
+# ---- the logits -------------------------------------------------------------------------------
+
+def _fp8_q(g: torch.Generator, rows: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``q [rows, heads, 128]`` and float32 weights with q's scale folded in."""
+    q = torch.randn(rows, heads, D, generator=g, dtype=torch.float64)
+    w = torch.randn(rows, heads, generator=g, dtype=torch.float64) * (heads * D) ** -0.5
+    return ref.quantize_indexer_q(q, w)
+
+
+def _check_logits(got: torch.Tensor, want: torch.Tensor, heads: int) -> float:
+    """Within the budget, with the reference's ``-inf`` exactly where it has them."""
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    got = got.cpu()
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf pattern differs"
+    err = rel_err(got, want)
+    limit = logits_budget(DEVICE)
+    assert err <= limit, f"logits: relative error {err:.3e} > {limit:.1e}"
+    return err
+
+
+def _ragged(g: torch.Generator, lens: list[int], queries: int, heads: int = 64):
+    """Requests of ``lens`` keys in one flat array, each asking with its last ``queries``
+    positions; a NaN key (code and scale) after the last request that no query may see."""
+    codes, scale = ref.quantize_indexer_k(_keys(g, sum(lens) + 1, spread=4))
+    codes[-1], scale[-1] = 0x7F, float("nan")
+    ks, ke, first = [], [], 0
+    for n in lens:
+        for p in range(max(0, n - queries), n):
+            ks.append(first)
+            ke.append(first + p + 1)
+        first += n
+    q8, w = _fp8_q(g, len(ks), heads)
+    return (q8, (codes.view(torch.float8_e4m3fn), scale), w,
+            torch.tensor(ks, dtype=torch.int32), torch.tensor(ke, dtype=torch.int32))
+
+
+def _on(device: str, args: tuple) -> tuple:
+    return tuple(_on(device, a) if isinstance(a, tuple) else
+                 a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.parametrize("lens,queries,heads", [
+    ([1, 17, 70], 8, 64),      # rows of 1 to 70 keys; 22 queries, not a multiple of 4
+    ([200, 3], 5, 64),         # keys past several tiles, a short request after
+    ([33, 9], 9, 3),           # 3 heads: padded to 16 with zero weights
+    ([130], 2, 128),           # 128 heads: two queries a program
+])
+def test_ragged_logits(lens: list[int], queries: int, heads: int):
+    args = _ragged(_gen(sum(lens) + heads), lens, queries, heads)
+    want = ref.fp8_mqa_logits(*args[:2], args[2].double(), *args[3:])
+    got = fp8_mqa_logits(*_on(DEVICE, args))
+    _check_logits(got, want, heads)
+
+
+def _paged(g: torch.Generator, lens: list[int], next_n: int, page: int, heads: int = 64,
+           minus_one: bool = False):
+    """The cache holds each request's keys at shuffled pages; every other byte is 0xFF (NaN);
+    unused table entries point at a NaN page, or hold -1."""
+    table, nb = make_block_table(lens, page, spare_blocks=1,
+                                 seed=int(torch.randint(1 << 30, (1,), generator=g)))
+    cache = poison_like(torch.empty(nb, page, 132, dtype=torch.uint8))
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        ref.indexer_k_quant_and_cache(_keys(g, n, spread=4), cache,
+                                      table[b].long()[pos // page] * page + pos % page)
+    if not minus_one:
+        table = torch.where(table < 0, nb - 1, table)
+    q8, w = _fp8_q(g, len(lens) * next_n, heads)
+    return (q8.view(len(lens), next_n, heads, D), cache, w,
+            torch.tensor(lens, dtype=torch.int32), table.to(torch.int32))
+
+
+@pytest.mark.parametrize("lens,next_n,page,heads,minus_one", [
+    ([1, 65, 130], 1, 64, 64, False),
+    ([15, 16, 17, 1], 2, 16, 64, True),
+    ([0, 1, 2, 9], 3, 16, 64, False),      # the first queries of short requests see no key
+    ([66, 130, 4], 4, 64, 64, True),      # the diagonal across a page edge
+    ([1, 2, 17], 1, 1, 64, False),
+    ([40, 7], 2, 16, 5, False),           # 5 heads, padded to 16
+])
+def test_paged_logits(lens: list[int], next_n: int, page: int, heads: int, minus_one: bool):
+    args = _paged(_gen(sum(lens) + next_n + page), lens, next_n, page, heads, minus_one)
+    width = max(lens) + 67  # columns past every length: -inf, and a tile past them all
+    want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], width)
+    got = fp8_paged_mqa_logits(*_on(DEVICE, args), width)
+    _check_logits(got, want, heads)
+
+
+def test_paged_logits_deepgemm_cache_view_and_uint8_q():
+    q8, cache, w, lens, table = _paged(_gen(11), [20, 3], 1, 16)
+    want = ref.fp8_paged_mqa_logits(q8, cache, w.double(), lens, table, 24)
+    args = _on(DEVICE, (q8.view(torch.uint8), cache[:, :, None], w, lens, table))
+    _check_logits(fp8_paged_mqa_logits(*args, 24), want, 64)
+
+
+def test_logits_nan_in_nan_out():
+    """A NaN key inside a row's range (a NaN element, written by the cache as 0x7F) gives NaN
+    in that column, never 0 or -inf; a NaN q element gives NaN across the row's keys."""
+    q8, cache, w, lens, table = _paged(_gen(12), [20], 1, 16)
+    k = _keys(_gen(13), 1)
+    k[0, 5] = float("nan")
+    slot = int(table[0, 0]) * 16 + 3
+    ref.indexer_k_quant_and_cache(k, cache, torch.tensor([slot]))
+    got = fp8_paged_mqa_logits(*_on(DEVICE, (q8, cache, w, lens, table)), 20).cpu()
+    assert torch.isnan(got[0, 3]) and not torch.isnan(got[0, :3]).any()
+    q_nan = q8.clone().view(torch.uint8)
+    q_nan[0, 0, 7, 9] = 0x7F
+    got = fp8_paged_mqa_logits(*_on(DEVICE, (q_nan.view(torch.float8_e4m3fn), cache, w, lens,
+                                             table)), 20).cpu()
+    assert torch.isnan(got[0, :20]).all()
+
+
+def test_logits_empty():
+    q8, cache, w, lens, table = _paged(_gen(14), [5], 1, 16)
+    out = fp8_paged_mqa_logits(*_on(DEVICE, (q8, cache, w, lens * 0, table)), 0)
+    assert out.shape == (1, 0)
+    none = fp8_paged_mqa_logits(*_on(DEVICE, (q8[:0], cache, w[:0], lens[:0], table[:0])), 7)
+    assert none.shape == (0, 7)
+    q8, kv, w, ks, ke = _ragged(_gen(15), [4], 2)
+    assert fp8_mqa_logits(*_on(DEVICE, (q8[:0], kv, w[:0], ks[:0], ke[:0]))).shape == (0, 5)
+    empty_kv = (kv[0][:0], kv[1][:0])
+    got = fp8_mqa_logits(*_on(DEVICE, (q8, empty_kv, w, ks * 0, ke * 0)))
+    assert got.shape == (2, 0)
+
+
+def test_logits_a_broken_twin_fails():
+    """The budget bites: the reference without the ReLU, and with the causal rule one key
+    short, fail the check that the kernel passes."""
+    q8, cache, w, lens, table = _paged(_gen(16), [70, 9], 2, 16)
+    got = fp8_paged_mqa_logits(*_on(DEVICE, (q8, cache, w, lens, table)), 72)
+    want = ref.fp8_paged_mqa_logits(q8, cache, w.double(), lens, table, 72)
+    _check_logits(got, want, 64)
+    with pytest.raises(AssertionError, match="relative error"):
+        _check_logits(got, ref.fp8_paged_mqa_logits(q8, cache, w.double() * 1.01, lens, table,
+                                                     72), 64)
+    with pytest.raises(AssertionError, match="-inf pattern"):
+        _check_logits(got, ref.fp8_paged_mqa_logits(q8, cache, w.double(), lens - 1, table,
+                                                     72), 64)
+
+
+def test_logits_refuse_bad_input():
+    q8, cache, w, lens, table = _on(DEVICE, _paged(_gen(17), [20, 3], 1, 16))
+    with pytest.raises(ValueError, match="context_lens"):
+        fp8_paged_mqa_logits(q8, cache, w, lens, table, 10, validate=True)
+    bad = table.clone()
+    bad[0, 1] = 999
+    with pytest.raises(ValueError, match=r"block_tables\[0\] points outside"):
+        fp8_paged_mqa_logits(q8, cache, w, lens, bad, 24, validate=True)
+    with pytest.raises(ValueError, match="blocks of 16"):
+        fp8_paged_mqa_logits(q8, cache, w, lens, table[:, :1], 24, validate=True)
+    with pytest.raises(ValueError, match="q's last dim"):
+        fp8_paged_mqa_logits(q8[..., :64], cache, w, lens, table, 24)
+    with pytest.raises((TypeError, ValueError), match="q"):
+        fp8_paged_mqa_logits(q8.float(), cache, w, lens, table, 24)
+    with pytest.raises(ValueError, match="weights"):
+        fp8_paged_mqa_logits(q8, cache, w[:1], lens, table, 24)
+    with pytest.raises(ValueError, match="max_model_len"):
+        fp8_paged_mqa_logits(q8, cache, w, lens, table, -1)
+    # unvalidated, a page outside the cache gives NaN for its keys, never another key
+    got = fp8_paged_mqa_logits(q8, cache, w, lens, bad, 24, validate=False).cpu()
+    assert torch.isnan(got[0, 16:20]).all() and not torch.isnan(got[0, :16]).any()
+    q8, kv, w, ks, ke = _on(DEVICE, _ragged(_gen(18), [6], 3))
+    with pytest.raises(ValueError, match="cu_seqlen_ks / cu_seqlen_ke"):
+        fp8_mqa_logits(q8, kv, w, ks, ke + 5, validate=True)
+    with pytest.raises(TypeError, match="kv must be a tuple"):
+        fp8_mqa_logits(q8, list(kv), w, ks, ke)

@@ -23,6 +23,7 @@ from mla.fast.common import set_validation, validation, validation_enabled
 from mla.fast.decode import DecodePlan, mla_decode_paged, plan_decode
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
 from mla.fast.indexer_cache import indexer_k_quant_and_cache
+from mla.fast.indexer_logits import fp8_mqa_logits, fp8_paged_mqa_logits
 from mla.fast.merge import merge_attn_states
 from mla.fast.paged_cache import concat_and_cache_mla, gather_cache
 from mla.fast.prefill import prefill_attention
@@ -37,7 +38,7 @@ from mla.fast.sparse import (
 __all__ = ["DecodePlan", "SparsePlan", "attention_with_lse", "chunked_prefill_attention",
            "concat_and_cache_fp8_ds_mla", "concat_and_cache_mla",
            "convert_req_index_to_global_index", "flash_attention_with_lse", "gather_cache",
-           "indexer_k_quant_and_cache",
+           "fp8_mqa_logits", "fp8_paged_mqa_logits", "indexer_k_quant_and_cache",
            "merge_attn_states", "mla_decode_paged", "plan_decode", "plan_sparse",
            "prefill_attention", "set_validation", "sparse_mla_decode", "sparse_mla_prefill",
            "validation", "validation_enabled"]
