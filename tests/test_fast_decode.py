@@ -163,3 +163,239 @@ def test_nan_input_is_nan_out_not_a_marker(poisoned_alloc, plan, causal):
     assert torch.isposinf(ref_lse[1]).all() and (ref_out[1] == 0).all()
     assert_nan_rule(out, ref_out, 1e-5, name="out")
     assert_nan_rule(lse, ref_lse, name="lse", abs_tol=1e-5)
+
+
+# ------------------------------------------------------------------ attention sinks
+
+SINK_PLANS = [None, DecodePlan(16, 16, 1, 4, 1), DecodePlan(16, 16, 3, 4, 1, use_tma=False)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("plan", SINK_PLANS, ids=["default", "one split", "three splits"])
+def test_sink_matches_reference(poisoned_alloc, plan, causal):
+    """The sink in the decode kernel's epilogue (one split) and in the combine's (several):
+    finite sinks of both signs, +inf (out 0), -inf (no change), NaN (that head's out NaN for
+    every query, lse unchanged); an empty request and causal queries without keys keep out 0
+    and lse +inf (NaN under the NaN sink). Against the float64 reference."""
+    q, kv, bt, sl = make_inputs([37, 0, 2, 50], 3, 6, 40, 16, torch.float32, seed=21)
+    sink = torch.tensor([0.5, -3.0, float("inf"), float("-inf"), float("nan"), 40.0],
+                        device=DEVICE)
+    scale = 40 ** -0.5
+    out, lse = mla_decode_paged(q, kv, bt, sl, scale, causal, 32, attn_sink=sink, plan=plan)
+    plain_out, plain_lse = mla_decode_paged(q, kv, bt, sl, scale, causal, 32, plan=plan)
+    ref_out, ref_lse = ref_decode_paged(q.double().cpu(), kv.double().cpu(), bt.cpu(), sl.cpu(),
+                                        scale, causal, 32, attn_sink=sink.cpu())
+    assert torch.isnan(ref_out[:, :, 4]).all() and (ref_out[:, :, 2] == 0).all()
+    assert torch.equal(lse, plain_lse)  # the sink leaves the lse alone
+    assert torch.equal(out[:, :, 3], plain_out[:, :, 3])  # -inf: nothing changes
+    assert_nan_rule(out, ref_out, budget("mla_decode_paged", q.dtype, "out_rel"), name="out")
+    assert_close(lse, ref_lse, name="lse", abs_tol=budget("mla_decode_paged", q.dtype,
+                                                          "lse_abs"))
+
+
+def test_sink_broken_twin_fails():
+    """The comparison above has the resolution to see a sink off by 0.01 (out off by 0.25% at
+    most): the reference with that sink lies outside the budget."""
+    q, kv, bt, sl = make_inputs([37, 5], 1, 4, 40, 16, torch.float32, seed=22)
+    sink = torch.tensor([0.5, 1.0, 2.0, 3.0], device=DEVICE)
+    scale = 40 ** -0.5
+    out, _ = mla_decode_paged(q, kv, bt, sl, scale, False, 32, attn_sink=sink)
+    args = (q.double().cpu(), kv.double().cpu(), bt.cpu(), sl.cpu(), scale, False, 32)
+    tol = budget("mla_decode_paged", q.dtype, "out_rel")
+    assert_close(out, ref_decode_paged(*args, attn_sink=sink.cpu())[0], tol, name="out")
+    with pytest.raises(AssertionError):
+        assert_close(out, ref_decode_paged(*args, attn_sink=sink.cpu() + 0.01)[0], tol,
+                     name="out")
+
+
+def test_sink_argument_errors():
+    q, kv, bt, sl = make_inputs([5, 3], 1, 2, 40, 16, torch.float32, seed=23)
+    with pytest.raises(ValueError, match=r"attn_sink must have shape \[2\]"):
+        mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32, attn_sink=torch.zeros(3))
+    with pytest.raises(TypeError, match="attn_sink must have dtype torch.float32"):
+        mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32,
+                         attn_sink=torch.zeros(2, dtype=torch.float64, device=DEVICE))
+
+
+# ------------------------------------------------- value checks, and bad values without them
+
+def _bad_inputs(kind: str, block_size: int):
+    """Four requests; request 1 (and, for ``"two"``, request 3 too) carries the bad value."""
+    q, kv, bt, sl = make_inputs([37, 29, 0, 20], 2, 4, 40, block_size, torch.float32, seed=31)
+    nb, cap = kv.shape[0], bt.shape[1] * block_size
+    if kind == "negative length":
+        sl[1] = -5
+    elif kind == "length past capacity":
+        sl[1] = cap + 1
+    elif kind == "huge length":
+        sl[1] = 2**31 - 1
+    elif kind == "entry -1":
+        bt[1, -(-29 // block_size) - 1] = -1  # the last used entry
+    elif kind == "entry num_blocks":
+        bt[1, 0] = nb
+    elif kind == "entry huge":
+        bt[1, 0] = 2**31 - 1
+    return q, kv, bt, sl
+
+
+BAD_KINDS = ["negative length", "length past capacity", "huge length", "entry -1",
+             "entry num_blocks", "entry huge"]
+BAD_PLANS = [(16, DecodePlan(16, 16, 1, 4, 1, use_tma=True)),
+             (16, DecodePlan(16, 16, 3, 4, 1, use_tma=False)),
+             (4, DecodePlan(16, 16, 2, 4, 1)),  # pages smaller than a tile: per-row lookups
+             (16, DecodePlan(16, 16, 2, 4, 1, use_tma=True))]
+
+
+@pytest.mark.parametrize("kind", BAD_KINDS)
+@pytest.mark.parametrize("block_size,plan", BAD_PLANS,
+                         ids=["one split tma", "three splits", "page 4", "two splits tma"])
+def test_bad_values_unvalidated_give_nan_rows(poisoned_alloc, kind, block_size, plan):
+    """validate=False: a bad length or used block-table entry never makes the kernel read
+    outside its tensors (compute-sanitizer runs this on the GPU); its request gets NaN out and
+    lse for every query, and every other request is exact."""
+    q, kv, bt, sl = _bad_inputs(kind, block_size)
+    scale = 40 ** -0.5
+    out, lse = mla_decode_paged(q, kv, bt, sl, scale, True, 32, plan=plan, validate=False)
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all(), kind
+    good = [0, 2, 3]
+    ref_out, ref_lse = ref_decode_paged(q[good].double().cpu(), kv.double().cpu(),
+                                        bt[good].cpu(), sl[good].cpu(), scale, True, 32)
+    assert_close(out[good], ref_out, budget("mla_decode_paged", q.dtype, "out_rel"), name="out")
+    assert_close(lse[good], ref_lse, name="lse",
+                 abs_tol=budget("mla_decode_paged", q.dtype, "lse_abs"))
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("negative length", r"cache_seqlens must be >= 0, got -5 for request 1"),
+    ("length past capacity", r"cache_seqlens\[1\] = 49 exceeds the block table's capacity "
+                             r"3 blocks x 16 = 48"),
+    ("entry -1", r"block_table\[1\] points outside kv_cache's \d+ blocks within its first 29 "
+                 r"tokens: range \[-1, \d+\]"),
+    ("entry num_blocks", r"block_table\[1\] points outside kv_cache's (\d+) blocks within its "
+                         r"first 29 tokens: range \[\d+, \1\]"),
+])
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_value_check_messages(kind, message, path):
+    """validate=True (and the reference, which shares the check): one message per kind naming
+    the argument, the request and expected against actual."""
+    q, kv, bt, sl = _bad_inputs(kind, 16)
+    if path == "fast":
+        call = lambda: mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32, validate=True)  # noqa: E731
+    else:
+        call = lambda: ref_decode_paged(q.double().cpu(), kv.double().cpu(), bt.cpu(),  # noqa: E731
+                                        sl.cpu(), 0.1, head_dim_v=32)
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_value_check_names_the_first_bad_request():
+    """Several bad requests: the message names the first (request order), whatever its kind;
+    entries past a request's length are not checked (-1 padding is allowed there)."""
+    q, kv, bt, sl = make_inputs([37, 29, 0, 20], 1, 2, 40, 16, torch.float32, seed=32)
+    bt[0, -1] = -1  # request 0's last used entry (37 tokens: all 3 pages)
+    bt[2, :] = -1  # request 2 is empty: nothing used
+    sl[3] = -1
+    with pytest.raises(ValueError, match=r"block_table\[0\] points outside"):
+        mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32, validate=True)
+    bt[0, -1] = 0
+    with pytest.raises(ValueError, match=r"cache_seqlens must be >= 0, got -1 for request 3"):
+        mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32, validate=True)
+    sl[3] = 20
+    sl[1] = 16  # request 1 now uses one page: a -1 in its second entry is never read
+    bt[1, 1] = -1
+    mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32, validate=True)
+
+
+def test_validation_setting():
+    """validate=None follows the global setting (on for this test run, conftest.py), which
+    set_validation and the validation() context change; True and False decide per call."""
+    import mla.fast as fast
+
+    q, kv, bt, sl = _bad_inputs("negative length", 16)
+    assert fast.validation_enabled()  # the test run's setting
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32)
+    with fast.validation(False):
+        assert not fast.validation_enabled()
+        out, _ = mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32)  # unchecked: NaN rows
+        assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32, validate=True)
+    assert fast.validation_enabled()
+    fast.set_validation(False)
+    try:
+        mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32)
+    finally:
+        fast.set_validation(True)
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        fast.set_validation(1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("env,expected", [(None, False), ("0", False), ("1", True)])
+def test_validation_is_off_by_default(env, expected):
+    """A fresh process: off unless MLA_FAST_VALIDATE=1 was set before mla.fast's import."""
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if k != "MLA_FAST_VALIDATE"}
+    if env is not None:
+        environ["MLA_FAST_VALIDATE"] = env
+    done = subprocess.run([sys.executable, "-c", "import mla.fast as f; "
+                           "print(f.validation_enabled())"], env=environ, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(expected)
+
+
+# ------------------------------------------------------------ the per-shape launch cache
+
+def test_launch_cache_keys_what_the_checks_read():
+    """A second call of the same shapes reuses the launch; other strides, another dtype or a
+    different causal flag get their own; a bad scale is still refused on a cached launch."""
+    import mla.fast.decode as fast_decode
+
+    q, kv, bt, sl = make_inputs([37, 5], 1, 4, 40, 16, torch.float32, seed=33)
+    fast_decode._launches.clear()
+    first = mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32)
+    assert len(fast_decode._launches) == 1
+    again = mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32)
+    assert len(fast_decode._launches) == 1 and torch.equal(first[0], again[0])
+    wide = q.repeat_interleave(2, dim=2)[:, :, ::2]  # same values, other strides
+    assert wide.stride() != q.stride()
+    assert torch.equal(mla_decode_paged(wide, kv, bt, sl, 0.1, head_dim_v=32)[0], first[0])
+    mla_decode_paged(q, kv, bt, sl, 0.1, True, head_dim_v=32)
+    assert len(fast_decode._launches) == 3
+    for bad in (0.0, float("nan"), -1.0):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            mla_decode_paged(q, kv, bt, sl, bad, head_dim_v=32)
+    with pytest.raises(TypeError, match="head_dim_v must be an int"):
+        mla_decode_paged(q, kv, bt, sl, 0.1, head_dim_v=32.0)  # equal to 32 as a key: refused
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        mla_decode_paged(q.tolist(), kv, bt, sl, 0.1, head_dim_v=32)
+
+
+def test_specialization_classes_match_triton():
+    """mla.fast.launch's integer and pointer classes determine Triton's own specialization of
+    the argument (what a compiled kernel was built for): equal class, equal specialization."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from mla.fast.launch import int_spec, ptr_spec
+
+    def triton_spec(x):
+        return native_specialize_impl(BaseBackend, x, False, True, True)
+
+    values = [0, 1, 2, 15, 16, 17, 32, 48, 576, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16,
+              2**40, -1, -16, -(2**31), -(2**31) - 1, 2**63, 2**63 + 16]
+    seen: dict = {}
+    for v in values:
+        seen.setdefault(int_spec(v), set()).add(str(triton_spec(v)))
+    assert all(len(specs) == 1 for specs in seen.values()), seen
+    assert len(seen) >= 5  # 1, divisible or not, 32-bit or wider
+    base = torch.zeros(64, dtype=torch.float32)
+    ptrs = {}
+    for off in range(8):
+        t = base[off:]
+        ptrs.setdefault(ptr_spec(t), set()).add(str(triton_spec(t)))
+    assert len(ptrs) == 2 and all(len(specs) == 1 for specs in ptrs.values()), ptrs
