@@ -21,35 +21,55 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mla.fast import sparse
+from mla.fast import sparse_kernels
+from mla.fast.sparse_kernels import DS_MLA, MODEL1, PLAIN
 
-_PLANS = [  # (q dtype, fp8 cache, heads, block_m, block_n, warps, stages, extra flags)
-    ("bf16", True, 128, 64, 64, 8, 2, {}),
-    ("bf16", True, 128, 64, 64, 8, 2, {"HAS_TOPK_LEN": True}),
-    ("bf16", True, 128, 64, 32, 8, 3, {}),
-    ("bf16", False, 128, 64, 64, 8, 2, {"HAS_MAXL": True}),
-    ("bf16", False, 128, 64, 64, 8, 2, {"HAS_TOPK_LEN": True}),
-    ("bf16", False, 128, 64, 64, 8, 3, {"HAS_MAXL": True}),
-    ("bf16", True, 16, 16, 64, 8, 2, {}),
-    ("bf16", True, 16, 16, 64, 4, 2, {}),
-    ("bf16", False, 16, 16, 64, 4, 2, {}),
-    ("fp32", False, 16, 16, 16, 8, 1, {}),
+_V4 = {"HAS_TOPK_LEN": True, "HAS_EXTRA": True, "HAS_TOPK_LEN2": True, "HAS_SINK": True,
+       "CHECK_RANGE": True}
+_FORMATS = {PLAIN: "", DS_MLA: "fp8_ds_mla", MODEL1: "MODEL1"}
+
+_PLANS = [  # (q dtype, cache format, heads, block_m, block_n, warps, stages, extra flags)
+    ("bf16", DS_MLA, 128, 64, 64, 8, 2, {}),
+    ("bf16", DS_MLA, 128, 64, 64, 8, 2, {"HAS_TOPK_LEN": True, "CHECK_RANGE": True}),
+    ("bf16", DS_MLA, 128, 64, 32, 8, 3, {}),
+    ("bf16", PLAIN, 128, 64, 64, 8, 2, {"HAS_MAXL": True}),
+    ("bf16", PLAIN, 128, 64, 64, 8, 2, {"HAS_TOPK_LEN": True}),
+    ("bf16", PLAIN, 128, 64, 64, 8, 3, {"HAS_MAXL": True}),
+    ("bf16", PLAIN, 128, 64, 64, 8, 2, {"HAS_MAXL": True, "HAS_SINK": True}),
+    ("bf16", DS_MLA, 16, 16, 64, 8, 2, {}),
+    ("bf16", DS_MLA, 16, 16, 64, 4, 2, {}),
+    ("bf16", PLAIN, 16, 16, 64, 4, 2, {}),
+    ("fp32", PLAIN, 16, 16, 16, 8, 1, {}),
+    # DeepSeek-V4: rows of 512 (V the whole row), MODEL1 pages, a second scope, sinks
+    ("bf16", MODEL1, 64, 64, 64, 8, 2, {}),
+    ("bf16", MODEL1, 64, 64, 64, 8, 2, _V4),
+    ("bf16", MODEL1, 64, 64, 32, 8, 2, _V4),
+    ("bf16", MODEL1, 64, 64, 64, 8, 1, _V4),
+    ("bf16", MODEL1, 128, 64, 64, 8, 2, _V4),
+    ("bf16", PLAIN, 64, 64, 64, 8, 2, {"D": 512, **_V4}),
 ]
 
 
-def compile_plan(dt: str, fp8: bool, N: int, block_m: int, block_n: int, warps: int,
+def compile_plan(dt: str, fmt: int, N: int, block_m: int, block_n: int, warps: int,
                  stages: int, flags: dict) -> triton.compiler.CompiledKernel:
-    fn = sparse._sparse_kernel
+    fn = sparse_kernels.sparse_kernel
     names = fn.arg_names
-    const = dict(N=N, S=1, GROUPS=-(-N // block_m), DV=512, DR=64, BLOCK_M=block_m,
-                 BLOCK_N=block_n, BLOCK_DV=512, BLOCK_DR=64, HAS_PE=True, FP8=fp8,
-                 HAS_TOPK_LEN=False, HAS_MAXL=False, SPLIT=False,
-                 DOT_PREC="ieee" if dt == "fp32" else "tf32", ROW_BYTES=656, NUM_TILES=4,
-                 TILE=128, ROPE_OFFSET=528, num_splits=1)
+    flags = dict(flags)
+    D = flags.pop("D", 512 if fmt == MODEL1 else 576)
+    dv = 512
+    const = dict(N=N, S=1, GROUPS=-(-N // block_m), DV=dv, DR=D - dv, BLOCK_M=block_m,
+                 BLOCK_N=block_n, BLOCK_DV=512, BLOCK_DR=64 if D > dv else 16,
+                 HAS_PE=D > dv, FORMAT=fmt, HAS_TOPK_LEN=False, HAS_EXTRA=False,
+                 HAS_TOPK_LEN2=False, HAS_SINK=False, CHECK_RANGE=False, HAS_MAXL=False,
+                 SPLIT=False, DOT_PREC="ieee" if dt == "fp32" else "tf32", num_splits=1)
     const.update(flags)
-    ptrs = {"Q": dt, "KV": "u8" if fp8 else dt, "KV_F32": "fp32" if fp8 else dt,
-            "KV_BF16": "bf16" if fp8 else dt, "IDX": "i32", "TOPK_LEN": "i32", "O": dt,
-            "LSE": "fp32", "MAXL": "fp32", "OP": "fp32", "LSEP": "fp32", "MAXP": "fp32"}
+    cache = {PLAIN: dt, DS_MLA: "u8", MODEL1: "u8"}[fmt]
+    ptrs = {"Q": dt, "KV": cache, "KV_F32": "fp32" if fmt == DS_MLA else cache,
+            "KV_BF16": cache if fmt == PLAIN else "bf16", "IDX": "i32", "TOPK_LEN": "i32",
+            "SINK": "fp32", "O": dt, "LSE": "fp32", "MAXL": "fp32", "OP": "fp32",
+            "LSEP": "fp32", "MAXP": "fp32"}
+    for n in ("KV", "KV_F32", "KV_BF16", "IDX", "TOPK_LEN"):
+        ptrs[n.replace("KV", "KV2") if n.startswith("KV") else n + "2"] = ptrs[n]
     sig = {}
     for n in names:
         if n in const:
@@ -57,10 +77,11 @@ def compile_plan(dt: str, fp8: bool, N: int, block_m: int, block_n: int, warps: 
         elif n in ptrs:
             sig[n] = "*" + ptrs[n]
         else:
-            sig[n] = {"qk_scale": "fp32", "n_rows": "i64"}.get(n, "i32")
+            sig[n] = {"qk_scale": "fp32", "n_rows": "i64", "n_rows2": "i64"}.get(n, "i32")
     aligned = [n for n in names if sig[n].startswith("*")] + [
-        "stride_qq", "stride_qh", "stride_iq", "stride_row", "stride_oq", "stride_oh",
-        "stride_lb", "stride_mq", "topk"]
+        "stride_qq", "stride_qh", "stride_iq", "stride_iq2", "stride_oq", "stride_oh",
+        "stride_lb", "stride_mq", "topk", "topk2", "page_size", "page_size2", "page_stride",
+        "page_stride2"] + (["stride_row", "stride_row2"] if fmt == PLAIN else [])
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32),
@@ -82,11 +103,11 @@ def _usage(cubin: bytes) -> str:
 
 
 def main() -> int:
-    for dt, fp8, N, bm, bn, w, st, flags in _PLANS:
-        name = (f"{dt} q, {'fp8' if fp8 else dt} cache, N={N} block_m={bm} block_n={bn} "
+    for dt, fmt, N, bm, bn, w, st, flags in _PLANS:
+        name = (f"{dt} q, {_FORMATS[fmt] or dt} cache, N={N} block_m={bm} block_n={bn} "
                 f"warps={w} stages={st} {flags or ''}")
         try:
-            k = compile_plan(dt, fp8, N, bm, bn, w, st, flags)
+            k = compile_plan(dt, fmt, N, bm, bn, w, st, flags)
         except Exception as e:  # report and go on: a plan that does not compile is a result
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}")
             continue

@@ -10,7 +10,9 @@ Same signatures, shapes and conventions as the reference (conventions §10 and �
     out        = Σ_j exp(s_j - lse) · kv[indices[j], :d_v]
 
 a repeated index counts once per appearance; a lonely query (no valid index) gets ``out = 0``,
-``lse = +inf``, ``max_logits = -inf``.
+``lse = +inf``, ``max_logits = -inf``. DeepSeek-V4's conventions (§14) too: ``attn_sink``
+(decode and prefill), the MODEL1 cache, a second KV scope (decode), rows of ``d_qk = 512``
+with V the whole row, ``topk_length`` on every path.
 
 How (docs/kernels.md, "Sparse"):
 
@@ -27,10 +29,25 @@ How (docs/kernels.md, "Sparse"):
   128 values; a power of two, so the product is exact in bf16), and loads the 64 bf16 rope
   values as they are; the dequantized tile goes straight into the dots in q's dtype. The cache
   is read through uint8, float32 and bfloat16 views of the same bytes (656 = 4 · 164).
+- MODEL1 pages (DeepSeek-V4): the page is found by the block stride, the token's 576-byte
+  data row and its 7 UE8M0 scale bytes inside it (``mla.fast.sparse_kernels``); the row is
+  read as 8 tiles of 64 (7 scaled e4m3 tiles, then the bf16 rope tile) into one 512-wide K
+  that is also V.
+- A second KV scope (``extra_k_cache``): the kernel walks the second list after the first,
+  in the same online softmax (the same ``(m, l, acc)``), with its own cache, page layout,
+  indices and ``extra_topk_length``; the splits cut the two lists as one list of tiles.
+- ``attn_sink``: applied once, where the softmax ends: in the kernel's epilogue, or, with
+  splits, in the combine kernel after the merge (never per split: it would count twice).
+  The output is multiplied by ``1 / (1 + 2^(sink·log2 e − lse₂))`` in float32 (``lse₂`` the
+  base-2 lse), which is ``σ(lse − sink)``: exactly 1 for ``-inf``, 0 for ``+inf``, NaN for
+  NaN; ``lse`` and ``max_logits`` are left alone.
 - Split-``topk`` (Flash-Decoding): when ``queries × head groups`` is below the SMs' worth of
   programs, each query's list is cut into ``num_splits`` runs of whole tiles; partial
   ``(o, lse, max)`` go to float32 scratch and a second kernel merges them by lse (conventions §6).
   ``num_splits`` comes from shapes only, so a call never synchronizes (CUDA graphs).
+- The Gluon sm_90 kernel (``mla.fast.sm90.sparse``) takes the 64-head programs of one scope
+  of DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``), sinks included; MODEL1, rows of 512
+  and the second scope run in the Triton kernel here.
 
 ``convert_req_index_to_global_index``: the indexer's request-local top-k positions to the cache
 slots these kernels read, as ``mla.reference.sparse``'s (conventions §10; vLLM 0.14's
@@ -40,11 +57,20 @@ entries (cached), a store.
 
 Validation: shape/dtype/device checks (host metadata) always run. The value checks read device
 tensors on the host (a sync): ``topk_length``'s range, for decode the indices' range
-``[-1, num_slots)``, for the conversion the ranges of ``req_id`` and the workspace ids. They run
-with ``validate=True`` or, by default (``None``), when no CUDA graph is being captured. Without
-them the kernels still never read outside their tensors: an index outside ``[0, rows)`` is
-masked (as the prefill's contract says), ``topk_length`` is clamped to ``[0, topk]``, and a
-token whose request or workspace entry is out of range converts to ``-1`` everywhere.
+``[-1, num_slots)`` (both scopes), for the conversion the ranges of ``req_id`` and the
+workspace ids. They run as ``mla.fast.common.should_validate`` resolves ``validate``. Without
+them the kernels still never read outside their tensors and never return a plausible wrong
+answer:
+
+- a query whose ``topk_length`` (or ``extra_topk_length``) lies outside ``[0, topk]`` gets NaN
+  ``out``, ``lse`` and ``max_logits`` (its reads stay inside the index row);
+- decode: a query that uses an entry (before its length) outside ``[-1, num_slots)`` of its
+  scope gets NaN ``out`` and ``lse``: the entry is a NaN logit, its row is never read. Entries
+  past a query's length are not read at all, so their values do not matter;
+- prefill: an index outside ``[0, s_kv)`` is simply invalid, as the reference's contract says
+  (dropped, like ``-1``);
+- the conversion: a token whose request or workspace entry is out of range converts to ``-1``
+  everywhere.
 """
 
 from __future__ import annotations
@@ -64,8 +90,9 @@ from mla.fast.common import (
     num_sms,
     should_validate,
 )
-from mla.fast.softmax import load_2d, softmax_pv
-from mla.reference.fp8 import D_NOPE, D_ROPE, FP8_DS_MLA_BYTES, NUM_TILES, ROPE_OFFSET, TILE
+from mla.fast.sparse_kernels import DS_MLA, MODEL1, PLAIN, combine_kernel, sparse_kernel
+from mla.reference.fp8 import D_NOPE, FP8_DS_MLA_BYTES, ROPE_OFFSET
+from mla.reference.fp8_model1 import FP8_MODEL1_BYTES, fp8_model1_pages
 from mla.reference.sparse import (
     _check_topk_length_values,
     check_index_conversion_shapes,
@@ -127,191 +154,72 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
                       num_warps=num_warps, num_stages=num_stages)
 
 
-@triton.jit
-def _gather_rows(Q, KV, KV_F32, KV_BF16, idx, valid, stride_row,
-                 DV: tl.constexpr, DR: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr,
-                 FP8: tl.constexpr,
-                 ROW_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
-                 ROPE_OFFSET: tl.constexpr):
-    """The ``BLOCK_N`` cache rows named by ``idx`` as ``(k_nope [BLOCK_N, BLOCK_DV],
-    k_pe [BLOCK_N, BLOCK_DR])`` in q's dtype (the dots'); rows where ``valid`` is False are
-    zeros (no load, so a poisoned or absent row cannot leak in)."""
-    row = idx.to(tl.int64)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_dr = tl.arange(0, BLOCK_DR)
-    if FP8:
-        # bytes [0, 512): e4m3; floats [128, 132): the inverse scales; bf16 [264, 328): k_pe
-        # the e4m3 bytes as [rows, tile, 128] so each tile's scale broadcasts over its 128
-        # values (a [rows, 512] scale gather would cost a load per element)
-        offs_t = tl.arange(0, NUM_TILES)
-        offs_c = tl.arange(0, TILE)
-        cols = offs_t[:, None] * TILE + offs_c[None, :]  # [NUM_TILES, TILE]
-        raw = tl.load(KV + (row * ROW_BYTES)[:, None, None] + cols[None, :, :],
-                      mask=valid[:, None, None], other=0)
-        scale = tl.load(KV_F32 + (row * (ROW_BYTES // 4) + DV // 4)[:, None]
-                        + offs_t[None, :], mask=valid[:, None], other=0.0)
-        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
-        k_nope = tl.reshape(x, (BLOCK_N, BLOCK_DV)).to(Q.dtype.element_ty)
-        k_pe = tl.load(KV_BF16 + (row * (ROW_BYTES // 2) + ROPE_OFFSET // 2)[:, None]
-                       + offs_dr[None, :], mask=valid[:, None], other=0.0).to(Q.dtype.element_ty)
-    else:
-        row_off = row * stride_row
-        k_nope = load_2d(KV + row_off[:, None] + offs_dv[None, :], valid, offs_dv < DV,
-                          True, BLOCK_DV != DV)
-        if HAS_PE:
-            k_pe = load_2d(KV + row_off[:, None] + DV + offs_dr[None, :], valid,
-                            offs_dr < DR, True, BLOCK_DR != DR)
-        else:
-            k_pe = k_nope  # unused
-    return k_nope, k_pe
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    """One KV scope as the kernel reads it: the cache (and its float32 / bfloat16 views for
+    the fp8 formats), the index rows ``[Q, topk]``, the lengths, the rows' count and layout."""
+
+    kv: torch.Tensor
+    kv_f32: torch.Tensor
+    kv_bf16: torch.Tensor
+    idx: torch.Tensor
+    topk_length: torch.Tensor | None
+    n_rows: int
+    stride_row: int = 0  # PLAIN: elements per row
+    page_size: int = 1  # MODEL1: tokens per page
+    page_stride: int = 0  # MODEL1: bytes from one page to the next
+
+    def args(self) -> tuple:
+        return (self.kv, self.kv_f32, self.kv_bf16, self.idx,
+                self.topk_length if self.topk_length is not None else self.idx)
 
 
-@triton.jit
-def _sparse_kernel(
-    Q, KV, KV_F32, KV_BF16, IDX, TOPK_LEN, O, LSE, MAXL, OP, LSEP, MAXP,
-    stride_qq, stride_qh, stride_iq, stride_row,
-    stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
-    n_rows, topk, qk_scale, num_splits,
-    N: tl.constexpr, S: tl.constexpr, GROUPS: tl.constexpr, DV: tl.constexpr,
-    DR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr, FP8: tl.constexpr,
-    HAS_TOPK_LEN: tl.constexpr, HAS_MAXL: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROW_BYTES: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr,
-    ROPE_OFFSET: tl.constexpr,
-):
-    """Grid ``(queries · GROUPS, splits)``: the head groups of one query are neighbours.
-
-    Query ``qi`` is ``(qi // S, qi % S)`` for the lse layout and the ``topk_length`` entry
-    (decode: ``S = s_q``, per request; prefill: ``S = 1``, per query)."""
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    qi = pid // GROUPS
-    g = pid % GROUPS
-    qi64 = qi.to(tl.int64)
-
-    heads = g * BLOCK_M + tl.arange(0, BLOCK_M)
-    h_ok = heads < N
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_dr = tl.arange(0, BLOCK_DR)
-    dv_mask = offs_dv < DV
-    q_row = Q + qi64 * stride_qq + heads * stride_qh
-    q_nope = load_2d(q_row[:, None] + offs_dv[None, :], h_ok, dv_mask, True, BLOCK_DV != DV)
-    if HAS_PE:
-        q_pe = load_2d(q_row[:, None] + DV + offs_dr[None, :], h_ok, offs_dr < DR, True,
-                        BLOCK_DR != DR)
-    else:
-        q_pe = q_nope  # unused
-
-    # this program's entries: an equal share of whole tiles of the query's list
-    n = topk
-    if HAS_TOPK_LEN:
-        n = tl.minimum(tl.maximum(tl.load(TOPK_LEN + qi // S), 0), topk)
-    n_tiles = tl.cdiv(n, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits)
-    lo = split * per_split * BLOCK_N
-    hi = tl.minimum(lo + per_split * BLOCK_N, n)
-    idx_row = IDX + qi64 * stride_iq
-
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        c_ok = cols < hi
-        idx = tl.load(idx_row + cols, mask=c_ok, other=-1)
-        valid = c_ok & (idx >= 0) & (idx < n_rows)
-        k_nope, k_pe = _gather_rows(Q, KV, KV_F32, KV_BF16, idx, valid, stride_row, DV, DR,
-                                    BLOCK_N, BLOCK_DV, BLOCK_DR, HAS_PE, FP8, ROW_BYTES,
-                                    NUM_TILES, TILE, ROPE_OFFSET)
-        qk = tl.dot(q_nope, tl.trans(k_nope), input_precision=DOT_PREC)
-        if HAS_PE:
-            qk = tl.dot(q_pe, tl.trans(k_pe), qk, input_precision=DOT_PREC)
-        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))  # log2 domain
-        acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, k_nope, DOT_PREC)
-
-    seen = l_i != 0.0  # l = 0: nothing seen; a NaN l (a NaN logit) stays NaN, never "nothing"
-    l_safe = tl.where(seen, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453
-    # -inf where nothing was seen; NaN with the lse (tl.max may skip a NaN logit)
-    mx = tl.where(l_i == l_i, m_i, float("nan")) * 0.6931471805599453
-    if SPLIT:
-        # partials [queries, splits, N, DV] and [queries, splits, N]; "nothing" is lse -inf
-        part = (qi64 * num_splits + split) * N + heads
-        tl.store(LSEP + part, tl.where(seen, lse, float("-inf")), mask=h_ok)
-        tl.store(MAXP + part, mx, mask=h_ok)
-        tl.store(OP + part[:, None] * DV + offs_dv[None, :], o,
-                 mask=(h_ok & seen)[:, None] & dv_mask[None, :])
-    else:
-        tl.store(O + qi64 * stride_oq + heads[:, None] * stride_oh + offs_dv[None, :],
-                 o.to(O.dtype.element_ty), mask=h_ok[:, None] & dv_mask[None, :])
-        tl.store(LSE + (qi64 // S) * stride_lb + (qi64 % S) * stride_lt + heads * stride_lh,
-                 tl.where(seen, lse, float("inf")), mask=h_ok)
-        if HAS_MAXL:
-            tl.store(MAXL + qi64 * stride_mq + heads * stride_mh, mx, mask=h_ok)
+def _plain_scope(kv: torch.Tensor, idx: torch.Tensor,
+                 topk_length: torch.Tensor | None) -> _Scope:
+    """``kv [rows, D]`` with unit column stride."""
+    return _Scope(kv, kv, kv, idx, _contiguous(topk_length), kv.shape[0], kv.stride(0))
 
 
-@triton.jit
-def _combine_kernel(
-    OP, LSEP, MAXP, O, LSE, MAXL, num_splits,
-    stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
-    N: tl.constexpr, S: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, HAS_MAXL: tl.constexpr,
-):
-    """Grid ``(queries · N,)``: merge one (query, head)'s partials by their lse (conventions §6)."""
-    r = tl.program_id(0).to(tl.int64)
-    qi = r // N
-    h = r % N
-    offs_s = tl.arange(0, BLOCK_S)
-    part = (qi * num_splits + offs_s) * N + h
-    s_ok = offs_s < num_splits
-    lses = tl.load(LSEP + part, mask=s_ok, other=float("-inf"))
-    m = tl.max(lses, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w_sum = tl.sum(tl.exp(lses - m_use), 0)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_mask = offs_dv < DV
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s in range(num_splits):
-        p = (qi * num_splits + s) * N + h
-        lse_s = tl.load(LSEP + p)
-        if lse_s > float("-inf"):  # an empty split wrote no o
-            o_s = tl.load(OP + p * DV + offs_dv, mask=dv_mask, other=0.0)
-            acc += tl.exp(lse_s - m_use) * o_s
-    seen = w_sum != 0.0  # a NaN partial lse makes w_sum NaN: NaN out, not "nothing"
-    o = acc / tl.where(seen, w_sum, 1.0)
-    tl.store(O + qi * stride_oq + h * stride_oh + offs_dv, o.to(O.dtype.element_ty),
-             mask=dv_mask)
-    tl.store(LSE + (qi // S) * stride_lb + (qi % S) * stride_lt + h * stride_lh,
-             tl.where(seen, m_use + tl.log(tl.where(seen, w_sum, 1.0)), float("inf")))
-    if HAS_MAXL:
-        mx = tl.max(tl.load(MAXP + part, mask=s_ok, other=float("-inf")), 0)
-        mx = tl.where(w_sum == w_sum, mx, float("nan"))  # NaN with the lse
-        tl.store(MAXL + qi * stride_mq + h * stride_mh, mx)
+def _decode_scope(name: str, kv_cache: torch.Tensor, indices: torch.Tensor,
+                  topk_length: torch.Tensor | None, fp8: bool) -> tuple[_Scope, int]:
+    """A decode cache and its ``indices [B, s_q, topk]`` as a ``_Scope`` and its ``FORMAT``."""
+    nb, bs = kv_cache.shape[:2]
+    n_slots = nb * bs
+    idx = _unit_stride(indices.reshape(-1, indices.shape[2]))
+    lens = _contiguous(topk_length)
+    if fp8 and kv_cache.shape[-1] == FP8_MODEL1_BYTES:
+        pages = fp8_model1_pages(kv_cache, name=name)
+        if pages.data_ptr() % 2 or (nb > 1 and pages.stride(0) % 2):
+            raise ValueError(f"{name}'s MODEL1 pages must start at even byte addresses (their "
+                             f"bf16 rope values are read as bf16), got block stride "
+                             f"{pages.stride(0)} at address {pages.data_ptr()}")
+        return _Scope(pages, pages, pages.view(torch.bfloat16), idx, lens, n_slots,
+                      page_size=bs, page_stride=pages.stride(0) if nb > 1 else 0), MODEL1
+    if fp8:
+        kv = kv_cache.view(torch.uint8).reshape(n_slots, FP8_DS_MLA_BYTES).contiguous()
+        return _Scope(kv, kv.view(torch.float32), kv.view(torch.bfloat16), idx, lens,
+                      n_slots), DS_MLA
+    kv = _unit_stride(kv_cache.reshape(n_slots, kv_cache.shape[-1]))
+    return _plain_scope(kv, idx, lens), PLAIN
 
 
-def _launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
-            topk_length: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-            lse_strides: tuple[int, int, int], S: int, max_logits: torch.Tensor | None,
-            sm_scale: float, dv: int, fp8: bool, plan: SparsePlan | None) -> None:
-    """``q [Q, N, D]``, ``kv [rows, D]`` (or ``[rows, 656]`` uint8 with ``fp8``),
-    ``idx [Q, topk]`` into ``out [Q, N, dv]``, ``lse`` (strides ``lse_strides`` for
-    ``(qi // S, qi % S, head)``) and, when given, ``max_logits [Q, N]``."""
+def _launch(q: torch.Tensor, scopes: list[_Scope], fmt: int, attn_sink: torch.Tensor | None,
+            out: torch.Tensor, lse: torch.Tensor, lse_strides: tuple[int, int, int], S: int,
+            max_logits: torch.Tensor | None, sm_scale: float, dv: int,
+            plan: SparsePlan | None) -> None:
+    """``q [Q, N, D]`` over one or two scopes into ``out [Q, N, dv]``, ``lse`` (strides
+    ``lse_strides`` for ``(qi // S, qi % S, head)``) and, when given, ``max_logits [Q, N]``.
+    Decode (``S = s_q``) also turns an entry outside ``[-1, rows)`` into a NaN query."""
     Q, N, D = q.shape
-    topk = idx.shape[1]
-    if topk_length is not None:
-        topk_length = topk_length.contiguous()
+    first = scopes[0]
+    extra = scopes[1] if len(scopes) > 1 else first
+    has_extra = len(scopes) > 1
+    topk, topk2 = first.idx.shape[1], extra.idx.shape[1] if has_extra else 0
     if plan is None:
-        plan = plan_sparse(Q, N, topk, q.dtype, fp8, num_sms(q.device))
+        plan = plan_sparse(Q, N, topk + topk2, q.dtype, fmt != PLAIN, num_sms(q.device))
     DV, DR = dv, D - dv
     block_dv = max(16, next_pow2(DV))
     block_dr = max(16, next_pow2(DR)) if DR else 16
-    if fp8:
-        kv_f32, kv_bf16 = kv.view(torch.float32), kv.view(torch.bfloat16)
-    else:
-        kv_f32 = kv_bf16 = kv  # unused
     groups = triton.cdiv(N, plan.block_m)
     split = plan.num_splits > 1
     if split:
@@ -323,58 +231,69 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor,
     has_maxl = max_logits is not None
     maxl = max_logits if has_maxl else lse
     m_strides = (maxl.stride(0), maxl.stride(1)) if has_maxl else (0, 0)
+    sink = attn_sink.contiguous() if attn_sink is not None else lse  # unused when None
+    check_range = max_logits is None  # decode: its indices' contract is [-1, rows)
     launched = False
-    if _sm90_route(plan, q, kv, dv, fp8):
-        from mla.fast.sm90.sparse import sparse_kernel
+    if not has_extra and _sm90_route(plan, q, first.kv, dv, fmt):
+        from mla.fast.sm90.sparse import sparse_kernel as sm90_kernel
 
         launched = sm90.launch(
-            sparse_kernel, (Q * groups, plan.num_splits),
-            q, kv, idx, topk_length if topk_length is not None else idx,
+            sm90_kernel, (Q * groups, plan.num_splits),
+            q, first.kv, first.idx, first.args()[4], sink,
             out, lse, maxl, o_part, lse_part, max_part,
-            q.stride(0), q.stride(1), idx.stride(0), kv.stride(0),
+            q.stride(0), q.stride(1), first.idx.stride(0), first.kv.stride(0),
             out.stride(0), out.stride(1), *lse_strides, *m_strides,
-            kv.shape[0], topk, sm_scale * LOG2E, plan.num_splits,
-            N=N, S=S, GROUPS=groups, FP8=fp8, HAS_TOPK_LEN=topk_length is not None,
-            HAS_MAXL=has_maxl, SPLIT=split, SCALE_OFFSET=DV if fp8 else 0,
-            ROPE_OFFSET=ROPE_OFFSET, num_warps=8,
+            first.n_rows, topk, sm_scale * LOG2E, plan.num_splits,
+            N=N, S=S, GROUPS=groups, FP8=fmt == DS_MLA,
+            HAS_TOPK_LEN=first.topk_length is not None, HAS_SINK=attn_sink is not None,
+            CHECK_RANGE=check_range, HAS_MAXL=has_maxl, SPLIT=split,
+            SCALE_OFFSET=D_NOPE if fmt == DS_MLA else 0, ROPE_OFFSET=ROPE_OFFSET, num_warps=8,
         )
     if not launched:
-        _sparse_kernel[(Q * groups, plan.num_splits)](
-            q, kv, kv_f32, kv_bf16, idx, topk_length if topk_length is not None else idx,
+        sparse_kernel[(Q * groups, plan.num_splits)](
+            q, *first.args(), *extra.args(), sink,
             out, lse, maxl, o_part, lse_part, max_part,
-            q.stride(0), q.stride(1), idx.stride(0), kv.stride(0),
-            out.stride(0), out.stride(1), *lse_strides, *m_strides,
-            kv.shape[0], topk, sm_scale * LOG2E, plan.num_splits,
+            q.stride(0), q.stride(1), first.idx.stride(0), first.stride_row, first.page_size,
+            first.page_stride, extra.idx.stride(0), extra.stride_row, extra.page_size,
+            extra.page_stride, out.stride(0), out.stride(1), *lse_strides, *m_strides,
+            first.n_rows, topk, extra.n_rows, topk2, sm_scale * LOG2E, plan.num_splits,
             N=N, S=S, GROUPS=groups, DV=DV, DR=DR, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-            BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0, FP8=fp8,
-            HAS_TOPK_LEN=topk_length is not None,
-            HAS_MAXL=has_maxl, SPLIT=split,
-            DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            ROW_BYTES=FP8_DS_MLA_BYTES, NUM_TILES=NUM_TILES, TILE=TILE, ROPE_OFFSET=ROPE_OFFSET,
+            BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0, FORMAT=fmt,
+            HAS_TOPK_LEN=first.topk_length is not None, HAS_EXTRA=has_extra,
+            HAS_TOPK_LEN2=has_extra and extra.topk_length is not None,
+            HAS_SINK=attn_sink is not None, CHECK_RANGE=check_range, HAS_MAXL=has_maxl,
+            SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=plan.num_warps, num_stages=plan.num_stages,
         )
     if split:
-        _combine_kernel[(Q * N,)](
-            o_part, lse_part, max_part, out, lse, maxl, plan.num_splits,
+        combine_kernel[(Q * N,)](
+            o_part, lse_part, max_part, sink, out, lse, maxl, plan.num_splits,
             out.stride(0), out.stride(1), *lse_strides, *m_strides,
             N=N, S=S, DV=DV, BLOCK_DV=block_dv, BLOCK_S=max(2, next_pow2(plan.num_splits)),
-            HAS_MAXL=has_maxl, num_warps=4,
+            HAS_SINK=attn_sink is not None, HAS_MAXL=has_maxl, num_warps=4,
         )
 
 
 def _sm90_route(plan: SparsePlan, q: torch.Tensor, kv: torch.Tensor, dv: int,
-                fp8: bool) -> bool:
+                fmt: int) -> bool:
     """Whether this call goes to the Gluon sm_90 kernel (``mla.fast.sm90.sparse``): a plan
-    that allows it, on a Hopper GPU whose Triton can build the Gluon kernels."""
-    if not plan.sm90 or q.device.type != "cuda" or interpreting() or not sm90.usable():
+    that allows it, on a Hopper GPU whose Triton can build the Gluon kernels, one scope of
+    DeepSeek-V3.2's rows (a bf16/fp16 or ``fp8_ds_mla`` cache; MODEL1 runs in Triton)."""
+    if not plan.sm90 or q.device.type != "cuda" or interpreting() or fmt == MODEL1:
+        return False
+    if not sm90.usable():
         return False
     from mla.fast.sm90.sparse import supported
 
-    return supported(q, kv, dv, fp8, plan.block_m)
+    return supported(q, kv, dv, fmt == DS_MLA, plan.block_m)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
 
 
 def sparse_mla_decode(
@@ -386,43 +305,53 @@ def sparse_mla_decode(
     topk_length: torch.Tensor | None = None,
     head_dim_v: int = 512,
     *,
+    attn_sink: torch.Tensor | None = None,
+    extra_k_cache: torch.Tensor | None = None,
+    extra_indices_in_kvcache: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
     validate: bool | None = None,
     plan: SparsePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode of ``q [B, s_q, N, D]`` over the paged cache, rows named by
     ``indices [B, s_q, topk]`` (global slots ``block · block_size + offset``, ``-1`` for none).
 
-    ``kv_cache [nb, bs, D]`` in q's dtype, or ``[nb, bs, 656]`` uint8 ``fp8_ds_mla`` rows with
-    ``is_fp8_kvcache`` (``[nb, bs, 1, ·]`` accepted too); ``topk_length [B]`` int32. Returns
-    ``out [B, s_q, N, head_dim_v]`` (q's dtype) and ``lse [B, N, s_q]`` float32, ``+inf`` for a
-    lonely query, as ``mla.reference.sparse_mla_decode``.
+    ``kv_cache [nb, bs, D]`` in q's dtype, or with ``is_fp8_kvcache`` ``[nb, bs, 656]`` uint8
+    ``fp8_ds_mla`` rows (``D = 576``) or the ``[nb, bs, 584]`` view of MODEL1 pages
+    (``fp8_model1_cache``; ``D = 512``) (``[nb, bs, 1, ·]`` accepted too); ``topk_length [B]``
+    int32. DeepSeek-V4's keywords as the reference's: ``attn_sink [N]`` float32, and a second
+    scope ``extra_k_cache`` (the first cache's format, its own page size),
+    ``extra_indices_in_kvcache [B, s_q, extra_topk]``, ``extra_topk_length [B]``, attended in
+    the same softmax. Returns ``out [B, s_q, N, head_dim_v]`` (q's dtype) and
+    ``lse [B, N, s_q]`` float32, ``+inf`` for a lonely query, as
+    ``mla.reference.sparse_mla_decode``.
 
-    ``validate``: check ``indices`` and ``topk_length`` ranges on the host (a sync); ``None``:
-    only when no CUDA graph is being captured. ``plan``: default ``plan_sparse(...)``.
+    ``validate``: check ``indices`` and ``topk_length`` ranges on the host (a sync); without
+    the checks a query whose length lies outside ``[0, topk]`` or that uses an entry outside
+    ``[-1, slots)`` gets NaN ``out`` and ``lse``. ``plan``: default ``plan_sparse(...)``.
     """
+    extras = dict(extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
+                  extra_topk_length=extra_topk_length)
     check_sparse_decode_shapes(q, kv_cache, indices, softmax_scale, is_fp8_kvcache,
-                               topk_length, head_dim_v)
+                               topk_length, head_dim_v, attn_sink=attn_sink,
+                               fp8_layouts=("fp8_ds_mla", "MODEL1"), **extras)
     check_kernel_input(q)
     if should_validate(validate, q):
-        check_sparse_decode_values(kv_cache, indices, topk_length)
+        check_sparse_decode_values(kv_cache, indices, topk_length, **extras)
     B, s_q, N, D = q.shape
-    n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     out = torch.empty(B, s_q, N, head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, N, s_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    if is_fp8_kvcache:
-        kv = kv_cache.view(torch.uint8).reshape(n_slots, FP8_DS_MLA_BYTES).contiguous()
-        if D != D_NOPE + D_ROPE:  # the shape checks guarantee it
-            raise AssertionError(D)
-    else:
-        kv = _unit_stride(kv_cache.reshape(n_slots, D))
+    first, fmt = _decode_scope("kv_cache", kv_cache, indices, topk_length, is_fp8_kvcache)
+    scopes = [first]
+    if extra_k_cache is not None:
+        assert extra_indices_in_kvcache is not None
+        scopes.append(_decode_scope("extra_k_cache", extra_k_cache, extra_indices_in_kvcache,
+                                    extra_topk_length, is_fp8_kvcache)[0])
     Q = B * s_q
-    q_flat = _unit_stride(q.reshape(Q, N, D))
-    idx = _unit_stride(indices.reshape(Q, indices.shape[2]))
-    _launch(q_flat, kv, idx, topk_length, out.view(Q, N, head_dim_v), lse,
-            (lse.stride(0), lse.stride(2), lse.stride(1)), s_q, None, softmax_scale,
-            head_dim_v, is_fp8_kvcache, plan)
+    _launch(_unit_stride(q.reshape(Q, N, D)), scopes, fmt, attn_sink,
+            out.view(Q, N, head_dim_v), lse, (lse.stride(0), lse.stride(2), lse.stride(1)),
+            s_q, None, softmax_scale, head_dim_v, plan)
     return out, lse
 
 
@@ -434,19 +363,22 @@ def sparse_mla_prefill(
     d_v: int = 512,
     topk_length: torch.Tensor | None = None,
     *,
+    attn_sink: torch.Tensor | None = None,
     validate: bool | None = None,
     plan: SparsePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse prefill: ``q [s_q, h_q, d_qk]`` over ``kv [s_kv, d_qk]`` (or ``[s_kv, 1, d_qk]``),
-    rows named by ``indices [s_q, topk]`` (or ``[s_q, 1, topk]``), ``topk_length [s_q]``.
+    rows named by ``indices [s_q, topk]`` (or ``[s_q, 1, topk]``), ``topk_length [s_q]``,
+    ``attn_sink [h_q]`` float32.
 
     Returns ``out [s_q, h_q, d_v]`` (q's dtype), ``max_logits [s_q, h_q]`` and
     ``lse [s_q, h_q]`` (float32), as ``mla.reference.sparse_mla_prefill``: indices ``< 0`` or
     ``>= s_kv`` are masked; a lonely query gets ``out = 0``, ``lse = +inf``,
     ``max_logits = -inf``. ``validate``: check ``topk_length``'s range on the host (a sync);
-    ``None``: only when no CUDA graph is being captured.
+    without the check a query whose length lies outside ``[0, topk]`` gets NaN out, lse and
+    max_logits.
     """
-    check_sparse_prefill_shapes(q, kv, indices, sm_scale, d_v, topk_length)
+    check_sparse_prefill_shapes(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
     check_kernel_input(q)
     s_q, h_q, d_qk = q.shape
     topk = indices.shape[-1]
@@ -459,8 +391,8 @@ def sparse_mla_prefill(
         return out, max_logits, lse
     kv = _unit_stride(kv.reshape(kv.shape[0], d_qk))
     idx = _unit_stride(indices.reshape(s_q, topk))
-    _launch(_unit_stride(q), kv, idx, topk_length, out, lse, (lse.stride(0), 0, lse.stride(1)),
-            1, max_logits, sm_scale, d_v, False, plan)
+    _launch(_unit_stride(q), [_plain_scope(kv, idx, topk_length)], PLAIN, attn_sink, out, lse,
+            (lse.stride(0), 0, lse.stride(1)), 1, max_logits, sm_scale, d_v, plan)
     return out, max_logits, lse
 
 

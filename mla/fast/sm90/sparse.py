@@ -68,16 +68,20 @@ def supported(q: torch.Tensor, kv: torch.Tensor, head_dim_v: int, fp8: bool,
 
 @gluon.jit
 def sparse_kernel(
-    Q, KV, IDX, TOPK_LEN, O, LSE, MAXL, OP, LSEP, MAXP,
+    Q, KV, IDX, TOPK_LEN, SINK, O, LSE, MAXL, OP, LSEP, MAXP,
     stride_qq, stride_qh, stride_iq, stride_row,
     stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
     n_rows, topk, qk_scale, num_splits,
     N: gl.constexpr, S: gl.constexpr, GROUPS: gl.constexpr, FP8: gl.constexpr,
-    HAS_TOPK_LEN: gl.constexpr, HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
+    HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
+    HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
     SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr,
 ):
     """Grid ``(queries · GROUPS, splits)``, 8 warps. ``KV`` is the cache as rows of
-    ``stride_row`` elements (q's dtype) or bytes (``FP8``: uint8, 656-byte rows)."""
+    ``stride_row`` elements (q's dtype) or bytes (``FP8``: uint8, 656-byte rows). A query
+    whose ``topk_length`` lies outside ``[0, topk]``, or (``CHECK_RANGE``, decode) that uses an
+    entry outside ``[-1, n_rows)``, gets NaN results; ``SINK [N]`` (``HAS_SINK``) scales the
+    unsplit output by ``σ(lse − sink)`` (split partials get it in the combine kernel)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
@@ -140,9 +144,13 @@ def sparse_kernel(
     q_pe.store(x)
 
     # this program's entries: an equal share of whole tiles of the query's list
+    c_s = gl.arange(0, BN, layout=col_s)
     n = topk
+    bad = topk < 0  # a topk_length outside [0, topk]: NaN results, reads clamped to the row
     if HAS_TOPK_LEN:
-        n = gl.minimum(gl.maximum(gl.load(TOPK_LEN + qi // S), 0), topk)
+        length = gl.load(TOPK_LEN + qi // S)
+        bad = (length < 0) | (length > topk)
+        n = gl.minimum(gl.maximum(length, 0), topk)
     n_tiles = gl.cdiv(n, BN)
     per_split = gl.cdiv(n_tiles, num_splits)
     t_lo = split * per_split
@@ -159,7 +167,6 @@ def sparse_kernel(
     async_copy.commit_group()
     i_ld, i_8, i_s = _load_idx(idx_row, (t_lo + 1) * BN, hi, ld, ld8, lds, FP8)
 
-    c_s = gl.arange(0, BN, layout=col_s)
     acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
     m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
@@ -196,24 +203,34 @@ def sparse_kernel(
         sc_ = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc_, is_async=True)
         sc_ = warpgroup_mma_wait(num_outstanding=0, deps=(sc_,))
         qk = gl.where(valid[None, :], sc_ * qk_scale, float("-inf"))  # log2 domain
+        if CHECK_RANGE:  # an entry outside [-1, n_rows) is a NaN logit: a NaN query
+            qk = gl.where(((cols < hi) & ((idx < -1) | (idx >= n_rows)))[None, :],
+                          float("nan"), qk)
         acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, row_o)
     async_copy.wait_group(0)
 
     seen = l_i != 0.0  # l = 0: nothing seen; a NaN l (a NaN logit) stays NaN, never "nothing"
     l_safe = gl.where(seen, l_i, 1.0)
-    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
+    lse2 = m_i + gl.log2(l_safe)
+    lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)
     # -inf where nothing was seen; NaN with the lse (gl.max may skip a NaN logit)
-    mx = gl.where(l_i == l_i, m_i, float("nan")) * 0.6931471805599453
-    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    mx = gl.where((l_i == l_i) & ~bad, m_i, float("nan")) * 0.6931471805599453
+    o = gl.where(bad, float("nan"), acc / gl.convert_layout(l_safe, row_o)[:, None])
     h_s = g * BM + gl.arange(0, BM, layout=row_s)
     hs_ok = h_s < N
+    if HAS_SINK and not SPLIT:
+        sink = gl.load(SINK + h_s, mask=hs_ok, other=0.0)
+        f = 1.0 / (1.0 + gl.exp2(sink * 1.4426950408889634 - lse2))
+        f = gl.where(seen, f, 1.0)  # a query that saw nothing keeps out = 0
+        f = gl.where(sink == sink, f, float("nan"))
+        o = o * gl.convert_layout(f, row_o)[:, None]
     h_o = g * BM + gl.arange(0, BM, layout=row_o)
     ho_ok = h_o < N
     c_o = gl.arange(0, DV, layout=col_o)
     if SPLIT:
         # partials [queries, splits, N, DV] and [queries, splits, N]; "nothing" is lse -inf
         part_s = (qi64 * num_splits + split) * N + h_s
-        gl.store(LSEP + part_s, gl.where(seen, lse, float("-inf")), mask=hs_ok)
+        gl.store(LSEP + part_s, gl.where(seen | bad, lse, float("-inf")), mask=hs_ok)
         gl.store(MAXP + part_s, mx, mask=hs_ok)
         part_o = (qi64 * num_splits + split) * N + h_o
         gl.store(OP + part_o[:, None] * DV + c_o[None, :], o,
@@ -222,7 +239,7 @@ def sparse_kernel(
         gl.store(O + qi64 * stride_oq + h_o.to(gl.int64)[:, None] * stride_oh + c_o[None, :],
                  o.to(dtype), mask=ho_ok[:, None])
         gl.store(LSE + (qi64 // S) * stride_lb + (qi64 % S) * stride_lt + h_s * stride_lh,
-                 gl.where(seen, lse, float("inf")), mask=hs_ok)
+                 gl.where(seen | bad, lse, float("inf")), mask=hs_ok)
         if HAS_MAXL:
             gl.store(MAXL + qi64 * stride_mq + h_s * stride_mh, mx, mask=hs_ok)
 
