@@ -25,7 +25,7 @@ import torch
 
 from mla.fast.attention import flash_attention_with_lse
 from mla.fast.chunked import chunked_prefill_attention
-from mla.fast.dcp.launch import KERNEL_LOCK
+from mla.fast.dcp.threads import KERNEL_LOCK
 from mla.fast.merge import merge_attn_states
 from mla.fast.paged_cache import gather_cache_known
 from mla.fast.prefill import up_project

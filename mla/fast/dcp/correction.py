@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from mla.fast.common import check_kernel_input, next_pow2
-from mla.fast.dcp.launch import KERNEL_LOCK
+from mla.fast.dcp.threads import KERNEL_LOCK
 from mla.reference.dcp.comm import Communicator
 from mla.reference.dcp.sharding import head_slice
 from mla.validation import check_float, check_same_device

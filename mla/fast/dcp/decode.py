@@ -20,7 +20,8 @@ query sees every local row and nothing is expanded.
 **CUDA graphs.** The lengths, the expansion and the slot mapping of new tokens are device
 arithmetic (no ``.item()``/``.tolist()``), the collectives of ``CapturableCommunicator`` read
 nothing on the host, and the value checks run only when ``validate`` resolves true
-(``mla.fast.common.should_validate``: by default, unless a graph is being captured).
+(``mla.fast.common.should_validate``: ``None`` follows ``mla.fast``'s global setting and
+never validates while a graph is captured).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from mla.fast.common import check_kernel_input, should_validate
 from mla.fast.dcp.correction import cp_lse_ag_out_rs
-from mla.fast.dcp.launch import KERNEL_LOCK
+from mla.fast.dcp.threads import KERNEL_LOCK
 from mla.fast.decode import mla_decode_paged
 from mla.reference.dcp.comm import Communicator, check_rank
 from mla.reference.dcp.sharding import head_slice, shard_kv_cache
@@ -143,7 +144,6 @@ def dcp_decode(
     _check_global_lens(seq_lens, validate)
     # gathered along the leading dim and viewed back: the kernel takes any head stride
     q_all = comm.all_gather(q.movedim(2, 0), dim=0).movedim(0, 2)  # [B, s_q, N, D]
-    N = q_all.shape[2]
     check_paged_decode_shapes(q_all, kv_cache, block_table, seq_lens, softmax_scale,
                               head_dim_v)
     o_r, lse_r = _local_attention(q_all, kv_cache, block_table, seq_lens, softmax_scale,

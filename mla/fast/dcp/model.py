@@ -10,9 +10,9 @@ As in the reference, the output projection gathers the heads and multiplies by t
 ``W_O`` on every rank (every rank then holds the single-rank path's numbers); a serving stack
 would use a row-parallel ``o_proj`` and an all-reduce instead.
 
-Host synchronization in decode: none unless it validates (``validate``; ``None`` = unless a
-CUDA graph is being captured). With a ``CapturableCommunicator`` the whole step, front to
-output, can be captured in a CUDA graph.
+Host synchronization in decode: none unless it validates (``validate``; ``None``: as
+``mla.fast.common.should_validate`` decides). With a ``CapturableCommunicator`` the whole
+step, front to output, can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from mla.fast.common import should_validate
 from mla.fast.dcp.context import dcp_chunked_prefill_attention
 from mla.fast.dcp.decode import dcp_decode, dcp_slot_mapping
-from mla.fast.dcp.launch import KERNEL_LOCK
+from mla.fast.dcp.threads import KERNEL_LOCK
 from mla.fast.paged_cache import concat_and_cache_mla
 from mla.reference.dcp.comm import Communicator
 from mla.reference.dcp.context import DCPChunkPlan, plan_dcp_context_chunks
