@@ -34,6 +34,7 @@ from mla.fast.sparse import (
     sparse_mla_decode,
     sparse_mla_prefill,
 )
+from mla.fast.topk import top_k_per_row
 
 __all__ = ["DecodePlan", "SparsePlan", "attention_with_lse", "chunked_prefill_attention",
            "concat_and_cache_fp8_ds_mla", "concat_and_cache_mla",
@@ -41,4 +42,4 @@ __all__ = ["DecodePlan", "SparsePlan", "attention_with_lse", "chunked_prefill_at
            "fp8_mqa_logits", "fp8_paged_mqa_logits", "indexer_k_quant_and_cache",
            "merge_attn_states", "mla_decode_paged", "plan_decode", "plan_sparse",
            "prefill_attention", "set_validation", "sparse_mla_decode", "sparse_mla_prefill",
-           "validation", "validation_enabled"]
+           "top_k_per_row", "validation", "validation_enabled"]
