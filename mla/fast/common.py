@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import torch
 import triton
+from triton.runtime import _allocation
 
 __all__ = ["LOG2E", "capability", "check_kernel_input", "ensure_allocator",
            "interpreting", "next_pow2", "num_sms", "set_validation", "should_validate",
@@ -70,9 +71,7 @@ def ensure_allocator() -> None:
     """In-kernel tensor descriptors live in a small global scratch that Triton asks its
     allocator for at launch; install a torch one unless the caller installed their own.
     (Descriptors built on the host instead cost far more launch overhead: benchmarks/NOTES.md.)
-    """
-    from triton.runtime import _allocation
-
+    Called before every such launch (the allocator is a context variable), so kept cheap."""
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)
 

@@ -381,17 +381,21 @@ class _Launch:
     grid: tuple[int, int, int] | None  # None: nothing to compute (B = 0 or N = 0)
     sm90: bool = False
     copy: tuple[bool, bool, bool] = (False, False, False)  # q, kv_cache, block_table
-    part_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # split partials
+    # split partials, one float32 buffer: o [B, splits, rows, DV] from 0, lse [B, splits, rows]
+    # from part_lse (16-byte aligned); 0: no split
+    part_size: int = 0
+    part_lse: int = 0
     ints: tuple[int, ...] = ()  # strides of the decode kernel
     tail: tuple[int, ...] = ()  # num_splits, kv_rows, num_blocks, max_blocks
     constexprs: tuple[object, ...] = ()
     allocator: bool = False  # in-kernel tensor descriptors: the scratch allocator is needed
-    options: tuple[tuple[str, int], ...] = ()
+    options: dict[str, int] = dataclasses.field(default_factory=dict)
     combine_grid: tuple[int, int, int] | None = None
     combine_ints: tuple[int, ...] = ()
     combine_constexprs: tuple[object, ...] = ()
 
 
+_INF = float("inf")
 _launches: dict[object, _Launch] = {}
 _MAX_LAUNCHES = 4096  # distinct shapes kept (a serving engine sees a few hundred)
 _triton_decode = CompiledLauncher(_decode_kernel)
@@ -455,8 +459,9 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     common = dict(
         out_shape=out_shape, lse_shape=lse_shape,
         grid=(triton.cdiv(rows, plan.block_m), plan.num_splits, B), copy=copy,
-        part_shapes=((B, plan.num_splits, rows, DV), (B, plan.num_splits, rows))
-        if split else None,
+        part_size=(-(-B * plan.num_splits * rows * DV // 4) * 4 + B * plan.num_splits * rows)
+        if split else 0,
+        part_lse=-(-B * plan.num_splits * rows * DV // 4) * 4,
         ints=ints, tail=tail,
         combine_grid=(rows, B, 1) if split else None,
         combine_ints=(out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
@@ -466,14 +471,14 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     if _sm90_route(plan, q, kv_cache, DV):
         return _Launch(sm90=True, allocator=True,
                        constexprs=(N, s_q, block_size, bool(causal), split, has_sink),
-                       options=(("num_warps", 8),), **common)
+                       options={"num_warps": 8}, **common)
     page_tile = block_size % plan.block_n == 0
     use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
     constexprs = (N, s_q, DV, DR, block_size, plan.block_m, plan.block_n, block_dv,
                   max(16, next_pow2(DR)) if DR else 16, DR > 0, page_tile, use_tma,
                   bool(causal), split, has_sink, "ieee" if q.dtype == torch.float32 else "tf32")
     return _Launch(constexprs=constexprs, allocator=use_tma,
-                   options=(("num_warps", plan.num_warps), ("num_stages", plan.num_stages)),
+                   options={"num_warps": plan.num_warps, "num_stages": plan.num_stages},
                    **common)
 
 
@@ -515,22 +520,23 @@ def mla_decode_paged(
             if len(_launches) >= _MAX_LAUNCHES:
                 _launches.clear()
             _launches[key] = launch
-    else:
+    elif not (type(softmax_scale) is float and 0.0 < softmax_scale < _INF):
         check_scale("softmax_scale", softmax_scale)  # the one argument the key leaves out
     if should_validate(validate, q):
         check_paged_decode_values(kv_cache, block_table, cache_seqlens)
 
-    out = torch.empty(launch.out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=q.device)
+    device = q.device
+    out = torch.empty(launch.out_shape, dtype=q.dtype, device=device)
+    lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=device)
     if launch.grid is None:
         return out, lse
     copy_q, copy_kv, copy_bt = launch.copy
     q = q.contiguous() if copy_q else q
     kv_cache = kv_cache.contiguous() if copy_kv else kv_cache
     block_table = block_table.contiguous() if copy_bt else block_table
-    if launch.part_shapes is not None:
-        o_part = torch.empty(launch.part_shapes[0], dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(launch.part_shapes[1], dtype=torch.float32, device=q.device)
+    if launch.part_size:
+        o_part = torch.empty(launch.part_size, dtype=torch.float32, device=device)
+        lse_part = o_part[launch.part_lse:]
     else:
         o_part, lse_part = out, lse  # unused
     if attn_sink is None:
@@ -546,8 +552,7 @@ def mla_decode_paged(
 
             _sm90_decode = CompiledLauncher(decode_kernel)
         ensure_allocator()  # the Gluon kernel's tensor descriptors
-        if not sm90.launch_compiled(_sm90_decode, key, launch.grid, args,
-                                    **dict(launch.options)):
+        if not sm90.launch_compiled(_sm90_decode, key, launch.grid, args, **launch.options):
             # the Gluon kernel cannot be built here: every later call takes the Triton route
             _launches.pop(key, None)
             return mla_decode_paged(q, kv_cache, block_table, cache_seqlens, softmax_scale,
@@ -556,7 +561,7 @@ def mla_decode_paged(
     else:
         if launch.allocator:
             ensure_allocator()
-        _triton_decode(key, launch.grid, args, **dict(launch.options))
+        _triton_decode(key, launch.grid, args, **launch.options)
     if launch.combine_grid is not None:
         _triton_combine(key, launch.combine_grid,
                         (o_part, lse_part, out, lse, sink, launch.tail[0],
