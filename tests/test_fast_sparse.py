@@ -239,20 +239,23 @@ def test_decode_fp8_layouts(poisoned_alloc):
 
 
 def test_decode_out_of_range_indices(poisoned_alloc):
-    """Indices outside ``[-1, num_slots)``: rejected when validating (as the reference), masked
-    by the kernel when not (it never reads outside the cache)."""
-    q, cache, idx = decode_inputs(2, 1, 3, 40, 4, 16, 37, torch.float32, seed=34)
+    """Indices outside ``[-1, num_slots)``: rejected when validating (as the reference); without
+    validation the queries that use one get NaN out and lse (the kernel never reads outside
+    the cache, and never answers as if the entry were -1); the other queries are exact."""
+    q, cache, idx = decode_inputs(2, 2, 3, 40, 4, 16, 37, torch.float32, seed=34)
     bad = idx.clone()
     bad[0, 0, :5] = cache.shape[0] * cache.shape[1] + 7
-    bad[1, 0, :3] = -5
+    bad[1, 1, :3] = -5
     with pytest.raises(ValueError, match="indices"):
         sparse_mla_decode(q, cache, bad, 0.2, False, head_dim_v=32)
     out, lse = sparse_mla_decode(q, cache, bad, 0.2, False, head_dim_v=32, validate=False)
-    masked = torch.where((bad < 0) | (bad >= cache.shape[0] * cache.shape[1]), -1, bad)
-    r_out, r_lse = ref_decode(q.double().cpu(), cache.double().cpu(), masked.cpu(), 0.2, False,
+    assert torch.isnan(out[0, 0]).all() and torch.isnan(out[1, 1]).all()
+    assert torch.isnan(lse[0, :, 0]).all() and torch.isnan(lse[1, :, 1]).all()
+    r_out, r_lse = ref_decode(q.double().cpu(), cache.double().cpu(), idx.cpu(), 0.2, False,
                               head_dim_v=32)
-    assert_close(out, r_out, 1e-5, name="out")
-    assert_close(lse, r_lse, name="lse", abs_tol=1e-5)
+    for b, t in ((0, 1), (1, 0)):
+        assert_close(out[b, t], r_out[b, t], 1e-5, name="out")
+        assert_close(lse[b, :, t], r_lse[b, :, t], name="lse", abs_tol=1e-5)
 
 
 @pytest.mark.parametrize("plan", [SparsePlan(16, 16, 1, 4, 1), SparsePlan(16, 16, 3, 4, 1)],
@@ -320,17 +323,18 @@ def test_argument_errors():
         sparse_mla_decode(qd, cache, idx_d, 0.1, 0, head_dim_v=32)
 
 
-def test_topk_length_clamped_without_validation(poisoned_alloc):
-    """validate=False skips the host read; a length past topk then acts as topk, a negative
-    one as 0 (never a read past the list)."""
+def test_topk_length_out_of_range_without_validation(poisoned_alloc):
+    """validate=False skips the host read; a length past topk or negative then makes that
+    query NaN (out, lse, max_logits), never a read past the list nor a clamped guess."""
     q, kv, idx = prefill_inputs(3, 2, 40, 20, 10, torch.float32, seed=42)
     lens = torch.tensor([3, 11, -2], dtype=I32, device=DEVICE)
-    out, max_logits, lse = sparse_mla_prefill(q, kv, idx, 0.1, 32, lens, validate=False)
-    r_out, r_max, r_lse = ref_prefill(q.double().cpu(), kv.double().cpu(), idx.cpu(), 0.1, 32,
-                                      lens.clamp(0, 10).cpu())
-    assert_close(out, r_out, 1e-5, name="out")
-    assert_close(lse, r_lse, name="lse", abs_tol=1e-5)
-    assert_close(max_logits, r_max, name="max_logits", abs_tol=1e-5)
+    got = sparse_mla_prefill(q, kv, idx, 0.1, 32, lens, validate=False)
+    ref = ref_prefill(q.double().cpu(), kv.double().cpu(), idx.cpu(), 0.1, 32,
+                      lens.clamp(0, 10).cpu())
+    for name, g, r in zip(("out", "max_logits", "lse"), got, ref):
+        assert torch.isnan(g[1:]).all(), name
+        assert_close(g[:1], r[:1], 1e-5 if name == "out" else None, name=name,
+                     abs_tol=None if name == "out" else 1e-5)
 
 
 def test_poison_like_cache_is_unread(poisoned_alloc):

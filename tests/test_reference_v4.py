@@ -499,16 +499,3 @@ def test_nan_in_a_selected_row_of_the_second_scope_reaches_that_query_only() -> 
         assert torch.isnan(out[1, 1]).all() and torch.isnan(lse[1, :, 1]).all(), name
         assert torch.equal(out[keep], plain_out[keep]), name
         assert torch.equal(lse.transpose(1, 2)[keep], plain_lse.transpose(1, 2)[keep]), name
-
-
-def test_the_fast_sparse_decode_refuses_a_model1_cache_by_name():
-    """mla.fast reads fp8_ds_mla only: a MODEL1 cache is a ValueError naming it, not a
-    reshape error deep inside the wrapper."""
-    fast = pytest.importorskip("mla.fast")
-    from mla.reference.fp8_model1 import fp8_model1_cache, quantize_fp8_model1
-
-    pages = quantize_fp8_model1(torch.randn(2, 64, 512).to(torch.bfloat16))
-    q = torch.randn(1, 1, 16, 512)
-    idx = torch.zeros(1, 1, 64, dtype=torch.int32)
-    with pytest.raises(ValueError, match="MODEL1 cache .* does not read"):
-        fast.sparse_mla_decode(q, fp8_model1_cache(pages, 64), idx, 0.1, True, head_dim_v=512)
