@@ -5,7 +5,7 @@ inputs to it:
 
     index cache   bytes equal to the reference's quantization of the same rotated keys
     logits        the reference's fp8 logits in float64 on the same e4m3 q, weights and cache:
-                  ``logits_budget`` (float32 sums of n_I·128 exact products)
+                  the fast kernels' ``logits_budget`` (the FP8 MMA's accumulator on a GPU)
     top-k         the reference's top_k_per_row on the fast logits: the same sets (exact); and
                   on the float64 logits: any difference only between keys whose float64
                   logits lie within the logits budget of the row's k-th value (a near tie)
@@ -29,6 +29,7 @@ from benchmarks.layer_check import (
 )
 from mla.compare import TOLERANCES, budget
 from mla.config import MLAConfig, get_config
+from mla.fast.indexer_logits import logits_budget
 from mla.reference import sparse_model as ref_sparse
 from mla.reference.fp8 import concat_and_cache_fp8_ds_mla as ref_fp8_write
 from mla.reference.fp8 import gather_and_upconvert_fp8_ds_mla
@@ -44,16 +45,8 @@ from mla.reference.sparse import sparse_mla_decode as ref_sparse_decode
 from mla.reference.sparse import sparse_mla_prefill as ref_sparse_prefill
 from mla.weights import MLAWeights
 
-__all__ = ["logits_budget", "build_sparse", "sparse_decode_check", "sparse_prefill_check",
+__all__ = ["build_sparse", "sparse_decode_check", "sparse_prefill_check",
            "full_sparse_runs"]
-
-
-def logits_budget(heads: int) -> float:
-    """Relative Frobenius budget of float32 indexer logits against float64 on the same fp8
-    inputs: the e4m3 products are exact in float32, the ``heads · 128`` of them summed (a
-    random walk of float32 roundings, ``sqrt(heads · 128) · 2^-24``), then the weights' and
-    the scale's products; ×2 as every budget."""
-    return 2.0 * ((heads * 128) ** 0.5 + 2.0) * 2.0 ** -24
 
 
 def build_sparse(config: MLAConfig, dtype: torch.dtype, device: str, context_lens: list[int],
@@ -100,7 +93,7 @@ def _topk_stages(layer: str, tr, logits64: torch.Tensor, topk: int) -> list[Stag
     # against the float64 logits: a differing key must be a near tie with the k-th value
     ref = top_k_per_row(logits64, starts, ends, topk)
     scale = logits64[torch.isfinite(logits64)].abs().max().item() if logits64.numel() else 0.0
-    margin = 4 * logits_budget(tr.q_index.shape[1]) * scale
+    margin = 4 * logits_budget(tr.logits.device) * scale
     not_ties = 0
     for r in range(ref.shape[0]):
         a = set(tr.local[r].tolist()) - {-1}
@@ -158,7 +151,7 @@ def sparse_decode_check(config: MLAConfig, dtype: torch.dtype, device: str, lens
     logits64 = fp8_paged_mqa_logits(tr.q_index.cpu().view(B, s_q, *tr.q_index.shape[1:]), ik_c,
                                     tr.index_weights.double().cpu(), sl_c + s_q, bt_c,
                                     tr.logits.shape[1])
-    stages.append(_rel(layer, "logits", tr.logits, logits64, logits_budget(config.index_n_heads)))
+    stages.append(_rel(layer, "logits", tr.logits, logits64, logits_budget(tr.logits.device)))
     stages += _topk_stages(layer, tr, logits64, config.index_topk)
     conv = ref_convert(req.to(torch.int32), bt_c, tr.local.cpu(), block_size)
     stages.append(bytes_stage(layer, "conversion", tr.slots, conv))
@@ -209,7 +202,7 @@ def sparse_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     keys = gather_indexer_k_cache(ik.cpu(), bt_c, cu)
     logits64 = fp8_mqa_logits(tr.q_index.cpu(), keys, tr.index_weights.double().cpu(),
                               tr.row_starts.cpu(), tr.row_ends.cpu())
-    stages.append(_rel(layer, "logits", tr.logits, logits64, logits_budget(config.index_n_heads)))
+    stages.append(_rel(layer, "logits", tr.logits, logits64, logits_budget(tr.logits.device)))
     stages += _topk_stages(layer, tr, logits64, config.index_topk)
     req32 = req.to(torch.int32)
     if fp8_kv:

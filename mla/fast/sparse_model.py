@@ -8,8 +8,9 @@ kernels where they exist:
     latent cache       mla.fast.concat_and_cache_mla / concat_and_cache_fp8_ds_mla
     index key cache    Hadamard rotation (a GEMM), mla.fast.indexer_k_quant_and_cache
     indexer q          Hadamard rotation, quantize_indexer_q (e4m3, scale into the weights)
-    logits             decode: fp8_paged_mqa_logits over the block table
-                       prefill: the keys gathered per request, fp8_mqa_logits
+    logits             decode: mla.fast.fp8_paged_mqa_logits over the block table
+                       prefill: the keys gathered per request (the reference's torch
+                       gather), mla.fast.fp8_mqa_logits
     top-k              top_k_per_row: request-local indices
     conversion         mla.fast.convert_req_index_to_global_index
     attention          mla.fast.sparse_mla_decode (bf16 or fp8_ds_mla cache)
@@ -17,14 +18,15 @@ kernels where they exist:
                        rows dequantized into a workspace by the reference's torch gather)
     projection         o_lat · W_UV, · W_O: cuBLAS GEMMs
 
-The logits and top-k come from ``_indexer_kernels`` below: the fast indexer kernels of
-``mla.fast.indexer_logits`` and ``mla.fast.topk`` where they are present, else the reference's
-functions, which are torch operations and run on the same device. ``sparse_decode_layer`` and
-``sparse_prefill_layer`` return every stage (``SparseTrace``) for a stage-by-stage check.
+The top-k comes from ``_top_k_kernel`` below: ``mla.fast.topk`` where it is present, else the
+reference's ``top_k_per_row`` (torch sorts, on the same device; ``TOPK_SOURCE`` says which).
+``sparse_decode_layer`` and ``sparse_prefill_layer`` return every stage (``SparseTrace``) for a
+stage-by-stage check.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -32,6 +34,7 @@ import torch
 from mla.fast.common import should_validate
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
 from mla.fast.indexer_cache import indexer_k_quant_and_cache
+from mla.fast.indexer_logits import fp8_mqa_logits, fp8_paged_mqa_logits
 from mla.fast.model import token_slots
 from mla.fast.paged_cache import concat_and_cache_mla
 from mla.fast.sparse import (
@@ -42,7 +45,7 @@ from mla.fast.sparse import (
 from mla.reference.decode import absorb_q
 from mla.reference.fp8 import gather_and_upconvert_fp8_ds_mla
 from mla.reference.front import Front, mla_front
-from mla.reference.indexer import IndexerWeights, hadamard_rotate, indexer_qk, q_latent
+from mla.reference.indexer import IndexerWeights, _hadamard, indexer_qk, q_latent
 from mla.reference.indexer_cache import gather_indexer_k_cache
 from mla.reference.indexer_logits import decode_row_ends, quantize_indexer_q
 from mla.reference.paged_cache import slot_mapping_from_block_table
@@ -50,26 +53,22 @@ from mla.reference.sparse_model import _check_caches, _is_fp8
 from mla.validation import check_float, check_index, check_nonnegative, check_same_device
 from mla.weights import MLAWeights
 
-__all__ = ["SparseTrace", "INDEXER_SOURCE", "sparse_decode_layer", "sparse_decode_forward",
+__all__ = ["SparseTrace", "TOPK_SOURCE", "sparse_decode_layer", "sparse_decode_forward",
            "sparse_prefill_layer", "sparse_prefill_forward"]
 
 
-def _indexer_kernels():
-    """``(fp8_mqa_logits, fp8_paged_mqa_logits, top_k_per_row, source)``."""
+def _top_k_kernel():
+    """``(top_k_per_row, source)``: the fast kernel of ``mla.fast.topk`` where it is present,
+    else the reference's (torch sorts, on the same device)."""
     try:
-        from mla.fast.indexer_logits import fp8_mqa_logits, fp8_paged_mqa_logits
         from mla.fast.topk import top_k_per_row
-        return fp8_mqa_logits, fp8_paged_mqa_logits, top_k_per_row, "mla.fast"
+        return top_k_per_row, "mla.fast"
     except ImportError:
-        from mla.reference.indexer_logits import (
-            fp8_mqa_logits,
-            fp8_paged_mqa_logits,
-            top_k_per_row,
-        )
-        return fp8_mqa_logits, fp8_paged_mqa_logits, top_k_per_row, "mla.reference (torch)"
+        from mla.reference.indexer_logits import top_k_per_row
+        return top_k_per_row, "mla.reference (torch, on the device)"
 
 
-fp8_mqa_logits, fp8_paged_mqa_logits, top_k_per_row, INDEXER_SOURCE = _indexer_kernels()
+top_k_per_row, TOPK_SOURCE = _top_k_kernel()
 
 
 class SparseTrace(NamedTuple):
@@ -88,6 +87,18 @@ class SparseTrace(NamedTuple):
     o_lat: torch.Tensor  # attention output in the latent space
     lse: torch.Tensor  # decode [B, N, s_q]; prefill [T, N]
     out: torch.Tensor  # [T, H] (decode: [B, s_q, H])
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_on(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The reference's normalized Hadamard matrix, built once per device: built per call (as
+    ``hadamard_rotate`` does) it is a host-to-device copy, which a CUDA graph cannot capture."""
+    return _hadamard(d, dtype, device)
+
+
+def _rotate(x: torch.Tensor) -> torch.Tensor:
+    """``hadamard_rotate(x)``: ``x @ H_d / sqrt(d)`` over the last dim (one GEMM)."""
+    return x @ _hadamard_on(x.shape[-1], x.dtype, x.device)
 
 
 def _fast_check_caches(weights: MLAWeights, indexer_weights: IndexerWeights,
@@ -111,9 +122,9 @@ def _front_and_index(weights: MLAWeights, indexer_weights: IndexerWeights,
     write = concat_and_cache_fp8_ds_mla if _is_fp8(kv_cache) else concat_and_cache_mla
     write(f.kv_c, f.k_pe, kv_cache, slots, validate=validate)
     qk = indexer_qk(indexer_weights, hidden, q_latent(weights, hidden), positions, use_fp8=False)
-    k_rot = hadamard_rotate(qk.k_index)
+    k_rot = _rotate(qk.k_index)
     indexer_k_quant_and_cache(k_rot, index_k_cache, slots, validate=validate)
-    q_fp8, w_q = quantize_indexer_q(hadamard_rotate(qk.q_index), qk.weights)
+    q_fp8, w_q = quantize_indexer_q(_rotate(qk.q_index), qk.weights)
     return f, k_rot, q_fp8, w_q
 
 

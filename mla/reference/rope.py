@@ -16,6 +16,7 @@ pairs *interleaved* elements ``(x[2i], x[2i+1])`` (GPT-J style, a complex multip
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -46,6 +47,13 @@ def rope_frequencies(config: MLAConfig) -> torch.Tensor:
     return freqs
 
 
+@functools.lru_cache(maxsize=64)
+def _frequencies_on(config: MLAConfig, device: torch.device) -> torch.Tensor:
+    """``rope_frequencies`` on ``device``, copied there once: a copy per call would stall the
+    host on every step and cannot be captured in a CUDA graph."""
+    return rope_frequencies(config).to(device)
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, config: MLAConfig) -> torch.Tensor:
     """Rotate the last dim (``R``) of ``x [S, ..., R]`` by the positions ``[S]``.
 
@@ -58,7 +66,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, config: MLAConfig) -> t
         raise ValueError(f"x must have shape [S, ..., {R}], got {list(x.shape)}")
     check_index("positions", positions, shape=[x.shape[0]], device=x.device)
     work = acc_dtype(x.dtype)
-    angles = positions.to(torch.float64)[:, None] * rope_frequencies(config).to(x.device)
+    angles = positions.to(torch.float64)[:, None] * _frequencies_on(config, x.device)
     # broadcast [S, R/2] over the middle dims of x
     shape = [x.shape[0]] + [1] * (x.dim() - 2) + [R // 2]
     cos = angles.cos().to(work).view(shape)

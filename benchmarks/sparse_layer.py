@@ -1,0 +1,180 @@
+"""One DeepSeek-V3.2 layer's whole sparse decode step on the GPU: ``mla.fast`` against the same
+step composed of PyTorch operations (``mla.reference``'s functions on CUDA in bf16).
+
+``python -m benchmarks.sparse_layer --out DIR``: B in {1, 32, 128}, L in {8K, 32K, 128K}, one
+new token per request (s_q = 1), bf16 weights, the fp8_ds_mla latent cache and vLLM's fp8
+index key cache, sized for one layer (B · (L + 1) tokens). The step is everything a layer
+does: front, both cache writes, the indexer (rotations, q quantization, paged fp8 logits,
+top-k), the index conversion, the sparse attention, the projections.
+
+Timing: the fast step by ``triton.testing.do_bench`` (median) and, when it can be captured,
+CUDA-graph replays (median, L2 flushed before each); the composition (host syncs and Python
+loops over requests included, as a user of the reference would run it) by CUDA events over
+a few runs after a warm-up, since one run can take a second. Target: fast >= 10x faster than
+the composition at B = 32, L = 32K.
+
+The caches hold 64K random tokens (quantized by the fast writers) tiled over all pages, in
+a scrambled page order: the values a step reads are realistic, their repetition is not
+timed differently by any kernel here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+
+import torch
+import triton
+import triton.testing
+
+from benchmarks.common import log, time_graph
+from mla.config import get_config
+from mla.fast import sparse_model as fast_sparse
+from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
+from mla.fast.indexer_cache import indexer_k_quant_and_cache
+from mla.reference import sparse_model as ref_sparse
+from mla.reference.indexer import IndexerWeights
+from mla.weights import MLAWeights
+
+BLOCK = 64
+TEMPLATE_PAGES = 1024  # 64K tokens of random content, tiled
+
+
+def _caches(num_pages: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_ds_mla latent cache and fp8 index key cache of ``num_pages`` pages of 64 tokens."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    n_tpl = min(TEMPLATE_PAGES, num_pages)
+    kv_t = torch.empty(n_tpl, BLOCK, 656, dtype=torch.uint8, device=device)
+    ik_t = torch.empty(n_tpl, BLOCK, 132, dtype=torch.uint8, device=device)
+    T = n_tpl * BLOCK
+    slots = torch.arange(T, device=device)
+    kv_c = torch.randn(T, 512, generator=g, device=device, dtype=torch.bfloat16)
+    k_pe = torch.randn(T, 64, generator=g, device=device, dtype=torch.bfloat16)
+    concat_and_cache_fp8_ds_mla(kv_c, k_pe, kv_t, slots)
+    k_idx = torch.randn(T, 128, generator=g, device=device, dtype=torch.bfloat16)
+    indexer_k_quant_and_cache(k_idx, ik_t, slots)
+    del kv_c, k_pe, k_idx
+    reps = -(-num_pages // n_tpl)
+    kv = kv_t.repeat(reps, 1, 1)[:num_pages].contiguous()
+    ik = ik_t.repeat(reps, 1, 1)[:num_pages].contiguous()
+    return kv, ik
+
+
+def _events_ms(fn, runs: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench_one(B: int, L: int, device: str = "cuda", seed: int = 0) -> dict:
+    cfg = get_config("deepseek-v3.2")
+    w = MLAWeights.random(cfg, seed=seed, dtype=torch.bfloat16, device=device)
+    iw = IndexerWeights.random(cfg, seed=seed + 1, dtype=torch.bfloat16, device=device)
+    per_req = -(-(L + 1) // BLOCK)
+    num_pages = B * per_req
+    kv, ik = _caches(num_pages, device, seed)
+    perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    bt = perm.view(B, per_req).to(torch.int32).to(device)
+    sl = torch.full((B,), L, dtype=torch.int32, device=device)
+    hidden = torch.randn(B, 1, cfg.hidden_size, device=device, dtype=torch.bfloat16)
+    res: dict = {"B": B, "L": L, "cache_GB": (kv.numel() + ik.numel()) / 1e9,
+                 "top_k": fast_sparse.TOPK_SOURCE}
+
+    def fast() -> torch.Tensor:
+        return fast_sparse.sparse_decode_forward(w, iw, hidden, kv, ik, bt, sl, validate=False)
+
+    out_fast = fast_sparse.sparse_decode_forward(w, iw, hidden, kv, ik, bt, sl, validate=True)
+    res["fast_ms"] = triton.testing.do_bench(fast, warmup=10, rep=100, return_mode="median")
+    try:
+        res["fast_graph_ms"] = time_graph(fast, reps=30)
+    except Exception as e:  # noqa: BLE001 (recorded: the step is not capturable)
+        res["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        torch.cuda.synchronize()
+
+    def composed() -> torch.Tensor:
+        return ref_sparse.sparse_decode_forward(w, iw, hidden, kv, ik, bt, sl)
+
+    runs = 5 if B * L <= 32 * 32768 else 2
+    try:
+        out_ref = composed()
+        res["torch_ms"] = _events_ms(composed, runs)
+        res["torch_runs"] = runs
+        diff = (out_fast.float() - out_ref.float()).norm() / out_ref.float().norm()
+        res["rel_diff_fast_vs_torch"] = diff.item()
+    except torch.OutOfMemoryError as e:
+        res["torch_error"] = f"out of memory: {str(e).splitlines()[0][:160]}"
+    best = min(res["fast_ms"], res.get("fast_graph_ms", float("inf")))
+    if "torch_ms" in res:
+        res["speedup"] = res["torch_ms"] / best
+    return res
+
+
+def _markdown(rows: list[dict], env: dict) -> str:
+    lines = [f"# Sparse decode layer step (DeepSeek-V3.2, bf16 weights, fp8_ds_mla cache, fp8 "
+             f"indexer), {env['gpu']}, {env['date']}", "",
+             f"torch {env['torch']}, triton {env['triton']}. Top-k from "
+             f"{rows[0].get('top_k', '?') if rows else '?'}. One layer, s_q = 1.", "",
+             "| B | L | cache GB | fast ms | fast graph ms | torch composition ms | speedup |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['B']} | {r['L']} | | error: {r['error'][:80]} | | | |")
+            continue
+        g = f"{r['fast_graph_ms']:.3f}" if "fast_graph_ms" in r else "n/a"
+        t = f"{r['torch_ms']:.2f}" if "torch_ms" in r else r.get("torch_error", "n/a")
+        s = f"{r['speedup']:.1f}x" if "speedup" in r else "n/a"
+        lines.append(f"| {r['B']} | {r['L']} | {r['cache_GB']:.2f} | {r['fast_ms']:.3f} | {g} "
+                     f"| {t} | {s} |")
+    graph_errors = {r["graph_error"] for r in rows if "graph_error" in r}
+    if graph_errors:
+        lines += ["", "Not captured in a CUDA graph: " + "; ".join(sorted(graph_errors))]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--batches", default="1,32,128")
+    p.add_argument("--lengths", default="8192,32768,131072")
+    args = p.parse_args(argv)
+    env = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+           "torch": torch.__version__, "triton": triton.__version__,
+           "cuda": torch.version.cuda}
+    rows = []
+    for B in [int(x) for x in args.batches.split(",")]:
+        for L in [int(x) for x in args.lengths.split(",")]:
+            log(f"sparse layer B={B} L={L}")
+            try:
+                r = bench_one(B, L)
+            except Exception as e:  # noqa: BLE001 (one size failing must not hide the others)
+                traceback.print_exc()
+                r = {"B": B, "L": L, "error": f"{type(e).__name__}: {e}"[:300]}
+                torch.cuda.empty_cache()
+            log(json.dumps(r))
+            rows.append(r)
+            torch.cuda.empty_cache()  # this size's caches are gone: free them for the next
+    os.makedirs(args.out, exist_ok=True)
+    stamp = env["date"]
+    with open(os.path.join(args.out, f"sparse_layer_{stamp}.json"), "w") as fh:
+        json.dump({"environment": env, "rows": rows}, fh, indent=1)
+    md = _markdown(rows, env)
+    with open(os.path.join(args.out, f"sparse_layer_{stamp}.md"), "w") as fh:
+        fh.write(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""The fast sparse layers (``mla.fast.sparse_model``) against the float64 reference, stage by
+stage (``benchmarks.sparse_layer_check``), on the bf16 and the fp8_ds_mla latent caches.
+
+DeepSeek-V3.2's head dims (576-wide rows, 128-wide index keys, hidden 7168, q latent 1536)
+with 4 heads, 8 index heads and topk 16 under Triton's interpreter (float32), so that short
+contexts already select; bf16 on a GPU. Top-k compares are exact and cannot be flaky: the
+fast selection against the reference's on the *same* logits, and against the float64 logits
+only outside near ties. Broken twins fail exactly their stage.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla.fast.sparse_model as fast_sparse
+from benchmarks.layer_check import assert_stages
+from benchmarks.sparse_layer_check import (
+    build_sparse,
+    sparse_decode_check,
+    sparse_prefill_check,
+)
+from mla.config import get_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+CFG = get_config("deepseek-v3.2").replace(num_heads=4, index_n_heads=8, index_topk=16)
+
+
+def _failing(stages):
+    return {s.stage for s in stages if not s.passed}
+
+
+@pytest.mark.parametrize("fp8_kv", [False, True])
+@pytest.mark.parametrize("lens,s_q,block_size", [
+    ([37, 0, 1, 80], 1, 16),  # empty and length-1 requests; fewer keys than topk; more
+    ([65, 3], 2, 64),  # MTP: s_q = 2
+    ([20, 47], 3, 1),  # pages of one token
+])
+def test_sparse_decode_layer(fp8_kv, lens, s_q, block_size):
+    stages = sparse_decode_check(CFG, DTYPE, DEVICE, lens, s_q, block_size, fp8_kv, seed=5)
+    assert_stages(stages)
+    assert {"index cache", "logits", "top-k", "top-k vs float64", "conversion",
+            "attention.o_lat", "layer"} <= {s.stage for s in stages}
+
+
+@pytest.mark.parametrize("fp8_kv", [False, True])
+@pytest.mark.parametrize("context_lens,new_lens", [
+    ([40, 0, 17], [5, 3, 1]),
+    ([0], [30]),  # no context: the new tokens select among themselves
+    ([33, 2], [0, 4]),  # a request with no new token
+])
+def test_sparse_prefill_layer(fp8_kv, context_lens, new_lens):
+    stages = sparse_prefill_check(CFG, DTYPE, DEVICE, context_lens, new_lens, 16, fp8_kv, 6)
+    assert_stages(stages)
+
+
+def test_selection_bites():
+    """With 80 cached keys and topk 16 the selected set is a strict subset of the context."""
+    w, iw, kv, ik, bt, hidden = build_sparse(CFG, DTYPE, DEVICE, [80], [1], 16, False, 0)
+    tr = fast_sparse.sparse_decode_layer(w, iw, hidden.view(1, 1, -1), kv, ik, bt,
+                                         torch.tensor([80], dtype=torch.int32, device=DEVICE))
+    chosen = tr.local[0]
+    assert (chosen >= 0).sum() == 16 and len(set(chosen.tolist())) == 16
+    assert int(chosen.max()) <= 80
+
+
+def _twin(name, change):
+    """The module's ``name`` with its result changed by ``change``."""
+    real = getattr(fast_sparse, name)
+
+    def twin(*args, **kwargs):
+        return change(real(*args, **kwargs))
+
+    return twin
+
+
+def test_broken_logits_fail_their_stage(monkeypatch):
+    monkeypatch.setattr(fast_sparse, "fp8_paged_mqa_logits",
+                        _twin("fp8_paged_mqa_logits", lambda x: x * 1.01))
+    bad = _failing(sparse_decode_check(CFG, DTYPE, DEVICE, [50, 9], 1, 16))
+    assert "logits" in bad and "cache" not in bad and "top-k" not in bad
+
+
+def test_broken_topk_fails_its_stage(monkeypatch):
+    """The k-th highest key swapped for the k+1-th: the top-k stage on the same logits."""
+    real = fast_sparse.top_k_per_row
+
+    def shifted(logits, starts, ends, topk):
+        out = real(logits, starts, ends, topk + 1)
+        return torch.cat([out[:, :topk - 1], out[:, topk:]], dim=1)
+
+    monkeypatch.setattr(fast_sparse, "top_k_per_row", shifted)
+    bad = _failing(sparse_decode_check(CFG, DTYPE, DEVICE, [50, 40], 1, 16))
+    assert "top-k" in bad and "logits" not in bad
+
+
+def test_broken_attention_fails_its_stage(monkeypatch):
+    monkeypatch.setattr(fast_sparse, "sparse_mla_decode",
+                        _twin("sparse_mla_decode", lambda r: (r[0] * 1.01, r[1])))
+    bad = _failing(sparse_decode_check(CFG, DTYPE, DEVICE, [50, 9], 1, 16, fp8_kv=True))
+    assert "attention.o_lat" in bad and "top-k" not in bad and "conversion" not in bad
+
+
+def test_broken_conversion_fails_its_stage(monkeypatch):
+    """Request-local indices passed on as if global: the conversion stage."""
+    monkeypatch.setattr(fast_sparse, "convert_req_index_to_global_index",
+                        lambda req, bt, local, bs, **kw: local)
+    bad = _failing(sparse_prefill_check(CFG, DTYPE, DEVICE, [40, 17], [5, 1], 16))
+    assert "conversion" in bad and "top-k" not in bad
+
+
+def test_broken_index_cache_fails_bytes(monkeypatch):
+    real = fast_sparse.indexer_k_quant_and_cache
+    monkeypatch.setattr(fast_sparse, "indexer_k_quant_and_cache",
+                        lambda k, cache, slots, **kw: real(k * 1.5, cache, slots, **kw))
+    bad = _failing(sparse_decode_check(CFG, DTYPE, DEVICE, [30, 9], 1, 16))
+    assert "index cache" in bad and "cache" not in bad
+
+
+def test_float_index_cache_is_refused():
+    w, iw, kv, ik, bt, hidden = build_sparse(CFG, DTYPE, DEVICE, [10], [1], 16, False, 0)
+    float_ik = torch.zeros(*ik.shape[:2], 128, dtype=DTYPE, device=DEVICE)
+    sl = torch.tensor([10], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="fp8 index key cache"):
+        fast_sparse.sparse_decode_forward(w, iw, hidden.view(1, 1, -1), kv, float_ik, bt, sl)
+    with pytest.raises(ValueError, match="use_fp8_indexer"):
+        fast_sparse.sparse_decode_forward(w, iw, hidden.view(1, 1, -1), kv, ik, bt, sl, False)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        fast_sparse.sparse_prefill_forward(w, iw, hidden, torch.tensor([0, 2], device=DEVICE),
+                                           [10], kv, ik, bt)
+
+
+def test_nan_hidden_stays_in_its_request():
+    w, iw, kv, ik, bt, hidden = build_sparse(CFG, DTYPE, DEVICE, [20, 25], [1, 1], 16, True, 0)
+    hidden[1, 3] = float("nan")
+    sl = torch.tensor([20, 25], dtype=torch.int32, device=DEVICE)
+    out = fast_sparse.sparse_decode_forward(w, iw, hidden.view(2, 1, -1), kv, ik, bt, sl)
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).any()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_sparse_decode_step_is_capturable():
+    cfg = get_config("deepseek-v3.2")
+    w, iw, kv, ik, bt, hidden = build_sparse(cfg, DTYPE, DEVICE, [3000, 100], [1, 1], 64,
+                                             True, 0)
+    sl = torch.tensor([3000, 100], dtype=torch.int32, device=DEVICE)
+    h = hidden.view(2, 1, -1)
+    ref = fast_sparse.sparse_decode_forward(w, iw, h, kv.clone(), ik.clone(), bt, sl)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fast_sparse.sparse_decode_forward(w, iw, h, kv, ik, bt, sl, validate=False)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fast_sparse.sparse_decode_forward(w, iw, h, kv, ik, bt, sl, validate=False)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
