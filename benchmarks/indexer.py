@@ -1,0 +1,318 @@
+"""The lightning indexer's fast path on the GPU: logits TFLOP/s and top-k GB/s against ceilings
+measured in the same run (``python -m benchmarks.indexer --out DIR``).
+
+- Ceilings: copy bandwidth (``benchmarks.common.ceilings``) and the FP8 matmul rate,
+  ``torch._scaled_mm`` on 8192³ e4m3 matrices (fast accumulation, as the logits' MMA).
+- ``fp8_paged_mqa_logits`` (decode; DeepSeek-V3.2's 64 heads of 128): B in {1, 32, 128},
+  next_n 1 and 2, L in {8K, 32K, 128K} keys a request on scattered pages of 64.
+  FLOPs ``2·B·next_n·H·128·L``; bytes: the keys' 132 bytes each, q, weights and the logits.
+  Next to the FP8 rate, the roofline ``min(fp8 rate, FLOPs/bytes · copy bandwidth)``: at
+  decode the keys are read once per ``next_n`` queries, so the kernel is bound by memory.
+- ``fp8_mqa_logits`` (prefill, ragged): a chunk of queries at the end of a long request, and
+  several short requests; FLOPs over the (query, key) pairs each query sees.
+- ``top_k_per_row`` (k = 2048): rows ``B·next_n`` of L logits; bytes the logits read once plus
+  the indices; beside it ``torch.topk`` on int64 keys that pack the order-preserving float bits
+  with the inverted column (the same set, ties to the lower index) and plain ``torch.topk`` on
+  the values (no tie rule; for orientation).
+- Errors: the logits against the float64 reference on a slice of each shape, and over 20
+  seeds on small shapes, beside the budget (``mla.fast.indexer_logits.logits_budget``).
+
+Time: ``triton.testing.do_bench`` medians (L2 flushed before each call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+
+import torch
+import triton.testing
+
+import mla.reference as ref
+from benchmarks.common import ceilings, log, report_heading
+from mla.compare import rel_err
+from mla.conformance.cases.indexer import as_sets, logits_limit
+from mla.environment import environment
+from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits, top_k_per_row
+from mla.fast.indexer_logits import logits_budget
+
+H, D, PAGE, TOPK = 64, 128, 64, 2048
+GiB = 1 << 30
+
+
+def _bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def fp8_matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major
+    one = torch.ones((), device="cuda")
+    ms = _bench(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                                         out_dtype=torch.bfloat16, use_fast_accum=True))
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def _codes(shape: tuple[int, ...]) -> torch.Tensor:
+    """Random e4m3 bytes, never NaN (0x7F / 0xFF)."""
+    mag = torch.randint(0, 0x7F, shape, dtype=torch.uint8, device="cuda")
+    return mag | (torch.randint(0, 2, shape, dtype=torch.uint8, device="cuda") << 7)
+
+
+def _q(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(rows, H, D, device="cuda", generator=g)
+    w = torch.randn(rows, H, device="cuda", generator=g) * (H * D) ** -0.5
+    return ref.quantize_indexer_q(q, w)
+
+
+def paged_inputs(B: int, next_n: int, L: int, seed: int = 0):
+    pages = L // PAGE
+    nb = B * pages
+    cache = torch.empty(nb, PAGE, 132, dtype=torch.uint8, device="cuda")
+    flat = cache.view(nb, PAGE * 132)
+    flat[:, :PAGE * D] = _codes((nb, PAGE * D))
+    flat[:, PAGE * D:].view(torch.float32).copy_(
+        torch.rand(nb, PAGE, device="cuda") + 0.5)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    table = torch.randperm(nb, device="cuda", generator=g).view(B, pages).to(torch.int32)
+    q8, w = _q(B * next_n, seed)
+    lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    return q8.view(B, next_n, H, D), cache, w, lens, table
+
+
+def bench_decode(fp8_tflops: float, copy_tbps: float) -> list[dict]:
+    rows = []
+    for L in (8192, 32768, 131072):
+        for B in (1, 32, 128):
+            for next_n in (1, 2):
+                q8, cache, w, lens, table = paged_inputs(B, next_n, L)
+                ms = _bench(functools.partial(fp8_paged_mqa_logits, q8, cache, w, lens, table, L))
+                flops = 2 * B * next_n * H * D * L
+                nbytes = B * L * 132 + B * next_n * (H * D + H * 4 + L * 4)
+                roof = min(fp8_tflops, flops / nbytes * copy_tbps)
+                err = math.nan  # checked where the cache is small enough to copy (B = 1)
+                if B == 1:
+                    got = fp8_paged_mqa_logits(q8, cache, w, lens, table, L)
+                    err = rel_err(got, ref.fp8_paged_mqa_logits(
+                        q8.cpu(), cache.cpu(), w.cpu().double(), lens.cpu(), table.cpu(), L))
+                tf = flops / (ms * 1e-3) / 1e12
+                row = {"kernel": "fp8_paged_mqa_logits", "B": B, "next_n": next_n, "L": L,
+                       "ms": ms, "TFLOPs": tf, "pct_fp8": 100 * tf / fp8_tflops,
+                       "roofline_TFLOPs": roof, "pct_roofline": 100 * tf / roof,
+                       "GBps": nbytes / (ms * 1e-3) / 1e9, "rel_err": err}
+                rows.append(row)
+                log(f"decode B={B} next_n={next_n} L={L}: {ms:.3f} ms, {tf:.0f} TFLOP/s "
+                    f"({row['pct_fp8']:.0f}% of fp8, {row['pct_roofline']:.0f}% of roofline "
+                    f"{roof:.0f}), err {row['rel_err']:.1e}")
+                torch.cuda.empty_cache()
+    return rows
+
+
+def ragged_inputs(requests: list[int], queries: int, seed: int = 0):
+    """Requests of ``requests`` keys in one flat array, each asking with its last
+    ``queries`` positions."""
+    N = sum(requests)
+    codes = _codes((N, D)).view(torch.float8_e4m3fn)
+    scale = torch.rand(N, device="cuda") + 0.5
+    ks, ke, first = [], [], 0
+    for n in requests:
+        pos = torch.arange(max(0, n - queries), n, device="cuda")
+        ks.append(torch.full_like(pos, first))
+        ke.append(first + pos + 1)
+        first += n
+    ks_t, ke_t = torch.cat(ks).to(torch.int32), torch.cat(ke).to(torch.int32)
+    q8, w = _q(len(ks_t), seed)
+    return q8, (codes, scale), w, ks_t, ke_t
+
+
+def bench_prefill(fp8_tflops: float) -> list[dict]:
+    rows = []
+    for name, requests, queries in (("4096 queries of a 32K request", [32768], 4096),
+                                    ("2048 queries of a 64K request", [65536], 2048),
+                                    ("8 requests of 2048, every query", [2048] * 8, 2048)):
+        q8, kv, w, ks, ke = ragged_inputs(requests, queries)
+        ms = _bench(functools.partial(fp8_mqa_logits, q8, kv, w, ks, ke))
+        pairs = int((ke - ks).long().sum())
+        flops = 2 * pairs * H * D
+        got = fp8_mqa_logits(q8[-8:], kv, w[-8:], ks[-8:], ke[-8:])
+        want = ref.fp8_mqa_logits(q8[-8:].cpu(), (kv[0].cpu(), kv[1].cpu()),
+                                  w[-8:].cpu().double(), ks[-8:].cpu(), ke[-8:].cpu())
+        tf = flops / (ms * 1e-3) / 1e12
+        row = {"kernel": "fp8_mqa_logits", "shape": name, "S": len(ks), "N": kv[0].shape[0],
+               "ms": ms, "TFLOPs": tf, "pct_fp8": 100 * tf / fp8_tflops,
+               "rel_err": rel_err(got, want)}
+        rows.append(row)
+        log(f"prefill {name}: {ms:.3f} ms, {tf:.0f} TFLOP/s ({row['pct_fp8']:.0f}% of fp8), "
+            f"err {row['rel_err']:.1e}")
+        torch.cuda.empty_cache()
+    return rows
+
+
+def packed_topk(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, k: int
+                ) -> torch.Tensor:
+    """``torch.topk`` on int64 keys (order-preserving float bits << 32 | inverted column): the
+    reference's set, ties to the lower index (the library route)."""
+    R, W = logits.shape
+    bits = logits.view(torch.int32)
+    bits = torch.where(bits == -(1 << 31), 0, bits)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = torch.where(torch.isnan(logits), 0x7FFFFFFF, key).long()
+    cols = torch.arange(W, device=logits.device)
+    packed = (key << 32) | (0xFFFFFFFF - cols)
+    inside = (cols >= starts[:, None]) & (cols < ends[:, None])
+    packed = torch.where(inside, packed, torch.iinfo(torch.int64).min)
+    kk = min(k, W)
+    top = torch.topk(packed, kk, dim=1, sorted=False).values
+    idx = 0xFFFFFFFF - (top & 0xFFFFFFFF) - starts[:, None]
+    out = torch.full((R, k), -1, dtype=torch.int32, device=logits.device)
+    out[:, :kk] = torch.where(top != torch.iinfo(torch.int64).min, idx, -1).to(torch.int32)
+    return out
+
+
+def bench_topk(copy_tbps: float) -> list[dict]:
+    rows = []
+    for L in (8192, 32768, 131072):
+        for R in (1, 32, 128, 256):
+            logits = torch.randn(R, L, device="cuda")
+            starts = torch.zeros(R, dtype=torch.int32, device="cuda")
+            ends = torch.full((R,), L, dtype=torch.int32, device="cuda")
+            nbytes = R * L * 4 + R * TOPK * 4
+            row = {"R": R, "L": L}
+            args = (logits, starts, ends, TOPK)
+            for name, fn in (("triton", functools.partial(top_k_per_row, *args)),
+                             ("packed_torch_topk", functools.partial(packed_topk, *args)),
+                             ("torch_topk_values", functools.partial(torch.topk, logits, TOPK,
+                                                                     dim=1))):
+                ms = _bench(fn)
+                row[f"{name}_ms"] = ms
+                row[f"{name}_GBps"] = nbytes / (ms * 1e-3) / 1e9
+            row["pct_copy"] = 100 * row["triton_GBps"] / (copy_tbps * 1e3)
+            few = slice(0, min(R, 4))
+            got = top_k_per_row(logits[few], starts[few], ends[few], TOPK)
+            want = ref.top_k_per_row(logits[few].cpu(), starts[few].cpu(), ends[few].cpu(),
+                                     TOPK)
+            packed = packed_topk(logits[few], starts[few], ends[few], TOPK)
+            row["same_set"] = bool(torch.equal(as_sets(got), as_sets(want)))
+            row["packed_same_set"] = bool(torch.equal(as_sets(packed), as_sets(want)))
+            rows.append(row)
+            log(f"top-k R={R} L={L}: triton {row['triton_ms']:.3f} ms "
+                f"({row['triton_GBps']:.0f} GB/s, {row['pct_copy']:.0f}% of copy), packed "
+                f"torch.topk {row['packed_torch_topk_ms']:.3f} ms, torch.topk values "
+                f"{row['torch_topk_values_ms']:.3f} ms; sets equal: {row['same_set']} "
+                f"(packed {row['packed_same_set']})")
+            torch.cuda.empty_cache()
+    return rows
+
+
+def logits_errors(seeds: int = 20) -> dict:
+    """Worst relative error of both kernels against the float64 reference over ``seeds``
+    draws (DeepSeek-V3.2's 64 heads; bf16 keys of gains 2^±4, q scale folded into w)."""
+    paged, ragged = [], []
+    for seed in range(seeds):
+        g = torch.Generator().manual_seed(seed)
+        lens = [int(x) for x in torch.randint(1, 3000, (4,), generator=g)]
+        table, nb = ref.make_block_table(lens, PAGE, spare_blocks=1, seed=seed)
+        cache = torch.zeros(nb, PAGE, 132, dtype=torch.uint8)
+        for b, n in enumerate(lens):
+            pos = torch.arange(n)
+            gain = 2.0 ** torch.randint(-4, 5, (n, 1), generator=g)
+            k = (torch.randn(n, D, generator=g, dtype=torch.float64) * gain).bfloat16()
+            ref.indexer_k_quant_and_cache(k, cache, table[b].long()[pos // PAGE] * PAGE
+                                          + pos % PAGE)
+        table = table.clamp_min(0).to(torch.int32)
+        q = torch.randn(8, H, D, generator=g, dtype=torch.float64)
+        w = torch.randn(8, H, generator=g, dtype=torch.float64) * (H * D) ** -0.5
+        q8, wq = ref.quantize_indexer_q(q, w)
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        W = max(lens)
+        want = ref.fp8_paged_mqa_logits(q8.view(4, 2, H, D), cache, wq.double(), lens_t,
+                                        table, W)
+        got = fp8_paged_mqa_logits(q8.view(4, 2, H, D).cuda(), cache.cuda(), wq.cuda(),
+                                   lens_t.cuda(), table.cuda(), W)
+        paged.append(rel_err(got, want))
+        codes, scale = ref.read_indexer_k_cache(cache, (table[0].long()[torch.arange(
+            lens[0]) // PAGE] * PAGE + torch.arange(lens[0]) % PAGE))
+        ks = torch.zeros(8, dtype=torch.int32)
+        ke = torch.tensor([max(1, lens[0] - 7 + i) for i in range(8)], dtype=torch.int32)
+        want = ref.fp8_mqa_logits(q8, (codes, scale), wq.double(), ks, ke)
+        got = fp8_mqa_logits(q8.cuda(), (codes.cuda(), scale.cuda()), wq.cuda(), ks.cuda(),
+                             ke.cuda())
+        ragged.append(rel_err(got, want))
+    res = {"seeds": seeds, "paged_worst": max(paged), "paged_mean": sum(paged) / seeds,
+           "ragged_worst": max(ragged), "ragged_mean": sum(ragged) / seeds,
+           "budget": logits_budget("cuda"), "catalogue_limit": logits_limit(H)}
+    log(f"logits errors over {seeds} seeds: paged worst {res['paged_worst']:.2e} (mean "
+        f"{res['paged_mean']:.2e}), ragged worst {res['ragged_worst']:.2e}; budget "
+        f"{res['budget']:.2e}, catalogue limit {res['catalogue_limit']:.2e}")
+    return res
+
+
+def markdown(res: dict) -> str:
+    ceil = res["ceilings"]
+    lines = report_heading("Lightning indexer (fp8 logits, top-k)", res)
+    lines[2] = lines[2].rstrip(".") + f", fp8 matmul {ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s."
+    e = res["errors"]
+    lines += [f"Logits against the float64 reference over {e['seeds']} seeds: paged worst "
+              f"{e['paged_worst']:.2e}, ragged worst {e['ragged_worst']:.2e} (budget "
+              f"{e['budget']:.1e}; the catalogue's float32 limit {e['catalogue_limit']:.1e}).",
+              "", "## fp8_paged_mqa_logits (decode, H = 64, pages of 64)", "",
+              "| B | next_n | L | ms | TFLOP/s | % fp8 | roofline | % roofline | GB/s | err |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in res["decode"]:
+        lines.append(f"| {r['B']} | {r['next_n']} | {r['L']} | {r['ms']:.3f} | "
+                     f"{r['TFLOPs']:.0f} | {r['pct_fp8']:.0f} | {r['roofline_TFLOPs']:.0f} | "
+                     f"{r['pct_roofline']:.0f} | {r['GBps']:.0f} | {r['rel_err']:.1e} |")
+    lines += ["", "## fp8_mqa_logits (prefill, ragged)", "",
+              "| shape | S | N | ms | TFLOP/s | % fp8 | err |", "| --- | --- | --- | --- | --- "
+              "| --- | --- |"]
+    for r in res["prefill"]:
+        lines.append(f"| {r['shape']} | {r['S']} | {r['N']} | {r['ms']:.3f} | "
+                     f"{r['TFLOPs']:.0f} | {r['pct_fp8']:.0f} | {r['rel_err']:.1e} |")
+    lines += ["", "## top_k_per_row (k = 2048)", "",
+              "| rows | L | Triton ms | GB/s | % copy | packed torch.topk ms | torch.topk "
+              "values ms | set = reference |", "| --- | --- | --- | --- | --- | --- | --- | "
+              "--- |"]
+    for r in res["topk"]:
+        lines.append(f"| {r['R']} | {r['L']} | {r['triton_ms']:.3f} | {r['triton_GBps']:.0f} "
+                     f"| {r['pct_copy']:.0f} | {r['packed_torch_topk_ms']:.3f} | "
+                     f"{r['torch_topk_values_ms']:.3f} | {r['same_set']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.indexer",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--only", nargs="*", choices=("errors", "decode", "prefill", "topk"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.indexer needs a CUDA GPU")
+    env = environment()
+    ceil = ceilings()
+    ceil["fp8_matmul_TFLOPs"] = fp8_matmul_tflops()
+    log(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, fp8 matmul "
+        f"{ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s, bf16 matmul {ceil['matmul_TFLOPs']:.0f}")
+    want = set(args.only or ("errors", "decode", "prefill", "topk"))
+    res = {"environment": env, "ceilings": ceil,
+           "errors": logits_errors() if "errors" in want else {},
+           "decode": bench_decode(ceil["fp8_matmul_TFLOPs"], ceil["copy_TBps"])
+           if "decode" in want else [],
+           "prefill": bench_prefill(ceil["fp8_matmul_TFLOPs"]) if "prefill" in want else [],
+           "topk": bench_topk(ceil["copy_TBps"]) if "topk" in want else []}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"indexer_{env['date'][:10]}")
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    if res["errors"] and res["decode"] and res["prefill"] and res["topk"]:
+        with open(stem + ".md", "w") as f:
+            f.write(markdown(res))
+    log(f"wrote {stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
