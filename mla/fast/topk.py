@@ -65,8 +65,8 @@ def _topk_kernel(
     need = topk.to(tl.int64)
     if n > topk:
         for p in tl.static_range(3):
-            shift: tl.constexpr = 21 if p == 0 else (10 if p == 1 else 0)  # bits 31-21, 20-10, 9-0
-            known: tl.constexpr = 32 if p == 0 else (21 if p == 1 else 10)  # digits found above
+            shift = 21 - 11 * p + p // 2  # digits: bits 31-21, 20-10, 9-0
+            known = shift + 11 - p // 2  # the digits found in the passes before
             hist = tl.zeros((BINS,), tl.int32)
             for c in range(start, end, BLOCK):
                 cols = c + cols0
@@ -74,8 +74,7 @@ def _topk_kernel(
                 u = _order_keys(tl.load(src + cols, mask=live, other=0.0)) ^ -2147483648
                 if p > 0:  # only the keys sharing the digits found so far
                     live = live & ((u >> known) == (found >> known))
-                hist += tl.histogram((u >> shift) & ((1 << (known - shift)) - 1), BINS,
-                                     mask=live)
+                hist += tl.histogram((u >> shift) & ((BINS - 1) >> (p // 2)), BINS, mask=live)
             above = tl.cumsum(hist, axis=0, reverse=True)  # keys at or above each digit
             d = tl.sum((above >= need).to(tl.int32), axis=0) - 1
             need -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
