@@ -68,7 +68,8 @@ class Timer:
                 fn()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: NCCL's watchdog thread polls its events while this one captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 fn()
             run = graph.replay
         except Exception as e:  # noqa: BLE001 (reported: the JSON says the timing was eager)
@@ -189,7 +190,7 @@ def _run_w2(L: int, batches: list[int], timer: Timer, weights: object, comm: obj
 
 
 def _worker(rank: int, world: int, init: str, out_path: str, lengths: list[int],
-            batches: list[int], reps: int) -> None:
+            batches: list[int], reps: int, partial_path: str) -> None:
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
@@ -213,6 +214,9 @@ def _worker(rank: int, world: int, init: str, out_path: str, lengths: list[int],
                 rows += _run_w2(L, batches, timer, weights, comm)
                 torch.cuda.empty_cache()
             dist.barrier()
+            if rank == 0:  # what a run cut short still leaves behind
+                with open(partial_path, "w") as f:
+                    json.dump(rows, f, indent=1)
         if rank == 0:
             torch.save({"rows": rows, "free_bytes": free, "total_bytes": total}, out_path)
     finally:
@@ -319,8 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dcp-scaling-") as tmp:
         init = "file://" + os.path.join(tmp, "rendezvous")
         out_path = os.path.join(tmp, "rows.pt")
+        partial = os.path.join(args.out, "dcp_scaling_partial.json")
         mp.start_processes(_worker, args=(world, init, out_path, args.lengths, args.batches,
-                                          args.reps), nprocs=world, start_method="spawn")
+                                          args.reps, partial), nprocs=world,
+                           start_method="spawn")
+        os.remove(partial)
         got = torch.load(out_path, weights_only=False)
     nccl = torch.cuda.nccl.version()
     res = {"environment": {

@@ -103,7 +103,8 @@ def _graph_case(comm: Communicator, dev: torch.device) -> dict[str, object]:
         step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: NCCL's watchdog thread polls its events while this one captures
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         captured = step()
     graph.replay()
     torch.cuda.synchronize(dev)
