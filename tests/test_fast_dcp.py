@@ -330,3 +330,35 @@ def test_reorg_kvcache_equals_reference(W: int) -> None:
             fdcp.reorg_kvcache(kv_c, k_pe, **bad)
         with pytest.raises(ValueError, match="max_seq_len"):
             fdcp.reorg_kvcache(kv_c, k_pe, **{**kw, "max_seq_len": kw["max_seq_len"] + 1})
+
+
+def test_bad_input_is_refused_by_name() -> None:
+    W, lens = 2, [5, 9]
+    table, nb = make_block_table(lens, BS, spare_blocks=1, seed=1)
+    kv = randn(nb, BS, LKV + R, seed=2).float()
+    q = randn(2, 1, N // W, LKV + R, seed=3).float()
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+
+    def call(comm: rdcp.Communicator, **change: object) -> object:
+        args = dict(q=q, kv_cache=kv, block_table=table, seq_lens=seqlens,
+                    softmax_scale=SCALE, comm=comm, head_dim_v=LKV)
+        return fdcp.dcp_decode(**{**args, **change})
+
+    comm = rdcp.SimulatedCommunicator(0, 1)
+    with pytest.raises(TypeError, match="seq_lens must have dtype"):
+        call(comm, seq_lens=seqlens.long())
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        call(comm, q=q.double())
+    with pytest.raises(ValueError, match="kv_cache must have shape"):
+        call(comm, kv_cache=kv[..., :-1])
+    with pytest.raises(ValueError, match="seq_lens must be >= 0"):
+        call(comm, seq_lens=torch.tensor([5, -1], dtype=torch.int32), validate=True)
+    with pytest.raises(ValueError, match="head_dim_v must be <="):
+        call(comm, head_dim_v=LKV + R + 1)
+    # 8 heads do not split over 3 ranks: the reduce-scatter along heads is refused
+    with pytest.raises(ValueError, match="divisible by world_size=3"):
+        run_simulated(3, lambda c: fdcp.cp_lse_ag_out_rs(torch.zeros(2, N, 4),
+                                                         torch.zeros(2, N), c))
+    with pytest.raises(ValueError, match="positions must have 1 dims"):
+        fdcp.dcp_slot_mapping(table, torch.zeros(2, 1, dtype=torch.long),
+                              torch.zeros(2, 1, dtype=torch.long), BS, W, 0)
