@@ -21,6 +21,14 @@ timed the same way (the JSON says which). KV bytes are per GPU. The longest ``L`
 *computed*, not run: free memory at start, less a reserve for weights and workspaces, divided
 by the cache bytes per token (``B · 576 · 2 / W``). One cache per (L, W), allocated for the
 largest batch and reused by the smaller ones.
+
+Prediction. At N = 128 the decode is compute-bound (``2·B·N·L·1088`` FLOP) and at B = 64 its
+128 programs (two 64-head groups per request) fill the 132 SMs once on either world size, so
+W = 2's local decode takes half of W = 1's. The rest is fixed per step: the q all-gather
+(``B·N/2·576·2`` bytes, 4.7 MB at B = 64), the lse all-gather (32 KB), the correction (reads
+8.4 MB, writes 16.8 MB) and the float32 reduce-scatter (16.8 MB), about 0.1 ms over NVLink.
+So at L >= 128K and B = 64 (W = 1: several ms) the ratio should be 0.5-0.55; at B = 1 and
+32K (W = 1: tens of microseconds) the fixed part dominates and W = 2 is slower.
 """
 
 from __future__ import annotations
