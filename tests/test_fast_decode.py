@@ -399,3 +399,67 @@ def test_specialization_classes_match_triton():
         t = base[off:]
         ptrs.setdefault(ptr_spec(t), set()).add(str(triton_spec(t)))
     assert len(ptrs) == 2 and all(len(specs) == 1 for specs in ptrs.values()), ptrs
+
+
+def test_compiled_launcher_protocol(monkeypatch):
+    """mla.fast.launch.CompiledLauncher as the GPU runs it, with a stand-in kernel: the first
+    launch of a key goes through the JIT and keeps what it returns; later ones call the
+    compiled launcher with Triton 3.6's arguments (grid, stream, function, metadata, no hooks,
+    every kernel argument); a launch hook sends it back to the JIT; a direct launch the
+    launcher refuses falls back to the JIT for good, with one warning."""
+    from triton import knobs
+
+    import mla.fast.launch as launch
+
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def __init__(self):
+            self.refuse = False
+
+        def run(self, *a):
+            if self.refuse:
+                raise TypeError("launcher signature")
+            calls.append(("direct", a))
+
+    compiled = Compiled()
+
+    class Kernel:
+        __name__ = "kernel"
+
+        def __getitem__(self, grid):
+            def jit(*args, **options):
+                calls.append(("jit", grid, args, options))
+                return compiled
+            return jit
+
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch.torch._C, "_cuda_getCurrentRawStream", lambda d: 77,
+                        raising=False)
+    launcher = launch.CompiledLauncher(Kernel())
+    launcher("k", (2, 3, 1), ("a", 5, "C"), num_warps=4)
+    launcher("k", (2, 3, 1), ("b", 6, "C"), num_warps=4)
+    assert calls[0] == ("jit", (2, 3, 1), ("a", 5, "C"), {"num_warps": 4})
+    assert calls[1] == ("direct", (2, 3, 1, 77, "fn", "meta", None, None, None, "b", 6, "C"))
+    launcher(None, (1, 1, 1), ("c",))  # no key: the JIT, nothing kept
+    assert calls[2][0] == "jit" and len(launcher.compiled) == 1
+    chain = knobs.HookChain()  # Triton's default: an empty chain, no hook
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", chain)
+    launcher("k", (2, 3, 1), ("d", 7, "C"), num_warps=4)
+    assert calls[3][0] == "direct"
+    chain.add(lambda *a: None)  # a profiler's hook: the JIT builds its launch metadata
+    launcher("k", (2, 3, 1), ("d", 7, "C"), num_warps=4)
+    assert calls[4][0] == "jit"
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    launcher("k", (2, 3, 1), ("d", 7, "C"), num_warps=4)
+    assert calls[5][0] == "jit"
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", knobs.HookChain())
+    compiled.refuse = True
+    with pytest.warns(RuntimeWarning, match="launching kernel directly failed"):
+        launcher("k", (2, 3, 1), ("e", 8, "C"), num_warps=4)
+    assert calls[6][0] == "jit" and not launcher.direct
+    launcher("k", (2, 3, 1), ("f", 9, "C"), num_warps=4)
+    assert calls[7][0] == "jit" and len(calls) == 8

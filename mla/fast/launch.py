@@ -11,7 +11,9 @@ integer argument and every specialization. So the first launch of a key goes thr
 call the compiled kernel's launcher directly, with the current stream.
 
 The JIT path is always taken under the interpreter (no compiled kernel exists), and while a
-launch hook is installed (profilers such as proton read its launch metadata).
+launch hook is installed (profilers such as proton read its launch metadata). Should a direct
+launch be refused where the JIT's is accepted (a Triton whose launcher takes other arguments
+than 3.6's), the launcher warns once and goes through the JIT from then on.
 
 A caller's key must determine Triton's specialization of every non-constexpr argument:
 ``int_spec`` gives an integer's class under Triton 3.6's rule and ``ptr_spec`` a pointer's,
@@ -21,6 +23,7 @@ for callers whose integers do not all follow from the shapes in their key
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -32,6 +35,7 @@ from mla.fast.common import interpreting
 __all__ = ["CompiledLauncher", "int_spec", "ptr_spec"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_HOOK_CHAIN = getattr(knobs, "HookChain", ())  # Triton 3.6's hook container
 
 
 def int_spec(x: int) -> int:
@@ -47,6 +51,15 @@ def ptr_spec(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
+def _hooked() -> bool:
+    """Whether a launch hook is installed: Triton 3.6 keeps an empty ``HookChain`` in each
+    knob (never None), so a hook is a chain with calls, or anything set in its place."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and not (isinstance(hook, _HOOK_CHAIN) and not hook.calls):
+            return True
+    return False
+
+
 class CompiledLauncher:
     """Launches of one ``@triton.jit`` / ``@gluon.jit`` function, the compiled kernel of each
     caller key kept after its first launch.
@@ -59,22 +72,31 @@ class CompiledLauncher:
     def __init__(self, fn: Any) -> None:
         self.fn = fn
         self.compiled: dict[Hashable, Any] = {}
+        self.direct = True  # False once a direct launch failed where the JIT's succeeded
 
     def __call__(self, key: Hashable | None, grid: tuple[int, int, int], args: Sequence[Any],
                  **options: Any) -> None:
         """Launch; ``key=None``: through the JIT, nothing kept."""
-        if key is None or interpreting():
+        if key is None or interpreting() or not self.direct:
             self.fn[grid](*args, **options)
             return
         device = torch.cuda.current_device()
         compiled = self.compiled.get((device, key))
-        hooks = knobs.runtime.launch_enter_hook or knobs.runtime.launch_exit_hook
-        if compiled is None or hooks is not None:
+        if compiled is None or _hooked():
             compiled = self.fn[grid](*args, **options)
             if hasattr(compiled, "result"):  # an asynchronous compile's future
                 compiled = compiled.result()
             if compiled is not None:
                 self.compiled[(device, key)] = compiled
             return
-        compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device),
-                     compiled.function, compiled.packed_metadata, None, None, None, *args)
+        try:
+            compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device),
+                         compiled.function, compiled.packed_metadata, None, None, None, *args)
+        except Exception as e:  # the launcher refused the arguments before launching
+            self.fn[grid](*args, **options)  # the JIT's own error, if the arguments are bad
+            # the JIT took them: this Triton's launcher differs from 3.6's; stay on the JIT
+            self.direct = False
+            warnings.warn(f"mla.fast: launching {getattr(self.fn, '__name__', self.fn)} "
+                          f"directly failed ({type(e).__name__}: {e}); Triton's JIT launches "
+                          "it from now on (slower on the host, same results)", RuntimeWarning,
+                          stacklevel=3)
