@@ -71,3 +71,60 @@ def test_sparse_nan_input_is_nan_out(num_splits):
     assert_nan_rule(got[0], ref[0], budget(k, BF16, "out_rel"), name="out")
     assert_nan_rule(got[1], ref[1], name="max_logits", abs_tol=budget(k, BF16, "max_abs"))
     assert_nan_rule(got[2], ref[2], name="lse", abs_tol=budget(k, BF16, "lse_abs"))
+
+
+def _decode_inputs(lens, heads=64, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    bt, nb = make_block_table([max(n, 1) for n in lens], 64, seed=seed)
+    kv = torch.randn(nb, 64, 576, generator=g, dtype=torch.float64).to(BF16).cuda()
+    q = torch.randn(len(lens), 2, heads, 576, generator=g, dtype=torch.float64).to(BF16).cuda()
+    return q, kv, bt.cuda(), torch.tensor(lens, dtype=torch.int32).cuda()
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_sink(num_splits):
+    """The sink in the Gluon kernel's epilogue (one split) and in the combine after it:
+    finite, +inf, -inf and NaN sinks, causal queries and an empty request."""
+    q, kv, bt, sl = _decode_inputs([200, 0, 70, 1])
+    sink = torch.randn(64, generator=torch.Generator().manual_seed(4)).cuda()
+    sink[:4] = torch.tensor([float("inf"), float("-inf"), NAN, 30.0])
+    plan = DecodePlan(64, 64, num_splits, 8, 2)
+    assert fast_decode._sm90_route(plan, q, kv, 512)
+    scale = 576 ** -0.5
+    out, lse = mla_decode_paged(q, kv, bt, sl, scale, True, 512, plan=plan, attn_sink=sink)
+    r_out, r_lse = ref_decode(q.double().cpu(), kv.double().cpu(), bt.cpu(), sl.cpu(), scale,
+                              True, 512, attn_sink=sink.cpu())
+    assert torch.isnan(r_out[:, :, 2]).all() and (r_out[:, :, 0] == 0).all()
+    assert_nan_rule(out, r_out, budget("mla_decode_paged", BF16, "out_rel"), name="out")
+    assert_nan_rule(lse, r_lse, name="lse", abs_tol=budget("mla_decode_paged", BF16, "lse_abs"))
+
+
+@pytest.mark.parametrize("kind", ["negative length", "length past capacity", "entry -1",
+                                  "entry num_blocks", "entry huge"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_bad_values_unvalidated(kind, num_splits):
+    """validate=False on the Gluon route: the bad request's queries are all NaN, nothing is
+    read outside (compute-sanitizer runs this), the other requests match the reference."""
+    q, kv, bt, sl = _decode_inputs([200, 130, 0, 70], seed=5)
+    if kind == "negative length":
+        sl[1] = -3
+    elif kind == "length past capacity":
+        sl[1] = bt.shape[1] * 64 + 1
+    elif kind == "entry -1":
+        bt[1, 2] = -1
+    elif kind == "entry num_blocks":
+        bt[1, 0] = kv.shape[0]
+    else:
+        bt[1, 1] = 2**31 - 1
+    plan = DecodePlan(64, 64, num_splits, 8, 2)
+    assert fast_decode._sm90_route(plan, q, kv, 512)
+    scale = 576 ** -0.5
+    out, lse = mla_decode_paged(q, kv, bt, sl, scale, True, 512, plan=plan, validate=False)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+    good = [0, 2, 3]
+    r_out, r_lse = ref_decode(q[good].double().cpu(), kv.double().cpu(), bt[good].cpu(),
+                              sl[good].cpu(), scale, True, 512)
+    assert_nan_rule(out[good], r_out, budget("mla_decode_paged", BF16, "out_rel"), name="out")
+    assert_nan_rule(lse[good], r_lse, name="lse",
+                    abs_tol=budget("mla_decode_paged", BF16, "lse_abs"))
