@@ -89,8 +89,7 @@ def bench_one(B: int, L: int, device: str = "cuda", seed: int = 0) -> dict:
     bt = perm.view(B, per_req).to(torch.int32).to(device)
     sl = torch.full((B,), L, dtype=torch.int32, device=device)
     hidden = torch.randn(B, 1, cfg.hidden_size, device=device, dtype=torch.bfloat16)
-    res: dict = {"B": B, "L": L, "cache_GB": (kv.numel() + ik.numel()) / 1e9,
-                 "top_k": fast_sparse.TOPK_SOURCE}
+    res: dict = {"B": B, "L": L, "cache_GB": (kv.numel() + ik.numel()) / 1e9}
 
     def fast() -> torch.Tensor:
         return fast_sparse.sparse_decode_forward(w, iw, hidden, kv, ik, bt, sl, validate=False)
@@ -124,8 +123,7 @@ def bench_one(B: int, L: int, device: str = "cuda", seed: int = 0) -> dict:
 def _markdown(rows: list[dict], env: dict) -> str:
     lines = [f"# Sparse decode layer step (DeepSeek-V3.2, bf16 weights, fp8_ds_mla cache, fp8 "
              f"indexer), {env['gpu']}, {env['date']}", "",
-             f"torch {env['torch']}, triton {env['triton']}. Top-k from "
-             f"{rows[0].get('top_k', '?') if rows else '?'}. One layer, s_q = 1.", "",
+             f"torch {env['torch']}, triton {env['triton']}. One layer, s_q = 1.", "",
              "| B | L | cache GB | fast ms | fast graph ms | torch composition ms | speedup |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -86,8 +86,8 @@ def test_broken_topk_fails_its_stage(monkeypatch):
     """The k-th highest key swapped for the k+1-th: the top-k stage on the same logits."""
     real = fast_sparse.top_k_per_row
 
-    def shifted(logits, starts, ends, topk):
-        out = real(logits, starts, ends, topk + 1)
+    def shifted(logits, starts, ends, topk, **kwargs):
+        out = real(logits, starts, ends, topk + 1, **kwargs)
         return torch.cat([out[:, :topk - 1], out[:, topk:]], dim=1)
 
     monkeypatch.setattr(fast_sparse, "top_k_per_row", shifted)

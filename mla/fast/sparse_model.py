@@ -11,15 +11,13 @@ kernels where they exist:
     logits             decode: mla.fast.fp8_paged_mqa_logits over the block table
                        prefill: the keys gathered per request (the reference's torch
                        gather), mla.fast.fp8_mqa_logits
-    top-k              top_k_per_row: request-local indices
+    top-k              mla.fast.top_k_per_row: request-local indices
     conversion         mla.fast.convert_req_index_to_global_index
     attention          mla.fast.sparse_mla_decode (bf16 or fp8_ds_mla cache)
                        mla.fast.sparse_mla_prefill (bf16 cache; fp8_ds_mla: the requests'
                        rows dequantized into a workspace by the reference's torch gather)
     projection         o_lat · W_UV, · W_O: cuBLAS GEMMs
 
-The top-k comes from ``_top_k_kernel`` below: ``mla.fast.topk`` where it is present, else the
-reference's ``top_k_per_row`` (torch sorts, on the same device; ``TOPK_SOURCE`` says which).
 ``sparse_decode_layer`` and ``sparse_prefill_layer`` return every stage (``SparseTrace``) for a
 stage-by-stage check.
 """
@@ -42,6 +40,7 @@ from mla.fast.sparse import (
     sparse_mla_decode,
     sparse_mla_prefill,
 )
+from mla.fast.topk import top_k_per_row
 from mla.reference.decode import absorb_q
 from mla.reference.fp8 import gather_and_upconvert_fp8_ds_mla
 from mla.reference.front import Front, mla_front
@@ -53,22 +52,8 @@ from mla.reference.sparse_model import _check_caches, _is_fp8
 from mla.validation import check_float, check_index, check_nonnegative, check_same_device
 from mla.weights import MLAWeights
 
-__all__ = ["SparseTrace", "TOPK_SOURCE", "sparse_decode_layer", "sparse_decode_forward",
+__all__ = ["SparseTrace", "sparse_decode_layer", "sparse_decode_forward",
            "sparse_prefill_layer", "sparse_prefill_forward"]
-
-
-def _top_k_kernel():
-    """``(top_k_per_row, source)``: the fast kernel of ``mla.fast.topk`` where it is present,
-    else the reference's (torch sorts, on the same device)."""
-    try:
-        from mla.fast.topk import top_k_per_row
-        return top_k_per_row, "mla.fast"
-    except ImportError:
-        from mla.reference.indexer_logits import top_k_per_row
-        return top_k_per_row, "mla.reference (torch, on the device)"
-
-
-top_k_per_row, TOPK_SOURCE = _top_k_kernel()
 
 
 class SparseTrace(NamedTuple):
@@ -167,10 +152,12 @@ def sparse_decode_layer(
     seq_lens = (cache_seqlens + s_q).to(torch.int32)
     table32 = block_table.to(torch.int32)
     logits = fp8_paged_mqa_logits(q_fp8.view(B, s_q, *q_fp8.shape[1:]), index_k_cache, w_q,
-                                  seq_lens, table32, block_table.shape[1] * bs)
+                                  seq_lens, table32, block_table.shape[1] * bs,
+                                  validate=checked)
     starts = torch.zeros(B * s_q, dtype=torch.int32, device=dev)
     ends = decode_row_ends(seq_lens, s_q)
-    local = top_k_per_row(logits, starts, ends, indexer_weights.config.index_topk)
+    local = top_k_per_row(logits, starts, ends, indexer_weights.config.index_topk,
+                          validate=checked)
     gslots = convert_req_index_to_global_index(req.to(torch.int32), table32, local, bs,
                                                validate=checked)
     q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)
@@ -248,8 +235,8 @@ def sparse_prefill_layer(
     keys = gather_indexer_k_cache(index_k_cache, block_table, cu)
     ks = cu[req].to(torch.int32)
     ke = (ks + positions + 1).to(torch.int32)
-    logits = fp8_mqa_logits(q_fp8, keys, w_q, ks, ke)
-    local = top_k_per_row(logits, ks, ke, indexer_weights.config.index_topk)
+    logits = fp8_mqa_logits(q_fp8, keys, w_q, ks, ke, validate=True)
+    local = top_k_per_row(logits, ks, ke, indexer_weights.config.index_topk, validate=True)
     q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)  # [T, N, Lkv+R]
     req32, table32 = req.to(torch.int32), block_table.to(torch.int32)
     if _is_fp8(kv_cache):
@@ -260,11 +247,13 @@ def sparse_prefill_layer(
         gather_and_upconvert_fp8_ds_mla(kv_cache, kv, table32, seq_lens, starts, B)
         gslots = convert_req_index_to_global_index(req32, table32, local, bs,
                                                    prefill_workspace_request_ids=req32,
-                                                   prefill_workspace_starts=starts)
+                                                   prefill_workspace_starts=starts,
+                                                   validate=True)
     else:
         kv = kv_cache.view(-1, c.latent_dim)
-        gslots = convert_req_index_to_global_index(req32, table32, local, bs)
-    o_lat, _, lse = sparse_mla_prefill(q, kv, gslots, c.softmax_scale, d_v=c.kv_lora_rank)
+        gslots = convert_req_index_to_global_index(req32, table32, local, bs, validate=True)
+    o_lat, _, lse = sparse_mla_prefill(q, kv, gslots, c.softmax_scale, d_v=c.kv_lora_rank,
+                                       validate=True)
     return SparseTrace(front=f, index_k=k_rot, q_index=q_fp8, index_weights=w_q, logits=logits,
                        row_starts=ks, row_ends=ke, local=local, slots=gslots, q=q,
                        o_lat=o_lat, lse=lse, out=_up_project(weights, o_lat))
