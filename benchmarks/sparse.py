@@ -263,3 +263,41 @@ def run(env: dict, ceil: dict[str, float], out_dir: str, sweep: bool, seed: int,
     plot(res, stem + ".png")
     print(md)
     return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.sparse [--v4] [--only S ...] --out DIR``: the V3.2 shapes (as
+    ``benchmarks.run --only sparse``) or, with ``--v4``, DeepSeek-V4's beside FlashMLA
+    (``benchmarks.sparse_v4``); JSON and markdown into ``--out``."""
+    import argparse
+
+    from benchmarks.common import ceilings
+    from benchmarks.sparse_v4 import markdown_v4, run_v4
+    from mla.check.registry import environment
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sparse", description=main.__doc__)
+    p.add_argument("--v4", action="store_true", help="DeepSeek-V4's shapes beside FlashMLA")
+    p.add_argument("--only", nargs="*", help="substrings of the shape names to run")
+    p.add_argument("--out", default="benchmarks/results", help="output directory")
+    p.add_argument("--sweep", action="store_true", help="V3.2 shapes: time more plans")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    env = environment()
+    ceil = ceilings()
+    if not args.v4:
+        run(env, ceil, args.out, args.sweep, args.seed, args.only)
+        return 0
+    res = {"environment": env, "ceilings": ceil, "v4": run_v4(args.seed, args.only)}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"sparse_v4_{env['date'][:10]}")
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    md = "\n".join(report_heading("Sparse MLA, DeepSeek-V4", res) + markdown_v4(res["v4"]))
+    with open(stem + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

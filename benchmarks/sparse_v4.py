@@ -1,0 +1,274 @@
+"""DeepSeek-V4's sparse kernels beside FlashMLA's (``python -m benchmarks.sparse --v4``).
+
+Two questions, each timed on the same inputs for ``mla.fast`` and FlashMLA (vLLM 0.33.0's copy,
+unpacked by ``benchmarks.peers``; a shape it refuses is recorded with its error):
+
+- **What a sink costs** (target <= 2% of the kernel's time): the same call with and without
+  ``attn_sink``, sparse decode on the ``fp8_ds_mla`` cache (B=64, N=128, top-k 2048) and
+  sparse prefill (s_q=2048, s_kv=16384, N=128, top-k 2048).
+- **MODEL1 sparse decode** (target <= 1.2 x FlashMLA's time) at DeepSeek-V4-like shapes: B=64,
+  N in {64, 128}, top-k in {512, 2048}, without and with a second scope of 128 entries (pages
+  of 64 in both caches), per-head sinks as DeepSeek-V4 uses them.
+
+Inputs: every request owns 8192 tokens on scattered pages and picks distinct slots of them;
+MODEL1 pages hold random e4m3 bytes (no NaN code), UE8M0 scales 2^-9..2^-6, bf16 rope values.
+Time: ``triton.testing.do_bench`` median (L2 flushed before each call), ``validate=False``,
+FlashMLA with its scheduler metadata made once per shape (as an engine does). Our output is
+compared with the float64 reference on two requests, and with FlashMLA's on all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton.testing
+
+from benchmarks.common import log
+from mla.compare import rel_err
+from mla.fast.sparse import sparse_mla_decode, sparse_mla_prefill
+from mla.reference.fp8 import FP8_DS_MLA_BYTES
+from mla.reference.fp8_model1 import fp8_model1_cache, fp8_model1_page_bytes
+
+__all__ = ["run_v4", "markdown_v4"]
+
+SCALE = 192 ** -0.5
+PAGE = 64
+CONTEXT = 8192  # tokens per request
+
+
+@dataclasses.dataclass(frozen=True)
+class V4Shape:
+    name: str
+    kind: str  # "model1", "sink_decode", "sink_prefill"
+    B: int  # requests (decode) or s_q (prefill)
+    N: int
+    topk: int
+    extra_topk: int = 0
+    target: float = 0.0  # ours / FlashMLA (model1) or sink overhead (sink_*), at most
+
+
+SHAPES = [
+    V4Shape("sink cost: decode fp8_ds_mla B64 N128 topk2048", "sink_decode", 64, 128, 2048,
+            target=0.02),
+    V4Shape("sink cost: prefill s_q2048 s_kv16384 N128 topk2048", "sink_prefill", 2048, 128,
+            2048, target=0.02),
+    *(V4Shape(f"MODEL1 decode B64 N{n} topk{k}" + (f" + scope {e}" if e else ""), "model1",
+              64, n, k, e, target=1.2)
+      for n in (64, 128) for k in (512, 2048) for e in (0, 128)),
+]
+
+
+def _distinct_slots(gen: torch.Generator, B: int, k: int, context: int) -> torch.Tensor:
+    """``[B, 1, k]`` int32 slots: ``k`` distinct tokens of each request's own scattered pages."""
+    pages_per = context // PAGE
+    perm = torch.randperm(B * pages_per, device="cuda", generator=gen).view(B, pages_per)
+    local = torch.rand(B, context, device="cuda", generator=gen).argsort(dim=1)[:, :k]
+    slots = perm.gather(1, local // PAGE) * PAGE + local % PAGE
+    return slots.to(torch.int32).view(B, 1, k)
+
+
+def model1_pages(gen: torch.Generator, nb: int) -> torch.Tensor:
+    """``[nb, 64, 584]`` MODEL1 view of random valid pages."""
+    page_bytes = fp8_model1_page_bytes(PAGE)
+    pages = torch.randint(0, 256, (nb, page_bytes), device="cuda", dtype=torch.uint8,
+                          generator=gen)
+    data = pages[:, :576 * PAGE].view(nb, PAGE, 576)
+    data[..., :448] &= 0xFE  # e4m3 without the NaN codes 0x7F / 0xFF
+    rope = torch.randn(nb, PAGE, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    data[..., 448:] = rope.view(torch.uint8)
+    scales = pages[:, 576 * PAGE:584 * PAGE].view(nb, PAGE, 8)
+    scales.copy_(torch.randint(118, 122, scales.shape, device="cuda", dtype=torch.uint8,
+                               generator=gen))
+    return fp8_model1_cache(pages, PAGE)
+
+
+def fp8_ds_mla_cache(gen: torch.Generator, nb: int) -> torch.Tensor:
+    cache = torch.randint(0, 256, (nb, PAGE, FP8_DS_MLA_BYTES), device="cuda",
+                          dtype=torch.uint8, generator=gen)
+    cache[..., :512] &= 0xFE
+    scales = torch.pow(2.0, -torch.randint(7, 11, (nb, PAGE, 4), device="cuda",
+                                           generator=gen).float())
+    cache[..., 512:528] = scales.view(torch.uint8).view(nb, PAGE, 16)
+    pe = torch.randn(nb, PAGE, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cache[..., 528:] = pe.view(torch.uint8).view(nb, PAGE, 128)
+    return cache
+
+
+def _sinks(gen: torch.Generator, N: int, keys: int) -> torch.Tensor:
+    return (torch.randn(N, device="cuda", generator=gen) + math.log(keys)).float()
+
+
+def _bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+
+
+def _flashmla():
+    """FlashMLA's interface module, or the reason it cannot be imported."""
+    from mla.conformance.adapters import import_peer
+    from mla.conformance.adapters.flashmla import INTERFACE
+    from mla.conformance.catalogue import Unsupported
+
+    try:
+        return import_peer(INTERFACE, "FlashMLA"), ""
+    except Unsupported as e:
+        return None, str(e)
+
+
+def _time_peer(row: dict, key: str, fn) -> torch.Tensor | None:
+    """Time FlashMLA's ``fn`` into ``row[key]`` (µs) or record why it failed; its output."""
+    try:
+        out = fn()[0]
+        torch.cuda.synchronize()
+        row[key] = _bench(fn)
+        return out
+    except Exception as e:  # a shape or argument FlashMLA refuses: a result, not a crash
+        row[key + "_error"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+        log(f"  FlashMLA: {row[key + '_error']}")
+        return None
+
+
+def _model1(s: V4Shape, gen: torch.Generator, fm) -> dict:
+    from mla.reference.sparse import sparse_mla_decode as ref_decode
+
+    nb = s.B * CONTEXT // PAGE
+    cache = model1_pages(gen, nb)
+    q = torch.randn(s.B, 1, s.N, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+    idx = _distinct_slots(gen, s.B, s.topk, CONTEXT)
+    v4: dict = {"attn_sink": _sinks(gen, s.N, s.topk + s.extra_topk)}
+    if s.extra_topk:
+        window = -(-2 * s.extra_topk // PAGE) * PAGE  # the last tokens, whole pages
+        v4["extra_k_cache"] = model1_pages(gen, s.B * window // PAGE)
+        v4["extra_indices_in_kvcache"] = _distinct_slots(gen, s.B, s.extra_topk, window)
+
+    def ours():
+        return sparse_mla_decode(q, cache, idx, SCALE, True, None, 512, validate=False, **v4)
+    out = ours()[0]
+    row: dict = {"ours_us": _bench(ours)}
+    r_out, _ = ref_decode(q[:2].double(), cache, idx[:2], SCALE, True, None, 512,
+                          attn_sink=v4["attn_sink"],
+                          **{k: v[:2] if k == "extra_indices_in_kvcache" else v
+                             for k, v in v4.items() if k.startswith("extra")})
+    row["rel_err_vs_reference"] = rel_err(out[:2], r_out)
+    if fm is not None:
+        sched, _ = fm.get_mla_metadata()
+        extra = v4.get("extra_k_cache")
+
+        def peer():
+            return fm.flash_mla_with_kvcache(
+                q, cache.unsqueeze(2), None, None, 512, sched, None, SCALE, False, True, idx,
+                v4["attn_sink"], None if extra is None else extra.unsqueeze(2),
+                v4.get("extra_indices_in_kvcache"), None, None)
+        peer_out = _time_peer(row, "flashmla_us", peer)
+        if peer_out is not None:
+            row["rel_err_vs_flashmla"] = rel_err(out.float(), peer_out.float())
+            row["ratio"] = row["ours_us"] / row["flashmla_us"]
+    flops = 2.0 * s.B * s.N * (s.topk + s.extra_topk) * (512 + 512)
+    row["TFLOPs"] = flops / (row["ours_us"] * 1e-6) / 1e12
+    return row
+
+
+def _sink_cost(s: V4Shape, gen: torch.Generator, fm) -> dict:
+    sink = _sinks(gen, s.N, s.topk)
+    row: dict = {}
+    if s.kind == "sink_decode":
+        nb = s.B * CONTEXT // PAGE
+        cache = fp8_ds_mla_cache(gen, nb)
+        q = torch.randn(s.B, 1, s.N, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+        idx = _distinct_slots(gen, s.B, s.topk, CONTEXT)
+
+        def ours(attn_sink):
+            return sparse_mla_decode(q, cache, idx, SCALE, True, validate=False,
+                                     attn_sink=attn_sink)
+
+        def peer(attn_sink, sched):
+            return fm.flash_mla_with_kvcache(q, cache.unsqueeze(2), None, None, 512, sched,
+                                             None, SCALE, False, True, idx, attn_sink)
+    else:
+        s_kv = 16384
+        q = torch.randn(s.B, s.N, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kv = torch.randn(s_kv, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+        idx = torch.rand(s.B, s_kv, device="cuda", generator=gen).argsort(dim=1)[:, :s.topk]
+        idx = idx.to(torch.int32)
+
+        def ours(attn_sink):
+            return sparse_mla_prefill(q, kv, idx, SCALE, 512, validate=False,
+                                      attn_sink=attn_sink)
+
+        def peer(attn_sink, sched):
+            return fm.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], SCALE, 512, attn_sink)
+    with_sink = ours(sink)[0]
+    row["ours_us"] = _bench(lambda: ours(None))
+    row["ours_sink_us"] = _bench(lambda: ours(sink))
+    row["overhead"] = row["ours_sink_us"] / row["ours_us"] - 1.0
+    if fm is not None:
+        s1, _ = fm.get_mla_metadata()
+        s2, _ = fm.get_mla_metadata()
+        _time_peer(row, "flashmla_us", lambda: peer(None, s1))
+        peer_out = _time_peer(row, "flashmla_sink_us", lambda: peer(sink, s2))
+        if peer_out is not None:
+            row["rel_err_vs_flashmla"] = rel_err(with_sink.float(), peer_out.float())
+        if "flashmla_us" in row and "flashmla_sink_us" in row:
+            row["flashmla_overhead"] = row["flashmla_sink_us"] / row["flashmla_us"] - 1.0
+    return row
+
+
+def run_v4(seed: int = 0, names: list[str] | None = None) -> list[dict]:
+    """Every V4 shape (``names``: substrings to select): one row each."""
+    fm, why = _flashmla()
+    if fm is None:
+        log(f"FlashMLA not timed: {why}")
+    rows = []
+    for s in SHAPES:
+        if names and not any(k in s.name for k in names):
+            continue
+        log(f"{s.name} ...")
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        try:
+            row = _model1(s, gen, fm) if s.kind == "model1" else _sink_cost(s, gen, fm)
+        except Exception as e:  # one shape's failure is a result; the others still run
+            row = {"error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
+        row["shape"] = dataclasses.asdict(s)
+        if s.kind == "model1" and "ratio" in row:
+            row["met"] = row["ratio"] <= s.target
+        elif "overhead" in row:
+            row["met"] = row["overhead"] <= s.target
+        log(f"  {row}")
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _f(row: dict, key: str, fmt: str) -> str:
+    return format(row[key], fmt) if key in row else "-"
+
+
+def markdown_v4(rows: list[dict]) -> list[str]:
+    lines = ["## DeepSeek-V4: sinks and the MODEL1 cache beside FlashMLA", "",
+             "| shape | ours µs | FlashMLA µs | ours / FlashMLA | TFLOP/s | err vs ref | "
+             "err vs FlashMLA | target | met |", "| --- | --- | --- | --- | --- | --- | --- | "
+             "--- | --- |"]
+    for r in rows:
+        s = r["shape"]
+        if "error" in r:
+            lines.append(f"| {s['name']} | error: {r['error'][:120]} | | | | | | | |")
+            continue
+        if s["kind"] == "model1":
+            peer = _f(r, "flashmla_us", ".1f") if "flashmla_us" in r else (
+                "refused: " + r.get("flashmla_us_error", "not importable")[:80])
+            lines.append(
+                f"| {s['name']} | {r['ours_us']:.1f} | {peer} | {_f(r, 'ratio', '.2f')} | "
+                f"{r['TFLOPs']:.0f} | {r['rel_err_vs_reference']:.1e} | "
+                f"{_f(r, 'rel_err_vs_flashmla', '.1e')} | <= {s['target']} x | "
+                f"{'yes' if r.get('met') else 'no'} |")
+        else:
+            ours = f"{r['ours_us']:.1f} → {r['ours_sink_us']:.1f} with sink"
+            peer = (f"{r['flashmla_us']:.1f} → {r['flashmla_sink_us']:.1f}"
+                    if "flashmla_sink_us" in r else "-")
+            lines.append(
+                f"| {s['name']} | {ours} ({100 * r['overhead']:+.1f}%) | {peer} "
+                f"({_f(r, 'flashmla_overhead', '+.1%')}) | | | | "
+                f"{_f(r, 'rel_err_vs_flashmla', '.1e')} | sink <= {100 * s['target']:.0f}% | "
+                f"{'yes' if r.get('met') else 'no'} |")
+    return lines
