@@ -150,26 +150,28 @@ def main(argv: list[str] | None = None) -> int:
     env = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
            "torch": torch.__version__, "triton": triton.__version__,
            "cuda": torch.version.cuda}
-    rows = []
-    for B in [int(x) for x in args.batches.split(",")]:
-        for L in [int(x) for x in args.lengths.split(",")]:
-            log(f"sparse layer B={B} L={L}")
-            try:
-                r = bench_one(B, L)
-            except Exception as e:  # noqa: BLE001 (one size failing must not hide the others)
-                traceback.print_exc()
-                r = {"B": B, "L": L, "error": f"{type(e).__name__}: {e}"[:300]}
-                torch.cuda.empty_cache()
-            log(json.dumps(r))
-            rows.append(r)
-            torch.cuda.empty_cache()  # this size's caches are gone: free them for the next
+    sizes = [(int(b), int(n)) for b in args.batches.split(",") for n in args.lengths.split(",")]
+    # the target's size first, so that a run cut short still has it
+    sizes.sort(key=lambda bl: bl != (32, 32768))
     os.makedirs(args.out, exist_ok=True)
     stamp = env["date"]
-    with open(os.path.join(args.out, f"sparse_layer_{stamp}.json"), "w") as fh:
-        json.dump({"environment": env, "rows": rows}, fh, indent=1)
-    md = _markdown(rows, env)
-    with open(os.path.join(args.out, f"sparse_layer_{stamp}.md"), "w") as fh:
-        fh.write(md)
+    rows = []
+    for B, L in sizes:
+        log(f"sparse layer B={B} L={L}")
+        try:
+            r = bench_one(B, L)
+        except Exception as e:  # noqa: BLE001 (one size failing must not hide the others)
+            traceback.print_exc()
+            r = {"B": B, "L": L, "error": f"{type(e).__name__}: {e}"[:300]}
+        log(json.dumps(r))
+        rows.append(r)
+        torch.cuda.empty_cache()  # this size's caches are gone: free them for the next
+        rows.sort(key=lambda x: (x["B"], x["L"]))
+        with open(os.path.join(args.out, f"sparse_layer_{stamp}.json"), "w") as fh:
+            json.dump({"environment": env, "rows": rows}, fh, indent=1)
+        md = _markdown(rows, env)
+        with open(os.path.join(args.out, f"sparse_layer_{stamp}.md"), "w") as fh:
+            fh.write(md)
     print(md)
     return 0
 
