@@ -1,22 +1,31 @@
-"""``top_k_per_row`` in Triton: a radix select over order-preserving integer keys, one row a
-program.
+"""``top_k_per_row`` in Triton: a radix select over order-preserving integer keys, each row
+split across programs.
 
 Same selection as ``mla.reference.indexer_logits.top_k_per_row`` (conventions §10, "Indexer
 logits and top-k"): per row the ``min(topk, end - start)`` highest logits of columns
 ``[start, end)``, ties to the lower index, NaN above every number, as ``j - start``; the rest
-of the row ``-1``. Columns outside ``[start, end)`` are never read. The set is returned in
-column order (ascending), not highest first: the sparse attention sums over it, the catalogue
-compares sets, and no sort is spent on it.
+of the row ``-1``. Columns outside ``[start, end)`` are never read. The set is not sorted by
+score (the sparse attention sums over it, the catalogue compares sets): the keys above the
+boundary bucket come first, in column order, then the boundary's chosen keys, in column order.
 
-**Keys.** A float32's bits ``b`` map to a uint32 that orders as the floats do: ``~b`` for a
-negative float, ``b | 2^31`` for a positive one; ``-0`` is read as ``+0`` (equal, as the
-reference's sort has them) and every NaN as ``2^32 - 1`` (above ``+inf``).
+**Keys.** A float32's bits ``b`` map to an integer that orders as the floats do: ``b`` for a
+positive float, ``b ^ 0x7FFFFFFF`` for a negative one (int32); ``-0`` is read as ``+0`` (equal, as
+the reference's sort has them) and every NaN as ``2^31 - 1`` (above ``+inf``). ``key ^ -2^31``
+is the same order as uint32 bits, whose top 11 bits are the first digit.
 
-**Select.** Three histogram passes over the row find the key of the ``topk``-th best, 11, 11
-and 10 bits at a time (each pass counts only the keys that share the digits found so far), and
-how many keys equal to it are still needed; a last pass writes the keys above it and that many
-equal ones, the first in column order. Four reads of the row (the later ones mostly from L2),
-no sort, no scratch memory.
+**Select**, four launches over ``R x C`` programs (``C`` chunks a row, enough to fill the GPU):
+
+1. a histogram of each row's first digits (bits 31-21), summed over its chunks by atomics;
+2. each chunk counts its keys above the bucket ``d`` that holds the ``topk``-th best (all of
+   them are selected) and its keys in it (the candidates);
+3. each chunk writes its keys above ``d`` at its offset (a prefix over the earlier chunks'
+   counts: column order, no atomics on the output) and its candidates' columns to a scratch row;
+4. one program a row finishes on the candidates alone (usually a few thousand): two more
+   histogram passes (bits 20-10, 9-0) give the boundary key and how many equal ones to take,
+   the first in column order.
+
+Three reads of the logits (the later ones mostly from L2); rows with ``end - start <= topk``
+skip the histograms.
 """
 
 from __future__ import annotations
@@ -25,19 +34,19 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.common import should_validate
+from mla.fast.common import next_pow2, num_sms, should_validate
 from mla.validation import check_float, check_index, check_same_device
 
 __all__ = ["top_k_per_row"]
 
-BLOCK = 2048
-BINS = 2048  # 11 bits a pass
+BLOCK = 1024
+BINS = 2048  # 11 bits a digit
+MAX_CHUNKS = 256
 
 
 @triton.jit
 def _order_keys(x):
-    """float32 -> int32 keys in the floats' order (``-0`` as ``+0``, NaN above all): a negative
-    float's magnitude bits inverted. ``key ^ -2^31`` is the uint32 key of the module doc."""
+    """float32 -> int32 keys in the floats' order (``-0`` as ``+0``, NaN above all)."""
     bits = x.to(tl.int32, bitcast=True)
     bits = tl.where(bits == -2147483648, 0, bits)
     key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -45,68 +54,159 @@ def _order_keys(x):
 
 
 @triton.jit
-def _topk_kernel(
-    logits, starts, ends, out, W, topk, s_l_r, s_o_r,
-    BLOCK: tl.constexpr, BINS: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    start = tl.load(starts + row).to(tl.int64)
-    end = tl.load(ends + row).to(tl.int64)
-    start = tl.maximum(start, 0)
-    end = tl.minimum(end, W)  # unvalidated ranges: never read outside the row
-    n = tl.maximum(end - start, 0)
-    src = logits + row * s_l_r
-    cols0 = tl.arange(0, BLOCK)
-    bins = tl.arange(0, BINS)
+def _row_range(starts, ends, row, W):
+    """The row's ``[start, end)`` clipped to ``[0, W]`` (unvalidated ranges are never read
+    outside the row) and its length."""
+    start = tl.maximum(tl.load(starts + row).to(tl.int64), 0)
+    end = tl.minimum(tl.load(ends + row).to(tl.int64), W)
+    return start, end, tl.maximum(end - start, 0)
 
-    # the key of the topk-th best (threshold) and how many keys equal to it are taken; with
-    # n <= topk every key is taken (all keys lie above -2^31)
-    found = tl.zeros((), tl.int32)  # the threshold's digits so far, as uint32 bits
-    need = topk.to(tl.int64)
+
+@triton.jit
+def _first_digit(hist_row, topk, n, BINS: tl.constexpr):
+    """The first digit's bucket that holds the ``topk``-th best key; ``-1`` (every key above
+    it) when the row has no more than ``topk`` keys."""
+    bins = tl.arange(0, BINS)
+    h = tl.load(hist_row + bins)
+    above = tl.cumsum(h, axis=0, reverse=True)  # keys at or above each bucket
+    d = tl.sum((above >= topk).to(tl.int32), axis=0) - 1
+    return tl.where(n > topk, d, -1)
+
+
+@triton.jit
+def _hist_kernel(logits, starts, ends, hist, W, topk, s_l_r, chunk,
+                 BLOCK: tl.constexpr, BINS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    start, end, n = _row_range(starts, ends, row, W)
     if n > topk:
-        for p in tl.static_range(3):
-            shift = 21 - 11 * p + p // 2  # digits: bits 31-21, 20-10, 9-0
-            known = shift + 11 - p // 2  # the digits found in the passes before
-            hist = tl.zeros((BINS,), tl.int32)
-            for c in range(start, end, BLOCK):
-                cols = c + cols0
-                live = cols < end
-                u = _order_keys(tl.load(src + cols, mask=live, other=0.0)) ^ -2147483648
-                if p > 0:  # only the keys sharing the digits found so far
-                    live = live & ((u >> known) == (found >> known))
-                hist += tl.histogram((u >> shift) & ((BINS - 1) >> (p // 2)), BINS, mask=live)
-            above = tl.cumsum(hist, axis=0, reverse=True)  # keys at or above each digit
+        lo = start + tl.program_id(1).to(tl.int64) * chunk
+        hi = tl.minimum(lo + chunk, end)
+        src = logits + row * s_l_r
+        h = tl.zeros((BINS,), tl.int32)
+        for c in range(lo, hi, BLOCK):
+            cols = c + tl.arange(0, BLOCK)
+            live = cols < hi
+            u = _order_keys(tl.load(src + cols, mask=live, other=0.0)) ^ -2147483648
+            h += tl.histogram((u >> 21) & (BINS - 1), BINS, mask=live)
+        bins = tl.arange(0, BINS)
+        tl.atomic_add(hist + row * BINS + bins, h, mask=h > 0, sem="relaxed")
+
+
+@triton.jit
+def _count_kernel(logits, starts, ends, hist, counts, W, topk, s_l_r, chunk, n_chunks,
+                  BLOCK: tl.constexpr, BINS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    start, end, n = _row_range(starts, ends, row, W)
+    d = _first_digit(hist + row * BINS, topk, n, BINS)
+    lo = start + c * chunk
+    hi = tl.minimum(lo + chunk, end)
+    src = logits + row * s_l_r
+    above = tl.zeros((), tl.int32)
+    inside = tl.zeros((), tl.int32)
+    for c0 in range(lo, hi, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        live = cols < hi
+        u = _order_keys(tl.load(src + cols, mask=live, other=0.0)) ^ -2147483648
+        digit = (u >> 21) & (BINS - 1)
+        above += tl.sum((live & (digit > d)).to(tl.int32), axis=0)
+        inside += tl.sum((live & (digit == d)).to(tl.int32), axis=0)
+    at = counts + (row * n_chunks + c) * 2
+    tl.store(at, above)
+    tl.store(at + 1, inside)
+
+
+@triton.jit
+def _scatter_kernel(logits, starts, ends, hist, counts, out, cand, W, topk, s_l_r, s_o_r,
+                    s_c_r, chunk, n_chunks,
+                    BLOCK: tl.constexpr, BINS: tl.constexpr, CHUNKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    start, end, n = _row_range(starts, ends, row, W)
+    d = _first_digit(hist + row * BINS, topk, n, BINS)
+    j = tl.arange(0, CHUNKS)
+    earlier = j < c
+    row_counts = counts + row * n_chunks * 2
+    base_above = tl.sum(tl.load(row_counts + 2 * j, mask=earlier, other=0), axis=0)
+    base_cand = tl.sum(tl.load(row_counts + 2 * j + 1, mask=earlier, other=0), axis=0)
+    lo = start + c * chunk
+    hi = tl.minimum(lo + chunk, end)
+    src = logits + row * s_l_r
+    for c0 in range(lo, hi, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        live = cols < hi
+        u = _order_keys(tl.load(src + cols, mask=live, other=0.0)) ^ -2147483648
+        digit = (u >> 21) & (BINS - 1)
+        is_above = live & (digit > d)
+        is_cand = live & (digit == d)
+        pos = base_above + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
+        tl.store(out + row * s_o_r + pos, (cols - start).to(tl.int32), mask=is_above & (pos < topk))
+        pos = base_cand + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1
+        tl.store(cand + row * s_c_r + pos, (cols - start).to(tl.int32), mask=is_cand)
+        base_above += tl.sum(is_above.to(tl.int32), axis=0)
+        base_cand += tl.sum(is_cand.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _boundary_kernel(logits, starts, ends, counts, out, cand, W, topk, s_l_r, s_o_r, s_c_r,
+                     n_chunks,
+                     BLOCK: tl.constexpr, BINS: tl.constexpr, CHUNKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    start, end, n = _row_range(starts, ends, row, W)
+    j = tl.arange(0, CHUNKS)
+    row_counts = counts + row * n_chunks * 2
+    n_above = tl.sum(tl.load(row_counts + 2 * j, mask=j < n_chunks, other=0), axis=0)
+    n_cand = tl.sum(tl.load(row_counts + 2 * j + 1, mask=j < n_chunks, other=0), axis=0)
+    kept = tl.minimum(n, topk)
+    need = kept - n_above  # candidates to take; all of them share the first digit
+    src = logits + row * s_l_r + start
+    cand_row = cand + row * s_c_r
+    dst = out + row * s_o_r + n_above
+    if need > 0:
+        u0 = _order_keys(tl.load(src + tl.load(cand_row))) ^ -2147483648
+        found = u0 & -2097152  # the first digit, bits 31-21
+        bins = tl.arange(0, BINS)
+        for p in tl.static_range(2):
+            shift = 10 - 10 * p  # digits: bits 20-10, 9-0
+            h = tl.zeros((BINS,), tl.int32)
+            for c0 in range(0, n_cand, BLOCK):
+                i = c0 + tl.arange(0, BLOCK)
+                live = i < n_cand
+                col = tl.load(cand_row + i, mask=live, other=0)
+                u = _order_keys(tl.load(src + col, mask=live, other=0.0)) ^ -2147483648
+                if p > 0:  # only the candidates sharing the second digit
+                    live = live & ((u >> 10) == (found >> 10))
+                h += tl.histogram((u >> shift) & ((BINS - 1) >> p), BINS, mask=live)
+            above = tl.cumsum(h, axis=0, reverse=True)
             d = tl.sum((above >= need).to(tl.int32), axis=0) - 1
-            need -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
+            need -= tl.sum(tl.where(bins > d, h, 0), axis=0)
             found = found | (d << shift)
         threshold = found ^ -2147483648
-    else:
-        threshold = tl.full((), -2147483648, tl.int32)
-        need = tl.zeros((), tl.int64)
-
-    dst = out + row * s_o_r
-    written = tl.zeros((), tl.int64)
-    equal_seen = tl.zeros((), tl.int64)
-    for c in range(start, end, BLOCK):
-        cols = c + cols0
-        live = cols < end
-        key = _order_keys(tl.load(src + cols, mask=live, other=0.0))
-        equal = live & (key == threshold)
-        rank = equal_seen + tl.cumsum(equal.to(tl.int64), axis=0) - 1
-        take = live & ((key > threshold) | (equal & (rank < need)))
-        pos = written + tl.cumsum(take.to(tl.int64), axis=0) - 1
-        tl.store(dst + pos, (cols - start).to(tl.int32), mask=take & (pos < topk))
-        written += tl.sum(take.to(tl.int64), axis=0)
-        equal_seen += tl.sum(equal.to(tl.int64), axis=0)
-    for c in range(0, topk, BLOCK):
-        pos = c + cols0
-        tl.store(dst + pos, tl.full((BLOCK,), -1, tl.int32), mask=(pos >= written) & (pos < topk))
+        written = tl.zeros((), tl.int64)
+        equal_seen = tl.zeros((), tl.int64)
+        for c0 in range(0, n_cand, BLOCK):
+            i = c0 + tl.arange(0, BLOCK)
+            live = i < n_cand
+            col = tl.load(cand_row + i, mask=live, other=0)
+            key = _order_keys(tl.load(src + col, mask=live, other=0.0))
+            equal = live & (key == threshold)
+            rank = equal_seen + tl.cumsum(equal.to(tl.int64), axis=0) - 1
+            take = live & ((key > threshold) | (equal & (rank < need)))
+            pos = written + tl.cumsum(take.to(tl.int64), axis=0) - 1
+            tl.store(dst + pos, col, mask=take & (n_above + pos < topk))
+            written += tl.sum(take.to(tl.int64), axis=0)
+            equal_seen += tl.sum(equal.to(tl.int64), axis=0)
+    for c0 in range(0, topk, BLOCK):
+        pos = c0 + tl.arange(0, BLOCK)
+        tl.store(out + row * s_o_r + pos, tl.full((BLOCK,), -1, tl.int32),
+                 mask=(pos >= kept) & (pos < topk))
 
 
 def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
                   topk: int, *, validate: bool | None = None) -> torch.Tensor:
     """int32 ``[R, topk]``: per row the highest logits of columns ``[start, end)`` as indices
-    ``j - start`` in column order, ties to the lower index, then ``-1`` (the reference's set).
+    ``j - start``, ties to the lower index, then ``-1``: the reference's set, not sorted by
+    score (module doc).
 
     ``logits [R, W]`` float32 (other float dtypes are read as float32, exactly);
     ``validate``: check the ranges within ``[0, W]`` on the host (a sync); ``None``: only when
@@ -134,8 +234,22 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
         logits = logits.float()  # exact
     if W and logits.stride(1) != 1:
         logits = logits.contiguous()
-    _topk_kernel[(R,)](
-        logits, row_starts, row_ends, out, W, topk, logits.stride(0), out.stride(0),
-        BLOCK=BLOCK, BINS=BINS, num_warps=8,
-    )
+    chunks = max(1, min(MAX_CHUNKS, triton.cdiv(4 * num_sms(logits.device), R)))
+    chunk = BLOCK * max(1, triton.cdiv(triton.cdiv(W, chunks), BLOCK))
+    chunks = max(1, triton.cdiv(W, chunk))
+    hist = torch.zeros(R, BINS, dtype=torch.int32, device=logits.device)
+    counts = torch.empty(R, chunks, 2, dtype=torch.int32, device=logits.device)
+    cand = torch.empty(R, max(W, 1), dtype=torch.int32, device=logits.device)
+    grid = (R, chunks)
+    common = (logits, row_starts, row_ends)
+    _hist_kernel[grid](*common, hist, W, topk, logits.stride(0), chunk,
+                       BLOCK=BLOCK, BINS=BINS, num_warps=4)
+    _count_kernel[grid](*common, hist, counts, W, topk, logits.stride(0), chunk, chunks,
+                        BLOCK=BLOCK, BINS=BINS, num_warps=4)
+    _scatter_kernel[grid](*common, hist, counts, out, cand, W, topk, logits.stride(0),
+                          out.stride(0), cand.stride(0), chunk, chunks,
+                          BLOCK=BLOCK, BINS=BINS, CHUNKS=next_pow2(chunks), num_warps=4)
+    _boundary_kernel[(R,)](*common, counts, out, cand, W, topk, logits.stride(0),
+                           out.stride(0), cand.stride(0), chunks,
+                           BLOCK=BLOCK, BINS=BINS, CHUNKS=next_pow2(chunks), num_warps=4)
     return out
