@@ -57,6 +57,7 @@ from mla.fast.common import (
     num_sms,
     should_validate,
 )
+from mla.fast.decode_combine import combine_kernel, combine_rows, sink_factor
 from mla.fast.launch import CompiledLauncher
 from mla.fast.softmax import load_2d, softmax_pv
 from mla.reference.decode import check_paged_decode_shapes, check_paged_decode_values
@@ -80,6 +81,10 @@ class DecodePlan:
     # (it uses its own tiles: 64 × 64, 8 warps, two TMA stages; ``block_n``, ``num_warps``,
     # ``num_stages`` and ``use_tma`` then describe only the Triton fallback)
     sm90: bool = True
+    # with splits: the last program of each head group to finish merges the group's partials
+    # (``mla.fast.decode_combine.combine_rows``, one launch) instead of the combine kernel;
+    # Triton kernel only (benchmarks/NOTES.md has what it costs)
+    fused_combine: bool = False
 
 
 def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v: int,
@@ -186,18 +191,8 @@ def _attend(acc, l_i, m_i, bad, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, 
 
 
 @triton.jit
-def _sink_factor(lse, seen, SINK, h, row_ok):
-    """``exp(lse) / (exp(lse) + exp(sink))`` per row, as ``1 / (1 + exp(sink - lse))`` (no
-    overflow: a large ``sink - lse`` gives 0, a ``+inf`` sink 0, a ``-inf`` one 1); 1 for a
-    query with no key (its out stays 0), NaN for a NaN sink (conventions §14)."""
-    sink = tl.load(SINK + h, mask=row_ok, other=0.0)
-    factor = tl.where(seen, 1.0 / (1.0 + tl.exp(sink - tl.where(seen, lse, 0.0))), 1.0)
-    return tl.where(sink != sink, float("nan"), factor)
-
-
-@triton.jit
 def _decode_kernel(
-    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP, SINK,
+    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP, SINK, COUNTER,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvr, stride_btb,
     stride_ob, stride_ot, stride_oh,
@@ -207,7 +202,8 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr,
     PAGE_TILE: tl.constexpr, USE_TMA: tl.constexpr, CAUSAL: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, FUSED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Grid ``(head groups, splits, B)``: the head groups of one key run are neighbours.
 
@@ -292,55 +288,26 @@ def _decode_kernel(
         tl.store(LSEP + part, lse, mask=row_ok)
         tl.store(OP + part[:, None] * DV + offs_dv[None, :], o,
                  mask=(row_ok & seen)[:, None] & dv_mask[None, :])
+        if FUSED:
+            # count this group's finished splits; the last one merges them and puts the
+            # counter back to 0 (no clearing launch; a captured graph finds it at 0 too).
+            # The barrier orders every thread's stores before the release of the count.
+            tl.debug_barrier()
+            slot = COUNTER + b * tl.num_programs(0) + g
+            if tl.atomic_add(slot, 1, sem="acq_rel") == num_splits - 1:
+                tl.store(slot, 0)
+                combine_rows(OP, LSEP, O, LSE, SINK, b, rows, row_ok, num_splits,
+                             stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                             N, S_Q, DV, BLOCK_M, BLOCK_DV, HAS_SINK)
     else:
         if HAS_SINK:
-            o = o * _sink_factor(lse, seen, SINK, h, row_ok)[:, None]
+            o = o * sink_factor(lse, seen, SINK, h, row_ok)[:, None]
         o = tl.where(bad, float("nan"), o)
         lse = tl.where(bad, float("nan"), tl.where(seen, lse, float("inf")))
         o_ptr = O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
         tl.store(o_ptr[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty),
                  mask=row_ok[:, None] & dv_mask[None, :])
         tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t, lse, mask=row_ok)
-
-
-@triton.jit
-def _combine_kernel(
-    OP, LSEP, O, LSE, SINK, num_splits,
-    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-    N: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr,
-    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr,
-):
-    """Grid ``(s_q · N, B)``: merge one query row's partials by their lse (conventions §6)."""
-    ROWS: tl.constexpr = S_Q * N
-    r = tl.program_id(0)
-    b = tl.program_id(1)
-    t = r // N
-    h = r % N
-    first = b.to(tl.int64) * num_splits
-    offs_s = tl.arange(0, BLOCK_S)
-    lses = tl.load(LSEP + (first + offs_s) * ROWS + r, mask=offs_s < num_splits,
-                   other=float("-inf"))
-    m = tl.max(lses, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w_sum = tl.sum(tl.exp(lses - m_use), 0)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_mask = offs_dv < DV
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s in range(num_splits):
-        lse_s = tl.load(LSEP + (first + s) * ROWS + r)
-        if lse_s > float("-inf"):  # an empty split wrote no o
-            o_s = tl.load(OP + ((first + s) * ROWS + r) * DV + offs_dv, mask=dv_mask,
-                          other=0.0)
-            acc += tl.exp(lse_s - m_use) * o_s
-    seen = w_sum != 0.0  # a NaN partial lse makes w_sum NaN: NaN out, not "no key"
-    o = acc / tl.where(seen, w_sum, 1.0)
-    lse = m_use + tl.log(tl.where(seen, w_sum, 1.0))
-    if HAS_SINK:
-        o = o * _sink_factor(lse, seen, SINK, h, True)
-    tl.store(O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + offs_dv,
-             o.to(O.dtype.element_ty), mask=dv_mask)
-    tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t,
-             tl.where(seen, lse, float("inf")))
 
 
 def _tma_ok(kv_cache: torch.Tensor, DV: int, DR: int) -> bool:
@@ -390,7 +357,8 @@ class _Launch:
     constexprs: tuple[object, ...] = ()
     allocator: bool = False  # in-kernel tensor descriptors: the scratch allocator is needed
     options: dict[str, int] = dataclasses.field(default_factory=dict)
-    combine_grid: tuple[int, int, int] | None = None
+    combine_grid: tuple[int, int, int] | None = None  # None: no combine launch
+    counters: int = 0  # split counters of a fused combine (one per request and head group)
     combine_ints: tuple[int, ...] = ()
     combine_constexprs: tuple[object, ...] = ()
 
@@ -399,8 +367,28 @@ _INF = float("inf")
 _launches: dict[object, _Launch] = {}
 _MAX_LAUNCHES = 4096  # distinct shapes kept (a serving engine sees a few hundred)
 _triton_decode = CompiledLauncher(_decode_kernel)
-_triton_combine = CompiledLauncher(_combine_kernel)
+_triton_combine = CompiledLauncher(combine_kernel)
 _sm90_decode: CompiledLauncher | None = None  # built at the first sm_90 call (imports Gluon)
+
+
+_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
+_retired: list[torch.Tensor] = []  # replaced counter buffers: a captured graph may use them
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` int32 zeros for a fused combine's split counts, one buffer per device and
+    stream (two streams' calls may run at once; the kernel leaves its counters at 0). A
+    buffer that grows is kept alive, not freed: graphs captured with it still point at it.
+    Graphs captured on one stream and replayed concurrently would share it: replay those in
+    order, or use the combine kernel (the default)."""
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    buf = _counters.get((device, stream))
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _retired.append(buf)
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _counters[(device, stream)] = buf
+    return buf
 
 
 def _key(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -474,10 +462,15 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        options={"num_warps": 8}, **common)
     page_tile = block_size % plan.block_n == 0
     use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
+    fused = split and plan.fused_combine
+    if fused:
+        common["combine_grid"] = None
     constexprs = (N, s_q, DV, DR, block_size, plan.block_m, plan.block_n, block_dv,
                   max(16, next_pow2(DR)) if DR else 16, DR > 0, page_tile, use_tma,
-                  bool(causal), split, has_sink, "ieee" if q.dtype == torch.float32 else "tf32")
+                  bool(causal), split, has_sink, fused,
+                  "ieee" if q.dtype == torch.float32 else "tf32")
     return _Launch(constexprs=constexprs, allocator=use_tma,
+                   counters=B * common["grid"][0] if fused else 0,
                    options={"num_warps": plan.num_warps, "num_stages": plan.num_stages},
                    **common)
 
@@ -543,8 +536,8 @@ def mla_decode_paged(
         sink = lse  # an unused pointer
     else:
         sink = attn_sink if attn_sink.stride(0) == 1 else attn_sink.contiguous()
-    args = (q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part, sink,
-            *launch.ints, softmax_scale * LOG2E, *launch.tail, *launch.constexprs)
+    ptrs = (q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part, sink)
+    rest = (*launch.ints, softmax_scale * LOG2E, *launch.tail, *launch.constexprs)
     if launch.sm90:
         global _sm90_decode
         if _sm90_decode is None:
@@ -552,7 +545,8 @@ def mla_decode_paged(
 
             _sm90_decode = CompiledLauncher(decode_kernel)
         ensure_allocator()  # the Gluon kernel's tensor descriptors
-        if not sm90.launch_compiled(_sm90_decode, key, launch.grid, args, **launch.options):
+        if not sm90.launch_compiled(_sm90_decode, key, launch.grid, ptrs + rest,
+                                    **launch.options):
             # the Gluon kernel cannot be built here: every later call takes the Triton route
             _launches.pop(key, None)
             return mla_decode_paged(q, kv_cache, block_table, cache_seqlens, softmax_scale,
@@ -561,7 +555,8 @@ def mla_decode_paged(
     else:
         if launch.allocator:
             ensure_allocator()
-        _triton_decode(key, launch.grid, args, **launch.options)
+        counter = _split_counters(device, launch.counters) if launch.counters else lse
+        _triton_decode(key, launch.grid, (*ptrs, counter, *rest), **launch.options)
     if launch.combine_grid is not None:
         _triton_combine(key, launch.combine_grid,
                         (o_part, lse_part, out, lse, sink, launch.tail[0],

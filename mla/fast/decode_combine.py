@@ -1,0 +1,114 @@
+"""The end of a split decode: merging each query row's partial ``(o, lse)`` by their lse
+(conventions §6), and the attention sink's factor, which is applied once, to the merged row.
+
+- ``combine_kernel``: its own launch, grid ``(s_q · N, B)``, one program per query row;
+- ``combine_rows``: the same merge for the ``BLOCK_M`` rows of one head group, called by the
+  decode kernel's program that finishes a group's splits last (``DecodePlan.fused_combine``:
+  one launch instead of two; ``mla.fast.decode`` counts the finished splits per group in a
+  counter buffer that the last program resets to zero, so it needs no clearing launch and
+  stays valid in a CUDA graph);
+- ``sink_factor``: ``exp(lse) / (exp(lse) + exp(sink))`` per row.
+
+Partials: ``o [B, splits, rows, DV]`` float32 and ``lse [B, splits, rows]``, ``-inf`` for a
+split that saw no key (its ``o`` unwritten), NaN for bad input (the merged row comes out NaN).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["combine_kernel", "combine_rows", "sink_factor"]
+
+
+@triton.jit
+def sink_factor(lse, seen, SINK, h, row_ok):
+    """``exp(lse) / (exp(lse) + exp(sink))`` per row, as ``1 / (1 + exp(sink - lse))`` (no
+    overflow: a large ``sink - lse`` gives 0, a ``+inf`` sink 0, a ``-inf`` one 1); 1 for a
+    query with no key (its out stays 0), NaN for a NaN sink (conventions §14)."""
+    sink = tl.load(SINK + h, mask=row_ok, other=0.0)
+    factor = tl.where(seen, 1.0 / (1.0 + tl.exp(sink - tl.where(seen, lse, 0.0))), 1.0)
+    return tl.where(sink != sink, float("nan"), factor)
+
+
+@triton.jit
+def combine_kernel(
+    OP, LSEP, O, LSE, SINK, num_splits,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+    N: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    """Grid ``(s_q · N, B)``: merge one query row's partials by their lse (conventions §6)."""
+    ROWS: tl.constexpr = S_Q * N
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    t = r // N
+    h = r % N
+    first = b.to(tl.int64) * num_splits
+    offs_s = tl.arange(0, BLOCK_S)
+    lses = tl.load(LSEP + (first + offs_s) * ROWS + r, mask=offs_s < num_splits,
+                   other=float("-inf"))
+    m = tl.max(lses, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.sum(tl.exp(lses - m_use), 0)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(LSEP + (first + s) * ROWS + r)
+        if lse_s > float("-inf"):  # an empty split wrote no o
+            o_s = tl.load(OP + ((first + s) * ROWS + r) * DV + offs_dv, mask=dv_mask,
+                          other=0.0)
+            acc += tl.exp(lse_s - m_use) * o_s
+    seen = w_sum != 0.0  # a NaN partial lse makes w_sum NaN: NaN out, not "no key"
+    o = acc / tl.where(seen, w_sum, 1.0)
+    lse = m_use + tl.log(tl.where(seen, w_sum, 1.0))
+    if HAS_SINK:
+        o = o * sink_factor(lse, seen, SINK, h, True)
+    tl.store(O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh + offs_dv,
+             o.to(O.dtype.element_ty), mask=dv_mask)
+    tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t,
+             tl.where(seen, lse, float("inf")))
+
+
+@triton.jit
+def combine_rows(OP, LSEP, O, LSE, SINK, b, rows, row_ok, num_splits,
+                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                 N: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr):
+    """``combine_kernel`` for the rows ``rows`` of request ``b`` in one program: a pass over
+    the splits' lse for the maximum, a second that sums the weights and the weighted ``o``.
+    The partials were written by other programs: loaded past L1 (``.cg``)."""
+    ROWS: tl.constexpr = S_Q * N
+    first = b.to(tl.int64) * num_splits
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < DV
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(LSEP + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf"),
+                        cache_modifier=".cg")
+        m = tl.maximum(m, lse_s)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for s in range(num_splits):
+        part = (first + s) * ROWS + rows
+        lse_s = tl.load(LSEP + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp(lse_s - m_use)  # 0 for an empty split, NaN for a NaN one
+        w_sum += w
+        o_s = tl.load(OP + part[:, None] * DV + offs_dv[None, :],
+                      mask=(row_ok & (lse_s > float("-inf")))[:, None] & dv_mask[None, :],
+                      other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * o_s
+    seen = w_sum != 0.0
+    o = acc / tl.where(seen, w_sum, 1.0)[:, None]
+    lse = m_use + tl.log(tl.where(seen, w_sum, 1.0))
+    t = rows // N
+    h = rows % N
+    if HAS_SINK:
+        o = o * sink_factor(lse, seen, SINK, h, row_ok)[:, None]
+    o_ptr = O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
+    tl.store(o_ptr[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & dv_mask[None, :])
+    tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t,
+             tl.where(seen, lse, float("inf")), mask=row_ok)
