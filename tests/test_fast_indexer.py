@@ -39,14 +39,15 @@ def _keys(g: torch.Generator, n: int, dtype: torch.dtype = torch.bfloat16,
 
 def _both_writes(k: torch.Tensor, slots: torch.Tensor, blocks: int, page: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fast, reference) caches after writing ``k`` at ``slots`` into the same poisoned cache
-    (the reference's run on the CPU)."""
-    cache = poison_like(torch.empty(blocks, page, 132, dtype=torch.uint8))
+    """(fast, reference) caches after writing ``k`` at ``slots`` into the same poisoned cache,
+    both on the test's device: the sign of the NaN that ``inf / inf`` gives is the platform's
+    (negative on x86, positive on CUDA), in the reference as in the kernel."""
+    cache = poison_like(torch.empty(blocks, page, 132, dtype=torch.uint8, device=DEVICE))
     want = cache.clone()
-    ref.indexer_k_quant_and_cache(k, want, slots)
-    got = cache.to(DEVICE)
+    ref.indexer_k_quant_and_cache(k.to(DEVICE), want, slots.to(DEVICE))
+    got = cache.clone()
     indexer_k_quant_and_cache(k.to(DEVICE), got, slots.to(DEVICE))
-    return got.cpu(), want
+    return got.cpu(), want.cpu()
 
 
 def _assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
