@@ -2,8 +2,9 @@
 sparse kernels, beside the catalogue's: GPU shapes, each route forced.
 
 - MODEL1 decode at DeepSeek-V4-like shapes (64 and 128 heads, top-k 512 and 2048, pages of
-  64) with ragged lengths, per-head sinks (``+inf``, ``-inf``, finite) and a second scope of
-  its own page size; one request (splits, the sink applied after the combine).
+  64) with ragged lengths, per-head sinks (``+inf``, ``-inf``, finite), on the Gluon sm_90
+  kernel (unsplit and split) and the Triton one forced, and with a second scope of its own
+  page size (Triton); one request (splits, the sink applied after the combine).
 - Rows of 512 on a bf16 cache (decode with a second scope, prefill), with sinks.
 - The sink on DeepSeek-V3.2's shapes through each route: the Gluon sm_90 kernel unsplit (its
   epilogue) and split (the Triton combine), and the Triton kernel forced (``sm90=False``).
@@ -151,6 +152,10 @@ def v4_decode_cases(ctx: Ctx) -> Iterator[Case]:
             specs += [
                 ("fp8_ds_mla B=3 N=64 topk=130 sinks (sm_90 epilogue)",
                  V4Decode("fp8", 3, 64, 130)),
+                ("MODEL1 B=3 N=64 topk=130 lens, sinks (sm_90)",
+                 V4Decode("model1", 3, 64, 130, (130, 1, 64))),
+                ("MODEL1 B=4 N=64 topk=130 bad length and slot (sm_90), validate=False",
+                 V4Decode("model1", 4, 64, 130, bad=True)),
                 ("fp8_ds_mla B=4 N=64 topk=130 bad length and slot (sm_90), validate=False",
                  V4Decode("fp8", 4, 64, 130, bad=True)),
             ]
@@ -159,7 +164,15 @@ def v4_decode_cases(ctx: Ctx) -> Iterator[Case]:
             ("MODEL1 B=8 N=64 topk=512 lens, second scope 128, sinks",
              V4Decode("model1", 8, 64, 512, (512, 1, 0, 300, 512, 65, 64, 511), 128,
                       (128, 0, 7, 128, 64, 1, 0, 100))),
-            ("MODEL1 B=8 N=128 topk=2048, sinks", V4Decode("model1", 8, 128, 2048)),
+            ("MODEL1 B=8 N=128 topk=2048, sinks (sm_90)", V4Decode("model1", 8, 128, 2048)),
+            ("MODEL1 B=8 N=64 topk=512 lens, sinks (sm_90)",
+             V4Decode("model1", 8, 64, 512, (512, 1, 0, 300, 512, 65, 64, 511))),
+            ("MODEL1 B=2 N=128 topk=2048 lens, sinks, forced 4 splits (sm_90 + combine)",
+             V4Decode("model1", 2, 128, 2048, (2048, 100), plan=gluon_split)),
+            ("MODEL1 B=8 N=128 topk=2048 sinks, forced Triton",
+             V4Decode("model1", 8, 128, 2048, plan=triton_64)),
+            ("MODEL1 B=4 N=128 topk=2048 bad length and slot (sm_90), validate=False",
+             V4Decode("model1", 4, 128, 2048, bad=True)),
             ("MODEL1 B=8 N=128 topk=2048 no sink, second scope 512",
              V4Decode("model1", 8, 128, 2048, extra_topk=512, sink=False)),
             ("MODEL1 B=1 N=128 topk=2048 (splits), second scope 64, sinks",

@@ -46,8 +46,8 @@ How (docs/kernels.md, "Sparse"):
   ``(o, lse, max)`` go to float32 scratch and a second kernel merges them by lse (conventions §6).
   ``num_splits`` comes from shapes only, so a call never synchronizes (CUDA graphs).
 - The Gluon sm_90 kernel (``mla.fast.sm90.sparse``) takes the 64-head programs of one scope
-  of DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``), sinks included; MODEL1, rows of 512
-  and the second scope run in the Triton kernel here.
+  of DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``) or of MODEL1 pages (bf16 q), sinks
+  included; a second scope and rows of 512 in q's dtype run in the Triton kernel here.
 
 ``convert_req_index_to_global_index``: the indexer's request-local top-k positions to the cache
 slots these kernels read, as ``mla.reference.sparse``'s (conventions §10; vLLM 0.14's
@@ -241,10 +241,11 @@ def _launch(q: torch.Tensor, scopes: list[_Scope], fmt: int, attn_sink: torch.Te
             sm90_kernel, (Q * groups, plan.num_splits),
             q, first.kv, first.idx, first.args()[4], sink,
             out, lse, maxl, o_part, lse_part, max_part,
-            q.stride(0), q.stride(1), first.idx.stride(0), first.kv.stride(0),
+            q.stride(0), q.stride(1), first.idx.stride(0),
+            first.page_stride if fmt == MODEL1 else first.kv.stride(0), first.page_size,
             out.stride(0), out.stride(1), *lse_strides, *m_strides,
             first.n_rows, topk, sm_scale * LOG2E, plan.num_splits,
-            N=N, S=S, GROUPS=groups, FP8=fmt == DS_MLA,
+            N=N, S=S, GROUPS=groups, FP8=fmt == DS_MLA, MODEL1=fmt == MODEL1,
             HAS_TOPK_LEN=first.topk_length is not None, HAS_SINK=attn_sink is not None,
             CHECK_RANGE=check_range, HAS_MAXL=has_maxl, SPLIT=split,
             SCALE_OFFSET=D_NOPE if fmt == DS_MLA else 0, ROPE_OFFSET=ROPE_OFFSET, num_warps=8,
@@ -278,14 +279,12 @@ def _sm90_route(plan: SparsePlan, q: torch.Tensor, kv: torch.Tensor, dv: int,
                 fmt: int) -> bool:
     """Whether this call goes to the Gluon sm_90 kernel (``mla.fast.sm90.sparse``): a plan
     that allows it, on a Hopper GPU whose Triton can build the Gluon kernels, one scope of
-    DeepSeek-V3.2's rows (a bf16/fp16 or ``fp8_ds_mla`` cache; MODEL1 runs in Triton)."""
-    if not plan.sm90 or q.device.type != "cuda" or interpreting() or fmt == MODEL1:
-        return False
-    if not sm90.usable():
+    DeepSeek-V3.2's rows (a bf16/fp16 or ``fp8_ds_mla`` cache) or of MODEL1 pages."""
+    if not plan.sm90 or q.device.type != "cuda" or interpreting() or not sm90.usable():
         return False
     from mla.fast.sm90.sparse import supported
 
-    return supported(q, kv, dv, fmt == DS_MLA, plan.block_m)
+    return supported(q, kv, dv, fmt == DS_MLA, plan.block_m, model1=fmt == MODEL1)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
