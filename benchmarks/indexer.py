@@ -16,6 +16,8 @@ measured in the same run (``python -m benchmarks.indexer --out DIR``).
   the values (no tie rule; for orientation).
 - Errors: the logits against the float64 reference on a slice of each shape, and over 20
   seeds on small shapes, beside the budget (``mla.fast.indexer_logits.logits_budget``).
+- ``--sweep``: a few ``LogitsPlan`` tilings of both logits kernels on two decode shapes and
+  one prefill shape, each checked against the default plan's logits within the budget.
 
 Time: ``triton.testing.do_bench`` medians (L2 flushed before each call).
 """
@@ -23,6 +25,7 @@ Time: ``triton.testing.do_bench`` medians (L2 flushed before each call).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -37,7 +40,7 @@ from mla.compare import rel_err
 from mla.conformance.cases.indexer import as_sets, logits_limit
 from mla.environment import environment
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits, top_k_per_row
-from mla.fast.indexer_logits import logits_budget
+from mla.fast.indexer_logits import LogitsPlan, logits_budget
 
 H, D, PAGE, TOPK = 64, 128, 64, 2048
 GiB = 1 << 30
@@ -148,6 +151,42 @@ def bench_prefill(fp8_tflops: float) -> list[dict]:
         rows.append(row)
         log(f"prefill {name}: {ms:.3f} ms, {tf:.0f} TFLOP/s ({row['pct_fp8']:.0f}% of fp8), "
             f"err {row['rel_err']:.1e}")
+        torch.cuda.empty_cache()
+    return rows
+
+
+SWEEP_PLANS = [LogitsPlan(), LogitsPlan(block_n=128), LogitsPlan(block_n=128, num_warps=8),
+               LogitsPlan(num_warps=8), LogitsPlan(queries=2), LogitsPlan(block_n=128, queries=2)]
+
+
+def sweep_plans(fp8_tflops: float) -> list[dict]:
+    rows = []
+    cases = [("decode B=32 next_n=1 L=32K", paged_inputs(32, 1, 32768), 32 * 1 * 32768),
+             ("decode B=128 next_n=2 L=32K", paged_inputs(128, 2, 32768), 128 * 2 * 32768),
+             ("prefill 4096 queries of 32K", ragged_inputs([32768], 4096), None)]
+    for name, args, pairs in cases:
+        if pairs is None:
+            pairs = int((args[4] - args[3]).long().sum())
+            run = functools.partial(fp8_mqa_logits, *args)
+        else:
+            run = functools.partial(fp8_paged_mqa_logits, *args, 32768)
+        base = run()
+        for plan in SWEEP_PLANS:
+            if not name.startswith("prefill") and plan.queries != 4:
+                continue  # queries a program is the prefill kernel's
+            row = {"shape": name, "plan": dataclasses.asdict(plan)}
+            try:
+                out = run(plan=plan)
+                row["rel_to_default"] = rel_err(out, base)
+                row["ms"] = _bench(functools.partial(run, plan=plan))
+                row["TFLOPs"] = 2 * pairs * H * D / (row["ms"] * 1e-3) / 1e12
+                row["pct_fp8"] = 100 * row["TFLOPs"] / fp8_tflops
+                log(f"sweep {name} {plan}: {row['ms']:.3f} ms, {row['TFLOPs']:.0f} TFLOP/s, "
+                    f"vs default {row['rel_to_default']:.1e}")
+            except Exception as e:  # a plan that does not compile or fit is a result too
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                log(f"sweep {name} {plan}: {row['error']}")
+            rows.append(row)
         torch.cuda.empty_cache()
     return rows
 
@@ -280,6 +319,16 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['R']} | {r['L']} | {r['triton_ms']:.3f} | {r['triton_GBps']:.0f} "
                      f"| {r['pct_copy']:.0f} | {r['packed_torch_topk_ms']:.3f} | "
                      f"{r['torch_topk_values_ms']:.3f} | {r['same_set']} |")
+    if res["sweep"]:
+        lines += ["", "## Logits plans (--sweep)", "",
+                  "| shape | block_n | queries | warps | ms | TFLOP/s | % fp8 | vs default |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in res["sweep"]:
+            p = r["plan"]
+            cells = (f"{r['ms']:.3f} | {r['TFLOPs']:.0f} | {r['pct_fp8']:.0f} | "
+                     f"{r['rel_to_default']:.1e}" if "ms" in r else f"{r['error']} | | |")
+            lines.append(f"| {r['shape']} | {p['block_n']} | {p['queries']} | "
+                         f"{p['num_warps']} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -288,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--only", nargs="*", choices=("errors", "decode", "prefill", "topk"))
+    p.add_argument("--sweep", action="store_true", help="time LogitsPlan alternatives")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.indexer needs a CUDA GPU")
@@ -302,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
            "decode": bench_decode(ceil["fp8_matmul_TFLOPs"], ceil["copy_TBps"])
            if "decode" in want else [],
            "prefill": bench_prefill(ceil["fp8_matmul_TFLOPs"]) if "prefill" in want else [],
-           "topk": bench_topk(ceil["copy_TBps"]) if "topk" in want else []}
+           "topk": bench_topk(ceil["copy_TBps"]) if "topk" in want else [],
+           "sweep": sweep_plans(ceil["fp8_matmul_TFLOPs"]) if args.sweep else []}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"indexer_{env['date'][:10]}")
     with open(stem + ".json", "w") as f:

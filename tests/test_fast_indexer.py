@@ -17,7 +17,7 @@ import mla.reference as ref
 from mla.compare import poison_like, rel_err
 from mla.conformance.cases.indexer import as_sets
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_k_quant_and_cache
-from mla.fast.indexer_logits import logits_budget
+from mla.fast.indexer_logits import LogitsPlan, logits_budget
 from mla.fast.topk import top_k_per_row
 from mla.reference.paged_cache import make_block_table
 
@@ -251,6 +251,20 @@ def test_paged_logits(lens: list[int], next_n: int, page: int, heads: int, minus
     want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], width)
     got = fp8_paged_mqa_logits(*_on(DEVICE, args), width)
     _check_logits(got, want, heads)
+
+
+@pytest.mark.parametrize("plan", [LogitsPlan(block_n=128, queries=2), LogitsPlan(block_n=16,
+                                                                             queries=1)])
+def test_logits_other_plans(plan: LogitsPlan):
+    """Tiles of 128 and of 16 keys, one or two prefill queries a program: the same logits."""
+    args = _paged(_gen(31), [150, 17], 2, 16)
+    want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], 160)
+    _check_logits(fp8_paged_mqa_logits(*_on(DEVICE, args), 160, plan=plan), want, 64)
+    args = _ragged(_gen(32), [140, 30], 5)
+    want = ref.fp8_mqa_logits(*args[:2], args[2].double(), *args[3:])
+    _check_logits(fp8_mqa_logits(*_on(DEVICE, args), plan=plan), want, 64)
+    with pytest.raises(ValueError, match="LogitsPlan.block_n"):
+        LogitsPlan(block_n=48)
 
 
 def test_paged_logits_deepgemm_cache_view_and_uint8_q():

@@ -11,7 +11,7 @@ heads stacked into one operand ``[128, Q·HP]`` (``HP``: the heads padded to a p
 with zero rows and zero weights). One e4m3 x e4m3 -> float32 ``tl.dot`` gives every (key, query,
 head) dot at once, keys as the MMA's M so that the sum over heads runs along its N, within a
 thread and a few lanes (the transposed product would sum across warps). ReLU, the weights, the
-sum over heads and the key's scale follow in float32 registers.
+sum over heads and the key's scale follow in float32 registers. ``LogitsPlan`` sets the sizes.
 
 **Accumulation.** On sm_90 the dot is one wgmma chain over ``d = 128`` in the FP8 tensor
 cores' own accumulator (Triton's default for fp8: no promotion to float32 within ``d``), which
@@ -24,6 +24,8 @@ sees are written ``-inf`` without reading the cache.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -32,11 +34,26 @@ from mla.fast.common import interpreting, next_pow2, num_sms, should_validate
 from mla.reference.indexer_cache import INDEX_DIM, INDEX_K_BYTES
 from mla.validation import check_float, check_index, check_same_device, check_tensor
 
-__all__ = ["fp8_mqa_logits", "fp8_paged_mqa_logits", "logits_budget"]
+__all__ = ["LogitsPlan", "fp8_mqa_logits", "fp8_paged_mqa_logits", "logits_budget"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
-BLOCK_N = 64
 U32 = 2.0 ** -24
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitsPlan:
+    """How the logits kernels tile: ``block_n`` keys a tile (the MMA's M), ``queries`` rows a
+    program at prefill (their heads stacked on N: ``queries · 64 <= 256`` for one wgmma),
+    ``num_warps``. ``benchmarks/indexer.py --sweep`` times the alternatives."""
+    block_n: int = 64
+    queries: int = 4
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name, low in (("block_n", 16), ("queries", 1), ("num_warps", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low or v & (v - 1):
+                raise ValueError(f"LogitsPlan.{name} must be a power of two >= {low}, got {v!r}")
 
 
 # The FP8 tensor cores' accumulator keeps 13 mantissa bits and truncates toward zero: modelled
@@ -182,10 +199,11 @@ def _check_q(q: torch.Tensor, ndim: int) -> torch.Tensor:
     return q.view(torch.float8_e4m3fn)
 
 
-def _plan(keys: int, programs_other: int, device: torch.device) -> tuple[int, int]:
+def _split(keys: int, programs_other: int, block_n: int, device: torch.device
+           ) -> tuple[int, int]:
     """(tiles per program, programs along the keys): enough programs to fill the GPU twice,
     each at most 16 tiles."""
-    tiles = max(1, triton.cdiv(keys, BLOCK_N))
+    tiles = max(1, triton.cdiv(keys, block_n))
     want = max(1, triton.cdiv(2 * num_sms(device), max(1, programs_other)))
     per = max(1, min(16, triton.cdiv(tiles, want)))
     return per, max(1, triton.cdiv(tiles, per))
@@ -200,8 +218,8 @@ def _check_weights(weights: torch.Tensor, rows: int, heads: int) -> torch.Tensor
 
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                          context_lens: torch.Tensor, block_tables: torch.Tensor,
-                         max_model_len: int, *, validate: bool | None = None
-                         ) -> torch.Tensor:
+                         max_model_len: int, *, validate: bool | None = None,
+                         plan: LogitsPlan | None = None) -> torch.Tensor:
     """Paged decode logits float32 ``[B · next_n, max_model_len]``, as the reference.
 
     ``q [B, next_n, H, 128]`` e4m3; ``kv_cache uint8 [num_blocks, block_size, 132]`` (or
@@ -209,7 +227,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     ``block_tables [B, max_blocks]``. ``validate``: check the lengths against
     ``max_model_len`` and the block tables within each length on the host (a sync); ``None``:
     only when no CUDA graph is being captured. Unvalidated, a key on a page outside the cache
-    gives NaN, and nothing is written past a row.
+    gives NaN, and nothing is written past a row. ``plan``: the tiling (``LogitsPlan()``).
     """
     q = _check_q(q, 4)
     B, next_n, H, _ = q.shape
@@ -238,15 +256,16 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         return out
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    tiles, splits = _plan(max_model_len, B, q.device)
+    plan = plan or LogitsPlan()
+    tiles, splits = _split(max_model_len, B, plan.block_n, q.device)
     u8 = kv_cache.reshape(-1).view(torch.uint8)
     _paged_kernel[(B, splits)](
         q, weights, u8.view(torch.float8_e4m3fn), u8.view(torch.float32), context_lens,
         block_tables, out, H, next_n, nb, bs, block_tables.shape[1], max_model_len,
-        tiles * BLOCK_N, q.stride(0), q.stride(1), q.stride(2), weights.stride(0),
+        tiles * plan.block_n, q.stride(0), q.stride(1), q.stride(2), weights.stride(0),
         block_tables.stride(0),
-        NP=next_pow2(next_n), HP=max(16, next_pow2(H)), D=INDEX_DIM, BLOCK_N=BLOCK_N,
-        TILES=tiles, NAN_CODES=interpreting(), num_warps=4,
+        NP=next_pow2(next_n), HP=max(16, next_pow2(H)), D=INDEX_DIM, BLOCK_N=plan.block_n,
+        TILES=tiles, NAN_CODES=interpreting(), num_warps=plan.num_warps,
     )
     return out
 
@@ -282,12 +301,13 @@ def _check_paged_values(context_lens: torch.Tensor, block_tables: torch.Tensor, 
 
 def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                    weights: torch.Tensor, cu_seqlen_ks: torch.Tensor,
-                   cu_seqlen_ke: torch.Tensor, *, validate: bool | None = None
-                   ) -> torch.Tensor:
+                   cu_seqlen_ke: torch.Tensor, *, validate: bool | None = None,
+                   plan: LogitsPlan | None = None) -> torch.Tensor:
     """Ragged prefill logits float32 ``[S, N]``, as the reference: ``q [S, H, 128]`` e4m3,
     ``kv = (k_codes [N, 128] e4m3, k_scale [N] float32)``, ``weights [S, H]``; query ``t``
     sees ``[ks[t], ke[t])``. ``validate``: check ``ks``/``ke`` within ``[0, N]`` on the host;
-    unvalidated, keys outside are never read (the range is clipped)."""
+    unvalidated, keys outside are never read (the range is clipped). ``plan``: the tiling
+    (``LogitsPlan()``; fewer queries a program when the heads pass 64)."""
     q = _check_q(q, 3)
     S, H, _ = q.shape
     if not isinstance(kv, tuple) or len(kv) != 2:
@@ -314,15 +334,17 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
     if out.numel() == 0:
         return out
     scale = scale.float().contiguous()
-    block_q = 2 if H > 64 else 4
+    plan = plan or LogitsPlan()
+    hp = max(16, next_pow2(H))
+    block_q = max(1, min(plan.queries, 256 // hp))
     rows = triton.cdiv(S, block_q)
-    tiles, splits = _plan(N, rows, q.device)
+    tiles, splits = _split(N, rows, plan.block_n, q.device)
     ks = cu_seqlen_ks.clamp(0, N)
     ke = cu_seqlen_ke.clamp(0, N)
     _ragged_kernel[(rows, splits)](
         q, weights, codes.view(torch.float8_e4m3fn), scale, ks, ke, out, S, H, N,
-        tiles * BLOCK_N, q.stride(0), q.stride(1), weights.stride(0), codes.stride(0),
-        BLOCK_Q=block_q, HP=max(16, next_pow2(H)), D=INDEX_DIM, BLOCK_N=BLOCK_N,
-        TILES=tiles, NAN_CODES=interpreting(), num_warps=4,
+        tiles * plan.block_n, q.stride(0), q.stride(1), weights.stride(0), codes.stride(0),
+        BLOCK_Q=block_q, HP=hp, D=INDEX_DIM, BLOCK_N=plan.block_n,
+        TILES=tiles, NAN_CODES=interpreting(), num_warps=plan.num_warps,
     )
     return out
