@@ -41,6 +41,7 @@ epilogue of the kernel that writes out (the decode kernel, or the combine after 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import torch
 import triton
@@ -368,7 +369,9 @@ _launches: dict[object, _Launch] = {}
 _MAX_LAUNCHES = 4096  # distinct shapes kept (a serving engine sees a few hundred)
 _triton_decode = CompiledLauncher(_decode_kernel)
 _triton_combine = CompiledLauncher(combine_kernel)
-_sm90_decode: CompiledLauncher | None = None  # built at the first sm_90 call (imports Gluon)
+# built at the first sm_90 call (importing Gluon), again if the module's kernel is replaced
+_sm90_module: types.ModuleType | None = None
+_sm90_decode: CompiledLauncher | None = None
 
 
 _counters: dict[tuple[torch.device, int], torch.Tensor] = {}
@@ -539,11 +542,11 @@ def mla_decode_paged(
     ptrs = (q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part, sink)
     rest = (*launch.ints, softmax_scale * LOG2E, *launch.tail, *launch.constexprs)
     if launch.sm90:
-        global _sm90_decode
-        if _sm90_decode is None:
-            from mla.fast.sm90.decode import decode_kernel
-
-            _sm90_decode = CompiledLauncher(decode_kernel)
+        global _sm90_decode, _sm90_module
+        if _sm90_module is None:
+            from mla.fast.sm90 import decode as _sm90_module
+        if _sm90_decode is None or _sm90_decode.fn is not _sm90_module.decode_kernel:
+            _sm90_decode = CompiledLauncher(_sm90_module.decode_kernel)
         ensure_allocator()  # the Gluon kernel's tensor descriptors
         if not sm90.launch_compiled(_sm90_decode, key, launch.grid, ptrs + rest,
                                     **launch.options):
