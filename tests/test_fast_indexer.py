@@ -5,10 +5,17 @@ Under ``TRITON_INTERPRET=1`` on the CPU (conftest sets it without a GPU) with sm
 same tests run compiled on a GPU. The cache write is held to the reference byte for byte on a
 cache poisoned with ``0xFF`` (NaN as e4m3 and as float32 scale); the logits to the float64
 reference within the budget of the device's accumulation (``logits_budget``); the top-k sets
-exactly.
+exactly. What the kernels compile to for sm_90 is checked on any machine
+(``benchmarks/indexer_compile.py``).
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +30,7 @@ from mla.reference.paged_cache import make_block_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D = 128
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -427,3 +435,23 @@ def test_topk_empty_and_bad_input():
     # unvalidated, a range past the row is clipped to it
     got = top_k_per_row(logits.nan_to_num(-1.0), st, en + 5, 20, validate=False).cpu()
     assert sorted(got[0][got[0] >= 0].tolist()) == list(range(10))
+
+
+# ---- what the kernels compile to on sm_90 -----------------------------------------------------
+
+def test_kernels_compile_for_sm90():
+    """Every kernel compiles for the H200 (in a child process without the interpreter, which
+    cannot compile for a GPU): no spills, shared memory within a program's limit, and the
+    logits' dots on the FP8 tensor cores (e4m3 ``wgmma``)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.indexer_compile", "--json"],
+                          cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    assert len(found) == 8
+    for name, f in found.items():
+        assert f["stack"] == 0 and f["local"] == 0 and not f["ptx_local"], f"{name} spills"
+        assert f["shared"] <= 232448, f"{name}: {f['shared']} B of shared memory"
+        e4m3 = [s for s in f["wgmma"] if s.endswith(".e4m3.e4m3")]
+        assert bool(e4m3) == name.startswith(("paged", "ragged")), f"{name}: {f['wgmma']}"

@@ -1,0 +1,117 @@
+"""``python -m benchmarks.indexer_compile``: compile the indexer's Triton kernels for sm_90
+without a GPU.
+
+The interpreter runs ``mla.fast.indexer_cache``, ``indexer_logits`` and ``topk`` on a CPU but
+says nothing of whether they compile for the H200 (a ``tl.constexpr`` reassigned inside a
+``tl.static_range`` runs interpreted and does not compile), nor what they compile to. Triton
+compiles them ahead of time for a named target with the ``ptxas`` it ships; this prints, per
+kernel as ``mla.fast`` launches it at DeepSeek-V3.2's shapes (64 heads of 128, pages of 64,
+128K keys), the shared memory, registers, spilled bytes and ``wgmma`` shapes (the logits must
+use e4m3 ones). ``tests/test_fast_indexer.py`` asserts them. Run it without
+``TRITON_INTERPRET`` (an interpreted process cannot compile for a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from benchmarks.sm90_compile import SMEM_LIMIT, facts
+from mla.fast import indexer_cache, indexer_logits, topk
+
+TARGET = GPUTarget("cuda", 90, 32)
+_KEYS = 131072
+_LOGITS_PTRS = dict(q="fp8e4nv", w="fp32", out="fp32")
+DEFAULT_PLAN = indexer_logits.LogitsPlan()
+
+
+def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int
+             ) -> triton.compiler.CompiledKernel:
+    """``fn`` specialized as a launch specializes it: pointers 16-byte aligned, integers that
+    are multiples of 16 marked so (Triton's rule)."""
+    sig, attrs, constexprs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+        if param.is_constexpr:
+            sig[name] = "constexpr"
+            constexprs[name] = const[name]
+        elif name in ptrs:
+            sig[name] = "*" + ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+
+
+def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan = DEFAULT_PLAN):
+    np_ = triton.next_power_of_2(next_n)
+    return _compile(
+        indexer_logits._paged_kernel,
+        dict(NP=np_, HP=64, D=128, BLOCK_N=plan.block_n, TILES=8, NAN_CODES=False),
+        dict(_LOGITS_PTRS, cache_f8="fp8e4nv", cache_f32="fp32", lens="i32", table="i32"),
+        dict(H=64, next_n=next_n, n_blocks=4096, block_size=64, max_blocks=2048, width=_KEYS,
+             chunk=8 * plan.block_n, s_q_b=next_n * 64 * 128, s_q_n=64 * 128, s_q_h=128,
+             s_w_r=64, s_t_b=2048), plan.num_warps)
+
+
+def ragged(plan: indexer_logits.LogitsPlan = DEFAULT_PLAN):
+    return _compile(
+        indexer_logits._ragged_kernel,
+        dict(BLOCK_Q=plan.queries, HP=64, D=128, BLOCK_N=plan.block_n, TILES=8,
+             NAN_CODES=False),
+        dict(_LOGITS_PTRS, codes_f8="fp8e4nv", k_scale_ptr="fp32", ks="i32", ke="i32"),
+        dict(S=4096, H=64, N=_KEYS, chunk=8 * plan.block_n, s_q_t=64 * 128, s_q_h=128,
+             s_w_t=64, s_c_n=128), plan.num_warps)
+
+
+def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
+    ptrs = dict(logits="fp32", starts="i32", ends="i32", hist="i32", counts="i32", out="i32",
+                cand="i32")
+    ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, s_c_r=_KEYS, chunk=1024,
+                n_chunks=128)
+    const = dict(BLOCK=topk.BLOCK, BINS=topk.BINS, CHUNKS=128)
+    return {fn.__name__: _compile(fn, const, ptrs, ints, 4)
+            for fn in (topk._hist_kernel, topk._count_kernel, topk._scatter_kernel,
+                       topk._boundary_kernel)}
+
+
+def cache_write():
+    return _compile(indexer_cache._indexer_k_cache_kernel,
+                    dict(D=128, BLOCK_T=indexer_cache.BLOCK_T),
+                    dict(k="bf16", cache_u8="u8", cache_f32="fp32", slot_mapping="i64"),
+                    dict(T=1000, n_slots=65536, block_size=64, s_k_t=128, s_k_d=1), 4)
+
+
+def all_facts() -> dict[str, dict]:
+    """``facts`` of every kernel as ``mla.fast`` launches it by default."""
+    kernels = {"paged next_n=1": paged(1), "paged next_n=2": paged(2), "ragged": ragged(),
+               "cache write": cache_write(), **topk_kernels()}
+    return {name: facts(k) for name, k in kernels.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.indexer_compile",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print the facts as JSON")
+    args = p.parse_args(argv)
+    found = all_facts()
+    if args.json:
+        print(json.dumps(found))
+        return 0
+    for name, f in found.items():
+        shapes = " ".join(f"{s.split('.')[-4]}.{s.split('.')[-1]} x{c}"
+                          for s, c in sorted(f["wgmma"].items()))
+        over = " OVER THE LIMIT" if f["shared"] > SMEM_LIMIT else ""
+        print(f"{name}: {f['shared']} B shared{over}, {f['reg']} registers, {f['stack']} B "
+              f"stack, wgmma {shapes or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
