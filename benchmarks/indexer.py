@@ -16,8 +16,8 @@ measured in the same run (``python -m benchmarks.indexer --out DIR``).
   the values (no tie rule; for orientation).
 - Errors: the logits against the float64 reference on a slice of each shape, and over 20
   seeds on small shapes, beside the budget (``mla.fast.indexer_logits.logits_budget``).
-- ``--sweep``: a few ``LogitsPlan`` tilings of both logits kernels on two decode shapes and
-  one prefill shape, each checked against the default plan's logits within the budget.
+- ``--sweep``: a few ``LogitsPlan`` tilings and pipeline depths of both logits kernels on two
+  decode shapes and one prefill shape, each compared with the default plan's logits.
 
 Time: ``triton.testing.do_bench`` medians (L2 flushed before each call).
 """
@@ -155,8 +155,9 @@ def bench_prefill(fp8_tflops: float) -> list[dict]:
     return rows
 
 
-SWEEP_PLANS = [LogitsPlan(), LogitsPlan(block_n=128), LogitsPlan(block_n=128, num_warps=8),
-               LogitsPlan(num_warps=8), LogitsPlan(queries=2), LogitsPlan(block_n=128, queries=2)]
+SWEEP_PLANS = [LogitsPlan(), LogitsPlan(stages=1), LogitsPlan(stages=3), LogitsPlan(block_n=128),
+               LogitsPlan(block_n=128, num_warps=8), LogitsPlan(num_warps=8),
+               LogitsPlan(queries=2), LogitsPlan(block_n=128, queries=2)]
 
 
 def sweep_plans(fp8_tflops: float) -> list[dict]:
@@ -321,14 +322,15 @@ def markdown(res: dict) -> str:
                      f"{r['torch_topk_values_ms']:.3f} | {r['same_set']} |")
     if res["sweep"]:
         lines += ["", "## Logits plans (--sweep)", "",
-                  "| shape | block_n | queries | warps | ms | TFLOP/s | % fp8 | vs default |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| shape | block_n | queries | warps | stages | ms | TFLOP/s | % fp8 "
+                  "| vs default |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in res["sweep"]:
             p = r["plan"]
             cells = (f"{r['ms']:.3f} | {r['TFLOPs']:.0f} | {r['pct_fp8']:.0f} | "
                      f"{r['rel_to_default']:.1e}" if "ms" in r else f"{r['error']} | | |")
             lines.append(f"| {r['shape']} | {p['block_n']} | {p['queries']} | "
-                         f"{p['num_warps']} | {cells} |")
+                         f"{p['num_warps']} | {p['stages']} | {cells} |")
     return "\n".join(lines) + "\n"
 
 

@@ -53,7 +53,8 @@ def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan = DEFAULT_PLAN):
     np_ = triton.next_power_of_2(next_n)
     return _compile(
         indexer_logits._paged_kernel,
-        dict(NP=np_, HP=64, D=128, BLOCK_N=plan.block_n, TILES=8, NAN_CODES=False),
+        dict(NP=np_, HP=64, D=128, BLOCK_N=plan.block_n, TILES=8, NAN_CODES=False,
+             STAGES=plan.stages),
         dict(_LOGITS_PTRS, cache_f8="fp8e4nv", cache_f32="fp32", lens="i32", table="i32"),
         dict(H=64, next_n=next_n, n_blocks=4096, block_size=64, max_blocks=2048, width=_KEYS,
              chunk=8 * plan.block_n, s_q_b=next_n * 64 * 128, s_q_n=64 * 128, s_q_h=128,
@@ -64,7 +65,7 @@ def ragged(plan: indexer_logits.LogitsPlan = DEFAULT_PLAN):
     return _compile(
         indexer_logits._ragged_kernel,
         dict(BLOCK_Q=plan.queries, HP=64, D=128, BLOCK_N=plan.block_n, TILES=8,
-             NAN_CODES=False),
+             NAN_CODES=False, STAGES=plan.stages),
         dict(_LOGITS_PTRS, codes_f8="fp8e4nv", k_scale_ptr="fp32", ks="i32", ke="i32"),
         dict(S=4096, H=64, N=_KEYS, chunk=8 * plan.block_n, s_q_t=64 * 128, s_q_h=128,
              s_w_t=64, s_c_n=128), plan.num_warps)

@@ -18,8 +18,9 @@ cores' own accumulator (Triton's default for fp8: no promotion to float32 within
 keeps about 13 mantissa bits and truncates; the interpreter multiplies in float32. The error
 budgets of the two (``logits_budget``) and their derivation: conventions §11.
 
-A program covers ``TILES`` consecutive tiles of keys; tiles past the last key any of its queries
-sees are written ``-inf`` without reading the cache.
+A program covers ``TILES`` consecutive tiles of keys: those holding keys its queries see run in
+a software-pipelined loop (the next tile's loads in flight during this one's dot), the others
+are written ``-inf`` without reading the cache.
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ U32 = 2.0 ** -24
 class LogitsPlan:
     """How the logits kernels tile: ``block_n`` keys a tile (the MMA's M), ``queries`` rows a
     program at prefill (their heads stacked on N: ``queries · 64 <= 256`` for one wgmma),
-    ``num_warps``. ``benchmarks/indexer.py --sweep`` times the alternatives."""
+    ``num_warps``, and ``stages``, the key tiles in flight (software pipelining of the loads).
+    ``benchmarks/indexer.py --sweep`` times the alternatives."""
     block_n: int = 64
     queries: int = 4
     num_warps: int = 4
+    stages: int = 2
 
     def __post_init__(self) -> None:
-        for name, low in (("block_n", 16), ("queries", 1), ("num_warps", 1)):
+        for name, low in (("block_n", 16), ("queries", 1), ("num_warps", 1), ("stages", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low or v & (v - 1):
                 raise ValueError(f"LogitsPlan.{name} must be a power of two >= {low}, got {v!r}")
@@ -108,7 +111,7 @@ def _paged_kernel(
     H, next_n, n_blocks, block_size, max_blocks, width, chunk,
     s_q_b, s_q_n, s_q_h, s_w_r, s_t_b,
     NP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr, NAN_CODES: tl.constexpr,
+    TILES: tl.constexpr, NAN_CODES: tl.constexpr, STAGES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1).to(tl.int64) * chunk
@@ -126,25 +129,30 @@ def _paged_kernel(
     nq = tl.arange(0, NP)
     ends = L - next_n + nq + 1  # query n sees keys [0, L - next_n + n]
     out_rows = out + (b * next_n + nq.to(tl.int64)) * width
-    for i in range(TILES):
+    # the tiles that hold keys (pipelined: the next tile's gathers in flight during this one's
+    # dot), then the rest of the program's columns, -inf without a read
+    live_tiles = tl.minimum(tl.cdiv(tl.maximum(L - col0, 0), BLOCK_N), TILES)
+    for i in tl.range(0, live_tiles, num_stages=STAGES):
+        cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = cols < L
+        blk = cols // block_size
+        page = tl.load(table + b * s_t_b + blk, mask=live & (blk < max_blocks),
+                       other=-1).to(tl.int64)
+        ok = live & (page >= 0) & (page < n_blocks)  # else NaN, never another key
+        o = cols % block_size
+        codes = tl.load(cache_f8 + (page * block_size * (D + 4) + o * D)[:, None]
+                        + d[None, :], mask=ok[:, None], other=0.0)
+        k_scale = tl.load(cache_f32 + page * block_size * (D // 4 + 1) + block_size
+                          * (D // 4) + o, mask=ok, other=float("nan"))
+        s = _tile_logits(codes, k_scale, q_t, w_r, NP, HP, BLOCK_N, NAN_CODES)
+        s = tl.where(cols[:, None] < ends[None, :], s, float("-inf"))
+        store_ok = (cols < width)[:, None] & (nq < next_n)[None, :]
+        tl.store(out_rows[None, :] + cols[:, None], s, mask=store_ok)
+    for i in range(live_tiles, TILES):
         cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
         store_ok = (cols < width)[:, None] & (nq < next_n)[None, :]
-        if col0 + i * BLOCK_N < L:
-            live = cols < L
-            blk = cols // block_size
-            page = tl.load(table + b * s_t_b + blk, mask=live & (blk < max_blocks),
-                           other=-1).to(tl.int64)
-            ok = live & (page >= 0) & (page < n_blocks)  # else NaN, never another key
-            o = cols % block_size
-            codes = tl.load(cache_f8 + (page * block_size * (D + 4) + o * D)[:, None]
-                            + d[None, :], mask=ok[:, None], other=0.0)
-            k_scale = tl.load(cache_f32 + page * block_size * (D // 4 + 1) + block_size
-                              * (D // 4) + o, mask=ok, other=float("nan"))
-            s = _tile_logits(codes, k_scale, q_t, w_r, NP, HP, BLOCK_N, NAN_CODES)
-            s = tl.where(cols[:, None] < ends[None, :], s, float("-inf"))
-        else:
-            s = tl.full((BLOCK_N, NP), float("-inf"), tl.float32)
-        tl.store(out_rows[None, :] + cols[:, None], s, mask=store_ok)
+        tl.store(out_rows[None, :] + cols[:, None],
+                 tl.full((BLOCK_N, NP), float("-inf"), tl.float32), mask=store_ok)
 
 
 @triton.jit
@@ -153,7 +161,7 @@ def _ragged_kernel(
     S, H, N, chunk,
     s_q_t, s_q_h, s_w_t, s_c_n,
     BLOCK_Q: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr, NAN_CODES: tl.constexpr,
+    TILES: tl.constexpr, NAN_CODES: tl.constexpr, STAGES: tl.constexpr,
 ):
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_Q
     col0 = tl.program_id(1).to(tl.int64) * chunk
@@ -173,21 +181,26 @@ def _ragged_kernel(
     lo_any = tl.min(tl.where(q_ok, lo, N), axis=0)
     hi_any = tl.max(tl.where(q_ok, hi, 0), axis=0)
     out_rows = out + tq * N
-    for i in range(TILES):
-        c = col0 + i * BLOCK_N
-        cols = c + tl.arange(0, BLOCK_N)
+    # the tiles that hold keys some query sees (pipelined), -inf on either side of them
+    first = tl.minimum(tl.maximum(lo_any - col0, 0) // BLOCK_N, TILES)
+    last = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(hi_any - col0, 0), BLOCK_N), TILES), first)
+    for i in tl.range(first, last, num_stages=STAGES):
+        cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = (cols >= lo_any) & (cols < hi_any)
+        codes = tl.load(codes_f8 + cols[:, None] * s_c_n + d[None, :], mask=ok[:, None],
+                        other=0.0)
+        k_scale = tl.load(k_scale_ptr + cols, mask=ok, other=float("nan"))
+        s = _tile_logits(codes, k_scale, q_t, w_r, BLOCK_Q, HP, BLOCK_N, NAN_CODES)
+        seen = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
+        s = tl.where(seen, s, float("-inf"))
         store_ok = (cols < N)[:, None] & q_ok[None, :]
-        if (c < hi_any) & (c + BLOCK_N > lo_any):
-            ok = (cols >= lo_any) & (cols < hi_any)
-            codes = tl.load(codes_f8 + cols[:, None] * s_c_n + d[None, :], mask=ok[:, None],
-                            other=0.0)
-            k_scale = tl.load(k_scale_ptr + cols, mask=ok, other=float("nan"))
-            s = _tile_logits(codes, k_scale, q_t, w_r, BLOCK_Q, HP, BLOCK_N, NAN_CODES)
-            seen = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
-            s = tl.where(seen, s, float("-inf"))
-        else:
-            s = tl.full((BLOCK_N, BLOCK_Q), float("-inf"), tl.float32)
         tl.store(out_rows[None, :] + cols[:, None], s, mask=store_ok)
+    for i in range(0, TILES):
+        if (i < first) | (i >= last):
+            cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            store_ok = (cols < N)[:, None] & q_ok[None, :]
+            tl.store(out_rows[None, :] + cols[:, None],
+                     tl.full((BLOCK_N, BLOCK_Q), float("-inf"), tl.float32), mask=store_ok)
 
 
 def _check_q(q: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -265,7 +278,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         tiles * plan.block_n, q.stride(0), q.stride(1), q.stride(2), weights.stride(0),
         block_tables.stride(0),
         NP=next_pow2(next_n), HP=max(16, next_pow2(H)), D=INDEX_DIM, BLOCK_N=plan.block_n,
-        TILES=tiles, NAN_CODES=interpreting(), num_warps=plan.num_warps,
+        TILES=tiles, NAN_CODES=interpreting(), STAGES=plan.stages, num_warps=plan.num_warps,
     )
     return out
 
@@ -345,6 +358,6 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
         q, weights, codes.view(torch.float8_e4m3fn), scale, ks, ke, out, S, H, N,
         tiles * plan.block_n, q.stride(0), q.stride(1), weights.stride(0), codes.stride(0),
         BLOCK_Q=block_q, HP=hp, D=INDEX_DIM, BLOCK_N=plan.block_n,
-        TILES=tiles, NAN_CODES=interpreting(), num_warps=plan.num_warps,
+        TILES=tiles, NAN_CODES=interpreting(), STAGES=plan.stages, num_warps=plan.num_warps,
     )
     return out
