@@ -2,9 +2,10 @@
 sparse kernels, beside the catalogue's: GPU shapes, each route forced.
 
 - MODEL1 decode at DeepSeek-V4-like shapes (64 and 128 heads, top-k 512 and 2048, pages of
-  64) with ragged lengths, per-head sinks (``+inf``, ``-inf``, finite), on the Gluon sm_90
-  kernel (unsplit and split) and the Triton one forced, and with a second scope of its own
-  page size (Triton); one request (splits, the sink applied after the combine).
+  64) with ragged lengths, per-head sinks (``+inf``, ``-inf``, finite) and a second scope of
+  its own page size (1), on the Gluon sm_90 kernel (unsplit and split) and the Triton one
+  forced; one request (splits, the sink applied after the combine); a second scope over the
+  ``fp8_ds_mla`` cache too.
 - Rows of 512 on a bf16 cache (decode with a second scope, prefill), with sinks.
 - The sink on DeepSeek-V3.2's shapes through each route: the Gluon sm_90 kernel unsplit (its
   epilogue) and split (the Triton combine), and the Triton kernel forced (``sm90=False``).
@@ -175,6 +176,13 @@ def v4_decode_cases(ctx: Ctx) -> Iterator[Case]:
              V4Decode("model1", 4, 128, 2048, bad=True)),
             ("MODEL1 B=8 N=128 topk=2048 no sink, second scope 512",
              V4Decode("model1", 8, 128, 2048, extra_topk=512, sink=False)),
+            ("MODEL1 B=8 N=64 topk=512 lens, second scope 128 lens, sinks, forced Triton",
+             V4Decode("model1", 8, 64, 512, (512, 1, 0, 300, 512, 65, 64, 511), 128,
+                      (128, 0, 7, 128, 64, 1, 0, 100), plan=triton_64)),
+            ("fp8_ds_mla B=4 N=128 topk=2048 lens, second scope 128 lens, sinks (sm_90)",
+             V4Decode("fp8", 4, 128, 2048, (2048, 1, 0, 999), 128, (0, 128, 5, 64))),
+            ("fp8_ds_mla B=2 N=128 topk=2048, second scope 256, forced 4 splits (sm_90)",
+             V4Decode("fp8", 2, 128, 2048, extra_topk=256, plan=gluon_split)),
             ("MODEL1 B=1 N=128 topk=2048 (splits), second scope 64, sinks",
              V4Decode("model1", 1, 128, 2048, extra_topk=64)),
             ("MODEL1 B=4 N=64 topk=512 bad length and slot, validate=False",

@@ -45,9 +45,9 @@ How (docs/kernels.md, "Sparse"):
   programs, each query's list is cut into ``num_splits`` runs of whole tiles; partial
   ``(o, lse, max)`` go to float32 scratch and a second kernel merges them by lse (conventions §6).
   ``num_splits`` comes from shapes only, so a call never synchronizes (CUDA graphs).
-- The Gluon sm_90 kernel (``mla.fast.sm90.sparse``) takes the 64-head programs of one scope
-  of DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``) or of MODEL1 pages (bf16 q), sinks
-  included; a second scope and rows of 512 in q's dtype run in the Triton kernel here.
+- The Gluon sm_90 kernel (``mla.fast.sm90.sparse``) takes the 64-head programs over
+  DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``) or MODEL1 pages (bf16 q), one or two
+  scopes, sinks included; rows of 512 in q's dtype run in the Triton kernel here.
 
 ``convert_req_index_to_global_index``: the indexer's request-local top-k positions to the cache
 slots these kernels read, as ``mla.reference.sparse``'s (conventions §10; vLLM 0.14's
@@ -234,18 +234,21 @@ def _launch(q: torch.Tensor, scopes: list[_Scope], fmt: int, attn_sink: torch.Te
     sink = attn_sink.contiguous() if attn_sink is not None else lse  # unused when None
     check_range = max_logits is None  # decode: its indices' contract is [-1, rows)
     launched = False
-    if not has_extra and _sm90_route(plan, q, first.kv, dv, fmt):
+    if _sm90_route(plan, q, [sc.kv for sc in scopes], dv, fmt):
         from mla.fast.sm90.sparse import sparse_kernel as sm90_kernel
 
+        def layout(sc: _Scope) -> tuple[int, int]:  # (row or page stride, page size)
+            return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
         launched = sm90.launch(
             sm90_kernel, (Q * groups, plan.num_splits),
-            q, first.kv, first.idx, first.args()[4], sink,
-            out, lse, maxl, o_part, lse_part, max_part,
-            q.stride(0), q.stride(1), first.idx.stride(0),
-            first.page_stride if fmt == MODEL1 else first.kv.stride(0), first.page_size,
+            q, first.kv, first.idx, first.args()[4], extra.kv, extra.idx, extra.args()[4],
+            sink, out, lse, maxl, o_part, lse_part, max_part,
+            q.stride(0), q.stride(1), first.idx.stride(0), *layout(first),
+            extra.idx.stride(0), *layout(extra),
             out.stride(0), out.stride(1), *lse_strides, *m_strides,
-            first.n_rows, topk, sm_scale * LOG2E, plan.num_splits,
+            first.n_rows, topk, extra.n_rows, topk2, sm_scale * LOG2E, plan.num_splits,
             N=N, S=S, GROUPS=groups, FP8=fmt == DS_MLA, MODEL1=fmt == MODEL1,
+            HAS_EXTRA=has_extra, HAS_TOPK_LEN2=has_extra and extra.topk_length is not None,
             HAS_TOPK_LEN=first.topk_length is not None, HAS_SINK=attn_sink is not None,
             CHECK_RANGE=check_range, HAS_MAXL=has_maxl, SPLIT=split,
             SCALE_OFFSET=D_NOPE if fmt == DS_MLA else 0, ROPE_OFFSET=ROPE_OFFSET, num_warps=8,
@@ -275,16 +278,17 @@ def _launch(q: torch.Tensor, scopes: list[_Scope], fmt: int, attn_sink: torch.Te
         )
 
 
-def _sm90_route(plan: SparsePlan, q: torch.Tensor, kv: torch.Tensor, dv: int,
+def _sm90_route(plan: SparsePlan, q: torch.Tensor, caches: list[torch.Tensor], dv: int,
                 fmt: int) -> bool:
     """Whether this call goes to the Gluon sm_90 kernel (``mla.fast.sm90.sparse``): a plan
-    that allows it, on a Hopper GPU whose Triton can build the Gluon kernels, one scope of
-    DeepSeek-V3.2's rows (a bf16/fp16 or ``fp8_ds_mla`` cache) or of MODEL1 pages."""
+    that allows it, on a Hopper GPU whose Triton can build the Gluon kernels, DeepSeek-V3.2's
+    rows (a bf16/fp16 or ``fp8_ds_mla`` cache) or MODEL1 pages, in each scope."""
     if not plan.sm90 or q.device.type != "cuda" or interpreting() or not sm90.usable():
         return False
     from mla.fast.sm90.sparse import supported
 
-    return supported(q, kv, dv, fmt == DS_MLA, plan.block_m, model1=fmt == MODEL1)
+    return all(supported(q, kv, dv, fmt == DS_MLA, plan.block_m, model1=fmt == MODEL1)
+               for kv in caches)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:

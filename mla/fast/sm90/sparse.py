@@ -70,19 +70,22 @@ def supported(q: torch.Tensor, kv: torch.Tensor, head_dim_v: int, fp8: bool,
 
 @gluon.jit
 def sparse_kernel(
-    Q, KV, IDX, TOPK_LEN, SINK, O, LSE, MAXL, OP, LSEP, MAXP,
+    Q, KV, IDX, TOPK_LEN, KV2, IDX2, TOPK_LEN2, SINK, O, LSE, MAXL, OP, LSEP, MAXP,
     stride_qq, stride_qh, stride_iq, stride_row, page_size,
+    stride_iq2, stride_row2, page_size2,
     stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
-    n_rows, topk, qk_scale, num_splits,
+    n_rows, topk, n_rows2, topk2, qk_scale, num_splits,
     N: gl.constexpr, S: gl.constexpr, GROUPS: gl.constexpr, FP8: gl.constexpr,
-    MODEL1: gl.constexpr,
+    MODEL1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr,
     HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
     HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
     SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr,
 ):
     """Grid ``(queries · GROUPS, splits)``, 8 warps. ``KV`` is the cache as rows of
     ``stride_row`` elements (q's dtype) or bytes (``FP8``: uint8, 656-byte rows), or
-    (``MODEL1``) pages of ``page_size`` tokens ``stride_row`` bytes apart. A query
+    (``MODEL1``) pages of ``page_size`` tokens ``stride_row`` bytes apart. ``HAS_EXTRA``: a
+    second scope (``KV2``, ``IDX2``, ``TOPK_LEN2``, its own layout numbers) whose tiles follow
+    the first scope's in one list of tiles and one online softmax. A query
     whose ``topk_length`` lies outside ``[0, topk]``, or (``CHECK_RANGE``, decode) that uses an
     entry outside ``[-1, n_rows)``, gets NaN results; ``SINK [N]`` (``HAS_SINK``) scales the
     unsplit output by ``σ(lse − sink)`` (split partials get it in the combine kernel)."""
@@ -167,26 +170,37 @@ def sparse_kernel(
 
     # this program's entries: an equal share of whole tiles of the query's list
     c_s = gl.arange(0, BN, layout=col_s)
-    n = topk
-    bad = topk < 0  # a topk_length outside [0, topk]: NaN results, reads clamped to the row
-    if HAS_TOPK_LEN:
-        length = gl.load(TOPK_LEN + qi // S)
-        bad = (length < 0) | (length > topk)
-        n = gl.minimum(gl.maximum(length, 0), topk)
-    n_tiles = gl.cdiv(n, BN)
-    per_split = gl.cdiv(n_tiles, num_splits)
+    # a topk_length outside [0, topk]: NaN results, reads clamped to the row
+    n1, bad = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
+    tiles1 = gl.cdiv(n1, BN)
+    n2 = n1
+    tiles = tiles1
+    if HAS_EXTRA:
+        n2, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
+        bad = bad | bad2
+        tiles = tiles1 + gl.cdiv(n2, BN)
+    per_split = gl.cdiv(tiles, num_splits)
     t_lo = split * per_split
-    t_hi = gl.minimum(t_lo + per_split, n_tiles)
-    hi = gl.minimum(t_hi * BN, n)
-    idx_row = IDX + qi64 * stride_iq
+    t_hi = gl.minimum(t_lo + per_split, tiles)
+    idx1 = IDX + qi64 * stride_iq
+    idx2 = idx1
+    if HAS_EXTRA:
+        idx2 = IDX2 + qi64 * stride_iq2
 
     # a tile's indices are loaded a tile ahead of its gather, so that issuing the copies
-    # never waits for an index load
-    i_ld, i_8, i_s = _load_idx(idx_row, t_lo * BN, hi, ld, lb, lc, STAGED)
-    codes = _gather(KV, i_ld, i_8, i_s, t_lo < t_hi, n_rows, stride_row, page_size, k_nope,
+    # never waits for an index load. _source(t): tile t's scope (index row, first entry,
+    # length, cache, rows, row stride, page size)
+    ir, st, hi, kv_, rows_, sr_, ps_ = _source(t_lo, tiles1, idx1, idx2, n1, n2, KV, KV2, n_rows,
+                                               n_rows2, stride_row, stride_row2, page_size,
+                                               page_size2, HAS_EXTRA)
+    i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
+    codes = _gather(kv_, i_ld, i_8, i_s, t_lo < t_hi, rows_, sr_, ps_, k_nope,
                     k_pe, raw, raw_sc, 0, FP8, MODEL1, SCALE_OFFSET, ROPE_OFFSET, ld, lb, lc)
     async_copy.commit_group()
-    i_ld, i_8, i_s = _load_idx(idx_row, (t_lo + 1) * BN, hi, ld, lb, lc, STAGED)
+    ir, st, hi, kv_, rows_, sr_, ps_ = _source(t_lo + 1, tiles1, idx1, idx2, n1, n2, KV, KV2,
+                                               n_rows, n_rows2, stride_row, stride_row2,
+                                               page_size, page_size2, HAS_EXTRA)
+    i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
 
     acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
@@ -194,8 +208,11 @@ def sparse_kernel(
     l_i = gl.zeros([BM], gl.float32, layout=row_s)
     for i in range(t_lo, t_hi):
         s = (i - t_lo) % 2
-        cols = i * BN + c_s
-        idx = gl.load(idx_row + cols, mask=cols < hi, other=-1)  # for the logits' mask
+        ir_i, st_i, hi_i, _, rows_i, _, _ = _source(i, tiles1, idx1, idx2, n1, n2, KV, KV2,
+                                                    n_rows, n_rows2, stride_row, stride_row2,
+                                                    page_size, page_size2, HAS_EXTRA)
+        cols = st_i + c_s
+        idx = gl.load(ir_i + cols, mask=cols < hi_i, other=-1)  # for the logits' mask
         async_copy.wait_group(0)  # this thread's copies of tile i have landed
         fence_async_shared()
         barrier()  # everyone's have; everyone is done with tile i-1
@@ -218,20 +235,24 @@ def sparse_kernel(
             barrier()  # the staged bytes are consumed, K (rope included) is written
         else:
             kn = k_nope.index(s)
-        codes = _gather(KV, i_ld, i_8, i_s, i + 1 < t_hi, n_rows, stride_row, page_size,
+        # tile i+1's copies (its source: the (kv_, rows_, sr_, ps_) of the last _source)
+        codes = _gather(kv_, i_ld, i_8, i_s, i + 1 < t_hi, rows_, sr_, ps_,
                         k_nope, k_pe, raw, raw_sc, 1 - s, FP8, MODEL1, SCALE_OFFSET,
                         ROPE_OFFSET, ld, lb, lc)
         async_copy.commit_group()
-        i_ld, i_8, i_s = _load_idx(idx_row, (i + 2) * BN, hi, ld, lb, lc, STAGED)
+        ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 2, tiles1, idx1, idx2, n1, n2, KV, KV2,
+                                                   n_rows, n_rows2, stride_row, stride_row2,
+                                                   page_size, page_size2, HAS_EXTRA)
+        i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
 
-        valid = (cols < hi) & (idx >= 0) & (idx < n_rows)
+        valid = (cols < hi_i) & (idx >= 0) & (idx < rows_i)
         sc_ = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if not MODEL1:
             sc_ = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc_, is_async=True)
         sc_ = warpgroup_mma_wait(num_outstanding=0, deps=(sc_,))
         qk = gl.where(valid[None, :], sc_ * qk_scale, float("-inf"))  # log2 domain
         if CHECK_RANGE:  # an entry outside [-1, n_rows) is a NaN logit: a NaN query
-            qk = gl.where(((cols < hi) & ((idx < -1) | (idx >= n_rows)))[None, :],
+            qk = gl.where(((cols < hi_i) & ((idx < -1) | (idx >= rows_i)))[None, :],
                           float("nan"), qk)
         acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, row_o)
     async_copy.wait_group(0)
@@ -269,6 +290,47 @@ def sparse_kernel(
                  gl.where(seen | bad, lse, float("inf")), mask=hs_ok)
         if HAS_MAXL:
             gl.store(MAXL + qi64 * stride_mq + h_s * stride_mh, mx, mask=hs_ok)
+
+
+@gluon.jit
+def _length(TOPK_LEN, r, topk, HAS_TOPK_LEN: gl.constexpr):
+    """``(entries used, whether topk_length[r] lies outside [0, topk])``, the count clamped so
+    that no read leaves the index row."""
+    n = topk + 0 * r  # a tensor even where topk is specialized to a constant
+    bad = n < 0
+    if HAS_TOPK_LEN:
+        length = gl.load(TOPK_LEN + r)
+        bad = (length < 0) | (length > topk)
+        n = gl.minimum(gl.maximum(length, 0), topk)
+    return n, bad
+
+
+@gluon.jit
+def _source(t, tiles1, idx1, idx2, n1, n2, KV1, KV2, rows1, rows2, sr1, sr2, ps1, ps2,
+            HAS_EXTRA: gl.constexpr):
+    """Tile ``t`` of the list of tiles (the first scope's, then the second's): its scope's
+    index row, the tile's first entry, the scope's length, cache, rows, row stride and page
+    size (numbers as tensors, so that a value Triton specialized to a constant still yields
+    the same type in both branches)."""
+    BN: gl.constexpr = 64
+    zero = 0 * t
+    start = t * BN
+    ir = idx1
+    hi = n1 + zero
+    kv = KV1
+    rows = (rows1 + zero).to(gl.int64)
+    sr = (sr1 + zero).to(gl.int64)
+    ps = ps1 + zero
+    if HAS_EXTRA:
+        if t >= tiles1:
+            start = (t - tiles1) * BN
+            ir = idx2
+            hi = n2 + zero
+            kv = KV2
+            rows = (rows2 + zero).to(gl.int64)
+            sr = (sr2 + zero).to(gl.int64)
+            ps = ps2 + zero
+    return ir, start, hi, kv, rows, sr, ps
 
 
 @gluon.jit
