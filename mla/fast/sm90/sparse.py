@@ -20,6 +20,19 @@ dots. Here, as in ``mla.fast.sm90.decode``:
     each tile the warps dequantize the staged bytes (e4m3 → float32 × the tile's scale → q's
     dtype) into the single ``k_nope`` buffer, then issue the next tile's copies, then run the
     dots. About 194 KB of shared memory.
+  - MODEL1 pages (DeepSeek-V4, bf16 q of 512): a token's 7 × 64 e4m3 bytes (at ``576 · t`` of
+    its page) go into the staging buffer and its 64 bf16 rope values into the ``k_pe``
+    stages; its 7 UE8M0 scale bytes (at ``576 · page_size + 8 · t``) are loaded into
+    registers with the copies, a tile ahead. At the top of each tile the warps write the
+    whole 512-wide row into the single K buffer: ``e4m3 · 2^(byte − 127)`` per tile (0xFF:
+    NaN), then the rope values. K is also V; ``S`` has no rope part. About 189 KB.
+- A second KV scope: its tiles follow the first scope's in one list of tiles, split as one;
+  each tile's scope (index row, length, cache, rows, stride, page size) is chosen on the
+  device (``_source``), so the prefetching and the online softmax run as for one scope.
+- ``attn_sink``: the unsplit epilogue multiplies ``out`` by ``σ(lse − sink)``; split partials
+  are left to the Triton combine kernel, which applies it once after the merge.
+- Without value checks, a ``topk_length`` outside ``[0, topk]`` or (decode) an entry outside
+  ``[-1, rows)`` makes the query NaN: the first a flag, the second a NaN logit.
 
 ``mla.fast.sparse`` routes 64-head programs here on an sm_90 GPU (``supported``); this kernel
 writes exactly what the Triton sparse kernel of ``mla.fast.sparse`` writes (result, or split
