@@ -1,6 +1,6 @@
 """``python -m mla.check`` cases for the fast sparse kernels ``mla.fast.sparse_mla_decode`` and
-``mla.fast.sparse_mla_prefill``: the conformance catalogue's cases, DeepSeek-V4's
-(``mla.check.sparse_v4``), then these (the index conversion's check is the catalogue's alone).
+``mla.fast.sparse_mla_prefill``: DeepSeek-V4's (``mla.check.sparse_v4``), the conformance
+catalogue's cases, then these (the index conversion's check is the catalogue's alone).
 
 DeepSeek-V3.2 shapes on a GPU (rows of 576, V 512, top-k 2048, 16 and 128 heads, bf16 q and
 cache or the ``fp8_ds_mla`` cache), small ones with ``quick`` (the interpreter, the sanitizer).
@@ -99,8 +99,8 @@ def _graph_case(ctx: Ctx) -> Metrics:
 def decode_cases(ctx: Ctx) -> Iterator[Case]:
     """``mla.fast.sparse_mla_decode``: bf16 and fp8_ds_mla caches, 16/128 heads, top-k 2048 and
     ragged ``topk_length``, all-invalid requests, forced splits, a CUDA graph."""
+    yield from v4_decode_cases(ctx)  # first: the newest paths, and every sm_90 route forced
     yield from catalogue_cases(ctx, "sparse_mla_decode")
-    yield from v4_decode_cases(ctx)
 
     def run(salt: int, B: int, s_q: int, N: int, topk: int, n_slots: int, fp8: bool,
             lens: list[int] | None = None, plan: Any = None, dtype: torch.dtype | None = None,
@@ -163,8 +163,8 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
 def prefill_cases(ctx: Ctx) -> Iterator[Case]:
     """``mla.fast.sparse_mla_prefill``: 16/64/128 heads, top-k 2048 and ragged lengths,
     indices ``-1``, ``< -1`` and ``>= s_kv``, a lonely query, few queries (splits)."""
+    yield from v4_prefill_cases(ctx)  # first: the newest paths, and every sm_90 route forced
     yield from catalogue_cases(ctx, "sparse_mla_prefill")
-    yield from v4_prefill_cases(ctx)
 
     def run(salt: int, s_q: int, N: int, topk: int, s_kv: int, with_lens: bool = False,
             plan: Any = None, logit_scale: float = 1.0) -> Metrics:
