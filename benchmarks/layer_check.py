@@ -22,15 +22,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
-from mla.compare import TOLERANCES, budget, max_abs_err, rel_err
+from benchmarks.layer_stages import (
+    Stage,
+    abs_stage,
+    bytes_stage,
+    front_stages,
+    gemm_budget,
+    rel_stage,
+)
+from benchmarks.sparse_layer_check import full_sparse_runs
+from mla.compare import TOLERANCES, budget
 from mla.config import MLAConfig, get_config
 from mla.reference import model as ref_model
 from mla.reference.chunked import chunked_prefill_attention as ref_chunked
@@ -42,80 +50,8 @@ from mla.reference.paged_cache import concat_and_cache_mla as ref_cache_write
 from mla.reference.paged_cache import make_block_table, slot_mapping_from_block_table
 from mla.weights import MLAWeights
 
-__all__ = ["Stage", "gemm_budget", "assert_stages", "build_dense", "dense_decode_check",
+__all__ = ["build_dense", "dense_decode_check",
            "dense_prefill_check", "main"]
-
-
-@dataclass
-class Stage:
-    """One compared quantity: the error, its budget and whether it holds."""
-
-    layer: str
-    stage: str
-    error: float
-    budget: float
-    measure: str  # "rel" (Frobenius), "abs" (max), "bytes" (count of differing bytes)
-
-    @property
-    def passed(self) -> bool:
-        return self.error <= self.budget
-
-    def line(self) -> str:
-        mark = "ok  " if self.passed else "FAIL"
-        return (f"{mark} {self.layer:<34} {self.stage:<18} {self.measure:<5} "
-                f"{self.error:.3e} <= {self.budget:.3e}")
-
-
-def _unit_roundoff(dtype: torch.dtype) -> float:
-    return {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8,
-            torch.float16: 2.0 ** -11}[dtype]
-
-
-def gemm_budget(dtype: torch.dtype, contractions: list[int]) -> float:
-    """Relative Frobenius budget of a chain of GEMMs computed in ``dtype`` with float32
-    accumulation, against float64 on the same inputs.
-
-    Each GEMM rounds its output once to ``dtype`` (unit roundoff ``u``) and accumulates ``K``
-    products in float32 (``u32 = 2^-24`` each, adding up as a random walk). A rounding error
-    uniform in ``±u`` relative has an rms of ``u/√3``, an upper estimate (relative errors are
-    smaller on the larger mantissas: measured about ``u/4.5``); the GEMMs' errors are
-    independent, so they add in quadrature; random weight matrices carry a relative error
-    through unchanged in the mean. Hence ``sqrt(Σ (u² + K·u32²)) / √3``, then ×2 as every
-    budget of ``mla.compare`` (for bf16 about 1.4x the measured error before the ×2).
-    """
-    u, u32 = _unit_roundoff(dtype), 2.0 ** -24
-    return 2.0 * math.sqrt(sum(u * u + k * u32 * u32 for k in contractions)) / math.sqrt(3.0)
-
-
-def _rel(layer: str, stage: str, out: torch.Tensor, ref: torch.Tensor,
-         bound: float) -> Stage:
-    return Stage(layer, stage, rel_err(out, ref), bound, "rel")
-
-
-def _abs(layer: str, stage: str, out: torch.Tensor, ref: torch.Tensor,
-         bound: float) -> Stage:
-    return Stage(layer, stage, max_abs_err(out, ref), bound, "abs")
-
-
-def bytes_stage(layer: str, stage: str, out: torch.Tensor, ref: torch.Tensor) -> Stage:
-    """Number of differing bytes (NaN bit patterns compare as bytes too); budget 0."""
-    a = out.detach().cpu().contiguous().view(torch.uint8)
-    b = ref.detach().cpu().contiguous().view(torch.uint8)
-    if a.shape != b.shape:
-        return Stage(layer, stage, float("inf"), 0.0, "bytes")
-    return Stage(layer, stage, float((a != b).sum()), 0.0, "bytes")
-
-
-def assert_stages(stages: list[Stage]) -> None:
-    """Raise ``AssertionError`` listing every stage over its budget."""
-    bad = [s.line() for s in stages if not s.passed]
-    assert not bad, "stages over budget:\n" + "\n".join(bad)
-
-
-def _front_stages(layer: str, f, f_ref, dtype: torch.dtype) -> list[Stage]:
-    tol = TOLERANCES[dtype]
-    return [_rel(layer, f"front.{name}", getattr(f, name), getattr(f_ref, name), tol)
-            for name in ("q_nope", "q_pe", "kv_c", "k_pe")]
 
 
 def build_dense(config: MLAConfig, dtype: torch.dtype, device: str, context_lens: list[int],
@@ -162,7 +98,7 @@ def dense_decode_check(config: MLAConfig, dtype: torch.dtype, device: str, lens:
     bt_c, sl_c = bt.cpu(), seqlens.cpu()
     positions = (sl_c.long()[:, None] + torch.arange(s_q)).flatten()
     f_ref = mla_front(w64, h64.reshape(B * s_q, -1), positions)
-    stages = _front_stages(layer, tr.front, f_ref, dtype)
+    stages = front_stages(layer, tr.front, f_ref, dtype)
 
     written = before.clone()
     slots = slot_mapping_from_block_table(bt_c, torch.arange(B).repeat_interleave(s_q),
@@ -173,19 +109,19 @@ def dense_decode_check(config: MLAConfig, dtype: torch.dtype, device: str, lens:
     c = config
     q_ref = torch.cat([absorb_q(tr.front.q_nope.double().cpu(), w64.W_UK),
                        tr.front.q_pe.double().cpu()], dim=-1).view(B, s_q, c.num_heads, -1)
-    stages.append(_rel(layer, "q absorbed", tr.q, q_ref,
+    stages.append(rel_stage(layer, "q absorbed", tr.q, q_ref,
                        gemm_budget(dtype, [c.qk_nope_head_dim])))
     o_ref, lse_ref = ref_decode(tr.q.double().cpu(), cache.double().cpu(), bt_c, sl_c + s_q,
                                 c.softmax_scale, causal=True, head_dim_v=c.kv_lora_rank)
-    stages.append(_rel(layer, "attention.o_lat", tr.o_lat, o_ref,
+    stages.append(rel_stage(layer, "attention.o_lat", tr.o_lat, o_ref,
                        budget("mla_decode_paged", dtype, "out_rel")))
-    stages.append(_abs(layer, "attention.lse", tr.lse, lse_ref,
+    stages.append(abs_stage(layer, "attention.lse", tr.lse, lse_ref,
                        budget("mla_decode_paged", dtype, "lse_abs")))
     o = torch.einsum("bsnl,lnv->bsnv", tr.o_lat.double().cpu(), w64.W_UV)
-    stages.append(_rel(layer, "projection", tr.out, o.flatten(-2) @ w64.W_O,
+    stages.append(rel_stage(layer, "projection", tr.out, o.flatten(-2) @ w64.W_O,
                        gemm_budget(dtype, [c.kv_lora_rank, c.num_heads * c.v_head_dim])))
     out_ref = ref_model.decode_forward(w64, h64, before.double(), bt_c, sl_c)
-    stages.append(_rel(layer, "layer", tr.out, out_ref, TOLERANCES[dtype]))
+    stages.append(rel_stage(layer, "layer", tr.out, out_ref, TOLERANCES[dtype]))
     return stages
 
 
@@ -215,7 +151,7 @@ def dense_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     positions = torch.cat([torch.arange(context_lens[i], context_lens[i] + new_lens[i])
                            for i in range(B)])
     f_ref = mla_front(w64, h64, positions)
-    stages = _front_stages(layer, tr.front, f_ref, dtype)
+    stages = front_stages(layer, tr.front, f_ref, dtype)
     written = before.clone()
     slots = slot_mapping_from_block_table(bt_c, req, positions, block_size)
     ref_cache_write(tr.front.kv_c.cpu(), tr.front.k_pe.cpu(), written, slots)
@@ -225,15 +161,15 @@ def dense_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     f64 = [t.double().cpu() for t in tr.front]
     o_ref, lse_ref = ref_chunked(*f64, qsl_c, cache.double().cpu(), bt_c, plan, w64.W_UK,
                                  w64.W_UV, c.softmax_scale)
-    stages.append(_rel(layer, "attention.o", tr.o, o_ref,
+    stages.append(rel_stage(layer, "attention.o", tr.o, o_ref,
                        budget("chunked_prefill_attention", dtype, "out_rel")))
-    stages.append(_abs(layer, "attention.lse", tr.lse, lse_ref,
+    stages.append(abs_stage(layer, "attention.lse", tr.lse, lse_ref,
                        budget("chunked_prefill_attention", dtype, "lse_abs_f64")))
-    stages.append(_rel(layer, "projection", tr.out, tr.o.double().cpu().flatten(-2) @ w64.W_O,
+    stages.append(rel_stage(layer, "projection", tr.out, tr.o.double().cpu().flatten(-2) @ w64.W_O,
                        gemm_budget(dtype, [c.num_heads * c.v_head_dim])))
     out_ref = ref_model.chunked_prefill_forward(w64, h64, qsl_c, context_lens, before.double(),
                                                 bt_c, plan)
-    stages.append(_rel(layer, "layer", tr.out, out_ref, TOLERANCES[dtype]))
+    stages.append(rel_stage(layer, "layer", tr.out, out_ref, TOLERANCES[dtype]))
     return stages
 
 
@@ -249,8 +185,6 @@ def _full_runs(device: str) -> list[Callable[[], list[Stage]]]:
         runs.append(lambda cfg=cfg: dense_prefill_check(cfg, bf16, device, [3000, 0, 700],
                                                         [200, 64, 1], workspace_size=2048,
                                                         seed=3))
-    from benchmarks.sparse_layer_check import full_sparse_runs
-
     runs += full_sparse_runs(device)
     return runs
 

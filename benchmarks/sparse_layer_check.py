@@ -20,13 +20,13 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.layer_check import (
+from benchmarks.layer_stages import (
     Stage,
-    _abs,
-    _front_stages,
-    _rel,
+    abs_stage,
     bytes_stage,
+    front_stages,
     gemm_budget,
+    rel_stage,
 )
 from mla.compare import TOLERANCES, budget
 from mla.config import MLAConfig, get_config
@@ -114,7 +114,7 @@ def _topk_stages(layer: str, tr, logits64: torch.Tensor, topk: int) -> list[Stag
 def _common(layer: str, tr, w, before_kv, before_ik, kv, ik, h64, positions, req, bt_c,
             dtype) -> tuple[list[Stage], MLAWeights]:
     w64 = w.to(torch.float64, "cpu")
-    stages = _front_stages(layer, tr.front, mla_front(w64, h64, positions), dtype)
+    stages = front_stages(layer, tr.front, mla_front(w64, h64, positions), dtype)
     bs = kv.shape[1]
     slots = slot_mapping_from_block_table(bt_c, req, positions, bs)
     written = before_kv.clone()
@@ -195,7 +195,7 @@ def sparse_decode_check(config: MLAConfig, dtype: torch.dtype, device: str, lens
     logits64 = fp8_paged_mqa_logits(tr.q_index.cpu().view(B, s_q, *tr.q_index.shape[1:]), ik_c,
                                     tr.index_weights.double().cpu(), sl_c + s_q, bt_c,
                                     tr.logits.shape[1])
-    stages.append(_rel(layer, "logits", tr.logits, logits64, logits_budget(tr.logits.device)))
+    stages.append(rel_stage(layer, "logits", tr.logits, logits64, logits_budget(tr.logits.device)))
     stages += _topk_stages(layer, tr, logits64, config.index_topk)
     conv = ref_convert(req.to(torch.int32), bt_c, tr.local.cpu(), block_size)
     stages.append(bytes_stage(layer, "conversion", tr.slots, conv))
@@ -203,17 +203,17 @@ def sparse_decode_check(config: MLAConfig, dtype: torch.dtype, device: str, lens
     o_ref, lse_ref = ref_sparse_decode(tr.q.double().cpu(), kv_ref, tr.slots.cpu().view(B, s_q, -1),
                                        config.softmax_scale, fp8_kv,
                                        head_dim_v=config.kv_lora_rank)
-    stages.append(_rel(layer, "attention.o_lat", tr.o_lat, o_ref,
+    stages.append(rel_stage(layer, "attention.o_lat", tr.o_lat, o_ref,
                        budget("sparse_mla_decode", dtype, "out_rel")))
-    stages.append(_abs(layer, "attention.lse", tr.lse, lse_ref,
+    stages.append(abs_stage(layer, "attention.lse", tr.lse, lse_ref,
                        budget("sparse_mla_decode", dtype, "lse_abs")))
     o = torch.einsum("bsnl,lnv->bsnv", tr.o_lat.double().cpu(), w64.W_UV)
-    stages.append(_rel(layer, "projection", tr.out, o.flatten(-2) @ w64.W_O,
+    stages.append(rel_stage(layer, "projection", tr.out, o.flatten(-2) @ w64.W_O,
                        gemm_budget(dtype, [config.kv_lora_rank,
                                            config.num_heads * config.v_head_dim])))
     out_ref = _layer_given_keys(w64, h64, positions, req, bt_c, before_kv, tr.local.cpu(),
                                 (B, s_q), None)
-    stages.append(_rel(layer, "layer (same keys)", tr.out, out_ref, TOLERANCES[dtype]))
+    stages.append(rel_stage(layer, "layer (same keys)", tr.out, out_ref, TOLERANCES[dtype]))
     return stages
 
 
@@ -245,7 +245,7 @@ def sparse_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     keys = gather_indexer_k_cache(ik.cpu(), bt_c, cu)
     logits64 = fp8_mqa_logits(tr.q_index.cpu(), keys, tr.index_weights.double().cpu(),
                               tr.row_starts.cpu(), tr.row_ends.cpu())
-    stages.append(_rel(layer, "logits", tr.logits, logits64, logits_budget(tr.logits.device)))
+    stages.append(rel_stage(layer, "logits", tr.logits, logits64, logits_budget(tr.logits.device)))
     stages += _topk_stages(layer, tr, logits64, config.index_topk)
     req32 = req.to(torch.int32)
     if fp8_kv:
@@ -261,17 +261,17 @@ def sparse_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     stages.append(bytes_stage(layer, "conversion", tr.slots, conv))
     o_ref, _, lse_ref = ref_sparse_prefill(tr.q.double().cpu(), kv_ref, tr.slots.cpu(),
                                            config.softmax_scale, d_v=config.kv_lora_rank)
-    stages.append(_rel(layer, "attention.o_lat", tr.o_lat, o_ref,
+    stages.append(rel_stage(layer, "attention.o_lat", tr.o_lat, o_ref,
                        budget("sparse_mla_prefill", dtype, "out_rel")))
-    stages.append(_abs(layer, "attention.lse", tr.lse, lse_ref,
+    stages.append(abs_stage(layer, "attention.lse", tr.lse, lse_ref,
                        budget("sparse_mla_prefill", dtype, "lse_abs")))
     o = torch.einsum("tnl,lnv->tnv", tr.o_lat.double().cpu(), w64.W_UV)
-    stages.append(_rel(layer, "projection", tr.out, o.flatten(-2) @ w64.W_O,
+    stages.append(rel_stage(layer, "projection", tr.out, o.flatten(-2) @ w64.W_O,
                        gemm_budget(dtype, [config.kv_lora_rank,
                                            config.num_heads * config.v_head_dim])))
     out_ref = _layer_given_keys(w64, h64, positions, req, bt_c, before_kv, tr.local.cpu(), None,
                                 seq)
-    stages.append(_rel(layer, "layer (same keys)", tr.out, out_ref, TOLERANCES[dtype]))
+    stages.append(rel_stage(layer, "layer (same keys)", tr.out, out_ref, TOLERANCES[dtype]))
     return stages
 
 

@@ -13,13 +13,8 @@ import pytest
 import torch
 
 import mla.fast.model as fast_model
-from benchmarks.layer_check import (
-    assert_stages,
-    build_dense,
-    dense_decode_check,
-    dense_prefill_check,
-    gemm_budget,
-)
+from benchmarks.layer_check import build_dense, dense_decode_check, dense_prefill_check
+from benchmarks.layer_stages import assert_stages, gemm_budget
 from mla.config import get_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

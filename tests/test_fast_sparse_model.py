@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mla.fast.sparse_model as fast_sparse
-from benchmarks.layer_check import assert_stages
+from benchmarks.layer_stages import assert_stages
 from benchmarks.sparse_layer_check import (
     build_sparse,
     sparse_decode_check,
