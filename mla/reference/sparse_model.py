@@ -16,6 +16,13 @@ Serving (vLLM's ``FlashMLASparseImpl``), on a paged cache, per step:
 Official (DeepSeek-V3.2-Exp's ``MLA.forward``, prefill branch), one request, no cache: the dense
 MHA of section 2 with an extra additive mask, ``0`` on the selected keys and ``-inf`` elsewhere.
 
+With ``index_k_cache`` of dtype uint8 (``[nb, bs, 132]``) the indexer runs vLLM's fp8 path: the
+Hadamard-rotated keys are quantized into that cache (``indexer_k_quant_and_cache``), q is e4m3
+with its scale folded into the weights (``quantize_indexer_q``), and the logits come from
+``fp8_paged_mqa_logits`` at decode and from the requests' keys gathered for ``fp8_mqa_logits``
+at prefill, then ``top_k_per_row``; it selects the keys of the official code's fp8 indexer
+(``use_fp8_indexer=True`` on a float index cache). ``mla.fast.sparse_model`` mirrors this path.
+
 With ``kv_cache`` of dtype uint8 the cache is ``fp8_ds_mla``: prefill dequantizes each request
 into a workspace and reads it through the workspace variant of the index conversion (vLLM's
 separate prefill path); decode reads the fp8 cache directly. ``sparse_masked_dense_forward``
