@@ -251,7 +251,7 @@ def test_invalid_inputs_must_be_refused():
 
 def test_mla_fast_passes_the_whole_catalogue_from_the_command(capsys):
     """``mla conform --target mla.fast`` on the CPU, Triton's interpreter, float32: every
-    case passes but those of kernels mla.fast lacks (the indexer's cache, logits and top-k:
+    case passes but those of kernels or keywords mla.fast lacks (DeepSeek-V4's topics:
     unsupported); exit status 0."""
     import mla.fast
     from mla.cli import main
