@@ -17,6 +17,10 @@ stable ABI, CUDA 13, SM90 and SM100 kernels):
   page, 1, 656]``, as vLLM does (``.view(torch.uint8).unsqueeze(-2)``).
 - ``sparse_mla_prefill``: ``flash_mla_sparse_fwd(q, kv [s_kv, 1, d], indices [s_q, 1, topk],
   sm_scale, d_v, topk_length=...)`` returning ``(out, max_logits, lse)``, bfloat16 only.
+- DeepSeek-V4 (conventions §14): ``attn_sink`` (padding heads get ``-inf``, no effect), the
+  MODEL1 cache (its ``[num_blocks, page, 584]`` view, ``unsqueeze(2)``, head dim 512) and the
+  second scope (``extra_*``, its indices padded as the first's) are passed through;
+  ``extra_topk_length`` is refused on sm_90 as ``topk_length`` is.
 
 Layout plumbing, as vLLM's backends do it (``flashmla_sparse.py``), never a change of values:
 the sparse kernels take 64 or 128 query heads (and ``topk`` a multiple of the kernel's
@@ -93,39 +97,64 @@ def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                                      head_dim_v, sched, None, softmax_scale, causal)
 
 
+def _pad_sink(attn_sink: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+    """``attn_sink`` with ``-inf`` (no effect) for the padding heads."""
+    if attn_sink is None or attn_sink.shape[0] == heads:
+        return attn_sink
+    pad = attn_sink.new_full((heads - attn_sink.shape[0],), float("-inf"))
+    return torch.cat([attn_sink, pad])
+
+
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor,
                       softmax_scale: float, is_fp8_kvcache: bool,
-                      topk_length: torch.Tensor | None = None, head_dim_v: int = 512
+                      topk_length: torch.Tensor | None = None, head_dim_v: int = 512, *,
+                      attn_sink: torch.Tensor | None = None,
+                      extra_k_cache: torch.Tensor | None = None,
+                      extra_indices_in_kvcache: torch.Tensor | None = None,
+                      extra_topk_length: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse ``flash_mla_with_kvcache`` with ``mla.reference.sparse_mla_decode``'s signature."""
+    """Sparse ``flash_mla_with_kvcache`` with ``mla.reference.sparse_mla_decode``'s signature,
+    DeepSeek-V4's keywords included (the MODEL1 cache is passed as the ``[num_blocks, page,
+    1, 584]`` view of its pages, as FlashMLA's ``quantize_k_cache`` returns it)."""
     require_device(SPARSE_DECODE, "cuda", q=q, kv_cache=kv_cache, indices=indices,
                    topk_length=topk_length)
     require(is_fp8_kvcache, SPARSE_DECODE, "takes the fp8_ds_mla cache only (its interface "
             "asserts is_fp8_kvcache when indices are given)")
     require_dtype(SPARSE_DECODE, (torch.bfloat16,), q=q)
-    require(q.shape[-1] == 576 and head_dim_v == 512, SPARSE_DECODE,
-            f"takes DeepSeek-V3.2's rows only (head dim 576, head_dim_v 512), got "
+    require((q.shape[-1] == 576 or (q.shape[-1] == 512 and kv_cache.shape[-1] == 584))
+            and head_dim_v == 512, SPARSE_DECODE,
+            f"takes DeepSeek-V3.2's rows (head dim 576) or MODEL1's (512), head_dim_v 512, got "
             f"{q.shape[-1]} and {head_dim_v}")
     # measured on an H200 (vLLM 0.33.0's build): the sm_90 sparse decode kernel asserts
     # topk_length == nullptr on the host, so it has no topk_length there
-    require(topk_length is None or torch.cuda.get_device_capability(q.device)[0] != 9,
+    sm90 = torch.cuda.get_device_capability(q.device)[0] == 9
+    require((topk_length is None and extra_topk_length is None) or not sm90,
             SPARSE_DECODE, "takes no topk_length on sm_90 (its kernel asserts topk_length "
             "== nullptr)")
     fm = import_peer(INTERFACE, SPARSE_DECODE)
     N = q.shape[2]
-    k_cache = kv_cache.view(torch.uint8)
-    if k_cache.dim() == 3:
-        k_cache = k_cache.unsqueeze(2)  # [num_blocks, page, 1, 656]
+    heads = _padded_heads(SPARSE_DECODE, N)
+
+    def paged(cache: torch.Tensor) -> torch.Tensor:
+        k = cache.view(torch.uint8)
+        return k.unsqueeze(2) if k.dim() == 3 else k  # [num_blocks, page, 1, row]
+    extra = {}
+    if extra_k_cache is not None:
+        extra = {"extra_k_cache": paged(extra_k_cache),
+                 "extra_indices_in_kvcache": _pad_topk(extra_indices_in_kvcache),
+                 "extra_topk_length": extra_topk_length}
     sched, _ = fm.get_mla_metadata()
     out, lse = fm.flash_mla_with_kvcache(
-        _pad_heads(q, 2, _padded_heads(SPARSE_DECODE, N)), k_cache, None, None, head_dim_v,
-        sched, None, softmax_scale, False, True, _pad_topk(indices), topk_length=topk_length)
+        _pad_heads(q, 2, heads), paged(kv_cache), None, None, head_dim_v,
+        sched, None, softmax_scale, False, True, _pad_topk(indices), topk_length=topk_length,
+        attn_sink=_pad_sink(attn_sink, heads), **extra)
     return out[:, :, :N], lse[:, :N]
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
                        sm_scale: float, d_v: int = 512,
-                       topk_length: torch.Tensor | None = None
+                       topk_length: torch.Tensor | None = None, *,
+                       attn_sink: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``flash_mla_sparse_fwd`` with ``mla.reference.sparse_mla_prefill``'s signature."""
     require_device(SPARSE_PREFILL, "cuda", q=q, kv=kv, indices=indices,
@@ -143,9 +172,10 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     N = q.shape[1]
     kv3 = kv if kv.dim() == 3 else kv.unsqueeze(1)  # [s_kv, h_kv = 1, d]
     idx3 = indices if indices.dim() == 3 else indices.unsqueeze(1)  # [s_q, h_kv = 1, topk]
+    heads = _padded_heads(SPARSE_PREFILL, N)
     out, max_logits, lse = fm.flash_mla_sparse_fwd(
-        _pad_heads(q, 1, _padded_heads(SPARSE_PREFILL, N)), kv3, _pad_topk(idx3), sm_scale,
-        d_v, topk_length=topk_length)
+        _pad_heads(q, 1, heads), kv3, _pad_topk(idx3), sm_scale, d_v,
+        attn_sink=_pad_sink(attn_sink, heads), topk_length=topk_length)
     return out[:, :N], max_logits[:, :N], lse[:, :N]
 
 
