@@ -157,9 +157,10 @@ def _model1(s: V4Shape, gen: torch.Generator, fm) -> dict:
 
         def peer():
             return fm.flash_mla_with_kvcache(
-                q, cache.unsqueeze(2), None, None, 512, sched, None, SCALE, False, True, idx,
-                v4["attn_sink"], None if extra is None else extra.unsqueeze(2),
-                v4.get("extra_indices_in_kvcache"), None, None)
+                q, cache.unsqueeze(2), None, None, 512, sched, None, SCALE, False, True,
+                indices=idx, attn_sink=v4["attn_sink"],
+                extra_k_cache=None if extra is None else extra.unsqueeze(2),
+                extra_indices_in_kvcache=v4.get("extra_indices_in_kvcache"))
         peer_out = _time_peer(row, "flashmla_us", peer)
         if peer_out is not None:
             row["rel_err_vs_flashmla"] = rel_err(out.float(), peer_out.float())
@@ -184,7 +185,8 @@ def _sink_cost(s: V4Shape, gen: torch.Generator, fm) -> dict:
 
         def peer(attn_sink, sched):
             return fm.flash_mla_with_kvcache(q, cache.unsqueeze(2), None, None, 512, sched,
-                                             None, SCALE, False, True, idx, attn_sink)
+                                             None, SCALE, False, True, indices=idx,
+                                             attn_sink=attn_sink)
     else:
         s_kv = 16384
         q = torch.randn(s.B, s.N, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -197,7 +199,8 @@ def _sink_cost(s: V4Shape, gen: torch.Generator, fm) -> dict:
                                       attn_sink=attn_sink)
 
         def peer(attn_sink, sched):
-            return fm.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], SCALE, 512, attn_sink)
+            return fm.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], SCALE, 512,
+                                           attn_sink=attn_sink)
     with_sink = ours(sink)[0]
     row["ours_us"] = _bench(lambda: ours(None))
     row["ours_sink_us"] = _bench(lambda: ours(sink))
