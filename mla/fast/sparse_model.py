@@ -48,7 +48,7 @@ from mla.reference.indexer import IndexerWeights, _hadamard, indexer_qk, q_laten
 from mla.reference.indexer_cache import gather_indexer_k_cache
 from mla.reference.indexer_logits import decode_row_ends, quantize_indexer_q
 from mla.reference.paged_cache import slot_mapping_from_block_table
-from mla.reference.sparse_model import _check_caches, _is_fp8
+from mla.reference.sparse_model import check_sparse_caches, is_byte_cache
 from mla.validation import check_float, check_index, check_nonnegative, check_same_device
 from mla.weights import MLAWeights
 
@@ -89,8 +89,8 @@ def _rotate(x: torch.Tensor) -> torch.Tensor:
 def _fast_check_caches(weights: MLAWeights, indexer_weights: IndexerWeights,
                        kv_cache: torch.Tensor, index_k_cache: torch.Tensor,
                        use_fp8_indexer: bool | None) -> None:
-    _check_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
-    if not _is_fp8(index_k_cache):
+    check_sparse_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
+    if not is_byte_cache(index_k_cache):
         raise ValueError(f"the fast sparse layers read vLLM's fp8 index key cache (uint8 "
                          f"[num_blocks, block_size, 132]), got {index_k_cache.dtype} "
                          f"{list(index_k_cache.shape)}; the float index cache is the "
@@ -104,7 +104,7 @@ def _front_and_index(weights: MLAWeights, indexer_weights: IndexerWeights,
     """Cache the latent and the index key at ``slots``; return the front, the rotated index
     key, the e4m3 indexer query and its weights (as the reference's fp8 index cache path)."""
     f = mla_front(weights, hidden, positions)
-    write = concat_and_cache_fp8_ds_mla if _is_fp8(kv_cache) else concat_and_cache_mla
+    write = concat_and_cache_fp8_ds_mla if is_byte_cache(kv_cache) else concat_and_cache_mla
     write(f.kv_c, f.k_pe, kv_cache, slots, validate=validate)
     qk = indexer_qk(indexer_weights, hidden, q_latent(weights, hidden), positions, use_fp8=False)
     k_rot = _rotate(qk.k_index)
@@ -163,7 +163,7 @@ def sparse_decode_layer(
     q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)
     q = q.view(B, s_q, c.num_heads, c.latent_dim)
     o_lat, lse = sparse_mla_decode(q, kv_cache, gslots.view(B, s_q, -1), c.softmax_scale,
-                                   _is_fp8(kv_cache), head_dim_v=c.kv_lora_rank,
+                                   is_byte_cache(kv_cache), head_dim_v=c.kv_lora_rank,
                                    validate=checked)
     return SparseTrace(front=f, index_k=k_rot, q_index=q_fp8, index_weights=w_q, logits=logits,
                        row_starts=starts, row_ends=ends, local=local, slots=gslots, q=q,
@@ -239,7 +239,7 @@ def sparse_prefill_layer(
     local = top_k_per_row(logits, ks, ke, indexer_weights.config.index_topk, validate=True)
     q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)  # [T, N, Lkv+R]
     req32, table32 = req.to(torch.int32), block_table.to(torch.int32)
-    if _is_fp8(kv_cache):
+    if is_byte_cache(kv_cache):
         # the requests' rows dequantized into a workspace, read by workspace rows
         seq_lens = torch.tensor(seq, dtype=torch.int32, device=dev)
         starts = cu[:-1].contiguous()

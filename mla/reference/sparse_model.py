@@ -80,30 +80,35 @@ from mla.reference.sparse import (
 from mla.validation import acc_dtype, check_float, check_index, check_same_device, check_tensor
 from mla.weights import MLAWeights
 
-__all__ = ["sparse_prefill_forward", "sparse_decode_forward", "sparse_masked_dense_forward"]
+__all__ = ["sparse_prefill_forward", "sparse_decode_forward", "sparse_masked_dense_forward",
+           "is_byte_cache", "check_sparse_caches"]
 
 
-def _is_fp8(kv_cache: torch.Tensor) -> bool:
+def is_byte_cache(kv_cache: torch.Tensor) -> bool:
+    """Whether a cache holds bytes (fp8_ds_mla rows, or the indexer's fp8 keys), not floats."""
     return kv_cache.dtype in (torch.uint8, torch.float8_e4m3fn)
 
 
-def _check_caches(weights: MLAWeights, indexer_weights: IndexerWeights, kv_cache: torch.Tensor,
-                  index_k_cache: torch.Tensor, use_fp8_indexer: bool | None) -> None:
+def check_sparse_caches(weights: MLAWeights, indexer_weights: IndexerWeights,
+                        kv_cache: torch.Tensor, index_k_cache: torch.Tensor,
+                        use_fp8_indexer: bool | None) -> None:
+    """The weights, the latent cache (float or fp8_ds_mla) and the index key cache (float or
+    vLLM's fp8) fit together and the config; ``use_fp8_indexer`` fits the index cache."""
     c = weights.config
     if indexer_weights.config.q_lora_rank != c.q_lora_rank or \
             indexer_weights.config.hidden_size != c.hidden_size:
         raise ValueError(f"indexer_weights (config {indexer_weights.config.name!r}) do not fit "
                          f"weights (config {c.name!r}): hidden_size and q_lora_rank must match")
     check_tensor("kv_cache", kv_cache, ndim=3)
-    want = FP8_DS_MLA_BYTES if _is_fp8(kv_cache) else c.latent_dim
+    want = FP8_DS_MLA_BYTES if is_byte_cache(kv_cache) else c.latent_dim
     if kv_cache.shape[2] != want:
         raise ValueError(f"kv_cache must have shape [num_blocks, block_size, {want}] "
-                         f"({'fp8_ds_mla bytes' if _is_fp8(kv_cache) else 'Lkv + R'}), "
+                         f"({'fp8_ds_mla bytes' if is_byte_cache(kv_cache) else 'Lkv + R'}), "
                          f"got {list(kv_cache.shape)}")
-    if _is_fp8(kv_cache) and (c.kv_lora_rank, c.qk_rope_head_dim) != (512, 64):
+    if is_byte_cache(kv_cache) and (c.kv_lora_rank, c.qk_rope_head_dim) != (512, 64):
         raise ValueError(f"an fp8_ds_mla cache needs kv_lora_rank=512 and qk_rope_head_dim=64, "
                          f"config {c.name!r} has {c.kv_lora_rank} and {c.qk_rope_head_dim}")
-    if not _is_fp8(index_k_cache):
+    if not is_byte_cache(index_k_cache):
         check_float("index_k_cache", index_k_cache,
                     shape=[kv_cache.shape[0], kv_cache.shape[1], c.index_head_dim])
         return
@@ -130,12 +135,12 @@ def _front_and_index(weights: MLAWeights, indexer_weights: IndexerWeights,
     e4m3 with its scale folded into ``weights`` (``quantize_indexer_q``).
     """
     f = mla_front(weights, hidden, positions)
-    if _is_fp8(kv_cache):
+    if is_byte_cache(kv_cache):
         concat_and_cache_fp8_ds_mla(f.kv_c, f.k_pe, kv_cache, slots)
     else:
         concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
     q_c = q_latent(weights, hidden)
-    if not _is_fp8(index_k_cache):
+    if not is_byte_cache(index_k_cache):
         qk = indexer_qk(indexer_weights, hidden, q_c, positions, bool(use_fp8_indexer))
         d_index = index_k_cache.shape[2]
         index_k_cache.view(-1, d_index)[slots] = qk.k_index.to(index_k_cache.dtype)
@@ -194,7 +199,7 @@ def sparse_prefill_forward(
     check_index("block_table", block_table, shape=[B, None])
     check_same_device(hidden=hidden, kv_cache=kv_cache, index_k_cache=index_k_cache,
                       block_table=block_table, query_start_loc=query_start_loc)
-    _check_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
+    check_sparse_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
     qsl = query_start_loc.tolist()
     if qsl[0] != 0 or qsl[-1] != hidden.shape[0] or any(b < a for a, b in zip(qsl, qsl[1:])):
         raise ValueError(f"query_start_loc must rise from 0 to hidden's {hidden.shape[0]} "
@@ -209,7 +214,7 @@ def sparse_prefill_forward(
                              slot_mapping_from_block_table(block_table, req, positions, bs),
                              positions, kv_cache, index_k_cache, use_fp8_indexer)
     topk = indexer_weights.config.index_topk
-    if _is_fp8(index_k_cache):
+    if is_byte_cache(index_k_cache):
         # vLLM's prefill: each request's keys gathered into one ragged array; query t of a
         # request starting at row ks sees rows [ks, ks + position + 1)
         cu = [0]
@@ -225,7 +230,7 @@ def sparse_prefill_forward(
         local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
     q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)  # [T, N, Lkv+R]
     req32, table32 = req.to(torch.int32), block_table.to(torch.int32)
-    if not _is_fp8(kv_cache):
+    if not is_byte_cache(kv_cache):
         slots = convert_req_index_to_global_index(req32, table32, local, bs)
         o_lat, _, _ = sparse_mla_prefill(q, kv_cache.view(-1, c.latent_dim), slots,
                                          c.softmax_scale, d_v=c.kv_lora_rank)
@@ -268,7 +273,7 @@ def sparse_decode_forward(
     check_index("block_table", block_table, shape=[B, None])
     check_same_device(hidden=hidden, kv_cache=kv_cache, index_k_cache=index_k_cache,
                       block_table=block_table, cache_seqlens=cache_seqlens)
-    _check_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
+    check_sparse_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
     dev = hidden.device
     positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
     req = torch.arange(B, device=dev).repeat_interleave(s_q)
@@ -277,7 +282,7 @@ def sparse_decode_forward(
                              slot_mapping_from_block_table(block_table, req, positions, bs),
                              positions, kv_cache, index_k_cache, use_fp8_indexer)
     topk = indexer_weights.config.index_topk
-    if _is_fp8(index_k_cache):
+    if is_byte_cache(index_k_cache):
         seq_lens = (cache_seqlens + s_q).to(torch.int32)
         q_fp8 = qk.q_index.view(B, s_q, *qk.q_index.shape[1:])
         logits = fp8_paged_mqa_logits(q_fp8, index_k_cache, qk.weights, seq_lens, block_table,
@@ -291,7 +296,7 @@ def sparse_decode_forward(
     q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)
     q = q.view(B, s_q, c.num_heads, c.latent_dim)
     o_lat, _ = sparse_mla_decode(q, kv_cache, slots.view(B, s_q, -1), c.softmax_scale,
-                                 _is_fp8(kv_cache), head_dim_v=c.kv_lora_rank)
+                                 is_byte_cache(kv_cache), head_dim_v=c.kv_lora_rank)
     return _up_project(weights, o_lat)
 
 
