@@ -78,10 +78,9 @@ def _events_ms(fn, runs: int) -> float:
     return statistics.median(times)
 
 
-def bench_one(B: int, L: int, device: str = "cuda", seed: int = 0) -> dict:
-    cfg = get_config("deepseek-v3.2")
-    w = MLAWeights.random(cfg, seed=seed, dtype=torch.bfloat16, device=device)
-    iw = IndexerWeights.random(cfg, seed=seed + 1, dtype=torch.bfloat16, device=device)
+def bench_one(B: int, L: int, w: MLAWeights, iw: IndexerWeights, device: str = "cuda",
+              seed: int = 0) -> dict:
+    cfg = w.config
     per_req = -(-(L + 1) // BLOCK)
     num_pages = B * per_req
     kv, ik = _caches(num_pages, device, seed)
@@ -155,11 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     sizes.sort(key=lambda bl: bl != (32, 32768))
     os.makedirs(args.out, exist_ok=True)
     stamp = env["date"]
+    cfg = get_config("deepseek-v3.2")
+    w = MLAWeights.random(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
+    iw = IndexerWeights.random(cfg, seed=1, dtype=torch.bfloat16, device="cuda")
     rows = []
     for B, L in sizes:
         log(f"sparse layer B={B} L={L}")
         try:
-            r = bench_one(B, L)
+            r = bench_one(B, L, w, iw)
         except Exception as e:  # noqa: BLE001 (one size failing must not hide the others)
             traceback.print_exc()
             r = {"B": B, "L": L, "error": f"{type(e).__name__}: {e}"[:300]}

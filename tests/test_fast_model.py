@@ -15,6 +15,7 @@ import torch
 import mla.fast.model as fast_model
 from benchmarks.layer_check import build_dense, dense_decode_check, dense_prefill_check
 from benchmarks.layer_stages import assert_stages, gemm_budget
+from mla.compare import rel_err
 from mla.config import get_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -161,6 +162,8 @@ def test_decode_step_is_capturable():
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(g):
         out = fast_model.decode_forward(w, h, cache, bt, sl, validate=False)
+    out.zero_()
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, ref)
+    # cuBLAS may pick other GEMM algorithms under capture: equal to about one bf16 rounding
+    assert rel_err(out, ref) < 2.0 ** -8

@@ -20,6 +20,7 @@ from benchmarks.sparse_layer_check import (
     sparse_decode_check,
     sparse_prefill_check,
 )
+from mla.compare import rel_err
 from mla.config import get_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,6 +156,8 @@ def test_sparse_decode_step_is_capturable():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = fast_sparse.sparse_decode_forward(w, iw, h, kv, ik, bt, sl, validate=False)
+    out.zero_()
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, ref)
+    # cuBLAS may pick other GEMM algorithms under capture: equal to about one bf16 rounding
+    assert rel_err(out, ref) < 2.0 ** -8
