@@ -25,7 +25,7 @@ from mla.compare import poison_like, rel_err
 from mla.conformance.cases.indexer import as_sets
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_k_quant_and_cache
 from mla.fast.indexer_logits import LogitsPlan, logits_budget
-from mla.fast.topk import top_k_per_row
+from mla.fast.topk import CANDIDATES, top_k_per_row
 from mla.reference.paged_cache import make_block_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -407,6 +407,16 @@ def test_topk_special_values():
     got = _check_topk(logits, st, en, 5)
     assert {5, 77, 250} <= set(got[0].tolist())
     assert got[2].tolist() == [0, 1, 2, 3, 4] and got[3].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_topk_boundary_past_the_scratch_list():
+    """A row whose boundary bucket holds more keys than the scratch list (all 9000 equal, and
+    a row of 9000 values in one bucket) is scanned instead: the same set."""
+    logits, st, en = _rows(_gen(24), [0, 0], [9000, 9000], 9000)
+    logits[0] = 1.0
+    logits[1] = 1.0 + torch.rand(9000, generator=_gen(25)) * 0.2  # one 11-bit bucket
+    assert 9000 > CANDIDATES
+    _check_topk(logits, st, en, 2048)
 
 
 def test_topk_a_broken_twin_fails():

@@ -20,9 +20,10 @@ is the same order as uint32 bits, whose top 11 bits are the first digit.
    them are selected) and its keys in it (the candidates);
 3. each chunk writes its keys above ``d`` at its offset (a prefix over the earlier chunks'
    counts: column order, no atomics on the output) and its candidates' columns to a scratch row;
-4. one program a row finishes on the candidates alone (usually a few thousand): two more
-   histogram passes (bits 20-10, 9-0) give the boundary key and how many equal ones to take,
-   the first in column order.
+4. one program a row finishes on the candidates alone (usually a few thousand; a row with more
+   than ``CANDIDATES`` is scanned again instead of listed): two more histogram passes (bits
+   20-10, 9-0) give the boundary key and how many equal ones to take, the first in column
+   order.
 
 Three reads of the logits (the later ones mostly from L2); rows with ``end - start <= topk``
 skip the histograms.
@@ -42,6 +43,7 @@ __all__ = ["top_k_per_row"]
 BLOCK = 1024
 BINS = 2048  # 11 bits a digit
 MAX_CHUNKS = 256
+CANDIDATES = 8192  # the boundary's scratch list, per row; a row with more is scanned instead
 
 
 @triton.jit
@@ -74,6 +76,17 @@ def _first_digit(hist_row, topk, n, BINS: tl.constexpr):
 
 
 @triton.jit
+def _candidates(src, cand_row, c0, items, listed, BLOCK: tl.constexpr):
+    """Items ``[c0, c0 + BLOCK)`` of the boundary's candidates: their columns, uint32-ordered
+    keys and liveness; from the scratch list (``listed``) or the row's columns."""
+    i = c0 + tl.arange(0, BLOCK)
+    live = i < items
+    col = tl.where(listed, tl.load(cand_row + i, mask=live & listed, other=0), i)
+    u = _order_keys(tl.load(src + col, mask=live, other=0.0)) ^ -2147483648
+    return col.to(tl.int32), u, live
+
+
+@triton.jit
 def _hist_kernel(logits, starts, ends, hist, W, topk, s_l_r, chunk,
                  BLOCK: tl.constexpr, BINS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -93,7 +106,8 @@ def _hist_kernel(logits, starts, ends, hist, W, topk, s_l_r, chunk,
 
 
 @triton.jit
-def _count_kernel(logits, starts, ends, hist, counts, W, topk, s_l_r, chunk, n_chunks,
+def _count_kernel(logits, starts, ends, hist, counts, first_digit, W, topk, s_l_r, chunk,
+                  n_chunks,
                   BLOCK: tl.constexpr, BINS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
@@ -114,11 +128,13 @@ def _count_kernel(logits, starts, ends, hist, counts, W, topk, s_l_r, chunk, n_c
     at = counts + (row * n_chunks + c) * 2
     tl.store(at, above)
     tl.store(at + 1, inside)
+    if c == 0:
+        tl.store(first_digit + row, d)
 
 
 @triton.jit
 def _scatter_kernel(logits, starts, ends, hist, counts, out, cand, W, topk, s_l_r, s_o_r,
-                    s_c_r, chunk, n_chunks,
+                    cand_cap, chunk, n_chunks,
                     BLOCK: tl.constexpr, BINS: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
@@ -142,14 +158,15 @@ def _scatter_kernel(logits, starts, ends, hist, counts, out, cand, W, topk, s_l_
         pos = base_above + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
         tl.store(out + row * s_o_r + pos, (cols - start).to(tl.int32), mask=is_above & (pos < topk))
         pos = base_cand + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1
-        tl.store(cand + row * s_c_r + pos, (cols - start).to(tl.int32), mask=is_cand)
+        tl.store(cand + row * cand_cap + pos, (cols - start).to(tl.int32),
+                 mask=is_cand & (pos < cand_cap))  # a longer list is not used
         base_above += tl.sum(is_above.to(tl.int32), axis=0)
         base_cand += tl.sum(is_cand.to(tl.int32), axis=0)
 
 
 @triton.jit
-def _boundary_kernel(logits, starts, ends, counts, out, cand, W, topk, s_l_r, s_o_r, s_c_r,
-                     n_chunks,
+def _boundary_kernel(logits, starts, ends, counts, first_digit, out, cand, W, topk, s_l_r, s_o_r,
+                     cand_cap, n_chunks,
                      BLOCK: tl.constexpr, BINS: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
@@ -160,22 +177,22 @@ def _boundary_kernel(logits, starts, ends, counts, out, cand, W, topk, s_l_r, s_
     kept = tl.minimum(n, topk)
     need = kept - n_above  # candidates to take; all of them share the first digit
     src = logits + row * s_l_r + start
-    cand_row = cand + row * s_c_r
+    cand_row = cand + row * cand_cap
     dst = out + row * s_o_r + n_above
     if need > 0:
-        u0 = _order_keys(tl.load(src + tl.load(cand_row))) ^ -2147483648
-        found = u0 & -2097152  # the first digit, bits 31-21
+        # the candidates: the scratch list when it holds them all, else the row itself
+        # filtered by the first digit (column order either way)
+        listed = n_cand <= cand_cap
+        items = tl.where(listed, n_cand, n)
+        first = tl.load(first_digit + row)
+        found = first << 21  # the first digit, bits 31-21
         bins = tl.arange(0, BINS)
         for p in tl.static_range(2):
             shift = 10 - 10 * p  # digits: bits 20-10, 9-0
             h = tl.zeros((BINS,), tl.int32)
-            for c0 in range(0, n_cand, BLOCK):
-                i = c0 + tl.arange(0, BLOCK)
-                live = i < n_cand
-                col = tl.load(cand_row + i, mask=live, other=0)
-                u = _order_keys(tl.load(src + col, mask=live, other=0.0)) ^ -2147483648
-                if p > 0:  # only the candidates sharing the second digit
-                    live = live & ((u >> 10) == (found >> 10))
+            for c0 in range(0, items, BLOCK):
+                col, u, live = _candidates(src, cand_row, c0, items, listed, BLOCK)
+                live = live & ((u >> (21 - 11 * p)) == (found >> (21 - 11 * p)))
                 h += tl.histogram((u >> shift) & ((BINS - 1) >> p), BINS, mask=live)
             above = tl.cumsum(h, axis=0, reverse=True)
             d = tl.sum((above >= need).to(tl.int32), axis=0) - 1
@@ -184,11 +201,10 @@ def _boundary_kernel(logits, starts, ends, counts, out, cand, W, topk, s_l_r, s_
         threshold = found ^ -2147483648
         written = tl.zeros((), tl.int64)
         equal_seen = tl.zeros((), tl.int64)
-        for c0 in range(0, n_cand, BLOCK):
-            i = c0 + tl.arange(0, BLOCK)
-            live = i < n_cand
-            col = tl.load(cand_row + i, mask=live, other=0)
-            key = _order_keys(tl.load(src + col, mask=live, other=0.0))
+        for c0 in range(0, items, BLOCK):
+            col, u, live = _candidates(src, cand_row, c0, items, listed, BLOCK)
+            live = live & ((u >> 21) == (found >> 21))
+            key = u ^ -2147483648
             equal = live & (key == threshold)
             rank = equal_seen + tl.cumsum(equal.to(tl.int64), axis=0) - 1
             take = live & ((key > threshold) | (equal & (rank < need)))
@@ -239,17 +255,18 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     chunks = max(1, triton.cdiv(W, chunk))
     hist = torch.zeros(R, BINS, dtype=torch.int32, device=logits.device)
     counts = torch.empty(R, chunks, 2, dtype=torch.int32, device=logits.device)
-    cand = torch.empty(R, max(W, 1), dtype=torch.int32, device=logits.device)
+    first = torch.empty(R, dtype=torch.int32, device=logits.device)
+    cand = torch.empty(R, max(1, min(W, CANDIDATES)), dtype=torch.int32, device=logits.device)
     grid = (R, chunks)
     common = (logits, row_starts, row_ends)
     _hist_kernel[grid](*common, hist, W, topk, logits.stride(0), chunk,
                        BLOCK=BLOCK, BINS=BINS, num_warps=4)
-    _count_kernel[grid](*common, hist, counts, W, topk, logits.stride(0), chunk, chunks,
+    _count_kernel[grid](*common, hist, counts, first, W, topk, logits.stride(0), chunk, chunks,
                         BLOCK=BLOCK, BINS=BINS, num_warps=4)
     _scatter_kernel[grid](*common, hist, counts, out, cand, W, topk, logits.stride(0),
                           out.stride(0), cand.stride(0), chunk, chunks,
                           BLOCK=BLOCK, BINS=BINS, CHUNKS=next_pow2(chunks), num_warps=4)
-    _boundary_kernel[(R,)](*common, counts, out, cand, W, topk, logits.stride(0),
+    _boundary_kernel[(R,)](*common, counts, first, out, cand, W, topk, logits.stride(0),
                            out.stride(0), cand.stride(0), chunks,
                            BLOCK=BLOCK, BINS=BINS, CHUNKS=next_pow2(chunks), num_warps=4)
     return out
