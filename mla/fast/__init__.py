@@ -25,6 +25,7 @@ from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
 from mla.fast.indexer_cache import indexer_k_quant_and_cache
 from mla.fast.indexer_logits import fp8_mqa_logits, fp8_paged_mqa_logits
 from mla.fast.merge import merge_attn_states
+from mla.fast.model import chunked_prefill_forward, decode_forward, write_context
 from mla.fast.paged_cache import concat_and_cache_mla, gather_cache
 from mla.fast.prefill import prefill_attention
 from mla.fast.sparse import (
@@ -34,9 +35,12 @@ from mla.fast.sparse import (
     sparse_mla_decode,
     sparse_mla_prefill,
 )
+from mla.fast.sparse_model import sparse_decode_forward, sparse_prefill_forward
 from mla.fast.topk import top_k_per_row
 
 __all__ = ["DecodePlan", "SparsePlan", "attention_with_lse", "chunked_prefill_attention",
+           "chunked_prefill_forward", "decode_forward", "sparse_decode_forward",
+           "sparse_prefill_forward", "write_context",
            "concat_and_cache_fp8_ds_mla", "concat_and_cache_mla",
            "convert_req_index_to_global_index", "flash_attention_with_lse", "gather_cache",
            "fp8_mqa_logits", "fp8_paged_mqa_logits", "indexer_k_quant_and_cache",
