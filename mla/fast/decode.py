@@ -17,10 +17,11 @@ How it is fast (docs/kernels.md):
   for the logits. The dims need not be powers of two (masked), e.g. the tiny preset's 32 + 8.
 - Split-KV (Flash-Decoding): each request's keys are cut into ``num_splits`` equal runs of
   whole tiles, one program each, writing a partial ``(o, lse)``; a second small kernel merges
-  them (conventions §6). ``num_splits`` comes from host-known shapes only (batch, head groups, the
-  block
-  table's capacity, the SM count), never from device values, so a call never synchronizes and
-  can be captured in a CUDA graph. With one split the first kernel writes the result directly.
+  them (conventions §6), or, with ``DecodePlan.fused_combine``, the last program of each head
+  group to finish (``mla.fast.decode_combine``). ``num_splits`` comes from host-known shapes
+  only (batch, head groups, the block table's capacity, the SM count), never from device
+  values, so a call never synchronizes and can be captured in a CUDA graph. With one split the
+  first kernel writes the result directly.
 - Online softmax in base 2 with the scale folded into one multiply; full tiles run without
   masks, only the tail (length end, causal diagonal) pays for them.
 
