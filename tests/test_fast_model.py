@@ -71,7 +71,7 @@ def test_broken_prefill_lse_fails_its_stage(monkeypatch):
 
     def off(*args, **kwargs):
         o, lse = real(*args, **kwargs)
-        return o, lse + 1e-2
+        return o, lse + 2e-2  # twice the bf16 lse budget
 
     monkeypatch.setattr(fast_model, "chunked_prefill_attention", off)
     bad = _failing(dense_prefill_check(CONFIGS["deepseek-v2-lite"], DTYPE, DEVICE, [40], [5],
