@@ -80,8 +80,8 @@ def bytes_stage(layer: str, stage: str, out: torch.Tensor, ref: torch.Tensor) ->
 
 def assert_stages(stages: list[Stage]) -> None:
     """Raise ``AssertionError`` listing every stage over its budget."""
-    bad = [s.line() for s in stages if not s.passed]
-    assert not bad, "stages over budget:\n" + "\n".join(bad)
+    bad = [" ".join(s.line().split()) for s in stages if not s.passed]
+    assert not bad, "stages over budget: " + " | ".join(bad)  # one line: pytest -rf shows it
 
 
 def front_stages(layer: str, f, f_ref, dtype: torch.dtype) -> list[Stage]:
