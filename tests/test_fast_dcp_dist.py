@@ -6,7 +6,7 @@ One spawn per world size (2 and 4 ranks) runs the rank programs of ``mla.fast.dc
 correction with empty ranks and a NaN lse, chunked prefill, and both forwards from hidden
 states; each once through ``ProcessGroupCommunicator`` and the decode again through
 ``CapturableCommunicator`` (the same collectives without the shape exchange: bitwise the
-same). The results are compared with ``run_simulated`` (to float32 rounding: gloo may add
+same, as are both communicators' all-gathers and reduce-scatters along every dim). The results are compared with ``run_simulated`` (to float32 rounding: gloo may add
 the ranks' partials in another order) and with the float64 references (the budgets of
 tests/test_fast_dcp.py).
 """
@@ -51,6 +51,19 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
 def on_capturable(comm: Communicator, fn: functools.partial) -> object:
     """``fn`` through a ``CapturableCommunicator`` over the same (default) group."""
     return fn(fdcp.CapturableCommunicator())
+
+
+def both_communicators(comm: Communicator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every dim's all-gather and reduce-scatter through the reference's communicator and
+    through ``CapturableCommunicator``: pairs that must be bitwise equal."""
+    cap = fdcp.CapturableCommunicator()
+    x = randn(4, 8, 12, seed=comm.rank).float()  # every dim divisible by 2 and 4
+    pairs = []
+    for dim in (0, 1, 2, -2):
+        pairs.append((comm.all_gather(x, dim=dim), cap.all_gather(x, dim=dim)))
+        pairs.append((comm.reduce_scatter(x, dim=dim),
+                      cap.reduce_scatter(x, dim=dim)))
+    return pairs
 
 
 def correction(comm: Communicator, outs: torch.Tensor, lses: torch.Tensor
@@ -147,7 +160,11 @@ def joined(results: list[object], k: int) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("W", [2, 4])
 def test_process_group_equals_simulation_and_reference(W: int) -> None:
     programs, refs = jobs(W)
-    real = run_process_group(W, functools.partial(run_all, fns=programs), timeout=300.0)
+    real = run_process_group(W, functools.partial(run_all, fns=[*programs, both_communicators]),
+                             timeout=300.0)
+    for r in range(W):
+        for k, (ref, cap) in enumerate(real[r].pop()):
+            assert torch.equal(ref, cap), (r, k)
     sim = run_simulated(W, functools.partial(run_all, fns=programs[:2] + programs[3:]))
     sim = [s[:2] + [s[1]] + s[2:] for s in sim]  # the capturable run is the s_q=3 decode's
     for r in range(W):
