@@ -105,6 +105,28 @@ def test_broken_projection_fails(monkeypatch):
     assert "projection" in bad and "attention.o_lat" not in bad
 
 
+def test_gemm_budget_sits_near_the_measured_bf16_error():
+    """bf16 GEMMs on the CPU (float32 accumulation, one rounding of the output): the budget is
+    between 1.5x and 3x the error measured on V3's absorption and projections, as every budget
+    of mla.compare."""
+    from mla.compare import rel_err
+    from mla.reference.decode import absorb_q
+    from mla.weights import MLAWeights
+
+    cfg = CONFIGS["deepseek-v3"].replace(num_heads=16)
+    w = MLAWeights.random(cfg, dtype=torch.bfloat16)
+    w64 = w.to(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    o_lat = (0.3 * torch.randn(8, 16, 512, generator=g)).to(torch.bfloat16)
+    out = torch.einsum("snl,lnv->snv", o_lat, w.W_UV).flatten(-2) @ w.W_O
+    out64 = torch.einsum("snl,lnv->snv", o_lat.double(), w64.W_UV).flatten(-2) @ w64.W_O
+    ratio = gemm_budget(torch.bfloat16, [512, 16 * 128]) / rel_err(out, out64)
+    assert 1.5 <= ratio <= 3.0, ratio
+    q_nope = torch.randn(8, 16, 128, generator=g).to(torch.bfloat16)
+    err = rel_err(absorb_q(q_nope, w.W_UK), absorb_q(q_nope.double(), w64.W_UK))
+    assert 1.5 <= gemm_budget(torch.bfloat16, [128]) / err <= 3.0
+
+
 def test_gemm_budget_catches_one_percent():
     """A 1% error exceeds the projection budget of every dtype the layers run in."""
     for dtype in (torch.float32, torch.bfloat16):
