@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from _nan_rule import assert_nan_rule
 
 from mla import compare
 from mla.compare import assert_close, budget, rel_err
@@ -376,3 +377,30 @@ def test_v4_argument_errors():
     with pytest.raises(TypeError, match="attn_sink"):
         sparse_mla_prefill(q[0], plain.view(-1, D4), idx[0], 0.1, 512,
                            attn_sink=torch.zeros(2, dtype=torch.float64, device=DEVICE))
+
+
+@pytest.mark.parametrize("plan", SPLITS)
+def test_nan_in_the_second_scope_is_nan_out(plan):
+    """conventions §13 across scopes: a NaN row named only by the second scope makes that
+    query's out and lse NaN (with a sink too), a NaN in q likewise; every other query is the
+    reference's; a NaN row no entry names changes nothing."""
+    g = _gen(15)
+    c1, u1 = plain_cache(3, 16, 40, torch.float32, g)
+    c2, u2 = plain_cache(12, 1, 40, torch.float32, g)
+    q = torch.randn(3, 2, 3, 40, generator=g).to(DEVICE)
+    idx1, idx2 = pick(g, (3, 2, 21), u1), pick(g, (3, 2, 7), u2)
+    poisoned = int(u2[0])
+    idx2[idx2 == poisoned] = -1
+    idx2[1, 0, 3] = poisoned
+    c2.view(-1, 40)[poisoned, 5] = float("nan")
+    q[2, 1, 0, 7] = float("nan")
+    sink = torch.tensor([0.5, 3.0, -1.0], device=DEVICE)
+    kw = dict(extra_k_cache=c2, extra_indices_in_kvcache=idx2, attn_sink=sink)
+    out, lse = sparse_mla_decode(q, c1, idx1, 0.2, False, None, 32, plan=plan, **kw)
+    r_out, r_lse = ref_decode(q.double().cpu(), c1.double().cpu(), idx1.cpu(), 0.2, False, None,
+                              32, extra_k_cache=c2.double().cpu(),
+                              extra_indices_in_kvcache=idx2.cpu(), attn_sink=sink.cpu())
+    assert torch.isnan(r_out[1, 0]).all() and torch.isnan(r_lse[1, :, 0]).all()
+    assert torch.isnan(r_lse[2, 0, 1])
+    assert_nan_rule(out, r_out, 1e-5, name="out")
+    assert_nan_rule(lse, r_lse, name="lse", abs_tol=1e-5)
