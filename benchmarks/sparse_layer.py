@@ -64,7 +64,8 @@ def _caches(num_pages: int, device: str, seed: int) -> tuple[torch.Tensor, torch
     return kv, ik
 
 
-def _events_ms(fn, runs: int) -> float:
+def events_ms(fn, runs: int) -> float:
+    """Median ms of ``runs`` calls after one warm-up, by CUDA events (for slow steps)."""
     fn()
     torch.cuda.synchronize()
     times = []
@@ -107,7 +108,7 @@ def bench_one(B: int, L: int, w: MLAWeights, iw: IndexerWeights, device: str = "
     runs = 5 if B * L <= 32 * 32768 else 2
     try:
         out_ref = composed()
-        res["torch_ms"] = _events_ms(composed, runs)
+        res["torch_ms"] = events_ms(composed, runs)
         res["torch_runs"] = runs
         diff = (out_fast.float() - out_ref.float()).norm() / out_ref.float().norm()
         res["rel_diff_fast_vs_torch"] = diff.item()
@@ -119,9 +120,9 @@ def bench_one(B: int, L: int, w: MLAWeights, iw: IndexerWeights, device: str = "
     return res
 
 
-def _markdown(rows: list[dict], env: dict) -> str:
-    lines = [f"# Sparse decode layer step (DeepSeek-V3.2, bf16 weights, fp8_ds_mla cache, fp8 "
-             f"indexer), {env['gpu']}, {env['date']}", "",
+def step_table(title: str, rows: list[dict], env: dict) -> str:
+    """The markdown report of a layer-step benchmark: heading, versions, one row per size."""
+    lines = [f"# {title}, {env['gpu']}, {env['date']}", "",
              f"torch {env['torch']}, triton {env['triton']}. One layer, s_q = 1.", "",
              "| B | L | cache GB | fast ms | fast graph ms | torch composition ms | speedup |",
              "|---|---|---|---|---|---|---|"]
@@ -138,6 +139,10 @@ def _markdown(rows: list[dict], env: dict) -> str:
     if graph_errors:
         lines += ["", "Not captured in a CUDA graph: " + "; ".join(sorted(graph_errors))]
     return "\n".join(lines) + "\n"
+
+
+TITLE = ("Sparse decode layer step (DeepSeek-V3.2, bf16 weights, fp8_ds_mla cache, fp8 "
+         "indexer)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.sort(key=lambda x: (x["B"], x["L"]))
         with open(os.path.join(args.out, f"sparse_layer_{stamp}.json"), "w") as fh:
             json.dump({"environment": env, "rows": rows}, fh, indent=1)
-        md = _markdown(rows, env)
+        md = step_table(TITLE, rows, env)
         with open(os.path.join(args.out, f"sparse_layer_{stamp}.md"), "w") as fh:
             fh.write(md)
     print(md)
