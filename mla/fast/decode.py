@@ -514,8 +514,11 @@ def mla_decode_paged(
         launch = _prepare(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal,
                           head_dim_v, attn_sink, plan)
         if key is not None:
-            if len(_launches) >= _MAX_LAUNCHES:
+            if len(_launches) >= _MAX_LAUNCHES:  # shape churn: start again, kernels too
                 _launches.clear()
+                for launcher in (_triton_decode, _triton_combine, _sm90_decode):
+                    if launcher is not None:
+                        launcher.compiled.clear()
             _launches[key] = launch
     elif not (type(softmax_scale) is float and 0.0 < softmax_scale < _INF):
         check_scale("softmax_scale", softmax_scale)  # the one argument the key leaves out
