@@ -261,10 +261,11 @@ def test_paged_logits(lens: list[int], next_n: int, page: int, heads: int, minus
     _check_logits(got, want, heads)
 
 
-@pytest.mark.parametrize("plan", [LogitsPlan(block_n=128, queries=2), LogitsPlan(block_n=16,
-                                                                             queries=1)])
+@pytest.mark.parametrize("plan", [LogitsPlan(block_n=128, queries=2, stages=3),
+                                  LogitsPlan(block_n=16, queries=1, stages=1)])
 def test_logits_other_plans(plan: LogitsPlan):
-    """Tiles of 128 and of 16 keys, one or two prefill queries a program: the same logits."""
+    """Tiles of 128 and of 16 keys, one or two prefill queries a program, 1 or 3 stages: the
+    same logits."""
     args = _paged(_gen(31), [150, 17], 2, 16)
     want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], 160)
     _check_logits(fp8_paged_mqa_logits(*_on(DEVICE, args), 160, plan=plan), want, 64)
@@ -273,6 +274,8 @@ def test_logits_other_plans(plan: LogitsPlan):
     _check_logits(fp8_mqa_logits(*_on(DEVICE, args), plan=plan), want, 64)
     with pytest.raises(ValueError, match="LogitsPlan.block_n"):
         LogitsPlan(block_n=48)
+    with pytest.raises(ValueError, match="LogitsPlan.stages"):
+        LogitsPlan(stages=0)
 
 
 def test_paged_logits_deepgemm_cache_view_and_uint8_q():

@@ -53,10 +53,12 @@ class LogitsPlan:
     stages: int = 2
 
     def __post_init__(self) -> None:
-        for name, low in (("block_n", 16), ("queries", 1), ("num_warps", 1), ("stages", 1)):
+        for name, low in (("block_n", 16), ("queries", 1), ("num_warps", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low or v & (v - 1):
                 raise ValueError(f"LogitsPlan.{name} must be a power of two >= {low}, got {v!r}")
+        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"LogitsPlan.stages must be an int >= 1, got {self.stages!r}")
 
 
 # The FP8 tensor cores' accumulator keeps 13 mantissa bits and truncates toward zero: modelled
