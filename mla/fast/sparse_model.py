@@ -48,7 +48,7 @@ from mla.reference.indexer import IndexerWeights, _hadamard, indexer_qk, q_laten
 from mla.reference.indexer_cache import gather_indexer_k_cache
 from mla.reference.indexer_logits import decode_row_ends, quantize_indexer_q
 from mla.reference.paged_cache import slot_mapping_from_block_table
-from mla.reference.sparse_model import check_sparse_caches, is_byte_cache
+from mla.reference.sparse_model import check_sparse_caches, is_byte_cache, project_output
 from mla.validation import check_float, check_index, check_nonnegative, check_same_device
 from mla.weights import MLAWeights
 
@@ -113,11 +113,6 @@ def _front_and_index(weights: MLAWeights, indexer_weights: IndexerWeights,
     return f, k_rot, q_fp8, w_q
 
 
-def _up_project(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
-    o = torch.einsum("...nl,lnv->...nv", o_lat, weights.W_UV)
-    return o.flatten(-2) @ weights.W_O
-
-
 def sparse_decode_layer(
     weights: MLAWeights,
     indexer_weights: IndexerWeights,
@@ -147,8 +142,9 @@ def sparse_decode_layer(
     positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
     req = torch.arange(B, device=dev).repeat_interleave(s_q)
     slots = token_slots(block_table, req, positions, bs, checked)
-    f, k_rot, q_fp8, w_q = _front_and_index(weights, indexer_weights, hidden.reshape(B * s_q, -1),
-                                     slots, positions, kv_cache, index_k_cache, checked)
+    f, k_rot, q_fp8, w_q = _front_and_index(weights, indexer_weights,
+                                            hidden.reshape(B * s_q, -1), slots, positions,
+                                            kv_cache, index_k_cache, checked)
     seq_lens = (cache_seqlens + s_q).to(torch.int32)
     table32 = block_table.to(torch.int32)
     logits = fp8_paged_mqa_logits(q_fp8.view(B, s_q, *q_fp8.shape[1:]), index_k_cache, w_q,
@@ -167,7 +163,7 @@ def sparse_decode_layer(
                                    validate=checked)
     return SparseTrace(front=f, index_k=k_rot, q_index=q_fp8, index_weights=w_q, logits=logits,
                        row_starts=starts, row_ends=ends, local=local, slots=gslots, q=q,
-                       o_lat=o_lat, lse=lse, out=_up_project(weights, o_lat))
+                       o_lat=o_lat, lse=lse, out=project_output(weights, o_lat))
 
 
 def sparse_decode_forward(
@@ -225,8 +221,8 @@ def sparse_prefill_layer(
     ctx = torch.tensor(list(context_lens), dtype=torch.long, device=dev)
     positions = ctx[req] + torch.arange(hidden.shape[0], device=dev) - query_start_loc[req]
     slots = slot_mapping_from_block_table(block_table, req, positions, bs)
-    f, k_rot, q_fp8, w_q = _front_and_index(weights, indexer_weights, hidden, slots, positions,
-                                     kv_cache, index_k_cache, True)
+    f, k_rot, q_fp8, w_q = _front_and_index(weights, indexer_weights, hidden, slots,
+                                            positions, kv_cache, index_k_cache, True)
     # vLLM's prefill: each request's keys gathered into one ragged array; query t of the
     # request starting at row ks sees rows [ks, ks + position + 1)
     seq = [context_lens[i] + lens[i] for i in range(B)]
@@ -256,7 +252,7 @@ def sparse_prefill_layer(
                                        validate=True)
     return SparseTrace(front=f, index_k=k_rot, q_index=q_fp8, index_weights=w_q, logits=logits,
                        row_starts=ks, row_ends=ke, local=local, slots=gslots, q=q,
-                       o_lat=o_lat, lse=lse, out=_up_project(weights, o_lat))
+                       o_lat=o_lat, lse=lse, out=project_output(weights, o_lat))
 
 
 def sparse_prefill_forward(

@@ -81,7 +81,7 @@ from mla.validation import acc_dtype, check_float, check_index, check_same_devic
 from mla.weights import MLAWeights
 
 __all__ = ["sparse_prefill_forward", "sparse_decode_forward", "sparse_masked_dense_forward",
-           "is_byte_cache", "check_sparse_caches"]
+           "is_byte_cache", "check_sparse_caches", "project_output"]
 
 
 def is_byte_cache(kv_cache: torch.Tensor) -> bool:
@@ -166,7 +166,8 @@ def _select_float(qk: IndexerQK, index_k_cache: torch.Tensor, block_table: torch
     return local
 
 
-def _up_project(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
+def project_output(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
+    """``o_lat [..., N, Lkv]`` -> ``(o_lat · W_UV).flatten(-2) · W_O`` ``[..., H]``."""
     o = torch.einsum("...nl,lnv->...nv", o_lat, weights.W_UV)
     return o.flatten(-2) @ weights.W_O
 
@@ -234,7 +235,7 @@ def sparse_prefill_forward(
         slots = convert_req_index_to_global_index(req32, table32, local, bs)
         o_lat, _, _ = sparse_mla_prefill(q, kv_cache.view(-1, c.latent_dim), slots,
                                          c.softmax_scale, d_v=c.kv_lora_rank)
-        return _up_project(weights, o_lat)
+        return project_output(weights, o_lat)
     # fp8_ds_mla: dequantize each request's rows into a workspace, read it by workspace rows
     seq_lens = torch.tensor([context_lens[i] + lens[i] for i in range(B)], dtype=torch.int32,
                             device=dev)
@@ -245,7 +246,7 @@ def sparse_prefill_forward(
                                              prefill_workspace_request_ids=req32,
                                              prefill_workspace_starts=starts)
     o_lat, _, _ = sparse_mla_prefill(q, workspace, rows, c.softmax_scale, d_v=c.kv_lora_rank)
-    return _up_project(weights, o_lat)
+    return project_output(weights, o_lat)
 
 
 def sparse_decode_forward(
@@ -297,7 +298,7 @@ def sparse_decode_forward(
     q = q.view(B, s_q, c.num_heads, c.latent_dim)
     o_lat, _ = sparse_mla_decode(q, kv_cache, slots.view(B, s_q, -1), c.softmax_scale,
                                  is_byte_cache(kv_cache), head_dim_v=c.kv_lora_rank)
-    return _up_project(weights, o_lat)
+    return project_output(weights, o_lat)
 
 
 def sparse_masked_dense_forward(
