@@ -504,6 +504,7 @@ def mla_decode_paged(
     a CUDA graph is being captured. Unvalidated bad values give NaN for their request.
     ``plan``: launch parameters; default ``plan_decode(...)`` from the shapes.
     """
+    global _sm90_decode, _sm90_module
     try:
         key = _key(q, kv_cache, block_table, cache_seqlens, causal, head_dim_v, attn_sink,
                    plan)
@@ -546,7 +547,6 @@ def mla_decode_paged(
     ptrs = (q, kv_cache, block_table, cache_seqlens, out, lse, o_part, lse_part, sink)
     rest = (*launch.ints, softmax_scale * LOG2E, *launch.tail, *launch.constexprs)
     if launch.sm90:
-        global _sm90_decode, _sm90_module
         if _sm90_module is None:
             from mla.fast.sm90 import decode as _sm90_module
         if _sm90_decode is None or _sm90_decode.fn is not _sm90_module.decode_kernel:
