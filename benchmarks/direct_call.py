@@ -248,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shapes = SHAPES if not args.shapes else [SHAPES[i] for i in args.shapes]
     res = {"environment": environment(), "shapes": []}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"direct_call_{res['environment']['date']}")
     for s in shapes:
         try:
             res["shapes"].append(bench_shape(s, args.seed))
@@ -255,13 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{s.name}: failed: {type(e).__name__}: {str(e)[:500]}")
             res["shapes"].append({"name": s.name, "error": f"{type(e).__name__}: {e}"[:2000]})
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"direct_call_{res['environment']['date']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    ok = [r for r in res["shapes"] if "error" not in r]
-    with open(stem + ".md", "w") as f:
-        f.write(markdown({**res, "shapes": ok}))
+        ok = [r for r in res["shapes"] if "error" not in r]
+        with open(stem + ".json", "w") as f:  # after every shape: a cut-short run keeps them
+            json.dump(res, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(markdown({**res, "shapes": ok}))
     print(markdown({**res, "shapes": ok}))
     return 0 if len(ok) == len(res["shapes"]) else 1
 
