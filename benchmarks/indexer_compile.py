@@ -73,7 +73,7 @@ def ragged(plan: indexer_logits.LogitsPlan = DEFAULT_PLAN):
 
 def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     ptrs = dict(logits="fp32", starts="i32", ends="i32", hist="i32", counts="i32", out="i32",
-                cand="i32", first_digit="i32")
+                cand="i32", first_digit="i32", chunk_hist="i32")
     ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, cand_cap=topk.CANDIDATES,
                 chunk=1024, n_chunks=128)
     const = dict(BLOCK=topk.BLOCK, BINS=topk.BINS, CHUNKS=128)

@@ -15,9 +15,11 @@ is the same order as uint32 bits, whose top 11 bits are the first digit.
 
 **Select**, four launches over ``R x C`` programs (``C`` chunks a row, enough to fill the GPU):
 
-1. a histogram of each row's first digits (bits 31-21), summed over its chunks by atomics;
-2. each chunk counts its keys above the bucket ``d`` that holds the ``topk``-th best (all of
-   them are selected) and its keys in it (the candidates);
+1. a histogram of each chunk's first digits (bits 31-21), kept, and summed over the row's
+   chunks by atomics;
+2. from the row's histogram, the bucket ``d`` that holds the ``topk``-th best; from each
+   chunk's, its keys above ``d`` (all of them are selected) and in it (the candidates): no
+   read of the logits;
 3. each chunk writes its keys above ``d`` at its offset (a prefix over the earlier chunks'
    counts: column order, no atomics on the output) and its candidates' columns to a scratch row;
 4. one program a row finishes on the candidates alone (usually a few thousand; a row with more
@@ -25,8 +27,8 @@ is the same order as uint32 bits, whose top 11 bits are the first digit.
    20-10, 9-0) give the boundary key and how many equal ones to take, the first in column
    order.
 
-Three reads of the logits (the later ones mostly from L2); rows with ``end - start <= topk``
-skip the histograms.
+Two reads of the logits (the second mostly from L2), plus the boundary's few; rows with
+``end - start <= topk`` skip the histograms.
 """
 
 from __future__ import annotations
@@ -87,44 +89,44 @@ def _candidates(src, cand_row, c0, items, listed, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _hist_kernel(logits, starts, ends, hist, W, topk, s_l_r, chunk,
+def _hist_kernel(logits, starts, ends, hist, chunk_hist, W, topk, s_l_r, chunk, n_chunks,
                  BLOCK: tl.constexpr, BINS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     if n > topk:
-        lo = start + tl.program_id(1).to(tl.int64) * chunk
+        lo = start + c * chunk
         hi = tl.minimum(lo + chunk, end)
         src = logits + row * s_l_r
         h = tl.zeros((BINS,), tl.int32)
-        for c in range(lo, hi, BLOCK):
-            cols = c + tl.arange(0, BLOCK)
+        for c0 in range(lo, hi, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
             live = cols < hi
             u = _order_keys(tl.load(src + cols, mask=live, other=0.0)) ^ -2147483648
             h += tl.histogram((u >> 21) & (BINS - 1), BINS, mask=live)
         bins = tl.arange(0, BINS)
+        tl.store(chunk_hist + (row * n_chunks + c) * BINS + bins, h)
         tl.atomic_add(hist + row * BINS + bins, h, mask=h > 0, sem="relaxed")
 
 
 @triton.jit
-def _count_kernel(logits, starts, ends, hist, counts, first_digit, W, topk, s_l_r, chunk,
-                  n_chunks,
-                  BLOCK: tl.constexpr, BINS: tl.constexpr):
+def _count_kernel(starts, ends, hist, chunk_hist, counts, first_digit, W, topk, chunk, n_chunks,
+                  BINS: tl.constexpr):
+    """Each chunk's keys above the boundary bucket and in it, from its own histogram (no read
+    of the logits); a row of no more than ``topk`` keys takes all of them."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     d = _first_digit(hist + row * BINS, topk, n, BINS)
     lo = start + c * chunk
-    hi = tl.minimum(lo + chunk, end)
-    src = logits + row * s_l_r
-    above = tl.zeros((), tl.int32)
+    keys = tl.maximum(tl.minimum(lo + chunk, end) - lo, 0).to(tl.int32)
+    above = keys
     inside = tl.zeros((), tl.int32)
-    for c0 in range(lo, hi, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        live = cols < hi
-        u = _order_keys(tl.load(src + cols, mask=live, other=0.0)) ^ -2147483648
-        digit = (u >> 21) & (BINS - 1)
-        above += tl.sum((live & (digit > d)).to(tl.int32), axis=0)
-        inside += tl.sum((live & (digit == d)).to(tl.int32), axis=0)
+    if n > topk:
+        bins = tl.arange(0, BINS)
+        h = tl.load(chunk_hist + (row * n_chunks + c) * BINS + bins)
+        above = tl.sum(tl.where(bins > d, h, 0), axis=0)
+        inside = tl.sum(tl.where(bins == d, h, 0), axis=0)
     at = counts + (row * n_chunks + c) * 2
     tl.store(at, above)
     tl.store(at + 1, inside)
@@ -254,15 +256,16 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     chunk = BLOCK * max(1, triton.cdiv(triton.cdiv(W, chunks), BLOCK))
     chunks = max(1, triton.cdiv(W, chunk))
     hist = torch.zeros(R, BINS, dtype=torch.int32, device=logits.device)
+    chunk_hist = torch.empty(R, chunks, BINS, dtype=torch.int32, device=logits.device)
     counts = torch.empty(R, chunks, 2, dtype=torch.int32, device=logits.device)
     first = torch.empty(R, dtype=torch.int32, device=logits.device)
     cand = torch.empty(R, max(1, min(W, CANDIDATES)), dtype=torch.int32, device=logits.device)
     grid = (R, chunks)
     common = (logits, row_starts, row_ends)
-    _hist_kernel[grid](*common, hist, W, topk, logits.stride(0), chunk,
+    _hist_kernel[grid](*common, hist, chunk_hist, W, topk, logits.stride(0), chunk, chunks,
                        BLOCK=BLOCK, BINS=BINS, num_warps=4)
-    _count_kernel[grid](*common, hist, counts, first, W, topk, logits.stride(0), chunk, chunks,
-                        BLOCK=BLOCK, BINS=BINS, num_warps=4)
+    _count_kernel[grid](row_starts, row_ends, hist, chunk_hist, counts, first, W, topk, chunk,
+                        chunks, BINS=BINS, num_warps=4)
     _scatter_kernel[grid](*common, hist, counts, out, cand, W, topk, logits.stride(0),
                           out.stride(0), cand.stride(0), chunk, chunks,
                           BLOCK=BLOCK, BINS=BINS, CHUNKS=next_pow2(chunks), num_warps=4)
