@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             got = run()
         except Exception as e:  # noqa: BLE001 (report and go on with the other layers)
             failed_runs.append(repr(e))
+            traceback.print_exc()
             print(f"ERROR {e!r}", flush=True)
             continue
         for s in got:
