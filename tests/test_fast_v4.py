@@ -404,3 +404,29 @@ def test_nan_in_the_second_scope_is_nan_out(plan):
     assert torch.isnan(r_lse[2, 0, 1])
     assert_nan_rule(out, r_out, 1e-5, name="out")
     assert_nan_rule(lse, r_lse, name="lse", abs_tol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon sm_90 kernel runs on Hopper GPUs only")
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sm90_kernel_takes_model1_the_second_scope_and_sinks(num_splits):
+    """On an H200 the 64-head MODEL1 calls, with a second scope of pages of 1 and sinks, go to
+    the Gluon kernel (the route is asserted, not assumed) and match the reference within the
+    bf16 budget; rows of 512 in q's dtype stay on Triton."""
+    import mla.fast.sparse as fast_sparse
+    from mla.fast.sparse_kernels import MODEL1, PLAIN
+
+    g = _gen(16)
+    c1, u1 = model1_cache(4, 64, g)
+    c2, u2 = model1_cache(60, 1, g)
+    q = torch.randn(3, 1, 64, D4, generator=g).to(torch.bfloat16).to(DEVICE)
+    idx1, idx2 = pick(g, (3, 1, 200), u1), pick(g, (3, 1, 40), u2)
+    plan = SparsePlan(64, 64, num_splits, 8, 2)
+    pages = lambda c: c.as_strided((c.shape[0], c.stride(0)), (c.stride(0), 1))  # noqa: E731
+    assert fast_sparse._sm90_route(plan, q, pages(c1), 512, MODEL1, pages(c2))
+    plain, _ = plain_cache(2, 16, D4, torch.bfloat16, g)
+    assert not fast_sparse._sm90_route(plan, q, plain.view(-1, D4), 512, PLAIN)
+    lens = torch.tensor([200, 0, 77], dtype=I32, device=DEVICE)
+    check_decode(q, c1, idx1, True, lens, plan, extra_k_cache=c2, extra_indices_in_kvcache=idx2,
+                 attn_sink=_sink(64, g, 240))

@@ -234,7 +234,7 @@ def _launch(q: torch.Tensor, scopes: list[_Scope], fmt: int, attn_sink: torch.Te
     sink = attn_sink.contiguous() if attn_sink is not None else lse  # unused when None
     check_range = max_logits is None  # decode: its indices' contract is [-1, rows)
     launched = False
-    if _sm90_route(plan, q, [sc.kv for sc in scopes], dv, fmt):
+    if _sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None):
         from mla.fast.sm90.sparse import sparse_kernel as sm90_kernel
 
         def layout(sc: _Scope) -> tuple[int, int]:  # (row or page stride, page size)
@@ -278,17 +278,19 @@ def _launch(q: torch.Tensor, scopes: list[_Scope], fmt: int, attn_sink: torch.Te
         )
 
 
-def _sm90_route(plan: SparsePlan, q: torch.Tensor, caches: list[torch.Tensor], dv: int,
-                fmt: int) -> bool:
+def _sm90_route(plan: SparsePlan, q: torch.Tensor, kv: torch.Tensor, dv: int, fmt: int,
+                extra_kv: torch.Tensor | None = None) -> bool:
     """Whether this call goes to the Gluon sm_90 kernel (``mla.fast.sm90.sparse``): a plan
     that allows it, on a Hopper GPU whose Triton can build the Gluon kernels, DeepSeek-V3.2's
-    rows (a bf16/fp16 or ``fp8_ds_mla`` cache) or MODEL1 pages, in each scope."""
+    rows (a bf16/fp16 or ``fp8_ds_mla`` cache) or MODEL1 pages, in ``kv`` and in the second
+    scope's ``extra_kv`` if any. ``fmt``: ``PLAIN``, ``DS_MLA`` or ``MODEL1``."""
     if not plan.sm90 or q.device.type != "cuda" or interpreting() or not sm90.usable():
         return False
     from mla.fast.sm90.sparse import supported
 
-    return all(supported(q, kv, dv, fmt == DS_MLA, plan.block_m, model1=fmt == MODEL1)
-               for kv in caches)
+    caches = [kv] if extra_kv is None else [kv, extra_kv]
+    return all(supported(q, c, dv, fmt == DS_MLA, plan.block_m, model1=fmt == MODEL1)
+               for c in caches)
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
