@@ -76,7 +76,7 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
                 cand="i32", first_digit="i32", chunk_hist="i32")
     ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, cand_cap=topk.CANDIDATES,
                 chunk=1024, n_chunks=128)
-    const = dict(BLOCK=topk.BLOCK, BINS=topk.BINS, CHUNKS=128)
+    const = dict(BLOCK=topk.BLOCK, BINS=topk.BINS, CHUNKS=128, STAGES=topk.STAGES)
     return {fn.__name__: _compile(fn, const, ptrs, ints, 4)
             for fn in (topk._hist_kernel, topk._count_kernel, topk._scatter_kernel,
                        topk._boundary_kernel)}

@@ -4,9 +4,11 @@ split across programs.
 Same selection as ``mla.reference.indexer_logits.top_k_per_row`` (conventions §10, "Indexer
 logits and top-k"): per row the ``min(topk, end - start)`` highest logits of columns
 ``[start, end)``, ties to the lower index, NaN above every number, as ``j - start``; the rest
-of the row ``-1``. Columns outside ``[start, end)`` are never read. The set is not sorted by
-score (the sparse attention sums over it, the catalogue compares sets): the keys above the
-boundary bucket come first, in column order, then the boundary's chosen keys, in column order.
+of the row ``-1``. Columns outside ``[start, end)`` never count (the streaming passes load
+whole 16-byte vectors of the row, so a neighbour may be loaded, then masked). The set is not
+sorted by score (the sparse attention sums over it, the catalogue compares sets): the keys
+above the boundary bucket come first, in column order, then the boundary's chosen keys, in
+column order.
 
 **Keys.** A float32's bits ``b`` map to an integer that orders as the floats do: ``b`` for a
 positive float, ``b ^ 0x7FFFFFFF`` for a negative one (int32); ``-0`` is read as ``+0`` (equal, as
@@ -45,6 +47,7 @@ __all__ = ["top_k_per_row"]
 BLOCK = 1024
 BINS = 2048  # 11 bits a digit
 MAX_CHUNKS = 256
+STAGES = 3  # blocks of a chunk in flight (software pipelining of the streaming reads)
 CANDIDATES = 8192  # the boundary's scratch list, per row; a row with more is scanned instead
 
 
@@ -64,6 +67,23 @@ def _row_range(starts, ends, row, W):
     start = tl.maximum(tl.load(starts + row).to(tl.int64), 0)
     end = tl.minimum(tl.load(ends + row).to(tl.int64), W)
     return start, end, tl.maximum(end - start, 0)
+
+
+@triton.jit
+def _read(src, cols, W):
+    """A block of a row's logits, masked by the row's width only: with ``W`` a multiple of 16
+    (Triton specializes it) the loads are 16-byte vectors. Columns outside ``[start, end)``
+    may be loaded with their neighbours but never count (the callers' ``live`` masks)."""
+    return tl.load(src + cols, mask=cols < W, other=0.0)
+
+
+@triton.jit
+def _chunk(start, end, c, chunk):
+    """Chunk ``c`` of a row: columns ``[lo, hi)`` counted from ``start`` rounded down to a
+    multiple of 16 (so that the loads are 16-byte vectors; the columns before ``start`` are
+    masked), ``hi`` clipped to ``end``."""
+    lo = tl.multiple_of(start - start % 16 + c * chunk, 16)
+    return lo, tl.minimum(lo + chunk, end)
 
 
 @triton.jit
@@ -90,19 +110,18 @@ def _candidates(src, cand_row, c0, items, listed, BLOCK: tl.constexpr):
 
 @triton.jit
 def _hist_kernel(logits, starts, ends, hist, chunk_hist, W, topk, s_l_r, chunk, n_chunks,
-                 BLOCK: tl.constexpr, BINS: tl.constexpr):
+                 BLOCK: tl.constexpr, BINS: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     if n > topk:
-        lo = start + c * chunk
-        hi = tl.minimum(lo + chunk, end)
+        lo, hi = _chunk(start, end, c, chunk)
         src = logits + row * s_l_r
         h = tl.zeros((BINS,), tl.int32)
-        for c0 in range(lo, hi, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            live = cols < hi
-            u = _order_keys(tl.load(src + cols, mask=live, other=0.0)) ^ -2147483648
+        for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
+            live = (cols >= start) & (cols < hi)
+            u = _order_keys(_read(src, cols, W)) ^ -2147483648
             h += tl.histogram((u >> 21) & (BINS - 1), BINS, mask=live)
         bins = tl.arange(0, BINS)
         tl.store(chunk_hist + (row * n_chunks + c) * BINS + bins, h)
@@ -118,8 +137,8 @@ def _count_kernel(starts, ends, hist, chunk_hist, counts, first_digit, W, topk, 
     c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     d = _first_digit(hist + row * BINS, topk, n, BINS)
-    lo = start + c * chunk
-    keys = tl.maximum(tl.minimum(lo + chunk, end) - lo, 0).to(tl.int32)
+    lo, hi = _chunk(start, end, c, chunk)
+    keys = tl.maximum(hi - tl.maximum(lo, start), 0).to(tl.int32)
     above = keys
     inside = tl.zeros((), tl.int32)
     if n > topk:
@@ -137,7 +156,8 @@ def _count_kernel(starts, ends, hist, chunk_hist, counts, first_digit, W, topk, 
 @triton.jit
 def _scatter_kernel(logits, starts, ends, hist, counts, out, cand, W, topk, s_l_r, s_o_r,
                     cand_cap, chunk, n_chunks,
-                    BLOCK: tl.constexpr, BINS: tl.constexpr, CHUNKS: tl.constexpr):
+                    BLOCK: tl.constexpr, BINS: tl.constexpr, CHUNKS: tl.constexpr,
+                    STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
@@ -147,13 +167,12 @@ def _scatter_kernel(logits, starts, ends, hist, counts, out, cand, W, topk, s_l_
     row_counts = counts + row * n_chunks * 2
     base_above = tl.sum(tl.load(row_counts + 2 * j, mask=earlier, other=0), axis=0)
     base_cand = tl.sum(tl.load(row_counts + 2 * j + 1, mask=earlier, other=0), axis=0)
-    lo = start + c * chunk
-    hi = tl.minimum(lo + chunk, end)
+    lo, hi = _chunk(start, end, c, chunk)
     src = logits + row * s_l_r
-    for c0 in range(lo, hi, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        live = cols < hi
-        u = _order_keys(tl.load(src + cols, mask=live, other=0.0)) ^ -2147483648
+    for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
+        live = (cols >= start) & (cols < hi)
+        u = _order_keys(_read(src, cols, W)) ^ -2147483648
         digit = (u >> 21) & (BINS - 1)
         is_above = live & (digit > d)
         is_cand = live & (digit == d)
@@ -263,12 +282,13 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     grid = (R, chunks)
     common = (logits, row_starts, row_ends)
     _hist_kernel[grid](*common, hist, chunk_hist, W, topk, logits.stride(0), chunk, chunks,
-                       BLOCK=BLOCK, BINS=BINS, num_warps=4)
+                       BLOCK=BLOCK, BINS=BINS, STAGES=STAGES, num_warps=4)
     _count_kernel[grid](row_starts, row_ends, hist, chunk_hist, counts, first, W, topk, chunk,
                         chunks, BINS=BINS, num_warps=4)
     _scatter_kernel[grid](*common, hist, counts, out, cand, W, topk, logits.stride(0),
                           out.stride(0), cand.stride(0), chunk, chunks,
-                          BLOCK=BLOCK, BINS=BINS, CHUNKS=next_pow2(chunks), num_warps=4)
+                          BLOCK=BLOCK, BINS=BINS, CHUNKS=next_pow2(chunks), STAGES=STAGES,
+                          num_warps=4)
     _boundary_kernel[(R,)](*common, counts, first, out, cand, W, topk, logits.stride(0),
                            out.stride(0), cand.stride(0), chunks,
                            BLOCK=BLOCK, BINS=BINS, CHUNKS=next_pow2(chunks), num_warps=4)
