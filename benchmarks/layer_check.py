@@ -38,7 +38,7 @@ from benchmarks.layer_stages import (
     gemm_budget,
     rel_stage,
 )
-from benchmarks.sparse_layer_check import full_sparse_runs
+from benchmarks.sparse_layer_check import sparse_runs
 from mla.compare import TOLERANCES, budget
 from mla.config import MLAConfig, get_config
 from mla.reference import model as ref_model
@@ -51,7 +51,7 @@ from mla.reference.paged_cache import concat_and_cache_mla as ref_cache_write
 from mla.reference.paged_cache import make_block_table, slot_mapping_from_block_table
 from mla.weights import MLAWeights
 
-__all__ = ["build_dense", "dense_decode_check",
+__all__ = ["build_dense", "dense_decode_check", "layer_runs",
            "dense_prefill_check", "main"]
 
 
@@ -174,30 +174,34 @@ def dense_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     return stages
 
 
-def _full_runs(device: str) -> list[Callable[[], list[Stage]]]:
-    bf16 = torch.bfloat16
+def layer_runs(device: str, small: bool = False) -> list[Callable[[], list[Stage]]]:
+    """The dense runs (DeepSeek-V2-Lite and V3: decode s_q 1 and 2, chunked prefill over
+    several context chunks) and the sparse ones, bf16; ``small``: 4 heads and short lengths,
+    float32 on the CPU (the interpreter), the presets' head dims kept."""
+    dtype = torch.float32 if small and device == "cpu" else torch.bfloat16
+    lens1, lens2 = ([96, 1, 37, 0], [70, 9]) if small else ([4096, 1, 777, 0], [2048, 300])
+    ctx, new, ws = ([60, 0, 17], [9, 4, 1], 32) if small else ([3000, 0, 700], [200, 64, 1], 2048)
+    block = 16 if small else 64  # several context chunks either way
     runs: list[Callable[[], list[Stage]]] = []
     for name in ("deepseek-v2-lite", "deepseek-v3"):
-        cfg = get_config(name)
-        runs.append(lambda cfg=cfg: dense_decode_check(cfg, bf16, device, [4096, 1, 777, 0],
-                                                       1, seed=1))
-        runs.append(lambda cfg=cfg: dense_decode_check(cfg, bf16, device, [2048, 300], 2,
-                                                       seed=2))
-        runs.append(lambda cfg=cfg: dense_prefill_check(cfg, bf16, device, [3000, 0, 700],
-                                                        [200, 64, 1], workspace_size=2048,
-                                                        seed=3))
-    runs += full_sparse_runs(device)
-    return runs
+        cfg = get_config(name).replace(num_heads=4) if small else get_config(name)
+        runs.append(lambda c=cfg: dense_decode_check(c, dtype, device, lens1, 1, seed=1))
+        runs.append(lambda c=cfg: dense_decode_check(c, dtype, device, lens2, 2, seed=2))
+        runs.append(lambda c=cfg: dense_prefill_check(c, dtype, device, ctx, new, block,
+                                                      workspace_size=ws, seed=3))
+    return runs + sparse_runs(device, dtype, small)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="folder for layer_check.json")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true",
+                   help="4 heads and short lengths (the tests' shapes; float32 on the CPU)")
     args = p.parse_args(argv)
     stages: list[Stage] = []
     failed_runs = []
-    for run in _full_runs(args.device):
+    for run in layer_runs(args.device, args.small):
         try:
             got = run()
         except Exception as e:  # noqa: BLE001 (report and go on with the other layers)

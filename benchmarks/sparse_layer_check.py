@@ -46,8 +46,7 @@ from mla.reference.sparse import sparse_mla_decode as ref_sparse_decode
 from mla.reference.sparse import sparse_mla_prefill as ref_sparse_prefill
 from mla.weights import MLAWeights
 
-__all__ = ["build_sparse", "sparse_decode_check", "sparse_prefill_check",
-           "full_sparse_runs"]
+__all__ = ["build_sparse", "sparse_decode_check", "sparse_prefill_check", "sparse_runs"]
 
 
 def build_sparse(config: MLAConfig, dtype: torch.dtype, device: str, context_lens: list[int],
@@ -275,16 +274,21 @@ def sparse_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     return stages
 
 
-def full_sparse_runs(device: str) -> list[Callable[[], list[Stage]]]:
-    """DeepSeek-V3.2 at full shapes in bf16: decode (s_q 1 and 2) and prefill, both caches;
-    contexts longer than topk = 2048 so that the selection bites."""
-    cfg, bf16 = get_config("deepseek-v3.2"), torch.bfloat16
+def sparse_runs(device: str, dtype: torch.dtype, small: bool = False
+                ) -> list[Callable[[], list[Stage]]]:
+    """DeepSeek-V3.2: decode (s_q 1 and 2) and prefill on both latent caches, contexts longer
+    than topk (2048; ``small``: 16 of 4 heads and 8 index heads) so that the selection bites."""
+    cfg = get_config("deepseek-v3.2")
+    if small:
+        cfg = cfg.replace(num_heads=4, index_n_heads=8, index_topk=16)
+    dec1, dec2 = ([4000, 1, 2100, 0], [3000, 500]) if not small else ([80, 1, 21, 0], [50, 9])
+    ctx, new = ([2500, 0], [40, 24]) if not small else ([40, 0], [6, 20])
     runs: list[Callable[[], list[Stage]]] = []
     for fp8_kv in (False, True):
-        runs.append(lambda f=fp8_kv: sparse_decode_check(cfg, bf16, device, [4000, 1, 2100, 0],
-                                                         1, fp8_kv=f, seed=4))
-        runs.append(lambda f=fp8_kv: sparse_decode_check(cfg, bf16, device, [3000, 500], 2,
+        runs.append(lambda f=fp8_kv: sparse_decode_check(cfg, dtype, device, dec1, 1,
+                                                         fp8_kv=f, seed=4))
+        runs.append(lambda f=fp8_kv: sparse_decode_check(cfg, dtype, device, dec2, 2,
                                                          fp8_kv=f, seed=5))
-        runs.append(lambda f=fp8_kv: sparse_prefill_check(cfg, bf16, device, [2500, 0],
-                                                          [40, 24], fp8_kv=f, seed=6))
+        runs.append(lambda f=fp8_kv: sparse_prefill_check(cfg, dtype, device, ctx, new,
+                                                          fp8_kv=f, seed=6))
     return runs

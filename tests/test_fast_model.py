@@ -189,3 +189,19 @@ def test_decode_step_is_capturable():
     torch.cuda.synchronize()
     # cuBLAS may pick other GEMM algorithms under capture: equal to about one bf16 rounding
     assert rel_err(out, ref) < 2.0 ** -8
+
+
+def test_layer_check_command(tmp_path):
+    """``python -m benchmarks.layer_check --small``: every dense and sparse run within its
+    budgets, the JSON written with each stage's error and budget."""
+    import json
+
+    from benchmarks.layer_check import main
+
+    assert main(["--small", "--device", DEVICE, "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "layer_check.json").read_text())
+    assert not report["errors"] and report["stages"]
+    assert all(s["passed"] and s["error"] <= s["budget"] for s in report["stages"])
+    layers = {s["layer"].split()[0] + " " + s["layer"].split()[1] for s in report["stages"]}
+    assert layers == {"decode deepseek-v2-lite", "decode deepseek-v3", "prefill deepseek-v2-lite",
+                      "prefill deepseek-v3", "sparse decode", "sparse prefill"}
