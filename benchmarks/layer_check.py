@@ -111,16 +111,16 @@ def dense_decode_check(config: MLAConfig, dtype: torch.dtype, device: str, lens:
     q_ref = torch.cat([absorb_q(tr.front.q_nope.double().cpu(), w64.W_UK),
                        tr.front.q_pe.double().cpu()], dim=-1).view(B, s_q, c.num_heads, -1)
     stages.append(rel_stage(layer, "q absorbed", tr.q, q_ref,
-                       gemm_budget(dtype, [c.qk_nope_head_dim])))
+                            gemm_budget(dtype, [c.qk_nope_head_dim])))
     o_ref, lse_ref = ref_decode(tr.q.double().cpu(), cache.double().cpu(), bt_c, sl_c + s_q,
                                 c.softmax_scale, causal=True, head_dim_v=c.kv_lora_rank)
     stages.append(rel_stage(layer, "attention.o_lat", tr.o_lat, o_ref,
-                       budget("mla_decode_paged", dtype, "out_rel")))
+                            budget("mla_decode_paged", dtype, "out_rel")))
     stages.append(abs_stage(layer, "attention.lse", tr.lse, lse_ref,
-                       budget("mla_decode_paged", dtype, "lse_abs")))
+                            budget("mla_decode_paged", dtype, "lse_abs")))
     o = torch.einsum("bsnl,lnv->bsnv", tr.o_lat.double().cpu(), w64.W_UV)
     stages.append(rel_stage(layer, "projection", tr.out, o.flatten(-2) @ w64.W_O,
-                       gemm_budget(dtype, [c.kv_lora_rank, c.num_heads * c.v_head_dim])))
+                            gemm_budget(dtype, [c.kv_lora_rank, c.num_heads * c.v_head_dim])))
     out_ref = ref_model.decode_forward(w64, h64, before.double(), bt_c, sl_c)
     stages.append(rel_stage(layer, "layer", tr.out, out_ref, TOLERANCES[dtype]))
     return stages
@@ -163,11 +163,11 @@ def dense_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     o_ref, lse_ref = ref_chunked(*f64, qsl_c, cache.double().cpu(), bt_c, plan, w64.W_UK,
                                  w64.W_UV, c.softmax_scale)
     stages.append(rel_stage(layer, "attention.o", tr.o, o_ref,
-                       budget("chunked_prefill_attention", dtype, "out_rel")))
+                            budget("chunked_prefill_attention", dtype, "out_rel")))
     stages.append(abs_stage(layer, "attention.lse", tr.lse, lse_ref,
-                       budget("chunked_prefill_attention", dtype, "lse_abs_f64")))
+                            budget("chunked_prefill_attention", dtype, "lse_abs_f64")))
     stages.append(rel_stage(layer, "projection", tr.out, tr.o.double().cpu().flatten(-2) @ w64.W_O,
-                       gemm_budget(dtype, [c.num_heads * c.v_head_dim])))
+                            gemm_budget(dtype, [c.num_heads * c.v_head_dim])))
     out_ref = ref_model.chunked_prefill_forward(w64, h64, qsl_c, context_lens, before.double(),
                                                 bt_c, plan)
     stages.append(rel_stage(layer, "layer", tr.out, out_ref, TOLERANCES[dtype]))

@@ -203,13 +203,13 @@ def sparse_decode_check(config: MLAConfig, dtype: torch.dtype, device: str, lens
                                        config.softmax_scale, fp8_kv,
                                        head_dim_v=config.kv_lora_rank)
     stages.append(rel_stage(layer, "attention.o_lat", tr.o_lat, o_ref,
-                       budget("sparse_mla_decode", dtype, "out_rel")))
+                            budget("sparse_mla_decode", dtype, "out_rel")))
     stages.append(abs_stage(layer, "attention.lse", tr.lse, lse_ref,
-                       budget("sparse_mla_decode", dtype, "lse_abs")))
+                            budget("sparse_mla_decode", dtype, "lse_abs")))
     o = torch.einsum("bsnl,lnv->bsnv", tr.o_lat.double().cpu(), w64.W_UV)
     stages.append(rel_stage(layer, "projection", tr.out, o.flatten(-2) @ w64.W_O,
-                       gemm_budget(dtype, [config.kv_lora_rank,
-                                           config.num_heads * config.v_head_dim])))
+                            gemm_budget(dtype, [config.kv_lora_rank,
+                                                config.num_heads * config.v_head_dim])))
     out_ref = _layer_given_keys(w64, h64, positions, req, bt_c, before_kv, tr.local.cpu(),
                                 (B, s_q), None)
     stages.append(rel_stage(layer, "layer (same keys)", tr.out, out_ref, TOLERANCES[dtype]))
@@ -261,13 +261,13 @@ def sparse_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     o_ref, _, lse_ref = ref_sparse_prefill(tr.q.double().cpu(), kv_ref, tr.slots.cpu(),
                                            config.softmax_scale, d_v=config.kv_lora_rank)
     stages.append(rel_stage(layer, "attention.o_lat", tr.o_lat, o_ref,
-                       budget("sparse_mla_prefill", dtype, "out_rel")))
+                            budget("sparse_mla_prefill", dtype, "out_rel")))
     stages.append(abs_stage(layer, "attention.lse", tr.lse, lse_ref,
-                       budget("sparse_mla_prefill", dtype, "lse_abs")))
+                            budget("sparse_mla_prefill", dtype, "lse_abs")))
     o = torch.einsum("tnl,lnv->tnv", tr.o_lat.double().cpu(), w64.W_UV)
     stages.append(rel_stage(layer, "projection", tr.out, o.flatten(-2) @ w64.W_O,
-                       gemm_budget(dtype, [config.kv_lora_rank,
-                                           config.num_heads * config.v_head_dim])))
+                            gemm_budget(dtype, [config.kv_lora_rank,
+                                                config.num_heads * config.v_head_dim])))
     out_ref = _layer_given_keys(w64, h64, positions, req, bt_c, before_kv, tr.local.cpu(), None,
                                 seq)
     stages.append(rel_stage(layer, "layer (same keys)", tr.out, out_ref, TOLERANCES[dtype]))
