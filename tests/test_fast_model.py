@@ -133,6 +133,23 @@ def test_gemm_budget_catches_one_percent():
         assert gemm_budget(dtype, [512, 128 * 128]) < 1e-2 / 1.4
 
 
+def test_write_context_equals_the_reference_bytes():
+    """The fast write_context caches the same bytes as the reference's on the same device
+    (the same front; the copy kernel against the reference's indexing), NaN elsewhere kept."""
+    from mla.reference import write_context as ref_write_context
+
+    cfg = CONFIGS["deepseek-v3"]
+    w, cache, bt, hidden = build_dense(cfg, DTYPE, DEVICE, [0, 0], [45, 3], 16, 0)
+    ref = cache.clone()
+    fast_model.write_context(w, hidden[:45], cache, bt[0], start=0)
+    fast_model.write_context(w, hidden[45:], cache, bt[1], start=5)
+    ref_write_context(w, hidden[:45], ref, bt[0], start=0)
+    ref_write_context(w, hidden[45:], ref, bt[1], start=5)
+    assert torch.equal(cache.cpu().view(torch.int16 if DTYPE != torch.float32 else torch.int32),
+                       ref.cpu().view(torch.int16 if DTYPE != torch.float32 else torch.int32))
+    assert torch.isnan(cache).any()  # rows nobody wrote stay poisoned
+
+
 def test_forward_is_the_trace_output():
     cfg = CONFIGS["deepseek-v2-lite"]
     w, cache, bt, hidden = build_dense(cfg, DTYPE, DEVICE, [10, 3], [1, 1], 16, 0)
