@@ -35,10 +35,14 @@ import sys
 import tempfile
 from collections import Counter
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from mla.fast import decode as fast_decode
+from mla.fast.decode import plan_decode
 from mla.fast.sm90 import decode as sm90_decode
 from mla.fast.sm90 import sparse as sm90_sparse
 
@@ -51,7 +55,8 @@ _ROPE_OFFSET = 528
 _DTYPES = {"bf16": "bf16", "fp16": "fp16"}
 
 
-def _specialize(fn, const: dict, ptrs: dict, floats: dict, ints: dict) -> GluonASTSource:
+def _specialize(fn, const: dict, ptrs: dict, floats: dict, ints: dict,
+                source: type = GluonASTSource) -> GluonASTSource:
     """The source of ``fn`` specialized as a launch with these arguments would specialize it:
     ``const`` gives the constexprs, ``ptrs`` pointer element types, ``floats`` float scalar
     types, ``ints`` representative integer values."""
@@ -79,7 +84,7 @@ def _specialize(fn, const: dict, ptrs: dict, floats: dict, ints: dict) -> GluonA
             sig[n] = "i64" if v is not None and abs(v) >= 2**31 else "i32"
             if v is not None and v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    return source(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
 
 
 def compile_decode(N: int = 128, S_Q: int = 1, CAUSAL: bool = False, SPLIT: bool = False,
@@ -100,6 +105,33 @@ def compile_decode(N: int = 128, S_Q: int = 1, CAUSAL: bool = False, SPLIT: bool
                 max_blocks=max_pages)
     src = _specialize(sm90_decode.decode_kernel, const, ptrs, {"qk_scale": "fp32"}, ints)
     return triton.compile(src, target=TARGET, options={"num_warps": NUM_WARPS})
+
+
+def compile_triton_decode(N: int = 128, S_Q: int = 1, CAUSAL: bool = False,
+                          dtype: str = "bf16") -> triton.compiler.CompiledKernel:
+    """``mla.fast.decode``'s Triton kernel for sm_90 with the plan ``plan_decode`` gives a
+    ``[1, S_Q, N, 576]`` query over 64-row pages and a 32K-token block table: the kernel every
+    float32 call runs, and 16-bit calls where the Gluon route is not taken."""
+    dt = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dtype]
+    torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+    page, max_pages = 64, 512
+    plan = plan_decode(1, S_Q, N, _D, _DV, max_pages, page, torch_dt, 132)
+    const = dict(N=N, S_Q=S_Q, DV=_DV, DR=_D - _DV, PAGE_SIZE=page, BLOCK_M=plan.block_m,
+                 BLOCK_N=plan.block_n, BLOCK_DV=_DV, BLOCK_DR=_D - _DV, HAS_PE=True,
+                 PAGE_TILE=page % plan.block_n == 0, USE_TMA=plan.use_tma, CAUSAL=CAUSAL,
+                 SPLIT=plan.num_splits > 1, HAS_SINK=False, FUSED=plan.fused_combine,
+                 DOT_PREC="ieee" if dtype == "fp32" else "tf32")
+    ptrs = dict(Q=dt, KV=dt, BT="i32", SEQLENS="i32", O=dt, LSE="fp32", OP="fp32",
+                LSEP="fp32", SINK="fp32", COUNTER="i32")
+    ints = dict(stride_qb=S_Q * N * _D, stride_qt=N * _D, stride_qh=_D,
+                stride_kvb=page * _D, stride_kvr=_D, stride_btb=max_pages,
+                stride_ob=S_Q * N * _DV, stride_ot=N * _DV, stride_oh=_DV,
+                stride_lb=N * S_Q, stride_lh=S_Q, num_splits=plan.num_splits,
+                kv_rows=4096 * page, num_blocks=4096, max_blocks=max_pages)
+    src = _specialize(fast_decode._decode_kernel, const, ptrs, {"qk_scale": "fp32"}, ints,
+                      source=ASTSource)
+    return triton.compile(src, target=TARGET, options={"num_warps": plan.num_warps,
+                                                       "num_stages": plan.num_stages})
 
 
 def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = False,
@@ -171,7 +203,8 @@ def facts(k: triton.compiler.CompiledKernel) -> dict:
 
 def compile_facts(kernel: str, kwargs: dict) -> dict:
     """``facts`` of ``compile_decode(**kwargs)`` (kernel ``"decode"``) or ``compile_sparse``."""
-    fn = {"decode": compile_decode, "sparse": compile_sparse}[kernel]
+    fn = {"decode": compile_decode, "sparse": compile_sparse,
+          "triton_decode": compile_triton_decode}[kernel]
     return facts(fn(**kwargs))
 
 

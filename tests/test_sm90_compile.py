@@ -61,6 +61,9 @@ SPARSE += [dict(FP8=False, MODEL1=True, N=64),
                 HAS_SINK=True, CHECK_RANGE=True, SPLIT=True),
            dict(FP8=True, HAS_EXTRA=True, HAS_SINK=True, CHECK_RANGE=True, HAS_TOPK_LEN=True)]
 VARIANTS = [("decode", a) for a in DECODE] + [("sparse", a) for a in SPARSE]
+# the Triton decode kernel with plan_decode's default plans (every float32 call runs it)
+TRITON_DECODE = [dict(N=n, S_Q=s_q, CAUSAL=s_q > 1, dtype=dt) for dt in ("fp32", "bf16", "fp16")
+                 for n in (16, 128) for s_q in (1, 2)]
 
 
 def _id(variant: tuple[str, dict]) -> str:
@@ -122,6 +125,20 @@ def test_one_program_fits_an_sm_without_spills(variant):
     # survive at speed
     assert f["reg"] <= 255 and f["stack"] == 0 and f["local"] == 0, f
     assert not f["ptx_local"], "the PTX declares local memory"
+
+
+@functools.cache
+def _triton_decode_facts() -> dict[str, dict]:
+    variants = [("triton_decode", a) for a in TRITON_DECODE]
+    return {_id(v): f for v, f in zip(variants, _compile_in_child(variants))}
+
+
+@pytest.mark.parametrize("args", TRITON_DECODE, ids=lambda a: _id(("triton_decode", a)))
+def test_triton_decode_default_plans_fit_an_sm(args):
+    # float32 at 128 heads once asked for 295 KB (64-row programs, two stages of 32-key tiles)
+    # and failed to launch on the H200; every default plan must fit
+    f = _triton_decode_facts()[_id(("triton_decode", args))]
+    assert f["shared"] <= SMEM_LIMIT, f"{f['shared']} B of shared memory"
 
 
 @pytest.mark.parametrize("args", DECODE, ids=lambda a: _id(("decode", a)))

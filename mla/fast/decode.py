@@ -110,7 +110,13 @@ def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v:
         block_m, num_warps, use_tma, per_sm = 16, 4, False, 4
     else:
         block_m, num_warps, use_tma, per_sm = 64, 8, True, 1
-    block_n = 32 if dtype == torch.float32 else 64  # a 64 × 576 fp32 tile is 147 KB
+    if dtype == torch.float32:
+        # float32 rows are twice as wide: with 64-row programs two stages of 32-key tiles need
+        # 295 KB of shared memory on sm_90 (ptxas), over the 227 KB an SM has; 16-key tiles
+        # need 221 KB (benchmarks/sm90_compile.py, tests/test_sm90_compile.py)
+        block_n = 16 if block_m == 64 else 32
+    else:
+        block_n = 64
     page_pow2 = block_size & -block_size  # largest power of two dividing the page size
     if block_size % block_n and page_pow2 >= 16:
         block_n = page_pow2  # smaller tiles that stay inside one page (tensor descriptors)
