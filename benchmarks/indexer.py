@@ -284,7 +284,7 @@ def logits_errors(seeds: int = 20) -> dict:
         ragged.append(rel_err(got, want))
     res = {"seeds": seeds, "paged_worst": max(paged), "paged_mean": sum(paged) / seeds,
            "ragged_worst": max(ragged), "ragged_mean": sum(ragged) / seeds,
-           "budget": logits_budget("cuda"), "catalogue_limit": logits_limit(H)}
+           "budget": logits_budget("cuda"), "catalogue_limit": logits_limit(H, "cuda")}
     log(f"logits errors over {seeds} seeds: paged worst {res['paged_worst']:.2e} (mean "
         f"{res['paged_mean']:.2e}), ragged worst {res['ragged_worst']:.2e}; budget "
         f"{res['budget']:.2e}, catalogue limit {res['catalogue_limit']:.2e}")

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.compare import FP8_MMA_LOGITS_REL
 from mla.fast.common import interpreting, next_pow2, num_sms, should_validate
 from mla.reference.indexer_cache import INDEX_DIM, INDEX_K_BYTES
 from mla.validation import check_float, check_index, check_same_device, check_tensor
@@ -61,12 +62,6 @@ class LogitsPlan:
             raise ValueError(f"LogitsPlan.stages must be an int >= 1, got {self.stages!r}")
 
 
-# The FP8 tensor cores' accumulator keeps 13 mantissa bits and truncates toward zero: modelled
-# (exact e4m3 products, each k=32 step's sum truncated to 13 bits) on DeepSeek-V3.2's shapes, the
-# logits' relative Frobenius error is 1.1e-4 to 1.4e-4 (about 2^-13: the truncation's bias, the
-# same sign for every positive dot that survives the ReLU, does not average out over the heads);
-# the budget is twice that (conventions §11; the H200 run measures it).
-FP8_MMA_BUDGET = 2.0 ** -12
 
 
 # Under the interpreter the dot is a float32 matmul of exact products: 100 measured cases (heads
@@ -76,12 +71,10 @@ INTERPRETED_BUDGET = 4 * U32
 
 def logits_budget(device: torch.device | str) -> float:
     """The relative Frobenius error budget of these kernels' logits against the float64
-    reference: the FP8 MMA's (``FP8_MMA_BUDGET``) compiled on a GPU, float32 roundings
-    (``INTERPRETED_BUDGET``) under the interpreter. The interpreter's lies under the
-    catalogue's limit ``sqrt(128·H)·2^-24``; the FP8 MMA's does not (a property of the
-    hardware's accumulator, which the H200 run measures)."""
+    reference: the FP8 MMA's (``FP8_MMA_LOGITS_REL``) compiled on a GPU, float32 roundings
+    (``INTERPRETED_BUDGET``) under the interpreter, the catalogue's limits in each setting."""
     if torch.device(device).type == "cuda" and not interpreting():
-        return FP8_MMA_BUDGET
+        return FP8_MMA_LOGITS_REL
     return INTERPRETED_BUDGET
 
 
