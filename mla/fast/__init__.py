@@ -20,6 +20,7 @@ except ModuleNotFoundError as e:
 from mla.fast.attention import attention_with_lse, flash_attention_with_lse
 from mla.fast.chunked import chunked_prefill_attention
 from mla.fast.common import set_validation, validation, validation_enabled
+from mla.fast.dcp.correction import cp_lse_ag_out_rs
 from mla.fast.decode import DecodePlan, mla_decode_paged, plan_decode
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
 from mla.fast.indexer_cache import indexer_k_quant_and_cache
@@ -41,7 +42,7 @@ from mla.fast.topk import top_k_per_row
 __all__ = ["DecodePlan", "SparsePlan", "attention_with_lse", "chunked_prefill_attention",
            "chunked_prefill_forward", "decode_forward", "sparse_decode_forward",
            "sparse_prefill_forward", "write_context",
-           "concat_and_cache_fp8_ds_mla", "concat_and_cache_mla",
+           "concat_and_cache_fp8_ds_mla", "concat_and_cache_mla", "cp_lse_ag_out_rs",
            "convert_req_index_to_global_index", "flash_attention_with_lse", "gather_cache",
            "fp8_mqa_logits", "fp8_paged_mqa_logits", "indexer_k_quant_and_cache",
            "merge_attn_states", "mla_decode_paged", "plan_decode", "plan_sparse",
