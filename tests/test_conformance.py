@@ -251,9 +251,10 @@ def test_invalid_inputs_must_be_refused():
 
 def test_mla_fast_passes_the_whole_catalogue_from_the_command(capsys):
     """``mla conform --target mla.fast`` on the CPU, Triton's interpreter, float32: every
-    case passes but those of kernels or keywords mla.fast lacks (DeepSeek-V4's topics:
-    unsupported); exit status 0."""
+    case passes but those of kernels or DeepSeek-V4 keywords mla.fast lacks (unsupported);
+    exit status 0."""
     import mla.fast
+    from mla.check.catalogue import not_in_fast
     from mla.cli import main
     from mla.conformance import kernels_of
     from mla.fast.common import interpreting
@@ -264,8 +265,8 @@ def test_mla_fast_passes_the_whole_catalogue_from_the_command(capsys):
                  "float32"]) == 0
     table = capsys.readouterr().out
     has = kernels_of(mla.fast)
-    # DeepSeek-V4's topics: mla.fast's kernels take no attn_sink, second scope or MODEL1 cache
-    lacking = sum(c.kernel not in has or c.topic in V4_TOPICS for c in CATALOGUE.values())
+    lacking = sum(c.kernel not in has or c.topic in not_in_fast(c.kernel)
+                  for c in CATALOGUE.values())
     assert "cp_lse_ag_out_rs" in has  # the fast DCP correction takes every DCP case
     assert (f"{len(CATALOGUE) - lacking} pass, 0 fail, {lacking} unsupported, 0 error"
             in table)
