@@ -17,8 +17,9 @@ Three topics, over ``sparse_mla_decode``, ``sparse_mla_prefill`` and ``mla_decod
 ``d_qk = 512`` (DeepSeek-V4's rows, V the whole row) runs through all three. The cases reuse
 the families' builders (``SparseDecodeSpec``, ``SparsePrefillSpec``, ``DecodeSpec``) with
 their DeepSeek-V4 fields. A kernel that takes no ``attn_sink`` or ``extra_k_cache`` keyword,
-or refuses the MODEL1 cache by name, is "unsupported" on these cases (``common.call_v4``), so
-``mla.check`` leaves these topics out for ``mla.fast`` until it takes them (``TOPICS``).
+or refuses the MODEL1 cache by name, is "unsupported" on these cases (``common.call_v4``);
+``mla.check`` leaves out for a fast kernel the topics whose keyword it does not take
+(``mla.check.catalogue.not_in_fast``).
 """
 
 from __future__ import annotations
