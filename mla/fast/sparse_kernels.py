@@ -122,8 +122,8 @@ def _scope_tiles(Q, KV, KV_F32, KV_BF16, idx_row, lo, hi, n_rows, stride_row, pa
 def _scope_length(TOPK_LEN, r, topk, HAS_TOPK_LEN: tl.constexpr):
     """``(entries used, whether topk_length[r] lies outside [0, topk])``: the count is
     clamped so that no read leaves the index row; the flag makes the query NaN."""
-    n = topk
-    bad = topk < 0
+    n = topk + 0 * r  # a tensor even where Triton specialized topk = 1 to a constant
+    bad = n < 0
     if HAS_TOPK_LEN:
         length = tl.load(TOPK_LEN + r)
         bad = (length < 0) | (length > topk)
