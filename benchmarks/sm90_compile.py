@@ -138,7 +138,7 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                    HAS_MAXL: bool = False, N: int = 128, S: int = 1,
                    dtype: str = "bf16", HAS_SINK: bool = False,
                    CHECK_RANGE: bool = False, MODEL1: bool = False, HAS_EXTRA: bool = False,
-                   HAS_TOPK_LEN2: bool = False) -> triton.compiler.CompiledKernel:
+                   HAS_TOPK_LEN2: bool = False, D: int = 576) -> triton.compiler.CompiledKernel:
     """``sparse_kernel`` for sm_90 as ``mla.fast.sparse`` launches it: a ``[Q, N, 576]``
     query, top-k 2048, a cache of 576-element rows or ``fp8_ds_mla`` 656-byte rows, or
     (``MODEL1``) a ``[Q, N, 512]`` query over MODEL1 pages of 64 tokens."""
@@ -149,15 +149,16 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
     const = dict(N=N, S=S, GROUPS=math.ceil(N / 64), FP8=FP8, HAS_TOPK_LEN=HAS_TOPK_LEN,
                  HAS_MAXL=HAS_MAXL, SPLIT=SPLIT, SCALE_OFFSET=_DV if FP8 else 0,
                  ROPE_OFFSET=_ROPE_OFFSET, HAS_SINK=HAS_SINK, CHECK_RANGE=CHECK_RANGE,
-                 MODEL1=MODEL1, HAS_EXTRA=HAS_EXTRA, HAS_TOPK_LEN2=HAS_TOPK_LEN2)
-    d = 512 if MODEL1 else _D
+                 MODEL1=MODEL1, HAS_EXTRA=HAS_EXTRA, HAS_TOPK_LEN2=HAS_TOPK_LEN2,
+                 HAS_PE=not MODEL1 and D == _D)
+    d = 512 if MODEL1 else D
     ptrs = dict(Q=dt, KV="u8" if FP8 or MODEL1 else dt, IDX="i32", TOPK_LEN="i32", SINK="fp32",
                 O=dt, LSE="fp32", KV2="u8" if FP8 or MODEL1 else dt, IDX2="i32",
                 TOPK_LEN2="i32", MAXL="fp32", OP="fp32", LSEP="fp32", MAXP="fp32")
     ints = dict(stride_qq=N * d, stride_qh=d, stride_iq=topk,
-                stride_row=37440 if MODEL1 else _FP8_ROW_BYTES if FP8 else _D,
+                stride_row=37440 if MODEL1 else _FP8_ROW_BYTES if FP8 else d,
                 page_size=64 if MODEL1 else 0, stride_oq=N * _DV, stride_oh=_DV,
-                stride_iq2=128, stride_row2=37440 if MODEL1 else _FP8_ROW_BYTES if FP8 else _D,
+                stride_iq2=128, stride_row2=37440 if MODEL1 else _FP8_ROW_BYTES if FP8 else d,
                 page_size2=64 if MODEL1 else 0, n_rows2=rows, topk2=128,
                 # lse strides for (q // S, q % S, head) of an [B, S, N] lse; max_logits [Q, N]
                 stride_lb=S * N, stride_lt=N, stride_lh=1,
@@ -228,6 +229,7 @@ VARIANTS = [
     ("sparse", dict(FP8=False, MODEL1=True, N=64, HAS_EXTRA=True, HAS_TOPK_LEN=True,
                     HAS_TOPK_LEN2=True, HAS_SINK=True, CHECK_RANGE=True)),
     ("sparse", dict(FP8=True, HAS_EXTRA=True, HAS_SINK=True, CHECK_RANGE=True)),
+    ("sparse", dict(FP8=False, D=512, N=64, HAS_MAXL=True, HAS_SINK=True, HAS_TOPK_LEN=True)),
 ]
 
 

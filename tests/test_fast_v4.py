@@ -413,7 +413,7 @@ def test_nan_in_the_second_scope_is_nan_out(plan):
 def test_sm90_kernel_takes_model1_the_second_scope_and_sinks(num_splits):
     """On an H200 the 64-head MODEL1 calls, with a second scope of pages of 1 and sinks, go to
     the Gluon kernel (the route is asserted, not assumed) and match the reference within the
-    bf16 budget; rows of 512 in q's dtype stay on Triton."""
+    bf16 budget; so do rows of 512 in q's dtype (decode with a second scope, prefill)."""
     import mla.fast.sparse as fast_sparse
     from mla.fast.sparse_kernels import MODEL1, PLAIN
 
@@ -425,8 +425,23 @@ def test_sm90_kernel_takes_model1_the_second_scope_and_sinks(num_splits):
     plan = SparsePlan(64, 64, num_splits, 8, 2)
     pages = lambda c: c.as_strided((c.shape[0], c.stride(0)), (c.stride(0), 1))  # noqa: E731
     assert fast_sparse._sm90_route(plan, q, pages(c1), 512, MODEL1, pages(c2))
-    plain, _ = plain_cache(2, 16, D4, torch.bfloat16, g)
-    assert not fast_sparse._sm90_route(plan, q, plain.view(-1, D4), 512, PLAIN)
     lens = torch.tensor([200, 0, 77], dtype=I32, device=DEVICE)
     check_decode(q, c1, idx1, True, lens, plan, extra_k_cache=c2, extra_indices_in_kvcache=idx2,
                  attn_sink=_sink(64, g, 240))
+    p1, v1 = plain_cache(4, 64, D4, torch.bfloat16, g)
+    p2, v2 = plain_cache(60, 1, D4, torch.bfloat16, g)
+    assert fast_sparse._sm90_route(plan, q, p1.view(-1, D4), 512, PLAIN, p2.view(-1, D4))
+    check_decode(q, p1, pick(g, (3, 1, 200), v1), False, lens, plan, extra_k_cache=p2,
+                 extra_indices_in_kvcache=pick(g, (3, 1, 40), v2), attn_sink=_sink(64, g, 240))
+    qp = torch.randn(5, 64, D4, generator=g).to(torch.bfloat16).to(DEVICE)
+    kv = torch.randn(256, D4, generator=g).to(torch.bfloat16).to(DEVICE)
+    idx = torch.randint(-1, 260, (5, 130), generator=g, dtype=I32).to(DEVICE)
+    sink = _sink(64, g, 130)
+    got = sparse_mla_prefill(qp, kv, idx, 0.04, 512, attn_sink=sink, plan=plan)
+    ref = ref_prefill(qp.double().cpu(), kv.double().cpu(), idx.cpu(), 0.04, 512,
+                      attn_sink=sink.cpu())
+    assert_nan_rule(got[0], ref[0], budget("sparse_mla_prefill", torch.bfloat16, "out_rel"),
+                    name="out")
+    for name, a, b in (("max_logits", got[1], ref[1]), ("lse", got[2], ref[2])):
+        assert_nan_rule(a, b, name=name,
+                        abs_tol=budget("sparse_mla_prefill", torch.bfloat16, "lse_abs"))

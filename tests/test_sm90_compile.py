@@ -54,12 +54,13 @@ SPARSE = [dict(FP8=fp8, **flags) for fp8 in (True, False) for flags in (
     {}, {"SPLIT": True}, {"HAS_TOPK_LEN": True}, {"HAS_MAXL": True},
     {"SPLIT": True, "HAS_TOPK_LEN": True, "HAS_MAXL": True})]
 SPARSE += [dict(FP8=False, N=64, S=2, dtype="fp16")]
-# DeepSeek-V4: MODEL1 pages (rows of 512, no rope dot), sinks, the unvalidated range check and
-# a second scope
+# DeepSeek-V4: MODEL1 pages and rows of 512 in q's dtype (no rope dot), sinks, the
+# unvalidated range check and a second scope
 SPARSE += [dict(FP8=False, MODEL1=True, N=64),
            dict(FP8=False, MODEL1=True, HAS_EXTRA=True, HAS_TOPK_LEN=True, HAS_TOPK_LEN2=True,
                 HAS_SINK=True, CHECK_RANGE=True, SPLIT=True),
-           dict(FP8=True, HAS_EXTRA=True, HAS_SINK=True, CHECK_RANGE=True, HAS_TOPK_LEN=True)]
+           dict(FP8=True, HAS_EXTRA=True, HAS_SINK=True, CHECK_RANGE=True, HAS_TOPK_LEN=True),
+           dict(FP8=False, D=512, N=64, HAS_MAXL=True, HAS_SINK=True, HAS_TOPK_LEN=True)]
 VARIANTS = [("decode", a) for a in DECODE] + [("sparse", a) for a in SPARSE]
 # the Triton decode kernel with plan_decode's default plans (every float32 call runs it)
 TRITON_DECODE = [dict(N=n, S_Q=s_q, CAUSAL=s_q > 1, dtype=dt) for dt in ("fp32", "bf16", "fp16")
@@ -112,7 +113,8 @@ def test_each_warp_group_issues_only_its_own_wgmma(variant):
         shapes[m.group(1)] = shapes.get(m.group(1), 0) + count
     assert set(shapes) == {"m64n32k16", "m64n256k16"}, f["wgmma"]
     n32, n256 = shapes["m64n32k16"], shapes["m64n256k16"]
-    ratio = 8 if variant[1].get("MODEL1") else 9  # MODEL1's rows are 512 wide: 32 n32
+    # DeepSeek-V4's rows (MODEL1 or plain) are 512 wide: 32 n32 per tile
+    ratio = 8 if variant[1].get("MODEL1") or variant[1].get("D") == 512 else 9
     assert n256 >= 4 and n256 % 4 == 0 and n32 == ratio * n256, f["wgmma"]
 
 

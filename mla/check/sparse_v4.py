@@ -6,7 +6,8 @@ sparse kernels, beside the catalogue's: GPU shapes, each route forced.
   its own page size (1), on the Gluon sm_90 kernel (unsplit and split) and the Triton one
   forced; one request (splits, the sink applied after the combine); a second scope over the
   ``fp8_ds_mla`` cache too.
-- Rows of 512 on a bf16 cache (decode with a second scope, prefill), with sinks.
+- Rows of 512 on a bf16 cache (decode with a second scope, prefill), with sinks, on the
+  sm_90 kernel (unsplit and split) and the Triton one forced.
 - The sink on DeepSeek-V3.2's shapes through each route: the Gluon sm_90 kernel unsplit (its
   epilogue) and split (the Triton combine), and the Triton kernel forced (``sm90=False``).
 - Without value checks (``validate=False``), on each route: a request whose ``topk_length``
@@ -187,8 +188,10 @@ def v4_decode_cases(ctx: Ctx) -> Iterator[Case]:
              V4Decode("model1", 1, 128, 2048, extra_topk=64)),
             ("MODEL1 B=4 N=64 topk=512 bad length and slot, validate=False",
              V4Decode("model1", 4, 64, 512, extra_topk=32, bad=True)),
-            ("bf16 rows of 512 B=4 N=64 topk=1000 second scope 100, sinks",
+            ("bf16 rows of 512 B=4 N=64 topk=1000 second scope 100, sinks (sm_90)",
              V4Decode("bf16_512", 4, 64, 1000, (1000, 3, 0, 999), 100)),
+            ("bf16 rows of 512 B=4 N=128 topk=1000 second scope 100, sinks, forced Triton",
+             V4Decode("bf16_512", 4, 128, 1000, (1000, 3, 0, 999), 100, plan=triton_64)),
             ("fp8_ds_mla B=8 N=128 topk=2048 sinks (sm_90 epilogue)",
              V4Decode("fp8", 8, 128, 2048)),
             ("fp8_ds_mla B=2 N=128 topk=2048 sinks, forced 4 splits (sm_90 + combine)",
@@ -257,10 +260,16 @@ def v4_prefill_cases(ctx: Ctx) -> Iterator[Case]:
              2048, 8192, None, False),
             ("576 s_q=256 N=128 topk=2048 s_kv=8192 forced Triton", 576, 256, 128, 2048, 8192,
              Plan(64, 64, 1, 8, 2, sm90=False), False),
-            ("512 s_q=256 N=64 topk=512 s_kv=4096", 512, 256, 64, 512, 4096, None, False),
+            ("512 s_q=256 N=64 topk=512 s_kv=4096 (sm_90)", 512, 256, 64, 512, 4096, None,
+             False),
+            ("512 s_q=64 N=128 topk=512 s_kv=4096 (sm_90, splits + combine)", 512, 64, 128,
+             512, 4096, Plan(64, 64, 3, 8, 2), False),
+            ("512 s_q=256 N=64 topk=512 s_kv=4096 forced Triton", 512, 256, 64, 512, 4096,
+             Plan(64, 64, 1, 8, 2, sm90=False), False),
             ("576 s_q=64 N=128 topk=2048 bad lengths (sm_90)", 576, 64, 128, 2048, 8192, None,
              True),
-            ("512 s_q=64 N=64 topk=512 bad lengths", 512, 64, 64, 512, 4096, None, True),
+            ("512 s_q=64 N=64 topk=512 bad lengths (sm_90)", 512, 64, 64, 512, 4096, None,
+             True),
         ]
     for i, (name, *args) in enumerate(shapes):
         yield Case(f"v4 sinks {name}", lambda a=args, i=i: _prefill_case(ctx, *a, 760 + i))

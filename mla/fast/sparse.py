@@ -46,8 +46,8 @@ How (docs/kernels.md, "Sparse"):
   ``(o, lse, max)`` go to float32 scratch and a second kernel merges them by lse (conventions §6).
   ``num_splits`` comes from shapes only, so a call never synchronizes (CUDA graphs).
 - The Gluon sm_90 kernel (``mla.fast.sm90.sparse``) takes the 64-head programs over
-  DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``) or MODEL1 pages (bf16 q), one or two
-  scopes, sinks included; rows of 512 in q's dtype run in the Triton kernel here.
+  DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``), DeepSeek-V4's rows of 512 (in q's
+  dtype, or MODEL1 pages with bf16 q), one or two scopes, sinks included.
 
 ``convert_req_index_to_global_index``: the indexer's request-local top-k positions to the cache
 slots these kernels read, as ``mla.reference.sparse``'s (conventions §10; vLLM 0.14's
@@ -247,7 +247,7 @@ def _launch(q: torch.Tensor, scopes: list[_Scope], fmt: int, attn_sink: torch.Te
             extra.idx.stride(0), *layout(extra),
             out.stride(0), out.stride(1), *lse_strides, *m_strides,
             first.n_rows, topk, extra.n_rows, topk2, sm_scale * LOG2E, plan.num_splits,
-            N=N, S=S, GROUPS=groups, FP8=fmt == DS_MLA, MODEL1=fmt == MODEL1,
+            N=N, S=S, GROUPS=groups, FP8=fmt == DS_MLA, MODEL1=fmt == MODEL1, HAS_PE=DR > 0,
             HAS_EXTRA=has_extra, HAS_TOPK_LEN2=has_extra and extra.topk_length is not None,
             HAS_TOPK_LEN=first.topk_length is not None, HAS_SINK=attn_sink is not None,
             CHECK_RANGE=check_range, HAS_MAXL=has_maxl, SPLIT=split,

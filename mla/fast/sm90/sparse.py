@@ -66,15 +66,18 @@ def supported(q: torch.Tensor, kv: torch.Tensor, head_dim_v: int, fp8: bool,
               block_m: int, model1: bool = False) -> bool:
     """Whether the sm_90 kernel handles this call: a Hopper GPU, 64-head programs, bf16/fp16
     q, DeepSeek-V3.2's 576/512 head dims with a cache in q's dtype (or ``fp8_ds_mla`` bytes
-    with bf16 q), or (``model1``) DeepSeek-V4's MODEL1 pages (``kv``: ``[num_blocks,
-    584 · bs]`` bytes) with bf16 q of 512; rows (pages) 16-byte aligned."""
+    with bf16 q), DeepSeek-V4's rows of 512 (V the whole row) in q's dtype, or (``model1``)
+    MODEL1 pages (``kv``: ``[num_blocks, 584 · bs]`` bytes) with bf16 q of 512; rows (pages)
+    16-byte aligned."""
     if q.device.type != "cuda" or capability(q.device) != (9, 0):
         return False
     D = q.shape[-1]
     if block_m != 64 or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    want_d = _DV if model1 else _DV + _DR
-    if D != want_d or head_dim_v != _DV or q.stride(-1) != 1 or kv.stride(-1) != 1:
+    # rows of 576 (V3.2: 512 + rope 64) or 512 (V4: V the whole row; MODEL1 pages or q's dtype)
+    if D not in (_DV, _DV + _DR) or (model1 and D != _DV):
+        return False
+    if head_dim_v != _DV or q.stride(-1) != 1 or kv.stride(-1) != 1:
         return False
     if kv.data_ptr() % 16 or (kv.stride(0) * kv.element_size()) % 16:
         return False
@@ -89,14 +92,16 @@ def sparse_kernel(
     stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
     n_rows, topk, n_rows2, topk2, qk_scale, num_splits,
     N: gl.constexpr, S: gl.constexpr, GROUPS: gl.constexpr, FP8: gl.constexpr,
-    MODEL1: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr,
+    MODEL1: gl.constexpr, HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr,
+    HAS_TOPK_LEN2: gl.constexpr,
     HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
     HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
     SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr,
 ):
     """Grid ``(queries · GROUPS, splits)``, 8 warps. ``KV`` is the cache as rows of
     ``stride_row`` elements (q's dtype) or bytes (``FP8``: uint8, 656-byte rows), or
-    (``MODEL1``) pages of ``page_size`` tokens ``stride_row`` bytes apart. ``HAS_EXTRA``: a
+    (``MODEL1``) pages of ``page_size`` tokens ``stride_row`` bytes apart. ``HAS_PE``: rows of
+    576 with a rope part (else 512, V the whole row, no rope dot). ``HAS_EXTRA``: a
     second scope (``KV2``, ``IDX2``, ``TOPK_LEN2``, its own layout numbers) whose tiles follow
     the first scope's in one list of tiles and one online softmax. A query
     whose ``topk_length`` lies outside ``[0, topk]``, or (``CHECK_RANGE``, decode) that uses an
@@ -176,7 +181,7 @@ def sparse_kernel(
         x = gl.load(q_row[:, None] + (c * CH + c_ld)[None, :], mask=(h_ld < N)[:, None],
                     other=0.0)
         q_nope.slice(c * CH, CH, dim=1).store(x)
-    if not MODEL1:  # MODEL1: the row is 512 wide, rope included in q_nope
+    if HAS_PE:  # rows of 512: the rope values are in q_nope's columns
         x = gl.load(q_row[:, None] + (DV + c_ld)[None, :], mask=(h_ld < N)[:, None],
                     other=0.0)
         q_pe.store(x)
@@ -208,7 +213,8 @@ def sparse_kernel(
                                                page_size2, HAS_EXTRA)
     i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
     codes = _gather(kv_, i_ld, i_8, i_s, t_lo < t_hi, rows_, sr_, ps_, k_nope,
-                    k_pe, raw, raw_sc, 0, FP8, MODEL1, SCALE_OFFSET, ROPE_OFFSET, ld, lb, lc)
+                    k_pe, raw, raw_sc, 0, FP8, MODEL1, HAS_PE, SCALE_OFFSET, ROPE_OFFSET, ld, lb,
+                    lc)
     async_copy.commit_group()
     ir, st, hi, kv_, rows_, sr_, ps_ = _source(t_lo + 1, tiles1, idx1, idx2, n1, n2, KV, KV2,
                                                n_rows, n_rows2, stride_row, stride_row2,
@@ -250,7 +256,7 @@ def sparse_kernel(
             kn = k_nope.index(s)
         # tile i+1's copies (its source: the (kv_, rows_, sr_, ps_) of the last _source)
         codes = _gather(kv_, i_ld, i_8, i_s, i + 1 < t_hi, rows_, sr_, ps_,
-                        k_nope, k_pe, raw, raw_sc, 1 - s, FP8, MODEL1, SCALE_OFFSET,
+                        k_nope, k_pe, raw, raw_sc, 1 - s, FP8, MODEL1, HAS_PE, SCALE_OFFSET,
                         ROPE_OFFSET, ld, lb, lc)
         async_copy.commit_group()
         ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 2, tiles1, idx1, idx2, n1, n2, KV, KV2,
@@ -260,7 +266,7 @@ def sparse_kernel(
 
         valid = (cols < hi_i) & (idx >= 0) & (idx < rows_i)
         sc_ = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if not MODEL1:
+        if HAS_PE:
             sc_ = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc_, is_async=True)
         sc_ = warpgroup_mma_wait(num_outstanding=0, deps=(sc_,))
         qk = gl.where(valid[None, :], sc_ * qk_scale, float("-inf"))  # log2 domain
@@ -377,7 +383,7 @@ def _model1_row(i, n_rows, page_size, page_stride):
 
 @gluon.jit
 def _gather(KV, i_ld, i_8, i_s, issue, n_rows, stride_row, page_size, k_nope, k_pe, raw,
-            raw_sc, stage, FP8: gl.constexpr, MODEL1: gl.constexpr,
+            raw_sc, stage, FP8: gl.constexpr, MODEL1: gl.constexpr, HAS_PE: gl.constexpr,
             SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr,
             ld: gl.constexpr, lb: gl.constexpr, lc: gl.constexpr):
     """When ``issue``, the ``cp.async`` copies of the 64 rows named by the entries ``i_*``
@@ -442,9 +448,10 @@ def _gather(KV, i_ld, i_8, i_s, issue, n_rows, stride_row, page_size, k_nope, k_
             async_copy.async_copy_global_to_shared(kn.slice(c * CH, CH, dim=1),
                                                    base[:, None] + (c * CH + c16)[None, :],
                                                    mask=ok[:, None])
-        async_copy.async_copy_global_to_shared(k_pe.index(stage),
-                                               base[:, None] + (DV + c16)[None, :],
-                                               mask=ok[:, None])
+        if HAS_PE:
+            async_copy.async_copy_global_to_shared(k_pe.index(stage),
+                                                   base[:, None] + (DV + c16)[None, :],
+                                                   mask=ok[:, None])
     return codes
 
 
