@@ -14,7 +14,8 @@ dots. Here, as in ``mla.fast.sm90.decode``:
   copy; an invalid entry, ``-1``, out of range or past ``topk_length``, is a masked copy that
   writes zeros), the next tile's copies in flight while this tile's dots run.
   - bf16/fp16 cache: straight into two stages of K (``k_nope`` 64 × 512, ``k_pe`` 64 × 64);
-    224 KB of shared memory.
+    224 KB of shared memory. DeepSeek-V4's rows of 512 (``HAS_PE`` off): ``k_nope`` alone,
+    which is the whole row and V, and no rope dot.
   - ``fp8_ds_mla`` (656-byte rows): the 512 e4m3 bytes and the four float32 scales of each row
     go into a staging buffer, the 64 bf16 rope values into two ``k_pe`` stages; at the top of
     each tile the warps dequantize the staged bytes (e4m3 → float32 × the tile's scale → q's
