@@ -302,7 +302,8 @@ def markdown(res: dict) -> str:
     e = res["errors"]
     lines += [f"Logits against the float64 reference over {e['seeds']} seeds: paged worst "
               f"{e['paged_worst']:.2e}, ragged worst {e['ragged_worst']:.2e} (budget "
-              f"{e['budget']:.1e}; the catalogue's limit on a CUDA device {e['catalogue_limit']:.1e}).",
+              f"{e['budget']:.1e}; the catalogue's limit on a CUDA device "
+              f"{e['catalogue_limit']:.1e}).",
               "", "## fp8_paged_mqa_logits (decode, H = 64, pages of 64)", "",
               "| B | next_n | L | ms | TFLOP/s | % fp8 | roofline | % roofline | GB/s | err |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
