@@ -10,6 +10,8 @@ sparse kernels, beside the catalogue's: GPU shapes, each route forced.
   sm_90 kernel (unsplit and split) and the Triton one forced.
 - The sink on DeepSeek-V3.2's shapes through each route: the Gluon sm_90 kernel unsplit (its
   epilogue) and split (the Triton combine), and the Triton kernel forced (``sm90=False``).
+- A CUDA graph of the whole DeepSeek-V4 decode (MODEL1, second scope, sinks, lengths): no
+  host sync without value checks, replays on new inputs against the reference.
 - Without value checks (``validate=False``), on each route: a request whose ``topk_length``
   lies outside ``[0, topk]``, a query that uses a slot outside ``[-1, slots)``: exactly those
   queries are NaN (``mismatches``: the entries whose NaN-ness differs from that), the others
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 
 import mla.fast as fast
-from mla.check.registry import Case, Ctx, Metrics, gen
+from mla.check.registry import Case, Ctx, Metrics, gen, graph_replay_metrics
 from mla.compare import max_abs_err, poisoned_alloc, rel_err
 from mla.reference.fp8 import quantize_fp8_ds_mla
 from mla.reference.fp8_model1 import fp8_model1_cache, quantize_fp8_model1
@@ -137,6 +139,39 @@ def _decode_case(ctx: Ctx, spec: V4Decode, salt: int) -> Metrics:
     return metrics
 
 
+def _graph_case(ctx: Ctx) -> Metrics:
+    """MODEL1 with a second scope, sinks and both lengths (the sm_90 route at 64 heads): no
+    device-to-host sync with ``validate=False``, then captured in a CUDA graph and replayed on
+    new q, indices and lengths, each replay against the reference."""
+    g = gen(ctx, 790)
+    B, N, topk, extra_topk, dev = 4, 64, 512, 64, ctx.device
+    cache, used = _cache(g, "model1", 20000, 64, ctx.dtype, dev)
+    extra, used2 = _cache(g, "model1", 600, 1, ctx.dtype, dev)
+    sink = _sink(g, N, topk + extra_topk, dev)
+    sets = []
+    for i in range(3):
+        q = torch.randn(B, 1, N, 512, generator=g).to(ctx.dtype)
+        lens = torch.tensor([topk, 1 + 97 * i, 0, topk - 5 - i], dtype=torch.int32)
+        lens2 = torch.tensor([extra_topk - i, 0, 7 + i, extra_topk], dtype=torch.int32)
+        sets.append(tuple(t.to(dev) for t in (q, _pick(g, (B, 1, topk), used), lens,
+                                              _pick(g, (B, 1, extra_topk), used2), lens2)))
+    static = [t.clone() for t in sets[0]]
+
+    def call(validate: bool | None) -> tuple[torch.Tensor, torch.Tensor]:
+        q, idx, lens, idx2, lens2 = static
+        return fast.sparse_mla_decode(q, cache, idx, SCALE, True, lens, 512, attn_sink=sink,
+                                      extra_k_cache=extra, extra_indices_in_kvcache=idx2,
+                                      extra_topk_length=lens2, validate=validate)
+
+    def metrics(x: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor) -> Metrics:
+        q, idx, lens, idx2, lens2 = x
+        r_out, r_lse = ref_decode(q.double(), cache, idx, SCALE, True, lens, 512,
+                                  attn_sink=sink, extra_k_cache=extra,
+                                  extra_indices_in_kvcache=idx2, extra_topk_length=lens2)
+        return {"out_rel": rel_err(out, r_out), "lse_abs": max_abs_err(lse, r_lse)}
+    return graph_replay_metrics(static, sets, call, metrics)
+
+
 def v4_decode_cases(ctx: Ctx) -> Iterator[Case]:
     """The fast sparse decode on DeepSeek-V4's inputs, and the sink on each sm_90 route."""
     Plan = fast.SparsePlan  # noqa: N806
@@ -209,6 +244,9 @@ def v4_decode_cases(ctx: Ctx) -> Iterator[Case]:
         ]
     for i, (name, spec) in enumerate(specs):
         yield Case(f"v4 {name}", lambda s=spec, i=i: _decode_case(ctx, s, 700 + i))
+    if ctx.device.type == "cuda":
+        yield Case("v4 MODEL1 + second scope + sinks: cuda graph capture + replay, no sync",
+                   lambda: _graph_case(ctx))
 
 
 def _prefill_case(ctx: Ctx, D: int, s_q: int, N: int, topk: int, s_kv: int, plan: Any,
