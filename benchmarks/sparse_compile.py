@@ -41,6 +41,7 @@ _PLANS = [  # (q dtype, cache format, heads, block_m, block_n, warps, stages, ex
     ("bf16", PLAIN, 16, 16, 64, 4, 2, {}),
     ("fp32", PLAIN, 16, 16, 16, 8, 1, {}),
     # DeepSeek-V4: rows of 512 (V the whole row), MODEL1 pages, a second scope, sinks
+    ("bf16", MODEL1, 16, 16, 32, 8, 2, _V4),  # plan_sparse's MODEL1 plan under 64 heads
     ("bf16", MODEL1, 64, 64, 64, 8, 2, {}),
     ("bf16", MODEL1, 64, 64, 64, 8, 2, {"HAS_EXTRA": True}),
     ("bf16", MODEL1, 64, 64, 64, 8, 2, {"CHECK_RANGE": True, "HAS_TOPK_LEN": True}),

@@ -445,3 +445,45 @@ def test_sm90_kernel_takes_model1_the_second_scope_and_sinks(num_splits):
     for name, a, b in (("max_logits", got[1], ref[1]), ("lse", got[2], ref[2])):
         assert_nan_rule(a, b, name=name,
                         abs_tol=budget("sparse_mla_prefill", torch.bfloat16, "lse_abs"))
+
+
+_PLAN_CHILD = """
+import json, sys
+import torch
+from benchmarks.sparse_compile import _usage, compile_plan
+from mla.fast.sparse import plan_sparse
+from mla.fast.sparse_kernels import MODEL1, PLAIN
+out = []
+for fmt, N, D in json.loads(sys.argv[1]):
+    p = plan_sparse(8, N, 512, torch.bfloat16, fmt != PLAIN, 132, model1=fmt == MODEL1)
+    flags = {"D": D, "HAS_TOPK_LEN": True, "HAS_EXTRA": True, "HAS_TOPK_LEN2": True,
+             "HAS_SINK": True, "CHECK_RANGE": True, "SPLIT": p.num_splits > 1}
+    k = compile_plan("bf16", fmt, N, p.block_m, p.block_n, p.num_warps, p.num_stages, flags)
+    out.append([fmt, N, D, k.metadata.shared, _usage(k.asm["cubin"])])
+print(json.dumps(out))
+"""
+
+
+def test_default_triton_plans_of_v4_calls_fit_an_sm():
+    """The Triton plans ``plan_sparse`` picks for DeepSeek-V4's calls under 64 heads (which
+    the Gluon kernel does not take) compile for sm_90 within 227 KB of shared memory and
+    without spills (MODEL1's 8-tile rows overflowed it at 64-row tiles). Compiled in a child
+    process without TRITON_INTERPRET (see tests/test_sm90_compile.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mla.fast.sparse_kernels import MODEL1, PLAIN
+
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parents[1]
+    calls = [[MODEL1, 16, 512], [MODEL1, 32, 512], [PLAIN, 16, 512], [PLAIN, 32, 512]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _PLAN_CHILD, json.dumps(calls)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for fmt, N, D, shared, usage in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert shared <= 232448, (fmt, N, D, shared)
+        assert usage.endswith(" 0 B spilled"), (fmt, N, D, usage)

@@ -122,7 +122,7 @@ class SparsePlan:
 
 
 def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,
-                num_sms: int) -> SparsePlan:
+                num_sms: int, *, model1: bool = False) -> SparsePlan:
     """The default plan from shapes: ``queries`` is ``B · s_q`` (decode) or ``s_q`` (prefill).
 
     - Heads: one program holds ``min(64, N)`` heads (rounded up to a power of two, at least
@@ -134,12 +134,19 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
       compile without spills (fp8 with 4 warps spills: ``python -m benchmarks.sparse_compile``
       reads it off ptxas without a GPU; benchmarks/NOTES.md). So one 64-head program per SM,
       two of the 16-head bf16 ones.
+    - MODEL1 (``model1``) under 64 heads: 16-head programs with tiles of 32 (the 8-tile rows
+      of 64 gathered rows need 246 KB of shared memory at 16 heads and 262 KB at 32; tiles of
+      32 at 16 heads: 131 KB, no spill; 64-head programs go to the Gluon kernel).
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
       least two tiles of ``topk``.
     """
     block_m = min(64, max(16, next_pow2(num_heads)))
+    if model1 and block_m < 64:
+        block_m = 16
     num_warps, per_sm = (4, 2) if block_m == 16 and not fp8 else (8, 1)
     block_n, num_stages = (16, 1) if dtype == torch.float32 else (64, 2)
+    if model1 and block_m < 64 and dtype != torch.float32:
+        block_n = 32
     if dtype == torch.float32:
         num_warps = 8
     groups = -(-num_heads // block_m)
@@ -216,7 +223,8 @@ def _launch(q: torch.Tensor, scopes: list[_Scope], fmt: int, attn_sink: torch.Te
     has_extra = len(scopes) > 1
     topk, topk2 = first.idx.shape[1], extra.idx.shape[1] if has_extra else 0
     if plan is None:
-        plan = plan_sparse(Q, N, topk + topk2, q.dtype, fmt != PLAIN, num_sms(q.device))
+        plan = plan_sparse(Q, N, topk + topk2, q.dtype, fmt != PLAIN, num_sms(q.device),
+                           model1=fmt == MODEL1)
     DV, DR = dv, D - dv
     block_dv = max(16, next_pow2(DV))
     block_dr = max(16, next_pow2(DR)) if DR else 16
