@@ -56,7 +56,8 @@ __all__ = ["build_dense", "dense_decode_check", "layer_runs",
 
 
 def build_dense(config: MLAConfig, dtype: torch.dtype, device: str, context_lens: list[int],
-                new_lens: list[int], block_size: int, seed: int):
+                new_lens: list[int], block_size: int, seed: int
+                ) -> tuple[MLAWeights, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weights in ``dtype`` on ``device`` (drawn in float64), a NaN-poisoned paged cache with
     each request's context written by the fast path (hidden states ~ N(0, 1)), a scattered
     block table with room for the new tokens, and the new tokens' hidden states."""

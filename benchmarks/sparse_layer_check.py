@@ -50,7 +50,9 @@ __all__ = ["build_sparse", "sparse_decode_check", "sparse_prefill_check", "spars
 
 
 def build_sparse(config: MLAConfig, dtype: torch.dtype, device: str, context_lens: list[int],
-                 new_lens: list[int], block_size: int, fp8_kv: bool, seed: int):
+                 new_lens: list[int], block_size: int, fp8_kv: bool, seed: int
+                 ) -> tuple[MLAWeights, IndexerWeights, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor]:
     """Weights and indexer weights in ``dtype``, poisoned caches (the latent's bf16 or
     fp8_ds_mla, the fp8 index keys) holding each request's context written by the fast
     path, a scattered block table, and the new tokens' hidden states."""
