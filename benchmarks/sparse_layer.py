@@ -33,11 +33,13 @@ import triton.testing
 
 from benchmarks.common import log, time_graph
 from mla.config import get_config
+from mla.fast import fp8_paged_mqa_logits, sparse_mla_decode, top_k_per_row
 from mla.fast import sparse_model as fast_sparse
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
 from mla.fast.indexer_cache import indexer_k_quant_and_cache
 from mla.reference import sparse_model as ref_sparse
 from mla.reference.indexer import IndexerWeights
+from mla.reference.sparse_model import project_output
 from mla.weights import MLAWeights
 
 BLOCK = 64
@@ -79,6 +81,34 @@ def events_ms(fn, runs: int) -> float:
     return statistics.median(times)
 
 
+def _breakdown(w: MLAWeights, iw: IndexerWeights, hidden: torch.Tensor, kv: torch.Tensor,
+               ik: torch.Tensor, bt: torch.Tensor, sl: torch.Tensor) -> dict[str, float]:
+    """Median ms of each part of the fast step on the step's own intermediates (eager calls,
+    launch overhead included): where the time goes."""
+    B, cfg = hidden.shape[0], w.config
+    tr = fast_sparse.sparse_decode_layer(w, iw, hidden, kv, ik, bt, sl, validate=True)
+    pos = sl.long()
+    req = torch.arange(B, device=hidden.device)
+    slots = bt.long()[req, pos // BLOCK] * BLOCK + pos % BLOCK
+    seq = (sl + 1).to(torch.int32)
+    h2 = hidden.reshape(B, -1)
+    parts = {
+        "front_and_cache_writes": lambda: fast_sparse._front_and_index(w, iw, h2, slots, pos, kv,
+                                                                       ik, False),
+        "index_logits": lambda: fp8_paged_mqa_logits(
+            tr.q_index.view(B, 1, *tr.q_index.shape[1:]), ik, tr.index_weights, seq, bt,
+            tr.logits.shape[1], validate=False),
+        "top_k": lambda: top_k_per_row(tr.logits, tr.row_starts, tr.row_ends, cfg.index_topk,
+                                       validate=False),
+        "sparse_attention": lambda: sparse_mla_decode(
+            tr.q, kv, tr.slots.view(B, 1, -1), cfg.softmax_scale, True,
+            head_dim_v=cfg.kv_lora_rank, validate=False),
+        "output_projection": lambda: project_output(w, tr.o_lat),
+    }
+    return {k: triton.testing.do_bench(f, warmup=5, rep=50, return_mode="median")
+            for k, f in parts.items()}
+
+
 def bench_one(B: int, L: int, w: MLAWeights, iw: IndexerWeights, device: str = "cuda",
               seed: int = 0) -> dict:
     cfg = w.config
@@ -117,6 +147,8 @@ def bench_one(B: int, L: int, w: MLAWeights, iw: IndexerWeights, device: str = "
     best = min(res["fast_ms"], res.get("fast_graph_ms", float("inf")))
     if "torch_ms" in res:
         res["speedup"] = res["torch_ms"] / best
+    if (B, L) == (32, 32768):
+        res["fast_parts_ms"] = _breakdown(w, iw, hidden, kv, ik, bt, sl)
     return res
 
 
@@ -138,6 +170,11 @@ def step_table(title: str, rows: list[dict], env: dict) -> str:
     graph_errors = {r["graph_error"] for r in rows if "graph_error" in r}
     if graph_errors:
         lines += ["", "Not captured in a CUDA graph: " + "; ".join(sorted(graph_errors))]
+    for r in rows:
+        if "fast_parts_ms" in r:
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in r["fast_parts_ms"].items())
+            lines += ["", f"Parts of the fast step at B={r['B']}, L={r['L']} (ms, eager): "
+                      f"{parts}."]
     return "\n".join(lines) + "\n"
 
 
