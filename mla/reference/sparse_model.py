@@ -146,9 +146,10 @@ def _front_and_index(weights: MLAWeights, indexer_weights: IndexerWeights,
         index_k_cache.view(-1, d_index)[slots] = qk.k_index.to(index_k_cache.dtype)
         return f, qk
     qk = indexer_qk(indexer_weights, hidden, q_c, positions, use_fp8=False)
-    indexer_k_quant_and_cache(hadamard_rotate(qk.k_index), index_k_cache, slots)
+    k_rot = hadamard_rotate(qk.k_index)
+    indexer_k_quant_and_cache(k_rot, index_k_cache, slots)
     q_fp8, w_q = quantize_indexer_q(hadamard_rotate(qk.q_index), qk.weights)
-    return f, IndexerQK(q_index=q_fp8, k_index=qk.k_index, weights=w_q)
+    return f, IndexerQK(q_index=q_fp8, k_index=k_rot, weights=w_q)
 
 
 def _select_float(qk: IndexerQK, index_k_cache: torch.Tensor, block_table: torch.Tensor,
