@@ -27,7 +27,8 @@ import triton.testing
 
 from benchmarks.common import log
 from mla.compare import rel_err
-from mla.fast.sparse import sparse_mla_decode, sparse_mla_prefill
+from mla.fast.common import num_sms
+from mla.fast.sparse import plan_sparse, sparse_mla_decode, sparse_mla_prefill
 from mla.reference.fp8 import FP8_DS_MLA_BYTES
 from mla.reference.fp8_model1 import fp8_model1_cache, fp8_model1_page_bytes
 
@@ -142,10 +143,17 @@ def _model1(s: V4Shape, gen: torch.Generator, fm) -> dict:
         v4["extra_k_cache"] = model1_pages(gen, s.B * window // PAGE)
         v4["extra_indices_in_kvcache"] = _distinct_slots(gen, s.B, s.extra_topk, window)
 
-    def ours():
-        return sparse_mla_decode(q, cache, idx, SCALE, True, None, 512, validate=False, **v4)
+    def ours(plan=None):
+        return sparse_mla_decode(q, cache, idx, SCALE, True, None, 512, validate=False,
+                                 plan=plan, **v4)
     out = ours()[0]
     row: dict = {"ours_us": _bench(ours)}
+    # the Triton kernel on the same call (the default plan without the sm_90 route): a variant
+    default = plan_sparse(s.B, s.N, s.topk + s.extra_topk, q.dtype, True, num_sms(q.device),
+                          model1=True)
+    triton_plan = dataclasses.replace(default, sm90=False)
+    row["ours_triton_us"] = _bench(lambda: ours(triton_plan))
+    row["rel_err_triton_vs_default"] = rel_err(ours(triton_plan)[0].float(), out.float())
     r_out, _ = ref_decode(q[:2].double(), cache, idx[:2], SCALE, True, None, 512,
                           attn_sink=v4["attn_sink"],
                           **{k: v[:2] if k == "extra_indices_in_kvcache" else v
@@ -252,6 +260,9 @@ def markdown_v4(rows: list[dict]) -> list[str]:
              "| shape | ours µs | FlashMLA µs | ours / FlashMLA | TFLOP/s | err vs ref | "
              "err vs FlashMLA | target | met |", "| --- | --- | --- | --- | --- | --- | --- | "
              "--- | --- |"]
+    variants = ["", "Variant: the Triton kernel on the MODEL1 calls (sm_90 route off).", "",
+                "| shape | default µs | Triton µs | Triton / default |",
+                "| --- | --- | --- | --- |"]
     for r in rows:
         s = r["shape"]
         if "error" in r:
@@ -265,6 +276,10 @@ def markdown_v4(rows: list[dict]) -> list[str]:
                 f"{r['TFLOPs']:.0f} | {r['rel_err_vs_reference']:.1e} | "
                 f"{_f(r, 'rel_err_vs_flashmla', '.1e')} | <= {s['target']} x | "
                 f"{'yes' if r.get('met') else 'no'} |")
+            if "ours_triton_us" in r:
+                variants.append(f"| {s['name']} | {r['ours_us']:.1f} | "
+                                f"{r['ours_triton_us']:.1f} | "
+                                f"{r['ours_triton_us'] / r['ours_us']:.2f} |")
         else:
             ours = f"{r['ours_us']:.1f} → {r['ours_sink_us']:.1f} with sink"
             peer = (f"{r['flashmla_us']:.1f} → {r['flashmla_sink_us']:.1f}"
@@ -274,4 +289,4 @@ def markdown_v4(rows: list[dict]) -> list[str]:
                 f"({_f(r, 'flashmla_overhead', '+.1%')}) | | | | "
                 f"{_f(r, 'rel_err_vs_flashmla', '.1e')} | sink <= {100 * s['target']:.0f}% | "
                 f"{'yes' if r.get('met') else 'no'} |")
-    return lines
+    return lines + variants
