@@ -58,9 +58,10 @@ entries (cached), a store.
 Validation: shape/dtype/device checks (host metadata) always run. The value checks read device
 tensors on the host (a sync): ``topk_length``'s range, for decode the indices' range
 ``[-1, num_slots)`` (both scopes), for the conversion the ranges of ``req_id`` and the
-workspace ids. They run as ``mla.fast.common.should_validate`` resolves ``validate``. Without
-them the kernels still never read outside their tensors and never return a plausible wrong
-answer:
+workspace ids. They run with ``validate=True``, or with ``validate=None`` when the global
+setting is on (``mla.fast.set_validation``; off by default), never while a CUDA graph is being
+captured. Without them the kernels still never read outside their tensors and never return a
+plausible wrong answer:
 
 - a query whose ``topk_length`` (or ``extra_topk_length``) lies outside ``[0, topk]`` gets NaN
   ``out``, ``lse`` and ``max_logits`` (its reads stay inside the index row);
