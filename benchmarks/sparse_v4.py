@@ -5,7 +5,8 @@ unpacked by ``benchmarks.peers``; a shape it refuses is recorded with its error)
 
 - **What a sink costs** (target <= 2% of the kernel's time): the same call with and without
   ``attn_sink``, sparse decode on the ``fp8_ds_mla`` cache (B=64, N=128, top-k 2048) and
-  sparse prefill (s_q=2048, s_kv=16384, N=128, top-k 2048).
+  sparse prefill (s_q=2048, s_kv=16384, N=128: rows of 576 with top-k 2048, and DeepSeek-V4's
+  rows of 512 with top-k 512).
 - **MODEL1 sparse decode** (target <= 1.2 x FlashMLA's time) at DeepSeek-V4-like shapes: B=64,
   N in {64, 128}, top-k in {512, 2048}, without and with a second scope of 128 entries (pages
   of 64 in both caches), per-head sinks as DeepSeek-V4 uses them.
@@ -48,6 +49,7 @@ class V4Shape:
     topk: int
     extra_topk: int = 0
     target: float = 0.0  # ours / FlashMLA (model1) or sink overhead (sink_*), at most
+    d: int = 576  # the prefill's row width (576: DeepSeek-V3.2; 512: DeepSeek-V4, V the row)
 
 
 SHAPES = [
@@ -55,6 +57,8 @@ SHAPES = [
             target=0.02),
     V4Shape("sink cost: prefill s_q2048 s_kv16384 N128 topk2048", "sink_prefill", 2048, 128,
             2048, target=0.02),
+    V4Shape("sink cost: prefill d512 s_q2048 s_kv16384 N128 topk512", "sink_prefill", 2048,
+            128, 512, target=0.02, d=512),
     *(V4Shape(f"MODEL1 decode B64 N{n} topk{k}" + (f" + scope {e}" if e else ""), "model1",
               64, n, k, e, target=1.2)
       for n in (64, 128) for k in (512, 2048) for e in (0, 128)),
@@ -197,8 +201,8 @@ def _sink_cost(s: V4Shape, gen: torch.Generator, fm) -> dict:
                                              attn_sink=attn_sink)
     else:
         s_kv = 16384
-        q = torch.randn(s.B, s.N, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
-        kv = torch.randn(s_kv, 576, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q = torch.randn(s.B, s.N, s.d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kv = torch.randn(s_kv, s.d, device="cuda", dtype=torch.bfloat16, generator=gen)
         idx = torch.rand(s.B, s_kv, device="cuda", generator=gen).argsort(dim=1)[:, :s.topk]
         idx = idx.to(torch.int32)
 
