@@ -1,6 +1,7 @@
 """Targets by name: what ``mla conform --target TARGET`` runs.
 
-    mla.fast          this package's Triton kernels (needs triton; on the CPU, its interpreter)
+    mla.fast          this package's Triton kernels (needs triton; on the CPU, its interpreter),
+                      run with their value checks on
     reference         mla.reference itself (passes every case by construction)
     flashmla          FlashMLA, vLLM's Triton kernels, FlashInfer: the adapters of
     vllm-triton       mla.conformance.adapters (their peers are imported when a case runs;
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from collections.abc import Callable, Mapping
@@ -22,7 +24,8 @@ from mla.conformance.runner import kernels_of
 __all__ = ["TARGETS", "load_target"]
 
 TARGETS = {
-    "mla.fast": "this package's Triton kernels (mla.fast; on the CPU under Triton's interpreter)",
+    "mla.fast": "this package's Triton kernels (mla.fast; on the CPU under Triton's "
+                "interpreter), value checks on",
     "reference": "mla.reference, the float64 oracle itself (passes every case)",
     "flashmla": "FlashMLA from vLLM 0.33.0's wheel: dense and sparse decode, sparse prefill",
     "vllm-triton": "vLLM 0.33.0's Triton MLA decode, merge_attn_states and DCP correction",
@@ -46,9 +49,22 @@ def _named(spec: str) -> object:
     if spec == "reference":
         return _import(spec, "mla.reference")
     if spec == "mla.fast":
-        return _import(spec, "mla.fast")
+        return _validating(_import(spec, "mla.fast"))
     adapter = _import(spec, f"mla.conformance.adapters.{_ADAPTERS[spec]}")
     return adapter.target()  # type: ignore[attr-defined]
+
+
+def _validating(fast: object) -> dict[str, Callable]:
+    """mla.fast's kernels, each run with its value checks on: the catalogue holds a kernel to
+    the reference's contract, which refuses invalid input (its "refused" cases), and mla.fast
+    checks values only when asked (off by default: a check reads the device on the host)."""
+    def on(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args: object, **kwargs: object) -> object:
+            with fast.validation(True):  # type: ignore[attr-defined]
+                return fn(*args, **kwargs)
+        return call
+    return {k: on(getattr(fast, k)) for k in KERNELS if callable(getattr(fast, k, None))}
 
 
 def _from_function(spec: str, fn: Callable, kernels: list[str] | None) -> dict[str, Callable]:
