@@ -16,9 +16,6 @@ For each decode shape (bf16, page size 64, scattered pages, lengths = L):
   dispatch``: Triton's ``kernel[grid](...)`` every launch, the launch path before the cache);
 - ``sink``: the kernel (graph replay) with ``attn_sink``, its cost over the kernel without, and
   its output against the sink applied to the output without it (``mla.reference.sink``);
-- ``fused combine``: where the default plan splits, the Triton kernel with its combine kernel
-  against the same plan with ``fused_combine`` (the last split program of each head group
-  merges it: one launch), kernel, call and host times, and the distance between the two;
 - FlashMLA's direct call (``get_mla_metadata()`` then ``flash_mla_with_kvcache``, as a user
   calls it) and its kernel (graph replay), when ``benchmarks.peers`` has unpacked it.
 
@@ -43,8 +40,7 @@ from benchmarks.peer_timing import flashmla_decode
 from mla.check.runner import environment
 from mla.compare import rel_err
 from mla.fast import decode as fast_decode
-from mla.fast.common import num_sms
-from mla.fast.decode import mla_decode_paged, plan_decode
+from mla.fast.decode import mla_decode_paged
 from mla.reference.sink import apply_attn_sink
 
 D, DV, PAGE = 576, 512, 64
@@ -156,7 +152,6 @@ def bench_shape(s: Shape, seed: int) -> dict:
                    "validate=True / kernel": r["validate_true_us"] / k,
                    "synced default / kernel": r["synced_default_us"] / k,
                    "sink kernel / kernel": r["kernel_sink_us"] / k}
-    r["fused_combine"] = fused_combine_variants(s, q, kv, bt, sl)
     peer = flashmla_decode(q, kv, bt, sl, SCALE, s.causal, DV)
     if peer is not None:
         try:
@@ -177,29 +172,6 @@ def bench_shape(s: Shape, seed: int) -> dict:
         f"{r['ratios']['sink kernel / kernel']:.3f}x (rel err {r['sink_rel_err']:.1e}); "
         f"FlashMLA {r.get('FlashMLA')}")
     return r
-
-
-def fused_combine_variants(s: Shape, q, kv, bt, sl) -> dict:
-    """The Triton kernel at the default split count, combine kernel against fused combine."""
-    default = plan_decode(s.B, s.s_q, s.N, D, DV, bt.shape[1], PAGE, q.dtype, num_sms(q.device))
-    if default.num_splits == 1:
-        return {}
-    tri = dataclasses.replace(default, sm90=False)
-    res, ref = {}, None
-    for name, plan in (("combine kernel", tri),
-                       ("fused combine", dataclasses.replace(tri, fused_combine=True))):
-        def fn(plan=plan):
-            return mla_decode_paged(q, kv, bt, sl, SCALE, s.causal, DV, validate=False,
-                                    plan=plan)
-        out, _ = fn()
-        ref = out if ref is None else ref
-        res[name] = {"plan": dataclasses.asdict(plan), "kernel_us": time_graph(fn) * 1e3,
-                     "call_us": bench_us(fn), "host_us": host_us(fn),
-                     "rel_err_vs_combine_kernel": rel_err(out.double(), ref.double())}
-    log(f"{s.name}: Triton at {tri.num_splits} splits: " + "; ".join(
-        f"{k} kernel {v['kernel_us']:.1f} us, call {v['call_us']:.1f}, host {v['host_us']:.1f}"
-        f" (distance {v['rel_err_vs_combine_kernel']:.1e})" for k, v in res.items()))
-    return res
 
 
 def markdown(res: dict) -> str:
@@ -224,16 +196,6 @@ def markdown(res: dict) -> str:
             f"{h['JIT dispatch']:.1f} | {x['default / kernel']:.3f} | "
             f"{x['sink kernel / kernel']:.3f} | {fm_s} | "
             f"{x.get('default / FlashMLA direct', float('nan')):.2f} |")
-    lines += ["", "Triton kernel at the default split count: combine kernel against fused combine "
-              "(µs: kernel / call / host; distance from the combine kernel's output):", "",
-              "| shape | combine kernel | fused combine | distance |", "| --- | --- | --- | --- |"]
-    for r in res["shapes"]:
-        v = r.get("fused_combine") or {}
-        if len(v) == 2:
-            a, b = v["combine kernel"], v["fused combine"]
-            lines.append(f"| {r['name']} | {a['kernel_us']:.1f} / {a['call_us']:.1f} / "
-                         f"{a['host_us']:.1f} | {b['kernel_us']:.1f} / {b['call_us']:.1f} / "
-                         f"{b['host_us']:.1f} | {b['rel_err_vs_combine_kernel']:.1e} |")
     return "\n".join(lines) + "\n"
 
 

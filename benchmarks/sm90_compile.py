@@ -119,10 +119,10 @@ def compile_triton_decode(N: int = 128, S_Q: int = 1, CAUSAL: bool = False,
     const = dict(N=N, S_Q=S_Q, DV=_DV, DR=_D - _DV, PAGE_SIZE=page, BLOCK_M=plan.block_m,
                  BLOCK_N=plan.block_n, BLOCK_DV=_DV, BLOCK_DR=_D - _DV, HAS_PE=True,
                  PAGE_TILE=page % plan.block_n == 0, USE_TMA=plan.use_tma, CAUSAL=CAUSAL,
-                 SPLIT=plan.num_splits > 1, HAS_SINK=False, FUSED=plan.fused_combine,
+                 SPLIT=plan.num_splits > 1, HAS_SINK=False,
                  DOT_PREC="ieee" if dtype == "fp32" else "tf32")
     ptrs = dict(Q=dt, KV=dt, BT="i32", SEQLENS="i32", O=dt, LSE="fp32", OP="fp32",
-                LSEP="fp32", SINK="fp32", COUNTER="i32")
+                LSEP="fp32", SINK="fp32")
     ints = dict(stride_qb=S_Q * N * _D, stride_qt=N * _D, stride_qh=_D,
                 stride_kvb=page * _D, stride_kvr=_D, stride_btb=max_pages,
                 stride_ob=S_Q * N * _DV, stride_ot=N * _DV, stride_oh=_DV,

@@ -143,9 +143,8 @@ def test_argument_errors():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("plan", [DecodePlan(16, 16, 1, 4, 1), DecodePlan(16, 16, 3, 4, 1),
-                                  DecodePlan(16, 16, 3, 4, 1, fused_combine=True)],
-                         ids=["one split", "three splits", "fused combine"])
+@pytest.mark.parametrize("plan", [DecodePlan(16, 16, 1, 4, 1), DecodePlan(16, 16, 3, 4, 1)],
+                         ids=["one split", "three splits"])
 def test_nan_input_is_nan_out_not_a_marker(poisoned_alloc, plan, causal):
     """conventions §13, on both paths: a NaN in one query's q makes that query's out and lse
     NaN (not lse = +inf, the "no key" marker; with splits, not the combine's "empty split"
@@ -168,13 +167,12 @@ def test_nan_input_is_nan_out_not_a_marker(poisoned_alloc, plan, causal):
 
 # ------------------------------------------------------------------ attention sinks
 
-SINK_PLANS = [None, DecodePlan(16, 16, 1, 4, 1), DecodePlan(16, 16, 3, 4, 1, use_tma=False),
-              DecodePlan(16, 16, 3, 4, 1, fused_combine=True)]
+SINK_PLANS = [None, DecodePlan(16, 16, 1, 4, 1), DecodePlan(16, 16, 3, 4, 1, use_tma=False)]
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("plan", SINK_PLANS,
-                         ids=["default", "one split", "three splits", "fused combine"])
+                         ids=["default", "one split", "three splits"])
 def test_sink_matches_reference(poisoned_alloc, plan, causal):
     """The sink in the decode kernel's epilogue (one split) and in the combine's (several):
     finite sinks of both signs, +inf (out 0), -inf (no change), NaN (that head's out NaN for
@@ -246,14 +244,12 @@ BAD_KINDS = ["negative length", "length past capacity", "huge length", "entry -1
 BAD_PLANS = [(16, DecodePlan(16, 16, 1, 4, 1, use_tma=True)),
              (16, DecodePlan(16, 16, 3, 4, 1, use_tma=False)),
              (4, DecodePlan(16, 16, 2, 4, 1)),  # pages smaller than a tile: per-row lookups
-             (16, DecodePlan(16, 16, 2, 4, 1, use_tma=True)),
-             (16, DecodePlan(16, 16, 3, 4, 1, fused_combine=True))]
+             (16, DecodePlan(16, 16, 2, 4, 1, use_tma=True))]
 
 
 @pytest.mark.parametrize("kind", BAD_KINDS)
 @pytest.mark.parametrize("block_size,plan", BAD_PLANS,
-                         ids=["one split tma", "three splits", "page 4", "two splits tma",
-                              "fused combine"])
+                         ids=["one split tma", "three splits", "page 4", "two splits tma"])
 def test_bad_values_unvalidated_give_nan_rows(poisoned_alloc, kind, block_size, plan):
     """validate=False: a bad length or used block-table entry never makes the kernel read
     outside its tensors (compute-sanitizer runs this on the GPU); its request gets NaN out and
@@ -468,46 +464,3 @@ def test_compiled_launcher_protocol(monkeypatch):
     assert calls[6][0] == "jit" and not launcher.direct
     launcher("k", (2, 3, 1), ("f", 9, "C"), num_warps=4)
     assert calls[7][0] == "jit" and len(calls) == 8
-
-
-FUSED_CASES = [
-    ([37, 0, 1, 80], 1, 4, 16, DecodePlan(16, 16, 3, 4, 1, fused_combine=True)),
-    ([33, 2, 70], 4, 5, 16, DecodePlan(16, 16, 4, 4, 1, fused_combine=True)),  # 2 head groups
-    ([20, 1, 47], 3, 8, 1, DecodePlan(16, 16, 2, 4, 1, fused_combine=True)),  # page size 1
-    ([65, 3, 0], 2, 4, 64, DecodePlan(16, 32, 7, 4, 1, fused_combine=True)),  # empty splits
-]
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lens,s_q,N,block_size,plan", FUSED_CASES)
-def test_fused_combine_matches_reference(poisoned_alloc, causal, lens, s_q, N, block_size,
-                                         plan):
-    """The last split program of each head group merges the group (one launch): equal to the
-    reference, and every split counter is back at 0 afterwards (the next call, or a graph's
-    replay, starts from 0 without a clearing launch)."""
-    import mla.fast.decode as fast_decode
-
-    q, kv, bt, sl = make_inputs(lens, s_q, N, 40, block_size, torch.float32, seed=41)
-    check_against_reference(q, kv, bt, sl, causal, 32, plan)
-    counters = fast_decode._counters[(q.device, 0 if q.device.type == "cpu" else
-                                      torch._C._cuda_getCurrentRawStream(q.device.index))]
-    assert not counters.any()
-    check_against_reference(q, kv, bt, sl, causal, 32, plan)  # the same buffer again
-
-
-def test_fused_combine_broken_twin_fails(monkeypatch):
-    """Counters left at 1 (as if a call had not put them back): the group's "last" program
-    is the wrong one, a split is missing from the merge or nothing merges (poisoned outputs),
-    and the comparison fails."""
-    import mla.fast.decode as fast_decode
-
-    plan = DecodePlan(16, 16, 3, 4, 1, fused_combine=True)
-    q, kv, bt, sl = make_inputs([37, 5], 1, 4, 40, 16, torch.float32, seed=42)
-    check_against_reference(q, kv, bt, sl, False, 32, plan)
-    buf = fast_decode._split_counters(q.device, 2)
-    buf[:2] = 1  # as if a previous call had not put them back
-    try:
-        with compare.poisoned_alloc(), pytest.raises(AssertionError):
-            check_against_reference(q, kv, bt, sl, False, 32, plan)
-    finally:
-        buf.zero_()

@@ -17,8 +17,7 @@ How it is fast (docs/kernels.md):
   for the logits. The dims need not be powers of two (masked), e.g. the tiny preset's 32 + 8.
 - Split-KV (Flash-Decoding): each request's keys are cut into ``num_splits`` equal runs of
   whole tiles, one program each, writing a partial ``(o, lse)``; a second small kernel merges
-  them (conventions §6), or, with ``DecodePlan.fused_combine``, the last program of each head
-  group to finish (``mla.fast.decode_combine``). ``num_splits`` comes from host-known shapes
+  them (conventions §6; ``mla.fast.decode_combine``). ``num_splits`` comes from host-known shapes
   only (batch, head groups, the block table's capacity, the SM count), never from device
   values, so a call never synchronizes and can be captured in a CUDA graph. With one split the
   first kernel writes the result directly.
@@ -59,7 +58,7 @@ from mla.fast.common import (
     num_sms,
     should_validate,
 )
-from mla.fast.decode_combine import combine_kernel, combine_rows, sink_factor
+from mla.fast.decode_combine import combine_kernel, sink_factor
 from mla.fast.launch import CompiledLauncher
 from mla.fast.softmax import load_2d, softmax_pv
 from mla.reference.decode import check_paged_decode_shapes, check_paged_decode_values
@@ -83,10 +82,6 @@ class DecodePlan:
     # (it uses its own tiles: 64 × 64, 8 warps, two TMA stages; ``block_n``, ``num_warps``,
     # ``num_stages`` and ``use_tma`` then describe only the Triton fallback)
     sm90: bool = True
-    # with splits: the last program of each head group to finish merges the group's partials
-    # (``mla.fast.decode_combine.combine_rows``, one launch) instead of the combine kernel;
-    # Triton kernel only (benchmarks/NOTES.md has what it costs)
-    fused_combine: bool = False
 
 
 def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v: int,
@@ -200,7 +195,7 @@ def _attend(acc, l_i, m_i, bad, q_nope, q_pe, KV, kv_desc, pe_desc, bt_row, lo, 
 
 @triton.jit
 def _decode_kernel(
-    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP, SINK, COUNTER,
+    Q, KV, BT, SEQLENS, O, LSE, OP, LSEP, SINK,
     stride_qb, stride_qt, stride_qh,
     stride_kvb, stride_kvr, stride_btb,
     stride_ob, stride_ot, stride_oh,
@@ -210,7 +205,7 @@ def _decode_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr,
     PAGE_TILE: tl.constexpr, USE_TMA: tl.constexpr, CAUSAL: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_SINK: tl.constexpr, FUSED: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """Grid ``(head groups, splits, B)``: the head groups of one key run are neighbours.
@@ -296,17 +291,6 @@ def _decode_kernel(
         tl.store(LSEP + part, lse, mask=row_ok)
         tl.store(OP + part[:, None] * DV + offs_dv[None, :], o,
                  mask=(row_ok & seen)[:, None] & dv_mask[None, :])
-        if FUSED:
-            # count this group's finished splits; the last one merges them and puts the
-            # counter back to 0 (no clearing launch; a captured graph finds it at 0 too).
-            # The barrier orders every thread's stores before the release of the count.
-            tl.debug_barrier()
-            slot = COUNTER + b * tl.num_programs(0) + g
-            if tl.atomic_add(slot, 1, sem="acq_rel") == num_splits - 1:
-                tl.store(slot, 0)
-                combine_rows(OP, LSEP, O, LSE, SINK, b, rows, row_ok, num_splits,
-                             stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-                             N, S_Q, DV, BLOCK_M, BLOCK_DV, HAS_SINK)
     else:
         if HAS_SINK:
             o = o * sink_factor(lse, seen, SINK, h, row_ok)[:, None]
@@ -366,7 +350,6 @@ class _Launch:
     allocator: bool = False  # in-kernel tensor descriptors: the scratch allocator is needed
     options: dict[str, int] = dataclasses.field(default_factory=dict)
     combine_grid: tuple[int, int, int] | None = None  # None: no combine launch
-    counters: int = 0  # split counters of a fused combine (one per request and head group)
     combine_ints: tuple[int, ...] = ()
     combine_constexprs: tuple[object, ...] = ()
 
@@ -379,26 +362,6 @@ _triton_combine = CompiledLauncher(combine_kernel)
 # built at the first sm_90 call (importing Gluon), again if the module's kernel is replaced
 _sm90_module: types.ModuleType | None = None
 _sm90_decode: CompiledLauncher | None = None
-
-
-_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
-_retired: list[torch.Tensor] = []  # replaced counter buffers: a captured graph may use them
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least ``n`` int32 zeros for a fused combine's split counts, one buffer per device and
-    stream (two streams' calls may run at once; the kernel leaves its counters at 0). A
-    buffer that grows is kept alive, not freed: graphs captured with it still point at it.
-    Graphs captured on one stream and replayed concurrently would share it: replay those in
-    order, or use the combine kernel (the default)."""
-    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
-    buf = _counters.get((device, stream))
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _retired.append(buf)
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _counters[(device, stream)] = buf
-    return buf
 
 
 def _key(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -472,15 +435,11 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        options={"num_warps": 8}, **common)
     page_tile = block_size % plan.block_n == 0
     use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
-    fused = split and plan.fused_combine
-    if fused:
-        common["combine_grid"] = None
     constexprs = (N, s_q, DV, DR, block_size, plan.block_m, plan.block_n, block_dv,
                   max(16, next_pow2(DR)) if DR else 16, DR > 0, page_tile, use_tma,
-                  bool(causal), split, has_sink, fused,
+                  bool(causal), split, has_sink,
                   "ieee" if q.dtype == torch.float32 else "tf32")
     return _Launch(constexprs=constexprs, allocator=use_tma,
-                   counters=B * common["grid"][0] if fused else 0,
                    options={"num_warps": plan.num_warps, "num_stages": plan.num_stages},
                    **common)
 
@@ -568,8 +527,7 @@ def mla_decode_paged(
     else:
         if launch.allocator:
             ensure_allocator()
-        counter = _split_counters(device, launch.counters) if launch.counters else lse
-        _triton_decode(key, launch.grid, (*ptrs, counter, *rest), **launch.options)
+        _triton_decode(key, launch.grid, ptrs + rest, **launch.options)
     if launch.combine_grid is not None:
         _triton_combine(key, launch.combine_grid,
                         (o_part, lse_part, out, lse, sink, launch.tail[0],

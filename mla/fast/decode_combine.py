@@ -1,12 +1,9 @@
 """The end of a split decode: merging each query row's partial ``(o, lse)`` by their lse
 (conventions §6), and the attention sink's factor, which is applied once, to the merged row.
 
-- ``combine_kernel``: its own launch, grid ``(s_q · N, B)``, one program per query row;
-- ``combine_rows``: the same merge for the ``BLOCK_M`` rows of one head group, called by the
-  decode kernel's program that finishes a group's splits last (``DecodePlan.fused_combine``:
-  one launch instead of two; ``mla.fast.decode`` counts the finished splits per group in a
-  counter buffer that the last program resets to zero, so it needs no clearing launch and
-  stays valid in a CUDA graph);
+- ``combine_kernel``: its own launch, grid ``(s_q · N, B)``, one program per query row (a
+  merge by the last split program of each head group, one launch instead of two, measured
+  slower on the H200 at every shape: benchmarks/NOTES.md);
 - ``sink_factor``: ``exp(lse) / (exp(lse) + exp(sink))`` per row.
 
 Partials: ``o [B, splits, rows, DV]`` float32 and ``lse [B, splits, rows]``, ``-inf`` for a
@@ -18,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["combine_kernel", "combine_rows", "sink_factor"]
+__all__ = ["combine_kernel", "sink_factor"]
 
 
 @triton.jit
@@ -69,46 +66,3 @@ def combine_kernel(
              o.to(O.dtype.element_ty), mask=dv_mask)
     tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t,
              tl.where(seen, lse, float("inf")))
-
-
-@triton.jit
-def combine_rows(OP, LSEP, O, LSE, SINK, b, rows, row_ok, num_splits,
-                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-                 N: tl.constexpr, S_Q: tl.constexpr, DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr):
-    """``combine_kernel`` for the rows ``rows`` of request ``b`` in one program: a pass over
-    the splits' lse for the maximum, a second that sums the weights and the weighted ``o``.
-    The partials were written by other programs: loaded past L1 (``.cg``)."""
-    ROWS: tl.constexpr = S_Q * N
-    first = b.to(tl.int64) * num_splits
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_mask = offs_dv < DV
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        lse_s = tl.load(LSEP + (first + s) * ROWS + rows, mask=row_ok, other=float("-inf"),
-                        cache_modifier=".cg")
-        m = tl.maximum(m, lse_s)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for s in range(num_splits):
-        part = (first + s) * ROWS + rows
-        lse_s = tl.load(LSEP + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        w = tl.exp(lse_s - m_use)  # 0 for an empty split, NaN for a NaN one
-        w_sum += w
-        o_s = tl.load(OP + part[:, None] * DV + offs_dv[None, :],
-                      mask=(row_ok & (lse_s > float("-inf")))[:, None] & dv_mask[None, :],
-                      other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * o_s
-    seen = w_sum != 0.0
-    o = acc / tl.where(seen, w_sum, 1.0)[:, None]
-    lse = m_use + tl.log(tl.where(seen, w_sum, 1.0))
-    t = rows // N
-    h = rows % N
-    if HAS_SINK:
-        o = o * sink_factor(lse, seen, SINK, h, row_ok)[:, None]
-    o_ptr = O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
-    tl.store(o_ptr[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty),
-             mask=row_ok[:, None] & dv_mask[None, :])
-    tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t,
-             tl.where(seen, lse, float("inf")), mask=row_ok)

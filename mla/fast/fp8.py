@@ -97,8 +97,9 @@ def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache
     """Quantize ``kv_c [T, 512]``, ``k_pe [T, 64]`` (or ``[T, 1, 64]``) into ``kv_cache`` in place.
 
     As the reference; ``kv_cache [num_blocks, block_size, 656]`` uint8 (or float8_e4m3fn bytes),
-    contiguous. ``validate``: check ``slot_mapping``'s range on the host (a sync); ``None``: only
-    when no CUDA graph is being captured. Slots outside the cache are never written.
+    contiguous. ``validate``: check ``slot_mapping``'s range on the host (a sync); ``None``: as
+    ``mla.fast.set_validation`` says (off unless turned on), never while a graph is captured.
+    Slots outside the cache are never written (unchecked, a bad slot's row is skipped).
     """
     k_pe = check_fp8_write_args(kv_c, k_pe, kv_cache, slot_mapping, contiguous=True)
     T = kv_c.shape[0]

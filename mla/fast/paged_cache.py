@@ -12,8 +12,10 @@ once and written once.
 
 Host synchronization, stated because it decides whether a call can sit in a CUDA graph:
 - ``concat_and_cache_mla`` reads ``slot_mapping``'s range on the host (one small transfer) to
-  reject bad slots as the reference does, unless ``validate=False`` or a CUDA graph is being
-  captured. The kernel writes only slots in ``[0, num_blocks·block_size)`` either way.
+  reject bad slots as the reference does when its value checks run (``validate=True``, or the
+  global setting ``mla.fast.set_validation``, off by default; never while a CUDA graph is
+  being captured). The kernel writes only slots in ``[0, num_blocks·block_size)`` either way:
+  unchecked, a bad slot's row is not written.
 - ``gather_cache`` reads ``cu_seq_lens`` and ``seq_starts`` in one transfer: the length of its
   return value is ``cu_seq_lens[-1]``, which only the host can use to slice. Callers that know the
   lengths already (``mla.fast.chunked``, from its ``ChunkPlan``) call ``gather_cache_known``, which
@@ -77,8 +79,8 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
                          slot_mapping: torch.Tensor, *, validate: bool | None = None) -> None:
     """Write ``kv_c [T, Lkv]`` and ``k_pe [T, R]`` (or ``[T, 1, R]``) into ``kv_cache`` in place.
 
-    ``validate``: check ``slot_mapping``'s range on the host (a sync); ``None`` (default): only
-    when the current CUDA stream is not capturing a graph (``mla.fast.common.should_validate``).
+    ``validate``: check ``slot_mapping``'s range on the host (a sync); ``None`` (default): as
+    ``mla.fast.set_validation`` says (off unless turned on), never while a graph is captured.
     """
     check_float("kv_cache", kv_cache, ndim=3)
     if k_pe.dim() == 3 and k_pe.shape[1] == 1:
