@@ -6,9 +6,9 @@ One spawn per world size (2 and 4 ranks) runs the rank programs of ``mla.fast.dc
 correction with empty ranks and a NaN lse, chunked prefill, and both forwards from hidden
 states; each once through ``ProcessGroupCommunicator`` and the decode again through
 ``CapturableCommunicator`` (the same collectives without the shape exchange: bitwise the
-same, as are both communicators' all-gathers and reduce-scatters along every dim). The results are compared with ``run_simulated`` (to float32 rounding: gloo may add
-the ranks' partials in another order) and with the float64 references (the budgets of
-tests/test_fast_dcp.py).
+same, as are both communicators' all-gathers and reduce-scatters along every dim). The results
+are compared with ``run_simulated`` (to float32 rounding: gloo may add the ranks' partials in
+another order) and with the float64 references (the budgets of tests/test_fast_dcp.py).
 """
 
 from __future__ import annotations
