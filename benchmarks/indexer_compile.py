@@ -61,7 +61,7 @@ def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan = DEFAULT_PLAN):
              s_w_r=64, s_t_b=2048), plan.num_warps)
 
 
-def ragged(plan: indexer_logits.LogitsPlan = DEFAULT_PLAN):
+def ragged(plan: indexer_logits.LogitsPlan = indexer_logits.RAGGED_PLAN):
     return _compile(
         indexer_logits._ragged_kernel,
         dict(BLOCK_Q=plan.queries, HP=64, D=128, BLOCK_N=plan.block_n, TILES=8,

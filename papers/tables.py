@@ -254,7 +254,10 @@ def render_benchmarks(results_dir: Path = RESULTS) -> str:
         except (OSError, json.JSONDecodeError) as e:
             out.append(f"not readable as JSON: {type(e).__name__}")
             continue
-        decode = isinstance(data, dict) and "decode" in data and "ceilings" in data
+        # benchmarks.run's file: a "decode" list of shapes (the indexer's has a "decode" too)
+        decode = (isinstance(data, dict) and "ceilings" in data
+                  and isinstance(data.get("decode"), list)
+                  and all(isinstance(e, dict) and "shape" in e for e in data["decode"]))
         conformance = isinstance(data, dict) and {"target", "counts", "rows"} <= set(data)
         out += _metadata(data, skip=("ceilings",) if decode else ())
         body = (_render_decode(data) if decode else _render_conformance(data) if conformance

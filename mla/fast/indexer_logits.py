@@ -32,11 +32,11 @@ import triton
 import triton.language as tl
 
 from mla.compare import FP8_MMA_LOGITS_REL
-from mla.fast.common import interpreting, next_pow2, num_sms, should_validate
+from mla.fast.common import TRITON_VERSION, interpreting, next_pow2, num_sms, should_validate
 from mla.reference.indexer_cache import INDEX_DIM, INDEX_K_BYTES
 from mla.validation import check_float, check_index, check_same_device, check_tensor
 
-__all__ = ["LogitsPlan", "fp8_mqa_logits", "fp8_paged_mqa_logits", "logits_budget"]
+__all__ = ["LogitsPlan", "RAGGED_PLAN", "fp8_mqa_logits", "fp8_paged_mqa_logits", "logits_budget"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 U32 = 2.0 ** -24
@@ -62,6 +62,11 @@ class LogitsPlan:
             raise ValueError(f"LogitsPlan.stages must be an int >= 1, got {self.stages!r}")
 
 
+
+
+# the ragged kernel's default: 4 warps fit 255 registers under Triton 3.6 (sm_90 ptxas; the
+# H200 measurements), 3.7's allocator spills 8 bytes there, 8 warps take 166 registers
+RAGGED_PLAN = LogitsPlan(num_warps=4 if TRITON_VERSION < (3, 7) else 8)
 
 
 # Under the interpreter the dot is a float32 matmul of exact products: 100 measured cases (heads
@@ -315,7 +320,7 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
     ``kv = (k_codes [N, 128] e4m3, k_scale [N] float32)``, ``weights [S, H]``; query ``t``
     sees ``[ks[t], ke[t])``. ``validate``: check ``ks``/``ke`` within ``[0, N]`` on the host;
     unvalidated, keys outside are never read (the range is clipped). ``plan``: the tiling
-    (``LogitsPlan()``; fewer queries a program when the heads pass 64)."""
+    (``RAGGED_PLAN``; fewer queries a program when the heads pass 64)."""
     q = _check_q(q, 3)
     S, H, _ = q.shape
     if not isinstance(kv, tuple) or len(kv) != 2:
@@ -342,7 +347,7 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
     if out.numel() == 0:
         return out
     scale = scale.float().contiguous()
-    plan = plan or LogitsPlan()
+    plan = plan or RAGGED_PLAN
     hp = max(16, next_pow2(H))
     block_q = max(1, min(plan.queries, 256 // hp))
     rows = triton.cdiv(S, block_q)
