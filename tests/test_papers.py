@@ -353,7 +353,7 @@ def test_the_ridge_numbers_follow_from_the_measured_and_datasheet_ceilings():
 
 
 def test_retired_notations_do_not_come_back():
-    """Issue 16, item 7: one meaning per symbol; the clashing notations were renamed."""
+    """One meaning per symbol: the notations that clashed were renamed and stay retired."""
     for old in ["L_{max}", "p_{t,s,n}", "m = 0.1", "\\frac{i-\\ell}{u-\\ell}", "R_{s-t}",
                 "\\operatorname{top-}k", "n_r", "stays\n`τ = 1/√(P+R)`", "2mkn",
                 "independently of `Skv`"]:
