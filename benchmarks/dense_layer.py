@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 import traceback
 
 import torch
@@ -25,6 +24,7 @@ import triton.testing
 from benchmarks.common import log, time_graph
 from benchmarks.sparse_layer import events_ms, step_table
 from mla.config import get_config
+from mla.environment import environment
 from mla.fast import model as fast_model
 from mla.reference import model as ref_model
 from mla.weights import MLAWeights
@@ -80,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,32,128")
     p.add_argument("--lengths", default="8192,32768")
     args = p.parse_args(argv)
-    env = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-           "torch": torch.__version__, "triton": triton.__version__,
-           "cuda": torch.version.cuda}
+    env = environment()
     w = MLAWeights.random(get_config("deepseek-v3"), dtype=torch.bfloat16, device="cuda")
     os.makedirs(args.out, exist_ok=True)
     rows: list[dict] = []
@@ -97,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             log(json.dumps(r))
             rows.append(r)
             torch.cuda.empty_cache()
-            with open(os.path.join(args.out, f"dense_layer_{env['date']}.json"), "w") as fh:
+            with open(os.path.join(args.out, f"dense_layer_{env['date'][:10]}.json"), "w") as fh:
                 json.dump({"environment": env, "rows": rows}, fh, indent=1)
     md = step_table("Dense decode layer step (DeepSeek-V3, bf16 weights and cache)", rows, env)
-    with open(os.path.join(args.out, f"dense_layer_{env['date']}.md"), "w") as fh:
+    with open(os.path.join(args.out, f"dense_layer_{env['date'][:10]}.md"), "w") as fh:
         fh.write(md)
     print(md)
     return 0

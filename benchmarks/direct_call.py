@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SHAPES if not args.shapes else [SHAPES[i] for i in args.shapes]
     res = {"environment": environment(), "shapes": []}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"direct_call_{res['environment']['date']}")
+    stem = os.path.join(args.out, f"direct_call_{res['environment']['date'][:10]}")
     for s in shapes:
         try:
             res["shapes"].append(bench_shape(s, args.seed))

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 import traceback
 
 import torch
@@ -33,6 +32,7 @@ import triton.testing
 
 from benchmarks.common import log, time_graph
 from mla.config import get_config
+from mla.environment import environment
 from mla.fast import fp8_paged_mqa_logits, sparse_mla_decode, top_k_per_row
 from mla.fast import sparse_model as fast_sparse
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
@@ -188,14 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,32,128")
     p.add_argument("--lengths", default="8192,32768,131072")
     args = p.parse_args(argv)
-    env = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-           "torch": torch.__version__, "triton": triton.__version__,
-           "cuda": torch.version.cuda}
+    env = environment()
     sizes = [(int(b), int(n)) for b in args.batches.split(",") for n in args.lengths.split(",")]
     # the target's size first, so that a run cut short still has it
     sizes.sort(key=lambda bl: bl != (32, 32768))
     os.makedirs(args.out, exist_ok=True)
-    stamp = env["date"]
+    stamp = env["date"][:10]
     cfg = get_config("deepseek-v3.2")
     w = MLAWeights.random(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
     iw = IndexerWeights.random(cfg, seed=1, dtype=torch.bfloat16, device="cuda")
