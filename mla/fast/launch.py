@@ -15,6 +15,12 @@ launch hook is installed (profilers such as proton read its launch metadata). Sh
 launch be refused where the JIT's is accepted (a Triton whose launcher takes other arguments
 than 3.6's), the launcher warns once and goes through the JIT from then on.
 
+``launch_kept`` is the cheapest launch: the kept kernel of a key, its pointer arguments any
+objects holding the right addresses (plain integers, or a tensor in place of its other-dtype
+view: the compiled kernel's pointer types are fixed), so that a caller need not rebuild the
+views the JIT needed to type its arguments. Where nothing is kept it launches nothing and
+says so; the caller then launches through the JIT with the typed arguments.
+
 A caller's key must determine Triton's specialization of every non-constexpr argument:
 ``int_spec`` gives an integer's class under Triton 3.6's rule and ``ptr_spec`` a pointer's,
 for callers whose integers do not all follow from the shapes in their key
@@ -95,8 +101,32 @@ class CompiledLauncher:
         except Exception as e:  # the launcher refused the arguments before launching
             self.fn[grid](*args, **options)  # the JIT's own error, if the arguments are bad
             # the JIT took them: this Triton's launcher differs from 3.6's; stay on the JIT
-            self.direct = False
-            warnings.warn(f"mla.fast: launching {getattr(self.fn, '__name__', self.fn)} "
-                          f"directly failed ({type(e).__name__}: {e}); Triton's JIT launches "
-                          "it from now on (slower on the host, same results)", RuntimeWarning,
-                          stacklevel=3)
+            self._give_up(e)
+
+    def launch_kept(self, key: Hashable, grid: tuple[int, int, int], args: Sequence[Any]
+                    ) -> bool:
+        """Launch the kept compiled kernel of ``key`` with ``args`` (pointers: tensors or
+        integer addresses, constexprs included as in ``__call__``); False, launching nothing,
+        when none is kept or may be used (first launch of the key, interpreter, launch hook,
+        direct launches off) or this Triton's launcher refuses the call (then never again):
+        the caller launches through ``__call__`` with arguments the JIT can type."""
+        if interpreting() or not self.direct:
+            return False
+        device = torch.cuda.current_device()
+        compiled = self.compiled.get((device, key))
+        if compiled is None or _hooked():
+            return False
+        try:
+            compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(device),
+                         compiled.function, compiled.packed_metadata, None, None, None, *args)
+        except Exception as e:  # refused before launching: the caller's JIT launch follows
+            self._give_up(e)
+            return False
+        return True
+
+    def _give_up(self, error: Exception) -> None:
+        self.direct = False
+        warnings.warn(f"mla.fast: launching {getattr(self.fn, '__name__', self.fn)} "
+                      f"directly failed ({type(error).__name__}: {error}); Triton's JIT "
+                      "launches it from now on (slower on the host, same results)",
+                      RuntimeWarning, stacklevel=4)

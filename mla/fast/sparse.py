@@ -49,19 +49,24 @@ How (docs/kernels.md, "Sparse"):
   DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``), DeepSeek-V4's rows of 512 (in q's
   dtype, or MODEL1 pages with bf16 q), one or two scopes, sinks included.
 
-``convert_req_index_to_global_index``: the indexer's request-local top-k positions to the cache
-slots these kernels read, as ``mla.reference.sparse``'s (conventions §10; vLLM 0.14's
-``triton_convert_req_index_to_global_index``). One program converts ``BLOCK_N`` indices of one
-token: a load of the indices, a gather of at most ``BLOCK_N / bs + 1`` distinct block-table
-entries (cached), a store.
+``convert_req_index_to_global_index`` (``mla.fast.sparse_index``, re-exported here): the
+indexer's request-local top-k positions to the cache slots these kernels read.
 
-Validation: shape/dtype/device checks (host metadata) always run. The value checks read device
-tensors on the host (a sync): ``topk_length``'s range, for decode the indices' range
-``[-1, num_slots)`` (both scopes), for the conversion the ranges of ``req_id`` and the
-workspace ids. They run with ``validate=True``, or with ``validate=None`` when the global
-setting is on (``mla.fast.set_validation``; off by default), never while a CUDA graph is being
-captured. Without them the kernels still never read outside their tensors and never return a
-plausible wrong answer:
+Host: a call's key (every tensor's shape, strides, dtype, device and address modulo 16; the
+scalars; the plan) fixes everything it derives: the checks that read host metadata, the plan,
+the views, every integer and constexpr argument, the route. The first call of a key does all
+that and launches through Triton's JIT; later calls allocate the outputs and launch the kept
+compiled kernels directly (``mla.fast.launch``), the arguments' addresses in place of their
+views (as ``mla.fast.decode`` does): the host cost of a call is then a few tens of µs, under
+what its kernel runs.
+
+Validation: shape/dtype/device checks (host metadata) run at a key's first call (an equal key
+passes them again). The value checks read device tensors on the host (a sync):
+``topk_length``'s range, for decode the indices' range ``[-1, num_slots)`` (both scopes).
+They run with ``validate=True``, or with ``validate=None`` when the global setting is on
+(``mla.fast.set_validation``; off by default), never while a CUDA graph is being captured.
+Without them the kernels still never read outside their tensors and never return a plausible
+wrong answer:
 
 - a query whose ``topk_length`` (or ``extra_topk_length``) lies outside ``[0, topk]`` gets NaN
   ``out``, ``lse`` and ``max_logits`` (its reads stay inside the index row);
@@ -69,226 +74,346 @@ plausible wrong answer:
   scope gets NaN ``out`` and ``lse``: the entry is a NaN logit, its row is never read. Entries
   past a query's length are not read at all, so their values do not matter;
 - prefill: an index outside ``[0, s_kv)`` is simply invalid, as the reference's contract says
-  (dropped, like ``-1``);
-- the conversion: a token whose request or workspace entry is out of range converts to ``-1``
-  everywhere.
+  (dropped, like ``-1``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import triton
-import triton.language as tl
 
 from mla.fast import sm90
 from mla.fast.common import (
     LOG2E,
-    TRITON_VERSION,
     check_kernel_input,
     interpreting,
     next_pow2,
     num_sms,
     should_validate,
 )
+from mla.fast.launch import CompiledLauncher
+from mla.fast.sparse_index import convert_req_index_to_global_index
 from mla.fast.sparse_kernels import DS_MLA, MODEL1, PLAIN, combine_kernel, sparse_kernel
+from mla.fast.sparse_plan import SparsePlan, plan_sparse
 from mla.reference.fp8 import D_NOPE, FP8_DS_MLA_BYTES, ROPE_OFFSET
 from mla.reference.fp8_model1 import FP8_MODEL1_BYTES, fp8_model1_pages
 from mla.reference.sparse import (
     _check_topk_length_values,
-    check_index_conversion_shapes,
-    check_index_conversion_values,
     check_sparse_decode_shapes,
     check_sparse_decode_values,
     check_sparse_prefill_shapes,
 )
+from mla.validation import check_scale
 
 __all__ = ["SparsePlan", "convert_req_index_to_global_index", "plan_sparse",
            "sparse_mla_decode", "sparse_mla_prefill"]
 
 
+# ------------------------------------------------------------------ the host side of a call
+#
+# A call's sources, in this order: q, the cache (decode) or kv (prefill), the indices, the
+# lengths, the second scope's cache, indices and lengths (decode), the sink. The kernels'
+# pointer inputs are views of them ("slots", in this order):
+_Q, _KV, _KV_F32, _KV_BF16, _IDX, _LEN, _KV2, _KV2_F32, _KV2_BF16, _IDX2, _LEN2, _SINK = range(12)
+# then the outputs and the split partials
+_OUT, _LSE, _MAXL, _OP, _LSEP, _MAXP = range(12, 18)
+# the slots each kernel takes, in its parameter order
+_TRITON_SLOTS = tuple(range(18))
+_SM90_SLOTS = (_Q, _KV, _IDX, _LEN, _KV2, _IDX2, _LEN2, _SINK, _OUT, _LSE, _MAXL, _OP, _LSEP,
+               _MAXP)
+_COMBINE_SLOTS = (_OP, _LSEP, _MAXP, _SINK, _OUT, _LSE, _MAXL)
+
+View = Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclasses.dataclass(frozen=True)
-class SparsePlan:
-    """Launch parameters of one sparse call, chosen from shapes alone (no device values)."""
+class _Launch:
+    """What a call derives from its arguments' shapes, strides, dtypes, devices and pointer
+    alignments (the cache key): the checks passed, the plan, the views, every integer and
+    constexpr argument, which kernels run. Per call only the tensors and the scale remain."""
 
-    block_m: int  # heads per program: the M of the dots
-    block_n: int  # top-k entries (gathered rows) per tile
-    num_splits: int  # programs per query along its top-k list (1: no combine kernel)
-    num_warps: int
-    num_stages: int
-    # 64-head programs on Hopper: the Gluon kernel of ``mla.fast.sm90.sparse`` where it
-    # applies (its own 64-entry tiles and 8 warps; the other fields then describe only the
-    # Triton fallback)
-    sm90: bool = True
+    out_shapes: tuple[tuple[int, ...], ...]  # out, lse (decode) / out, max_logits, lse
+    grid: tuple[int, int, int] | None = None  # None: nothing to compute
+    sm90: bool = False
+    # per input slot: (source, view) for the JIT, which types each pointer by its view's dtype
+    jit_inputs: tuple[tuple[int, View] | None, ...] = ()
+    # per input slot: (source, view or None where the view starts at the source's address)
+    # for a direct launch (the compiled kernel's pointer types are fixed)
+    direct_inputs: tuple[tuple[int, View | None] | None, ...] = ()
+    # the slot each kernel pointer reads (absent inputs replaced by an unused present one)
+    ptr_map: tuple[int, ...] = ()
+    # split partials, one float32 buffer: o from 0, lse from part_lse, max from part_max
+    part_size: int = 0
+    part_lse: int = 0
+    part_max: int = 0
+    ints: tuple[int, ...] = ()  # strides, rows and list lengths (before the scale)
+    tail: tuple[object, ...] = ()  # num_splits and the constexprs (after the scale)
+    options: dict[str, int] = dataclasses.field(default_factory=dict)
+    combine_map: tuple[int, ...] = ()
+    combine_args: tuple[object, ...] = ()  # num_splits, strides, constexprs; () no combine
+    combine_grid: tuple[int, int, int] = (1, 1, 1)
 
 
-def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,
-                num_sms: int, *, model1: bool = False) -> SparsePlan:
-    """The default plan from shapes: ``queries`` is ``B · s_q`` (decode) or ``s_q`` (prefill).
+_launches: dict[object, _Launch] = {}
+_MAX_LAUNCHES = 4096  # distinct keys kept (a serving engine sees a few hundred)
+_triton_sparse = CompiledLauncher(sparse_kernel)
+_triton_combine = CompiledLauncher(combine_kernel)
+_sm90_sparse: CompiledLauncher | None = None  # built at the first sm_90 launch
+_INF = float("inf")
 
-    - Heads: one program holds ``min(64, N)`` heads (rounded up to a power of two, at least
-      16, the smallest dot); a 64 × 512 float32 accumulator takes half the register file.
-    - Tiles of 64 gathered rows, two pipeline stages: the row gathers become ``cp.async``
-      copies into shared memory. float32 (a correctness path on a GPU, not a fast one): tiles
-      of 16, one stage, else the tiles overflow the 227 KB of shared memory.
-    - Warps: 8, except 16-head programs over a 16-bit cache (4): the fewest warps that
-      compile without spills (fp8 with 4 warps spills: ``python -m benchmarks.sparse_compile``
-      reads it off ptxas without a GPU; benchmarks/NOTES.md). So one 64-head program per SM,
-      two of the 16-head bf16 ones.
-    - MODEL1 (``model1``) under 64 heads: 16-head programs with tiles of 32 (the 8-tile rows
-      of 64 gathered rows need 246 KB of shared memory at 16 heads and 262 KB at 32; tiles of
-      32 at 16 heads: 131 KB, no spill; 64-head programs go to the Gluon kernel).
-    - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
-      least two tiles of ``topk``.
-    """
-    block_m = min(64, max(16, next_pow2(num_heads)))
-    if model1 and block_m < 64:
-        block_m = 16
-    # 4 warps compile without spills under Triton 3.6 (239-248 registers, sm_90 ptxas); 3.7
-    # spills 224-272 bytes there, so 8 warps (175 registers) under it
-    four = block_m == 16 and not fp8 and TRITON_VERSION < (3, 7)
-    num_warps, per_sm = (4, 2) if four else (8, 1)
-    block_n, num_stages = (16, 1) if dtype == torch.float32 else (64, 2)
-    if model1 and block_m < 64 and dtype != torch.float32:
-        block_n = 32
-    if dtype == torch.float32:
-        num_warps = 8
-    groups = -(-num_heads // block_m)
-    tiles = max(1, -(-topk // block_n))
-    base = max(1, queries * groups)
-    target = per_sm * num_sms
-    splits = 1
-    if base < target:
-        splits = max(1, min(round(target / base), tiles // 2, 64))
-        splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at full topk
-    return SparsePlan(block_m=block_m, block_n=block_n, num_splits=splits,
-                      num_warps=num_warps, num_stages=num_stages)
+
+def _tkey(t: torch.Tensor | None) -> tuple | None:
+    """A tensor's part of a key: all the argument checks, views and Triton's specializations
+    read (the address only modulo 16: alignment and the MODEL1 pages' even address)."""
+    if t is None:
+        return None
+    return (type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Scope:
-    """One KV scope as the kernel reads it: the cache (and its float32 / bfloat16 views for
-    the fp8 formats), the index rows ``[Q, topk]``, the lengths, the rows' count and layout."""
+    """One KV scope as the kernels read it: its views per slot (cache, float32 and bfloat16
+    views of the same bytes for the fp8 formats, index rows ``[Q, topk]``, lengths) and the
+    integers of its layout."""
 
-    kv: torch.Tensor
-    kv_f32: torch.Tensor
-    kv_bf16: torch.Tensor
+    views: tuple[View, View, View, View, View | None]
+    kv: torch.Tensor  # the cache view, for the route and the layout
     idx: torch.Tensor
-    topk_length: torch.Tensor | None
+    has_length: bool
     n_rows: int
     stride_row: int = 0  # PLAIN: elements per row
     page_size: int = 1  # MODEL1: tokens per page
     page_stride: int = 0  # MODEL1: bytes from one page to the next
 
-    def args(self) -> tuple:
-        return (self.kv, self.kv_f32, self.kv_bf16, self.idx,
-                self.topk_length if self.topk_length is not None else self.idx)
+
+def _rows(n: int, width: int | None = None) -> View:
+    """``t`` as ``[n, width]`` rows (``width``: t's last dim) with unit column stride."""
+    return lambda t: _unit_stride(t.reshape(n, t.shape[-1] if width is None else width))
 
 
-def _plain_scope(kv: torch.Tensor, idx: torch.Tensor,
-                 topk_length: torch.Tensor | None) -> _Scope:
-    """``kv [rows, D]`` with unit column stride."""
-    return _Scope(kv, kv, kv, idx, _contiguous(topk_length), kv.shape[0], kv.stride(0))
+def _plain_scope(kv: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
+                 rows: int, queries: int) -> _Scope:
+    """Rows in q's dtype: ``kv`` as ``[rows, D]``, ``indices`` as ``[queries, topk]``."""
+    view, idx_view = _rows(rows), _rows(queries)
+    kv2 = view(kv)
+    return _Scope((view, view, view, idx_view, _contiguous_view), kv2, idx_view(indices),
+                  lens is not None, rows, kv2.stride(0))
 
 
 def _decode_scope(name: str, kv_cache: torch.Tensor, indices: torch.Tensor,
-                  topk_length: torch.Tensor | None, fp8: bool) -> tuple[_Scope, int]:
+                  lens: torch.Tensor | None, fp8: bool) -> tuple[_Scope, int]:
     """A decode cache and its ``indices [B, s_q, topk]`` as a ``_Scope`` and its ``FORMAT``."""
     nb, bs = kv_cache.shape[:2]
     n_slots = nb * bs
-    idx = _unit_stride(indices.reshape(-1, indices.shape[2]))
-    lens = _contiguous(topk_length)
-    if fp8 and kv_cache.shape[-1] == FP8_MODEL1_BYTES:
-        pages = fp8_model1_pages(kv_cache, name=name)
-        if pages.data_ptr() % 2 or (nb > 1 and pages.stride(0) % 2):
+    queries = indices.shape[0] * indices.shape[1]
+    if not fp8:
+        return _plain_scope(kv_cache, indices, lens, n_slots, queries), PLAIN
+    idx_view = _rows(queries)
+    if kv_cache.shape[-1] == FP8_MODEL1_BYTES:
+        def pages(t: torch.Tensor) -> torch.Tensor:
+            return fp8_model1_pages(t, name=name)
+        p = pages(kv_cache)
+        if p.data_ptr() % 2 or (nb > 1 and p.stride(0) % 2):
             raise ValueError(f"{name}'s MODEL1 pages must start at even byte addresses (their "
                              f"bf16 rope values are read as bf16), got block stride "
-                             f"{pages.stride(0)} at address {pages.data_ptr()}")
-        return _Scope(pages, pages, pages.view(torch.bfloat16), idx, lens, n_slots,
-                      page_size=bs, page_stride=pages.stride(0) if nb > 1 else 0), MODEL1
-    if fp8:
-        kv = kv_cache.view(torch.uint8).reshape(n_slots, FP8_DS_MLA_BYTES).contiguous()
-        return _Scope(kv, kv.view(torch.float32), kv.view(torch.bfloat16), idx, lens,
-                      n_slots), DS_MLA
-    kv = _unit_stride(kv_cache.reshape(n_slots, kv_cache.shape[-1]))
-    return _plain_scope(kv, idx, lens), PLAIN
+                             f"{p.stride(0)} at address {p.data_ptr()}")
+        views = (pages, pages, lambda t: pages(t).view(torch.bfloat16), idx_view,
+                 _contiguous_view)
+        return _Scope(views, p, idx_view(indices), lens is not None, n_slots, page_size=bs,
+                      page_stride=p.stride(0) if nb > 1 else 0), MODEL1
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8).reshape(n_slots, FP8_DS_MLA_BYTES).contiguous()
+    views = (rows, lambda t: rows(t).view(torch.float32), lambda t: rows(t).view(torch.bfloat16),
+             idx_view, _contiguous_view)
+    return _Scope(views, rows(kv_cache), idx_view(indices), lens is not None, n_slots), DS_MLA
 
 
-def _launch(q: torch.Tensor, scopes: list[_Scope], fmt: int, attn_sink: torch.Tensor | None,
-            out: torch.Tensor, lse: torch.Tensor, lse_strides: tuple[int, int, int], S: int,
-            max_logits: torch.Tensor | None, sm_scale: float, dv: int,
-            plan: SparsePlan | None) -> None:
-    """``q [Q, N, D]`` over one or two scopes into ``out [Q, N, dv]``, ``lse`` (strides
-    ``lse_strides`` for ``(qi // S, qi % S, head)``) and, when given, ``max_logits [Q, N]``.
-    Decode (``S = s_q``) also turns an entry outside ``[-1, rows)`` into a NaN query."""
+def _contiguous_view(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous()
+
+
+def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: int,
+             has_maxl: bool, dv: int, plan: SparsePlan | None,
+             out_shapes: tuple[tuple[int, ...], ...]) -> _Launch:
+    """The launch of checked arguments: ``q_view(q)`` ``[Q, N, D]`` over one or two scopes into
+    ``out [Q, N, dv]``, lse (decode ``[B, N, s_q]``, ``S = s_q``; prefill ``[s_q, N]``,
+    ``S = 1``) and, with ``has_maxl`` (prefill), ``max_logits [Q, N]``. Decode (no max
+    logits) also turns an entry outside ``[-1, rows)`` into a NaN query."""
+    q = q_view(sources[0])
     Q, N, D = q.shape
     first = scopes[0]
-    extra = scopes[1] if len(scopes) > 1 else first
     has_extra = len(scopes) > 1
+    extra = scopes[1] if has_extra else first
     topk, topk2 = first.idx.shape[1], extra.idx.shape[1] if has_extra else 0
     if plan is None:
         plan = plan_sparse(Q, N, topk + topk2, q.dtype, fmt != PLAIN, num_sms(q.device),
                            model1=fmt == MODEL1)
+    # the input slots: q, the first scope's views (sources 1-3), the second's (4-6), the sink
+    jit: list[tuple[int, View] | None] = [(0, q_view)]
+    for base, sc, present in ((1, first, True), (4, extra, has_extra)):
+        kv_v, f32_v, bf16_v, idx_v, len_v = sc.views
+        jit += [(base, kv_v), (base, f32_v), (base, bf16_v), (base + 1, idx_v)]
+        jit.append((base + 2, len_v) if sc.has_length else None)
+        if not present:
+            jit[-5:] = [None] * 5
+    jit.append((7, _contiguous_view) if sources[7] is not None else None)
+    direct = tuple(None if e is None else
+                   (e[0], None if e[1](sources[e[0]]).data_ptr() == sources[e[0]].data_ptr()
+                    else e[1])
+                   for e in jit)
+    # absent inputs read an unused present tensor in their place
+    slot = list(range(18))
+    if not first.has_length:
+        slot[_LEN] = _IDX
+    if not has_extra:
+        slot[_KV2:_LEN2 + 1] = slot[_KV:_LEN + 1]
+    elif not extra.has_length:
+        slot[_LEN2] = _IDX2
+    split = plan.num_splits > 1
+    for s, present in ((_SINK, sources[7] is not None), (_MAXL, has_maxl), (_OP, split),
+                       (_LSEP, split), (_MAXP, split)):
+        if not present:
+            slot[s] = _LSE
     DV, DR = dv, D - dv
     block_dv = max(16, next_pow2(DV))
-    block_dr = max(16, next_pow2(DR)) if DR else 16
     groups = triton.cdiv(N, plan.block_m)
-    split = plan.num_splits > 1
-    if split:
-        o_part = torch.empty(Q, plan.num_splits, N, DV, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(Q, plan.num_splits, N, dtype=torch.float32, device=q.device)
-        max_part = torch.empty(Q, plan.num_splits, N, dtype=torch.float32, device=q.device)
-    else:
-        o_part = lse_part = max_part = lse  # unused
-    has_maxl = max_logits is not None
-    maxl = max_logits if has_maxl else lse
-    m_strides = (maxl.stride(0), maxl.stride(1)) if has_maxl else (0, 0)
-    sink = attn_sink.contiguous() if attn_sink is not None else lse  # unused when None
-    check_range = max_logits is None  # decode: its indices' contract is [-1, rows)
-    launched = False
-    if _sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None):
-        from mla.fast.sm90.sparse import sparse_kernel as sm90_kernel
+    # the outputs' strides, as torch.empty lays them out
+    out_s = (N * dv, dv)
+    if has_maxl:  # prefill: lse [s_q, N]; max_logits [s_q, N]
+        lse_s, m_s = (N, 0, 1), (N, 1)
+    else:  # decode: lse [B, N, s_q] read as (b, t, head)
+        lse_s, m_s = (N * S, 1, S), (0, 0)
+    o_size = -(-Q * plan.num_splits * N * DV // 4) * 4
+    l_size = -(-Q * plan.num_splits * N // 4) * 4
+    flags = dict(has_sink=sources[7] is not None, check_range=not has_maxl)
 
+    sm90_route = _sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None)
+    if sm90_route:
         def layout(sc: _Scope) -> tuple[int, int]:  # (row or page stride, page size)
             return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
-        launched = sm90.launch(
-            sm90_kernel, (Q * groups, plan.num_splits),
-            q, first.kv, first.idx, first.args()[4], extra.kv, extra.idx, extra.args()[4],
-            sink, out, lse, maxl, o_part, lse_part, max_part,
-            q.stride(0), q.stride(1), first.idx.stride(0), *layout(first),
-            extra.idx.stride(0), *layout(extra),
-            out.stride(0), out.stride(1), *lse_strides, *m_strides,
-            first.n_rows, topk, extra.n_rows, topk2, sm_scale * LOG2E, plan.num_splits,
-            N=N, S=S, GROUPS=groups, FP8=fmt == DS_MLA, MODEL1=fmt == MODEL1, HAS_PE=DR > 0,
-            HAS_EXTRA=has_extra, HAS_TOPK_LEN2=has_extra and extra.topk_length is not None,
-            HAS_TOPK_LEN=first.topk_length is not None, HAS_SINK=attn_sink is not None,
-            CHECK_RANGE=check_range, HAS_MAXL=has_maxl, SPLIT=split,
-            SCALE_OFFSET=D_NOPE if fmt == DS_MLA else 0, ROPE_OFFSET=ROPE_OFFSET, num_warps=8,
-        )
-    if not launched:
-        sparse_kernel[(Q * groups, plan.num_splits)](
-            q, *first.args(), *extra.args(), sink,
-            out, lse, maxl, o_part, lse_part, max_part,
-            q.stride(0), q.stride(1), first.idx.stride(0), first.stride_row, first.page_size,
-            first.page_stride, extra.idx.stride(0), extra.stride_row, extra.page_size,
-            extra.page_stride, out.stride(0), out.stride(1), *lse_strides, *m_strides,
-            first.n_rows, topk, extra.n_rows, topk2, sm_scale * LOG2E, plan.num_splits,
-            N=N, S=S, GROUPS=groups, DV=DV, DR=DR, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-            BLOCK_DV=block_dv, BLOCK_DR=block_dr, HAS_PE=DR > 0, FORMAT=fmt,
-            HAS_TOPK_LEN=first.topk_length is not None, HAS_EXTRA=has_extra,
-            HAS_TOPK_LEN2=has_extra and extra.topk_length is not None,
-            HAS_SINK=attn_sink is not None, CHECK_RANGE=check_range, HAS_MAXL=has_maxl,
-            SPLIT=split, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=plan.num_warps, num_stages=plan.num_stages,
-        )
+        ints = (q.stride(0), q.stride(1), first.idx.stride(0), *layout(first),
+                extra.idx.stride(0), *layout(extra), *out_s, *lse_s, *m_s,
+                first.n_rows, topk, extra.n_rows, topk2)
+        tail = (plan.num_splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0, has_extra,
+                has_extra and extra.has_length, first.has_length, flags["has_sink"],
+                flags["check_range"], has_maxl, split, D_NOPE if fmt == DS_MLA else 0,
+                ROPE_OFFSET)
+        ptr_map, options = tuple(slot[s] for s in _SM90_SLOTS), {"num_warps": 8}
+    else:
+        ints = (q.stride(0), q.stride(1), first.idx.stride(0), first.stride_row,
+                first.page_size, first.page_stride, extra.idx.stride(0), extra.stride_row,
+                extra.page_size, extra.page_stride, *out_s, *lse_s, *m_s,
+                first.n_rows, topk, extra.n_rows, topk2)
+        tail = (plan.num_splits, N, S, groups, DV, DR, plan.block_m, plan.block_n, block_dv,
+                max(16, next_pow2(DR)) if DR else 16, DR > 0, fmt, first.has_length,
+                has_extra, has_extra and extra.has_length, flags["has_sink"],
+                flags["check_range"], has_maxl, split,
+                "ieee" if q.dtype == torch.float32 else "tf32")
+        ptr_map = tuple(slot[s] for s in _TRITON_SLOTS)
+        options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
+    combine_args: tuple = ()
     if split:
-        combine_kernel[(Q * N,)](
-            o_part, lse_part, max_part, sink, out, lse, maxl, plan.num_splits,
-            out.stride(0), out.stride(1), *lse_strides, *m_strides,
-            N=N, S=S, DV=DV, BLOCK_DV=block_dv, BLOCK_S=max(2, next_pow2(plan.num_splits)),
-            HAS_SINK=attn_sink is not None, HAS_MAXL=has_maxl, num_warps=4,
-        )
+        combine_args = (plan.num_splits, *out_s, *lse_s, *m_s, N, S, DV, block_dv,
+                        max(2, next_pow2(plan.num_splits)), flags["has_sink"], has_maxl)
+    return _Launch(out_shapes, (Q * groups, plan.num_splits, 1), sm90_route, tuple(jit),
+                   direct, ptr_map, o_size + 2 * l_size if split else 0, o_size,
+                   o_size + l_size, ints, tail, options,
+                   tuple(slot[s] for s in _COMBINE_SLOTS), combine_args, (Q * N, 1, 1))
+
+
+def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
+         prepare: Callable[[], _Launch]) -> tuple[torch.Tensor, ...]:
+    """Allocate the outputs and launch: directly (kept compiled kernels, the sources in place
+    of their views) when possible, else through the JIT with the typed views."""
+    global _sm90_sparse
+    q = sources[0]
+    outs = [torch.empty(launch.out_shapes[0], dtype=q.dtype, device=q.device)]
+    outs += [torch.empty(s, dtype=torch.float32, device=q.device) for s in launch.out_shapes[1:]]
+    if launch.grid is None:
+        return tuple(outs)
+    out, lse = outs[0], outs[-1]
+    maxl = outs[1] if len(outs) == 3 else lse
+    part = (torch.empty(launch.part_size, dtype=torch.float32, device=q.device)
+            if launch.part_size else None)
+    scale = sm_scale * LOG2E
+    if launch.sm90:
+        from mla.fast.sm90 import sparse as sm90_module
+
+        if _sm90_sparse is None or _sm90_sparse.fn is not sm90_module.sparse_kernel:
+            _sm90_sparse = CompiledLauncher(sm90_module.sparse_kernel)
+        launcher = _sm90_sparse
+    else:
+        launcher = _triton_sparse
+    if key is not None and launcher.direct and not interpreting():
+        vals = [None if e is None else sources[e[0]] if e[1] is None else e[1](sources[e[0]])
+                for e in launch.direct_inputs]
+        if part is not None:
+            p = part.data_ptr()
+            vals += [out, lse, maxl, p, p + 4 * launch.part_lse, p + 4 * launch.part_max]
+        else:
+            vals += [out, lse, maxl, None, None, None]
+        args = (*[vals[i] for i in launch.ptr_map], *launch.ints, scale, *launch.tail)
+        if launcher.launch_kept(key, launch.grid, args):
+            if launch.combine_args and not _triton_combine.launch_kept(
+                    key, launch.combine_grid,
+                    (*[vals[i] for i in launch.combine_map], *launch.combine_args)):
+                _combine(key, launch, sources, out, lse, maxl, part)
+            return tuple(outs)
+    vals = [None if e is None else e[1](sources[e[0]]) for e in launch.jit_inputs]
+    vals += [out, lse, maxl, *_parts(launch, part, lse)]
+    args = (*[vals[i] for i in launch.ptr_map], *launch.ints, scale, *launch.tail)
+    if launch.sm90:
+        if not sm90.launch_compiled(launcher, key, launch.grid, args, **launch.options):
+            # the Gluon kernel cannot be built here: this key and every later one take the
+            # Triton route (``sm90.usable()`` is False from now on)
+            launch = prepare()
+            if key is not None:
+                _launches[key] = launch
+            return _run(key, launch, sources, sm_scale, prepare)
+    else:
+        launcher(key, launch.grid, args, **launch.options)
+    if launch.combine_args:
+        _combine(key, launch, sources, out, lse, maxl, part)
+    return tuple(outs)
+
+
+def _parts(launch: _Launch, part: torch.Tensor | None, lse: torch.Tensor) -> list:
+    if part is None:
+        return [lse, lse, lse]  # unused
+    return [part, part[launch.part_lse:], part[launch.part_max:]]
+
+
+def _combine(key: object, launch: _Launch, sources: tuple, out: torch.Tensor,
+             lse: torch.Tensor, maxl: torch.Tensor, part: torch.Tensor | None) -> None:
+    sink = sources[7].contiguous() if sources[7] is not None else None
+    vals = [None] * _SINK + [sink, out, lse, maxl, *_parts(launch, part, lse)]
+    _triton_combine(key, launch.combine_grid,
+                    (*[vals[i] for i in launch.combine_map], *launch.combine_args),
+                    num_warps=4)
+
+
+def _cached(key: object, prepare: Callable[[], _Launch]) -> _Launch:
+    """The launch of ``key``, prepared (the argument checks included) at its first call."""
+    launch = _launches.get(key) if key is not None else None
+    if launch is None:
+        launch = prepare()
+        if key is not None:
+            if len(_launches) >= _MAX_LAUNCHES:  # shape churn: start again, kernels too
+                _launches.clear()
+                for launcher in (_triton_sparse, _triton_combine, _sm90_sparse):
+                    if launcher is not None:
+                        launcher.compiled.clear()
+            _launches[key] = launch
+    return launch
+
+
+def _check_plan(plan: object) -> None:
+    if plan is not None and not isinstance(plan, SparsePlan):
+        raise TypeError(f"plan must be a SparsePlan or None, got {type(plan).__name__}")
 
 
 def _sm90_route(plan: SparsePlan, q: torch.Tensor, kv: torch.Tensor, dv: int, fmt: int,
@@ -310,8 +435,21 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
+def _key(kind: str, sources: tuple, *scalars: object) -> tuple | None:
+    """The cache key of a call (None when an argument is not what the checks accept: the slow
+    path's checks then say why): every tensor's ``_tkey``, the scalars with their types."""
+    try:
+        key = (kind, *map(_tkey, sources), *((v, type(v)) for v in scalars))
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def _check_cached_scale(name: str, value: object) -> None:
+    """The one argument keys leave out (its value varies per call) checked on a hit."""
+    if not (type(value) is float and 0.0 < value < _INF):
+        check_scale(name, value)
 
 
 def sparse_mla_decode(
@@ -349,27 +487,37 @@ def sparse_mla_decode(
     """
     extras = dict(extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
                   extra_topk_length=extra_topk_length)
-    check_sparse_decode_shapes(q, kv_cache, indices, softmax_scale, is_fp8_kvcache,
-                               topk_length, head_dim_v, attn_sink=attn_sink,
-                               fp8_layouts=("fp8_ds_mla", "MODEL1"), **extras)
-    check_kernel_input(q)
+    sources = (q, kv_cache, indices, topk_length, extra_k_cache, extra_indices_in_kvcache,
+               extra_topk_length, attn_sink)
+
+    def prepare() -> _Launch:
+        check_sparse_decode_shapes(q, kv_cache, indices, softmax_scale, is_fp8_kvcache,
+                                   topk_length, head_dim_v, attn_sink=attn_sink,
+                                   fp8_layouts=("fp8_ds_mla", "MODEL1"), **extras)
+        check_kernel_input(q)
+        _check_plan(plan)
+        B, s_q, N, D = q.shape
+        shapes = ((B, s_q, N, head_dim_v), (B, N, s_q))
+        if B * s_q * N * head_dim_v == 0:
+            return _Launch(shapes)
+        first, fmt = _decode_scope("kv_cache", kv_cache, indices, topk_length, is_fp8_kvcache)
+        scopes = [first]
+        if extra_k_cache is not None:
+            assert extra_indices_in_kvcache is not None
+            scopes.append(_decode_scope("extra_k_cache", extra_k_cache,
+                                        extra_indices_in_kvcache, extra_topk_length,
+                                        is_fp8_kvcache)[0])
+        return _prepare(lambda t: _unit_stride(t.reshape(B * s_q, N, D)), sources, scopes, fmt,
+                        s_q, False, head_dim_v, plan, shapes)
+
+    key = _key("decode", sources, is_fp8_kvcache, head_dim_v, plan)
+    hit = key is not None and key in _launches
+    launch = _cached(key, prepare)
+    if hit:
+        _check_cached_scale("softmax_scale", softmax_scale)
     if should_validate(validate, q):
         check_sparse_decode_values(kv_cache, indices, topk_length, **extras)
-    B, s_q, N, D = q.shape
-    out = torch.empty(B, s_q, N, head_dim_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, N, s_q, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    first, fmt = _decode_scope("kv_cache", kv_cache, indices, topk_length, is_fp8_kvcache)
-    scopes = [first]
-    if extra_k_cache is not None:
-        assert extra_indices_in_kvcache is not None
-        scopes.append(_decode_scope("extra_k_cache", extra_k_cache, extra_indices_in_kvcache,
-                                    extra_topk_length, is_fp8_kvcache)[0])
-    Q = B * s_q
-    _launch(_unit_stride(q.reshape(Q, N, D)), scopes, fmt, attn_sink,
-            out.view(Q, N, head_dim_v), lse, (lse.stride(0), lse.stride(2), lse.stride(1)),
-            s_q, None, softmax_scale, head_dim_v, plan)
+    out, lse = _run(key, launch, sources, softmax_scale, prepare)
     return out, lse
 
 
@@ -396,91 +544,25 @@ def sparse_mla_prefill(
     without the check a query whose length lies outside ``[0, topk]`` gets NaN out, lse and
     max_logits.
     """
-    check_sparse_prefill_shapes(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
-    check_kernel_input(q)
-    s_q, h_q, d_qk = q.shape
-    topk = indices.shape[-1]
+    sources = (q, kv, indices, topk_length, None, None, None, attn_sink)
+
+    def prepare() -> _Launch:
+        check_sparse_prefill_shapes(q, kv, indices, sm_scale, d_v, topk_length, attn_sink)
+        check_kernel_input(q)
+        _check_plan(plan)
+        s_q, h_q, _ = q.shape
+        shapes = ((s_q, h_q, d_v), (s_q, h_q), (s_q, h_q))
+        if s_q * h_q * d_v == 0:
+            return _Launch(shapes)
+        scope = _plain_scope(kv, indices, topk_length, kv.shape[0], s_q)
+        return _prepare(_unit_stride, sources, [scope], PLAIN, 1, True, d_v, plan, shapes)
+
+    key = _key("prefill", sources, d_v, plan)
+    hit = key is not None and key in _launches
+    launch = _cached(key, prepare)
+    if hit:
+        _check_cached_scale("sm_scale", sm_scale)
     if should_validate(validate, q):
-        _check_topk_length_values(topk_length, topk, "one per query")
-    out = torch.empty(s_q, h_q, d_v, dtype=q.dtype, device=q.device)
-    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, max_logits, lse
-    kv = _unit_stride(kv.reshape(kv.shape[0], d_qk))
-    idx = _unit_stride(indices.reshape(s_q, topk))
-    _launch(_unit_stride(q), [_plain_scope(kv, idx, topk_length)], PLAIN, attn_sink, out, lse,
-            (lse.stride(0), 0, lse.stride(1)), 1, max_logits, sm_scale, d_v, plan)
+        _check_topk_length_values(topk_length, indices.shape[-1], "one per query")
+    out, max_logits, lse = _run(key, launch, sources, sm_scale, prepare)
     return out, max_logits, lse
-
-
-# ------------------------------------------------------------------ top-k index conversion
-
-@triton.jit
-def _convert_kernel(
-    req_id, block_table, token_indices, out, ws_req, ws_starts,
-    topk, num_reqs, max_blocks, num_prefills,
-    s_bt_r, s_bt_b, s_ti_t, s_ti_k,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WORKSPACE: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < topk
-    req = tl.load(req_id + t).to(tl.int64)
-    req_ok = (req >= 0) & (req < num_reqs)
-    tok = tl.load(token_indices + t * s_ti_t + cols * s_ti_k, mask=col_ok, other=-1)
-    tok = tok.to(tl.int64)
-    block = tok // BLOCK_SIZE  # tok >= 0 wherever the result is used
-    invalid = (tok < 0) | (block >= max_blocks) | ~req_ok
-    use_table = col_ok & ~invalid
-    if HAS_WORKSPACE:
-        p = tl.load(ws_req + t).to(tl.int64)
-        invalid = invalid | (p >= num_prefills) | (p < -1)
-        use_table = use_table & (p < 0)  # prefill tokens read the workspace, not the table
-    base = tl.load(block_table + req * s_bt_r + block * s_bt_b, mask=use_table,
-                   other=0).to(tl.int64)
-    slot = base * BLOCK_SIZE + tok % BLOCK_SIZE
-    if HAS_WORKSPACE:
-        start = tl.load(ws_starts + p, mask=(p >= 0) & (p < num_prefills), other=0).to(tl.int64)
-        slot = tl.where(p >= 0, start + tok, slot)
-    slot = tl.where(invalid, -1, slot)
-    tl.store(out + t * topk + cols, slot.to(tl.int32), mask=col_ok)
-
-
-def convert_req_index_to_global_index(
-    req_id: torch.Tensor,
-    block_table: torch.Tensor,
-    token_indices: torch.Tensor,
-    block_size: int,
-    prefill_workspace_request_ids: torch.Tensor | None = None,
-    prefill_workspace_starts: torch.Tensor | None = None,
-    *,
-    validate: bool | None = None,
-) -> torch.Tensor:
-    """Request-local ``token_indices [T, topk]`` -> global cache slots (or workspace rows).
-
-    As the reference (all int32; returns int32 ``[T, topk]``). ``validate``: run the range
-    checks on the host (a sync); ``None``: only when no CUDA graph is being captured.
-    """
-    has_workspace = check_index_conversion_shapes(
-        req_id, block_table, token_indices, block_size, prefill_workspace_request_ids,
-        prefill_workspace_starts)
-    T = req_id.shape[0]
-    topk = token_indices.shape[1]
-    out = torch.empty((T, topk), dtype=torch.int32, device=token_indices.device)
-    if T == 0 or topk == 0:
-        return out
-    if should_validate(validate, token_indices):
-        check_index_conversion_values(req_id, block_table, prefill_workspace_request_ids,
-                                      prefill_workspace_starts)
-    block_n = min(triton.next_power_of_2(topk), 512)
-    ws_req = prefill_workspace_request_ids if has_workspace else req_id
-    ws_starts = prefill_workspace_starts if has_workspace else req_id
-    num_prefills = prefill_workspace_starts.shape[0] if has_workspace else 0
-    _convert_kernel[(T, triton.cdiv(topk, block_n))](
-        req_id, block_table, token_indices, out, ws_req, ws_starts,
-        topk, block_table.shape[0], block_table.shape[1], num_prefills,
-        *block_table.stride(), *token_indices.stride(),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_WORKSPACE=has_workspace, num_warps=4,
-    )
-    return out

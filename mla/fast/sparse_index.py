@@ -1,0 +1,91 @@
+"""``convert_req_index_to_global_index`` in Triton: the indexer's request-local top-k positions
+to the cache slots the sparse kernels read, as ``mla.reference.sparse``'s (conventions §10;
+vLLM 0.14's ``triton_convert_req_index_to_global_index``). One program converts ``BLOCK_N``
+indices of one token: a load of the indices, a gather of at most ``BLOCK_N / bs + 1`` distinct
+block-table entries (cached), a store.
+
+Validation (``validate``, as every fast call's: ``mla.fast.common.should_validate``): the
+ranges of ``req_id`` and the workspace ids, read on the host. Without it a token whose request
+or workspace entry is out of range converts to ``-1`` everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla.fast.common import should_validate
+from mla.reference.sparse import check_index_conversion_shapes, check_index_conversion_values
+
+__all__ = ["convert_req_index_to_global_index"]
+
+
+@triton.jit
+def _convert_kernel(
+    req_id, block_table, token_indices, out, ws_req, ws_starts,
+    topk, num_reqs, max_blocks, num_prefills,
+    s_bt_r, s_bt_b, s_ti_t, s_ti_k,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WORKSPACE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < topk
+    req = tl.load(req_id + t).to(tl.int64)
+    req_ok = (req >= 0) & (req < num_reqs)
+    tok = tl.load(token_indices + t * s_ti_t + cols * s_ti_k, mask=col_ok, other=-1)
+    tok = tok.to(tl.int64)
+    block = tok // BLOCK_SIZE  # tok >= 0 wherever the result is used
+    invalid = (tok < 0) | (block >= max_blocks) | ~req_ok
+    use_table = col_ok & ~invalid
+    if HAS_WORKSPACE:
+        p = tl.load(ws_req + t).to(tl.int64)
+        invalid = invalid | (p >= num_prefills) | (p < -1)
+        use_table = use_table & (p < 0)  # prefill tokens read the workspace, not the table
+    base = tl.load(block_table + req * s_bt_r + block * s_bt_b, mask=use_table,
+                   other=0).to(tl.int64)
+    slot = base * BLOCK_SIZE + tok % BLOCK_SIZE
+    if HAS_WORKSPACE:
+        start = tl.load(ws_starts + p, mask=(p >= 0) & (p < num_prefills), other=0).to(tl.int64)
+        slot = tl.where(p >= 0, start + tok, slot)
+    slot = tl.where(invalid, -1, slot)
+    tl.store(out + t * topk + cols, slot.to(tl.int32), mask=col_ok)
+
+
+def convert_req_index_to_global_index(
+    req_id: torch.Tensor,
+    block_table: torch.Tensor,
+    token_indices: torch.Tensor,
+    block_size: int,
+    prefill_workspace_request_ids: torch.Tensor | None = None,
+    prefill_workspace_starts: torch.Tensor | None = None,
+    *,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Request-local ``token_indices [T, topk]`` -> global cache slots (or workspace rows).
+
+    As the reference (all int32; returns int32 ``[T, topk]``). ``validate``: run the range
+    checks on the host (a sync); ``None``: only when no CUDA graph is being captured.
+    """
+    has_workspace = check_index_conversion_shapes(
+        req_id, block_table, token_indices, block_size, prefill_workspace_request_ids,
+        prefill_workspace_starts)
+    T = req_id.shape[0]
+    topk = token_indices.shape[1]
+    out = torch.empty((T, topk), dtype=torch.int32, device=token_indices.device)
+    if T == 0 or topk == 0:
+        return out
+    if should_validate(validate, token_indices):
+        check_index_conversion_values(req_id, block_table, prefill_workspace_request_ids,
+                                      prefill_workspace_starts)
+    block_n = min(triton.next_power_of_2(topk), 512)
+    ws_req = prefill_workspace_request_ids if has_workspace else req_id
+    ws_starts = prefill_workspace_starts if has_workspace else req_id
+    num_prefills = prefill_workspace_starts.shape[0] if has_workspace else 0
+    _convert_kernel[(T, triton.cdiv(topk, block_n))](
+        req_id, block_table, token_indices, out, ws_req, ws_starts,
+        topk, block_table.shape[0], block_table.shape[1], num_prefills,
+        *block_table.stride(), *token_indices.stride(),
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_WORKSPACE=has_workspace, num_warps=4,
+    )
+    return out

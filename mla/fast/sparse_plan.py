@@ -1,0 +1,70 @@
+"""The launch plan of ``mla.fast.sparse``'s calls, from shapes alone (no device values, so a call
+never synchronizes and can be captured in a CUDA graph)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mla.fast.common import TRITON_VERSION, next_pow2
+
+__all__ = ["SparsePlan", "plan_sparse"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsePlan:
+    """Launch parameters of one sparse call, chosen from shapes alone (no device values)."""
+
+    block_m: int  # heads per program: the M of the dots
+    block_n: int  # top-k entries (gathered rows) per tile
+    num_splits: int  # programs per query along its top-k list (1: no combine kernel)
+    num_warps: int
+    num_stages: int
+    # 64-head programs on Hopper: the Gluon kernel of ``mla.fast.sm90.sparse`` where it
+    # applies (its own 64-entry tiles and 8 warps; the other fields then describe only the
+    # Triton fallback)
+    sm90: bool = True
+
+
+def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,
+                num_sms: int, *, model1: bool = False) -> SparsePlan:
+    """The default plan from shapes: ``queries`` is ``B · s_q`` (decode) or ``s_q`` (prefill).
+
+    - Heads: one program holds ``min(64, N)`` heads (rounded up to a power of two, at least
+      16, the smallest dot); a 64 × 512 float32 accumulator takes half the register file.
+    - Tiles of 64 gathered rows, two pipeline stages: the row gathers become ``cp.async``
+      copies into shared memory. float32 (a correctness path on a GPU, not a fast one): tiles
+      of 16, one stage, else the tiles overflow the 227 KB of shared memory.
+    - Warps: 8, except 16-head programs over a 16-bit cache (4): the fewest warps that
+      compile without spills (fp8 with 4 warps spills: ``python -m benchmarks.sparse_compile``
+      reads it off ptxas without a GPU; benchmarks/NOTES.md). So one 64-head program per SM,
+      two of the 16-head bf16 ones.
+    - MODEL1 (``model1``) under 64 heads: 16-head programs with tiles of 32 (the 8-tile rows
+      of 64 gathered rows need 246 KB of shared memory at 16 heads and 262 KB at 32; tiles of
+      32 at 16 heads: 131 KB, no spill; 64-head programs go to the Gluon kernel).
+    - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
+      least two tiles of ``topk``.
+    """
+    block_m = min(64, max(16, next_pow2(num_heads)))
+    if model1 and block_m < 64:
+        block_m = 16
+    # 4 warps compile without spills under Triton 3.6 (239-248 registers, sm_90 ptxas); 3.7
+    # spills 224-272 bytes there, so 8 warps (175 registers) under it
+    four = block_m == 16 and not fp8 and TRITON_VERSION < (3, 7)
+    num_warps, per_sm = (4, 2) if four else (8, 1)
+    block_n, num_stages = (16, 1) if dtype == torch.float32 else (64, 2)
+    if model1 and block_m < 64 and dtype != torch.float32:
+        block_n = 32
+    if dtype == torch.float32:
+        num_warps = 8
+    groups = -(-num_heads // block_m)
+    tiles = max(1, -(-topk // block_n))
+    base = max(1, queries * groups)
+    target = per_sm * num_sms
+    splits = 1
+    if base < target:
+        splits = max(1, min(round(target / base), tiles // 2, 64))
+        splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at full topk
+    return SparsePlan(block_m=block_m, block_n=block_n, num_splits=splits,
+                      num_warps=num_warps, num_stages=num_stages)
