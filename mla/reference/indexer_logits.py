@@ -37,7 +37,8 @@ from mla.reference.indexer_cache import INDEX_DIM, INDEX_K_BYTES, read_indexer_k
 from mla.validation import acc_dtype, check_float, check_index, check_same_device, check_tensor
 
 __all__ = ["quantize_indexer_q", "fp8_mqa_logits", "fp8_paged_mqa_logits", "decode_row_ends",
-           "top_k_per_row"]
+           "top_k_per_row", "check_logits_q", "check_ragged_logits_args",
+           "check_ragged_logits_ranges", "check_paged_logits_args"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 _CHUNK_ELEMENTS = 1 << 24
@@ -58,11 +59,73 @@ def quantize_indexer_q(q_index: torch.Tensor, weights: torch.Tensor,
     return q_fp8, weights.float() * q_scale[..., 0]
 
 
-def _check_q(q: torch.Tensor, ndim: int) -> torch.Tensor:
+def check_logits_q(q: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``q [..., 128]`` as e4m3 codes (``uint8`` is read as e4m3)."""
     check_tensor("q", q, ndim=ndim, dtype=_FP8_DTYPES)
     if q.shape[-1] != INDEX_DIM:
         raise ValueError(f"q's last dim must be {INDEX_DIM}, got shape {list(q.shape)}")
     return q.view(torch.float8_e4m3fn)
+
+
+def check_ragged_logits_args(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                             weights: torch.Tensor, cu_seqlen_ks: torch.Tensor,
+                             cu_seqlen_ke: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp8_mqa_logits``' shape, dtype and device checks (host metadata only, no device
+    read), shared with ``mla.fast``: ``(q, k_codes, k_scale)`` with ``q`` as e4m3."""
+    q = check_logits_q(q, 3)
+    S, H, _ = q.shape
+    if not isinstance(kv, tuple) or len(kv) != 2:
+        raise TypeError(f"kv must be a tuple (k_codes [N, {INDEX_DIM}], k_scale [N]), got "
+                        f"{type(kv).__name__}")
+    codes, scale = kv
+    check_tensor("kv[0]", codes, shape=[None, INDEX_DIM], dtype=_FP8_DTYPES)
+    check_float("kv[1]", scale, shape=[codes.shape[0]])
+    check_float("weights", weights, shape=[S, H])
+    check_index("cu_seqlen_ks", cu_seqlen_ks, shape=[S])
+    check_index("cu_seqlen_ke", cu_seqlen_ke, shape=[S])
+    check_same_device(q=q, k_codes=codes, k_scale=scale, weights=weights,
+                      cu_seqlen_ks=cu_seqlen_ks, cu_seqlen_ke=cu_seqlen_ke)
+    return q, codes, scale
+
+
+def check_ragged_logits_ranges(cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor,
+                               n_keys: int) -> None:
+    """Every query's key range within ``[0, n_keys]``: two reductions, one transfer."""
+    if cu_seqlen_ks.numel() == 0:
+        return
+    lo, hi = torch.stack([cu_seqlen_ks.long().min(), cu_seqlen_ke.long().max()]).tolist()
+    if lo < 0 or hi > n_keys:
+        raise ValueError(f"cu_seqlen_ks / cu_seqlen_ke must lie in [0, {n_keys}] (the keys), "
+                         f"got ks >= {lo}, ke <= {hi}")
+
+
+def check_paged_logits_args(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                            context_lens: torch.Tensor, block_tables: torch.Tensor,
+                            max_model_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_paged_mqa_logits``' shape, dtype, device and scalar checks (host metadata only,
+    no device read), shared with ``mla.fast``: ``(q as e4m3, kv_cache as [num_blocks,
+    block_size, 132])``, DeepGEMM's ``[num_blocks, block_size, 1, 132]`` view accepted."""
+    q = check_logits_q(q, 4)
+    B, next_n, H, _ = q.shape
+    if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
+        kv_cache = kv_cache[:, :, 0]
+    check_tensor("kv_cache", kv_cache, ndim=3, dtype=_FP8_DTYPES)
+    if kv_cache.shape[2] != INDEX_K_BYTES:
+        raise ValueError(f"kv_cache must have shape [num_blocks, block_size, {INDEX_K_BYTES}], "
+                         f"got {list(kv_cache.shape)}")
+    check_float("weights", weights, shape=[B * next_n, H])
+    check_index("context_lens", context_lens, shape=[B])
+    check_index("block_tables", block_tables, ndim=2)
+    check_same_device(q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
+                      block_tables=block_tables)
+    if block_tables.shape[0] < B:
+        raise ValueError(f"block_tables must have at least B={B} rows, got "
+                         f"{block_tables.shape[0]}")
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or \
+            max_model_len < 0:
+        raise ValueError(f"max_model_len must be a non-negative int, got {max_model_len!r}")
+    return q, kv_cache
 
 
 def _logits(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
@@ -87,24 +150,10 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                    cu_seqlen_ke: torch.Tensor) -> torch.Tensor:
     """Ragged prefill logits ``[S, N]``: ``q [S, H, 128]`` e4m3, ``kv = (k_codes [N, 128]
     e4m3, k_scale [N] float32)``, ``weights [S, H]``; query ``t`` sees ``[ks[t], ke[t])``."""
-    q = _check_q(q, 3)
-    S, H, _ = q.shape
-    if not isinstance(kv, tuple) or len(kv) != 2:
-        raise TypeError(f"kv must be a tuple (k_codes [N, {INDEX_DIM}], k_scale [N]), got "
-                        f"{type(kv).__name__}")
-    codes, scale = kv
-    check_tensor("kv[0]", codes, shape=[None, INDEX_DIM], dtype=_FP8_DTYPES)
+    q, codes, scale = check_ragged_logits_args(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke)
     N = codes.shape[0]
-    check_float("kv[1]", scale, shape=[N])
-    check_float("weights", weights, shape=[S, H])
-    check_index("cu_seqlen_ks", cu_seqlen_ks, shape=[S])
-    check_index("cu_seqlen_ke", cu_seqlen_ke, shape=[S])
-    check_same_device(q=q, k_codes=codes, k_scale=scale, weights=weights,
-                      cu_seqlen_ks=cu_seqlen_ks, cu_seqlen_ke=cu_seqlen_ke)
+    check_ragged_logits_ranges(cu_seqlen_ks, cu_seqlen_ke, N)
     ks, ke = cu_seqlen_ks.long(), cu_seqlen_ke.long()
-    if S and (int(ks.min()) < 0 or int(ke.max()) > N):
-        raise ValueError(f"cu_seqlen_ks / cu_seqlen_ke must lie in [0, {N}] (the keys), got "
-                         f"ks >= {int(ks.min())}, ke <= {int(ke.max())}")
     out = _logits(q, weights, codes.view(torch.float8_e4m3fn), scale)
     cols = torch.arange(N, device=q.device)[None, :]
     return out.masked_fill((cols < ks[:, None]) | (cols >= ke[:, None]), float("-inf"))
@@ -131,25 +180,9 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     ``0 .. L - next_n + n``, ``-inf`` elsewhere. DeepGEMM's ``schedule_metadata`` is a
     scheduling detail of its kernel, not an input here.
     """
-    q = _check_q(q, 4)
-    B, next_n, H, _ = q.shape
-    if kv_cache.dim() == 4 and kv_cache.shape[2] == 1:
-        kv_cache = kv_cache[:, :, 0]
-    check_tensor("kv_cache", kv_cache, ndim=3, dtype=_FP8_DTYPES)
-    if kv_cache.shape[2] != INDEX_K_BYTES:
-        raise ValueError(f"kv_cache must have shape [num_blocks, block_size, {INDEX_K_BYTES}], "
-                         f"got {list(kv_cache.shape)}")
-    check_float("weights", weights, shape=[B * next_n, H])
-    check_index("context_lens", context_lens, shape=[B])
-    check_index("block_tables", block_tables, ndim=2)
-    check_same_device(q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
-                      block_tables=block_tables)
-    if block_tables.shape[0] < B:
-        raise ValueError(f"block_tables must have at least B={B} rows, got "
-                         f"{block_tables.shape[0]}")
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or \
-            max_model_len < 0:
-        raise ValueError(f"max_model_len must be a non-negative int, got {max_model_len!r}")
+    q, kv_cache = check_paged_logits_args(q, kv_cache, weights, context_lens, block_tables,
+                                          max_model_len)
+    B, next_n = q.shape[:2]
     nb, bs, _ = kv_cache.shape
     lens = context_lens.tolist()
     for b, n in enumerate(lens):
