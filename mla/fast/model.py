@@ -1,7 +1,7 @@
 """Whole dense MLA layers on the fast path: ``mla.reference.model``'s forwards, same signatures.
 
-Each forward is the reference's, step for step, with the fast kernels where the reference has
-a kernel-level twin:
+The orchestration is the reference's (``mla.reference.model.run_decode`` and
+``run_chunked_prefill``), run with the fast kernels in its ``LayerOps``:
 
     front          mla.reference.front.mla_front     plain torch: cuBLAS GEMMs, RMSNorm, RoPE
     cache write    mla.fast.concat_and_cache_mla
@@ -18,12 +18,12 @@ Host synchronization: decode reads nothing on the host unless it validates (``va
 value checks of the slots, lengths and block table, resolved by
 ``mla.fast.common.should_validate`` as every fast kernel's), so without them the step can be
 captured in a CUDA graph. Chunked prefill reads ``query_start_loc`` on the host, as the
-reference and the fast kernel do.
+reference and the fast kernel do, and so always validates.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
 
 import torch
 
@@ -31,34 +31,21 @@ from mla.fast.chunked import chunked_prefill_attention
 from mla.fast.common import should_validate
 from mla.fast.decode import mla_decode_paged
 from mla.fast.paged_cache import concat_and_cache_mla
-from mla.reference.chunked import ChunkPlan, plan_context_chunks
-from mla.reference.decode import absorb_q
-from mla.reference.front import Front, mla_front
+from mla.reference.chunked import ChunkPlan
+from mla.reference.model import (
+    DecodeTrace,
+    LayerOps,
+    PrefillTrace,
+    run_chunked_prefill,
+    run_decode,
+    run_write_context,
+)
 from mla.reference.paged_cache import slot_mapping_from_block_table
-from mla.validation import check_float, check_index, check_nonnegative, check_same_device
+from mla.validation import check_float
 from mla.weights import MLAWeights
 
 __all__ = ["DecodeTrace", "PrefillTrace", "token_slots", "write_context",
            "chunked_prefill_layer", "chunked_prefill_forward", "decode_layer", "decode_forward"]
-
-
-class DecodeTrace(NamedTuple):
-    """Every stage of one decode step, for a stage-by-stage check."""
-
-    front: Front  # [B·s_q, ...] rows, request-major
-    q: torch.Tensor  # [B, s_q, N, Lkv+R]: absorbed q_nope ‖ q_pe, the attention's query
-    o_lat: torch.Tensor  # [B, s_q, N, Lkv]: attention output in the latent space
-    lse: torch.Tensor  # [B, N, s_q] float32
-    out: torch.Tensor  # [B, s_q, H]
-
-
-class PrefillTrace(NamedTuple):
-    """Every stage of one chunked prefill, for a stage-by-stage check."""
-
-    front: Front  # [T, ...]
-    o: torch.Tensor  # [T, N, V]: attention output over context and new tokens
-    lse: torch.Tensor  # [N, T]
-    out: torch.Tensor  # [T, H]
 
 
 def token_slots(block_table: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
@@ -72,19 +59,22 @@ def token_slots(block_table: torch.Tensor, req: torch.Tensor, positions: torch.T
     return blocks * block_size + positions % block_size
 
 
+def fast_layer_ops(validate: bool) -> LayerOps:
+    """The fast kernels as the reference orchestration's ``LayerOps``, every host check on or
+    off with ``validate``. Built per call from this module's names, so that a test can
+    replace one kernel here (a broken twin)."""
+    return LayerOps(
+        cache_write=functools.partial(concat_and_cache_mla, validate=validate),
+        slot_mapping=functools.partial(token_slots, validate=validate),
+        decode=functools.partial(mla_decode_paged, validate=validate),
+        chunked_prefill=chunked_prefill_attention,
+        validate=validate)
+
+
 def write_context(weights: MLAWeights, hidden: torch.Tensor, kv_cache: torch.Tensor,
                   block_table_row: torch.Tensor, start: int = 0) -> None:
     """Run the front on ``hidden [S, H]`` at positions ``start..start+S`` and cache its latent."""
-    check_float("hidden", hidden, shape=[None, weights.config.hidden_size])
-    check_index("block_table_row", block_table_row, ndim=1)
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"start must be a non-negative int, got {start!r}")
-    S = hidden.shape[0]
-    positions = torch.arange(start, start + S, device=hidden.device)
-    f = mla_front(weights, hidden, positions)
-    slots = slot_mapping_from_block_table(block_table_row[None], torch.zeros_like(positions),
-                                          positions, kv_cache.shape[1])
-    concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
+    run_write_context(fast_layer_ops(True), weights, hidden, kv_cache, block_table_row, start)
 
 
 def chunked_prefill_layer(
@@ -98,37 +88,8 @@ def chunked_prefill_layer(
     workspace_size: int = 64 * 1024,
 ) -> PrefillTrace:
     """``chunked_prefill_forward`` with every stage returned (``PrefillTrace``)."""
-    c = weights.config
-    check_float("hidden", hidden, shape=[None, c.hidden_size])
-    B = len(context_lens)
-    check_index("query_start_loc", query_start_loc, shape=[B + 1])
-    check_index("block_table", block_table, shape=[B, None])
-    check_float("kv_cache", kv_cache, shape=[None, None, c.latent_dim])
-    check_same_device(hidden=hidden, kv_cache=kv_cache, block_table=block_table,
-                      query_start_loc=query_start_loc)
-    if plan is None:
-        plan = plan_context_chunks(context_lens, block_size=kv_cache.shape[1],
-                                   workspace_size=workspace_size)
-    elif list(plan.context_lens) != list(context_lens):
-        raise ValueError(f"plan is for context lens {list(plan.context_lens)}, "
-                         f"got context_lens {list(context_lens)}")
-    qsl = query_start_loc.tolist()
-    if qsl[0] != 0 or qsl[-1] != hidden.shape[0] or any(b < a for a, b in zip(qsl, qsl[1:])):
-        raise ValueError(f"query_start_loc must rise from 0 to hidden's {hidden.shape[0]} "
-                         f"tokens, got {qsl}")
-    dev = hidden.device
-    lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(B)], device=dev)
-    req = torch.repeat_interleave(torch.arange(B, device=dev), lens)
-    starts = torch.tensor(list(context_lens), dtype=torch.long, device=dev)
-    # position of new token t: its request's context length plus its rank among the new ones
-    positions = starts[req] + torch.arange(hidden.shape[0], device=dev) - query_start_loc[req]
-    f = mla_front(weights, hidden, positions)
-    slots = slot_mapping_from_block_table(block_table, req, positions, kv_cache.shape[1])
-    concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
-    o, lse = chunked_prefill_attention(f.q_nope, f.q_pe, f.kv_c, f.k_pe, query_start_loc,
-                                       kv_cache, block_table, plan, weights.W_UK, weights.W_UV,
-                                       c.softmax_scale)
-    return PrefillTrace(front=f, o=o, lse=lse, out=o.flatten(-2) @ weights.W_O)
+    return run_chunked_prefill(fast_layer_ops(True), weights, hidden, query_start_loc,
+                               context_lens, kv_cache, block_table, plan, workspace_size)
 
 
 def chunked_prefill_forward(
@@ -154,30 +115,9 @@ def decode_layer(weights: MLAWeights, hidden: torch.Tensor, kv_cache: torch.Tens
                  block_table: torch.Tensor, cache_seqlens: torch.Tensor, *,
                  validate: bool | None = None) -> DecodeTrace:
     """``decode_forward`` with every stage returned (``DecodeTrace``)."""
-    c = weights.config
-    check_float("hidden", hidden, shape=[None, None, c.hidden_size])
-    B, s_q, _ = hidden.shape
-    check_index("cache_seqlens", cache_seqlens, shape=[B])
-    check_index("block_table", block_table, shape=[B, None])
-    check_float("kv_cache", kv_cache, shape=[None, None, c.latent_dim])
-    check_same_device(hidden=hidden, kv_cache=kv_cache, block_table=block_table,
-                      cache_seqlens=cache_seqlens)
-    checked = should_validate(validate, hidden)
-    if checked:
-        check_nonnegative("cache_seqlens", cache_seqlens)
-    dev = hidden.device
-    positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
-    req = torch.arange(B, device=dev).repeat_interleave(s_q)
-    f = mla_front(weights, hidden.reshape(B * s_q, -1), positions)
-    slots = token_slots(block_table, req, positions, kv_cache.shape[1], checked)
-    concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots, validate=checked)
-    q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)
-    q = q.view(B, s_q, c.num_heads, c.latent_dim)
-    o_lat, lse = mla_decode_paged(q, kv_cache, block_table.to(torch.int32),
-                                  (cache_seqlens + s_q).to(torch.int32), c.softmax_scale,
-                                  causal=True, head_dim_v=c.kv_lora_rank, validate=checked)
-    o = torch.einsum("bsnl,lnv->bsnv", o_lat, weights.W_UV)
-    return DecodeTrace(front=f, q=q, o_lat=o_lat, lse=lse, out=o.flatten(-2) @ weights.W_O)
+    check_float("hidden", hidden, ndim=3)  # before should_validate reads its device
+    return run_decode(fast_layer_ops(should_validate(validate, hidden)), weights, hidden,
+                      kv_cache, block_table, cache_seqlens)
 
 
 def decode_forward(weights: MLAWeights, hidden: torch.Tensor, kv_cache: torch.Tensor,

@@ -32,6 +32,10 @@ formulations again agree to rounding of the arithmetic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 
 from mla.reference.decode import absorb_q
@@ -66,6 +70,7 @@ from mla.reference.indexer_logits import (
     quantize_indexer_q,
     top_k_per_row,
 )
+from mla.reference.model import new_tokens
 from mla.reference.paged_cache import (
     cache_rows,
     concat_and_cache_mla,
@@ -77,11 +82,20 @@ from mla.reference.sparse import (
     sparse_mla_decode,
     sparse_mla_prefill,
 )
-from mla.validation import acc_dtype, check_float, check_index, check_same_device, check_tensor
+from mla.validation import (
+    acc_dtype,
+    check_float,
+    check_index,
+    check_nonnegative,
+    check_same_device,
+    check_tensor,
+)
 from mla.weights import MLAWeights
 
 __all__ = ["sparse_prefill_forward", "sparse_decode_forward", "sparse_masked_dense_forward",
-           "is_byte_cache", "check_sparse_caches", "project_output"]
+           "is_byte_cache", "check_sparse_caches", "project_output", "SparseOps",
+           "REFERENCE_SPARSE_OPS", "SparseTrace", "front_and_index", "run_sparse_decode",
+           "run_sparse_prefill"]
 
 
 def is_byte_cache(kv_cache: torch.Tensor) -> bool:
@@ -123,10 +137,59 @@ def check_sparse_caches(weights: MLAWeights, indexer_weights: IndexerWeights,
                          "by the fp8 indexer: use_fp8_indexer must be True or None, got False")
 
 
-def _front_and_index(weights: MLAWeights, indexer_weights: IndexerWeights,
-                     hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                     kv_cache: torch.Tensor, index_k_cache: torch.Tensor,
-                     use_fp8_indexer: bool | None) -> tuple[Front, IndexerQK]:
+@dataclass(frozen=True)
+class SparseOps:
+    """What a sparse layer step calls, with the reference's signatures; the defaults are the
+    reference's own. ``mla.fast.sparse_model`` runs the same orchestration with its kernels.
+
+    ``check_caches``: the cache layouts the path reads (``check_sparse_caches``' arguments);
+    ``validate``: the orchestration's own host value checks (``cache_seqlens >= 0``), off on a
+    path that must not read the device. A float index key cache is the reference's alone: its
+    scores and top-k are the reference's ``index_scores``/``select_topk``, whatever the ops.
+    """
+
+    check_caches: Callable[..., None] = check_sparse_caches
+    slot_mapping: Callable[..., torch.Tensor] = slot_mapping_from_block_table
+    cache_write: Callable[..., None] = concat_and_cache_mla
+    fp8_cache_write: Callable[..., None] = concat_and_cache_fp8_ds_mla
+    rotate: Callable[[torch.Tensor], torch.Tensor] = hadamard_rotate
+    index_cache_write: Callable[..., None] = indexer_k_quant_and_cache
+    paged_logits: Callable[..., torch.Tensor] = fp8_paged_mqa_logits
+    ragged_logits: Callable[..., torch.Tensor] = fp8_mqa_logits
+    top_k: Callable[..., torch.Tensor] = top_k_per_row
+    convert: Callable[..., torch.Tensor] = convert_req_index_to_global_index
+    decode: Callable[..., tuple[torch.Tensor, torch.Tensor]] = sparse_mla_decode
+    prefill: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = sparse_mla_prefill
+    validate: bool = True
+
+
+REFERENCE_SPARSE_OPS = SparseOps()
+
+
+class SparseTrace(NamedTuple):
+    """Every stage of one sparse step, for a stage-by-stage check (``T`` new tokens)."""
+
+    front: Front  # [T, ...]
+    index_k: torch.Tensor  # [T, d_I]: the index keys cached (rotated on the fp8 path)
+    q_index: torch.Tensor  # [T, n_I, d_I]: the indexer's query (fp8 path: rotated, e4m3)
+    index_weights: torch.Tensor  # [T, n_I] (fp8 path: q's scale folded in)
+    # the fp8 index path's logits [T, keys] (decode [T, max_model_len], prefill [T, ragged])
+    # and each row's visible columns [starts, ends); None on a float index cache
+    logits: torch.Tensor | None
+    row_starts: torch.Tensor | None
+    row_ends: torch.Tensor | None
+    local: torch.Tensor  # [T, topk] int32 request-local indices, -1 = none
+    slots: torch.Tensor  # [T, topk] int32: global cache slots (or workspace rows)
+    q: torch.Tensor  # [T, N, Lkv+R]: absorbed query (decode: [B, s_q, N, Lkv+R])
+    o_lat: torch.Tensor  # attention output in the latent space
+    lse: torch.Tensor  # decode [B, N, s_q]; prefill [T, N]
+    out: torch.Tensor  # [T, H] (decode: [B, s_q, H])
+
+
+def front_and_index(ops: SparseOps, weights: MLAWeights, indexer_weights: IndexerWeights,
+                    hidden: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                    kv_cache: torch.Tensor, index_k_cache: torch.Tensor,
+                    use_fp8_indexer: bool | None) -> tuple[Front, IndexerQK]:
     """Cache the new tokens' latent and index key at ``slots``; return the front and the
     indexer's query side.
 
@@ -135,10 +198,8 @@ def _front_and_index(weights: MLAWeights, indexer_weights: IndexerWeights,
     e4m3 with its scale folded into ``weights`` (``quantize_indexer_q``).
     """
     f = mla_front(weights, hidden, positions)
-    if is_byte_cache(kv_cache):
-        concat_and_cache_fp8_ds_mla(f.kv_c, f.k_pe, kv_cache, slots)
-    else:
-        concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
+    write = ops.fp8_cache_write if is_byte_cache(kv_cache) else ops.cache_write
+    write(f.kv_c, f.k_pe, kv_cache, slots)
     q_c = q_latent(weights, hidden)
     if not is_byte_cache(index_k_cache):
         qk = indexer_qk(indexer_weights, hidden, q_c, positions, bool(use_fp8_indexer))
@@ -146,9 +207,9 @@ def _front_and_index(weights: MLAWeights, indexer_weights: IndexerWeights,
         index_k_cache.view(-1, d_index)[slots] = qk.k_index.to(index_k_cache.dtype)
         return f, qk
     qk = indexer_qk(indexer_weights, hidden, q_c, positions, use_fp8=False)
-    k_rot = hadamard_rotate(qk.k_index)
-    indexer_k_quant_and_cache(k_rot, index_k_cache, slots)
-    q_fp8, w_q = quantize_indexer_q(hadamard_rotate(qk.q_index), qk.weights)
+    k_rot = ops.rotate(qk.k_index)
+    ops.index_cache_write(k_rot, index_k_cache, slots)
+    q_fp8, w_q = quantize_indexer_q(ops.rotate(qk.q_index), qk.weights)
     return f, IndexerQK(q_index=q_fp8, k_index=k_rot, weights=w_q)
 
 
@@ -173,6 +234,105 @@ def project_output(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
     return o.flatten(-2) @ weights.W_O
 
 
+def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: IndexerWeights,
+                       hidden: torch.Tensor, query_start_loc: torch.Tensor,
+                       context_lens: list[int], kv_cache: torch.Tensor,
+                       index_k_cache: torch.Tensor, block_table: torch.Tensor,
+                       use_fp8_indexer: bool | None = None) -> SparseTrace:
+    """``sparse_prefill_forward`` with ``ops``' kernels, every stage returned."""
+    c = weights.config
+    check_float("hidden", hidden, shape=[None, c.hidden_size])
+    B = len(context_lens)
+    check_index("query_start_loc", query_start_loc, shape=[B + 1])
+    check_index("block_table", block_table, shape=[B, None])
+    check_same_device(hidden=hidden, kv_cache=kv_cache, index_k_cache=index_k_cache,
+                      block_table=block_table, query_start_loc=query_start_loc)
+    ops.check_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
+    req, positions, lens = new_tokens(hidden, query_start_loc, context_lens)
+    dev, bs = hidden.device, kv_cache.shape[1]
+    f, qk = front_and_index(ops, weights, indexer_weights, hidden,
+                            ops.slot_mapping(block_table, req, positions, bs), positions,
+                            kv_cache, index_k_cache, use_fp8_indexer)
+    topk = indexer_weights.config.index_topk
+    seq = [context_lens[i] + lens[i] for i in range(B)]
+    cu = torch.tensor([sum(seq[:i]) for i in range(B + 1)], dtype=torch.int32, device=dev)
+    logits = ks = ke = None
+    if is_byte_cache(index_k_cache):
+        # vLLM's prefill: each request's keys gathered into one ragged array; query t of a
+        # request starting at row ks sees rows [ks, ks + position + 1)
+        keys = gather_indexer_k_cache(index_k_cache, block_table, cu)
+        ks = cu[req].to(torch.int32)
+        ke = (ks + positions + 1).to(torch.int32)
+        logits = ops.ragged_logits(qk.q_index, keys, qk.weights, ks, ke)
+        local = ops.top_k(logits, ks, ke, topk)
+    else:
+        local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
+    q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)  # [T, N, Lkv+R]
+    req32, table32 = req.to(torch.int32), block_table.to(torch.int32)
+    if is_byte_cache(kv_cache):
+        # fp8_ds_mla: each request's rows dequantized into a workspace, read by workspace rows
+        starts = cu[:-1].contiguous()
+        kv = torch.empty(sum(seq), c.latent_dim, dtype=q.dtype, device=dev)
+        gather_and_upconvert_fp8_ds_mla(kv_cache, kv, table32,
+                                        torch.tensor(seq, dtype=torch.int32, device=dev),
+                                        starts, B)
+        slots = ops.convert(req32, table32, local, bs, prefill_workspace_request_ids=req32,
+                            prefill_workspace_starts=starts)
+    else:
+        kv = kv_cache.view(-1, c.latent_dim)
+        slots = ops.convert(req32, table32, local, bs)
+    o_lat, _, lse = ops.prefill(q, kv, slots, c.softmax_scale, d_v=c.kv_lora_rank)
+    return SparseTrace(front=f, index_k=qk.k_index, q_index=qk.q_index,
+                       index_weights=qk.weights, logits=logits, row_starts=ks, row_ends=ke,
+                       local=local, slots=slots, q=q, o_lat=o_lat, lse=lse,
+                       out=project_output(weights, o_lat))
+
+
+def run_sparse_decode(ops: SparseOps, weights: MLAWeights, indexer_weights: IndexerWeights,
+                      hidden: torch.Tensor, kv_cache: torch.Tensor, index_k_cache: torch.Tensor,
+                      block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                      use_fp8_indexer: bool | None = None) -> SparseTrace:
+    """``sparse_decode_forward`` with ``ops``' kernels, every stage returned. Reads nothing on
+    the host itself unless ``ops.validate`` (or the index cache is float)."""
+    c = weights.config
+    check_float("hidden", hidden, shape=[None, None, c.hidden_size])
+    B, s_q, _ = hidden.shape
+    check_index("cache_seqlens", cache_seqlens, shape=[B])
+    check_index("block_table", block_table, shape=[B, None])
+    check_same_device(hidden=hidden, kv_cache=kv_cache, index_k_cache=index_k_cache,
+                      block_table=block_table, cache_seqlens=cache_seqlens)
+    ops.check_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
+    if ops.validate:
+        check_nonnegative("cache_seqlens", cache_seqlens)
+    dev, bs = hidden.device, kv_cache.shape[1]
+    positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
+    req = torch.arange(B, device=dev).repeat_interleave(s_q)
+    f, qk = front_and_index(ops, weights, indexer_weights, hidden.reshape(B * s_q, -1),
+                            ops.slot_mapping(block_table, req, positions, bs), positions,
+                            kv_cache, index_k_cache, use_fp8_indexer)
+    topk = indexer_weights.config.index_topk
+    table32 = block_table.to(torch.int32)
+    logits = starts = ends = None
+    if is_byte_cache(index_k_cache):
+        seq_lens = (cache_seqlens + s_q).to(torch.int32)
+        logits = ops.paged_logits(qk.q_index.view(B, s_q, *qk.q_index.shape[1:]), index_k_cache,
+                                  qk.weights, seq_lens, table32, block_table.shape[1] * bs)
+        starts = torch.zeros(B * s_q, dtype=torch.int32, device=dev)
+        ends = decode_row_ends(seq_lens, s_q)
+        local = ops.top_k(logits, starts, ends, topk)
+    else:
+        local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
+    slots = ops.convert(req.to(torch.int32), table32, local, bs)
+    q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)
+    q = q.view(B, s_q, c.num_heads, c.latent_dim)
+    o_lat, lse = ops.decode(q, kv_cache, slots.view(B, s_q, -1), c.softmax_scale,
+                            is_byte_cache(kv_cache), head_dim_v=c.kv_lora_rank)
+    return SparseTrace(front=f, index_k=qk.k_index, q_index=qk.q_index,
+                       index_weights=qk.weights, logits=logits, row_starts=starts,
+                       row_ends=ends, local=local, slots=slots, q=q, o_lat=o_lat, lse=lse,
+                       out=project_output(weights, o_lat))
+
+
 def sparse_prefill_forward(
     weights: MLAWeights,
     indexer_weights: IndexerWeights,
@@ -194,60 +354,9 @@ def sparse_prefill_forward(
     quantize-dequantize (``None`` = False); an fp8 index cache needs True or None.
     Returns ``[T, H]``.
     """
-    c = weights.config
-    check_float("hidden", hidden, shape=[None, c.hidden_size])
-    B = len(context_lens)
-    check_index("query_start_loc", query_start_loc, shape=[B + 1])
-    check_index("block_table", block_table, shape=[B, None])
-    check_same_device(hidden=hidden, kv_cache=kv_cache, index_k_cache=index_k_cache,
-                      block_table=block_table, query_start_loc=query_start_loc)
-    check_sparse_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
-    qsl = query_start_loc.tolist()
-    if qsl[0] != 0 or qsl[-1] != hidden.shape[0] or any(b < a for a, b in zip(qsl, qsl[1:])):
-        raise ValueError(f"query_start_loc must rise from 0 to hidden's {hidden.shape[0]} "
-                         f"tokens, got {qsl}")
-    lens = [qsl[i + 1] - qsl[i] for i in range(B)]
-    dev = hidden.device
-    req = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(lens, device=dev))
-    positions = torch.cat([torch.arange(context_lens[i], context_lens[i] + lens[i])
-                           for i in range(B)] or [torch.zeros(0, dtype=torch.long)]).to(dev)
-    bs = kv_cache.shape[1]
-    f, qk = _front_and_index(weights, indexer_weights, hidden,
-                             slot_mapping_from_block_table(block_table, req, positions, bs),
-                             positions, kv_cache, index_k_cache, use_fp8_indexer)
-    topk = indexer_weights.config.index_topk
-    if is_byte_cache(index_k_cache):
-        # vLLM's prefill: each request's keys gathered into one ragged array; query t of a
-        # request starting at row ks sees rows [ks, ks + position + 1)
-        cu = [0]
-        for i in range(B):
-            cu.append(cu[-1] + context_lens[i] + lens[i])
-        cu_dev = torch.tensor(cu, dtype=torch.int32, device=dev)
-        keys = gather_indexer_k_cache(index_k_cache, block_table, cu_dev)
-        ks = cu_dev[req].to(torch.int32)
-        ke = (ks + positions + 1).to(torch.int32)
-        logits = fp8_mqa_logits(qk.q_index, keys, qk.weights, ks, ke)
-        local = top_k_per_row(logits, ks, ke, topk)
-    else:
-        local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
-    q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)  # [T, N, Lkv+R]
-    req32, table32 = req.to(torch.int32), block_table.to(torch.int32)
-    if not is_byte_cache(kv_cache):
-        slots = convert_req_index_to_global_index(req32, table32, local, bs)
-        o_lat, _, _ = sparse_mla_prefill(q, kv_cache.view(-1, c.latent_dim), slots,
-                                         c.softmax_scale, d_v=c.kv_lora_rank)
-        return project_output(weights, o_lat)
-    # fp8_ds_mla: dequantize each request's rows into a workspace, read it by workspace rows
-    seq_lens = torch.tensor([context_lens[i] + lens[i] for i in range(B)], dtype=torch.int32,
-                            device=dev)
-    starts = (torch.cumsum(seq_lens, 0) - seq_lens).to(torch.int32)
-    workspace = torch.empty(int(seq_lens.sum()), c.latent_dim, dtype=q.dtype, device=dev)
-    gather_and_upconvert_fp8_ds_mla(kv_cache, workspace, table32, seq_lens, starts, B)
-    rows = convert_req_index_to_global_index(req32, table32, local, bs,
-                                             prefill_workspace_request_ids=req32,
-                                             prefill_workspace_starts=starts)
-    o_lat, _, _ = sparse_mla_prefill(q, workspace, rows, c.softmax_scale, d_v=c.kv_lora_rank)
-    return project_output(weights, o_lat)
+    return run_sparse_prefill(REFERENCE_SPARSE_OPS, weights, indexer_weights, hidden,
+                              query_start_loc, context_lens, kv_cache, index_k_cache,
+                              block_table, use_fp8_indexer).out
 
 
 def sparse_decode_forward(
@@ -268,38 +377,8 @@ def sparse_decode_forward(
     ``index_k_cache`` float, or vLLM's fp8 cache read as vLLM does (``fp8_paged_mqa_logits``
     over the block table, ``top_k_per_row``); ``use_fp8_indexer`` as in the prefill.
     """
-    c = weights.config
-    check_float("hidden", hidden, shape=[None, None, c.hidden_size])
-    B, s_q, _ = hidden.shape
-    check_index("cache_seqlens", cache_seqlens, shape=[B])
-    check_index("block_table", block_table, shape=[B, None])
-    check_same_device(hidden=hidden, kv_cache=kv_cache, index_k_cache=index_k_cache,
-                      block_table=block_table, cache_seqlens=cache_seqlens)
-    check_sparse_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
-    dev = hidden.device
-    positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
-    req = torch.arange(B, device=dev).repeat_interleave(s_q)
-    bs = kv_cache.shape[1]
-    f, qk = _front_and_index(weights, indexer_weights, hidden.reshape(B * s_q, -1),
-                             slot_mapping_from_block_table(block_table, req, positions, bs),
-                             positions, kv_cache, index_k_cache, use_fp8_indexer)
-    topk = indexer_weights.config.index_topk
-    if is_byte_cache(index_k_cache):
-        seq_lens = (cache_seqlens + s_q).to(torch.int32)
-        q_fp8 = qk.q_index.view(B, s_q, *qk.q_index.shape[1:])
-        logits = fp8_paged_mqa_logits(q_fp8, index_k_cache, qk.weights, seq_lens, block_table,
-                                      block_table.shape[1] * bs)
-        local = top_k_per_row(logits, torch.zeros_like(req, dtype=torch.int32),
-                              decode_row_ends(seq_lens, s_q), topk)
-    else:
-        local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
-    slots = convert_req_index_to_global_index(req.to(torch.int32), block_table.to(torch.int32),
-                                              local, kv_cache.shape[1])
-    q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)
-    q = q.view(B, s_q, c.num_heads, c.latent_dim)
-    o_lat, _ = sparse_mla_decode(q, kv_cache, slots.view(B, s_q, -1), c.softmax_scale,
-                                 is_byte_cache(kv_cache), head_dim_v=c.kv_lora_rank)
-    return project_output(weights, o_lat)
+    return run_sparse_decode(REFERENCE_SPARSE_OPS, weights, indexer_weights, hidden, kv_cache,
+                             index_k_cache, block_table, cache_seqlens, use_fp8_indexer).out
 
 
 def sparse_masked_dense_forward(
