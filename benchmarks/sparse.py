@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--v4", action="store_true", help="DeepSeek-V4's shapes beside FlashMLA")
     p.add_argument("--only", nargs="*", help="substrings of the shape names to run")
     p.add_argument("--out", default="benchmarks/results", help="output directory")
-    p.add_argument("--sweep", action="store_true", help="V3.2 shapes: time more plans")
+    p.add_argument("--sweep", action="store_true",
+                   help="time more plans (V4: the Gluon MODEL1 kernel at other split counts)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     env = environment()
@@ -287,14 +288,20 @@ def main(argv: list[str] | None = None) -> int:
     if not args.v4:
         run(env, ceil, args.out, args.sweep, args.seed, args.only)
         return 0
-    res = {"environment": env, "ceilings": ceil, "v4": run_v4(args.seed, args.only)}
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"sparse_v4_{env['date'][:10]}")
-    with open(stem + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    md = "\n".join(report_heading("Sparse MLA, DeepSeek-V4", res) + markdown_v4(res["v4"]))
-    with open(stem + ".md", "w") as f:
-        f.write(md + "\n")
+    res = {"environment": env, "ceilings": ceil, "v4": []}
+
+    def write(rows: list[dict]) -> str:
+        res["v4"] = rows
+        with open(stem + ".json", "w") as f:
+            json.dump(res, f, indent=1)
+        md = "\n".join(report_heading("Sparse MLA, DeepSeek-V4", res) + markdown_v4(rows))
+        with open(stem + ".md", "w") as f:
+            f.write(md + "\n")
+        return md
+
+    md = write(run_v4(args.seed, args.only, args.sweep, on_row=write))
     print(md)
     return 0
 

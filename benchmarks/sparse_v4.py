@@ -13,9 +13,21 @@ unpacked by ``benchmarks.peers``; a shape it refuses is recorded with its error)
 
 Inputs: every request owns 8192 tokens on scattered pages and picks distinct slots of them;
 MODEL1 pages hold random e4m3 bytes (no NaN code), UE8M0 scales 2^-9..2^-6, bf16 rope values.
-Time: ``triton.testing.do_bench`` median (L2 flushed before each call), ``validate=False``,
-FlashMLA with its scheduler metadata made once per shape (as an engine does). Our output is
-compared with the float64 reference on two requests, and with FlashMLA's on all of them.
+Our output is compared with the float64 reference on two requests, and with FlashMLA's on all
+of them.
+
+Time, two ways for each side (``validate=False``; FlashMLA with its scheduler metadata made once
+per shape, as an engine does, and filled by one call before anything is timed or captured):
+
+- **graph**: the call captured in a CUDA graph and replayed (``benchmarks.common.time_graph``,
+  L2 flushed outside the timing): the kernels' GPU time alone, as a serving engine runs decode;
+  the ratios to FlashMLA and the sink's cost are taken on these (kernel against kernel);
+- **direct**: ``triton.testing.do_bench`` median of a Python call (L2 flushed before each): the
+  events start while the flush runs, so a call's host time beyond the flush's shows up (what a
+  user timing a call sees).
+
+``--sweep`` (MODEL1 rows) also times, in graphs, the Gluon kernel with other split counts and
+the Triton kernel with the default split count: the evidence behind ``plan_sparse``'s choices.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import math
 import torch
 import triton.testing
 
-from benchmarks.common import log
+from benchmarks.common import log, time_graph
 from mla.compare import rel_err
 from mla.fast.common import num_sms
 from mla.fast.sparse import plan_sparse, sparse_mla_decode, sparse_mla_prefill
@@ -106,7 +118,19 @@ def _sinks(gen: torch.Generator, N: int, keys: int) -> torch.Tensor:
 
 
 def _bench(fn) -> float:
+    """Direct call: do_bench median, µs."""
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3
+
+
+def _graph(fn) -> float:
+    """Graph replay: the kernels alone, µs."""
+    return time_graph(fn, reps=40) * 1e3
+
+
+def _time(row: dict, key: str, fn) -> None:
+    """``row[key + "_graph_us"]`` and ``row[key + "_us"]`` (direct) of ``fn``."""
+    row[key + "_graph_us"] = _graph(fn)
+    row[key + "_us"] = _bench(fn)
 
 
 def _flashmla():
@@ -122,11 +146,13 @@ def _flashmla():
 
 
 def _time_peer(row: dict, key: str, fn) -> torch.Tensor | None:
-    """Time FlashMLA's ``fn`` into ``row[key]`` (µs) or record why it failed; its output."""
+    """Time FlashMLA's ``fn`` into ``row[key + "_graph_us"]`` and ``row[key + "_us"]`` or
+    record why it failed; its output. The first call (before the capture) fills the
+    scheduler metadata the captured call reads."""
     try:
-        out = fn()[0]
+        out = fn()[0].clone()
         torch.cuda.synchronize()
-        row[key] = _bench(fn)
+        _time(row, key, fn)
         return out
     except Exception as e:  # a shape or argument FlashMLA refuses: a result, not a crash
         row[key + "_error"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
@@ -134,7 +160,7 @@ def _time_peer(row: dict, key: str, fn) -> torch.Tensor | None:
         return None
 
 
-def _model1(s: V4Shape, gen: torch.Generator, fm) -> dict:
+def _model1(s: V4Shape, gen: torch.Generator, fm, sweep: bool = False) -> dict:
     from mla.reference.sparse import sparse_mla_decode as ref_decode
 
     nb = s.B * CONTEXT // PAGE
@@ -151,13 +177,20 @@ def _model1(s: V4Shape, gen: torch.Generator, fm) -> dict:
         return sparse_mla_decode(q, cache, idx, SCALE, True, None, 512, validate=False,
                                  plan=plan, **v4)
     out = ours()[0]
-    row: dict = {"ours_us": _bench(ours)}
+    row: dict = {}
+    _time(row, "ours", ours)
     # the Triton kernel on the same call (the default plan without the sm_90 route): a variant
     default = plan_sparse(s.B, s.N, s.topk + s.extra_topk, q.dtype, True, num_sms(q.device),
                           model1=True)
+    row["plan"] = dataclasses.asdict(default)
     triton_plan = dataclasses.replace(default, sm90=False)
-    row["ours_triton_us"] = _bench(lambda: ours(triton_plan))
+    row["ours_triton_graph_us"] = _graph(lambda: ours(triton_plan))
     row["rel_err_triton_vs_default"] = rel_err(ours(triton_plan)[0].float(), out.float())
+    if sweep:  # the Gluon kernel (64-head programs) at other split counts, graph µs
+        gluon = [dataclasses.replace(default, block_m=64, sm90=True, num_splits=n)
+                 for n in (1, 2, 3, 4) if n != default.num_splits or not default.sm90]
+        row["gluon_splits_graph_us"] = {p.num_splits: _graph(lambda p=p: ours(p))
+                                        for p in gluon}
     r_out, _ = ref_decode(q[:2].double(), cache, idx[:2], SCALE, True, None, 512,
                           attn_sink=v4["attn_sink"],
                           **{k: v[:2] if k == "extra_indices_in_kvcache" else v
@@ -173,12 +206,13 @@ def _model1(s: V4Shape, gen: torch.Generator, fm) -> dict:
                 indices=idx, attn_sink=v4["attn_sink"],
                 extra_k_cache=None if extra is None else extra.unsqueeze(2),
                 extra_indices_in_kvcache=v4.get("extra_indices_in_kvcache"))
-        peer_out = _time_peer(row, "flashmla_us", peer)
+        peer_out = _time_peer(row, "flashmla", peer)
         if peer_out is not None:
             row["rel_err_vs_flashmla"] = rel_err(out.float(), peer_out.float())
-            row["ratio"] = row["ours_us"] / row["flashmla_us"]
+            row["ratio"] = row["ours_graph_us"] / row["flashmla_graph_us"]
+            row["ratio_direct"] = row["ours_us"] / row["flashmla_us"]
     flops = 2.0 * s.B * s.N * (s.topk + s.extra_topk) * (512 + 512)
-    row["TFLOPs"] = flops / (row["ours_us"] * 1e-6) / 1e12
+    row["TFLOPs"] = flops / (row["ours_graph_us"] * 1e-6) / 1e12
     return row
 
 
@@ -214,23 +248,29 @@ def _sink_cost(s: V4Shape, gen: torch.Generator, fm) -> dict:
             return fm.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], SCALE, 512,
                                            attn_sink=attn_sink)
     with_sink = ours(sink)[0]
-    row["ours_us"] = _bench(lambda: ours(None))
-    row["ours_sink_us"] = _bench(lambda: ours(sink))
-    row["overhead"] = row["ours_sink_us"] / row["ours_us"] - 1.0
+    _time(row, "ours", lambda: ours(None))
+    _time(row, "ours_sink", lambda: ours(sink))
+    row["overhead"] = row["ours_sink_graph_us"] / row["ours_graph_us"] - 1.0
     if fm is not None:
         s1, _ = fm.get_mla_metadata()
         s2, _ = fm.get_mla_metadata()
-        _time_peer(row, "flashmla_us", lambda: peer(None, s1))
-        peer_out = _time_peer(row, "flashmla_sink_us", lambda: peer(sink, s2))
+        _time_peer(row, "flashmla", lambda: peer(None, s1))
+        peer_out = _time_peer(row, "flashmla_sink", lambda: peer(sink, s2))
         if peer_out is not None:
             row["rel_err_vs_flashmla"] = rel_err(with_sink.float(), peer_out.float())
-        if "flashmla_us" in row and "flashmla_sink_us" in row:
-            row["flashmla_overhead"] = row["flashmla_sink_us"] / row["flashmla_us"] - 1.0
+        if "flashmla_graph_us" in row and "flashmla_sink_graph_us" in row:
+            row["flashmla_overhead"] = (row["flashmla_sink_graph_us"]
+                                        / row["flashmla_graph_us"] - 1.0)
+            row["ratio"] = row["ours_graph_us"] / row["flashmla_graph_us"]
+            row["ratio_direct"] = row["ours_us"] / row["flashmla_us"]
     return row
 
 
-def run_v4(seed: int = 0, names: list[str] | None = None) -> list[dict]:
-    """Every V4 shape (``names``: substrings to select): one row each."""
+def run_v4(seed: int = 0, names: list[str] | None = None, sweep: bool = False,
+           on_row=None) -> list[dict]:
+    """Every V4 shape (``names``: substrings to select): one row each; ``sweep``: the MODEL1
+    rows time the Gluon kernel at other split counts too; ``on_row(rows)`` after each row (a
+    run cut short keeps what it measured)."""
     fm, why = _flashmla()
     if fm is None:
         log(f"FlashMLA not timed: {why}")
@@ -241,7 +281,8 @@ def run_v4(seed: int = 0, names: list[str] | None = None) -> list[dict]:
         log(f"{s.name} ...")
         gen = torch.Generator(device="cuda").manual_seed(seed)
         try:
-            row = _model1(s, gen, fm) if s.kind == "model1" else _sink_cost(s, gen, fm)
+            row = (_model1(s, gen, fm, sweep) if s.kind == "model1"
+                   else _sink_cost(s, gen, fm))
         except Exception as e:  # one shape's failure is a result; the others still run
             row = {"error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
         row["shape"] = dataclasses.asdict(s)
@@ -251,6 +292,8 @@ def run_v4(seed: int = 0, names: list[str] | None = None) -> list[dict]:
             row["met"] = row["overhead"] <= s.target
         log(f"  {row}")
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
         torch.cuda.empty_cache()
     return rows
 
@@ -259,38 +302,55 @@ def _f(row: dict, key: str, fmt: str) -> str:
     return format(row[key], fmt) if key in row else "-"
 
 
+def _pair(row: dict, key: str) -> str:
+    """``graph (direct)`` µs of ``key``, or FlashMLA's refusal."""
+    if key + "_graph_us" in row:
+        return f"{row[key + '_graph_us']:.1f} ({row[key + '_us']:.1f})"
+    return "refused: " + row.get(key + "_error", "not importable")[:80]
+
+
 def markdown_v4(rows: list[dict]) -> list[str]:
     lines = ["## DeepSeek-V4: sinks and the MODEL1 cache beside FlashMLA", "",
-             "| shape | ours µs | FlashMLA µs | ours / FlashMLA | TFLOP/s | err vs ref | "
-             "err vs FlashMLA | target | met |", "| --- | --- | --- | --- | --- | --- | --- | "
-             "--- | --- |"]
-    variants = ["", "Variant: the Triton kernel on the MODEL1 calls (sm_90 route off).", "",
-                "| shape | default µs | Triton µs | Triton / default |",
-                "| --- | --- | --- | --- |"]
+             "µs: CUDA-graph replay (direct call in brackets, do_bench). Ratios: ours / "
+             "FlashMLA on the graph times (kernel against kernel), then on the direct calls.",
+             "", "| shape | ours µs | FlashMLA µs | ours / FlashMLA | direct ratio | TFLOP/s | "
+             "err vs ref | err vs FlashMLA | target | met |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    variants = ["", "Variants of the MODEL1 calls, graph µs: the Triton kernel (sm_90 route "
+                "off) and, with --sweep, the Gluon kernel at other split counts.", "",
+                "| shape | default plan | default | Triton | Triton / default | Gluon splits |",
+                "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         s = r["shape"]
         if "error" in r:
-            lines.append(f"| {s['name']} | error: {r['error'][:120]} | | | | | | | |")
+            lines.append(f"| {s['name']} | error: {r['error'][:120]} | | | | | | | | |")
             continue
         if s["kind"] == "model1":
-            peer = _f(r, "flashmla_us", ".1f") if "flashmla_us" in r else (
-                "refused: " + r.get("flashmla_us_error", "not importable")[:80])
             lines.append(
-                f"| {s['name']} | {r['ours_us']:.1f} | {peer} | {_f(r, 'ratio', '.2f')} | "
+                f"| {s['name']} | {_pair(r, 'ours')} | {_pair(r, 'flashmla')} | "
+                f"{_f(r, 'ratio', '.2f')} | {_f(r, 'ratio_direct', '.2f')} | "
                 f"{r['TFLOPs']:.0f} | {r['rel_err_vs_reference']:.1e} | "
                 f"{_f(r, 'rel_err_vs_flashmla', '.1e')} | <= {s['target']} x | "
                 f"{'yes' if r.get('met') else 'no'} |")
-            if "ours_triton_us" in r:
-                variants.append(f"| {s['name']} | {r['ours_us']:.1f} | "
-                                f"{r['ours_triton_us']:.1f} | "
-                                f"{r['ours_triton_us'] / r['ours_us']:.2f} |")
+            p = r["plan"]
+            plan = (f"{'Gluon' if p['sm90'] and p['block_m'] == 64 else 'Triton'} "
+                    f"m{p['block_m']} n{p['block_n']} splits {p['num_splits']}")
+            sweep = ", ".join(f"{n}: {t:.1f}" for n, t in
+                              r.get("gluon_splits_graph_us", {}).items())
+            variants.append(f"| {s['name']} | {plan} | {r['ours_graph_us']:.1f} | "
+                            f"{r['ours_triton_graph_us']:.1f} | "
+                            f"{r['ours_triton_graph_us'] / r['ours_graph_us']:.2f} | "
+                            f"{sweep or '-'} |")
         else:
-            ours = f"{r['ours_us']:.1f} → {r['ours_sink_us']:.1f} with sink"
-            peer = (f"{r['flashmla_us']:.1f} → {r['flashmla_sink_us']:.1f}"
-                    if "flashmla_sink_us" in r else "-")
+            ours = (f"{r['ours_graph_us']:.1f} → {r['ours_sink_graph_us']:.1f} with sink "
+                    f"({r['ours_us']:.1f} → {r['ours_sink_us']:.1f})")
+            peer = (f"{r['flashmla_graph_us']:.1f} → {r['flashmla_sink_graph_us']:.1f} "
+                    f"({r['flashmla_us']:.1f} → {r['flashmla_sink_us']:.1f})"
+                    if "flashmla_sink_graph_us" in r else "-")
             lines.append(
                 f"| {s['name']} | {ours} ({100 * r['overhead']:+.1f}%) | {peer} "
-                f"({_f(r, 'flashmla_overhead', '+.1%')}) | | | | "
+                f"({_f(r, 'flashmla_overhead', '+.1%')}) | {_f(r, 'ratio', '.2f')} | "
+                f"{_f(r, 'ratio_direct', '.2f')} | | | "
                 f"{_f(r, 'rel_err_vs_flashmla', '.1e')} | sink <= {100 * s['target']:.0f}% | "
                 f"{'yes' if r.get('met') else 'no'} |")
     return lines + variants
