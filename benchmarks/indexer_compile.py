@@ -52,18 +52,16 @@ def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int
 def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan = DEFAULT_PLAN):
     """The paged kernel that ``plan.paged_loads`` picks for pages of 64 on sm_90."""
     np_ = triton.next_power_of_2(next_n)
-    tiles = plan.max_tiles
-    const = dict(NP=np_, HP=64, D=128, BLOCK_N=plan.block_n, TILES=tiles, NAN_CODES=False,
+    const = dict(NP=np_, HP=64, D=128, BLOCK_N=plan.block_n, NAN_CODES=False,
                  STAGES=plan.stages)
     ints = dict(H=64, next_n=next_n, n_blocks=4096, block_size=64, max_blocks=2048,
-                width=_KEYS, chunk=tiles * plan.block_n, s_q_b=next_n * 64 * 128,
-                s_q_n=64 * 128, s_q_h=128, s_w_r=64, s_t_b=2048)
+                width=_KEYS, tiles=plan.max_tiles, s_q_b=next_n * 64 * 128, s_q_n=64 * 128,
+                s_q_h=128, s_w_r=64, s_t_b=2048)
     ptrs = dict(_LOGITS_PTRS, cache_f8="fp8e4nv", cache_f32="fp32", lens="i32", table="i32")
     if plan.paged_loads == "gather":
         return _compile(indexer_logits_paged._paged_gather_kernel, const, ptrs, ints,
                         plan.num_warps)
-    const.update(PAGE=64, TILES_P2=triton.next_power_of_2(tiles),
-                 TMA=plan.paged_loads == "tma")
+    const.update(PAGE=64, MAX_TILES=plan.max_tiles, TMA=plan.paged_loads == "tma")
     return _compile(indexer_logits_paged._paged_page_kernel, const, ptrs, ints,
                     plan.num_warps)
 

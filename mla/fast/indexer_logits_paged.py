@@ -2,8 +2,10 @@
 ``mla.reference.fp8_paged_mqa_logits`` (conventions §10): row ``b · next_n + n`` holds query
 ``n``'s logits over request ``b``'s keys ``0 .. L - next_n + n``, ``-inf`` elsewhere.
 
-Program ``(b, split)`` covers ``TILES`` consecutive tiles of request ``b``'s keys with its
-``next_n`` queries' heads stacked on the MMA's N (``indexer_logits_tile``). At ``next_n = 1``
+Program ``(b, split)`` covers ``tiles`` consecutive tiles of request ``b``'s keys with its
+``next_n`` queries' heads stacked on the MMA's N (``indexer_logits_tile``); ``tiles`` is a
+runtime argument (at most the plan's ``max_tiles``), so that the batch sizes and lengths of a
+server share one compiled kernel. At ``next_n = 1``
 the work is ~124 FLOP a byte of cache, so decode is bound by reading the cache: what matters
 is how many bytes each SM keeps in flight. Two kernels:
 
@@ -70,11 +72,11 @@ def _store_tile(out_rows, s, cols, ends, width, next_n, NP: tl.constexpr):
 
 
 @triton.jit
-def _store_dead(out_rows, col0, first, TILES: tl.constexpr, width, next_n,
-                NP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``-inf`` over tiles ``first .. TILES`` of the program, without reading the cache."""
+def _store_dead(out_rows, col0, first, tiles, width, next_n, NP: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """``-inf`` over tiles ``first .. tiles`` of the program, without reading the cache."""
     nq = tl.arange(0, NP)
-    for i in range(first, TILES):
+    for i in range(first, tiles):
         cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(out_rows[None, :] + cols[:, None],
                  tl.full((BLOCK_N, NP), float("-inf"), tl.float32),
@@ -84,23 +86,23 @@ def _store_dead(out_rows, col0, first, TILES: tl.constexpr, width, next_n,
 @triton.jit
 def _paged_page_kernel(
     q, w, cache_f8, cache_f32, lens, table, out,
-    H, next_n, n_blocks, max_blocks, width, chunk,
+    H, next_n, n_blocks, max_blocks, width, tiles,
     s_q_b, s_q_n, s_q_h, s_w_r, s_t_b,
     NP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE: tl.constexpr, TILES: tl.constexpr, TILES_P2: tl.constexpr,
-    NAN_CODES: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
+    PAGE: tl.constexpr, MAX_TILES: tl.constexpr, NAN_CODES: tl.constexpr,
+    STAGES: tl.constexpr, TMA: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    col0 = tl.program_id(1).to(tl.int64) * chunk
+    col0 = tl.program_id(1).to(tl.int64) * tiles * BLOCK_N
     L = tl.minimum(tl.load(lens + b).to(tl.int64), width)  # never write past the row
     q_t, w_r = _load_q(q, w, b, next_n, H, s_q_b, s_q_n, s_q_h, s_w_r, NP, HP, D)
     nq = tl.arange(0, NP)
     ends = L - next_n + nq + 1  # query n sees keys [0, L - next_n + n]
     out_rows = out + (b * next_n + nq.to(tl.int64)) * width
-    live_tiles = tl.minimum(tl.cdiv(tl.maximum(L - col0, 0), BLOCK_N), TILES)
+    live_tiles = tl.minimum(tl.cdiv(tl.maximum(L - col0, 0), BLOCK_N), tiles)
     # the program's pages, a tile each (a page holds whole tiles), in one read: a page past
     # the table's row or outside the cache is -1, read as page 0 and its keys made NaN
-    j = tl.arange(0, TILES_P2)
+    j = tl.arange(0, MAX_TILES)
     blk = (col0 + j * BLOCK_N) // PAGE
     pages = tl.load(table + b * s_t_b + blk, mask=(j < live_tiles) & (blk < max_blocks),
                     other=-1).to(tl.int64)
@@ -135,26 +137,26 @@ def _paged_page_kernel(
         k_scale = tl.where(outside, float("nan"), k_scale)
         s = tile_logits(codes, k_scale, q_t, w_r, NP, HP, BLOCK_N, NAN_CODES)
         _store_tile(out_rows, s, first + o, ends, width, next_n, NP)
-    _store_dead(out_rows, col0, live_tiles, TILES, width, next_n, NP, BLOCK_N)
+    _store_dead(out_rows, col0, live_tiles, tiles, width, next_n, NP, BLOCK_N)
 
 
 @triton.jit
 def _paged_gather_kernel(
     q, w, cache_f8, cache_f32, lens, table, out,
-    H, next_n, n_blocks, block_size, max_blocks, width, chunk,
+    H, next_n, n_blocks, block_size, max_blocks, width, tiles,
     s_q_b, s_q_n, s_q_h, s_w_r, s_t_b,
     NP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr, NAN_CODES: tl.constexpr, STAGES: tl.constexpr,
+    NAN_CODES: tl.constexpr, STAGES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    col0 = tl.program_id(1).to(tl.int64) * chunk
+    col0 = tl.program_id(1).to(tl.int64) * tiles * BLOCK_N
     L = tl.minimum(tl.load(lens + b).to(tl.int64), width)  # never write past the row
     q_t, w_r = _load_q(q, w, b, next_n, H, s_q_b, s_q_n, s_q_h, s_w_r, NP, HP, D)
     nq = tl.arange(0, NP)
     ends = L - next_n + nq + 1  # query n sees keys [0, L - next_n + n]
     out_rows = out + (b * next_n + nq.to(tl.int64)) * width
     d = tl.arange(0, D)
-    live_tiles = tl.minimum(tl.cdiv(tl.maximum(L - col0, 0), BLOCK_N), TILES)
+    live_tiles = tl.minimum(tl.cdiv(tl.maximum(L - col0, 0), BLOCK_N), tiles)
     for i in tl.range(0, live_tiles, num_stages=STAGES):
         cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
         live = cols < L
@@ -169,7 +171,7 @@ def _paged_gather_kernel(
                           * (D // 4) + o, mask=ok, other=float("nan"))
         s = tile_logits(codes, k_scale, q_t, w_r, NP, HP, BLOCK_N, NAN_CODES)
         _store_tile(out_rows, s, cols, ends, width, next_n, NP)
-    _store_dead(out_rows, col0, live_tiles, TILES, width, next_n, NP, BLOCK_N)
+    _store_dead(out_rows, col0, live_tiles, tiles, width, next_n, NP, BLOCK_N)
 
 
 def paged_loads(plan: LogitsPlan, kv_cache: torch.Tensor) -> str:
@@ -227,19 +229,19 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
               block_tables, out)
     strides = (q.stride(0), q.stride(1), q.stride(2), weights.stride(0), block_tables.stride(0))
     sizes = dict(NP=next_pow2(next_n), HP=max(16, next_pow2(H)), D=INDEX_DIM,
-                 BLOCK_N=plan.block_n, TILES=tiles, NAN_CODES=interpreting(),
-                 STAGES=plan.stages, num_warps=plan.num_warps)
+                 BLOCK_N=plan.block_n, NAN_CODES=interpreting(), STAGES=plan.stages,
+                 num_warps=plan.num_warps)
     loads = paged_loads(plan, kv_cache)
     if loads == "gather":
         _paged_gather_kernel[(B, splits)](
-            *common, H, next_n, nb, bs, block_tables.shape[1], max_model_len,
-            tiles * plan.block_n, *strides, **sizes)
+            *common, H, next_n, nb, bs, block_tables.shape[1], max_model_len, tiles,
+            *strides, **sizes)
         return out
     if loads == "tma":
         ensure_allocator()  # the in-kernel tensor descriptors' scratch
     _paged_page_kernel[(B, splits)](
-        *common, H, next_n, nb, block_tables.shape[1], max_model_len, tiles * plan.block_n,
-        *strides, PAGE=bs, TILES_P2=next_pow2(tiles), TMA=loads == "tma", **sizes)
+        *common, H, next_n, nb, block_tables.shape[1], max_model_len, tiles, *strides,
+        PAGE=bs, MAX_TILES=plan.max_tiles, TMA=loads == "tma", **sizes)
     return out
 
 
