@@ -138,7 +138,8 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                    HAS_MAXL: bool = False, N: int = 128, S: int = 1,
                    dtype: str = "bf16", HAS_SINK: bool = False,
                    CHECK_RANGE: bool = False, MODEL1: bool = False, HAS_EXTRA: bool = False,
-                   HAS_TOPK_LEN2: bool = False, D: int = 576) -> triton.compiler.CompiledKernel:
+                   HAS_TOPK_LEN2: bool = False, D: int = 576,
+                   RAW_STAGES: int = 2) -> triton.compiler.CompiledKernel:
     """``sparse_kernel`` for sm_90 as ``mla.fast.sparse`` launches it: a ``[Q, N, 576]``
     query, top-k 2048, a cache of 576-element rows or ``fp8_ds_mla`` 656-byte rows, or
     (``MODEL1``) a ``[Q, N, 512]`` query over MODEL1 pages of 64 tokens."""
@@ -150,7 +151,7 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                  HAS_MAXL=HAS_MAXL, SPLIT=SPLIT, SCALE_OFFSET=_DV if FP8 else 0,
                  ROPE_OFFSET=_ROPE_OFFSET, HAS_SINK=HAS_SINK, CHECK_RANGE=CHECK_RANGE,
                  MODEL1=MODEL1, HAS_EXTRA=HAS_EXTRA, HAS_TOPK_LEN2=HAS_TOPK_LEN2,
-                 HAS_PE=not MODEL1 and D == _D)
+                 HAS_PE=not MODEL1 and D == _D, RAW_STAGES=RAW_STAGES if MODEL1 else 1)
     d = 512 if MODEL1 else D
     ptrs = dict(Q=dt, KV="u8" if FP8 or MODEL1 else dt, IDX="i32", TOPK_LEN="i32", SINK="fp32",
                 O=dt, LSE="fp32", KV2="u8" if FP8 or MODEL1 else dt, IDX2="i32",

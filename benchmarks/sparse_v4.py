@@ -26,8 +26,9 @@ per shape, as an engine does, and filled by one call before anything is timed or
   events start while the flush runs, so a call's host time beyond the flush's shows up (what a
   user timing a call sees).
 
-``--sweep`` (MODEL1 rows) also times, in graphs, the Gluon kernel with other split counts and
-the Triton kernel with the default split count: the evidence behind ``plan_sparse``'s choices.
+The MODEL1 rows also time, in graphs, the Triton kernel with the default split count, and with
+``--sweep`` the Gluon kernel with other split counts and with one staging buffer (the plan's
+``num_stages`` 1): the evidence behind ``plan_sparse``'s choices.
 """
 
 from __future__ import annotations
@@ -191,6 +192,10 @@ def _model1(s: V4Shape, gen: torch.Generator, fm, sweep: bool = False) -> dict:
                  for n in (1, 2, 3, 4) if n != default.num_splits or not default.sm90]
         row["gluon_splits_graph_us"] = {p.num_splits: _graph(lambda p=p: ours(p))
                                         for p in gluon}
+        # one MODEL1 staging buffer (the next tile's copies issued after the dequantization)
+        one = dataclasses.replace(default, num_stages=1)
+        row["one_staging_graph_us"] = _graph(lambda: ours(one))
+        row["rel_err_one_staging_vs_default"] = rel_err(ours(one)[0].float(), out.float())
     r_out, _ = ref_decode(q[:2].double(), cache, idx[:2], SCALE, True, None, 512,
                           attn_sink=v4["attn_sink"],
                           **{k: v[:2] if k == "extra_indices_in_kvcache" else v
@@ -318,8 +323,8 @@ def markdown_v4(rows: list[dict]) -> list[str]:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     variants = ["", "Variants of the MODEL1 calls, graph µs: the Triton kernel (sm_90 route "
                 "off) and, with --sweep, the Gluon kernel at other split counts.", "",
-                "| shape | default plan | default | Triton | Triton / default | Gluon splits |",
-                "| --- | --- | --- | --- | --- | --- |"]
+                "| shape | default plan | default | Triton | Triton / default | Gluon splits | "
+                "one staging buffer |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         s = r["shape"]
         if "error" in r:
@@ -340,7 +345,7 @@ def markdown_v4(rows: list[dict]) -> list[str]:
             variants.append(f"| {s['name']} | {plan} | {r['ours_graph_us']:.1f} | "
                             f"{r['ours_triton_graph_us']:.1f} | "
                             f"{r['ours_triton_graph_us'] / r['ours_graph_us']:.2f} | "
-                            f"{sweep or '-'} |")
+                            f"{sweep or '-'} | {_f(r, 'one_staging_graph_us', '.1f')} |")
         else:
             ours = (f"{r['ours_graph_us']:.1f} → {r['ours_sink_graph_us']:.1f} with sink "
                     f"({r['ours_us']:.1f} → {r['ours_sink_us']:.1f})")

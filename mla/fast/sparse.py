@@ -301,7 +301,7 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
         tail = (plan.num_splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0, has_extra,
                 has_extra and extra.has_length, first.has_length, flags["has_sink"],
                 flags["check_range"], has_maxl, split, D_NOPE if fmt == DS_MLA else 0,
-                ROPE_OFFSET)
+                ROPE_OFFSET, 2 if fmt == MODEL1 and plan.num_stages >= 2 else 1)
         ptr_map, options = tuple(slot[s] for s in _SM90_SLOTS), {"num_warps": 8}
     else:
         ints = (q.stride(0), q.stride(1), first.idx.stride(0), first.stride_row,

@@ -22,8 +22,9 @@ class SparsePlan:
     num_warps: int
     num_stages: int
     # 64-head programs on Hopper: the Gluon kernel of ``mla.fast.sm90.sparse`` where it
-    # applies (its own 64-entry tiles and 8 warps; the other fields then describe only the
-    # Triton fallback)
+    # applies (its own 64-entry tiles and 8 warps; of the other fields it reads the splits,
+    # and over MODEL1 pages ``num_stages``: 2 staging buffers, or 1; the rest describe only
+    # the Triton fallback)
     sm90: bool = True
 
 

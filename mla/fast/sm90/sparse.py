@@ -22,11 +22,14 @@ dots. Here, as in ``mla.fast.sm90.decode``:
     dtype) into the single ``k_nope`` buffer, then issue the next tile's copies, then run the
     dots. About 194 KB of shared memory.
   - MODEL1 pages (DeepSeek-V4, bf16 q of 512): a token's 7 × 64 e4m3 bytes (at ``576 · t`` of
-    its page) go into the staging buffer and its 64 bf16 rope values into the ``k_pe``
+    its page) go into a staging buffer and its 64 bf16 rope values into the ``k_pe``
     stages; its 7 UE8M0 scale bytes (at ``576 · page_size + 8 · t``) are loaded into
     registers with the copies, a tile ahead. At the top of each tile the warps write the
     whole 512-wide row into the single K buffer: ``e4m3 · 2^(byte − 127)`` per tile (0xFF:
-    NaN), then the rope values. K is also V; ``S`` has no rope part. About 189 KB.
+    NaN), then the rope values. K is also V; ``S`` has no rope part. Two staging buffers
+    (the plan's ``num_stages`` 2, the default; about 221 KB): the next tile's copies are
+    issued before this tile's dequantization, so they land while it and the dots run; one
+    (about 189 KB): after it, behind the dots only.
 - A second KV scope: its tiles follow the first scope's in one list of tiles, split as one;
   each tile's scope (index row, length, cache, rows, stride, page size) is chosen on the
   device (``_source``), so the prefetching and the online softmax run as for one scope.
@@ -97,7 +100,7 @@ def sparse_kernel(
     HAS_TOPK_LEN2: gl.constexpr,
     HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
     HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
-    SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr,
+    SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr, RAW_STAGES: gl.constexpr,
 ):
     """Grid ``(queries · GROUPS, splits)``, 8 warps. ``KV`` is the cache as rows of
     ``stride_row`` elements (q's dtype) or bytes (``FP8``: uint8, 656-byte rows), or
@@ -107,7 +110,9 @@ def sparse_kernel(
     the first scope's in one list of tiles and one online softmax. A query
     whose ``topk_length`` lies outside ``[0, topk]``, or (``CHECK_RANGE``, decode) that uses an
     entry outside ``[-1, n_rows)``, gets NaN results; ``SINK [N]`` (``HAS_SINK``) scales the
-    unsplit output by ``σ(lse − sink)`` (split partials get it in the combine kernel)."""
+    unsplit output by ``σ(lse − sink)`` (split partials get it in the combine kernel).
+    ``RAW_STAGES`` (MODEL1): 2 staging buffers, the next tile's copies issued before this
+    tile's dequantization (they land during it and the dots); 1: issued after it."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
@@ -167,7 +172,8 @@ def sparse_kernel(
         raw_sc = gl.allocate_shared_memory(gl.float32, [BN, 4], plain)
     elif MODEL1:
         k_nope = gl.allocate_shared_memory(dtype, [1, BN, DV], smem)
-        raw = gl.allocate_shared_memory(gl.uint8, [BN, DV], plain)  # 448 of 512 columns used
+        # 448 of 512 columns used
+        raw = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, BN, DV], plain)
         raw_sc = raw  # unused: the scale bytes travel in registers
     else:
         k_nope = gl.allocate_shared_memory(dtype, [2, BN, DV], smem)
@@ -214,8 +220,8 @@ def sparse_kernel(
                                                page_size2, HAS_EXTRA)
     i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
     codes = _gather(kv_, i_ld, i_8, i_s, t_lo < t_hi, rows_, sr_, ps_, k_nope,
-                    k_pe, raw, raw_sc, 0, FP8, MODEL1, HAS_PE, SCALE_OFFSET, ROPE_OFFSET, ld, lb,
-                    lc)
+                    k_pe, raw, raw_sc, 0, FP8, MODEL1, HAS_PE, SCALE_OFFSET, ROPE_OFFSET,
+                    RAW_STAGES, ld, lb, lc)
     async_copy.commit_group()
     ir, st, hi, kv_, rows_, sr_, ps_ = _source(t_lo + 1, tiles1, idx1, idx2, n1, n2, KV, KV2,
                                                n_rows, n_rows2, stride_row, stride_row2,
@@ -236,6 +242,19 @@ def sparse_kernel(
         async_copy.wait_group(0)  # this thread's copies of tile i have landed
         fence_async_shared()
         barrier()  # everyone's have; everyone is done with tile i-1
+        codes_i = codes  # MODEL1: tile i's scale bytes (a gather returns the next tile's)
+        if MODEL1 and RAW_STAGES == 2:
+            # tile i+1's copies into the other staging buffer (tile i-1's, consumed) now, so
+            # that they land during this tile's dequantization and dots
+            codes = _gather(kv_, i_ld, i_8, i_s, i + 1 < t_hi, rows_, sr_, ps_,
+                            k_nope, k_pe, raw, raw_sc, 1 - s, FP8, MODEL1, HAS_PE,
+                            SCALE_OFFSET, ROPE_OFFSET, RAW_STAGES, ld, lb, lc)
+            async_copy.commit_group()
+            ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 2, tiles1, idx1, idx2, n1, n2, KV,
+                                                       KV2, n_rows, n_rows2, stride_row,
+                                                       stride_row2, page_size, page_size2,
+                                                       HAS_EXTRA)
+            i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
         if FP8:
             kn = k_nope.index(0)
             sc = raw_sc.load(lds)  # [BN, 4] float32
@@ -250,20 +269,23 @@ def sparse_kernel(
             barrier()  # the staged bytes are consumed, K is written
         elif MODEL1:
             kn = k_nope.index(0)
-            _dequant_model1(raw, codes, k_pe.index(s), kn, ld, ld8m, lds8)
+            _dequant_model1(raw.index(s % RAW_STAGES), codes_i, k_pe.index(s), kn, ld, ld8m,
+                            lds8)
             fence_async_shared()
             barrier()  # the staged bytes are consumed, K (rope included) is written
         else:
             kn = k_nope.index(s)
-        # tile i+1's copies (its source: the (kv_, rows_, sr_, ps_) of the last _source)
-        codes = _gather(kv_, i_ld, i_8, i_s, i + 1 < t_hi, rows_, sr_, ps_,
-                        k_nope, k_pe, raw, raw_sc, 1 - s, FP8, MODEL1, HAS_PE, SCALE_OFFSET,
-                        ROPE_OFFSET, ld, lb, lc)
-        async_copy.commit_group()
-        ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 2, tiles1, idx1, idx2, n1, n2, KV, KV2,
-                                                   n_rows, n_rows2, stride_row, stride_row2,
-                                                   page_size, page_size2, HAS_EXTRA)
-        i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
+        if not (MODEL1 and RAW_STAGES == 2):
+            # tile i+1's copies (its source: the (kv_, rows_, sr_, ps_) of the last _source)
+            codes = _gather(kv_, i_ld, i_8, i_s, i + 1 < t_hi, rows_, sr_, ps_,
+                            k_nope, k_pe, raw, raw_sc, 1 - s, FP8, MODEL1, HAS_PE,
+                            SCALE_OFFSET, ROPE_OFFSET, RAW_STAGES, ld, lb, lc)
+            async_copy.commit_group()
+            ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 2, tiles1, idx1, idx2, n1, n2, KV,
+                                                       KV2, n_rows, n_rows2, stride_row,
+                                                       stride_row2, page_size, page_size2,
+                                                       HAS_EXTRA)
+            i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
 
         valid = (cols < hi_i) & (idx >= 0) & (idx < rows_i)
         sc_ = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -385,7 +407,7 @@ def _model1_row(i, n_rows, page_size, page_stride):
 @gluon.jit
 def _gather(KV, i_ld, i_8, i_s, issue, n_rows, stride_row, page_size, k_nope, k_pe, raw,
             raw_sc, stage, FP8: gl.constexpr, MODEL1: gl.constexpr, HAS_PE: gl.constexpr,
-            SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr,
+            SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr, RAW_STAGES: gl.constexpr,
             ld: gl.constexpr, lb: gl.constexpr, lc: gl.constexpr):
     """When ``issue``, the ``cp.async`` copies of the 64 rows named by the entries ``i_*``
     (``-1`` or out of range: a masked copy, zeros) into ``stage`` (k_pe, and k_nope or the fp8
@@ -409,8 +431,9 @@ def _gather(KV, i_ld, i_8, i_s, issue, n_rows, stride_row, page_size, k_nope, k_
         ok8, data8, _ = _model1_row(i_8, n_rows, page_size, stride_row)
         ok8 = ok8 & issue
         c64 = gl.arange(0, CH, layout=gl.SliceLayout(0, lb))
+        staged = raw.index(stage % RAW_STAGES)
         for c in gl.static_range(7):
-            async_copy.async_copy_global_to_shared(raw.slice(c * CH, CH, dim=1),
+            async_copy.async_copy_global_to_shared(staged.slice(c * CH, CH, dim=1),
                                                    KV + data8[:, None] + (c * CH + c64)[None, :],
                                                    mask=ok8[:, None])
         oks, datas, pages = _model1_row(i_s, n_rows, page_size, stride_row)
