@@ -100,11 +100,12 @@ def _paged_page_kernel(
     ends = L - next_n + nq + 1  # query n sees keys [0, L - next_n + n]
     out_rows = out + (b * next_n + nq.to(tl.int64)) * width
     live_tiles = tl.minimum(tl.cdiv(tl.maximum(L - col0, 0), BLOCK_N), tiles)
-    # the program's pages, a tile each (a page holds whole tiles), in one read: a page past
-    # the table's row or outside the cache is -1, read as page 0 and its keys made NaN
+    # the program's pages, a tile each (a page holds whole tiles), in one read that does not
+    # wait for the length (entries past it are read, never used): a page past the table's
+    # row or outside the cache is -1, read as page 0 and its keys made NaN
     j = tl.arange(0, MAX_TILES)
     blk = (col0 + j * BLOCK_N) // PAGE
-    pages = tl.load(table + b * s_t_b + blk, mask=(j < live_tiles) & (blk < max_blocks),
+    pages = tl.load(table + b * s_t_b + blk, mask=(j < tiles) & (blk < max_blocks),
                     other=-1).to(tl.int64)
     pages = tl.where((pages >= 0) & (pages < n_blocks), pages, -1)
     ROWS: tl.constexpr = PAGE * (D + 4) // D  # 128-byte rows a page (codes, then scales)
