@@ -41,7 +41,8 @@ class LogitsPlan:
     page size; each falls back to the next where the page size or the layout forbids it);
     ``max_tiles``, the most tiles a program covers, and ``programs_per_sm``, how many programs
     the split of a row's keys aims at per SM (fewer requests: more, shorter programs).
-    ``benchmarks/indexer.py --sweep`` times the alternatives."""
+    ``benchmarks/indexer.py --sweep`` and ``benchmarks/indexer_logits.py`` (the paged routes)
+    time the alternatives."""
     block_n: int = 64
     queries: int = 4
     num_warps: int = 4
