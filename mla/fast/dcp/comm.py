@@ -12,45 +12,20 @@ the one cast that follows lays the result out.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from mla.reference.dcp.comm import ProcessGroupCommunicator, check_divisible, normalize_dim
 
 __all__ = ["CapturableCommunicator"]
 
 
-class CapturableCommunicator:
+class CapturableCommunicator(ProcessGroupCommunicator):
     """A ``Communicator`` over a ``torch.distributed`` group (default: the world) for the hot
-    path: the caller guarantees that every rank passes the same shape and dtype."""
-
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("CapturableCommunicator needs an initialized process group "
-                               "(torch.distributed.init_process_group)")
-        self.group = group
-        self._rank = dist.get_rank(group)
-        self._world_size = dist.get_world_size(group)
-        # torch >= 2.12 renames the two single-tensor collectives; 2.11 has the old names
-        self._all_gather_single = (getattr(dist, "all_gather_single", None)
-                                   or dist.all_gather_into_tensor)
-        self._reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                                       or dist.reduce_scatter_tensor)
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    def _dim(self, op: str, x: torch.Tensor, dim: int) -> int:
-        if not -x.dim() <= dim < x.dim():
-            raise ValueError(f"{op}: dim must lie in [-{x.dim()}, {x.dim()}) for a tensor of "
-                             f"shape {list(x.shape)}, got {dim}")
-        return dim % x.dim()
+    path: the caller guarantees that every rank passes the same shape and dtype. The set-up
+    (group, rank, world size, the collectives of this torch) is the reference's."""
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        dim = self._dim("all_gather", x, dim)
-        W = self._world_size
+        dim = normalize_dim("all_gather", x, dim)
+        W = self.world_size
         xm = x.movedim(dim, 0).contiguous()  # the collective concatenates along dim 0
         out = xm.new_empty((W * xm.shape[0], *xm.shape[1:]))
         self._all_gather_single(out, xm, group=self.group)
@@ -60,15 +35,10 @@ class CapturableCommunicator:
         return out.movedim(0, dim).contiguous()
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        dim = self._dim("reduce_scatter", x, dim)
-        W = self._world_size
-        if x.shape[dim] % W:
-            raise ValueError(f"reduce_scatter: dim {dim} of shape {list(x.shape)} must be "
-                             f"divisible by world_size={W}")
+        dim = normalize_dim("reduce_scatter", x, dim)
+        W = self.world_size
+        check_divisible("reduce_scatter", x, dim, W)
         xm = x.movedim(dim, 0).contiguous()  # free when x is laid out with dim leading
         out = xm.new_empty((xm.shape[0] // W, *xm.shape[1:]))
         self._reduce_scatter_single(out, xm, group=self.group)
         return out.movedim(0, dim)
-
-    def __repr__(self) -> str:
-        return f"CapturableCommunicator(rank={self._rank}, world_size={self._world_size})"

@@ -31,33 +31,16 @@ from mla.fast.paged_cache import gather_cache_known
 from mla.fast.prefill import up_project
 from mla.reference.chunked import check_chunked_prefill_args, plan_context_chunks
 from mla.reference.dcp.comm import Communicator
-from mla.reference.dcp.context import DCPChunkPlan
+from mla.reference.dcp.context import (
+    DCPChunkPlan,
+    check_plan_world_size,
+    check_reorg_args,
+    reorg_segments,
+)
 from mla.reference.dcp.sharding import head_slice, shard_kv_cache
-from mla.validation import check_float, check_positive_int, check_same_device
 
 __all__ = ["reorg_index", "reorg_kvcache", "dcp_gather_context_chunk",
            "dcp_chunked_prefill_attention", "dcp_chunked_prefill_rank"]
-
-
-def _segments(cp_chunk_seq_lens_lst: list[int], origin_context_lens: list[int],
-              cp_world_size: int, chunk_size: int, chunk_idx: int, toks: int
-              ) -> tuple[list[int], list[int], int]:
-    """Starts and lengths of the kept rows, in output order (request, then rank), and the
-    longest request's row count: the reference's loop over segments instead of rows."""
-    starts, lens = [], []
-    longest, first = 0, 0
-    for cp_len, ctx in zip(cp_chunk_seq_lens_lst, origin_context_lens):
-        chunk_len = min(chunk_size, ctx - chunk_size * chunk_idx) if cp_len else chunk_size
-        last_full_rank = (chunk_len - 1) % cp_world_size
-        taken = 0
-        for rank in range(cp_world_size):
-            n = cp_len - 1 if (cp_len and rank > last_full_rank) else cp_len
-            starts.append(rank * toks + first)
-            lens.append(n)
-            taken += n
-        longest = max(longest, taken)
-        first += cp_len
-    return starts, lens, longest
 
 
 def _index(starts: list[int], lens: list[int], total: int, device: torch.device
@@ -74,9 +57,8 @@ def reorg_index(plan: DCPChunkPlan, chunk_idx: int, device: torch.device) -> tor
     """Rows of chunk ``chunk_idx``'s all-gathered ``[W·toks]`` buffer, in the order
     ``reorg_kvcache`` keeps them (int64, on ``device``)."""
     c = chunk_idx
-    starts, lens, _ = _segments(list(plan.cp_chunk_seq_lens[c]),
-                                list(plan.origin_context_lens), plan.world_size,
-                                plan.chunk_size, c, plan.seq_tot[c])
+    starts, lens, _ = reorg_segments(plan.cp_chunk_seq_lens[c], plan.origin_context_lens,
+                                     plan.world_size, plan.chunk_size, c, plan.seq_tot[c])
     return _index(starts, lens, plan.cu_seq_lens_lst[c][-1], device)
 
 
@@ -94,39 +76,12 @@ def reorg_kvcache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla.reference.dcp.reorg_kvcache`` (vLLM's function, its asserts as ``ValueError``),
     with the row index built per segment on the device (see the module doc)."""
-    check_positive_int("cp_world_size", cp_world_size)
-    n_req = len(cp_chunk_seq_lens_lst)
-    if len(origin_context_lens) != n_req:
-        raise ValueError(f"cp_chunk_seq_lens_lst and origin_context_lens must have one entry "
-                         f"per request, got {n_req} and {len(origin_context_lens)}")
-    if any(n < 0 for n in cp_chunk_seq_lens_lst) or sum(cp_chunk_seq_lens_lst) > toks:
-        raise ValueError(f"cp_chunk_seq_lens_lst must be >= 0 and sum to at most "
-                         f"toks={toks}, got {list(cp_chunk_seq_lens_lst)}")
-    for name, t in (("allgatered_kv_c_normed", allgatered_kv_c_normed),
-                    ("allgatered_k_pe", allgatered_k_pe)):
-        check_float(name, t)
-        if t.dim() < 1 or t.shape[0] != cp_world_size * toks:
-            raise ValueError(f"{name} must have cp_world_size * toks = {cp_world_size} * {toks}"
-                             f" rows, got shape {list(t.shape)}")
-    check_same_device(allgatered_kv_c_normed=allgatered_kv_c_normed,
-                      allgatered_k_pe=allgatered_k_pe)
-    starts, lens, longest = _segments(list(cp_chunk_seq_lens_lst), list(origin_context_lens),
-                                      cp_world_size, chunk_size, chunk_idx, toks)
-    if sum(lens) != sum_seq_len:
-        raise ValueError(f"reorg_kvcache rebuilt {sum(lens)} rows but sum_seq_len is "
-                         f"{sum_seq_len}: the chunk lengths do not match the context lengths")
-    if longest != max_seq_len:
-        raise ValueError(f"reorg_kvcache rebuilt a longest request of {longest} rows but "
-                         f"max_seq_len is {max_seq_len}")
+    starts, lens, _ = check_reorg_args(
+        allgatered_kv_c_normed, allgatered_k_pe, cp_chunk_seq_lens_lst, origin_context_lens,
+        cp_world_size, sum_seq_len, max_seq_len, chunk_size, chunk_idx, toks)
     idx = _index(starts, lens, sum_seq_len, allgatered_kv_c_normed.device)
     return (allgatered_kv_c_normed.index_select(0, idx),
             allgatered_k_pe.index_select(0, idx))
-
-
-def _check_plan_world_size(plan: DCPChunkPlan, comm: Communicator) -> None:
-    if comm.world_size != plan.world_size:
-        raise ValueError(f"plan is for world_size={plan.world_size}, the communicator has "
-                         f"{comm.world_size}")
 
 
 def dcp_gather_context_chunk(
@@ -141,7 +96,7 @@ def dcp_gather_context_chunk(
     """Chunk ``chunk_idx`` of every request's context, whole, on every rank (as the
     reference's): ``kv_c [sum, Lkv]`` and ``k_pe [sum, R]``, request ``i``'s rows at
     ``plan.cu_seq_lens_lst[chunk_idx][i]``. Reads nothing on the host."""
-    _check_plan_world_size(plan, comm)
+    check_plan_world_size(plan, comm)
     B, c = len(plan.origin_context_lens), chunk_idx
     toks = plan.seq_tot[c]
     if workspace is None:
@@ -175,7 +130,7 @@ def dcp_chunked_prefill_attention(
     (as ``mla.reference.dcp.dcp_chunked_prefill_attention``): ``kv_cache``/``block_table`` are
     this rank's local cache, the heads whatever ``q_nope``/``W_UK``/``W_UV`` carry. Returns
     ``o [T, N', V]`` and ``lse [N', T]`` float32."""
-    _check_plan_world_size(plan, comm)
+    check_plan_world_size(plan, comm)
     B = len(plan.origin_context_lens)
     qsl = check_chunked_prefill_args(q_nope, q_pe, kv_c, k_pe, query_start_loc, kv_cache,
                                      block_table, B, W_UK, softmax_scale)

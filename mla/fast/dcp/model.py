@@ -1,6 +1,10 @@
 """DCP from hidden states on the fast path: ``mla.reference.dcp.model``'s forwards, same
 signatures (conventions §9).
 
+The orchestration is the reference's (``mla.reference.model.run_decode`` and
+``run_chunked_prefill`` with ``mla.reference.dcp.model.dcp_layer_ops``), run with the fast
+kernels:
+
     front        mla.reference.front.mla_front (cuBLAS GEMMs, RMSNorm, RoPE), every rank
     cache write  mla.fast.concat_and_cache_mla on the owner's slots (dcp_slot_mapping)
     attention    mla.fast.dcp.dcp_decode / dcp_chunked_prefill_attention, this rank's heads
@@ -17,6 +21,9 @@ step, front to output, can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from mla.fast.common import should_validate
@@ -25,30 +32,35 @@ from mla.fast.dcp.decode import dcp_decode, dcp_slot_mapping
 from mla.fast.dcp.threads import KERNEL_LOCK
 from mla.fast.paged_cache import concat_and_cache_mla
 from mla.reference.dcp.comm import Communicator
-from mla.reference.dcp.context import DCPChunkPlan, plan_dcp_context_chunks
+from mla.reference.dcp.context import DCPChunkPlan
+from mla.reference.dcp.model import dcp_layer_ops, shard_for_decode, shard_for_prefill
 from mla.reference.dcp.sharding import dcp_slot_mapping as checked_dcp_slot_mapping
-from mla.reference.dcp.sharding import head_slice, shard_kv_cache
-from mla.reference.decode import absorb_q
-from mla.reference.front import mla_front
-from mla.validation import check_float, check_index, check_nonnegative, check_same_device
+from mla.reference.model import LayerOps, run_chunked_prefill, run_decode
+from mla.validation import check_float
 from mla.weights import MLAWeights
 
 __all__ = ["dcp_decode_forward", "dcp_chunked_prefill_forward", "dcp_decode_forward_rank",
            "dcp_chunked_prefill_forward_rank"]
 
 
-def _own_heads_out(o: torch.Tensor, weights: MLAWeights, comm: Communicator) -> torch.Tensor:
-    """``o [..., N/W, V]`` of this rank's heads -> ``[..., H]`` on every rank."""
-    o_all = comm.all_gather(o, dim=-2)
-    return o_all.flatten(-2) @ weights.W_O
+def _locked(kernel: Callable[..., None]) -> Callable[..., None]:
+    """``kernel`` under ``KERNEL_LOCK`` (simulated ranks are threads of one process)."""
+    def call(*args: object, **kwargs: object) -> None:
+        with KERNEL_LOCK:
+            kernel(*args, **kwargs)
+    return call
 
 
-def _slots(block_table: torch.Tensor, req: torch.Tensor, positions: torch.Tensor,
-           block_size: int, comm: Communicator, validate: bool) -> torch.Tensor:
-    """The owner's local slots: the reference's (with its range checks) when validating,
-    else the sync-free formula."""
-    make = checked_dcp_slot_mapping if validate else dcp_slot_mapping
-    return make(block_table, req, positions, block_size, comm.world_size, comm.rank)
+def _ops(weights: MLAWeights, comm: Communicator, validate: bool) -> LayerOps:
+    """The fast DCP kernels as rank ``comm.rank``'s layer ops: the owner's slots with the
+    reference's range checks when validating, else the sync-free formula."""
+    kernels = LayerOps(
+        cache_write=_locked(functools.partial(concat_and_cache_mla, validate=validate)),
+        slot_mapping=checked_dcp_slot_mapping if validate else dcp_slot_mapping,
+        decode=functools.partial(dcp_decode, validate=validate),
+        chunked_prefill=dcp_chunked_prefill_attention,
+        validate=validate)
+    return dcp_layer_ops(kernels, weights, comm)
 
 
 def dcp_decode_forward(weights: MLAWeights, hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -60,32 +72,9 @@ def dcp_decode_forward(weights: MLAWeights, hidden: torch.Tensor, kv_cache: torc
     local cache, ``cache_seqlens [B]`` the *global* tokens cached before this step; every rank
     returns the same output.
     """
-    c = weights.config
-    check_float("hidden", hidden, shape=[None, None, c.hidden_size])
-    B, s_q, _ = hidden.shape
-    check_index("cache_seqlens", cache_seqlens, shape=[B])
-    check_index("block_table", block_table, shape=[B, None])
-    check_float("kv_cache", kv_cache, shape=[None, None, c.latent_dim])
-    check_same_device(hidden=hidden, kv_cache=kv_cache, block_table=block_table,
-                      cache_seqlens=cache_seqlens)
-    validate = should_validate(validate, hidden)
-    if validate:
-        check_nonnegative("cache_seqlens", cache_seqlens)
-    heads = head_slice(c.num_heads, comm.world_size, comm.rank)
-    dev = hidden.device
-    positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
-    req = torch.arange(B, device=dev)[:, None].expand(B, s_q).flatten()
-    f = mla_front(weights, hidden.reshape(B * s_q, -1), positions)
-    slots = _slots(block_table, req, positions, kv_cache.shape[1], comm, validate)
-    with KERNEL_LOCK:
-        concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots, validate=validate)
-    ql_nope = absorb_q(f.q_nope[:, heads], weights.W_UK[:, heads])
-    q = torch.cat([ql_nope, f.q_pe[:, heads]], dim=-1).view(B, s_q, -1, c.latent_dim)
-    o_lat, _ = dcp_decode(q, kv_cache, block_table.to(torch.int32),
-                          (cache_seqlens + s_q).to(torch.int32), c.softmax_scale, comm,
-                          causal=True, head_dim_v=c.kv_lora_rank, validate=validate)
-    o = torch.einsum("bsnl,lnv->bsnv", o_lat, weights.W_UV[:, heads])
-    return _own_heads_out(o, weights, comm)
+    check_float("hidden", hidden, ndim=3)  # before should_validate reads its device
+    return run_decode(_ops(weights, comm, should_validate(validate, hidden)), weights, hidden,
+                      kv_cache, block_table, cache_seqlens).out
 
 
 def dcp_chunked_prefill_forward(
@@ -101,37 +90,9 @@ def dcp_chunked_prefill_forward(
 ) -> torch.Tensor:
     """``chunked_prefill_forward`` on one rank of a DCP group: ``hidden [T, H] -> [T, H]``
     (as ``mla.reference.dcp.dcp_chunked_prefill_forward``). Reads ``query_start_loc`` on the
-    host, as the single-rank prefill does."""
-    c = weights.config
-    check_float("hidden", hidden, shape=[None, c.hidden_size])
-    B = len(context_lens)
-    check_index("query_start_loc", query_start_loc, shape=[B + 1])
-    check_index("block_table", block_table, shape=[B, None])
-    check_same_device(hidden=hidden, kv_cache=kv_cache, block_table=block_table,
-                      query_start_loc=query_start_loc)
-    if plan is None:
-        plan = plan_dcp_context_chunks(context_lens, comm.world_size,
-                                       block_size=kv_cache.shape[1],
-                                       workspace_size=workspace_size)
-    elif list(plan.origin_context_lens) != list(context_lens):
-        raise ValueError(f"plan is for context lens {list(plan.origin_context_lens)}, "
-                         f"got context_lens {list(context_lens)}")
-    heads = head_slice(c.num_heads, comm.world_size, comm.rank)
-    qsl = query_start_loc.tolist()
-    dev = hidden.device
-    new = [qsl[i + 1] - qsl[i] for i in range(B)]
-    req = torch.repeat_interleave(torch.arange(B), torch.tensor(new, dtype=torch.int64)).to(dev)
-    positions = torch.cat([torch.arange(context_lens[i], context_lens[i] + new[i])
-                           for i in range(B)]).to(dev)
-    f = mla_front(weights, hidden, positions)
-    slots = _slots(block_table, req, positions, kv_cache.shape[1], comm, True)
-    with KERNEL_LOCK:
-        concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
-    o, _ = dcp_chunked_prefill_attention(f.q_nope[:, heads], f.q_pe[:, heads], f.kv_c, f.k_pe,
-                                         query_start_loc, kv_cache, block_table, plan,
-                                         weights.W_UK[:, heads], weights.W_UV[:, heads],
-                                         c.softmax_scale, comm)
-    return _own_heads_out(o, weights, comm)
+    host, as the single-rank prefill does, and so validates."""
+    return run_chunked_prefill(_ops(weights, comm, True), weights, hidden, query_start_loc,
+                               context_lens, kv_cache, block_table, plan, workspace_size).out
 
 
 def dcp_decode_forward_rank(comm: Communicator, weights: MLAWeights, hidden: torch.Tensor,
@@ -140,12 +101,8 @@ def dcp_decode_forward_rank(comm: Communicator, weights: MLAWeights, hidden: tor
                             ) -> torch.Tensor:
     """The rank program of fast DCP decode from hidden states, given the *global* inputs of
     ``decode_forward`` (as the reference's); the global cache is read, not written."""
-    s_q = hidden.shape[1]
-    mine = shard_kv_cache(kv_cache, block_table, cache_seqlens, comm.world_size,
-                          capacities=(cache_seqlens + s_q).tolist(),
-                          seed=shard_seed)[comm.rank]
-    return dcp_decode_forward(weights, hidden, mine.kv_cache, mine.block_table, cache_seqlens,
-                              comm)
+    kv, table = shard_for_decode(comm, hidden, kv_cache, block_table, cache_seqlens, shard_seed)
+    return dcp_decode_forward(weights, hidden, kv, table, cache_seqlens, comm)
 
 
 def dcp_chunked_prefill_forward_rank(comm: Communicator, weights: MLAWeights,
@@ -156,11 +113,7 @@ def dcp_chunked_prefill_forward_rank(comm: Communicator, weights: MLAWeights,
                                      shard_seed: int | None = 0) -> torch.Tensor:
     """The rank program of fast DCP chunked prefill from hidden states, given the *global*
     inputs of ``chunked_prefill_forward`` (as the reference's)."""
-    qsl = query_start_loc.tolist()
-    caps = [n + qsl[i + 1] - qsl[i] for i, n in enumerate(context_lens)]
-    ctx = torch.tensor(list(context_lens), dtype=torch.int32, device=kv_cache.device)
-    mine = shard_kv_cache(kv_cache, block_table, ctx, comm.world_size, capacities=caps,
-                          seed=shard_seed)[comm.rank]
-    return dcp_chunked_prefill_forward(weights, hidden, query_start_loc, context_lens,
-                                       mine.kv_cache, mine.block_table, comm, plan=plan,
-                                       workspace_size=workspace_size)
+    kv, table = shard_for_prefill(comm, query_start_loc, context_lens, kv_cache, block_table,
+                                  shard_seed)
+    return dcp_chunked_prefill_forward(weights, hidden, query_start_loc, context_lens, kv,
+                                       table, comm, plan=plan, workspace_size=workspace_size)

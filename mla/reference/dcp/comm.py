@@ -31,7 +31,8 @@ import torch.distributed as dist
 from mla.validation import check_positive_int
 
 __all__ = ["Communicator", "SimulatedCommunicator", "ProcessGroupCommunicator", "run_simulated",
-           "same_on_all_ranks", "check_rank", "check_same_shapes"]
+           "same_on_all_ranks", "GroupMember", "check_rank", "check_same_shapes", "normalize_dim",
+           "check_divisible"]
 
 Result = TypeVar("Result")
 
@@ -57,6 +58,25 @@ class Communicator(Protocol):
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor: ...
 
 
+class GroupMember:
+    """A rank's place in its group, ``Communicator``'s ``rank`` and ``world_size``: what every
+    communicator here shares, whatever carries its collectives."""
+
+    _rank: int
+    _world_size: int
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self._rank}, world_size={self._world_size})"
+
+
 def check_rank(rank: object, world_size: object) -> tuple[int, int]:
     """``world_size`` a positive int and ``0 <= rank < world_size``."""
     check_positive_int("world_size", world_size)
@@ -80,14 +100,16 @@ def check_same_shapes(op: str, shapes: Sequence[tuple[int, ...]],
                             f"{dtypes[0]}; every rank must pass the same dtype")
 
 
-def _normalize_dim(op: str, x: torch.Tensor, dim: int) -> int:
+def normalize_dim(op: str, x: torch.Tensor, dim: int) -> int:
+    """``dim`` of ``x`` as a non-negative index, or a ``ValueError`` naming the collective."""
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{op}: dim must lie in [-{x.dim()}, {x.dim()}) for a tensor of shape "
                          f"{list(x.shape)}, got {dim}")
     return dim % x.dim()
 
 
-def _divisible(op: str, x: torch.Tensor, dim: int, world_size: int) -> None:
+def check_divisible(op: str, x: torch.Tensor, dim: int, world_size: int) -> None:
+    """A reduce-scatter splits ``dim`` of ``x`` into ``world_size`` equal slices."""
     if x.shape[dim] % world_size:
         raise ValueError(f"{op}: dim {dim} of shape {list(x.shape)} must be divisible by "
                          f"world_size={world_size}")
@@ -98,7 +120,7 @@ def _divisible(op: str, x: torch.Tensor, dim: int, world_size: int) -> None:
 def all_gather_parts(parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     """The all-gather of per-rank tensors: checked, then concatenated in rank order."""
     check_same_shapes("all_gather", [tuple(p.shape) for p in parts], [p.dtype for p in parts])
-    return torch.cat(list(parts), dim=_normalize_dim("all_gather", parts[0], dim))
+    return torch.cat(list(parts), dim=normalize_dim("all_gather", parts[0], dim))
 
 
 def reduce_scatter_parts(parts: Sequence[torch.Tensor], dim: int, rank: int) -> torch.Tensor:
@@ -106,8 +128,8 @@ def reduce_scatter_parts(parts: Sequence[torch.Tensor], dim: int, rank: int) -> 
     check_same_shapes("reduce_scatter", [tuple(p.shape) for p in parts],
                       [p.dtype for p in parts])
     W = len(parts)
-    dim = _normalize_dim("reduce_scatter", parts[0], dim)
-    _divisible("reduce_scatter", parts[0], dim, W)
+    dim = normalize_dim("reduce_scatter", parts[0], dim)
+    check_divisible("reduce_scatter", parts[0], dim, W)
     size = parts[0].shape[dim]
     total = parts[0].clone()
     for p in parts[1:]:
@@ -143,7 +165,7 @@ class _Rendezvous:
         return result  # type: ignore[return-value]
 
 
-class SimulatedCommunicator:
+class SimulatedCommunicator(GroupMember):
     """Rank ``rank`` of a group simulated in one process (see ``run_simulated``)."""
 
     def __init__(self, rank: int, world_size: int, rendezvous: _Rendezvous | None = None
@@ -156,14 +178,6 @@ class SimulatedCommunicator:
             rendezvous = _Rendezvous(1, timeout=1.0)
         self._rank, self._world_size, self._rv = rank, world_size, rendezvous
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         return self._rv.exchange(self._rank, x, lambda parts: all_gather_parts(parts, dim))
 
@@ -171,8 +185,6 @@ class SimulatedCommunicator:
         return self._rv.exchange(self._rank, x,
                                  lambda parts: reduce_scatter_parts(parts, dim, self._rank))
 
-    def __repr__(self) -> str:
-        return f"SimulatedCommunicator(rank={self._rank}, world_size={self._world_size})"
 
 
 def run_simulated(world_size: int, fn: Callable[[Communicator], Result],
@@ -235,7 +247,7 @@ _DTYPE_CODES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, tor
 _MAX_DIMS = 8
 
 
-class ProcessGroupCommunicator:
+class ProcessGroupCommunicator(GroupMember):
     """A ``Communicator`` over a ``torch.distributed`` process group (default: the world).
 
     Before each collective the ranks exchange their tensor's shape and dtype, so that a
@@ -244,7 +256,7 @@ class ProcessGroupCommunicator:
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ProcessGroupCommunicator needs an initialized process group "
+            raise RuntimeError(f"{type(self).__name__} needs an initialized process group "
                                "(torch.distributed.init_process_group)")
         self.group = group
         self._rank = dist.get_rank(group)
@@ -254,14 +266,6 @@ class ProcessGroupCommunicator:
                                    or dist.all_gather_into_tensor)
         self._reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                                        or dist.reduce_scatter_tensor)
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world_size(self) -> int:
-        return self._world_size
 
     def _check_shapes(self, op: str, x: torch.Tensor) -> None:
         if x.dim() > _MAX_DIMS or x.dtype not in _DTYPE_CODES:
@@ -279,7 +283,7 @@ class ProcessGroupCommunicator:
 
     def all_gather(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         self._check_shapes("all_gather", x)
-        dim = _normalize_dim("all_gather", x, dim)
+        dim = normalize_dim("all_gather", x, dim)
         W = self._world_size
         out = x.new_empty((W * x.shape[0], *x.shape[1:]))
         self._all_gather_single(out, x.contiguous(), group=self.group)
@@ -289,13 +293,11 @@ class ProcessGroupCommunicator:
 
     def reduce_scatter(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         self._check_shapes("reduce_scatter", x)
-        dim = _normalize_dim("reduce_scatter", x, dim)
+        dim = normalize_dim("reduce_scatter", x, dim)
         W = self._world_size
-        _divisible("reduce_scatter", x, dim, W)
+        check_divisible("reduce_scatter", x, dim, W)
         xm = x.movedim(dim, 0).contiguous()  # the collective splits dim 0
         out = xm.new_empty((xm.shape[0] // W, *xm.shape[1:]))
         self._reduce_scatter_single(out, xm, group=self.group)
         return out.movedim(0, dim).contiguous()
 
-    def __repr__(self) -> str:
-        return f"ProcessGroupCommunicator(rank={self._rank}, world_size={self._world_size})"

@@ -42,7 +42,8 @@ from mla.reference.prefill import up_project_kv
 from mla.validation import check_float, check_positive_int, check_same_device
 
 __all__ = ["DCPChunkPlan", "plan_dcp_context_chunks", "reorg_kvcache", "dcp_gather_context_chunk",
-           "dcp_chunked_prefill_attention", "dcp_chunked_prefill_rank"]
+           "dcp_chunked_prefill_attention", "dcp_chunked_prefill_rank", "reorg_segments",
+           "check_reorg_args", "check_plan_world_size"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class DCPChunkPlan:
 
     @property
     def origin_context_lens(self) -> tuple[int, ...]:
+        return self.plan.context_lens
+
+    @property
+    def context_lens(self) -> tuple[int, ...]:
+        """As ``ChunkPlan.context_lens`` (vLLM's name: ``origin_context_lens``)."""
         return self.plan.context_lens
 
     @property
@@ -203,6 +209,43 @@ def reorg_kvcache(
     (the sum of the *global* chunk lengths) and the longest request has ``max_seq_len``;
     they raise ``ValueError`` here. An all-empty chunk gives empty tensors.
     """
+    starts, lens, longest = check_reorg_args(
+        allgatered_kv_c_normed, allgatered_k_pe, cp_chunk_seq_lens_lst, origin_context_lens,
+        cp_world_size, sum_seq_len, max_seq_len, chunk_size, chunk_idx, toks)
+    index = [row for s, n in zip(starts, lens) for row in range(s, s + n)]  # output order
+    idx = torch.tensor(index, dtype=torch.long, device=allgatered_kv_c_normed.device)
+    return (allgatered_kv_c_normed.index_select(0, idx),
+            allgatered_k_pe.index_select(0, idx))
+
+
+def reorg_segments(cp_chunk_seq_lens_lst: Sequence[int], origin_context_lens: Sequence[int],
+                   cp_world_size: int, chunk_size: int, chunk_idx: int, toks: int
+                   ) -> tuple[list[int], list[int], int]:
+    """The rows ``reorg_kvcache`` keeps, as segments in output order (request, then rank):
+    their first rows in the gathered buffer, their lengths, and the longest request's rows."""
+    starts, lens = [], []
+    longest, first = 0, 0  # first: the request's first row inside every rank's block
+    for cp_len, ctx in zip(cp_chunk_seq_lens_lst, origin_context_lens):
+        # an empty part keeps chunk_len = chunk_size: every rank then takes its 0 rows
+        chunk_len = min(chunk_size, ctx - chunk_size * chunk_idx) if cp_len else chunk_size
+        last_full_rank = (chunk_len - 1) % cp_world_size
+        taken = 0
+        for rank in range(cp_world_size):
+            n = cp_len - 1 if (cp_len and rank > last_full_rank) else cp_len
+            starts.append(rank * toks + first)
+            lens.append(n)
+            taken += n
+        longest = max(longest, taken)
+        first += cp_len
+    return starts, lens, longest
+
+
+def check_reorg_args(allgatered_kv_c_normed: torch.Tensor, allgatered_k_pe: torch.Tensor,
+                     cp_chunk_seq_lens_lst: Sequence[int], origin_context_lens: Sequence[int],
+                     cp_world_size: int, sum_seq_len: int, max_seq_len: int, chunk_size: int,
+                     chunk_idx: int, toks: int) -> tuple[list[int], list[int], int]:
+    """``reorg_kvcache``'s argument checks and vLLM's asserts (as ``ValueError``); returns
+    ``reorg_segments``."""
     check_positive_int("cp_world_size", cp_world_size)
     n_req = len(cp_chunk_seq_lens_lst)
     if len(origin_context_lens) != n_req:
@@ -219,35 +262,18 @@ def reorg_kvcache(
                              f" rows, got shape {list(t.shape)}")
     check_same_device(allgatered_kv_c_normed=allgatered_kv_c_normed,
                       allgatered_k_pe=allgatered_k_pe)
-
-    index: list[int] = []  # rows of the gathered buffer, in output order
-    longest = 0
-    first = 0  # request's first row inside every rank's block
-    for cp_len, ctx in zip(cp_chunk_seq_lens_lst, origin_context_lens):
-        # an empty part keeps chunk_len = chunk_size: every rank then takes its 0 rows
-        chunk_len = min(chunk_size, ctx - chunk_size * chunk_idx) if cp_len else chunk_size
-        last_full_rank = (chunk_len - 1) % cp_world_size
-        taken = 0
-        for rank in range(cp_world_size):
-            n = cp_len - 1 if (cp_len and rank > last_full_rank) else cp_len
-            begin = rank * toks + first
-            index.extend(range(begin, begin + n))
-            taken += n
-        longest = max(longest, taken)
-        first += cp_len
-    idx = torch.tensor(index, dtype=torch.long, device=allgatered_kv_c_normed.device)
-    kv_c = allgatered_kv_c_normed.index_select(0, idx)
-    k_pe = allgatered_k_pe.index_select(0, idx)
-    if kv_c.shape[0] != sum_seq_len or k_pe.shape[0] != sum_seq_len:
-        raise ValueError(f"reorg_kvcache rebuilt {kv_c.shape[0]} rows but sum_seq_len is "
+    starts, lens, longest = reorg_segments(cp_chunk_seq_lens_lst, origin_context_lens,
+                                           cp_world_size, chunk_size, chunk_idx, toks)
+    if sum(lens) != sum_seq_len:
+        raise ValueError(f"reorg_kvcache rebuilt {sum(lens)} rows but sum_seq_len is "
                          f"{sum_seq_len}: the chunk lengths do not match the context lengths")
     if longest != max_seq_len:
         raise ValueError(f"reorg_kvcache rebuilt a longest request of {longest} rows but "
                          f"max_seq_len is {max_seq_len}")
-    return kv_c, k_pe
+    return starts, lens, longest
 
 
-def _check_plan_world_size(plan: DCPChunkPlan, comm: Communicator) -> None:
+def check_plan_world_size(plan: DCPChunkPlan, comm: Communicator) -> None:
     if comm.world_size != plan.world_size:
         raise ValueError(f"plan is for world_size={plan.world_size}, the communicator has "
                          f"{comm.world_size}")
@@ -268,7 +294,7 @@ def dcp_gather_context_chunk(
     the ``[W·toks]`` buffer, ``reorg_kvcache``. Returns ``kv_c [sum, Lkv]`` and
     ``k_pe [sum, R]``, request ``i``'s rows at ``plan.cu_seq_lens_lst[chunk_idx][i]``.
     """
-    _check_plan_world_size(plan, comm)
+    check_plan_world_size(plan, comm)
     B, c = len(plan.origin_context_lens), chunk_idx
     toks = plan.seq_tot[c]
     if workspace is None:
@@ -310,7 +336,7 @@ def dcp_chunked_prefill_attention(
     whole by ``dcp_gather_context_chunk`` and merged as in the single-rank path, (20).
     Returns ``o [T, N', V]`` and ``lse [N', T]``.
     """
-    _check_plan_world_size(plan, comm)
+    check_plan_world_size(plan, comm)
     B = len(plan.origin_context_lens)
     qsl = check_chunked_prefill_args(q_nope, q_pe, kv_c, k_pe, query_start_loc, kv_cache,
                                      block_table, B, W_UK, softmax_scale)

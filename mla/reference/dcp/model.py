@@ -13,9 +13,15 @@ The attention follows vLLM 0.11 ``v1/attention/backends/mla/common.py``
 (``MLACommonImpl.forward``). The output projection does not: under tensor parallelism
 ``o_proj`` is row-parallel and followed by an all-reduce; gathering the heads instead gives
 every rank the single-rank path's numbers, in the same order of operations.
+
+The steps are the single-rank ones (``mla.reference.model.run_decode`` and
+``run_chunked_prefill``), run with ``dcp_layer_ops``: the DCP slot mapping and attentions bound
+to the communicator, this rank's heads, the all-gather of the heads before ``W_O``.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -27,20 +33,35 @@ from mla.reference.dcp.context import (
 )
 from mla.reference.dcp.decode import dcp_decode
 from mla.reference.dcp.sharding import dcp_slot_mapping, head_slice, shard_kv_cache
-from mla.reference.decode import absorb_q
-from mla.reference.front import mla_front
-from mla.reference.paged_cache import concat_and_cache_mla
-from mla.validation import check_float, check_index, check_same_device
+from mla.reference.model import LayerOps, run_chunked_prefill, run_decode
 from mla.weights import MLAWeights
 
 __all__ = ["dcp_decode_forward", "dcp_chunked_prefill_forward", "dcp_decode_forward_rank",
-           "dcp_chunked_prefill_forward_rank"]
+           "dcp_chunked_prefill_forward_rank", "dcp_layer_ops", "REFERENCE_DCP_KERNELS",
+           "shard_for_decode", "shard_for_prefill"]
 
 
-def _own_heads_out(o: torch.Tensor, weights: MLAWeights, comm: Communicator) -> torch.Tensor:
-    """``o [..., N/W, V]`` of this rank's heads -> ``[..., H]`` on every rank."""
-    o_all = comm.all_gather(o, dim=-2)
-    return o_all.flatten(-2) @ weights.W_O
+def dcp_layer_ops(kernels: LayerOps, weights: MLAWeights, comm: Communicator) -> LayerOps:
+    """The layer ops of rank ``comm.rank`` of a DCP group, from a DCP path's ``kernels`` whose
+    group is still unbound (``slot_mapping(..., world_size=, rank=)``, ``decode(..., comm=)``,
+    ``chunked_prefill(..., comm=)``, as ``dcp_slot_mapping``, ``dcp_decode``,
+    ``dcp_chunked_prefill_attention``): those bound to ``comm``, the DCP chunk plan, this
+    rank's ``N/W`` heads, and the all-gather of the heads before ``W_O``."""
+    W, r = comm.world_size, comm.rank
+    return LayerOps(
+        cache_write=kernels.cache_write,
+        slot_mapping=functools.partial(kernels.slot_mapping, world_size=W, rank=r),
+        decode=functools.partial(kernels.decode, comm=comm),
+        chunked_prefill=functools.partial(kernels.chunked_prefill, comm=comm),
+        plan_chunks=functools.partial(plan_dcp_context_chunks, world_size=W),
+        validate=kernels.validate,
+        heads=head_slice(weights.config.num_heads, W, r),
+        gather_heads=functools.partial(comm.all_gather, dim=-2))
+
+
+# the reference's DCP kernels, their group bound by dcp_layer_ops
+REFERENCE_DCP_KERNELS = LayerOps(slot_mapping=dcp_slot_mapping, decode=dcp_decode,
+                                 chunked_prefill=dcp_chunked_prefill_attention)
 
 
 def dcp_decode_forward(weights: MLAWeights, hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -53,28 +74,8 @@ def dcp_decode_forward(weights: MLAWeights, hidden: torch.Tensor, kv_cache: torc
     of a new token is needed by its owner only, which writes it), keeps the query of its
     ``N/W`` heads, and runs ``dcp_decode``; all ranks return the same output.
     """
-    c = weights.config
-    check_float("hidden", hidden, shape=[None, None, c.hidden_size])
-    B, s_q, _ = hidden.shape
-    check_index("cache_seqlens", cache_seqlens, shape=[B])
-    check_index("block_table", block_table, shape=[B, None])
-    check_same_device(hidden=hidden, kv_cache=kv_cache, block_table=block_table,
-                      cache_seqlens=cache_seqlens)
-    heads = head_slice(c.num_heads, comm.world_size, comm.rank)
-    dev = hidden.device
-    positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
-    req = torch.arange(B, device=dev).repeat_interleave(s_q)
-    f = mla_front(weights, hidden.reshape(B * s_q, -1), positions)
-    slots = dcp_slot_mapping(block_table, req, positions, kv_cache.shape[1], comm.world_size,
-                             comm.rank)
-    concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
-    ql_nope = absorb_q(f.q_nope[:, heads], weights.W_UK[:, heads])
-    q = torch.cat([ql_nope, f.q_pe[:, heads]], dim=-1).view(B, s_q, -1, c.latent_dim)
-    o_lat, _ = dcp_decode(q, kv_cache, block_table.to(torch.int32),
-                          (cache_seqlens + s_q).to(torch.int32), c.softmax_scale, comm,
-                          causal=True, head_dim_v=c.kv_lora_rank)
-    o = torch.einsum("bsnl,lnv->bsnv", o_lat, weights.W_UV[:, heads])
-    return _own_heads_out(o, weights, comm)
+    return run_decode(dcp_layer_ops(REFERENCE_DCP_KERNELS, weights, comm), weights, hidden,
+                      kv_cache, block_table, cache_seqlens).out
 
 
 def dcp_chunked_prefill_forward(
@@ -94,35 +95,35 @@ def dcp_chunked_prefill_forward(
     context; the new tokens are written by their owners. Without ``plan`` vLLM's plan for
     ``workspace_size`` is used (its chunk size must be divisible by ``W``).
     """
-    c = weights.config
-    check_float("hidden", hidden, shape=[None, c.hidden_size])
-    B = len(context_lens)
-    check_index("query_start_loc", query_start_loc, shape=[B + 1])
-    check_index("block_table", block_table, shape=[B, None])
-    check_same_device(hidden=hidden, kv_cache=kv_cache, block_table=block_table,
-                      query_start_loc=query_start_loc)
-    if plan is None:
-        plan = plan_dcp_context_chunks(context_lens, comm.world_size,
-                                       block_size=kv_cache.shape[1],
-                                       workspace_size=workspace_size)
-    elif list(plan.origin_context_lens) != list(context_lens):
-        raise ValueError(f"plan is for context lens {list(plan.origin_context_lens)}, "
-                         f"got context_lens {list(context_lens)}")
-    heads = head_slice(c.num_heads, comm.world_size, comm.rank)
+    return run_chunked_prefill(dcp_layer_ops(REFERENCE_DCP_KERNELS, weights, comm), weights,
+                               hidden, query_start_loc, context_lens, kv_cache, block_table,
+                               plan, workspace_size).out
+
+
+def shard_for_decode(comm: Communicator, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                     block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                     shard_seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's local cache and block table for a decode step on the *global* cache, with
+    room for the step's new tokens (the global cache is read, not written)."""
+    s_q = hidden.shape[1]
+    mine = shard_kv_cache(kv_cache, block_table, cache_seqlens, comm.world_size,
+                          capacities=(cache_seqlens + s_q).tolist(),
+                          seed=shard_seed)[comm.rank]
+    return mine.kv_cache, mine.block_table
+
+
+def shard_for_prefill(comm: Communicator, query_start_loc: torch.Tensor,
+                      context_lens: list[int], kv_cache: torch.Tensor,
+                      block_table: torch.Tensor, shard_seed: int | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's local cache and block table for a chunked prefill on the *global* cache,
+    with room for the new tokens."""
     qsl = query_start_loc.tolist()
-    dev = hidden.device
-    req = torch.cat([torch.full((qsl[i + 1] - qsl[i],), i) for i in range(B)]).to(dev)
-    positions = torch.cat([torch.arange(context_lens[i], context_lens[i] + qsl[i + 1] - qsl[i])
-                           for i in range(B)]).to(dev)
-    f = mla_front(weights, hidden, positions)
-    slots = dcp_slot_mapping(block_table, req, positions, kv_cache.shape[1], comm.world_size,
-                             comm.rank)
-    concat_and_cache_mla(f.kv_c, f.k_pe, kv_cache, slots)
-    o, _ = dcp_chunked_prefill_attention(f.q_nope[:, heads], f.q_pe[:, heads], f.kv_c, f.k_pe,
-                                         query_start_loc, kv_cache, block_table, plan,
-                                         weights.W_UK[:, heads], weights.W_UV[:, heads],
-                                         c.softmax_scale, comm)
-    return _own_heads_out(o, weights, comm)
+    caps = [n + qsl[i + 1] - qsl[i] for i, n in enumerate(context_lens)]
+    ctx = torch.tensor(list(context_lens), dtype=torch.int32, device=kv_cache.device)
+    mine = shard_kv_cache(kv_cache, block_table, ctx, comm.world_size, capacities=caps,
+                          seed=shard_seed)[comm.rank]
+    return mine.kv_cache, mine.block_table
 
 
 def dcp_decode_forward_rank(comm: Communicator, weights: MLAWeights, hidden: torch.Tensor,
@@ -136,12 +137,8 @@ def dcp_decode_forward_rank(comm: Communicator, weights: MLAWeights, hidden: tor
     The global cache is read, not written: the rank shards it and the new tokens go to the
     shards.
     """
-    s_q = hidden.shape[1]
-    shard = shard_kv_cache(kv_cache, block_table, cache_seqlens, comm.world_size,
-                           capacities=(cache_seqlens + s_q).tolist(), seed=shard_seed)
-    mine = shard[comm.rank]
-    return dcp_decode_forward(weights, hidden, mine.kv_cache, mine.block_table, cache_seqlens,
-                              comm)
+    kv, table = shard_for_decode(comm, hidden, kv_cache, block_table, cache_seqlens, shard_seed)
+    return dcp_decode_forward(weights, hidden, kv, table, cache_seqlens, comm)
 
 
 def dcp_chunked_prefill_forward_rank(comm: Communicator, weights: MLAWeights,
@@ -155,11 +152,7 @@ def dcp_chunked_prefill_forward_rank(comm: Communicator, weights: MLAWeights,
 
     The global cache is read, not written, as in ``dcp_decode_forward_rank``.
     """
-    qsl = query_start_loc.tolist()
-    caps = [n + qsl[i + 1] - qsl[i] for i, n in enumerate(context_lens)]
-    ctx = torch.tensor(list(context_lens), dtype=torch.int32, device=kv_cache.device)
-    mine = shard_kv_cache(kv_cache, block_table, ctx, comm.world_size, capacities=caps,
-                          seed=shard_seed)[comm.rank]
-    return dcp_chunked_prefill_forward(weights, hidden, query_start_loc, context_lens,
-                                       mine.kv_cache, mine.block_table, comm, plan=plan,
-                                       workspace_size=workspace_size)
+    kv, table = shard_for_prefill(comm, query_start_loc, context_lens, kv_cache, block_table,
+                                  shard_seed)
+    return dcp_chunked_prefill_forward(weights, hidden, query_start_loc, context_lens, kv,
+                                       table, comm, plan=plan, workspace_size=workspace_size)
