@@ -102,6 +102,20 @@ def test_one_long_row_over_many_programs(route: str):
     _check(fp8_paged_mqa_logits(*_on(args), L + 64, plan=plan), want)
 
 
+def test_split_fills_the_machine():
+    """One long request is split over programs_per_sm programs a SM (``num_sms`` is 4 on the
+    CPU); a batch of long requests over fewer, longer programs, none past ``max_tiles``; every
+    tile covered once."""
+    cpu = torch.device("cpu")
+    for keys, rows, per_sm, max_tiles in [(131072, 1, 4, 16), (131072, 1, 8, 64),
+                                          (131072, 128, 4, 16), (8192, 32, 4, 16), (65, 1, 4, 16)]:
+        per, splits = split_keys(keys, rows, 64, cpu, per_sm, max_tiles)
+        tiles = -(-keys // 64)
+        assert 1 <= per <= max_tiles and (splits - 1) * per < tiles <= splits * per
+        assert rows * splits >= min(per_sm * 4, rows * tiles) or per == max_tiles
+    assert split_keys(131072, 1, 64, cpu, 4, 16) == (16, 128)
+
+
 @pytest.mark.parametrize("route", ["tma", "page", "gather"])
 def test_pages_outside_the_cache_give_nan(route: str):
     """Unvalidated, a table entry outside the cache (past it, or -1) within the length gives
