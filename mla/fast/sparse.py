@@ -396,19 +396,28 @@ def _combine(key: object, launch: _Launch, sources: tuple, out: torch.Tensor,
                     num_warps=4)
 
 
-def _cached(key: object, prepare: Callable[[], _Launch]) -> _Launch:
-    """The launch of ``key``, prepared (the argument checks included) at its first call."""
-    launch = _launches.get(key) if key is not None else None
-    if launch is None:
-        launch = prepare()
-        if key is not None:
-            if len(_launches) >= _MAX_LAUNCHES:  # shape churn: start again, kernels too
-                _launches.clear()
-                for launcher in (_triton_sparse, _triton_combine, _sm90_sparse):
-                    if launcher is not None:
-                        launcher.compiled.clear()
-            _launches[key] = launch
-    return launch
+def _cached(key: tuple | None, prepare: Callable[[], _Launch], scale_name: str,
+            scale: object) -> tuple[tuple | None, _Launch]:
+    """``(key, launch)``: the launch of ``key``, prepared (the argument checks included) at its
+    first call; on a hit the scale (which keys leave out) is checked. The key comes back None
+    where it cannot be one (an unhashable argument: the checks then say why)."""
+    try:
+        launch = _launches.get(key) if key is not None else None
+    except TypeError:
+        key, launch = None, None
+    if launch is not None:
+        if not (type(scale) is float and 0.0 < scale < _INF):
+            check_scale(scale_name, scale)
+        return key, launch
+    launch = prepare()
+    if key is not None:
+        if len(_launches) >= _MAX_LAUNCHES:  # shape churn: start again, kernels too
+            _launches.clear()
+            for launcher in (_triton_sparse, _triton_combine, _sm90_sparse):
+                if launcher is not None:
+                    launcher.compiled.clear()
+        _launches[key] = launch
+    return key, launch
 
 
 def _check_plan(plan: object) -> None:
@@ -439,17 +448,9 @@ def _key(kind: str, sources: tuple, *scalars: object) -> tuple | None:
     """The cache key of a call (None when an argument is not what the checks accept: the slow
     path's checks then say why): every tensor's ``_tkey``, the scalars with their types."""
     try:
-        key = (kind, *map(_tkey, sources), *((v, type(v)) for v in scalars))
-        hash(key)
-    except (AttributeError, TypeError):
+        return (kind, *map(_tkey, sources), *((v, type(v)) for v in scalars))
+    except (AttributeError, RuntimeError, TypeError):  # e.g. a sparse tensor has no strides
         return None
-    return key
-
-
-def _check_cached_scale(name: str, value: object) -> None:
-    """The one argument keys leave out (its value varies per call) checked on a hit."""
-    if not (type(value) is float and 0.0 < value < _INF):
-        check_scale(name, value)
 
 
 def sparse_mla_decode(
@@ -510,11 +511,8 @@ def sparse_mla_decode(
         return _prepare(lambda t: _unit_stride(t.reshape(B * s_q, N, D)), sources, scopes, fmt,
                         s_q, False, head_dim_v, plan, shapes)
 
-    key = _key("decode", sources, is_fp8_kvcache, head_dim_v, plan)
-    hit = key is not None and key in _launches
-    launch = _cached(key, prepare)
-    if hit:
-        _check_cached_scale("softmax_scale", softmax_scale)
+    key, launch = _cached(_key("decode", sources, is_fp8_kvcache, head_dim_v, plan), prepare,
+                          "softmax_scale", softmax_scale)
     if should_validate(validate, q):
         check_sparse_decode_values(kv_cache, indices, topk_length, **extras)
     out, lse = _run(key, launch, sources, softmax_scale, prepare)
@@ -557,11 +555,7 @@ def sparse_mla_prefill(
         scope = _plain_scope(kv, indices, topk_length, kv.shape[0], s_q)
         return _prepare(_unit_stride, sources, [scope], PLAIN, 1, True, d_v, plan, shapes)
 
-    key = _key("prefill", sources, d_v, plan)
-    hit = key is not None and key in _launches
-    launch = _cached(key, prepare)
-    if hit:
-        _check_cached_scale("sm_scale", sm_scale)
+    key, launch = _cached(_key("prefill", sources, d_v, plan), prepare, "sm_scale", sm_scale)
     if should_validate(validate, q):
         _check_topk_length_values(topk_length, indices.shape[-1], "one per query")
     out, max_logits, lse = _run(key, launch, sources, sm_scale, prepare)
