@@ -77,14 +77,15 @@ def ragged(plan: indexer_logits.LogitsPlan = indexer_logits.RAGGED_PLAN):
 
 
 def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
-    ptrs = dict(logits="fp32", starts="i32", ends="i32", hist="i32", counts="i32", out="i32",
-                cand="i32", first_digit="i32", chunk_hist="i32")
-    ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, cand_cap=topk.CANDIDATES,
-                chunk=1024, n_chunks=128)
-    const = dict(BLOCK=topk.BLOCK, BINS=topk.BINS, CHUNKS=128, STAGES=topk.STAGES)
-    return {fn.__name__: _compile(fn, const, ptrs, ints, 4)
-            for fn in (topk._hist_kernel, topk._count_kernel, topk._scatter_kernel,
-                       topk._boundary_kernel)}
+    plan, cap = topk.TopkPlan(), topk.candidates_for(2048)
+    ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
+    ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, chunk=32768)
+    const = dict(CAP=cap, BLOCK=plan.block, BINS=topk.BINS, STAGES=plan.stages,
+                 SAMPLE_RUNS=topk.SAMPLE_RUNS, RUN=topk.RUN, OUT_BLOCK=1024)
+    warps = {"_estimate_kernel": 8, "_filter_kernel": plan.filter_warps,
+             "_select_kernel": plan.select_warps}
+    return {fn.__name__: _compile(fn, const, ptrs, ints, warps[fn.__name__])
+            for fn in (topk._estimate_kernel, topk._filter_kernel, topk._select_kernel)}
 
 
 def cache_write():

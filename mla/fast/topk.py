@@ -1,253 +1,117 @@
-"""``top_k_per_row`` in Triton: a radix select over order-preserving integer keys, each row
-split across programs.
+"""``top_k_per_row`` in Triton: a threshold estimated from a sample, one streaming read that
+lists the keys reaching it, and an exact radix select among those few.
 
 Same selection as ``mla.reference.indexer_logits.top_k_per_row`` (conventions §10, "Indexer
 logits and top-k"): per row the ``min(topk, end - start)`` highest logits of columns
-``[start, end)``, ties to the lower index, NaN above every number, as ``j - start``; the rest
-of the row ``-1``. Columns outside ``[start, end)`` never count (the streaming passes load
-whole 16-byte vectors of the row, so a neighbour may be loaded, then masked). The set is not
-sorted by score (the sparse attention sums over it, the catalogue compares sets): the keys
-above the boundary bucket come first, in column order, then the boundary's chosen keys, in
-column order.
+``[start, end)``, ties to the lower index, NaN above every number, ``-0`` equal to ``+0``, as
+``j - start``; the rest of the row ``-1``. Columns outside ``[start, end)`` never count (the
+streaming read loads whole 16-byte vectors of the row, so a neighbour may be loaded, then
+masked). The set is not sorted by score (the sparse attention sums over it, the catalogue
+compares sets): a row of no more than ``CANDIDATES`` keys, and a row whose threshold failed,
+come in column order; otherwise the order is the candidate list's, which the streaming read's
+atomics decide (the set never depends on it).
 
-**Keys.** A float32's bits ``b`` map to an integer that orders as the floats do: ``b`` for a
-positive float, ``b ^ 0x7FFFFFFF`` for a negative one (int32); ``-0`` is read as ``+0`` (equal, as
-the reference's sort has them) and every NaN as ``2^31 - 1`` (above ``+inf``). ``key ^ -2^31``
-is the same order as uint32 bits, whose top 11 bits are the first digit.
+**Why this shape.** Reading 128K float32 logits a row at the copy bandwidth leaves about 30
+instructions a key per thread. ``tl.histogram`` lowers to a warp ballot per bit of the bin index
+and a popcount per bin a thread owns: ~25 instructions a key at 2048 bins, ~2 at 256, so a
+histogram of every key cannot keep up with the memory; a compare and a rare compacting store
+can. Three launches (``mla.fast.topk_kernels``):
 
-**Select**, four launches over ``R x C`` programs (``C`` chunks a row, enough to fill the GPU):
+1. **estimate**, a program a row: a stratified sample of the row (256 evenly spaced runs of 16
+   keys, 4096 in all) gives, by a radix select of 256-bin levels, a key that about
+   ``1.5 * topk`` (plus three standard deviations) of the row's keys reach; the row's survivor
+   count is zeroed.
+2. **filter**, ``R x C`` programs, the one read of the row: each block's keys at or above the
+   threshold go (key, column) to the row's candidate list, their place reserved by one atomic
+   a block. About ``2 * topk`` survive: a few thousand of 128K.
+3. **select**, a program a row: the exact ``topk`` best of the candidates in registers, a radix
+   select on ``(key, 0x7FFFFFFF - column)`` (8-bit levels, stopping once the boundary bucket
+   holds exactly the keys still needed; the column levels only for ties at the boundary).
+   A row of no more than ``CANDIDATES`` keys skips 1-2 and is its own candidate list.
 
-1. a histogram of each chunk's first digits (bits 31-21), kept, and summed over the row's
-   chunks by atomics;
-2. from the row's histogram, the bucket ``d`` that holds the ``topk``-th best; from each
-   chunk's, its keys above ``d`` (all of them are selected) and in it (the candidates): no
-   read of the logits;
-3. each chunk writes its keys above ``d`` at its offset (a prefix over the earlier chunks'
-   counts: column order, no atomics on the output) and its candidates' columns to a scratch row;
-4. one program a row finishes on the candidates alone (usually a few thousand; a row with more
-   than ``CANDIDATES`` is scanned again instead of listed): two more histogram passes (bits
-   20-10, 9-0) give the boundary key and how many equal ones to take, the first in column
-   order.
-
-Two reads of the logits (the second mostly from L2), plus the boundary's few; rows with
-``end - start <= topk`` skip the histograms.
+**Correctness never rests on the estimate.** A row whose threshold let fewer than ``topk`` or
+more than ``CANDIDATES`` keys through (massive ties, a row that is all ``-inf``, a sample that
+misjudged an adversarial row) is selected exactly by its select program scanning the whole row
+(the same levels, one read each): slow, not wrong. Nothing depends on values at launch: no host
+sync, fixed grids and allocations, so a CUDA graph can capture it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+
 import torch
 import triton
-import triton.language as tl
 
 from mla.fast.common import next_pow2, num_sms, should_validate
+from mla.fast.topk_kernels import (
+    WORK_PAD,
+    _estimate_kernel,
+    _filter_kernel,
+    _select_kernel,
+    work_columns,
+)
 from mla.validation import check_float, check_index, check_same_device
 
-__all__ = ["top_k_per_row"]
+__all__ = ["CANDIDATES", "TopkPlan", "candidates_for", "launches", "sample_columns", "survivors",
+           "top_k_per_row"]
 
-BLOCK = 1024
-BINS = 2048  # 11 bits a digit
-MAX_CHUNKS = 256
-STAGES = 3  # blocks of a chunk in flight (software pipelining of the streaming reads)
-CANDIDATES = 8192  # the boundary's scratch list, per row; a row with more is scanned instead
-
-
-@triton.jit
-def _order_keys(x):
-    """float32 -> int32 keys in the floats' order (``-0`` as ``+0``, NaN above all)."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = tl.where(bits == -2147483648, 0, bits)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return tl.where(x != x, 0x7FFFFFFF, key)
+CANDIDATES = 8192  # a row's candidate list (and the longest row selected directly) at k <= 2048
+BINS = 256  # 8 bits a radix level
+SAMPLE_RUNS, RUN = 256, 16  # the estimate's sample: 4096 keys in runs of 64 bytes
+WORK_PAD_COLUMNS = WORK_PAD.value
 
 
-@triton.jit
-def _row_range(starts, ends, row, W):
-    """The row's ``[start, end)`` clipped to ``[0, W]`` (unvalidated ranges are never read
-    outside the row) and its length."""
-    start = tl.maximum(tl.load(starts + row).to(tl.int64), 0)
-    end = tl.minimum(tl.load(ends + row).to(tl.int64), W)
-    return start, end, tl.maximum(end - start, 0)
+@dataclasses.dataclass(frozen=True)
+class TopkPlan:
+    """How the kernels tile: ``block`` keys a step of the streaming read, ``stages`` steps in
+    flight, ``filter_warps`` / ``select_warps``, and ``programs_per_sm``, how many streaming
+    programs the grid aims at per SM (a row is split into that many chunks over the rows).
+    ``benchmarks/indexer.py --topk-sweep`` times the alternatives."""
+    block: int = 2048
+    stages: int = 3
+    filter_warps: int = 8
+    select_warps: int = 8
+    programs_per_sm: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block", "filter_warps", "select_warps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
+        for name in ("stages", "programs_per_sm"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TopkPlan.{name} must be an int >= 1, got {v!r}")
 
 
-@triton.jit
-def _read(src, cols, W):
-    """A block of a row's logits, masked by the row's width only: with ``W`` a multiple of 16
-    (Triton specializes it) the loads are 16-byte vectors. Columns outside ``[start, end)``
-    may be loaded with their neighbours but never count (the callers' ``live`` masks)."""
-    return tl.load(src + cols, mask=cols < W, other=0.0)
+def sample_columns(n: int) -> torch.Tensor:
+    """The columns (from the row's start) that the estimate samples in a row of ``n`` keys:
+    ``SAMPLE_RUNS`` runs of ``RUN``, the first at 0, the last ending at ``n``, evenly spaced."""
+    first = torch.arange(SAMPLE_RUNS) * (n - RUN) // (SAMPLE_RUNS - 1)
+    return (first[:, None] + torch.arange(RUN)[None, :]).flatten()
 
 
-@triton.jit
-def _chunk(start, end, c, chunk):
-    """Chunk ``c`` of a row: columns ``[lo, hi)`` counted from ``start`` rounded down to a
-    multiple of 16 (so that the loads are 16-byte vectors; the columns before ``start`` are
-    masked), ``hi`` clipped to ``end``."""
-    lo = tl.multiple_of(start - start % 16 + c * chunk, 16)
-    return lo, tl.minimum(lo + chunk, end)
-
-
-@triton.jit
-def _first_digit(hist_row, topk, n, BINS: tl.constexpr):
-    """The first digit's bucket that holds the ``topk``-th best key; ``-1`` (every key above
-    it) when the row has no more than ``topk`` keys."""
-    bins = tl.arange(0, BINS)
-    h = tl.load(hist_row + bins)
-    above = tl.cumsum(h, axis=0, reverse=True)  # keys at or above each bucket
-    d = tl.sum((above >= topk).to(tl.int32), axis=0) - 1
-    return tl.where(n > topk, d, -1)
-
-
-@triton.jit
-def _candidates(src, cand_row, c0, items, listed, BLOCK: tl.constexpr):
-    """Items ``[c0, c0 + BLOCK)`` of the boundary's candidates: their columns, uint32-ordered
-    keys and liveness; from the scratch list (``listed``) or the row's columns."""
-    i = c0 + tl.arange(0, BLOCK)
-    live = i < items
-    col = tl.where(listed, tl.load(cand_row + i, mask=live & listed, other=0), i)
-    u = _order_keys(tl.load(src + col, mask=live, other=0.0)) ^ -2147483648
-    return col.to(tl.int32), u, live
-
-
-@triton.jit
-def _hist_kernel(logits, starts, ends, hist, chunk_hist, W, topk, s_l_r, chunk, n_chunks,
-                 BLOCK: tl.constexpr, BINS: tl.constexpr, STAGES: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    start, end, n = _row_range(starts, ends, row, W)
-    if n > topk:
-        lo, hi = _chunk(start, end, c, chunk)
-        src = logits + row * s_l_r
-        h = tl.zeros((BINS,), tl.int32)
-        for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
-            live = (cols >= start) & (cols < hi)
-            u = _order_keys(_read(src, cols, W)) ^ -2147483648
-            h += tl.histogram((u >> 21) & (BINS - 1), BINS, mask=live)
-        bins = tl.arange(0, BINS)
-        tl.store(chunk_hist + (row * n_chunks + c) * BINS + bins, h)
-        tl.atomic_add(hist + row * BINS + bins, h, mask=h > 0, sem="relaxed")
-
-
-@triton.jit
-def _count_kernel(starts, ends, hist, chunk_hist, counts, first_digit, W, topk, chunk, n_chunks,
-                  BINS: tl.constexpr):
-    """Each chunk's keys above the boundary bucket and in it, from its own histogram (no read
-    of the logits); a row of no more than ``topk`` keys takes all of them."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    start, end, n = _row_range(starts, ends, row, W)
-    d = _first_digit(hist + row * BINS, topk, n, BINS)
-    lo, hi = _chunk(start, end, c, chunk)
-    keys = tl.maximum(hi - tl.maximum(lo, start), 0).to(tl.int32)
-    above = keys
-    inside = tl.zeros((), tl.int32)
-    if n > topk:
-        bins = tl.arange(0, BINS)
-        h = tl.load(chunk_hist + (row * n_chunks + c) * BINS + bins)
-        above = tl.sum(tl.where(bins > d, h, 0), axis=0)
-        inside = tl.sum(tl.where(bins == d, h, 0), axis=0)
-    at = counts + (row * n_chunks + c) * 2
-    tl.store(at, above)
-    tl.store(at + 1, inside)
-    if c == 0:
-        tl.store(first_digit + row, d)
-
-
-@triton.jit
-def _scatter_kernel(logits, starts, ends, hist, counts, out, cand, W, topk, s_l_r, s_o_r,
-                    cand_cap, chunk, n_chunks,
-                    BLOCK: tl.constexpr, BINS: tl.constexpr, CHUNKS: tl.constexpr,
-                    STAGES: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    start, end, n = _row_range(starts, ends, row, W)
-    d = _first_digit(hist + row * BINS, topk, n, BINS)
-    j = tl.arange(0, CHUNKS)
-    earlier = j < c
-    row_counts = counts + row * n_chunks * 2
-    base_above = tl.sum(tl.load(row_counts + 2 * j, mask=earlier, other=0), axis=0)
-    base_cand = tl.sum(tl.load(row_counts + 2 * j + 1, mask=earlier, other=0), axis=0)
-    lo, hi = _chunk(start, end, c, chunk)
-    src = logits + row * s_l_r
-    for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
-        live = (cols >= start) & (cols < hi)
-        u = _order_keys(_read(src, cols, W)) ^ -2147483648
-        digit = (u >> 21) & (BINS - 1)
-        is_above = live & (digit > d)
-        is_cand = live & (digit == d)
-        pos = base_above + tl.cumsum(is_above.to(tl.int32), axis=0) - 1
-        tl.store(out + row * s_o_r + pos, (cols - start).to(tl.int32), mask=is_above & (pos < topk))
-        pos = base_cand + tl.cumsum(is_cand.to(tl.int32), axis=0) - 1
-        tl.store(cand + row * cand_cap + pos, (cols - start).to(tl.int32),
-                 mask=is_cand & (pos < cand_cap))  # a longer list is not used
-        base_above += tl.sum(is_above.to(tl.int32), axis=0)
-        base_cand += tl.sum(is_cand.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _boundary_kernel(logits, starts, ends, counts, first_digit, out, cand, W, topk, s_l_r, s_o_r,
-                     cand_cap, n_chunks,
-                     BLOCK: tl.constexpr, BINS: tl.constexpr, CHUNKS: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    start, end, n = _row_range(starts, ends, row, W)
-    j = tl.arange(0, CHUNKS)
-    row_counts = counts + row * n_chunks * 2
-    n_above = tl.sum(tl.load(row_counts + 2 * j, mask=j < n_chunks, other=0), axis=0)
-    n_cand = tl.sum(tl.load(row_counts + 2 * j + 1, mask=j < n_chunks, other=0), axis=0)
-    kept = tl.minimum(n, topk)
-    need = kept - n_above  # candidates to take; all of them share the first digit
-    src = logits + row * s_l_r + start
-    cand_row = cand + row * cand_cap
-    dst = out + row * s_o_r + n_above
-    if need > 0:
-        # the candidates: the scratch list when it holds them all, else the row itself
-        # filtered by the first digit (column order either way)
-        listed = n_cand <= cand_cap
-        items = tl.where(listed, n_cand, n)
-        first = tl.load(first_digit + row)
-        found = first << 21  # the first digit, bits 31-21
-        bins = tl.arange(0, BINS)
-        for p in tl.static_range(2):
-            shift = 10 - 10 * p  # digits: bits 20-10, 9-0
-            h = tl.zeros((BINS,), tl.int32)
-            for c0 in range(0, items, BLOCK):
-                col, u, live = _candidates(src, cand_row, c0, items, listed, BLOCK)
-                live = live & ((u >> (21 - 11 * p)) == (found >> (21 - 11 * p)))
-                h += tl.histogram((u >> shift) & ((BINS - 1) >> p), BINS, mask=live)
-            above = tl.cumsum(h, axis=0, reverse=True)
-            d = tl.sum((above >= need).to(tl.int32), axis=0) - 1
-            need -= tl.sum(tl.where(bins > d, h, 0), axis=0)
-            found = found | (d << shift)
-        threshold = found ^ -2147483648
-        written = tl.zeros((), tl.int64)
-        equal_seen = tl.zeros((), tl.int64)
-        for c0 in range(0, items, BLOCK):
-            col, u, live = _candidates(src, cand_row, c0, items, listed, BLOCK)
-            live = live & ((u >> 21) == (found >> 21))
-            key = u ^ -2147483648
-            equal = live & (key == threshold)
-            rank = equal_seen + tl.cumsum(equal.to(tl.int64), axis=0) - 1
-            take = live & ((key > threshold) | (equal & (rank < need)))
-            pos = written + tl.cumsum(take.to(tl.int64), axis=0) - 1
-            tl.store(dst + pos, col, mask=take & (n_above + pos < topk))
-            written += tl.sum(take.to(tl.int64), axis=0)
-            equal_seen += tl.sum(equal.to(tl.int64), axis=0)
-    for c0 in range(0, topk, BLOCK):
-        pos = c0 + tl.arange(0, BLOCK)
-        tl.store(out + row * s_o_r + pos, tl.full((BLOCK,), -1, tl.int32),
-                 mask=(pos >= kept) & (pos < topk))
+def candidates_for(topk: int) -> int:
+    """The candidate list's length: about four times ``topk`` (the estimate lets ~2x through),
+    at least ``CANDIDATES``, at most twice it (registers of the select); a larger ``topk``
+    overflows it and takes the exact scan."""
+    return min(2 * CANDIDATES, max(CANDIDATES, next_pow2(4 * topk)))
 
 
 def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
-                  topk: int, *, validate: bool | None = None) -> torch.Tensor:
+                  topk: int, *, validate: bool | None = None,
+                  plan: TopkPlan | None = None) -> torch.Tensor:
     """int32 ``[R, topk]``: per row the highest logits of columns ``[start, end)`` as indices
     ``j - start``, ties to the lower index, then ``-1``: the reference's set, not sorted by
     score (module doc).
 
     ``logits [R, W]`` float32 (other float dtypes are read as float32, exactly);
     ``validate``: check the ranges within ``[0, W]`` on the host (a sync); ``None``: only when
-    no CUDA graph is being captured. Unvalidated, a range is clipped to the row.
+    no CUDA graph is being captured. Unvalidated, a range is clipped to the row. ``plan``:
+    the kernels' tiling (``TopkPlan()`` by default).
     """
     check_float("logits", logits, ndim=2)
     R, W = logits.shape
@@ -256,6 +120,9 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     check_same_device(logits=logits, row_starts=row_starts, row_ends=row_ends)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
+    if plan is not None and not isinstance(plan, TopkPlan):
+        raise TypeError(f"plan must be a TopkPlan, got {type(plan).__name__}")
+    plan = plan or TopkPlan()
     if R and should_validate(validate, logits):
         lo, hi = torch.stack([row_starts.long().min(), row_ends.long().max()]).tolist()
         if lo < 0 or hi > W:
@@ -271,25 +138,38 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
         logits = logits.float()  # exact
     if W and logits.stride(1) != 1:
         logits = logits.contiguous()
-    chunks = max(1, min(MAX_CHUNKS, triton.cdiv(4 * num_sms(logits.device), R)))
-    chunk = BLOCK * max(1, triton.cdiv(triton.cdiv(W, chunks), BLOCK))
-    chunks = max(1, triton.cdiv(W, chunk))
-    hist = torch.zeros(R, BINS, dtype=torch.int32, device=logits.device)
-    chunk_hist = torch.empty(R, chunks, BINS, dtype=torch.int32, device=logits.device)
-    counts = torch.empty(R, chunks, 2, dtype=torch.int32, device=logits.device)
-    first = torch.empty(R, dtype=torch.int32, device=logits.device)
-    cand = torch.empty(R, max(1, min(W, CANDIDATES)), dtype=torch.int32, device=logits.device)
-    grid = (R, chunks)
-    common = (logits, row_starts, row_ends)
-    _hist_kernel[grid](*common, hist, chunk_hist, W, topk, logits.stride(0), chunk, chunks,
-                       BLOCK=BLOCK, BINS=BINS, STAGES=STAGES, num_warps=4)
-    _count_kernel[grid](row_starts, row_ends, hist, chunk_hist, counts, first, W, topk, chunk,
-                        chunks, BINS=BINS, num_warps=4)
-    _scatter_kernel[grid](*common, hist, counts, out, cand, W, topk, logits.stride(0),
-                          out.stride(0), cand.stride(0), chunk, chunks,
-                          BLOCK=BLOCK, BINS=BINS, CHUNKS=next_pow2(chunks), STAGES=STAGES,
-                          num_warps=4)
-    _boundary_kernel[(R,)](*common, counts, first, out, cand, W, topk, logits.stride(0),
-                           out.stride(0), cand.stride(0), chunks,
-                           BLOCK=BLOCK, BINS=BINS, CHUNKS=next_pow2(chunks), num_warps=4)
+    for launch in launches(logits, row_starts, row_ends, out, topk, plan)[1]:
+        launch()
     return out
+
+
+def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
+             out: torch.Tensor, topk: int, plan: TopkPlan
+             ) -> tuple[torch.Tensor, list[Callable[[], None]]]:
+    """The scratch (``[R, work_columns(cap)]`` int32; per row the candidates' keys and
+    columns, then the threshold and the survivor count) and the three launches, in order, on
+    checked arguments (``logits`` float32 with unit column stride): ``top_k_per_row`` runs
+    them; the tests read the survivor counts, the benchmarks time each."""
+    R, W = logits.shape
+    cap = candidates_for(topk)
+    work = torch.empty(R, work_columns(cap), dtype=torch.int32, device=logits.device)
+    chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
+    chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
+    chunks = max(1, triton.cdiv(W, chunk))
+    rows = (logits, row_starts, row_ends)
+    s_l_r = logits.stride(0)
+    return work, [
+        functools.partial(_estimate_kernel[(R,)], *rows, work, W, topk, s_l_r, CAP=cap,
+                          SAMPLE_RUNS=SAMPLE_RUNS, RUN=RUN, BINS=BINS, num_warps=8),
+        functools.partial(_filter_kernel[(R, chunks)], *rows, work, W, s_l_r, chunk, CAP=cap,
+                          BLOCK=plan.block, STAGES=plan.stages, num_warps=plan.filter_warps),
+        functools.partial(_select_kernel[(R,)], *rows, work, out, W, topk, s_l_r,
+                          out.stride(0), CAP=cap, BLOCK=plan.block, BINS=BINS,
+                          OUT_BLOCK=min(1024, next_pow2(topk)), num_warps=plan.select_warps)]
+
+
+def survivors(work: torch.Tensor) -> torch.Tensor:
+    """The survivor count of each row after the streaming read (``launches``' scratch): more
+    than ``topk`` and at most the list's length, the candidates were selected; otherwise the
+    row was scanned (rows of no more than the list's length are never filtered)."""
+    return work[:, work.shape[1] - WORK_PAD_COLUMNS + 1]

@@ -1,0 +1,250 @@
+"""``python -m benchmarks.topk_sweep --out DIR``: ``mla.fast.top_k_per_row`` on the GPU, its sets
+against the reference's on random, adversarial and benchmark shapes, and its plans timed.
+
+- Checks: the fast set equal to ``mla.reference.top_k_per_row``'s (run on the GPU: the same
+  plain PyTorch), ``-1`` only after the set, on rows of every kind the kernels treat apart:
+  shorter than ``topk``, empty, length 1, ragged starts and ends, all-equal, NaN-heavy,
+  ``±inf``, ``±0``, sorted, the top ``2 * topk`` crowded into one narrow range, values planted
+  where the estimate samples (it fails: too few survivors), ties overflowing the candidate
+  list; bf16 logits; ``topk`` from 1 to past the list; a CUDA graph replay. Each line says how
+  many rows took the exact scan instead of the candidate list (``survivors``).
+- Timing (``triton.testing.do_bench`` medians, L2 flushed; and CUDA-graph replays): rows 1 to
+  256 of 8K to 128K keys, ``k = 2048``; the three launches one by one for the default plan;
+  ``TopkPlan`` alternatives; GB/s of the logits read against the copy bandwidth of this run,
+  beside ``torch.topk`` on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+
+import torch
+import triton.testing
+
+import mla.reference as ref
+from benchmarks.common import ceilings, log, time_graph
+from mla.conformance.cases.indexer import as_sets
+from mla.environment import environment
+from mla.fast.topk import (
+    TopkPlan,
+    candidates_for,
+    launches,
+    sample_columns,
+    survivors,
+    top_k_per_row,
+)
+
+TOPK = 2048
+SHAPES = [(1, 8192), (128, 8192), (1, 32768), (32, 32768), (128, 32768), (256, 32768),
+          (1, 131072), (32, 131072), (128, 131072), (256, 131072)]
+PLANS = [TopkPlan(), TopkPlan(block=1024), TopkPlan(block=4096), TopkPlan(stages=2),
+         TopkPlan(stages=4), TopkPlan(programs_per_sm=2), TopkPlan(programs_per_sm=8),
+         TopkPlan(programs_per_sm=16), TopkPlan(filter_warps=4), TopkPlan(select_warps=16),
+         TopkPlan(block=4096, filter_warps=16)]
+SWEEP_SHAPES = [(1, 131072), (128, 32768), (128, 131072), (256, 131072)]
+
+
+def _bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+
+def _full(R: int, W: int, dev: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.zeros(R, dtype=torch.int32, device=dev),
+            torch.full((R,), W, dtype=torch.int32, device=dev))
+
+
+def cases(seed: int = 0):
+    """(name, logits, starts, ends, topk) on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=g)
+
+    for R, W in SHAPES:
+        yield f"random {R}x{W}", randn(R, W), *_full(R, W), TOPK
+    R, W = 64, 40000
+    ends = torch.randint(0, W + 1, (R,), device="cuda", generator=g)
+    starts = (torch.rand(R, device="cuda", generator=g) * ends).long()
+    ends[:6] = torch.tensor([0, 1, 2047, 2048, 2049, 8193], device="cuda")
+    starts[:6] = torch.tensor([0, 0, 1, 3, 17, 33], device="cuda")
+    yield "ragged starts/ends", randn(R, W), starts.int(), ends.int(), TOPK
+    x = randn(R, 50000)
+    st, en = _full(R, 50000)
+    for k in (1, 7, 100, 4096, 5000, 9000):
+        yield f"topk={k}", x, st, en, k
+    yield "topk > W", randn(4, 1000), *_full(4, 1000), TOPK
+    x = torch.full((16, 32768), 1.5, device="cuda")
+    yield "all equal", x, *_full(16, 32768), TOPK
+    x = randn(16, 131072)
+    x[:8, ::20] = float("nan")  # 6554 NaN, more than k
+    x[8:, ::200] = float("nan")  # 656 NaN
+    yield "NaN", x, *_full(16, 131072), TOPK
+    x = randn(16, 65536)
+    x[:4, 1::2] = float("inf")
+    x[4:8] = float("-inf")
+    x[4:8, ::100] = 1.0
+    x[8:12, ::3] = float("-inf")
+    x[12:] = float("-inf")
+    x[12:, 5] = float("inf")
+    yield "+-inf", x, *_full(16, 65536), TOPK
+    x = torch.where(randn(8, 65536) > 0, 0.0, -0.0)
+    x[:4, ::64] = randn(4, 1024).abs()
+    yield "-0/+0", x, *_full(8, 65536), TOPK
+    x = randn(8, 131072).sort(dim=1).values
+    x[4:] = x[4:].flip(1)
+    yield "sorted rows", x, *_full(8, 131072), TOPK
+    x = randn(8, 131072)
+    top = 5.0 + torch.rand(8, 4096, device="cuda", generator=g) * 1e-5  # one narrow range
+    x.scatter_(1, torch.randperm(131072, device="cuda", generator=g)[:4096].expand(8, -1), top)
+    yield "top-2k in a narrow range", x, *_full(8, 131072), TOPK
+    x = randn(8, 131072)
+    x[:, sample_columns(131072).cuda()] = 100.0 + randn(8, 4096)
+    yield "values planted at the sample (too few survive)", x, *_full(8, 131072), TOPK
+    x = randn(8, 131072)
+    x[:, 1::2] = 3.0  # 65536 equal keys at the boundary: the list overflows
+    yield "boundary ties overflow the list", x, *_full(8, 131072), TOPK
+    yield "bf16", randn(16, 32768).bfloat16(), *_full(16, 32768), TOPK
+
+
+def check(name: str, logits, starts, ends, topk) -> dict:
+    got = top_k_per_row(logits, starts, ends, topk)
+    want = ref.top_k_per_row(logits.float(), starts, ends, topk)
+    same = torch.equal(as_sets(got), as_sets(want))
+    kept = (got >= 0).sum(1)
+    packed = torch.equal(got >= 0, torch.arange(topk, device="cuda")[None, :] < kept[:, None])
+    work, steps = launches(logits.float().contiguous(), starts, ends,
+                           torch.empty_like(got), topk, TopkPlan())
+    for s in steps[:2]:
+        s()
+    n = (ends.long().clamp(max=logits.shape[1]) - starts.long().clamp(min=0)).clamp(min=0)
+    cap = candidates_for(topk)
+    s = survivors(work).long()
+    filtered = n > cap
+    listed = filtered & (s >= topk) & (s <= cap)
+    row = {"case": name, "shape": list(logits.shape), "topk": topk, "same_set": same,
+           "packed": packed, "rows": len(n), "filtered_rows": int(filtered.sum()),
+           "scanned_rows": int((filtered & ~listed).sum()),
+           "survivors_min": int(s[filtered].min()) if filtered.any() else None,
+           "survivors_max": int(s[filtered].max()) if filtered.any() else None}
+    if not same:
+        bad = (as_sets(got) != as_sets(want)).any(1).nonzero().flatten().tolist()
+        row["bad_rows"] = bad[:10]
+    log(f"check {name} {list(logits.shape)} k={topk}: {'OK' if same and packed else 'MISMATCH'}"
+        f" (scanned {row['scanned_rows']}/{row['filtered_rows']} filtered rows, survivors "
+        f"{row['survivors_min']}..{row['survivors_max']})")
+    return row
+
+
+def graph_check() -> dict:
+    """A CUDA graph captures the call (no sync, no value-dependent launches) and its replay on
+    new logits gives the new set."""
+    x = torch.randn(8, 65536, device="cuda")
+    st, en = _full(8, 65536)
+    out = {}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        top_k_per_row(x, st, en, TOPK)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out["v"] = top_k_per_row(x, st, en, TOPK)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    same = torch.equal(as_sets(out["v"]), as_sets(ref.top_k_per_row(x, st, en, TOPK)))
+    log(f"CUDA graph replay: {'OK' if same else 'MISMATCH'}")
+    return {"case": "CUDA graph replay", "same_set": same}
+
+
+def _run(steps) -> None:
+    for s in steps:
+        s()
+
+
+def timing(copy_tbps: float) -> list[dict]:
+    rows = []
+    for R, W in SHAPES:
+        x = torch.randn(R, W, device="cuda")
+        st, en = _full(R, W)
+        nbytes = R * W * 4 + R * TOPK * 4
+        row = {"R": R, "L": W}
+        row["ms"] = _bench(functools.partial(top_k_per_row, x, st, en, TOPK))
+        row["graph_ms"] = time_graph(functools.partial(top_k_per_row, x, st, en, TOPK))
+        row["torch_topk_values_ms"] = _bench(functools.partial(torch.topk, x, TOPK, dim=1))
+        out = torch.empty(R, TOPK, dtype=torch.int32, device="cuda")
+        _, steps = launches(x, st, en, out, TOPK, TopkPlan())
+        upto = [_bench(functools.partial(_run, steps[:i + 1])) for i in range(3)]
+        row["estimate_ms"], row["filter_ms"], row["select_ms"] = (
+            upto[0], upto[1] - upto[0], upto[2] - upto[1])
+        row["GBps"] = nbytes / (row["ms"] * 1e-3) / 1e9
+        row["graph_GBps"] = nbytes / (row["graph_ms"] * 1e-3) / 1e9
+        row["pct_copy"] = 100 * row["GBps"] / (copy_tbps * 1e3)
+        row["graph_pct_copy"] = 100 * row["graph_GBps"] / (copy_tbps * 1e3)
+        rows.append(row)
+        log(f"time R={R} L={W}: {row['ms'] * 1e3:.1f} us ({row['GBps']:.0f} GB/s, "
+            f"{row['pct_copy']:.0f}% of copy; graph {row['graph_ms'] * 1e3:.1f} us, "
+            f"{row['graph_pct_copy']:.0f}%); launches cumulative {upto[0] * 1e3:.1f} / "
+            f"{upto[1] * 1e3:.1f} / {upto[2] * 1e3:.1f} us; torch.topk values "
+            f"{row['torch_topk_values_ms'] * 1e3:.1f} us")
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep(copy_tbps: float) -> list[dict]:
+    rows = []
+    for R, W in SWEEP_SHAPES:
+        x = torch.randn(R, W, device="cuda")
+        st, en = _full(R, W)
+        want = as_sets(top_k_per_row(x, st, en, TOPK))
+        for plan in PLANS:
+            row = {"R": R, "L": W, "plan": dataclasses.asdict(plan)}
+            try:
+                got = top_k_per_row(x, st, en, TOPK, plan=plan)
+                row["same_set"] = bool(torch.equal(as_sets(got), want))
+                row["ms"] = _bench(functools.partial(top_k_per_row, x, st, en, TOPK, plan=plan))
+                row["pct_copy"] = 100 * R * W * 4 / (row["ms"] * 1e-3) / (copy_tbps * 1e12)
+                log(f"sweep R={R} L={W} {plan}: {row['ms'] * 1e3:.1f} us, "
+                    f"{row['pct_copy']:.0f}% of copy, same set {row['same_set']}")
+            except Exception as e:  # a plan that does not compile or fit is a result too
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                log(f"sweep R={R} L={W} {plan}: {row['error']}")
+            rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.topk_sweep",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--only", nargs="*", choices=("check", "time", "sweep"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.topk_sweep needs a CUDA GPU")
+    want = set(args.only or ("check", "time", "sweep"))
+    env = environment()
+    ceil = ceilings()
+    log(f"copy {ceil['copy_TBps']:.2f} TB/s")
+    res = {"environment": env, "ceilings": ceil, "checks": [], "timing": [], "sweep": []}
+    if "check" in want:
+        res["checks"] = [check(*c) for c in cases()] + [graph_check()]
+        bad = [c["case"] for c in res["checks"] if not (c["same_set"] and c.get("packed", 1))]
+        log(f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} OK; bad: {bad}")
+    if "time" in want:
+        res["timing"] = timing(ceil["copy_TBps"])
+    if "sweep" in want:
+        res["sweep"] = sweep(ceil["copy_TBps"])
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"topk_sweep_{env['date'][:10]}.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    log(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,230 @@
+"""``mla.fast.top_k_per_row`` against ``mla.reference.top_k_per_row``: the sets exactly, on every
+path the kernels take (a row selected directly, a row's candidate list, a row scanned because
+its threshold failed) and on the rows that make each one hard.
+
+Under ``TRITON_INTERPRET=1`` on the CPU (conftest sets it without a GPU) with small shapes; the
+same tests run compiled on a GPU. ``benchmarks/topk_sweep.py`` repeats the adversarial cases at
+the benchmark's shapes on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla.reference as ref
+from mla.conformance.cases.indexer import as_sets
+from mla.fast.topk import (
+    CANDIDATES,
+    TopkPlan,
+    candidates_for,
+    launches,
+    sample_columns,
+    survivors,
+    top_k_per_row,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LONG = CANDIDATES + 3000  # a row longer than the candidate list: estimated, then filtered
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _on(args: tuple) -> tuple:
+    return tuple(a.to(DEVICE) for a in args)
+
+
+def _check(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, topk: int,
+           plan: TopkPlan | None = None) -> torch.Tensor:
+    """The fast set equals the reference's (no index twice, ``-1`` only after the set)."""
+    want = ref.top_k_per_row(logits.float(), starts, ends, topk)
+    got = top_k_per_row(*_on((logits, starts, ends)), topk, plan=plan).cpu()
+    assert got.dtype == torch.int32 and got.shape == want.shape
+    assert torch.equal(as_sets(got), as_sets(want)), "top-k sets differ"
+    kept = (got >= 0).sum(1)
+    assert torch.equal(got >= 0, torch.arange(topk)[None, :] < kept[:, None]), "-1 inside"
+    return got
+
+
+def _paths(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, topk: int
+           ) -> list[str]:
+    """Which path each row takes: ``direct``, ``listed`` or ``scanned`` (``survivors``)."""
+    logits, starts, ends = _on((logits.float(), starts, ends))
+    out = torch.empty(len(starts), topk, dtype=torch.int32, device=DEVICE)
+    work, steps = launches(logits, starts, ends, out, topk, TopkPlan())
+    for step in steps[:2]:
+        step()
+    cap, s = candidates_for(topk), survivors(work).cpu().tolist()
+    n = (ends - starts).cpu().tolist()
+    return ["direct" if n[r] <= cap else "listed" if topk <= s[r] <= cap else "scanned"
+            for r in range(len(n))]
+
+
+def _rows(g: torch.Generator, starts: list[int], ends: list[int], width: int,
+          ties: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random logits with NaN outside each row's range (never read)."""
+    logits = torch.randn(len(starts), width, generator=g)
+    if ties:  # a few hundred distinct values: the k-th place sits inside a run of equals
+        logits = (logits * 40).round() / 40
+    st, en = torch.tensor(starts), torch.tensor(ends)
+    cols = torch.arange(width)[None, :]
+    logits = logits.masked_fill((cols < st[:, None]) | (cols >= en[:, None]), float("nan"))
+    return logits, st.to(torch.int32), en.to(torch.int32)
+
+
+def _full(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    R, W = logits.shape
+    return logits, torch.zeros(R, dtype=torch.int32), torch.full((R,), W, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("starts,ends,width,topk,ties", [
+    ([0, 0, 0], [4100, 2049, 4000], 4105, 2048, False),
+    ([0, 0, 0, 0], [0, 1, 2047, 2048], 2050, 2048, False),   # fewer keys than k, and none
+    ([0, 0, 0], [3000, 2600, 4100], 4100, 2048, True),      # ties at the boundary
+    ([17, 90, 3], [2517, 100, 2051], 2600, 2048, False),    # row offsets: request-local
+    ([5, 0], [700, 333], 800, 7, True),                     # small k among ties
+    ([0], [1], 1, 1, False),
+    ([0, 13, 1001], [LONG, LONG - 5, LONG + 77], LONG + 90, 2048, False),  # filtered rows
+    ([3, 0], [LONG + 3, LONG], LONG + 16, 2048, True),      # filtered, ties at the boundary
+    ([0, 7], [LONG, LONG + 7], LONG + 7, 1, False),         # filtered, k = 1
+])
+def test_topk_sets(starts, ends, width, topk, ties):
+    _check(*_rows(_gen(width + topk), starts, ends, width, ties), topk)
+
+
+def test_topk_paths():
+    """Each path is taken where the module doc says, and each gives the reference's set: a
+    short row directly, a random long row from its candidate list, a long row of equal keys (the
+    list overflows) and a long row whose sampled columns hold its highest values (too few
+    survive) by the scan."""
+    logits, st, en = _full(torch.randn(4, LONG, generator=_gen(30)))
+    en[0] = CANDIDATES
+    logits[2] = 0.5
+    logits[3, sample_columns(LONG)] = 100.0 + torch.rand(4096, generator=_gen(31))
+    assert _paths(logits, st, en, 2048) == ["direct", "listed", "scanned", "scanned"]
+    _check(logits, st, en, 2048)
+
+
+def test_topk_row_order():
+    """A row selected directly and a scanned row come in column order (the doc's promise);
+    a listed row holds the same set in the list's order."""
+    logits, st, en = _full(torch.randn(3, LONG, generator=_gen(32)))
+    en[0] = 5000
+    logits[2] = -1.0
+    got = _check(logits, st, en, 2048)
+    for r in (0, 2):
+        assert torch.equal(got[r], got[r].sort().values), f"row {r} is not in column order"
+
+
+def test_topk_special_values():
+    """NaN inside the range ranks above every number (the reference's sort); -inf inside is a
+    value like any other; -0 and +0 are equal, so their tie goes to the lower index; a row of
+    equal values keeps its first k columns. Short rows (direct) and long ones (filtered)."""
+    for width, k in ((300, 5), (LONG, 2048)):
+        logits, st, en = _rows(_gen(21), [0, 0, 0, 10], [width] * 3 + [width - 10], width)
+        logits[0, [5, 77, 250]] = float("nan")
+        logits[1, :] = float("-inf")
+        logits[1, [3, 200]] = 1.0
+        logits[2, ::2] = -0.0
+        logits[2, 1::2] = 0.0
+        logits[3, 10:width - 10] = 2.5
+        got = _check(logits, st, en, k)
+        assert {5, 77, 250} <= set(got[0].tolist())
+        assert got[2].tolist() == list(range(k)) and got[3].tolist() == list(range(k))
+
+
+def test_topk_nan_and_inf_heavy_rows():
+    """More NaN than k (the threshold is NaN's key, the list overflows), fewer NaN than k,
+    half +inf, all -inf but a few: filtered rows."""
+    logits, st, en = _full(torch.randn(5, LONG, generator=_gen(33)))
+    logits[0, ::3] = float("nan")
+    logits[1, ::40] = float("nan")
+    logits[2, 1::2] = float("inf")
+    logits[3] = float("-inf")
+    logits[3, ::100] = 1.0
+    logits[4, ::7] = float("-inf")
+    _check(logits, st, en, 2048)
+
+
+def test_topk_narrow_range_and_overflowing_ties():
+    """The top 2k packed into a range a few ulps wide (the estimate must resolve it to the
+    last level), and more keys equal at the boundary than the list holds (scanned)."""
+    width = 2 * CANDIDATES
+    logits, st, en = _full(torch.randn(2, width, generator=_gen(34)))
+    cols = torch.randperm(width, generator=_gen(35))[:4096]
+    logits[0, cols] = 5.0 + torch.rand(4096, generator=_gen(36)) * 1e-5
+    logits[1, torch.randperm(width, generator=_gen(37))[:CANDIDATES + 100]] = 3.0
+    assert _paths(logits, st, en, 2048) == ["listed", "scanned"]
+    _check(logits, st, en, 2048)
+
+
+def test_topk_sorted_rows():
+    """Rows sorted either way: the stratified sample still brackets the k-th key."""
+    x = torch.randn(2, LONG, generator=_gen(38)).sort(dim=1).values
+    x[1] = x[1].flip(0)
+    assert _paths(*_full(x), 2048) == ["listed", "listed"]
+    _check(*_full(x), 2048)
+
+
+@pytest.mark.parametrize("topk", [1, 100, 3000, 5000])
+def test_topk_other_k(topk):
+    """``topk`` other than 2048: the list grows with it (``candidates_for``)."""
+    logits, st, en = _full(torch.randn(2, 2 * CANDIDATES + 100, generator=_gen(topk)))
+    assert _paths(logits, st, en, topk) == ["listed", "listed"]
+    _check(logits, st, en, topk)
+
+
+def test_topk_k_past_the_list():
+    """A ``topk`` whose survivors cannot fit any list is scanned: still exact."""
+    logits, st, en = _full(torch.randn(1, 40000, generator=_gen(39)))
+    assert _paths(logits, st, en, 12000) == ["scanned"]
+    _check(logits, st, en, 12000)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_topk_half_dtypes(dtype):
+    logits, st, en = _full(torch.randn(2, LONG, generator=_gen(40)).to(dtype))
+    _check(logits, st, en, 2048)
+
+
+@pytest.mark.parametrize("plan", [TopkPlan(block=1024), TopkPlan(programs_per_sm=1),
+                                  TopkPlan(stages=1, filter_warps=4, select_warps=16)])
+def test_topk_other_plans(plan):
+    logits, st, en = _rows(_gen(41), [0, 5], [LONG, LONG - 9], LONG)
+    _check(logits, st, en, 2048, plan=plan)
+
+
+def test_topk_a_broken_twin_fails():
+    """The set comparison bites: ties broken toward the higher index differ."""
+    logits, st, en = _rows(_gen(22), [0], [500], 500, ties=True)
+    logits[0, 100:] = logits[0, :100].max()  # 400 equal values share the 64th place
+    got = _check(logits, st, en, 64)
+    flipped = ref.top_k_per_row(logits.flip(1), 500 - en, 500 - st, 64).long()
+    high = torch.where(flipped >= 0, 499 - flipped, -1).to(torch.int32)
+    assert not torch.equal(as_sets(got), as_sets(high))
+
+
+def test_topk_empty_and_bad_input():
+    logits, st, en = _on(_rows(_gen(23), [0, 0], [10, 3], 10))
+    assert top_k_per_row(logits[:0], st[:0], en[:0], 4).shape == (0, 4)
+    empty = top_k_per_row(logits[:, :0], st * 0, en * 0, 3).cpu()
+    assert torch.equal(empty, torch.full((2, 3), -1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="row_starts / row_ends"):
+        top_k_per_row(logits, st, en + 1, 4, validate=True)
+    with pytest.raises(ValueError, match="topk"):
+        top_k_per_row(logits, st, en, 0)
+    with pytest.raises(TypeError, match="float64"):
+        top_k_per_row(logits.double(), st, en, 4)
+    with pytest.raises(ValueError, match="row_ends"):
+        top_k_per_row(logits, st, en[:1], 4)
+    with pytest.raises(TypeError, match="TopkPlan"):
+        top_k_per_row(logits, st, en, 4, plan={"block": 1024})
+    with pytest.raises(ValueError, match="TopkPlan.block"):
+        TopkPlan(block=1000)
+    with pytest.raises(ValueError, match="TopkPlan.stages"):
+        TopkPlan(stages=0)
+    # unvalidated, a range past the row is clipped to it
+    got = top_k_per_row(logits.nan_to_num(-1.0), st, en + 5, 20, validate=False).cpu()
+    assert sorted(got[0][got[0] >= 0].tolist()) == list(range(10))
