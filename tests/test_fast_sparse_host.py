@@ -149,6 +149,63 @@ def test_empty_calls_are_cached_too():
         assert out.shape == (2, 1, 0, 32) and lse.shape == (2, 0, 1)
 
 
+def test_launch_kept_protocol(monkeypatch):
+    """``CompiledLauncher.launch_kept`` with a stand-in kernel: nothing kept, nothing launched
+    (False: the caller goes through the JIT); after the JIT's launch of a key, its compiled
+    kernel is called directly with whatever the caller passes as pointers (here integers); a
+    launch hook or the interpreter sends the caller back to the JIT; a refused direct launch
+    warns once, launches nothing and turns direct launches off for good."""
+    from triton import knobs
+
+    import mla.fast.launch as launch
+
+    calls = []
+
+    class Compiled:
+        function, packed_metadata, refuse = "fn", "meta", False
+
+        def run(self, *a):
+            if self.refuse:
+                raise TypeError("launcher signature")
+            calls.append(("direct", a))
+
+    compiled = Compiled()
+
+    class Kernel:
+        __name__ = "kernel"
+
+        def __getitem__(self, grid):
+            def jit(*args, **options):
+                calls.append(("jit", args))
+                return compiled
+            return jit
+
+    interpreting = [False]
+    monkeypatch.setattr(launch, "interpreting", lambda: interpreting[0])
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch.torch._C, "_cuda_getCurrentRawStream", lambda d: 77,
+                        raising=False)
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", knobs.HookChain())
+    launcher = launch.CompiledLauncher(Kernel())
+    assert not launcher.launch_kept("k", (2, 1, 1), (123, 5)) and calls == []
+    launcher("k", (2, 1, 1), ("typed view", 5), num_warps=8)
+    assert launcher.launch_kept("k", (2, 1, 1), (123, 5))
+    assert calls[-1] == ("direct", (2, 1, 1, 77, "fn", "meta", None, None, None, 123, 5))
+    assert not launcher.launch_kept("other key", (2, 1, 1), (123, 5)) and len(calls) == 2
+    interpreting[0] = True
+    assert not launcher.launch_kept("k", (2, 1, 1), (123, 5)) and len(calls) == 2
+    interpreting[0] = False
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    assert not launcher.launch_kept("k", (2, 1, 1), (123, 5)) and len(calls) == 2
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", knobs.HookChain())
+    compiled.refuse = True
+    with pytest.warns(RuntimeWarning, match="launching kernel directly failed"):
+        assert not launcher.launch_kept("k", (2, 1, 1), (123, 5))
+    assert not launcher.direct and len(calls) == 2
+    compiled.refuse = False
+    assert not launcher.launch_kept("k", (2, 1, 1), (123, 5)) and len(calls) == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="direct launches need a GPU")
 @pytest.mark.parametrize("case", ["fp8_ds_mla", "model1_scope_sink", "prefill"])
 def test_direct_launch_and_graph_match_the_jit(case):
