@@ -77,15 +77,17 @@ def ragged(plan: indexer_logits.LogitsPlan = indexer_logits.RAGGED_PLAN):
 
 
 def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
-    plan, cap = topk.TopkPlan(), topk.candidates_for(2048)
+    plan, cap = topk.TopkPlan(), topk.CANDIDATES
     ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
     ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, chunk=32768)
-    const = dict(CAP=cap, BLOCK=plan.block, BINS=topk.BINS, STAGES=plan.stages,
-                 SAMPLE_RUNS=topk.SAMPLE_RUNS, RUN=topk.RUN, OUT_BLOCK=1024)
-    warps = {"_estimate_kernel": 8, "_filter_kernel": plan.filter_warps,
-             "_select_kernel": plan.select_warps}
-    return {fn.__name__: _compile(fn, const, ptrs, ints, warps[fn.__name__])
-            for fn in (topk._estimate_kernel, topk._filter_kernel, topk._select_kernel)}
+    launches = {
+        topk._estimate_kernel: (dict(BITS=topk.ESTIMATE_BITS, SAMPLE_RUNS=topk.SAMPLE_RUNS,
+                                     RUN=topk.RUN), topk.ESTIMATE_WARPS),
+        topk._filter_kernel: (dict(BLOCK=plan.block, STAGES=plan.stages), plan.filter_warps),
+        topk._select_kernel: (dict(BLOCK=plan.block, BITS=plan.select_bits, OUT_BLOCK=1024),
+                              topk.SELECT_WARPS)}
+    return {fn.__name__: _compile(fn, dict(const, CAP=cap), ptrs, ints, warps)
+            for fn, (const, warps) in launches.items()}
 
 
 def cache_write():

@@ -30,8 +30,8 @@ from benchmarks.common import ceilings, log, time_graph
 from mla.conformance.cases.indexer import as_sets
 from mla.environment import environment
 from mla.fast.topk import (
+    CANDIDATES,
     TopkPlan,
-    candidates_for,
     launches,
     sample_columns,
     survivors,
@@ -43,7 +43,8 @@ SHAPES = [(1, 8192), (128, 8192), (1, 32768), (32, 32768), (128, 32768), (256, 3
           (1, 131072), (32, 131072), (128, 131072), (256, 131072)]
 PLANS = [TopkPlan(), TopkPlan(block=1024), TopkPlan(block=4096), TopkPlan(stages=2),
          TopkPlan(stages=4), TopkPlan(programs_per_sm=2), TopkPlan(programs_per_sm=8),
-         TopkPlan(programs_per_sm=16), TopkPlan(filter_warps=4), TopkPlan(select_warps=16),
+         TopkPlan(programs_per_sm=16), TopkPlan(filter_warps=4), TopkPlan(select_bits=5),
+         TopkPlan(select_bits=6),
          TopkPlan(block=4096, filter_warps=16)]
 SWEEP_SHAPES = [(1, 131072), (128, 32768), (128, 131072), (256, 131072)]
 
@@ -121,7 +122,7 @@ def check(name: str, logits, starts, ends, topk) -> dict:
     for s in steps[:2]:
         s()
     n = (ends.long().clamp(max=logits.shape[1]) - starts.long().clamp(min=0)).clamp(min=0)
-    cap = candidates_for(topk)
+    cap = CANDIDATES
     s = survivors(work).long()
     filtered = n > cap
     listed = filtered & (s >= topk) & (s <= cap)

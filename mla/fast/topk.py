@@ -55,11 +55,12 @@ from mla.fast.topk_kernels import (
 )
 from mla.validation import check_float, check_index, check_same_device
 
-__all__ = ["CANDIDATES", "TopkPlan", "candidates_for", "launches", "sample_columns", "survivors",
-           "top_k_per_row"]
+__all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", "top_k_per_row"]
 
-CANDIDATES = 8192  # a row's candidate list (and the longest row selected directly) at k <= 2048
-BINS = 256  # 8 bits a radix level
+CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
+SELECT_WARPS = 8  # the select holds CANDIDATES composites in registers: 32 a thread
+ESTIMATE_BITS = 8  # a radix level of the estimate: 256 bins
+ESTIMATE_WARPS = 16  # 8 int64 sample keys a thread (at 8 warps, sm_90 ptxas spills 8 bytes)
 SAMPLE_RUNS, RUN = 256, 16  # the estimate's sample: 4096 keys in runs of 64 bytes
 WORK_PAD_COLUMNS = WORK_PAD.value
 
@@ -67,20 +68,22 @@ WORK_PAD_COLUMNS = WORK_PAD.value
 @dataclasses.dataclass(frozen=True)
 class TopkPlan:
     """How the kernels tile: ``block`` keys a step of the streaming read, ``stages`` steps in
-    flight, ``filter_warps`` / ``select_warps``, and ``programs_per_sm``, how many streaming
+    flight, ``filter_warps``, ``programs_per_sm``, how many streaming
     programs the grid aims at per SM (a row is split into that many chunks over the rows).
     ``benchmarks/indexer.py --topk-sweep`` times the alternatives."""
     block: int = 2048
     stages: int = 3
     filter_warps: int = 8
-    select_warps: int = 8
     programs_per_sm: int = 4
+    select_bits: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("block", "filter_warps", "select_warps"):
+        for name in ("block", "filter_warps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
+        if self.select_bits not in (5, 6, 7, 8):
+            raise ValueError(f"TopkPlan.select_bits must be 5 to 8, got {self.select_bits!r}")
         for name in ("stages", "programs_per_sm"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -89,16 +92,10 @@ class TopkPlan:
 
 def sample_columns(n: int) -> torch.Tensor:
     """The columns (from the row's start) that the estimate samples in a row of ``n`` keys:
-    ``SAMPLE_RUNS`` runs of ``RUN``, the first at 0, the last ending at ``n``, evenly spaced."""
-    first = torch.arange(SAMPLE_RUNS) * (n - RUN) // (SAMPLE_RUNS - 1)
+    ``SAMPLE_RUNS`` runs of ``RUN``, evenly spaced from 0 (the last ends less than
+    ``SAMPLE_RUNS - 1`` keys before the row's end)."""
+    first = torch.arange(SAMPLE_RUNS) * ((n - RUN) // (SAMPLE_RUNS - 1))
     return (first[:, None] + torch.arange(RUN)[None, :]).flatten()
-
-
-def candidates_for(topk: int) -> int:
-    """The candidate list's length: about four times ``topk`` (the estimate lets ~2x through),
-    at least ``CANDIDATES``, at most twice it (registers of the select); a larger ``topk``
-    overflows it and takes the exact scan."""
-    return min(2 * CANDIDATES, max(CANDIDATES, next_pow2(4 * topk)))
 
 
 def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
@@ -151,7 +148,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     checked arguments (``logits`` float32 with unit column stride): ``top_k_per_row`` runs
     them; the tests read the survivor counts, the benchmarks time each."""
     R, W = logits.shape
-    cap = candidates_for(topk)
+    cap = CANDIDATES
     work = torch.empty(R, work_columns(cap), dtype=torch.int32, device=logits.device)
     chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
     chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
@@ -160,12 +157,13 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     s_l_r = logits.stride(0)
     return work, [
         functools.partial(_estimate_kernel[(R,)], *rows, work, W, topk, s_l_r, CAP=cap,
-                          SAMPLE_RUNS=SAMPLE_RUNS, RUN=RUN, BINS=BINS, num_warps=8),
+                          SAMPLE_RUNS=SAMPLE_RUNS, RUN=RUN, BITS=ESTIMATE_BITS,
+                          num_warps=ESTIMATE_WARPS),
         functools.partial(_filter_kernel[(R, chunks)], *rows, work, W, s_l_r, chunk, CAP=cap,
                           BLOCK=plan.block, STAGES=plan.stages, num_warps=plan.filter_warps),
         functools.partial(_select_kernel[(R,)], *rows, work, out, W, topk, s_l_r,
-                          out.stride(0), CAP=cap, BLOCK=plan.block, BINS=BINS,
-                          OUT_BLOCK=min(1024, next_pow2(topk)), num_warps=plan.select_warps)]
+                          out.stride(0), CAP=cap, BLOCK=plan.block, BITS=plan.select_bits,
+                          OUT_BLOCK=min(1024, next_pow2(topk)), num_warps=SELECT_WARPS)]
 
 
 def survivors(work: torch.Tensor) -> torch.Tensor:

@@ -60,102 +60,105 @@ def _bucket(h, need, BINS: tl.constexpr):
 
 
 @triton.jit
-def _level_digit(u, ic, level):
-    """Level ``0..3``: bytes of the key from the top; ``4..7``: bytes of ``ic``. The digit and
-    its mask (``0xFF`` at its place)."""
-    shift = 24 - 8 * (level % 4)
-    word = tl.where(level < 4, u, ic)
-    return (word >> shift) & 0xFF, shift
+def _composite(k, col):
+    """``(key, 0x7FFFFFFF - column)`` as one non-negative int64 whose order is the selection's
+    order (unique per row)."""
+    return ((k.to(tl.int64) + 2147483648) << 31) | (0x7FFFFFFF - col.to(tl.int64))
 
 
 @triton.jit
-def _matches(u, ic, live, hi_mask, hi_found, lo_mask, lo_found):
-    """The keys whose digits fixed so far equal the boundary's."""
-    return live & ((u & hi_mask) == hi_found) & ((ic & lo_mask) == lo_found)
+def _window(c, match, BITS: tl.constexpr):
+    """The level's digit place: the ``BITS`` bits that end at the highest bit in which the
+    matching ``c`` (non-negative) differ, the bits above it being common to all of them. That
+    bit is read off the float64 exponent of ``min ^ max``, which rounding can only raise by
+    one. Also returns the smallest matching ``c`` (its bits above the window are the
+    common ones)."""
+    cmin = tl.min(tl.where(match, c, 9223372036854775807), axis=0)
+    cmax = tl.max(tl.where(match, c, 0), axis=0)
+    return _place(cmin, cmax, BITS), cmin
 
 
 @triton.jit
-def _fix_digit(level, d, shift, hi_mask, hi_found, lo_mask, lo_found):
-    """Record digit ``d`` of ``level`` in the boundary's prefix."""
-    m = tl.full((), 0xFF, tl.int32) << shift
-    on_hi = level < 4
-    hi_mask = tl.where(on_hi, hi_mask | m, hi_mask)
-    hi_found = tl.where(on_hi, hi_found | (d << shift), hi_found)
-    lo_mask = tl.where(on_hi, lo_mask, lo_mask | m)
-    lo_found = tl.where(on_hi, lo_found, lo_found | (d << shift))
-    return hi_mask, hi_found, lo_mask, lo_found
+def _place(cmin, cmax, BITS: tl.constexpr):
+    x = cmin ^ cmax
+    top = (x.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1023  # -1023 when x == 0
+    return tl.maximum(top + 1 - BITS, 0)
 
 
 @triton.jit
-def _taken(u, ic, live, hi_mask, hi_found, lo_mask, lo_found):
-    """Keys at or above the boundary's prefix: once the boundary bucket holds exactly the
-    keys still needed, these are the selection."""
-    mu = (u & hi_mask) ^ -2147483648  # back to signed order for the comparison
-    hf = hi_found ^ -2147483648
-    return live & ((mu > hf) | ((mu == hf) & ((ic & lo_mask) >= lo_found)))
+def _fix(cmin, shift, d, BITS: tl.constexpr):
+    """The boundary's prefix after a level (the bits above the window, digit ``d`` in it) and
+    the mask of the bits fixed so far."""
+    ones = tl.full((), -1, tl.int64)
+    above = tl.where(shift + BITS >= 63, 0, ones << tl.minimum(shift + BITS, 62))
+    return (cmin & above) | (d.to(tl.int64) << shift), ones << shift
 
 
 @triton.jit
-def _select_in_registers(u, ic, live, need, BINS: tl.constexpr):
-    """Radix select of the ``need`` best of a tensor of candidates (``live``), 8 bits a level,
-    stopping as soon as the boundary bucket holds exactly the keys still needed. Returns the
-    selection mask. ``need`` must not exceed the live count."""
+def _digits(c, shift, match, BITS: tl.constexpr):
+    """The histogram of the matching ``c``'s digits at ``shift``."""
+    return tl.histogram((c >> shift).to(tl.int32) & ((1 << BITS) - 1), 1 << BITS, mask=match)
+
+
+@triton.jit
+def _level(c, match, need, BITS: tl.constexpr):
+    """One radix level over the matching ``c``: the boundary's prefix and mask, the keys still
+    needed, the boundary bucket's count (when it equals the keys still needed, the selection
+    is every ``c`` at or above the prefix), and the window's place."""
+    shift, cmin = _window(c, match, BITS)
+    d, above, inside = _bucket(_digits(c, shift, match, BITS), need, 1 << BITS)
+    found, mask = _fix(cmin, shift, d, BITS)
+    return found, mask, need - above, inside, shift
+
+
+@triton.jit
+def _select_in_registers(c, need, BITS: tl.constexpr):
+    """Radix select of the ``need`` best of a tensor of unique composites ``c`` (``-1``: no
+    item), stopping as soon as the boundary bucket holds exactly the keys still needed.
+    Returns the selection mask. ``need`` must not exceed the number of items."""
     need = tl.zeros((), tl.int32) + need
-    hi_mask = tl.zeros((), tl.int32)
-    hi_found = tl.zeros((), tl.int32)
-    lo_mask = tl.zeros((), tl.int32)
-    lo_found = tl.zeros((), tl.int32)
-    level = tl.zeros((), tl.int32)
+    mask = tl.full((), -9223372036854775808, tl.int64)  # the sign bit: items only
+    found = tl.zeros((), tl.int64)
     done = tl.zeros((), tl.int32)
-    while (level < 8) & (done == 0):
-        digit, shift = _level_digit(u, ic, level)
-        match = _matches(u, ic, live, hi_mask, hi_found, lo_mask, lo_found)
-        h = tl.histogram(digit, BINS, mask=match)
-        d, above, inside = _bucket(h, need, BINS)
-        need -= above
-        hi_mask, hi_found, lo_mask, lo_found = _fix_digit(level, d, shift, hi_mask, hi_found,
-                                                          lo_mask, lo_found)
+    while done == 0:
+        found, mask, need, inside, _ = _level(c, (c & mask) == found, need, BITS)
         done = (inside == need).to(tl.int32)
-        level += 1
-    return _taken(u, ic, live, hi_mask, hi_found, lo_mask, lo_found)
+    return (c & mask) >= found
 
 
 @triton.jit
 def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r,
                      CAP: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
-                     BINS: tl.constexpr):
-    """Per row a key ``thresh`` that about ``2 * topk`` keys reach (from a sample of
-    ``SAMPLE_RUNS`` evenly spaced runs of ``RUN`` keys: every part of the row is seen), and the
-    row's survivor count zeroed. Rows of no more than ``CAP`` keys need no threshold."""
+                     BITS: tl.constexpr):
+    """Per row a key that about ``1.5 * topk`` keys reach (from a sample of ``SAMPLE_RUNS``
+    evenly spaced runs of ``RUN`` keys: every part of the row is seen), and the row's survivor
+    count zeroed. Rows of no more than ``CAP`` keys need no threshold."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     _, _, thresh, count = _work_row(work, row, CAP)
     tl.store(count, 0)
     if n > CAP:
         j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
-        first = start + j * (n - RUN) // (SAMPLE_RUNS - 1)
+        step = ((n - RUN).to(tl.int32) // (SAMPLE_RUNS - 1)).to(tl.int64)  # n < 2^31
+        first = start + j * step
         cols = first[:, None] + tl.arange(0, RUN)[None, :]
         k = _order_keys(tl.load(logits + row * s_l_r + cols))
-        u = tl.reshape(k ^ -2147483648, (SAMPLE_RUNS * RUN,))
+        c = tl.reshape(k.to(tl.int64) + 2147483648, (SAMPLE_RUNS * RUN,))  # keys only
         # the sample rank that about 1.5x topk keys (plus three deviations) reach in the row
-        expect = (topk * 1.0) * (SAMPLE_RUNS * RUN) / n.to(tl.float32)
-        rank = tl.minimum(tl.ceil(1.5 * expect + 3.0 * tl.sqrt(expect) + 8.0),
+        expect = tl.fdiv((topk * 1.0) * (SAMPLE_RUNS * RUN), n.to(tl.float32))  # approximate
+        # (for a large topk, at most halfway to the list's length)
+        fits = 0.5 * (expect + tl.fdiv(CAP * (SAMPLE_RUNS * RUN * 1.0), n.to(tl.float32)))
+        rank = tl.minimum(tl.minimum(tl.ceil(1.5 * expect + 3.0 * tl.sqrt(expect) + 8.0), fits),
                           SAMPLE_RUNS * RUN).to(tl.int32)
         need = rank
-        found = tl.zeros((), tl.int32)
-        mask = tl.zeros((), tl.int32)
-        level = tl.zeros((), tl.int32)
+        mask = tl.zeros((), tl.int64)
+        found = tl.zeros((), tl.int64)
         done = tl.zeros((), tl.int32)
-        while (level < 4) & (done == 0):
-            shift = 24 - 8 * level
-            h = tl.histogram((u >> shift) & 0xFF, BINS, mask=(u & mask) == found)
-            d, above, inside = _bucket(h, need, BINS)
-            need -= above
-            found = found | (d << shift)
-            mask = mask | (tl.full((), 0xFF, tl.int32) << shift)
-            done = (inside <= rank // 8 + 4).to(tl.int32)  # the whole bucket costs little
-            level += 1
-        tl.store(thresh, found ^ -2147483648)  # the bucket's floor, a signed key
+        while done == 0:
+            found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
+            # a bucket of a few keys, or of equal keys, is taken whole: its floor is the key
+            done = ((inside <= rank // 8 + 4) | (shift == 0)).to(tl.int32)
+        tl.store(thresh, (found - 2147483648).to(tl.int32))
 
 
 @triton.jit
@@ -190,42 +193,43 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
 
 
 @triton.jit
-def _scan_select(src, dst, n, need, BLOCK: tl.constexpr, BINS: tl.constexpr):
+def _scan_select(src, dst, n, need, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """The exact select over a whole row by one program, for rows whose threshold failed
     (fewer survivors than ``need``, or more than the list holds: massive ties, adversarial
-    rows): the levels of ``_select_in_registers``, each a read of the row, then one more read
-    that writes the selection in column order."""
+    rows): the levels of ``_select_in_registers``, each two reads of the row (the window's
+    place, then the histogram), then one more read that writes the selection in column
+    order."""
     need = tl.zeros((), tl.int32) + need
-    hi_mask = tl.zeros((), tl.int32)
-    hi_found = tl.zeros((), tl.int32)
-    lo_mask = tl.zeros((), tl.int32)
-    lo_found = tl.zeros((), tl.int32)
-    level = tl.zeros((), tl.int32)
+    mask = tl.zeros((), tl.int64)
+    found = tl.zeros((), tl.int64)
     done = tl.zeros((), tl.int32)
-    while (level < 8) & (done == 0):
-        h = tl.zeros((BINS,), tl.int32)
-        shift = 24 - 8 * (level % 4)
+    while done == 0:
+        cmin = tl.full((), 9223372036854775807, tl.int64)
+        cmax = tl.zeros((), tl.int64)
         for c0 in range(0, n, BLOCK):
             col = c0 + tl.arange(0, BLOCK)
             live = col < n
-            u = _order_keys(tl.load(src + col, mask=live, other=0.0)) ^ -2147483648
-            ic = COL_TOP - col.to(tl.int32)
-            digit = (tl.where(level < 4, u, ic) >> shift) & 0xFF
-            match = _matches(u, ic, live, hi_mask, hi_found, lo_mask, lo_found)
-            h += tl.histogram(digit, BINS, mask=match)
-        d, above, inside = _bucket(h, need, BINS)
+            c = _composite(_order_keys(tl.load(src + col, mask=live, other=0.0)), col)
+            match = live & ((c & mask) == found)
+            cmin = tl.minimum(cmin, tl.min(tl.where(match, c, 9223372036854775807), axis=0))
+            cmax = tl.maximum(cmax, tl.max(tl.where(match, c, 0), axis=0))
+        shift = _place(cmin, cmax, BITS)
+        h = tl.zeros((1 << BITS,), tl.int32)
+        for c0 in range(0, n, BLOCK):
+            col = c0 + tl.arange(0, BLOCK)
+            live = col < n
+            c = _composite(_order_keys(tl.load(src + col, mask=live, other=0.0)), col)
+            h += _digits(c, shift, live & ((c & mask) == found), BITS)
+        d, above, inside = _bucket(h, need, 1 << BITS)
         need -= above
-        hi_mask, hi_found, lo_mask, lo_found = _fix_digit(level, d, shift, hi_mask, hi_found,
-                                                          lo_mask, lo_found)
+        found, mask = _fix(cmin, shift, d, BITS)
         done = (inside == need).to(tl.int32)
-        level += 1
     written = tl.zeros((), tl.int32)
     for c0 in range(0, n, BLOCK):
         col = c0 + tl.arange(0, BLOCK)
         live = col < n
-        u = _order_keys(tl.load(src + col, mask=live, other=0.0)) ^ -2147483648
-        take = _taken(u, COL_TOP - col.to(tl.int32), live, hi_mask, hi_found, lo_mask,
-                      lo_found)
+        c = _composite(_order_keys(tl.load(src + col, mask=live, other=0.0)), col)
+        take = live & ((c & mask) >= found)
         pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
         tl.store(dst + pos, col.to(tl.int32), mask=take)
         written += tl.sum(take.to(tl.int32), axis=0)
@@ -233,7 +237,7 @@ def _scan_select(src, dst, n, need, BLOCK: tl.constexpr, BINS: tl.constexpr):
 
 @triton.jit
 def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
-                   CAP: tl.constexpr, BLOCK: tl.constexpr, BINS: tl.constexpr,
+                   CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
                    OUT_BLOCK: tl.constexpr):
     """One program a row: the exact ``topk`` best of the row's candidates, held in registers (a
     row of no more than ``CAP`` keys is its own candidate list, in column order), or of the
@@ -256,11 +260,12 @@ def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
         listed = live & (n > CAP)
         k = tl.where(direct, k_row, tl.load(cand_key + i, mask=listed, other=0))
         col = tl.where(direct, i, tl.load(cand_col + i, mask=listed, other=0))
-        take = _select_in_registers(k ^ -2147483648, COL_TOP - col, live, topk, BINS)
+        c = tl.where(live, _composite(k, col), -1)  # the column is in c: one tensor to keep
+        take = _select_in_registers(c, topk, BITS)
         pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(dst + pos, col, mask=take)
+        tl.store(dst + pos, 0x7FFFFFFF - (c & 0x7FFFFFFF).to(tl.int32), mask=take)
     else:
-        _scan_select(src, dst, n, topk, BLOCK, BINS)
+        _scan_select(src, dst, n, topk, BLOCK, BITS)
     kept = tl.minimum(n, topk)
     for c0 in range(0, topk, OUT_BLOCK):
         i = c0 + tl.arange(0, OUT_BLOCK)
