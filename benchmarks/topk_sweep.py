@@ -10,6 +10,7 @@ against the reference's on random, adversarial and benchmark shapes, and its pla
   many rows took the exact scan instead of the candidate list (``survivors``).
 - Timing (``triton.testing.do_bench`` medians, L2 flushed; and CUDA-graph replays): rows 1 to
   256 of 8K to 128K keys, ``k = 2048``; the three launches one by one for the default plan;
+  two rows where the threshold fails (the scan's cost);
   ``TopkPlan`` alternatives; GB/s of the logits read against the copy bandwidth of this run,
   beside ``torch.topk`` on the values.
 """
@@ -218,6 +219,24 @@ def sweep(copy_tbps: float) -> list[dict]:
     return rows
 
 
+def adversarial_timing() -> list[dict]:
+    """The scan's cost where the threshold fails: every key equal (the list overflows), and
+    half the row tied at the boundary."""
+    rows = []
+    for name, R, W in (("all equal", 128, 32768), ("half the row tied at the boundary", 32,
+                                                   131072)):
+        x = torch.randn(R, W, device="cuda")
+        if name == "all equal":
+            x.fill_(1.0)
+        else:
+            x[:, 1::2] = 3.0
+        st, en = _full(R, W)
+        ms = _bench(functools.partial(top_k_per_row, x, st, en, TOPK))
+        rows.append({"case": name, "R": R, "L": W, "ms": ms})
+        log(f"time {name} R={R} L={W}: {ms * 1e3:.1f} us (the scan)")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.topk_sweep",
                                 description=__doc__.split("\n")[0])
@@ -230,19 +249,29 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     ceil = ceilings()
     log(f"copy {ceil['copy_TBps']:.2f} TB/s")
-    res = {"environment": env, "ceilings": ceil, "checks": [], "timing": [], "sweep": []}
+    res = {"environment": env, "ceilings": ceil, "checks": [], "timing": [], "adversarial": [],
+           "sweep": []}
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"topk_sweep_{env['date'][:10]}.json")
+
+    def save() -> None:  # after each part: a run cut short keeps what it measured
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+
+    if "time" in want:
+        res["timing"] = timing(ceil["copy_TBps"])
+        save()
     if "check" in want:
         res["checks"] = [check(*c) for c in cases()] + [graph_check()]
         bad = [c["case"] for c in res["checks"] if not (c["same_set"] and c.get("packed", 1))]
         log(f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} OK; bad: {bad}")
+        save()
     if "time" in want:
-        res["timing"] = timing(ceil["copy_TBps"])
+        res["adversarial"] = adversarial_timing()
+        save()
     if "sweep" in want:
         res["sweep"] = sweep(ceil["copy_TBps"])
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"topk_sweep_{env['date'][:10]}.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+        save()
     log(f"wrote {path}")
     return 0
 

@@ -59,6 +59,7 @@ __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", 
 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
 SELECT_WARPS = 8  # the select holds CANDIDATES composites in registers: 32 a thread
+SMALL = 1024  # the boundary bucket's items after the first level, compacted (usually dozens)
 ESTIMATE_BITS = 8  # a radix level of the estimate: 256 bins
 ESTIMATE_WARPS = 16  # 8 int64 sample keys a thread (at 8 warps, sm_90 ptxas spills 8 bytes)
 SAMPLE_RUNS, RUN = 256, 16  # the estimate's sample: 4096 keys in runs of 64 bytes
@@ -158,12 +159,13 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     return work, [
         functools.partial(_estimate_kernel[(R,)], *rows, work, W, topk, s_l_r, CAP=cap,
                           SAMPLE_RUNS=SAMPLE_RUNS, RUN=RUN, BITS=ESTIMATE_BITS,
-                          num_warps=ESTIMATE_WARPS),
+                          SMALL=SMALL, num_warps=ESTIMATE_WARPS),
         functools.partial(_filter_kernel[(R, chunks)], *rows, work, W, s_l_r, chunk, CAP=cap,
                           BLOCK=plan.block, STAGES=plan.stages, num_warps=plan.filter_warps),
         functools.partial(_select_kernel[(R,)], *rows, work, out, W, topk, s_l_r,
                           out.stride(0), CAP=cap, BLOCK=plan.block, BITS=plan.select_bits,
-                          OUT_BLOCK=min(1024, next_pow2(topk)), num_warps=SELECT_WARPS)]
+                          OUT_BLOCK=min(1024, next_pow2(topk)),
+                          num_warps=SELECT_WARPS)]
 
 
 def survivors(work: torch.Tensor) -> torch.Tensor:

@@ -112,30 +112,60 @@ def _level(c, match, need, BITS: tl.constexpr):
 
 
 @triton.jit
-def _select_in_registers(c, need, BITS: tl.constexpr):
+def _stop(inside, need, shift, slack, EXACT: tl.constexpr):
+    """Exact: the boundary bucket holds exactly the keys still needed (the selection is then
+    every item at or above the prefix). Else (a threshold): the bucket holds no more than
+    ``slack`` items, or items of one value."""
+    if EXACT:
+        return (inside == need).to(tl.int32)
+    else:
+        return ((inside <= slack) | (shift == 0)).to(tl.int32)
+
+
+@triton.jit
+def _radix(c, need, scratch, slack, BITS: tl.constexpr, SMALL: tl.constexpr,
+           EXACT: tl.constexpr):
     """Radix select of the ``need`` best of a tensor of unique composites ``c`` (``-1``: no
-    item), stopping as soon as the boundary bucket holds exactly the keys still needed.
-    Returns the selection mask. ``need`` must not exceed the number of items."""
+    item; ``need`` at most the items): the boundary's prefix and the mask of its bits.
+
+    A level costs the same for every element of ``c``, matching or not; after the first, the
+    boundary bucket's items (usually a few dozen) are compacted through ``scratch`` (``SMALL``
+    int64, the row's own list, already read) into a ``SMALL`` tensor, and the next levels run
+    on that; a bucket too large for it (ties), or ``SMALL == 0``, stays on ``c``."""
     need = tl.zeros((), tl.int32) + need
     mask = tl.full((), -9223372036854775808, tl.int64)  # the sign bit: items only
     found = tl.zeros((), tl.int64)
-    done = tl.zeros((), tl.int32)
+    found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
+    done = _stop(inside, need, shift, slack, EXACT)
+    compact = (done == 0) & (inside <= SMALL)
+    if SMALL > 0:  # (the select's c is too large: the pointers of its store spill)
+        if compact:
+            m = (c & mask) == found
+            tl.debug_barrier()  # every thread's items read before the list is overwritten
+            tl.store(scratch + tl.cumsum(m.to(tl.int32), axis=0) - 1, c, mask=m)
+            tl.debug_barrier()
+            j = tl.arange(0, SMALL)
+            few = tl.load(scratch + j, mask=j < inside, other=-1)
+            while done == 0:
+                found, mask, need, inside, shift = _level(few, (few & mask) == found, need,
+                                                          BITS)
+                done = _stop(inside, need, shift, slack, EXACT)
     while done == 0:
-        found, mask, need, inside, _ = _level(c, (c & mask) == found, need, BITS)
-        done = (inside == need).to(tl.int32)
-    return (c & mask) >= found
+        found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
+        done = _stop(inside, need, shift, slack, EXACT)
+    return found, mask
 
 
 @triton.jit
 def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r,
                      CAP: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
-                     BITS: tl.constexpr):
+                     BITS: tl.constexpr, SMALL: tl.constexpr):
     """Per row a key that about ``1.5 * topk`` keys reach (from a sample of ``SAMPLE_RUNS``
     evenly spaced runs of ``RUN`` keys: every part of the row is seen), and the row's survivor
     count zeroed. Rows of no more than ``CAP`` keys need no threshold."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    _, _, thresh, count = _work_row(work, row, CAP)
+    list_keys, _, thresh, count = _work_row(work, row, CAP)
     tl.store(count, 0)
     if n > CAP:
         j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
@@ -150,15 +180,10 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r,
         fits = 0.5 * (expect + tl.fdiv(CAP * (SAMPLE_RUNS * RUN * 1.0), n.to(tl.float32)))
         rank = tl.minimum(tl.minimum(tl.ceil(1.5 * expect + 3.0 * tl.sqrt(expect) + 8.0), fits),
                           SAMPLE_RUNS * RUN).to(tl.int32)
-        need = rank
-        mask = tl.zeros((), tl.int64)
-        found = tl.zeros((), tl.int64)
-        done = tl.zeros((), tl.int32)
-        while done == 0:
-            found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
-            # a bucket of a few keys, or of equal keys, is taken whole: its floor is the key
-            done = ((inside <= rank // 8 + 4) | (shift == 0)).to(tl.int32)
-        tl.store(thresh, (found - 2147483648).to(tl.int32))
+        # a bucket of a few keys, or of equal keys, is taken whole: its floor is the key
+        floor, _mask = _radix(c, rank, list_keys.to(tl.pointer_type(tl.int64)), rank // 8 + 4,
+                              BITS, SMALL, False)
+        tl.store(thresh, (floor - 2147483648).to(tl.int32))
 
 
 @triton.jit
@@ -248,20 +273,21 @@ def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
     dst = out + row * s_o_r
     direct = n <= CAP
     cand_key, cand_col, _, count = _work_row(work, row, CAP)
-    found = tl.load(count)
+    listed_count = tl.load(count)
     if n <= topk:
         for c0 in range(0, n, OUT_BLOCK):
             i = c0 + tl.arange(0, OUT_BLOCK)
             tl.store(dst + i, i, mask=i < n)
-    elif direct | ((found >= topk) & (found <= CAP)):
+    elif direct | ((listed_count >= topk) & (listed_count <= CAP)):
         i = tl.arange(0, CAP)
-        live = i < tl.where(direct, n, found)
+        live = i < tl.where(direct, n, listed_count)
         k_row = _order_keys(tl.load(src + i, mask=live & direct, other=0.0))
         listed = live & (n > CAP)
         k = tl.where(direct, k_row, tl.load(cand_key + i, mask=listed, other=0))
         col = tl.where(direct, i, tl.load(cand_col + i, mask=listed, other=0))
         c = tl.where(live, _composite(k, col), -1)  # the column is in c: one tensor to keep
-        take = _select_in_registers(c, topk, BITS)
+        found, mask = _radix(c, topk, cand_key.to(tl.pointer_type(tl.int64)), 0, BITS, 0, True)
+        take = (c & mask) >= found
         pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
         tl.store(dst + pos, 0x7FFFFFFF - (c & 0x7FFFFFFF).to(tl.int32), mask=take)
     else:
