@@ -83,9 +83,11 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     launches = {
         topk._estimate_kernel: (dict(BITS=topk.ESTIMATE_BITS, SAMPLE_RUNS=topk.SAMPLE_RUNS,
                                      RUN=topk.RUN, SMALL=topk.SMALL), topk.ESTIMATE_WARPS),
-        topk._filter_kernel: (dict(BLOCK=plan.block, STAGES=plan.stages), plan.filter_warps),
-        topk._select_kernel: (dict(BLOCK=plan.block, BITS=plan.select_bits, OUT_BLOCK=1024),
-                              topk.SELECT_WARPS)}
+        topk._filter_kernel: (dict(BLOCK=plan.block, STAGES=plan.stages, SMALL=topk.SMALL),
+                              plan.filter_warps),
+        topk._select_kernel: (dict(TILE=plan.select_tile, BITS=plan.select_bits,
+                                   SMALL=topk.SMALL, OUT_BLOCK=1024),
+                              plan.select_warps)}
     return {fn.__name__: _compile(fn, dict(const, CAP=cap), ptrs, ints, warps)
             for fn, (const, warps) in launches.items()}
 

@@ -7,33 +7,36 @@ logits and top-k"): per row the ``min(topk, end - start)`` highest logits of col
 ``j - start``; the rest of the row ``-1``. Columns outside ``[start, end)`` never count (the
 streaming read loads whole 16-byte vectors of the row, so a neighbour may be loaded, then
 masked). The set is not sorted by score (the sparse attention sums over it, the catalogue
-compares sets): a row of no more than ``CANDIDATES`` keys, and a row whose threshold failed,
-come in column order; otherwise the order is the candidate list's, which the streaming read's
-atomics decide (the set never depends on it).
+compares sets): a row selected from its own columns comes in column order, a row selected
+from its candidate list in the list's order, which the streaming read's atomics decide (the
+set never depends on it).
 
 **Why this shape.** Reading 128K float32 logits a row at the copy bandwidth leaves about 30
-instructions a key per thread. ``tl.histogram`` lowers to a warp ballot per bit of the bin index
-and a popcount per bin a thread owns: ~25 instructions a key at 2048 bins, ~2 at 256, so a
-histogram of every key cannot keep up with the memory; a compare and a rare compacting store
+instructions a key per thread. ``tl.histogram`` lowers to a warp ballot per bit of the bin
+index and a popcount per bin a thread owns: ~25 instructions a key at 2048 bins, ~3 at 256, so
+a histogram of every key cannot keep up with the memory; a compare and a rare compacting store
 can. Three launches (``mla.fast.topk_kernels``):
 
 1. **estimate**, a program a row: a stratified sample of the row (256 evenly spaced runs of 16
-   keys, 4096 in all) gives, by a radix select of 256-bin levels, a key that about
-   ``1.5 * topk`` (plus three standard deviations) of the row's keys reach; the row's survivor
-   count is zeroed.
+   keys, 4096 in all) gives, by radix levels of 256 bins, a key that about ``1.5 * topk``
+   (plus three standard deviations) of the row's keys reach; the row's survivor count is
+   zeroed.
 2. **filter**, ``R x C`` programs, the one read of the row: each block's keys at or above the
    threshold go (key, column) to the row's candidate list, their place reserved by one atomic
-   a block. About ``2 * topk`` survive: a few thousand of 128K.
-3. **select**, a program a row: the exact ``topk`` best of the candidates in registers, a radix
-   select on ``(key, 0x7FFFFFFF - column)`` (8-bit levels, stopping once the boundary bucket
-   holds exactly the keys still needed; the column levels only for ties at the boundary).
-   A row of no more than ``CANDIDATES`` keys skips 1-2 and is its own candidate list.
+   a block. About ``1.5 * topk`` survive: a few thousand of 128K.
+3. **select**, a program a row: the exact ``topk`` best of the candidates, a radix select on
+   the int64 ``(key, 0x7FFFFFFF - column)`` (unique: ties go to the lower column by the
+   order itself). Each level's digit window starts at the highest bit in which the remaining
+   candidates differ, levels stop as soon as the boundary bucket holds exactly the keys still
+   needed, and once that bucket fits ``SMALL`` it is compacted and finished in registers:
+   usually two reads of the list. A row of no more than ``CANDIDATES`` keys skips 1-2 and is
+   its own list.
 
 **Correctness never rests on the estimate.** A row whose threshold let fewer than ``topk`` or
 more than ``CANDIDATES`` keys through (massive ties, a row that is all ``-inf``, a sample that
-misjudged an adversarial row) is selected exactly by its select program scanning the whole row
-(the same levels, one read each): slow, not wrong. Nothing depends on values at launch: no host
-sync, fixed grids and allocations, so a CUDA graph can capture it.
+misjudged an adversarial row) is selected by the same select reading the whole row instead of
+the list: slow, not wrong. Nothing depends on values at launch: no host sync, fixed grids and
+allocations, so a CUDA graph can capture it.
 """
 
 from __future__ import annotations
@@ -58,8 +61,7 @@ from mla.validation import check_float, check_index, check_same_device
 __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", "top_k_per_row"]
 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
-SELECT_WARPS = 8  # the select holds CANDIDATES composites in registers: 32 a thread
-SMALL = 1024  # the boundary bucket's items after the first level, compacted (usually dozens)
+SMALL = 1024  # a boundary bucket this small is compacted and finished in registers
 ESTIMATE_BITS = 8  # a radix level of the estimate: 256 bins
 ESTIMATE_WARPS = 16  # 8 int64 sample keys a thread (at 8 warps, sm_90 ptxas spills 8 bytes)
 SAMPLE_RUNS, RUN = 256, 16  # the estimate's sample: 4096 keys in runs of 64 bytes
@@ -69,17 +71,20 @@ WORK_PAD_COLUMNS = WORK_PAD.value
 @dataclasses.dataclass(frozen=True)
 class TopkPlan:
     """How the kernels tile: ``block`` keys a step of the streaming read, ``stages`` steps in
-    flight, ``filter_warps``, ``programs_per_sm``, how many streaming
-    programs the grid aims at per SM (a row is split into that many chunks over the rows).
-    ``benchmarks/indexer.py --topk-sweep`` times the alternatives."""
+    flight, ``filter_warps``, ``programs_per_sm`` (the streaming programs the grid aims at per
+    SM: a row is split into that many chunks over the rows); the select's ``select_bits`` a
+    radix level, ``select_tile`` items a step, ``select_warps``. ``benchmarks/topk_sweep.py``
+    times the alternatives."""
     block: int = 2048
     stages: int = 3
     filter_warps: int = 8
     programs_per_sm: int = 4
     select_bits: int = 8
+    select_tile: int = 2048
+    select_warps: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("block", "filter_warps"):
+        for name in ("block", "filter_warps", "select_tile", "select_warps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
@@ -150,7 +155,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     them; the tests read the survivor counts, the benchmarks time each."""
     R, W = logits.shape
     cap = CANDIDATES
-    work = torch.empty(R, work_columns(cap), dtype=torch.int32, device=logits.device)
+    work = torch.empty(R, work_columns(cap, SMALL), dtype=torch.int32, device=logits.device)
     chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
     chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
     chunks = max(1, triton.cdiv(W, chunk))
@@ -161,11 +166,12 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
                           SAMPLE_RUNS=SAMPLE_RUNS, RUN=RUN, BITS=ESTIMATE_BITS,
                           SMALL=SMALL, num_warps=ESTIMATE_WARPS),
         functools.partial(_filter_kernel[(R, chunks)], *rows, work, W, s_l_r, chunk, CAP=cap,
+                          SMALL=SMALL,
                           BLOCK=plan.block, STAGES=plan.stages, num_warps=plan.filter_warps),
         functools.partial(_select_kernel[(R,)], *rows, work, out, W, topk, s_l_r,
-                          out.stride(0), CAP=cap, BLOCK=plan.block, BITS=plan.select_bits,
-                          OUT_BLOCK=min(1024, next_pow2(topk)),
-                          num_warps=SELECT_WARPS)]
+                          out.stride(0), CAP=cap, SMALL=SMALL, TILE=plan.select_tile,
+                          BITS=plan.select_bits, OUT_BLOCK=min(1024, next_pow2(topk)),
+                          num_warps=plan.select_warps)]
 
 
 def survivors(work: torch.Tensor) -> torch.Tensor:

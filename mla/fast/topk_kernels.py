@@ -16,9 +16,9 @@ COL_TOP = tl.constexpr(0x7FFFFFFF)  # ic = COL_TOP - column: higher is better (l
 WORK_PAD = tl.constexpr(16)  # the threshold and the count, padded: each list 64-byte aligned
 
 
-def work_columns(cap: int) -> int:
+def work_columns(cap: int, small: int) -> int:
     """int32 a row of the kernels' scratch (``_work_row``)."""
-    return 2 * cap + WORK_PAD.value
+    return 2 * cap + 2 * small + WORK_PAD.value
 
 
 @triton.jit
@@ -40,11 +40,12 @@ def _row_range(starts, ends, row, W):
 
 
 @triton.jit
-def _work_row(work, row, CAP: tl.constexpr):
-    """A row's scratch (``WORK_PAD + 2 * CAP`` int32, see ``work_columns``): the candidates'
-    keys, their columns, the threshold, the survivor count."""
-    base = work + row * (2 * CAP + WORK_PAD)
-    return base, base + CAP, base + 2 * CAP, base + 2 * CAP + 1
+def _work_row(work, row, CAP: tl.constexpr, SMALL: tl.constexpr):
+    """A row's scratch (``work_columns`` int32): the candidates' keys, their columns,
+    ``SMALL`` int64 for a compacted boundary bucket, the threshold, the survivor count."""
+    base = work + row * (2 * CAP + 2 * SMALL + WORK_PAD)
+    few = (base + 2 * CAP).to(tl.pointer_type(tl.int64))
+    return base, base + CAP, few, base + 2 * CAP + 2 * SMALL, base + 2 * CAP + 2 * SMALL + 1
 
 
 @triton.jit
@@ -112,48 +113,32 @@ def _level(c, match, need, BITS: tl.constexpr):
 
 
 @triton.jit
-def _stop(inside, need, shift, slack, EXACT: tl.constexpr):
-    """Exact: the boundary bucket holds exactly the keys still needed (the selection is then
-    every item at or above the prefix). Else (a threshold): the bucket holds no more than
-    ``slack`` items, or items of one value."""
-    if EXACT:
-        return (inside == need).to(tl.int32)
-    else:
-        return ((inside <= slack) | (shift == 0)).to(tl.int32)
+def _floor_of_rank(c, rank, few_ptr, slack, BITS: tl.constexpr, SMALL: tl.constexpr):
+    """A value at or below the ``rank``-th largest of ``c`` (non-negative), with at most
+    ``slack`` items more at or above it (or only equal ones): the floor of the radix bucket
+    that holds the ``rank``-th, refined until the bucket is that small.
 
-
-@triton.jit
-def _radix(c, need, scratch, slack, BITS: tl.constexpr, SMALL: tl.constexpr,
-           EXACT: tl.constexpr):
-    """Radix select of the ``need`` best of a tensor of unique composites ``c`` (``-1``: no
-    item; ``need`` at most the items): the boundary's prefix and the mask of its bits.
-
-    A level costs the same for every element of ``c``, matching or not; after the first, the
-    boundary bucket's items (usually a few dozen) are compacted through ``scratch`` (``SMALL``
-    int64, the row's own list, already read) into a ``SMALL`` tensor, and the next levels run
-    on that; a bucket too large for it (ties), or ``SMALL == 0``, stays on ``c``."""
-    need = tl.zeros((), tl.int32) + need
-    mask = tl.full((), -9223372036854775808, tl.int64)  # the sign bit: items only
+    A level costs the same for every element of ``c``, matching or not: after the first, the
+    bucket's items (usually a few dozen) are compacted through ``few_ptr`` (``SMALL`` int64)
+    into a ``SMALL`` tensor and the next levels run on that; a larger bucket (ties) stays."""
+    need = tl.zeros((), tl.int32) + rank
+    mask = tl.full((), -9223372036854775808, tl.int64)  # the sign bit: every item
     found = tl.zeros((), tl.int64)
     found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
-    done = _stop(inside, need, shift, slack, EXACT)
-    compact = (done == 0) & (inside <= SMALL)
-    if SMALL > 0:  # (the select's c is too large: the pointers of its store spill)
-        if compact:
-            m = (c & mask) == found
-            tl.debug_barrier()  # every thread's items read before the list is overwritten
-            tl.store(scratch + tl.cumsum(m.to(tl.int32), axis=0) - 1, c, mask=m)
-            tl.debug_barrier()
-            j = tl.arange(0, SMALL)
-            few = tl.load(scratch + j, mask=j < inside, other=-1)
-            while done == 0:
-                found, mask, need, inside, shift = _level(few, (few & mask) == found, need,
-                                                          BITS)
-                done = _stop(inside, need, shift, slack, EXACT)
+    done = ((inside <= slack) | (shift == 0)).to(tl.int32)
+    if (done == 0) & (inside <= SMALL):
+        m = (c & mask) == found
+        tl.store(few_ptr + tl.cumsum(m.to(tl.int32), axis=0) - 1, c, mask=m)
+        tl.debug_barrier()  # every thread's items written before they are read
+        j = tl.arange(0, SMALL)
+        few = tl.load(few_ptr + j, mask=j < inside, other=-1)
+        while done == 0:
+            found, mask, need, inside, shift = _level(few, (few & mask) == found, need, BITS)
+            done = ((inside <= slack) | (shift == 0)).to(tl.int32)
     while done == 0:
         found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
-        done = _stop(inside, need, shift, slack, EXACT)
-    return found, mask
+        done = ((inside <= slack) | (shift == 0)).to(tl.int32)
+    return found
 
 
 @triton.jit
@@ -165,7 +150,7 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r,
     count zeroed. Rows of no more than ``CAP`` keys need no threshold."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    list_keys, _, thresh, count = _work_row(work, row, CAP)
+    _keys, _cols, few, thresh, count = _work_row(work, row, CAP, SMALL)
     tl.store(count, 0)
     if n > CAP:
         j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
@@ -180,15 +165,15 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r,
         fits = 0.5 * (expect + tl.fdiv(CAP * (SAMPLE_RUNS * RUN * 1.0), n.to(tl.float32)))
         rank = tl.minimum(tl.minimum(tl.ceil(1.5 * expect + 3.0 * tl.sqrt(expect) + 8.0), fits),
                           SAMPLE_RUNS * RUN).to(tl.int32)
-        # a bucket of a few keys, or of equal keys, is taken whole: its floor is the key
-        floor, _mask = _radix(c, rank, list_keys.to(tl.pointer_type(tl.int64)), rank // 8 + 4,
-                              BITS, SMALL, False)
+        # a bucket of a few keys, or of equal keys, is taken whole: its floor is the threshold
+        floor = _floor_of_rank(c, rank, few, rank // 8 + 4, BITS, SMALL)
         tl.store(thresh, (floor - 2147483648).to(tl.int32))
 
 
 @triton.jit
 def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
-                   CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+                   CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
+                   STAGES: tl.constexpr):
     """One streaming read: chunk ``c`` of a row lists its keys at or above the row's threshold
     (key and request-local column) in the row's candidate list, its place reserved by one
     atomic per block that has any. The count goes on past ``CAP`` (then nothing more is
@@ -197,7 +182,7 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
     c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     if n > CAP:
-        keys_out, cols_out, thresh, count = _work_row(work, row, CAP)
+        keys_out, cols_out, _few, thresh, count = _work_row(work, row, CAP, SMALL)
         t = tl.load(thresh)
         # from start rounded down to 16, so that the loads are 16-byte vectors
         lo = tl.multiple_of(start - start % 16 + c * chunk, 16)
@@ -218,80 +203,91 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
 
 
 @triton.jit
-def _scan_select(src, dst, n, need, BLOCK: tl.constexpr, BITS: tl.constexpr):
-    """The exact select over a whole row by one program, for rows whose threshold failed
-    (fewer survivors than ``need``, or more than the list holds: massive ties, adversarial
-    rows): the levels of ``_select_in_registers``, each two reads of the row (the window's
-    place, then the histogram), then one more read that writes the selection in column
-    order."""
+def _item_keys(src, list_keys, list_cols, listed, i, items):
+    """Composites of items ``i``: of the candidate list (``listed``) or of the row's columns
+    (``-1`` past ``items``)."""
+    live = i < items
+    k_row = _order_keys(tl.load(src + i, mask=live & (listed == 0), other=0.0))
+    k = tl.where(listed != 0, tl.load(list_keys + i, mask=live & (listed != 0), other=0), k_row)
+    col = tl.where(listed != 0, tl.load(list_cols + i, mask=live & (listed != 0), other=0), i)
+    return tl.where(live, _composite(k, col), -1)
+
+
+@triton.jit
+def _stream_select(src, list_keys, list_cols, listed, items, need, few_ptr, dst,
+                   TILE: tl.constexpr, BITS: tl.constexpr, SMALL: tl.constexpr):
+    """The exact ``need`` best of ``items`` (the candidate list, or the row: directly, or
+    because its threshold failed) by one program, each level a read of the items in tiles
+    (two: the window's place, then the histogram), so the cost follows the items, not the
+    list's length; once the boundary bucket fits ``SMALL``, it is compacted (``few_ptr``) and
+    the levels go on in registers. Then one more read writes the selection in item order
+    (column order for a row)."""
     need = tl.zeros((), tl.int32) + need
-    mask = tl.zeros((), tl.int64)
+    mask = tl.full((), -9223372036854775808, tl.int64)  # the sign bit: items only
     found = tl.zeros((), tl.int64)
     done = tl.zeros((), tl.int32)
-    while done == 0:
+    inside = tl.zeros((), tl.int32) + items
+    while (done == 0) & (inside > SMALL):
         cmin = tl.full((), 9223372036854775807, tl.int64)
         cmax = tl.zeros((), tl.int64)
-        for c0 in range(0, n, BLOCK):
-            col = c0 + tl.arange(0, BLOCK)
-            live = col < n
-            c = _composite(_order_keys(tl.load(src + col, mask=live, other=0.0)), col)
-            match = live & ((c & mask) == found)
+        for t in range(0, items, TILE):
+            c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
+            match = (c & mask) == found
             cmin = tl.minimum(cmin, tl.min(tl.where(match, c, 9223372036854775807), axis=0))
             cmax = tl.maximum(cmax, tl.max(tl.where(match, c, 0), axis=0))
         shift = _place(cmin, cmax, BITS)
         h = tl.zeros((1 << BITS,), tl.int32)
-        for c0 in range(0, n, BLOCK):
-            col = c0 + tl.arange(0, BLOCK)
-            live = col < n
-            c = _composite(_order_keys(tl.load(src + col, mask=live, other=0.0)), col)
-            h += _digits(c, shift, live & ((c & mask) == found), BITS)
+        for t in range(0, items, TILE):
+            c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
+            h += _digits(c, shift, (c & mask) == found, BITS)
         d, above, inside = _bucket(h, need, 1 << BITS)
         need -= above
         found, mask = _fix(cmin, shift, d, BITS)
         done = (inside == need).to(tl.int32)
+    if done == 0:
+        kept = tl.zeros((), tl.int32)
+        for t in range(0, items, TILE):
+            c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
+            m = (c & mask) == found
+            tl.store(few_ptr + kept + tl.cumsum(m.to(tl.int32), axis=0) - 1, c, mask=m)
+            kept += tl.sum(m.to(tl.int32), axis=0)
+        tl.debug_barrier()  # the compacted items written by every thread before they are read
+        j = tl.arange(0, SMALL)
+        few = tl.load(few_ptr + j, mask=j < inside, other=-1)
+        while done == 0:
+            found, mask, need, inside, _ = _level(few, (few & mask) == found, need, BITS)
+            done = (inside == need).to(tl.int32)
     written = tl.zeros((), tl.int32)
-    for c0 in range(0, n, BLOCK):
-        col = c0 + tl.arange(0, BLOCK)
-        live = col < n
-        c = _composite(_order_keys(tl.load(src + col, mask=live, other=0.0)), col)
-        take = live & ((c & mask) >= found)
+    for t in range(0, items, TILE):
+        c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
+        take = (c & mask) >= found
         pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(dst + pos, col.to(tl.int32), mask=take)
+        tl.store(dst + pos, 0x7FFFFFFF - (c & 0x7FFFFFFF).to(tl.int32), mask=take)
         written += tl.sum(take.to(tl.int32), axis=0)
 
 
 @triton.jit
 def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
-                   CAP: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                   OUT_BLOCK: tl.constexpr):
-    """One program a row: the exact ``topk`` best of the row's candidates, held in registers (a
-    row of no more than ``CAP`` keys is its own candidate list, in column order), or of the
-    whole row when the threshold failed; then ``-1`` past the row's count."""
+                   CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
+                   BITS: tl.constexpr, OUT_BLOCK: tl.constexpr):
+    """One program a row: the exact ``topk`` best of the row's candidate list, or of the row
+    itself when it has no more than ``CAP`` keys or its threshold failed
+    (``_stream_select``); then ``-1`` past the row's count."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     src = logits + row * s_l_r + start
     dst = out + row * s_o_r
-    direct = n <= CAP
-    cand_key, cand_col, _, count = _work_row(work, row, CAP)
-    listed_count = tl.load(count)
+    list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
     if n <= topk:
         for c0 in range(0, n, OUT_BLOCK):
             i = c0 + tl.arange(0, OUT_BLOCK)
             tl.store(dst + i, i, mask=i < n)
-    elif direct | ((listed_count >= topk) & (listed_count <= CAP)):
-        i = tl.arange(0, CAP)
-        live = i < tl.where(direct, n, listed_count)
-        k_row = _order_keys(tl.load(src + i, mask=live & direct, other=0.0))
-        listed = live & (n > CAP)
-        k = tl.where(direct, k_row, tl.load(cand_key + i, mask=listed, other=0))
-        col = tl.where(direct, i, tl.load(cand_col + i, mask=listed, other=0))
-        c = tl.where(live, _composite(k, col), -1)  # the column is in c: one tensor to keep
-        found, mask = _radix(c, topk, cand_key.to(tl.pointer_type(tl.int64)), 0, BITS, 0, True)
-        take = (c & mask) >= found
-        pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(dst + pos, 0x7FFFFFFF - (c & 0x7FFFFFFF).to(tl.int32), mask=take)
     else:
-        _scan_select(src, dst, n, topk, BLOCK, BITS)
+        survivors = tl.load(count)
+        listed = ((n > CAP) & (survivors >= topk) & (survivors <= CAP)).to(tl.int32)
+        items = tl.where(listed != 0, survivors, n).to(tl.int32)
+        _stream_select(src, list_keys, list_cols, listed, items, topk, few, dst, TILE, BITS,
+                       SMALL)
     kept = tl.minimum(n, topk)
     for c0 in range(0, topk, OUT_BLOCK):
         i = c0 + tl.arange(0, OUT_BLOCK)
