@@ -197,8 +197,8 @@ def timing(copy_tbps: float) -> list[dict]:
     return rows
 
 
-def sweep(copy_tbps: float) -> list[dict]:
-    rows = []
+def sweep(copy_tbps: float, rows: list[dict], save) -> list[dict]:
+    """``TopkPlan`` alternatives; each row appended to ``rows`` and saved as it comes."""
     for R, W in SWEEP_SHAPES:
         x = torch.randn(R, W, device="cuda")
         st, en = _full(R, W)
@@ -216,6 +216,7 @@ def sweep(copy_tbps: float) -> list[dict]:
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 log(f"sweep R={R} L={W} {plan}: {row['error']}")
             rows.append(row)
+            save()
         torch.cuda.empty_cache()
     return rows
 
@@ -271,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         res["adversarial"] = adversarial_timing()
         save()
     if "sweep" in want:
-        res["sweep"] = sweep(ceil["copy_TBps"])
-        save()
+        sweep(ceil["copy_TBps"], res["sweep"], save)
     log(f"wrote {path}")
     return 0
 
