@@ -17,10 +17,10 @@ index and a popcount per bin a thread owns: ~25 instructions a key at 2048 bins,
 a histogram of every key cannot keep up with the memory; a compare and a rare compacting store
 can. Three launches (``mla.fast.topk_kernels``):
 
-1. **estimate**, a program a row: a stratified sample of the row (256 evenly spaced runs of 16
-   keys, 4096 in all) gives, by radix levels of 256 bins, a key that about ``1.5 * topk``
-   (plus three standard deviations) of the row's keys reach; the row's survivor count is
-   zeroed.
+1. **estimate**, a program a row: a stratified sample of the row (512 evenly spaced runs of 8
+   keys, 4096 in all: short runs, as neighbouring logits may be alike) gives, by radix levels
+   of 256 bins, a key that about ``1.5 * topk`` (plus three standard deviations) of the row's
+   keys reach; the row's survivor count is zeroed.
 2. **filter**, ``R x C`` programs, the one read of the row: each block's keys at or above the
    threshold go (key, column) to the row's candidate list, their place reserved by one atomic
    a block. About ``1.5 * topk`` survive: a few thousand of 128K.
@@ -64,7 +64,7 @@ CANDIDATES = 8192  # a row's candidate list, and the longest row selected direct
 SMALL = 1024  # a boundary bucket this small is compacted and finished in registers
 ESTIMATE_BITS = 8  # a radix level of the estimate: 256 bins
 ESTIMATE_WARPS = 16  # 8 int64 sample keys a thread (at 8 warps, sm_90 ptxas spills 8 bytes)
-SAMPLE_RUNS, RUN = 256, 16  # the estimate's sample: 4096 keys in runs of 64 bytes
+SAMPLE_RUNS, RUN = 512, 8  # the estimate's sample: 4096 keys in runs of one 32-byte sector
 WORK_PAD_COLUMNS = WORK_PAD.value
 
 
