@@ -178,4 +178,4 @@ def survivors(work: torch.Tensor) -> torch.Tensor:
     """The survivor count of each row after the streaming read (``launches``' scratch): more
     than ``topk`` and at most the list's length, the candidates were selected; otherwise the
     row was scanned (rows of no more than the list's length are never filtered)."""
-    return work[:, work.shape[1] - WORK_PAD_COLUMNS + 1]
+    return work[:, work.shape[1] - WORK_PAD_COLUMNS + 1]  # after the threshold (_work_row)

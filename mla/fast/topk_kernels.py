@@ -42,10 +42,12 @@ def _row_range(starts, ends, row, W):
 @triton.jit
 def _work_row(work, row, CAP: tl.constexpr, SMALL: tl.constexpr):
     """A row's scratch (``work_columns`` int32): the candidates' keys, their columns,
-    ``SMALL`` int64 for a compacted boundary bucket, the threshold, the survivor count."""
+    ``SMALL`` int64 for a compacted boundary bucket, then the threshold, the survivor count
+    and the survivors' largest key."""
     base = work + row * (2 * CAP + 2 * SMALL + WORK_PAD)
     few = (base + 2 * CAP).to(tl.pointer_type(tl.int64))
-    return base, base + CAP, few, base + 2 * CAP + 2 * SMALL, base + 2 * CAP + 2 * SMALL + 1
+    tail = base + 2 * CAP + 2 * SMALL
+    return base, base + CAP, few, tail, tail + 1, tail + 2
 
 
 @triton.jit
@@ -150,8 +152,9 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r,
     count zeroed. Rows of no more than ``CAP`` keys need no threshold."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    _keys, _cols, few, thresh, count = _work_row(work, row, CAP, SMALL)
+    _keys, _cols, few, thresh, count, top = _work_row(work, row, CAP, SMALL)
     tl.store(count, 0)
+    tl.store(top, -2147483648)
     if n > CAP:
         j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
         step = ((n - RUN).to(tl.int32) // (SAMPLE_RUNS - 1)).to(tl.int64)  # n < 2^31
@@ -182,7 +185,7 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
     c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     if n > CAP:
-        keys_out, cols_out, _few, thresh, count = _work_row(work, row, CAP, SMALL)
+        keys_out, cols_out, _few, thresh, count, top = _work_row(work, row, CAP, SMALL)
         t = tl.load(thresh)
         # from start rounded down to 16, so that the loads are 16-byte vectors
         lo = tl.multiple_of(start - start % 16 + c * chunk, 16)
@@ -195,6 +198,7 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
             keep = (cols >= start) & (cols < hi) & (k >= t)
             kept = tl.sum(keep.to(tl.int32), axis=0)
             if kept > 0:
+                tl.atomic_max(top, tl.max(tl.where(keep, k, -2147483648), axis=0), sem="relaxed")
                 base = tl.atomic_add(count, kept, sem="relaxed")
                 pos = base + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                 ok = keep & (pos < CAP)
@@ -214,23 +218,25 @@ def _item_keys(src, list_keys, list_cols, listed, i, items):
 
 
 @triton.jit
-def _stream_select(src, list_keys, list_cols, listed, items, need, few_ptr, dst,
+def _stream_select(src, list_keys, list_cols, listed, items, need, few_ptr, dst, lo, hi,
                    TILE: tl.constexpr, BITS: tl.constexpr, SMALL: tl.constexpr):
     """The exact ``need`` best of ``items`` (the candidate list, or the row: directly, or
     because its threshold failed) by one program, each level a read of the items in tiles
     (two: the window's place, then the histogram), so the cost follows the items, not the
     list's length; once the boundary bucket fits ``SMALL``, it is compacted (``few_ptr``) and
     the levels go on in registers. Then one more read writes the selection in item order
-    (column order for a row)."""
+    (column order for a row). A list's composites lie in ``[lo, hi]`` (the threshold, the
+    largest key the filter saw): its first level places its window without a read."""
     need = tl.zeros((), tl.int32) + need
     mask = tl.full((), -9223372036854775808, tl.int64)  # the sign bit: items only
     found = tl.zeros((), tl.int64)
     done = tl.zeros((), tl.int32)
     inside = tl.zeros((), tl.int32) + items
+    bounded = listed
     while (done == 0) & (inside > SMALL):
-        cmin = tl.full((), 9223372036854775807, tl.int64)
-        cmax = tl.zeros((), tl.int64)
-        for t in range(0, items, TILE):
+        cmin = tl.where(bounded != 0, lo, 9223372036854775807)
+        cmax = tl.where(bounded != 0, hi, 0)
+        for t in range(0, tl.where(bounded != 0, 0, items), TILE):
             c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
             match = (c & mask) == found
             cmin = tl.minimum(cmin, tl.min(tl.where(match, c, 9223372036854775807), axis=0))
@@ -244,6 +250,7 @@ def _stream_select(src, list_keys, list_cols, listed, items, need, few_ptr, dst,
         need -= above
         found, mask = _fix(cmin, shift, d, BITS)
         done = (inside == need).to(tl.int32)
+        bounded = 0 * bounded
     if done == 0:
         kept = tl.zeros((), tl.int32)
         for t in range(0, items, TILE):
@@ -277,7 +284,7 @@ def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
     start, end, n = _row_range(starts, ends, row, W)
     src = logits + row * s_l_r + start
     dst = out + row * s_o_r
-    list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
+    list_keys, list_cols, few, thresh, count, top = _work_row(work, row, CAP, SMALL)
     if n <= topk:
         for c0 in range(0, n, OUT_BLOCK):
             i = c0 + tl.arange(0, OUT_BLOCK)
@@ -286,8 +293,10 @@ def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
         survivors = tl.load(count)
         listed = ((n > CAP) & (survivors >= topk) & (survivors <= CAP)).to(tl.int32)
         items = tl.where(listed != 0, survivors, n).to(tl.int32)
-        _stream_select(src, list_keys, list_cols, listed, items, topk, few, dst, TILE, BITS,
-                       SMALL)
+        lo = (tl.load(thresh).to(tl.int64) + 2147483648) << 31
+        hi = ((tl.load(top).to(tl.int64) + 2147483648) << 31) | 0x7FFFFFFF
+        _stream_select(src, list_keys, list_cols, listed, items, topk, few, dst, lo, hi, TILE,
+                       BITS, SMALL)
     kept = tl.minimum(n, topk)
     for c0 in range(0, topk, OUT_BLOCK):
         i = c0 + tl.arange(0, OUT_BLOCK)
