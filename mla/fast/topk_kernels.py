@@ -2,9 +2,9 @@
 
 Keys: a float32's bits ``b`` map to an int32 ``k`` that orders as the floats do (``b`` for a
 positive float, ``b ^ 0x7FFFFFFF`` for a negative one; ``-0`` read as ``+0``, every NaN as
-``2^31 - 1``); ``u = k ^ -2^31`` holds the same order as unsigned bits, whose bytes are the radix
-digits. Ties go to the lower column: the select orders keys by ``(k, 0x7FFFFFFF - column)``,
-unique per row, so "the ``need`` best" is always one exact set.
+``2^31 - 1``). Ties go to the lower column: the radix levels run on the non-negative int64
+``(k + 2^31) << 31 | (0x7FFFFFFF - column)``, unique per row, so "the ``need`` best" is always
+one exact set, and its digits are plain bit fields.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-COL_TOP = tl.constexpr(0x7FFFFFFF)  # ic = COL_TOP - column: higher is better (lower column)
 WORK_PAD = tl.constexpr(16)  # the threshold and the count, padded: each list 64-byte aligned
 
 
