@@ -83,7 +83,8 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     launches = {
         topk._estimate_kernel: (dict(BITS=topk.ESTIMATE_BITS, SAMPLE_RUNS=topk.SAMPLE_RUNS,
                                      RUN=topk.RUN, SMALL=topk.SMALL), topk.ESTIMATE_WARPS),
-        topk._filter_kernel: (dict(BLOCK=plan.block, STAGES=plan.stages, SMALL=topk.SMALL),
+        topk._filter_kernel: (dict(BLOCK=plan.block, STAGES=plan.stages, SMALL=topk.SMALL,
+                                   DEFER=plan.defer_stores),
                               plan.filter_warps),
         topk._select_kernel: (dict(TILE=plan.select_tile, BITS=plan.select_bits,
                                    SMALL=topk.SMALL, OUT_BLOCK=1024),

@@ -191,7 +191,8 @@ def test_topk_half_dtypes(dtype):
 
 @pytest.mark.parametrize("plan", [TopkPlan(block=1024), TopkPlan(programs_per_sm=1),
                                   TopkPlan(stages=1, filter_warps=4),
-                                  TopkPlan(select_bits=5), TopkPlan(select_bits=6)])
+                                  TopkPlan(select_bits=5), TopkPlan(select_bits=6),
+                                  TopkPlan(defer_stores=True), TopkPlan(select_tile=1024)])
 def test_topk_other_plans(plan):
     logits, st, en = _rows(_gen(41), [0, 5], [LONG, LONG - 9], LONG)
     _check(logits, st, en, 2048, plan=plan)

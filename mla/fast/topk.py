@@ -72,7 +72,8 @@ WORK_PAD_COLUMNS = WORK_PAD.value
 class TopkPlan:
     """How the kernels tile: ``block`` keys a step of the streaming read, ``stages`` steps in
     flight, ``filter_warps``, ``programs_per_sm`` (the streaming programs the grid aims at per
-    SM: a row is split into that many chunks over the rows); the select's ``select_bits`` a
+    SM: a row is split into that many chunks over the rows), ``defer_stores`` (a block's
+    survivors stored during the next block's read); the select's ``select_bits`` a
     radix level, ``select_tile`` items a step, ``select_warps``. ``benchmarks/topk_sweep.py``
     times the alternatives."""
     block: int = 2048
@@ -82,6 +83,7 @@ class TopkPlan:
     select_bits: int = 8
     select_tile: int = 2048
     select_warps: int = 8
+    defer_stores: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps"):
@@ -166,7 +168,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
                           SAMPLE_RUNS=SAMPLE_RUNS, RUN=RUN, BITS=ESTIMATE_BITS,
                           SMALL=SMALL, num_warps=ESTIMATE_WARPS),
         functools.partial(_filter_kernel[(R, chunks)], *rows, work, W, s_l_r, chunk, CAP=cap,
-                          SMALL=SMALL,
+                          SMALL=SMALL, DEFER=plan.defer_stores,
                           BLOCK=plan.block, STAGES=plan.stages, num_warps=plan.filter_warps),
         functools.partial(_select_kernel[(R,)], *rows, work, out, W, topk, s_l_r,
                           out.stride(0), CAP=cap, SMALL=SMALL, TILE=plan.select_tile,

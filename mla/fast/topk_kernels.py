@@ -175,11 +175,12 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r,
 @triton.jit
 def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
                    CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
-                   STAGES: tl.constexpr):
+                   STAGES: tl.constexpr, DEFER: tl.constexpr):
     """One streaming read: chunk ``c`` of a row lists its keys at or above the row's threshold
     (key and request-local column) in the row's candidate list, its place reserved by one
-    atomic per block that has any. The count goes on past ``CAP`` (then nothing more is
-    written, and the select scans the row instead)."""
+    atomic a block. The count goes on past ``CAP`` (then nothing more is written, and the
+    select reads the row instead). ``DEFER``: a block's survivors are stored while the next
+    block is read, so that the atomic's round trip overlaps it."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
@@ -190,19 +191,42 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
         lo = tl.multiple_of(start - start % 16 + c * chunk, 16)
         hi = tl.minimum(lo + chunk, end)
         src = logits + row * s_l_r
-        for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
-            x = tl.load(src + cols, mask=cols < W, other=0.0)
-            k = _order_keys(x)
-            keep = (cols >= start) & (cols < hi) & (k >= t)
-            kept = tl.sum(keep.to(tl.int32), axis=0)
-            if kept > 0:
+        if DEFER:
+            base_prev = tl.zeros((), tl.int32)
+            keep_prev = tl.zeros((BLOCK,), tl.int1)
+            k_prev = tl.zeros((BLOCK,), tl.int32)
+            cols_prev = tl.zeros((BLOCK,), tl.int64)
+            for c0 in tl.range(lo, hi + BLOCK, BLOCK, num_stages=STAGES):
+                cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
+                x = tl.load(src + cols, mask=(cols < W) & (cols < hi), other=0.0)
+                k = _order_keys(x)
+                keep = (cols >= start) & (cols < hi) & (k >= t)
+                kept = tl.sum(keep.to(tl.int32), axis=0)
                 tl.atomic_max(top, tl.max(tl.where(keep, k, -2147483648), axis=0), sem="relaxed")
-                base = tl.atomic_add(count, kept, sem="relaxed")
-                pos = base + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-                ok = keep & (pos < CAP)
-                tl.store(keys_out + pos, k, mask=ok)
-                tl.store(cols_out + pos, (cols - start).to(tl.int32), mask=ok)
+                base = tl.atomic_add(count, kept, sem="relaxed")  # read next iteration
+                _store_survivors(keys_out, cols_out, base_prev, keep_prev, k_prev, cols_prev,
+                                 start, CAP)
+                base_prev, keep_prev, k_prev, cols_prev = base, keep, k, cols
+        else:
+            for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+                cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
+                x = tl.load(src + cols, mask=cols < W, other=0.0)
+                k = _order_keys(x)
+                keep = (cols >= start) & (cols < hi) & (k >= t)
+                kept = tl.sum(keep.to(tl.int32), axis=0)
+                if kept > 0:
+                    tl.atomic_max(top, tl.max(tl.where(keep, k, -2147483648), axis=0),
+                                  sem="relaxed")
+                    base = tl.atomic_add(count, kept, sem="relaxed")
+                    _store_survivors(keys_out, cols_out, base, keep, k, cols, start, CAP)
+
+
+@triton.jit
+def _store_survivors(keys_out, cols_out, base, keep, k, cols, start, CAP: tl.constexpr):
+    pos = base + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    ok = keep & (pos < CAP)
+    tl.store(keys_out + pos, k, mask=ok)
+    tl.store(cols_out + pos, (cols - start).to(tl.int32), mask=ok)
 
 
 @triton.jit
