@@ -82,7 +82,8 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, chunk=32768)
     launches = {
         topk._estimate_kernel: (dict(BITS=topk.ESTIMATE_BITS, SAMPLE_RUNS=topk.SAMPLE_RUNS,
-                                     RUN=topk.RUN, SMALL=topk.SMALL), topk.ESTIMATE_WARPS),
+                                     RUN=topk.RUN, SMALL=topk.SMALL,
+                                     OVERSAMPLE=float(plan.oversample)), topk.ESTIMATE_WARPS),
         topk._filter_kernel: (dict(BLOCK=plan.block, STAGES=plan.stages, SMALL=topk.SMALL,
                                    DEFER=plan.defer_stores),
                               plan.filter_warps),

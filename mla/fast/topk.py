@@ -73,7 +73,8 @@ class TopkPlan:
     """How the kernels tile: ``block`` keys a step of the streaming read, ``stages`` steps in
     flight, ``filter_warps``, ``programs_per_sm`` (the streaming programs the grid aims at per
     SM: a row is split into that many chunks over the rows), ``defer_stores`` (a block's
-    survivors stored during the next block's read); the select's ``select_bits`` a
+    survivors stored during the next block's read), ``oversample`` (the survivors aimed at, in
+    ``topk``, before three standard deviations of the sample's); the select's ``select_bits`` a
     radix level, ``select_tile`` items a step, ``select_warps``. ``benchmarks/topk_sweep.py``
     times the alternatives."""
     block: int = 2048
@@ -84,6 +85,7 @@ class TopkPlan:
     select_tile: int = 2048
     select_warps: int = 8
     defer_stores: bool = False
+    oversample: float = 1.5
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps"):
@@ -92,6 +94,8 @@ class TopkPlan:
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
         if self.select_bits not in (5, 6, 7, 8):
             raise ValueError(f"TopkPlan.select_bits must be 5 to 8, got {self.select_bits!r}")
+        if not isinstance(self.oversample, (int, float)) or not 1.0 <= self.oversample <= 3.0:
+            raise ValueError(f"TopkPlan.oversample must lie in [1, 3], got {self.oversample!r}")
         for name in ("stages", "programs_per_sm"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -164,7 +168,8 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     rows = (logits, row_starts, row_ends)
     s_l_r = logits.stride(0)
     return work, [
-        functools.partial(_estimate_kernel[(R,)], *rows, work, W, topk, s_l_r, CAP=cap,
+        functools.partial(_estimate_kernel[(R,)], *rows, work, W, topk, s_l_r,
+                          OVERSAMPLE=float(plan.oversample), CAP=cap,
                           SAMPLE_RUNS=SAMPLE_RUNS, RUN=RUN, BITS=ESTIMATE_BITS,
                           SMALL=SMALL, num_warps=ESTIMATE_WARPS),
         functools.partial(_filter_kernel[(R, chunks)], *rows, work, W, s_l_r, chunk, CAP=cap,

@@ -143,10 +143,10 @@ def _floor_of_rank(c, rank, few_ptr, slack, BITS: tl.constexpr, SMALL: tl.conste
 
 
 @triton.jit
-def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r,
+def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.constexpr,
                      CAP: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
                      BITS: tl.constexpr, SMALL: tl.constexpr):
-    """Per row a key that about ``1.5 * topk`` keys reach (from a sample of ``SAMPLE_RUNS``
+    """Per row a key that about ``OVERSAMPLE * topk`` keys reach (from a sample of ``SAMPLE_RUNS``
     evenly spaced runs of ``RUN`` keys: every part of the row is seen), and the row's survivor
     count zeroed. Rows of no more than ``CAP`` keys need no threshold."""
     row = tl.program_id(0).to(tl.int64)
@@ -161,12 +161,12 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r,
         cols = first[:, None] + tl.arange(0, RUN)[None, :]
         k = _order_keys(tl.load(logits + row * s_l_r + cols))
         c = tl.reshape(k.to(tl.int64) + 2147483648, (SAMPLE_RUNS * RUN,))  # keys only
-        # the sample rank that about 1.5x topk keys (plus three deviations) reach in the row
+        # the sample rank that OVERSAMPLE x topk keys (plus three deviations) reach in the row
         expect = tl.fdiv((topk * 1.0) * (SAMPLE_RUNS * RUN), n.to(tl.float32))  # approximate
         # (for a large topk, at most halfway to the list's length)
         fits = 0.5 * (expect + tl.fdiv(CAP * (SAMPLE_RUNS * RUN * 1.0), n.to(tl.float32)))
-        rank = tl.minimum(tl.minimum(tl.ceil(1.5 * expect + 3.0 * tl.sqrt(expect) + 8.0), fits),
-                          SAMPLE_RUNS * RUN).to(tl.int32)
+        aim = tl.ceil(OVERSAMPLE * expect + 3.0 * tl.sqrt(expect) + 8.0)
+        rank = tl.minimum(tl.minimum(aim, fits), SAMPLE_RUNS * RUN).to(tl.int32)
         # a bucket of a few keys, or of equal keys, is taken whole: its floor is the threshold
         floor = _floor_of_rank(c, rank, few, rank // 8 + 4, BITS, SMALL)
         tl.store(thresh, (floor - 2147483648).to(tl.int32))
