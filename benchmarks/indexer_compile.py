@@ -80,17 +80,17 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     plan, cap = topk.TopkPlan(), topk.CANDIDATES
     ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
     ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, chunk=32768)
+    select = dict(CAP=cap, SMALL=topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
+                  OUT_BLOCK=1024)
     launches = {
-        topk._estimate_kernel: (dict(BITS=topk.ESTIMATE_BITS, SAMPLE_RUNS=topk.SAMPLE_RUNS,
-                                     RUN=topk.RUN, SMALL=topk.SMALL,
+        topk._estimate_kernel: (dict(CAP=cap, BITS=topk.ESTIMATE_BITS, RUN=topk.RUN,
+                                     SAMPLE_RUNS=topk.SAMPLE_RUNS, SMALL=topk.SMALL,
                                      OVERSAMPLE=float(plan.oversample)), topk.ESTIMATE_WARPS),
-        topk._filter_kernel: (dict(BLOCK=plan.block, STAGES=plan.stages, SMALL=topk.SMALL,
-                                   DEFER=plan.defer_stores),
+        topk._filter_kernel: (dict(select, BLOCK=plan.block, STAGES=plan.stages,
+                                   DEFER=plan.defer_stores, FUSE=plan.fuse_select),
                               plan.filter_warps),
-        topk._select_kernel: (dict(TILE=plan.select_tile, BITS=plan.select_bits,
-                                   SMALL=topk.SMALL, OUT_BLOCK=1024),
-                              plan.select_warps)}
-    return {fn.__name__: _compile(fn, dict(const, CAP=cap), ptrs, ints, warps)
+        topk._select_kernel: (select, plan.select_warps)}
+    return {fn.__name__: _compile(fn, const, ptrs, ints, warps)
             for fn, (const, warps) in launches.items()}
 
 

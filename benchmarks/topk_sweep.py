@@ -42,7 +42,8 @@ from mla.fast.topk import (
 TOPK = 2048
 SHAPES = [(1, 8192), (128, 8192), (1, 32768), (32, 32768), (128, 32768), (256, 32768),
           (1, 131072), (32, 131072), (128, 131072), (256, 131072)]
-PLANS = [TopkPlan(), TopkPlan(defer_stores=True), TopkPlan(defer_stores=True, programs_per_sm=8),
+PLANS = [TopkPlan(), TopkPlan(fuse_select=True), TopkPlan(defer_stores=True),
+         TopkPlan(defer_stores=True, programs_per_sm=8),
          TopkPlan(oversample=1.25), TopkPlan(oversample=1.25, select_bits=6),
          TopkPlan(block=1024), TopkPlan(block=4096), TopkPlan(stages=2), TopkPlan(stages=4),
          TopkPlan(programs_per_sm=2), TopkPlan(programs_per_sm=8), TopkPlan(programs_per_sm=16),

@@ -193,7 +193,7 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(stages=1, filter_warps=4),
                                   TopkPlan(select_bits=5), TopkPlan(select_bits=6),
                                   TopkPlan(defer_stores=True), TopkPlan(select_tile=1024),
-                                  TopkPlan(oversample=1.0)])
+                                  TopkPlan(oversample=1.0), TopkPlan(fuse_select=True)])
 def test_topk_other_plans(plan):
     logits, st, en = _rows(_gen(41), [0, 5], [LONG, LONG - 9], LONG)
     _check(logits, st, en, 2048, plan=plan)

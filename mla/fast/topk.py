@@ -74,7 +74,8 @@ class TopkPlan:
     flight, ``filter_warps``, ``programs_per_sm`` (the streaming programs the grid aims at per
     SM: a row is split into that many chunks over the rows), ``defer_stores`` (a block's
     survivors stored during the next block's read), ``oversample`` (the survivors aimed at, in
-    ``topk``, before three standard deviations of the sample's); the select's ``select_bits`` a
+    ``topk``, before three standard deviations of the sample's), ``fuse_select`` (each row's
+    last streaming program selects: two launches); the select's ``select_bits`` a
     radix level, ``select_tile`` items a step, ``select_warps``. ``benchmarks/topk_sweep.py``
     times the alternatives."""
     block: int = 2048
@@ -86,6 +87,7 @@ class TopkPlan:
     select_warps: int = 8
     defer_stores: bool = False
     oversample: float = 1.5
+    fuse_select: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps"):
@@ -155,8 +157,8 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
 def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
              out: torch.Tensor, topk: int, plan: TopkPlan
              ) -> tuple[torch.Tensor, list[Callable[[], None]]]:
-    """The scratch (``[R, work_columns(cap)]`` int32; per row the candidates' keys and
-    columns, then the threshold and the survivor count) and the three launches, in order, on
+    """The scratch (``[R, work_columns(cap, SMALL)]`` int32, per row: ``_work_row``) and the
+    launches (three; two with ``plan.fuse_select``), in order, on
     checked arguments (``logits`` float32 with unit column stride): ``top_k_per_row`` runs
     them; the tests read the survivor counts, the benchmarks time each."""
     R, W = logits.shape
@@ -167,18 +169,21 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     chunks = max(1, triton.cdiv(W, chunk))
     rows = (logits, row_starts, row_ends)
     s_l_r = logits.stride(0)
-    return work, [
+    select = dict(CAP=cap, SMALL=SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
+                  OUT_BLOCK=min(1024, next_pow2(topk)))
+    steps = [
         functools.partial(_estimate_kernel[(R,)], *rows, work, W, topk, s_l_r,
                           OVERSAMPLE=float(plan.oversample), CAP=cap,
                           SAMPLE_RUNS=SAMPLE_RUNS, RUN=RUN, BITS=ESTIMATE_BITS,
                           SMALL=SMALL, num_warps=ESTIMATE_WARPS),
-        functools.partial(_filter_kernel[(R, chunks)], *rows, work, W, s_l_r, chunk, CAP=cap,
-                          SMALL=SMALL, DEFER=plan.defer_stores,
-                          BLOCK=plan.block, STAGES=plan.stages, num_warps=plan.filter_warps),
-        functools.partial(_select_kernel[(R,)], *rows, work, out, W, topk, s_l_r,
-                          out.stride(0), CAP=cap, SMALL=SMALL, TILE=plan.select_tile,
-                          BITS=plan.select_bits, OUT_BLOCK=min(1024, next_pow2(topk)),
-                          num_warps=plan.select_warps)]
+        functools.partial(_filter_kernel[(R, chunks)], *rows, work, out, W, topk, s_l_r,
+                          out.stride(0), chunk, DEFER=plan.defer_stores,
+                          FUSE=plan.fuse_select, BLOCK=plan.block, STAGES=plan.stages,
+                          num_warps=plan.filter_warps, **select)]
+    if not plan.fuse_select:
+        steps.append(functools.partial(_select_kernel[(R,)], *rows, work, out, W, topk, s_l_r,
+                                       out.stride(0), num_warps=plan.select_warps, **select))
+    return work, steps
 
 
 def survivors(work: torch.Tensor) -> torch.Tensor:

@@ -42,11 +42,11 @@ def _row_range(starts, ends, row, W):
 def _work_row(work, row, CAP: tl.constexpr, SMALL: tl.constexpr):
     """A row's scratch (``work_columns`` int32): the candidates' keys, their columns,
     ``SMALL`` int64 for a compacted boundary bucket, then the threshold, the survivor count
-    and the survivors' largest key."""
+    and the survivors' largest key, the streaming programs that finished."""
     base = work + row * (2 * CAP + 2 * SMALL + WORK_PAD)
     few = (base + 2 * CAP).to(tl.pointer_type(tl.int64))
     tail = base + 2 * CAP + 2 * SMALL
-    return base, base + CAP, few, tail, tail + 1, tail + 2
+    return base, base + CAP, few, tail, tail + 1, tail + 2, tail + 3
 
 
 @triton.jit
@@ -151,9 +151,10 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.
     count zeroed. Rows of no more than ``CAP`` keys need no threshold."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    _keys, _cols, few, thresh, count, top = _work_row(work, row, CAP, SMALL)
+    _keys, _cols, few, thresh, count, top, finished = _work_row(work, row, CAP, SMALL)
     tl.store(count, 0)
     tl.store(top, -2147483648)
+    tl.store(finished, 0)
     if n > CAP:
         j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
         step = ((n - RUN).to(tl.int32) // (SAMPLE_RUNS - 1)).to(tl.int64)  # n < 2^31
@@ -173,19 +174,22 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.
 
 
 @triton.jit
-def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
+def _filter_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r, chunk,
                    CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
-                   STAGES: tl.constexpr, DEFER: tl.constexpr):
+                   STAGES: tl.constexpr, DEFER: tl.constexpr, FUSE: tl.constexpr,
+                   TILE: tl.constexpr, BITS: tl.constexpr, OUT_BLOCK: tl.constexpr):
     """One streaming read: chunk ``c`` of a row lists its keys at or above the row's threshold
     (key and request-local column) in the row's candidate list, its place reserved by one
     atomic a block. The count goes on past ``CAP`` (then nothing more is written, and the
     select reads the row instead). ``DEFER``: a block's survivors are stored while the next
-    block is read, so that the atomic's round trip overlaps it."""
+    block is read, so that the atomic's round trip overlaps it. ``FUSE``: the row's last
+    program to finish (an acquire-release count) runs its select (``_select_row``); a row
+    that is not filtered is selected by its first program."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     if n > CAP:
-        keys_out, cols_out, _few, thresh, count, top = _work_row(work, row, CAP, SMALL)
+        keys_out, cols_out, _few, thresh, count, top, _fin = _work_row(work, row, CAP, SMALL)
         t = tl.load(thresh)
         # from start rounded down to 16, so that the loads are 16-byte vectors
         lo = tl.multiple_of(start - start % 16 + c * chunk, 16)
@@ -219,6 +223,15 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
                                   sem="relaxed")
                     base = tl.atomic_add(count, kept, sem="relaxed")
                     _store_survivors(keys_out, cols_out, base, keep, k, cols, start, CAP)
+    if FUSE:
+        last = c == 0
+        if n > CAP:
+            tl.debug_barrier()  # every thread's stores before the release
+            _k, _c, _f, _t, _n, _top, finished = _work_row(work, row, CAP, SMALL)
+            last = tl.atomic_add(finished, 1, sem="acq_rel") == tl.num_programs(1) - 1
+        if last:
+            _select_row(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r, row, CAP, SMALL,
+                        TILE, BITS, OUT_BLOCK)
 
 
 @triton.jit
@@ -297,17 +310,16 @@ def _stream_select(src, list_keys, list_cols, listed, items, need, few_ptr, dst,
 
 
 @triton.jit
-def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
-                   CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
-                   BITS: tl.constexpr, OUT_BLOCK: tl.constexpr):
-    """One program a row: the exact ``topk`` best of the row's candidate list, or of the row
-    itself when it has no more than ``CAP`` keys or its threshold failed
-    (``_stream_select``); then ``-1`` past the row's count."""
-    row = tl.program_id(0).to(tl.int64)
+def _select_row(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r, row,
+                CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
+                BITS: tl.constexpr, OUT_BLOCK: tl.constexpr):
+    """The exact ``topk`` best of the row's candidate list, or of the row itself when it has
+    no more than ``CAP`` keys or its threshold failed (``_stream_select``); then ``-1`` past
+    the row's count."""
     start, end, n = _row_range(starts, ends, row, W)
     src = logits + row * s_l_r + start
     dst = out + row * s_o_r
-    list_keys, list_cols, few, thresh, count, top = _work_row(work, row, CAP, SMALL)
+    list_keys, list_cols, few, thresh, count, top, _done = _work_row(work, row, CAP, SMALL)
     if n <= topk:
         for c0 in range(0, n, OUT_BLOCK):
             i = c0 + tl.arange(0, OUT_BLOCK)
@@ -324,3 +336,12 @@ def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
     for c0 in range(0, topk, OUT_BLOCK):
         i = c0 + tl.arange(0, OUT_BLOCK)
         tl.store(dst + i, tl.full((OUT_BLOCK,), -1, tl.int32), mask=(i >= kept) & (i < topk))
+
+
+@triton.jit
+def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
+                   CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
+                   BITS: tl.constexpr, OUT_BLOCK: tl.constexpr):
+    """One program a row: ``_select_row``."""
+    _select_row(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
+                tl.program_id(0).to(tl.int64), CAP, SMALL, TILE, BITS, OUT_BLOCK)
