@@ -1,8 +1,9 @@
 """``python -m benchmarks.topk_sweep --out DIR``: ``mla.fast.top_k_per_row`` on the GPU, its sets
 against the reference's on random, adversarial and benchmark shapes, and its plans timed.
 
-- Checks: the fast set equal to ``mla.reference.top_k_per_row``'s (run on the GPU: the same
-  plain PyTorch), ``-1`` only after the set, on rows of every kind the kernels treat apart:
+- Checks: the fast set (default plan, and with ``fuse_select``) equal to
+  ``mla.reference.top_k_per_row``'s (run on the GPU: the same plain PyTorch), ``-1`` only
+  after the set, on rows of every kind the kernels treat apart:
   shorter than ``topk``, empty, length 1, ragged starts and ends, all-equal, NaN-heavy,
   ``±inf``, ``±0``, sorted, the top ``2 * topk`` crowded into one narrow range, values planted
   where the estimate samples (it fails: too few survivors), ties overflowing the candidate
@@ -118,7 +119,8 @@ def cases(seed: int = 0):
 def check(name: str, logits, starts, ends, topk) -> dict:
     got = top_k_per_row(logits, starts, ends, topk)
     want = ref.top_k_per_row(logits.float(), starts, ends, topk)
-    same = torch.equal(as_sets(got), as_sets(want))
+    fused = top_k_per_row(logits, starts, ends, topk, plan=TopkPlan(fuse_select=True))
+    same = torch.equal(as_sets(got), as_sets(want)) and torch.equal(as_sets(fused), as_sets(want))
     kept = (got >= 0).sum(1)
     packed = torch.equal(got >= 0, torch.arange(topk, device="cuda")[None, :] < kept[:, None])
     work, steps = launches(logits.float().contiguous(), starts, ends,
