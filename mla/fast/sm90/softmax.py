@@ -22,12 +22,15 @@ barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
 @gluon.jit
-def softmax_pv(qk, m_i, l_i, acc, p_smem, kv, row_o: gl.constexpr):
+def softmax_pv(qk, m_i, l_i, acc, p_smem, kv, row_o: gl.constexpr, WAIT: gl.constexpr = True):
     """One online-softmax step shared by the sm_90 kernels: the logits ``qk`` (log2 domain,
     ``-inf`` where masked) update the running max ``m_i`` and sum ``l_i``; ``P`` goes through
     ``p_smem`` to both warp groups and ``acc += P · V`` (V = the first 512 columns of ``kv``).
     Returns ``(acc, m_i, l_i)``. A row that has seen no key keeps ``m = -inf``, ``l = 0``; a NaN
-    logit makes ``l`` NaN, which the epilogues pass on (``l != 0``: a key was seen)."""
+    logit makes ``l`` NaN, which the epilogues pass on (``l != 0``: a key was seen).
+    ``WAIT`` off: ``acc`` comes back as the in-flight ``P · V``'s token, for the caller to
+    issue other work (copies) before its ``warpgroup_mma_wait``; ``p_smem`` and ``kv`` stay
+    in use until then."""
     m_new = gl.maximum(m_i, gl.max(qk, axis=1))
     # a row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -39,5 +42,6 @@ def softmax_pv(qk, m_i, l_i, acc, p_smem, kv, row_o: gl.constexpr):
     barrier()  # all of P is written before either warp group's wgmma reads it
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     acc = warpgroup_mma(p_smem, kv, acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if WAIT:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return acc, m_new, l_i

@@ -27,9 +27,10 @@ dots. Here, as in ``mla.fast.sm90.decode``:
     registers with the copies, a tile ahead. At the top of each tile the warps write the
     whole 512-wide row into the single K buffer: ``e4m3 · 2^(byte − 127)`` per tile (0xFF:
     NaN), then the rope values. K is also V; ``S`` has no rope part. Two staging buffers
-    (the plan's ``num_stages`` 2, the default; about 221 KB): the next tile's copies are
-    issued before this tile's dequantization, so they land while it and the dots run; one
-    (about 189 KB): after it, behind the dots only.
+    (the plan's ``num_stages`` 2, the default; about 221 KB): the copies run two tiles ahead,
+    tile i+2's issued into tile i's buffers right after tile i's ``P · V`` is issued (so
+    the issuing overlaps that wgmma, and the copies land during two tiles of work); one
+    (about 189 KB): the next tile's copies after this tile's dequantization.
 - A second KV scope: its tiles follow the first scope's in one list of tiles, split as one;
   each tile's scope (index row, length, cache, rows, stride, page size) is chosen on the
   device (``_source``), so the prefetching and the online softmax run as for one scope.
@@ -111,8 +112,8 @@ def sparse_kernel(
     whose ``topk_length`` lies outside ``[0, topk]``, or (``CHECK_RANGE``, decode) that uses an
     entry outside ``[-1, n_rows)``, gets NaN results; ``SINK [N]`` (``HAS_SINK``) scales the
     unsplit output by ``σ(lse − sink)`` (split partials get it in the combine kernel).
-    ``RAW_STAGES`` (MODEL1): 2 staging buffers, the next tile's copies issued before this
-    tile's dequantization (they land during it and the dots); 1: issued after it."""
+    ``RAW_STAGES`` (MODEL1): 2 staging buffers, the copies two tiles ahead (issued while a
+    tile's ``P · V`` runs); 1: one buffer, the next tile's copies after the dequantization."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
@@ -227,6 +228,20 @@ def sparse_kernel(
                                                n_rows, n_rows2, stride_row, stride_row2,
                                                page_size, page_size2, HAS_EXTRA)
     i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
+    # MODEL1 with two staging buffers: copies run two tiles ahead. Tile i+2's copies go into
+    # tile i's buffers once tile i is dequantized, issued while tile i's P · V runs
+    AHEAD2: gl.constexpr = MODEL1 and RAW_STAGES == 2
+    codes2 = codes  # AHEAD2: the scale bytes of the tile after the next
+    if AHEAD2:
+        codes2 = _gather(kv_, i_ld, i_8, i_s, t_lo + 1 < t_hi, rows_, sr_, ps_, k_nope, k_pe,
+                         raw, raw_sc, 1, FP8, MODEL1, HAS_PE, SCALE_OFFSET, ROPE_OFFSET,
+                         RAW_STAGES, ld, lb, lc)
+        async_copy.commit_group()
+        ir, st, hi, kv_, rows_, sr_, ps_ = _source(t_lo + 2, tiles1, idx1, idx2, n1, n2, KV,
+                                                   KV2, n_rows, n_rows2, stride_row,
+                                                   stride_row2, page_size, page_size2,
+                                                   HAS_EXTRA)
+        i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
 
     acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
@@ -239,22 +254,12 @@ def sparse_kernel(
                                                     page_size, page_size2, HAS_EXTRA)
         cols = st_i + c_s
         idx = gl.load(ir_i + cols, mask=cols < hi_i, other=-1)  # for the logits' mask
-        async_copy.wait_group(0)  # this thread's copies of tile i have landed
+        if AHEAD2:
+            async_copy.wait_group(1)  # tile i's copies have landed (tile i+1's may not)
+        else:
+            async_copy.wait_group(0)  # this thread's copies of tile i have landed
         fence_async_shared()
         barrier()  # everyone's have; everyone is done with tile i-1
-        codes_i = codes  # MODEL1: tile i's scale bytes (a gather returns the next tile's)
-        if MODEL1 and RAW_STAGES == 2:
-            # tile i+1's copies into the other staging buffer (tile i-1's, consumed) now, so
-            # that they land during this tile's dequantization and dots
-            codes = _gather(kv_, i_ld, i_8, i_s, i + 1 < t_hi, rows_, sr_, ps_,
-                            k_nope, k_pe, raw, raw_sc, 1 - s, FP8, MODEL1, HAS_PE,
-                            SCALE_OFFSET, ROPE_OFFSET, RAW_STAGES, ld, lb, lc)
-            async_copy.commit_group()
-            ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 2, tiles1, idx1, idx2, n1, n2, KV,
-                                                       KV2, n_rows, n_rows2, stride_row,
-                                                       stride_row2, page_size, page_size2,
-                                                       HAS_EXTRA)
-            i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
         if FP8:
             kn = k_nope.index(0)
             sc = raw_sc.load(lds)  # [BN, 4] float32
@@ -269,13 +274,13 @@ def sparse_kernel(
             barrier()  # the staged bytes are consumed, K is written
         elif MODEL1:
             kn = k_nope.index(0)
-            _dequant_model1(raw.index(s % RAW_STAGES), codes_i, k_pe.index(s), kn, ld, ld8m,
+            _dequant_model1(raw.index(s % RAW_STAGES), codes, k_pe.index(s), kn, ld, ld8m,
                             lds8)
             fence_async_shared()
             barrier()  # the staged bytes are consumed, K (rope included) is written
         else:
             kn = k_nope.index(s)
-        if not (MODEL1 and RAW_STAGES == 2):
+        if not AHEAD2:
             # tile i+1's copies (its source: the (kv_, rows_, sr_, ps_) of the last _source)
             codes = _gather(kv_, i_ld, i_8, i_s, i + 1 < t_hi, rows_, sr_, ps_,
                             k_nope, k_pe, raw, raw_sc, 1 - s, FP8, MODEL1, HAS_PE,
@@ -296,7 +301,23 @@ def sparse_kernel(
         if CHECK_RANGE:  # an entry outside [-1, n_rows) is a NaN logit: a NaN query
             qk = gl.where(((cols < hi_i) & ((idx < -1) | (idx >= rows_i)))[None, :],
                           float("nan"), qk)
-        acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, row_o)
+        if AHEAD2:
+            acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, row_o, WAIT=False)
+            # tile i+2's copies into tile i's staging buffers (dequantized before the last
+            # barrier) while P · V runs
+            codes = codes2
+            codes2 = _gather(kv_, i_ld, i_8, i_s, i + 2 < t_hi, rows_, sr_, ps_, k_nope, k_pe,
+                             raw, raw_sc, s, FP8, MODEL1, HAS_PE, SCALE_OFFSET, ROPE_OFFSET,
+                             RAW_STAGES, ld, lb, lc)
+            async_copy.commit_group()
+            ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 3, tiles1, idx1, idx2, n1, n2, KV,
+                                                       KV2, n_rows, n_rows2, stride_row,
+                                                       stride_row2, page_size, page_size2,
+                                                       HAS_EXTRA)
+            i_ld, i_8, i_s = _load_idx(ir, st, hi, ld, lb, lc, STAGED)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        else:
+            acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, row_o)
     async_copy.wait_group(0)
 
     seen = l_i != 0.0  # l = 0: nothing seen; a NaN l (a NaN logit) stays NaN, never "nothing"
@@ -397,11 +418,13 @@ def _load_idx(idx_row, start, hi, ld: gl.constexpr, lb: gl.constexpr, lc: gl.con
 
 @gluon.jit
 def _model1_row(i, n_rows, page_size, page_stride):
-    """``(valid, byte offset of the token's data row, of its page)`` of MODEL1 slots ``i``."""
+    """``(valid, byte offset of the page, token within the page)`` of MODEL1 slots ``i``: the
+    entries are int32, so the division by the page size is a 32-bit one (a 64-bit division
+    is a long software sequence); the byte offsets are 64-bit."""
     ok = (i >= 0) & (i < n_rows)
-    slot = gl.where(ok, i, 0).to(gl.int64)
-    page = (slot // page_size) * page_stride
-    return ok, page + (slot % page_size) * 576, page
+    slot = gl.where(ok, i, 0)
+    page = slot // page_size
+    return ok, page.to(gl.int64) * page_stride, (slot - page * page_size).to(gl.int64)
 
 
 @gluon.jit
@@ -422,13 +445,14 @@ def _gather(KV, i_ld, i_8, i_s, issue, n_rows, stride_row, page_size, k_nope, k_
     if MODEL1:
         # page p at p · stride_row; token t's 448 e4m3 + 64 bf16 at 576 · t of it, its scale
         # bytes at 576 · page_size + 8 · t
-        ok, data, _ = _model1_row(i_ld, n_rows, page_size, stride_row)
-        pe_ptr = (KV + data + 448).to(gl.pointer_type(dtype), bitcast=True)
+        ok, pg, tok = _model1_row(i_ld, n_rows, page_size, stride_row)
+        pe_ptr = (KV + pg + tok * 576 + 448).to(gl.pointer_type(dtype), bitcast=True)
         ok = ok & issue
         async_copy.async_copy_global_to_shared(k_pe.index(stage),
                                                pe_ptr[:, None] + c16[None, :],
                                                mask=ok[:, None])
-        ok8, data8, _ = _model1_row(i_8, n_rows, page_size, stride_row)
+        ok8, pg8, tok8 = _model1_row(i_8, n_rows, page_size, stride_row)
+        data8 = pg8 + tok8 * 576
         ok8 = ok8 & issue
         c64 = gl.arange(0, CH, layout=gl.SliceLayout(0, lb))
         staged = raw.index(stage % RAW_STAGES)
@@ -436,10 +460,10 @@ def _gather(KV, i_ld, i_8, i_s, issue, n_rows, stride_row, page_size, k_nope, k_
             async_copy.async_copy_global_to_shared(staged.slice(c * CH, CH, dim=1),
                                                    KV + data8[:, None] + (c * CH + c64)[None, :],
                                                    mask=ok8[:, None])
-        oks, datas, pages = _model1_row(i_s, n_rows, page_size, stride_row)
+        oks, pgs, toks = _model1_row(i_s, n_rows, page_size, stride_row)
         oks = oks & issue
         c8 = gl.arange(0, 8, layout=gl.SliceLayout(0, lc))
-        sc_off = pages + page_size * 576 + (datas - pages) // 576 * 8
+        sc_off = pgs + page_size * 576 + toks * 8
         codes = gl.load(KV + sc_off[:, None] + c8[None, :],
                         mask=oks[:, None] & (c8 < 7)[None, :], other=0)
     elif FP8:
