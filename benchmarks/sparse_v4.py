@@ -66,15 +66,15 @@ class V4Shape:
 
 
 SHAPES = [
+    *(V4Shape(f"MODEL1 decode B64 N{n} topk{k}" + (f" + scope {e}" if e else ""), "model1",
+              64, n, k, e, target=1.2)
+      for n in (64, 128) for k in (512, 2048) for e in (0, 128)),
     V4Shape("sink cost: decode fp8_ds_mla B64 N128 topk2048", "sink_decode", 64, 128, 2048,
             target=0.02),
     V4Shape("sink cost: prefill s_q2048 s_kv16384 N128 topk2048", "sink_prefill", 2048, 128,
             2048, target=0.02),
     V4Shape("sink cost: prefill d512 s_q2048 s_kv16384 N128 topk512", "sink_prefill", 2048,
             128, 512, target=0.02, d=512),
-    *(V4Shape(f"MODEL1 decode B64 N{n} topk{k}" + (f" + scope {e}" if e else ""), "model1",
-              64, n, k, e, target=1.2)
-      for n in (64, 128) for k in (512, 2048) for e in (0, 128)),
 ]
 
 
