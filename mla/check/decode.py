@@ -137,6 +137,11 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
                _case(ctx, 43, edge + [4097], 4, 128, True, block_size=128))
     yield Case("N=96 s_q=1 page=256 lens 0,1,63,64,65,1037 (half-empty group)",
                _case(ctx, 44, edge, 1, 96, False, block_size=256))
+    # its warp-specialized seesaw variant (mla.fast.sm90.decode_seesaw), taken when asked
+    for j, (s_q, causal, splits) in enumerate([(1, False, 1), (2, True, 3)]):
+        yield Case(f"N=128 s_q={s_q} causal={int(causal)} seesaw split={splits}",
+                   _case(ctx, 45 + j, edge + [3000], s_q, 128, causal,
+                         plan=DecodePlan(64, 64, splits, 8, 2, seesaw=True)))
     yield Case("float16 N=128 s_q=2 causal",
                _case(ctx, 40, edge, 2, 128, True, dtype=torch.float16), torch.float16)
     yield Case("float32 N=16 s_q=1 lens 0,1,65,300",

@@ -82,6 +82,9 @@ class DecodePlan:
     # (it uses its own tiles: 64 × 64, 8 warps, two TMA stages; ``block_n``, ``num_warps``,
     # ``num_stages`` and ``use_tma`` then describe only the Triton fallback)
     sm90: bool = True
+    # with ``sm90``: the warp-specialized "seesaw" variant of that kernel
+    # (``mla.fast.sm90.decode_seesaw``); off until the GPU shows it correct and faster
+    seesaw: bool = False
 
 
 def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v: int,
@@ -339,6 +342,7 @@ class _Launch:
     lse_shape: tuple[int, ...]
     grid: tuple[int, int, int] | None  # None: nothing to compute (B = 0 or N = 0)
     sm90: bool = False
+    seesaw: bool = False  # with sm90: the seesaw kernel
     copy: tuple[bool, bool, bool] = (False, False, False)  # q, kv_cache, block_table
     # split partials, one float32 buffer: o [B, splits, rows, DV] from 0, lse [B, splits, rows]
     # from part_lse (16-byte aligned); 0: no split
@@ -362,6 +366,7 @@ _triton_combine = CompiledLauncher(combine_kernel)
 # built at the first sm_90 call (importing Gluon), again if the module's kernel is replaced
 _sm90_module: types.ModuleType | None = None
 _sm90_decode: CompiledLauncher | None = None
+_sm90_seesaw: CompiledLauncher | None = None
 
 
 def _key(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -430,9 +435,9 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         combine_constexprs=(N, s_q, DV, block_dv, max(2, next_pow2(plan.num_splits)),
                             has_sink))
     if _sm90_route(plan, q, kv_cache, DV):
-        return _Launch(sm90=True, allocator=True,
+        return _Launch(sm90=True, seesaw=plan.seesaw, allocator=True,
                        constexprs=(N, s_q, block_size, bool(causal), split, has_sink),
-                       options={"num_warps": 8}, **common)
+                       options={"num_warps": 4 if plan.seesaw else 8}, **common)
     page_tile = block_size % plan.block_n == 0
     use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
     constexprs = (N, s_q, DV, DR, block_size, plan.block_m, plan.block_n, block_dv,
@@ -469,7 +474,7 @@ def mla_decode_paged(
     a CUDA graph is being captured. Unvalidated bad values give NaN for their request.
     ``plan``: launch parameters; default ``plan_decode(...)`` from the shapes.
     """
-    global _sm90_decode, _sm90_module
+    global _sm90_decode, _sm90_module, _sm90_seesaw
     try:
         key = _key(q, kv_cache, block_table, cache_seqlens, causal, head_dim_v, attn_sink,
                    plan)
@@ -482,7 +487,7 @@ def mla_decode_paged(
         if key is not None:
             if len(_launches) >= _MAX_LAUNCHES:  # shape churn: start again, kernels too
                 _launches.clear()
-                for launcher in (_triton_decode, _triton_combine, _sm90_decode):
+                for launcher in (_triton_decode, _triton_combine, _sm90_decode, _sm90_seesaw):
                     if launcher is not None:
                         launcher.compiled.clear()
             _launches[key] = launch
@@ -516,8 +521,15 @@ def mla_decode_paged(
             from mla.fast.sm90 import decode as _sm90_module
         if _sm90_decode is None or _sm90_decode.fn is not _sm90_module.decode_kernel:
             _sm90_decode = CompiledLauncher(_sm90_module.decode_kernel)
+        launcher = _sm90_decode
+        if launch.seesaw:
+            if _sm90_seesaw is None:
+                from mla.fast.sm90.decode_seesaw import seesaw_kernel
+
+                _sm90_seesaw = CompiledLauncher(seesaw_kernel)
+            launcher = _sm90_seesaw
         ensure_allocator()  # the Gluon kernel's tensor descriptors
-        if not sm90.launch_compiled(_sm90_decode, key, launch.grid, ptrs + rest,
+        if not sm90.launch_compiled(launcher, key, launch.grid, ptrs + rest,
                                     **launch.options):
             # the Gluon kernel cannot be built here: every later call takes the Triton route
             _launches.pop(key, None)
