@@ -84,8 +84,8 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
                   OUT_BLOCK=1024)
     launches = {
         topk._estimate_kernel: (dict(CAP=cap, BITS=topk.ESTIMATE_BITS, RUN=topk.RUN,
-                                     SAMPLE_RUNS=topk.SAMPLE_RUNS, SMALL=topk.SMALL,
-                                     OVERSAMPLE=float(plan.oversample)), topk.ESTIMATE_WARPS),
+                                     SAMPLE_RUNS=plan.sample_runs, SMALL=topk.SMALL,
+                                     OVERSAMPLE=float(plan.oversample)), plan.estimate_warps),
         topk._filter_kernel: (dict(select, BLOCK=plan.block, STAGES=plan.stages,
                                    DEFER=plan.defer_stores, FUSE=plan.fuse_select),
                               plan.filter_warps),

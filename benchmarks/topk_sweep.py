@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import os
+import time
 
 import torch
 import triton.testing
@@ -43,14 +44,19 @@ from mla.fast.topk import (
 TOPK = 2048
 SHAPES = [(1, 8192), (128, 8192), (1, 32768), (32, 32768), (128, 32768), (256, 32768),
           (1, 131072), (32, 131072), (128, 131072), (256, 131072)]
-PLANS = [TopkPlan(), TopkPlan(fuse_select=True), TopkPlan(defer_stores=True),
-         TopkPlan(defer_stores=True, programs_per_sm=8),
-         TopkPlan(oversample=1.25), TopkPlan(oversample=1.25, select_bits=6),
-         TopkPlan(block=1024), TopkPlan(block=4096), TopkPlan(stages=2), TopkPlan(stages=4),
-         TopkPlan(programs_per_sm=2), TopkPlan(programs_per_sm=8), TopkPlan(programs_per_sm=16),
-         TopkPlan(filter_warps=4), TopkPlan(select_bits=5), TopkPlan(select_bits=6),
-         TopkPlan(select_tile=1024), TopkPlan(select_tile=4096), TopkPlan(select_warps=4),
-         TopkPlan(select_warps=16), TopkPlan(block=4096, filter_warps=16)]
+PLANS = [TopkPlan(), TopkPlan(fuse_select=True),
+         TopkPlan(block=256, filter_warps=1, programs_per_sm=32),
+         TopkPlan(block=512, filter_warps=1, programs_per_sm=32),
+         TopkPlan(block=256, filter_warps=1, programs_per_sm=64),
+         TopkPlan(block=512, filter_warps=2, programs_per_sm=16),
+         TopkPlan(block=1024, filter_warps=4, programs_per_sm=8),
+         TopkPlan(block=256, filter_warps=1, programs_per_sm=32, defer_stores=True),
+         TopkPlan(defer_stores=True), TopkPlan(block=4096),
+         TopkPlan(estimate_warps=8), TopkPlan(sample_runs=256, estimate_warps=8),
+         TopkPlan(sample_runs=256, estimate_warps=4), TopkPlan(select_warps=4),
+         TopkPlan(select_warps=16), TopkPlan(select_bits=5), TopkPlan(select_bits=6),
+         TopkPlan(select_tile=1024), TopkPlan(select_tile=4096), TopkPlan(oversample=1.25),
+         TopkPlan(block=256, filter_warps=1, programs_per_sm=32, fuse_select=True)]
 SWEEP_SHAPES = [(1, 131072), (128, 32768), (128, 131072), (256, 131072)]
 
 
@@ -172,21 +178,40 @@ def _run(steps) -> None:
         s()
 
 
+def _plan_times(x, st, en, plan: TopkPlan) -> dict:
+    """GPU times of one call in a CUDA graph (no host launch cost), and of its launches one
+    by one (graphs of the first 1, 2, 3): what each kernel costs."""
+    out = torch.empty(x.shape[0], TOPK, dtype=torch.int32, device="cuda")
+    _, steps = launches(x, st, en, out, TOPK, plan)
+    upto = [time_graph(functools.partial(_run, steps[:i + 1]), reps=30)
+            for i in range(len(steps))]
+    names = ["estimate_ms", "filter_ms", "select_ms"][:len(steps)]
+    return {"graph_ms": upto[-1],
+            **{n: upto[i] - (upto[i - 1] if i else 0.0) for i, n in enumerate(names)}}
+
+
+def _host_us(fn, calls: int = 100) -> float:
+    """Host time of a call (Python and the launches), the GPU left to queue behind."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
 def timing(copy_tbps: float) -> list[dict]:
     rows = []
     for R, W in SHAPES:
         x = torch.randn(R, W, device="cuda")
         st, en = _full(R, W)
         nbytes = R * W * 4 + R * TOPK * 4
-        row = {"R": R, "L": W}
-        row["ms"] = _bench(functools.partial(top_k_per_row, x, st, en, TOPK))
-        row["graph_ms"] = time_graph(functools.partial(top_k_per_row, x, st, en, TOPK))
+        call = functools.partial(top_k_per_row, x, st, en, TOPK)
+        row = {"R": R, "L": W, "ms": _bench(call), **_plan_times(x, st, en, TopkPlan()),
+               "host_us": _host_us(call)}
         row["torch_topk_values_ms"] = _bench(functools.partial(torch.topk, x, TOPK, dim=1))
-        out = torch.empty(R, TOPK, dtype=torch.int32, device="cuda")
-        _, steps = launches(x, st, en, out, TOPK, TopkPlan())
-        upto = [_bench(functools.partial(_run, steps[:i + 1])) for i in range(3)]
-        row["estimate_ms"], row["filter_ms"], row["select_ms"] = (
-            upto[0], upto[1] - upto[0], upto[2] - upto[1])
         row["GBps"] = nbytes / (row["ms"] * 1e-3) / 1e9
         row["graph_GBps"] = nbytes / (row["graph_ms"] * 1e-3) / 1e9
         row["pct_copy"] = 100 * row["GBps"] / (copy_tbps * 1e3)
@@ -194,15 +219,17 @@ def timing(copy_tbps: float) -> list[dict]:
         rows.append(row)
         log(f"time R={R} L={W}: {row['ms'] * 1e3:.1f} us ({row['GBps']:.0f} GB/s, "
             f"{row['pct_copy']:.0f}% of copy; graph {row['graph_ms'] * 1e3:.1f} us, "
-            f"{row['graph_pct_copy']:.0f}%); launches cumulative {upto[0] * 1e3:.1f} / "
-            f"{upto[1] * 1e3:.1f} / {upto[2] * 1e3:.1f} us; torch.topk values "
+            f"{row['graph_pct_copy']:.0f}%); graph launches {row['estimate_ms'] * 1e3:.1f} + "
+            f"{row['filter_ms'] * 1e3:.1f} + {row['select_ms'] * 1e3:.1f} us; host "
+            f"{row['host_us']:.0f} us a call; torch.topk values "
             f"{row['torch_topk_values_ms'] * 1e3:.1f} us")
         torch.cuda.empty_cache()
     return rows
 
 
 def sweep(copy_tbps: float, rows: list[dict], save) -> list[dict]:
-    """``TopkPlan`` alternatives; each row appended to ``rows`` and saved as it comes."""
+    """``TopkPlan`` alternatives (CUDA-graph times, each launch apart); each row appended to
+    ``rows`` and saved as it comes."""
     for R, W in SWEEP_SHAPES:
         x = torch.randn(R, W, device="cuda")
         st, en = _full(R, W)
@@ -212,17 +239,26 @@ def sweep(copy_tbps: float, rows: list[dict], save) -> list[dict]:
             try:
                 got = top_k_per_row(x, st, en, TOPK, plan=plan)
                 row["same_set"] = bool(torch.equal(as_sets(got), want))
-                row["ms"] = _bench(functools.partial(top_k_per_row, x, st, en, TOPK, plan=plan))
-                row["pct_copy"] = 100 * R * W * 4 / (row["ms"] * 1e-3) / (copy_tbps * 1e12)
-                log(f"sweep R={R} L={W} {plan}: {row['ms'] * 1e3:.1f} us, "
-                    f"{row['pct_copy']:.0f}% of copy, same set {row['same_set']}")
+                row.update(_plan_times(x, st, en, plan))
+                row["pct_copy"] = 100 * R * W * 4 / (row["graph_ms"] * 1e-3) / (copy_tbps * 1e12)
+                parts = " + ".join(f"{row[n] * 1e3:.1f}" for n in
+                                   ("estimate_ms", "filter_ms", "select_ms") if n in row)
+                log(f"sweep R={R} L={W} {_changed(plan)}: graph {row['graph_ms'] * 1e3:.1f} us "
+                    f"({parts}), {row['pct_copy']:.0f}% of copy, same set {row['same_set']}")
             except Exception as e:  # a plan that does not compile or fit is a result too
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
-                log(f"sweep R={R} L={W} {plan}: {row['error']}")
+                log(f"sweep R={R} L={W} {_changed(plan)}: {row['error']}")
             rows.append(row)
             save()
         torch.cuda.empty_cache()
     return rows
+
+
+def _changed(plan: TopkPlan) -> str:
+    """The fields a plan changes from the default."""
+    base = dataclasses.asdict(TopkPlan())
+    diff = {k: v for k, v in dataclasses.asdict(plan).items() if base[k] != v}
+    return "default" if not diff else " ".join(f"{k}={v}" for k, v in diff.items())
 
 
 def adversarial_timing() -> list[dict]:

@@ -193,7 +193,9 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(stages=1, filter_warps=4),
                                   TopkPlan(select_bits=5), TopkPlan(select_bits=6),
                                   TopkPlan(defer_stores=True), TopkPlan(select_tile=1024),
-                                  TopkPlan(oversample=1.0), TopkPlan(fuse_select=True)])
+                                  TopkPlan(oversample=1.0), TopkPlan(fuse_select=True),
+                                  TopkPlan(block=256, filter_warps=1, programs_per_sm=32),
+                                  TopkPlan(sample_runs=256, estimate_warps=4)])
 def test_topk_other_plans(plan):
     logits, st, en = _rows(_gen(41), [0, 5], [LONG, LONG - 9], LONG)
     _check(logits, st, en, 2048, plan=plan)
@@ -230,6 +232,8 @@ def test_topk_empty_and_bad_input():
         TopkPlan(stages=0)
     with pytest.raises(ValueError, match="TopkPlan.oversample"):
         TopkPlan(oversample=0.5)
+    with pytest.raises(ValueError, match="TopkPlan.sample_runs"):
+        TopkPlan(sample_runs=2048)
     # unvalidated, a range past the row is clipped to it
     got = top_k_per_row(logits.nan_to_num(-1.0), st, en + 5, 20, validate=False).cpu()
     assert sorted(got[0][got[0] >= 0].tolist()) == list(range(10))

@@ -63,21 +63,23 @@ __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
 SMALL = 1024  # a boundary bucket this small is compacted and finished in registers
 ESTIMATE_BITS = 8  # a radix level of the estimate: 256 bins
-ESTIMATE_WARPS = 16  # 8 int64 sample keys a thread (at 8 warps, sm_90 ptxas spills 8 bytes)
-SAMPLE_RUNS, RUN = 512, 8  # the estimate's sample: 4096 keys in runs of one 32-byte sector
+RUN = 8  # the estimate's sample comes in runs of 8 keys: one 32-byte sector
 WORK_PAD_COLUMNS = WORK_PAD.value
 
 
 @dataclasses.dataclass(frozen=True)
 class TopkPlan:
-    """How the kernels tile: ``block`` keys a step of the streaming read, ``stages`` steps in
-    flight, ``filter_warps``, ``programs_per_sm`` (the streaming programs the grid aims at per
-    SM: a row is split into that many chunks over the rows), ``defer_stores`` (a block's
-    survivors stored during the next block's read), ``oversample`` (the survivors aimed at, in
-    ``topk``, before three standard deviations of the sample's), ``fuse_select`` (each row's
-    last streaming program selects: two launches); the select's ``select_bits`` a
-    radix level, ``select_tile`` items a step, ``select_warps``. ``benchmarks/topk_sweep.py``
-    times the alternatives."""
+    """How the kernels run (``benchmarks/topk_sweep.py`` times the alternatives).
+
+    Estimate: ``sample_runs`` runs of ``RUN`` keys (2 to 1024), ``estimate_warps``,
+    ``oversample`` (the survivors aimed
+    at, in ``topk``, before three standard deviations of the sample's). Streaming read:
+    ``block`` keys a step, ``stages`` steps in flight, ``filter_warps``, ``programs_per_sm``
+    (the grid aims at that many programs per SM: a row is cut into that many chunks over the
+    rows), ``defer_stores`` (a block's survivors stored during the next block's read, the
+    reserving atomic's round trip overlapped). Select: ``select_bits`` a radix level,
+    ``select_tile`` items a step, ``select_warps``; ``fuse_select``: each row's last streaming
+    program selects (two launches)."""
     block: int = 2048
     stages: int = 3
     filter_warps: int = 8
@@ -88,9 +90,12 @@ class TopkPlan:
     defer_stores: bool = False
     oversample: float = 1.5
     fuse_select: bool = False
+    sample_runs: int = 512
+    estimate_warps: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("block", "filter_warps", "select_tile", "select_warps"):
+        for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",
+                     "estimate_warps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
@@ -98,17 +103,20 @@ class TopkPlan:
             raise ValueError(f"TopkPlan.select_bits must be 5 to 8, got {self.select_bits!r}")
         if not isinstance(self.oversample, (int, float)) or not 1.0 <= self.oversample <= 3.0:
             raise ValueError(f"TopkPlan.oversample must lie in [1, 3], got {self.oversample!r}")
+        if not 2 <= self.sample_runs <= 1024:
+            raise ValueError(f"TopkPlan.sample_runs must lie in [2, 1024], got "
+                             f"{self.sample_runs!r}")
         for name in ("stages", "programs_per_sm"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TopkPlan.{name} must be an int >= 1, got {v!r}")
 
 
-def sample_columns(n: int) -> torch.Tensor:
-    """The columns (from the row's start) that the estimate samples in a row of ``n`` keys:
-    ``SAMPLE_RUNS`` runs of ``RUN``, evenly spaced from 0 (the last ends less than
-    ``SAMPLE_RUNS - 1`` keys before the row's end)."""
-    first = torch.arange(SAMPLE_RUNS) * ((n - RUN) // (SAMPLE_RUNS - 1))
+def sample_columns(n: int, runs: int = 512) -> torch.Tensor:
+    """The columns (from the row's start) that the estimate samples in a row of ``n`` keys
+    (``TopkPlan.sample_runs``): ``runs`` runs of ``RUN``, evenly spaced from 0 (the last ends
+    less than ``runs - 1`` keys before the row's end)."""
+    first = torch.arange(runs) * ((n - RUN) // (runs - 1))
     return (first[:, None] + torch.arange(RUN)[None, :]).flatten()
 
 
@@ -174,8 +182,8 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     steps = [
         functools.partial(_estimate_kernel[(R,)], *rows, work, W, topk, s_l_r,
                           OVERSAMPLE=float(plan.oversample), CAP=cap,
-                          SAMPLE_RUNS=SAMPLE_RUNS, RUN=RUN, BITS=ESTIMATE_BITS,
-                          SMALL=SMALL, num_warps=ESTIMATE_WARPS),
+                          SAMPLE_RUNS=plan.sample_runs, RUN=RUN, BITS=ESTIMATE_BITS,
+                          SMALL=SMALL, num_warps=plan.estimate_warps),
         functools.partial(_filter_kernel[(R, chunks)], *rows, work, out, W, topk, s_l_r,
                           out.stride(0), chunk, DEFER=plan.defer_stores,
                           FUSE=plan.fuse_select, BLOCK=plan.block, STAGES=plan.stages,

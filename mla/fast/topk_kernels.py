@@ -191,38 +191,40 @@ def _filter_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r, chunk
     if n > CAP:
         keys_out, cols_out, _few, thresh, count, top, _fin = _work_row(work, row, CAP, SMALL)
         t = tl.load(thresh)
-        # from start rounded down to 16, so that the loads are 16-byte vectors
-        lo = tl.multiple_of(start - start % 16 + c * chunk, 16)
-        hi = tl.minimum(lo + chunk, end)
+        # from start rounded down to 16, so that the loads are 16-byte vectors; columns as
+        # int32 (W < 2^31): half the registers and address arithmetic of int64
+        lo = tl.multiple_of((start - start % 16 + c * chunk).to(tl.int32), 16)
+        hi = tl.minimum(lo + chunk, end.to(tl.int32))
+        first = start.to(tl.int32)
         src = logits + row * s_l_r
         if DEFER:
             base_prev = tl.zeros((), tl.int32)
             keep_prev = tl.zeros((BLOCK,), tl.int1)
             k_prev = tl.zeros((BLOCK,), tl.int32)
-            cols_prev = tl.zeros((BLOCK,), tl.int64)
+            cols_prev = tl.zeros((BLOCK,), tl.int32)
             for c0 in tl.range(lo, hi + BLOCK, BLOCK, num_stages=STAGES):
                 cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
                 x = tl.load(src + cols, mask=(cols < W) & (cols < hi), other=0.0)
                 k = _order_keys(x)
-                keep = (cols >= start) & (cols < hi) & (k >= t)
+                keep = (cols >= first) & (cols < hi) & (k >= t)
                 kept = tl.sum(keep.to(tl.int32), axis=0)
                 tl.atomic_max(top, tl.max(tl.where(keep, k, -2147483648), axis=0), sem="relaxed")
                 base = tl.atomic_add(count, kept, sem="relaxed")  # read next iteration
                 _store_survivors(keys_out, cols_out, base_prev, keep_prev, k_prev, cols_prev,
-                                 start, CAP)
+                                 first, CAP)
                 base_prev, keep_prev, k_prev, cols_prev = base, keep, k, cols
         else:
             for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
                 cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
                 x = tl.load(src + cols, mask=cols < W, other=0.0)
                 k = _order_keys(x)
-                keep = (cols >= start) & (cols < hi) & (k >= t)
+                keep = (cols >= first) & (cols < hi) & (k >= t)
                 kept = tl.sum(keep.to(tl.int32), axis=0)
                 if kept > 0:
                     tl.atomic_max(top, tl.max(tl.where(keep, k, -2147483648), axis=0),
                                   sem="relaxed")
                     base = tl.atomic_add(count, kept, sem="relaxed")
-                    _store_survivors(keys_out, cols_out, base, keep, k, cols, start, CAP)
+                    _store_survivors(keys_out, cols_out, base, keep, k, cols, first, CAP)
     if FUSE:
         last = c == 0
         if n > CAP:
