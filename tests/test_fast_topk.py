@@ -107,14 +107,16 @@ def test_topk_paths():
 
 
 def test_topk_row_order():
-    """A row selected directly and a scanned row come in column order (the doc's promise);
-    a listed row holds the same set in the list's order."""
+    """A row selected from its own columns (a short row, a scanned row) comes as at most two
+    runs in column order: the keys above the boundary bucket, then the bucket's chosen ones."""
     logits, st, en = _full(torch.randn(3, LONG, generator=_gen(32)))
     en[0] = 5000
-    logits[2] = -1.0
+    logits[2] = -1.0  # every key tied: its threshold lets too many through
+    assert _paths(logits, st, en, 2048) == ["direct", "listed", "scanned"]
     got = _check(logits, st, en, 2048)
     for r in (0, 2):
-        assert torch.equal(got[r], got[r].sort().values), f"row {r} is not in column order"
+        descents = int((got[r, 1:] < got[r, :-1]).sum())
+        assert descents <= 1, f"row {r}: {descents + 1} runs"
 
 
 def test_topk_special_values():

@@ -7,7 +7,8 @@ logits and top-k"): per row the ``min(topk, end - start)`` highest logits of col
 ``j - start``; the rest of the row ``-1``. Columns outside ``[start, end)`` never count (the
 streaming read loads whole 16-byte vectors of the row, so a neighbour may be loaded, then
 masked). The set is not sorted by score (the sparse attention sums over it, the catalogue
-compares sets): a row selected from its own columns comes in column order, a row selected
+compares sets): a row selected from its own columns comes as at most two runs in column order
+(the keys above the boundary's radix bucket, then the bucket's chosen ones), a row selected
 from its candidate list in the list's order, which the streaming read's atomics decide (the
 set never depends on it).
 

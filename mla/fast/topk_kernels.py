@@ -50,15 +50,22 @@ def _work_row(work, row, CAP: tl.constexpr, SMALL: tl.constexpr):
 
 
 @triton.jit
+def _count_max_min(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, tl.maximum(a1, b1), tl.minimum(a2, b2)
+
+
+@triton.jit
 def _bucket(h, need, BINS: tl.constexpr):
     """The bucket ``d`` of histogram ``h`` that holds the ``need``-th best (from the top), the
-    count strictly above it and in it."""
-    bins = tl.arange(0, BINS)
+    count strictly above it and in it: one joint reduction of the reverse cumulative counts
+    (those of buckets at or below ``d`` reach ``need``; the largest of the others is the
+    count above ``d``, the smallest of those ``d``'s own plus it)."""
     at_or_above = tl.cumsum(h, axis=0, reverse=True)
-    d = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1
-    above = tl.sum(tl.where(bins > d, h, 0), axis=0)
-    inside = tl.sum(tl.where(bins == d, h, 0), axis=0)
-    return d, above, inside
+    reach = at_or_above >= need
+    count, above, at_d = tl.reduce((reach.to(tl.int32), tl.where(reach, 0, at_or_above),
+                                    tl.where(reach, at_or_above, 2147483647)), 0,
+                                   _count_max_min)
+    return count - 1, above, at_d - above
 
 
 @triton.jit
@@ -261,10 +268,12 @@ def _stream_select(src, list_keys, list_cols, listed, items, need, few_ptr, dst,
     """The exact ``need`` best of ``items`` (the candidate list, or the row: directly, or
     because its threshold failed) by one program, each level a read of the items in tiles
     (two: the window's place, then the histogram), so the cost follows the items, not the
-    list's length; once the boundary bucket fits ``SMALL``, it is compacted (``few_ptr``) and
-    the levels go on in registers. Then one more read writes the selection in item order
-    (column order for a row). A list's composites lie in ``[lo, hi]`` (the threshold, the
-    largest key the filter saw): its first level places its window without a read."""
+    list's length; once the boundary bucket fits ``SMALL``, one more read writes the items
+    above it (all selected, in item order) and compacts its items (``few_ptr``), and the
+    levels go on in registers, then write the bucket's chosen ones (in item order). A
+    bucket that never fits takes a last read to write the selection. A list's composites lie
+    in ``[lo, hi]`` (the threshold, the largest key the filter saw): its first level places
+    its window without a read."""
     need = tl.zeros((), tl.int32) + need
     mask = tl.full((), -9223372036854775808, tl.int64)  # the sign bit: items only
     found = tl.zeros((), tl.int64)
@@ -289,26 +298,35 @@ def _stream_select(src, list_keys, list_cols, listed, items, need, few_ptr, dst,
         found, mask = _fix(cmin, shift, d, BITS)
         done = (inside == need).to(tl.int32)
         bounded = 0 * bounded
+    written = tl.zeros((), tl.int32)
     if done == 0:
+        # one read: the items above the bucket are written (all selected), its items compacted
         kept = tl.zeros((), tl.int32)
         for t in range(0, items, TILE):
             c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
             m = (c & mask) == found
             tl.store(few_ptr + kept + tl.cumsum(m.to(tl.int32), axis=0) - 1, c, mask=m)
             kept += tl.sum(m.to(tl.int32), axis=0)
+            written = _write_taken(dst, c, (c & mask) > found, written)
         tl.debug_barrier()  # the compacted items written by every thread before they are read
         j = tl.arange(0, SMALL)
         few = tl.load(few_ptr + j, mask=j < inside, other=-1)
         while done == 0:
             found, mask, need, inside, _ = _level(few, (few & mask) == found, need, BITS)
             done = (inside == need).to(tl.int32)
-    written = tl.zeros((), tl.int32)
-    for t in range(0, items, TILE):
-        c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
-        take = (c & mask) >= found
-        pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(dst + pos, 0x7FFFFFFF - (c & 0x7FFFFFFF).to(tl.int32), mask=take)
-        written += tl.sum(take.to(tl.int32), axis=0)
+        _write_taken(dst, few, (few & mask) >= found, written)
+    else:
+        for t in range(0, items, TILE):
+            c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
+            written = _write_taken(dst, c, (c & mask) >= found, written)
+
+
+@triton.jit
+def _write_taken(dst, c, take, written):
+    """The columns of the taken ``c`` after the ``written`` ones, in their order."""
+    pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(dst + pos, 0x7FFFFFFF - (c & 0x7FFFFFFF).to(tl.int32), mask=take)
+    return written + tl.sum(take.to(tl.int32), axis=0)
 
 
 @triton.jit
