@@ -11,9 +11,10 @@ measured in the same run (``python -m benchmarks.indexer --out DIR``).
 - ``fp8_mqa_logits`` (prefill, ragged): a chunk of queries at the end of a long request, and
   several short requests; FLOPs over the (query, key) pairs each query sees.
 - ``top_k_per_row`` (k = 2048): rows ``B·next_n`` of L logits; bytes the logits read once plus
-  the indices; beside it ``torch.topk`` on int64 keys that pack the order-preserving float bits
-  with the inverted column (the same set, ties to the lower index) and plain ``torch.topk`` on
-  the values (no tie rule; for orientation).
+  the indices; timed as called and in a CUDA graph (the kernels without the host's launch
+  cost between them); beside it ``torch.topk`` on int64 keys that pack the order-preserving
+  float bits with the inverted column (the same set, ties to the lower index) and plain
+  ``torch.topk`` on the values (no tie rule; for orientation).
 - Errors: the logits against the float64 reference on a slice of each shape, and over 20
   seeds on small shapes, beside the budget (``mla.fast.indexer_logits.logits_budget``).
 - ``--sweep``: a few ``LogitsPlan`` tilings and pipeline depths of both logits kernels on two
@@ -35,7 +36,7 @@ import torch
 import triton.testing
 
 import mla.reference as ref
-from benchmarks.common import ceilings, log, report_heading
+from benchmarks.common import ceilings, log, report_heading, time_graph
 from mla.compare import rel_err
 from mla.conformance.cases.indexer import as_sets, logits_limit
 from mla.environment import environment
@@ -231,6 +232,10 @@ def bench_topk(copy_tbps: float) -> list[dict]:
                 row[f"{name}_ms"] = ms
                 row[f"{name}_GBps"] = nbytes / (ms * 1e-3) / 1e9
             row["pct_copy"] = 100 * row["triton_GBps"] / (copy_tbps * 1e3)
+            # the kernels alone: a CUDA graph has no host launch cost between them
+            row["triton_graph_ms"] = time_graph(functools.partial(top_k_per_row, *args))
+            row["graph_pct_copy"] = 100 * nbytes / (row["triton_graph_ms"] * 1e-3) / (
+                copy_tbps * 1e12)
             few = slice(0, min(R, 4))
             got = top_k_per_row(logits[few], starts[few], ends[few], TOPK)
             want = ref.top_k_per_row(logits[few].cpu(), starts[few].cpu(), ends[few].cpu(),
@@ -240,7 +245,8 @@ def bench_topk(copy_tbps: float) -> list[dict]:
             row["packed_same_set"] = bool(torch.equal(as_sets(packed), as_sets(want)))
             rows.append(row)
             log(f"top-k R={R} L={L}: triton {row['triton_ms']:.3f} ms "
-                f"({row['triton_GBps']:.0f} GB/s, {row['pct_copy']:.0f}% of copy), packed "
+                f"({row['triton_GBps']:.0f} GB/s, {row['pct_copy']:.0f}% of copy; in a graph "
+                f"{row['triton_graph_ms']:.3f} ms, {row['graph_pct_copy']:.0f}%), packed "
                 f"torch.topk {row['packed_torch_topk_ms']:.3f} ms, torch.topk values "
                 f"{row['torch_topk_values_ms']:.3f} ms; sets equal: {row['same_set']} "
                 f"(packed {row['packed_same_set']})")
@@ -330,12 +336,13 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['shape']} | {r['S']} | {r['N']} | {r['ms']:.3f} | "
                      f"{r['TFLOPs']:.0f} | {r['pct_fp8']:.0f} | {r['rel_err']:.1e} |")
     lines += ["", "## top_k_per_row (k = 2048)", "",
-              "| rows | L | Triton ms | GB/s | % copy | packed torch.topk ms | torch.topk "
-              "values ms | set = reference |", "| --- | --- | --- | --- | --- | --- | --- | "
-              "--- |"]
+              "| rows | L | Triton ms | GB/s | % copy | in a CUDA graph ms | % copy | packed "
+              "torch.topk ms | torch.topk values ms | set = reference |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["topk"]:
         lines.append(f"| {r['R']} | {r['L']} | {r['triton_ms']:.3f} | {r['triton_GBps']:.0f} "
-                     f"| {r['pct_copy']:.0f} | {r['packed_torch_topk_ms']:.3f} | "
+                     f"| {r['pct_copy']:.0f} | {r['triton_graph_ms']:.3f} | "
+                     f"{r['graph_pct_copy']:.0f} | {r['packed_torch_topk_ms']:.3f} | "
                      f"{r['torch_topk_values_ms']:.3f} | {r['same_set']} |")
     if res["sweep"]:
         lines += ["", "## Logits plans (--sweep)", "",
