@@ -45,18 +45,18 @@ TOPK = 2048
 SHAPES = [(1, 8192), (128, 8192), (1, 32768), (32, 32768), (128, 32768), (256, 32768),
           (1, 131072), (32, 131072), (128, 131072), (256, 131072)]
 PLANS = [TopkPlan(), TopkPlan(fuse_select=True),
-         TopkPlan(block=256, filter_warps=1, programs_per_sm=32),
-         TopkPlan(block=512, filter_warps=1, programs_per_sm=32),
-         TopkPlan(block=256, filter_warps=1, programs_per_sm=64),
-         TopkPlan(block=512, filter_warps=2, programs_per_sm=16),
+         TopkPlan(block=2048, filter_warps=8, programs_per_sm=4),  # the first run's
+         TopkPlan(block=256, programs_per_sm=32), TopkPlan(block=256, programs_per_sm=64),
+         TopkPlan(programs_per_sm=16), TopkPlan(programs_per_sm=64),
+         TopkPlan(block=1024, filter_warps=2, programs_per_sm=16),
          TopkPlan(block=1024, filter_warps=4, programs_per_sm=8),
-         TopkPlan(block=256, filter_warps=1, programs_per_sm=32, defer_stores=True),
-         TopkPlan(defer_stores=True), TopkPlan(block=4096),
+         TopkPlan(defer_stores=True), TopkPlan(block=256, defer_stores=True),
+         TopkPlan(stages=2), TopkPlan(stages=4),
          TopkPlan(estimate_warps=8), TopkPlan(sample_runs=256, estimate_warps=8),
          TopkPlan(sample_runs=256, estimate_warps=4), TopkPlan(select_warps=4),
          TopkPlan(select_warps=16), TopkPlan(select_bits=5), TopkPlan(select_bits=6),
          TopkPlan(select_tile=1024), TopkPlan(select_tile=4096), TopkPlan(oversample=1.25),
-         TopkPlan(block=256, filter_warps=1, programs_per_sm=32, fuse_select=True)]
+         TopkPlan(block=2048, filter_warps=8, programs_per_sm=4, fuse_select=True)]
 SWEEP_SHAPES = [(1, 131072), (128, 32768), (128, 131072), (256, 131072)]
 
 

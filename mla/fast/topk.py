@@ -81,10 +81,10 @@ class TopkPlan:
     reserving atomic's round trip overlapped). Select: ``select_bits`` a radix level,
     ``select_tile`` items a step, ``select_warps``; ``fuse_select``: each row's last streaming
     program selects (two launches)."""
-    block: int = 2048
+    block: int = 512
     stages: int = 3
-    filter_warps: int = 8
-    programs_per_sm: int = 4
+    filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
+    programs_per_sm: int = 32
     select_bits: int = 8
     select_tile: int = 2048
     select_warps: int = 8
