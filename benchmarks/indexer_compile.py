@@ -83,7 +83,7 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     select = dict(CAP=cap, SMALL=topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
                   OUT_BLOCK=1024)
     launches = {
-        topk._estimate_kernel: (dict(CAP=cap, BITS=topk.ESTIMATE_BITS, RUN=topk.RUN,
+        topk._estimate_kernel: (dict(CAP=cap, BITS=plan.estimate_bits, RUN=topk.RUN,
                                      SAMPLE_RUNS=plan.sample_runs, SMALL=topk.SMALL,
                                      OVERSAMPLE=float(plan.oversample)), plan.estimate_warps),
         topk._filter_kernel: (dict(select, BLOCK=plan.block, STAGES=plan.stages,

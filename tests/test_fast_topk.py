@@ -197,7 +197,7 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(defer_stores=True), TopkPlan(select_tile=1024),
                                   TopkPlan(oversample=1.0), TopkPlan(fuse_select=True),
                                   TopkPlan(block=2048, filter_warps=8, programs_per_sm=4),
-                                  TopkPlan(sample_runs=256, estimate_warps=4)])
+                                  TopkPlan(sample_runs=256, estimate_warps=4, estimate_bits=5)])
 def test_topk_other_plans(plan):
     logits, st, en = _rows(_gen(41), [0, 5], [LONG, LONG - 9], LONG)
     _check(logits, st, en, 2048, plan=plan)

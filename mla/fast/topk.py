@@ -63,7 +63,6 @@ __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", 
 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
 SMALL = 1024  # a boundary bucket this small is compacted and finished in registers
-ESTIMATE_BITS = 8  # a radix level of the estimate: 256 bins
 RUN = 8  # the estimate's sample comes in runs of 8 keys: one 32-byte sector
 WORK_PAD_COLUMNS = WORK_PAD.value
 
@@ -73,8 +72,8 @@ class TopkPlan:
     """How the kernels run (``benchmarks/topk_sweep.py`` times the alternatives).
 
     Estimate: ``sample_runs`` runs of ``RUN`` keys (2 to 1024), ``estimate_warps``,
-    ``oversample`` (the survivors aimed
-    at, in ``topk``, before three standard deviations of the sample's). Streaming read:
+    ``estimate_bits`` a radix level, ``oversample`` (the survivors aimed at, in ``topk``,
+    before three standard deviations of the sample's). Streaming read:
     ``block`` keys a step, ``stages`` steps in flight, ``filter_warps``, ``programs_per_sm``
     (the grid aims at that many programs per SM: a row is cut into that many chunks over the
     rows), ``defer_stores`` (a block's survivors stored during the next block's read, the
@@ -93,6 +92,7 @@ class TopkPlan:
     fuse_select: bool = False
     sample_runs: int = 512
     estimate_warps: int = 16
+    estimate_bits: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",
@@ -100,8 +100,9 @@ class TopkPlan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
-        if self.select_bits not in (5, 6, 7, 8):
-            raise ValueError(f"TopkPlan.select_bits must be 5 to 8, got {self.select_bits!r}")
+        for name in ("select_bits", "estimate_bits"):
+            if getattr(self, name) not in (5, 6, 7, 8):
+                raise ValueError(f"TopkPlan.{name} must be 5 to 8, got {getattr(self, name)!r}")
         if not isinstance(self.oversample, (int, float)) or not 1.0 <= self.oversample <= 3.0:
             raise ValueError(f"TopkPlan.oversample must lie in [1, 3], got {self.oversample!r}")
         if not 2 <= self.sample_runs <= 1024:
@@ -183,7 +184,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     steps = [
         functools.partial(_estimate_kernel[(R,)], *rows, work, W, topk, s_l_r,
                           OVERSAMPLE=float(plan.oversample), CAP=cap,
-                          SAMPLE_RUNS=plan.sample_runs, RUN=RUN, BITS=ESTIMATE_BITS,
+                          SAMPLE_RUNS=plan.sample_runs, RUN=RUN, BITS=plan.estimate_bits,
                           SMALL=SMALL, num_warps=plan.estimate_warps),
         functools.partial(_filter_kernel[(R, chunks)], *rows, work, out, W, topk, s_l_r,
                           out.stride(0), chunk, DEFER=plan.defer_stores,
