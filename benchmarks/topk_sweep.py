@@ -58,7 +58,7 @@ PLANS = [TopkPlan(), TopkPlan(fuse_select=True),
          TopkPlan(select_warps=16), TopkPlan(select_bits=5), TopkPlan(select_bits=6),
          TopkPlan(select_tile=1024), TopkPlan(select_tile=4096), TopkPlan(oversample=1.25),
          TopkPlan(block=2048, filter_warps=8, programs_per_sm=4, fuse_select=True)]
-SWEEP_SHAPES = [(1, 131072), (128, 32768), (128, 131072), (256, 131072)]
+SWEEP_SHAPES = [(128, 131072), (128, 32768), (256, 131072), (1, 131072)]
 
 
 def _bench(fn) -> float:
@@ -179,12 +179,12 @@ def _run(steps) -> None:
         s()
 
 
-def _plan_times(x, st, en, plan: TopkPlan) -> dict:
+def _plan_times(x, st, en, plan: TopkPlan, reps: int = 30) -> dict:
     """GPU times of one call in a CUDA graph (no host launch cost), and of its launches one
     by one (graphs of the first 1, 2, 3): what each kernel costs."""
     out = torch.empty(x.shape[0], TOPK, dtype=torch.int32, device="cuda")
     _, steps = launches(x, st, en, out, TOPK, plan)
-    upto = [time_graph(functools.partial(_run, steps[:i + 1]), reps=30)
+    upto = [time_graph(functools.partial(_run, steps[:i + 1]), reps=reps)
             for i in range(len(steps))]
     names = ["estimate_ms", "filter_ms", "select_ms"][:len(steps)]
     return {"graph_ms": upto[-1],
@@ -240,7 +240,7 @@ def sweep(copy_tbps: float, rows: list[dict], save) -> list[dict]:
             try:
                 got = top_k_per_row(x, st, en, TOPK, plan=plan)
                 row["same_set"] = bool(torch.equal(as_sets(got), want))
-                row.update(_plan_times(x, st, en, plan))
+                row.update(_plan_times(x, st, en, plan, reps=15))
                 row["pct_copy"] = 100 * R * W * 4 / (row["graph_ms"] * 1e-3) / (copy_tbps * 1e12)
                 parts = " + ".join(f"{row[n] * 1e3:.1f}" for n in
                                    ("estimate_ms", "filter_ms", "select_ms") if n in row)
