@@ -11,10 +11,12 @@ every route stays the reference's.
   (``rel_to_default``), TFLOP/s against the fp8 matmul rate and against the roofline
   ``min(fp8 rate, FLOPs/bytes · copy bandwidth)``, both measured in the same run. The
   variants: the previous kernel (per-key gathers, two stages, programs for twice the SMs),
-  pointer page tiles, and the tensor-descriptor kernel at other depths, program lengths,
-  program counts and warps.
+  pointer page tiles, the tensor-descriptor kernel at other depths and program lengths, and
+  the one-wave persistent grid of ``benchmarks/indexer_logits_balanced.py``.
 
-Time: ``triton.testing.do_bench`` medians (L2 flushed before each call).
+Time: the median of CUDA graph replays of one call (``benchmarks.common.time_graph``, L2
+flushed before each: the GPU's time, whatever the host's launch costs) and, beside it, the
+eager ``triton.testing.do_bench`` median.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import torch
 import triton.testing
 
 import mla.reference as ref
-from benchmarks.common import ceilings, log, report_heading
+from benchmarks.common import ceilings, log, report_heading, time_graph
 from benchmarks.indexer import fp8_matmul_tflops, paged_inputs
+from benchmarks.indexer_logits_balanced import _RESIDENT, balanced_paged_logits
 from mla.compare import poison_like, rel_err
 from mla.environment import environment
 from mla.fast import fp8_paged_mqa_logits
@@ -40,21 +43,30 @@ from mla.fast.indexer_logits_tile import LogitsPlan
 
 H, D, PAGE = 64, 128, 64
 
-VARIANTS = {
-    "default": PAGED_PLAN,
-    "previous (gather, 2 stages, 2 programs/SM)": LogitsPlan(paged_loads="gather", stages=2,
-                                                              programs_per_sm=2),
-    "gather, 4 stages": LogitsPlan(paged_loads="gather"),
-    "page (cp.async)": LogitsPlan(paged_loads="page"),
-    "tma, 3 stages": dataclasses.replace(PAGED_PLAN, paged_loads="tma", stages=3),
-    "tma, 6 stages": dataclasses.replace(PAGED_PLAN, paged_loads="tma", stages=6),
-    "tma, 64 tiles a program": dataclasses.replace(PAGED_PLAN, paged_loads="tma", max_tiles=64),
-    "tma, 8 programs/SM": dataclasses.replace(PAGED_PLAN, paged_loads="tma", programs_per_sm=8),
-    "tma, 2 programs/SM": dataclasses.replace(PAGED_PLAN, paged_loads="tma", programs_per_sm=2),
-    "tma, 8 warps": dataclasses.replace(PAGED_PLAN, paged_loads="tma", num_warps=8),
+def _library(q8, cache, w, lens, table, width, plan):
+    return fp8_paged_mqa_logits(q8, cache, w, lens, table, width, plan=plan)
+
+
+VARIANTS = {  # name: (plan, how it runs)
+    "default": (PAGED_PLAN, _library),
+    "previous (gather, 2 stages, 2 programs/SM)": (
+        LogitsPlan(paged_loads="gather", stages=2, programs_per_sm=2), _library),
+    "page (cp.async)": (dataclasses.replace(PAGED_PLAN, paged_loads="page"), _library),
+    "tma, 3 stages": (dataclasses.replace(PAGED_PLAN, paged_loads="tma", stages=3), _library),
+    "tma, 8 tiles a program": (dataclasses.replace(PAGED_PLAN, paged_loads="tma",
+                                                   max_tiles=8), _library),
+    "tma, 4 tiles a program": (dataclasses.replace(PAGED_PLAN, paged_loads="tma",
+                                                   max_tiles=4), _library),
+    "page, 8 tiles a program": (dataclasses.replace(PAGED_PLAN, paged_loads="page",
+                                                    max_tiles=8), _library),
+    "balanced one-wave grid (tma)": (dataclasses.replace(PAGED_PLAN, paged_loads="tma"),
+                                     balanced_paged_logits),
+    "balanced one-wave grid (page)": (dataclasses.replace(PAGED_PLAN, paged_loads="page"),
+                                      balanced_paged_logits),
 }
 
-SHAPES = [(1, 1, 131072), (1, 2, 131072), (32, 1, 32768), (32, 2, 32768), (128, 4, 32768),
+SHAPES = [(1, 1, 8192), (1, 1, 131072), (1, 2, 131072), (32, 1, 32768), (32, 2, 32768),
+          (32, 1, 131072), (32, 2, 131072), (128, 1, 32768), (128, 2, 32768), (128, 4, 32768),
           (128, 1, 131072), (128, 2, 131072)]
 
 
@@ -90,8 +102,8 @@ def correctness() -> list[dict]:
         width = max(lens) + 100
         want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], width)
         gpu = tuple(a.cuda() for a in args)
-        for name, plan in VARIANTS.items():
-            got = fp8_paged_mqa_logits(*gpu, width, plan=plan).cpu()
+        for name, (plan, runner) in VARIANTS.items():
+            got = runner(*gpu, width, plan).cpu()
             err = rel_err(got, want)
             same_inf = bool(torch.equal(torch.isneginf(got), torch.isneginf(want)))
             row = {"lens": lens, "next_n": next_n, "variant": name,
@@ -134,23 +146,23 @@ def timings(fp8_tflops: float, copy_tbps: float, names: list[str]) -> list[dict]
         roof = min(fp8_tflops, flops / nbytes * copy_tbps)
         base = fp8_paged_mqa_logits(q8, cache, w, lens, table, L)
         for name in names:
-            plan = VARIANTS[name]
+            plan, runner = VARIANTS[name]
             row = {"B": B, "next_n": next_n, "L": L, "variant": name,
                    "plan": dataclasses.asdict(plan), "route": paged_loads(plan, cache),
                    "roofline_TFLOPs": roof}
             try:
-                run = functools.partial(fp8_paged_mqa_logits, q8, cache, w, lens, table, L,
-                                        plan=plan)
+                run = functools.partial(runner, q8, cache, w, lens, table, L, plan)
                 row["rel_to_default"] = rel_err(run(), base)
-                ms = _bench(run)
+                row["eager_ms"] = _bench(run)
+                ms = time_graph(run)  # the GPU's time, whatever the host's launch costs
                 tf = flops / (ms * 1e-3) / 1e12
                 row.update(ms=ms, TFLOPs=tf, pct_fp8=100 * tf / fp8_tflops,
                            pct_roofline=100 * tf / roof, GBps=nbytes / (ms * 1e-3) / 1e9,
                            pct_copy=100 * nbytes / (ms * 1e-3) / (copy_tbps * 1e12))
-                log(f"B={B} next_n={next_n} L={L} {name}: {ms:.3f} ms, {tf:.0f} TFLOP/s "
-                    f"({row['pct_fp8']:.0f}% fp8, {row['pct_roofline']:.0f}% of roofline "
-                    f"{roof:.0f}), {row['GBps']:.0f} GB/s, vs default "
-                    f"{row['rel_to_default']:.1e}")
+                log(f"B={B} next_n={next_n} L={L} {name}: graph {ms:.3f} ms (eager "
+                    f"{row['eager_ms']:.3f}), {tf:.0f} TFLOP/s ({row['pct_fp8']:.0f}% fp8, "
+                    f"{row['pct_roofline']:.0f}% of roofline {roof:.0f}), {row['GBps']:.0f} "
+                    f"GB/s, vs default {row['rel_to_default']:.1e}")
             except Exception as e:  # a variant that does not compile or fit is a result too
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
                 log(f"B={B} next_n={next_n} L={L} {name}: {row['error']}")
@@ -180,13 +192,14 @@ def markdown(res: dict) -> str:
               f"{_roof_pct(res, 1):.0f}% of the fp8 rate: 50% of fp8 is out of reach there by "
               "construction; next_n = 2 (~248 FLOP/byte, roofline "
               f"{_roof_pct(res, 2):.0f}% of fp8) and 4 can reach it.", "",
-              "| B | next_n | L | variant | route | ms | TFLOP/s | % fp8 | roofline | "
-              "% roofline | GB/s | vs default |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| B | next_n | L | variant | route | graph ms | eager ms | TFLOP/s | % fp8 | "
+              "roofline | % roofline | GB/s | vs default |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["timings"]:
-        cells = (f"{r['ms']:.3f} | {r['TFLOPs']:.0f} | {r['pct_fp8']:.0f} | "
-                 f"{r['roofline_TFLOPs']:.0f} | {r['pct_roofline']:.0f} | {r['GBps']:.0f} | "
-                 f"{r['rel_to_default']:.1e}" if "ms" in r else f"{r['error']} | | | | | |")
+        cells = (f"{r['ms']:.3f} | {r['eager_ms']:.3f} | {r['TFLOPs']:.0f} | "
+                 f"{r['pct_fp8']:.0f} | {r['roofline_TFLOPs']:.0f} | {r['pct_roofline']:.0f} | "
+                 f"{r['GBps']:.0f} | "
+                 f"{r['rel_to_default']:.1e}" if "ms" in r else f"{r['error']} | | | | | | |")
         lines.append(f"| {r['B']} | {r['next_n']} | {r['L']} | {r['variant']} | {r['route']} "
                      f"| {cells} |")
     return "\n".join(lines) + "\n"
@@ -207,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s")
     res = {"environment": env, "ceilings": ceil, "correctness": correctness()}
     res["timings"] = timings(ceil["fp8_matmul_TFLOPs"], ceil["copy_TBps"], args.variants)
+    res["balanced_resident"] = {str(k): v for k, v in _RESIDENT.items()}
+    log(f"balanced grid, programs a SM holds: {sorted(_RESIDENT.values())}")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"indexer_logits_{env['date'][:10]}")
     with open(stem + ".json", "w") as f:
