@@ -80,11 +80,11 @@ class TopkPlan:
     reserving atomic's round trip overlapped). Select: ``select_bits`` a radix level,
     ``select_tile`` items a step, ``select_warps``; ``fuse_select``: each row's last streaming
     program selects (two launches)."""
-    block: int = 512
+    block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
-    programs_per_sm: int = 32
-    select_bits: int = 8
+    programs_per_sm: int = 64
+    select_bits: int = 6
     select_tile: int = 2048
     select_warps: int = 8
     defer_stores: bool = False
@@ -92,7 +92,7 @@ class TopkPlan:
     fuse_select: bool = False
     sample_runs: int = 512
     estimate_warps: int = 16
-    estimate_bits: int = 8
+    estimate_bits: int = 5
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",
