@@ -123,6 +123,10 @@ def test_plan_uses_shapes_only():
     # never more splits than whole tiles of the capacity
     tiny = plan_decode(1, 1, 16, 576, 512, 2, 64, torch.bfloat16, num_sms=132)
     assert tiny.num_splits == 1
+    # the seesaw variant: unsplit 64-row 16-bit plans only
+    assert large.seesaw and not small.seesaw and not tiny.seesaw
+    assert plan_decode(64, 2, 128, 576, 512, 128, 64, torch.float16, 132).seesaw
+    assert not plan_decode(256, 1, 128, 576, 512, 128, 64, torch.float32, 132).seesaw
 
 
 def test_argument_errors():

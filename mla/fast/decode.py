@@ -83,7 +83,7 @@ class DecodePlan:
     # ``num_stages`` and ``use_tma`` then describe only the Triton fallback)
     sm90: bool = True
     # with ``sm90``: the warp-specialized "seesaw" variant of that kernel
-    # (``mla.fast.sm90.decode_seesaw``); off until the GPU shows it correct and faster
+    # (``mla.fast.sm90.decode_seesaw``); ``plan_decode`` takes it for unsplit 16-bit plans
     seesaw: bool = False
 
 
@@ -98,7 +98,10 @@ def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v:
       or TMA tiles (the in-kernel descriptors push the 4-warp kernel into spills).
     - more rows (compute-bound, e.g. 128 heads): 64-row programs, 8 warps, TMA tiles; q and
       two stages of 576-wide key tiles fill the shared memory, one program per SM, so splits
-      only to reach one program per SM.
+      only to reach one program per SM. Unsplit 16-bit plans (the compute-bound shapes, e.g.
+      B = 128 or s_q = 2 at 128 heads) take the seesaw variant of the sm_90 kernel: 478 against
+      693 us at B = 128, L = 8192 on the H200 (FlashMLA 505); split plans keep the coupled
+      kernel, whose short splits the seesaw variant has not been timed on.
     Splits keep at least 2 tiles each. The block table's capacity (``max_blocks ·
     block_size``) stands in for the lengths: those live on the device and reading them would
     cost a sync.
@@ -126,8 +129,9 @@ def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v:
     if base < target:
         splits = max(1, min(round(target / base), tiles // 2, 128))
         splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at capacity
+    seesaw = block_m == 64 and splits == 1 and dtype in (torch.bfloat16, torch.float16)
     return DecodePlan(block_m=block_m, block_n=block_n, num_splits=splits,
-                      num_warps=num_warps, num_stages=2, use_tma=use_tma)
+                      num_warps=num_warps, num_stages=2, use_tma=use_tma, seesaw=seesaw)
 
 
 @triton.jit
