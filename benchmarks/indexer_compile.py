@@ -86,9 +86,8 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
         topk._estimate_kernel: (dict(CAP=cap, BITS=plan.estimate_bits, RUN=topk.RUN,
                                      SAMPLE_RUNS=plan.sample_runs, SMALL=topk.SMALL,
                                      OVERSAMPLE=float(plan.oversample)), plan.estimate_warps),
-        topk._filter_kernel: (dict(select, BLOCK=plan.block, STAGES=plan.stages,
-                                   DEFER=plan.defer_stores, FUSE=plan.fuse_select),
-                              plan.filter_warps),
+        topk._filter_kernel: (dict(CAP=cap, SMALL=topk.SMALL, BLOCK=plan.block,
+                                   STAGES=plan.stages), plan.filter_warps),
         topk._select_kernel: (select, plan.select_warps)}
     return {fn.__name__: _compile(fn, const, ptrs, ints, warps)
             for fn, (const, warps) in launches.items()}

@@ -1,9 +1,8 @@
 """``python -m benchmarks.topk_sweep --out DIR``: ``mla.fast.top_k_per_row`` on the GPU, its sets
 against the reference's on random, adversarial and benchmark shapes, and its plans timed.
 
-- Checks: the fast set (default plan, and with ``fuse_select``) equal to
-  ``mla.reference.top_k_per_row``'s (run on the GPU: the same plain PyTorch), ``-1`` only
-  after the set, on rows of every kind the kernels treat apart:
+- Checks: the fast set equal to ``mla.reference.top_k_per_row``'s (run on the GPU: the same
+  plain PyTorch), ``-1`` only after the set, on rows of every kind the kernels treat apart:
   shorter than ``topk``, empty, length 1, ragged starts and ends, all-equal, NaN-heavy,
   ``±inf``, ``±0``, sorted, the top ``2 * topk`` crowded into one narrow range, values planted
   where the estimate samples (it fails: too few survivors), ties overflowing the candidate
@@ -44,20 +43,13 @@ from mla.fast.topk import (
 TOPK = 2048
 SHAPES = [(1, 8192), (128, 8192), (1, 32768), (32, 32768), (128, 32768), (256, 32768),
           (1, 131072), (32, 131072), (128, 131072), (256, 131072)]
-PLANS = [TopkPlan(), TopkPlan(fuse_select=True),
+PLANS = [TopkPlan(), TopkPlan(block=512, programs_per_sm=32),
          TopkPlan(block=2048, filter_warps=8, programs_per_sm=4),  # the first run's
-         TopkPlan(block=256, programs_per_sm=32), TopkPlan(block=256, programs_per_sm=64),
-         TopkPlan(programs_per_sm=16), TopkPlan(programs_per_sm=64),
-         TopkPlan(block=1024, filter_warps=2, programs_per_sm=16),
-         TopkPlan(block=1024, filter_warps=4, programs_per_sm=8),
-         TopkPlan(defer_stores=True), TopkPlan(block=256, defer_stores=True),
-         TopkPlan(stages=2), TopkPlan(stages=4),
+         TopkPlan(programs_per_sm=32), TopkPlan(block=1024, filter_warps=2, programs_per_sm=16),
+         TopkPlan(stages=2), TopkPlan(stages=4), TopkPlan(estimate_bits=8),
          TopkPlan(estimate_warps=8), TopkPlan(sample_runs=256, estimate_warps=8),
-         TopkPlan(sample_runs=256, estimate_warps=4), TopkPlan(estimate_bits=5),
-         TopkPlan(estimate_bits=6), TopkPlan(select_warps=4),
-         TopkPlan(select_warps=16), TopkPlan(select_bits=5), TopkPlan(select_bits=6),
-         TopkPlan(select_tile=1024), TopkPlan(select_tile=4096), TopkPlan(oversample=1.25),
-         TopkPlan(block=2048, filter_warps=8, programs_per_sm=4, fuse_select=True)]
+         TopkPlan(select_warps=4), TopkPlan(select_warps=16), TopkPlan(select_bits=5),
+         TopkPlan(select_bits=8), TopkPlan(select_tile=1024), TopkPlan(oversample=1.25)]
 SWEEP_SHAPES = [(128, 131072), (128, 32768), (256, 131072), (1, 131072)]
 
 
@@ -126,8 +118,7 @@ def cases(seed: int = 0):
 def check(name: str, logits, starts, ends, topk) -> dict:
     got = top_k_per_row(logits, starts, ends, topk)
     want = ref.top_k_per_row(logits.float(), starts, ends, topk)
-    fused = top_k_per_row(logits, starts, ends, topk, plan=TopkPlan(fuse_select=True))
-    same = torch.equal(as_sets(got), as_sets(want)) and torch.equal(as_sets(fused), as_sets(want))
+    same = torch.equal(as_sets(got), as_sets(want))
     kept = (got >= 0).sum(1)
     packed = torch.equal(got >= 0, torch.arange(topk, device="cuda")[None, :] < kept[:, None])
     work, steps = launches(logits.float().contiguous(), starts, ends,
@@ -186,7 +177,7 @@ def _plan_times(x, st, en, plan: TopkPlan, reps: int = 30) -> dict:
     _, steps = launches(x, st, en, out, TOPK, plan)
     upto = [time_graph(functools.partial(_run, steps[:i + 1]), reps=reps)
             for i in range(len(steps))]
-    names = ["estimate_ms", "filter_ms", "select_ms"][:len(steps)]
+    names = ["estimate_ms", "filter_ms", "select_ms"]
     return {"graph_ms": upto[-1],
             **{n: upto[i] - (upto[i - 1] if i else 0.0) for i, n in enumerate(names)}}
 

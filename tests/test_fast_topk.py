@@ -194,8 +194,7 @@ def test_topk_half_dtypes(dtype):
 @pytest.mark.parametrize("plan", [TopkPlan(block=1024), TopkPlan(programs_per_sm=1),
                                   TopkPlan(stages=1, filter_warps=4),
                                   TopkPlan(select_bits=5), TopkPlan(select_bits=6),
-                                  TopkPlan(defer_stores=True), TopkPlan(select_tile=1024),
-                                  TopkPlan(oversample=1.0), TopkPlan(fuse_select=True),
+                                  TopkPlan(select_tile=1024), TopkPlan(oversample=1.0),
                                   TopkPlan(block=2048, filter_warps=8, programs_per_sm=4),
                                   TopkPlan(sample_runs=256, estimate_warps=4, estimate_bits=5)])
 def test_topk_other_plans(plan):

@@ -76,10 +76,8 @@ class TopkPlan:
     before three standard deviations of the sample's). Streaming read:
     ``block`` keys a step, ``stages`` steps in flight, ``filter_warps``, ``programs_per_sm``
     (the grid aims at that many programs per SM: a row is cut into that many chunks over the
-    rows), ``defer_stores`` (a block's survivors stored during the next block's read, the
-    reserving atomic's round trip overlapped). Select: ``select_bits`` a radix level,
-    ``select_tile`` items a step, ``select_warps``; ``fuse_select``: each row's last streaming
-    program selects (two launches)."""
+    rows). Select: ``select_bits`` a radix level, ``select_tile`` items a step,
+    ``select_warps``."""
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
@@ -87,9 +85,7 @@ class TopkPlan:
     select_bits: int = 6
     select_tile: int = 2048
     select_warps: int = 8
-    defer_stores: bool = False
     oversample: float = 1.5
-    fuse_select: bool = False
     sample_runs: int = 512
     estimate_warps: int = 16
     estimate_bits: int = 5
@@ -168,7 +164,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
              out: torch.Tensor, topk: int, plan: TopkPlan
              ) -> tuple[torch.Tensor, list[Callable[[], None]]]:
     """The scratch (``[R, work_columns(cap, SMALL)]`` int32, per row: ``_work_row``) and the
-    launches (three; two with ``plan.fuse_select``), in order, on
+    three launches, in order, on
     checked arguments (``logits`` float32 with unit column stride): ``top_k_per_row`` runs
     them; the tests read the survivor counts, the benchmarks time each."""
     R, W = logits.shape
@@ -181,19 +177,16 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     s_l_r = logits.stride(0)
     select = dict(CAP=cap, SMALL=SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
                   OUT_BLOCK=min(1024, next_pow2(topk)))
-    steps = [
+    return work, [
         functools.partial(_estimate_kernel[(R,)], *rows, work, W, topk, s_l_r,
                           OVERSAMPLE=float(plan.oversample), CAP=cap,
                           SAMPLE_RUNS=plan.sample_runs, RUN=RUN, BITS=plan.estimate_bits,
                           SMALL=SMALL, num_warps=plan.estimate_warps),
-        functools.partial(_filter_kernel[(R, chunks)], *rows, work, out, W, topk, s_l_r,
-                          out.stride(0), chunk, DEFER=plan.defer_stores,
-                          FUSE=plan.fuse_select, BLOCK=plan.block, STAGES=plan.stages,
-                          num_warps=plan.filter_warps, **select)]
-    if not plan.fuse_select:
-        steps.append(functools.partial(_select_kernel[(R,)], *rows, work, out, W, topk, s_l_r,
-                                       out.stride(0), num_warps=plan.select_warps, **select))
-    return work, steps
+        functools.partial(_filter_kernel[(R, chunks)], *rows, work, W, s_l_r, chunk, CAP=cap,
+                          SMALL=SMALL, BLOCK=plan.block, STAGES=plan.stages,
+                          num_warps=plan.filter_warps),
+        functools.partial(_select_kernel[(R,)], *rows, work, out, W, topk, s_l_r,
+                          out.stride(0), num_warps=plan.select_warps, **select)]
 
 
 def survivors(work: torch.Tensor) -> torch.Tensor:

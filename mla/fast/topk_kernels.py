@@ -42,11 +42,11 @@ def _row_range(starts, ends, row, W):
 def _work_row(work, row, CAP: tl.constexpr, SMALL: tl.constexpr):
     """A row's scratch (``work_columns`` int32): the candidates' keys, their columns,
     ``SMALL`` int64 for a compacted boundary bucket, then the threshold, the survivor count
-    and the survivors' largest key, the streaming programs that finished."""
+    and the survivors' largest key."""
     base = work + row * (2 * CAP + 2 * SMALL + WORK_PAD)
     few = (base + 2 * CAP).to(tl.pointer_type(tl.int64))
     tail = base + 2 * CAP + 2 * SMALL
-    return base, base + CAP, few, tail, tail + 1, tail + 2, tail + 3
+    return base, base + CAP, few, tail, tail + 1, tail + 2
 
 
 @triton.jit
@@ -158,10 +158,9 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.
     count zeroed. Rows of no more than ``CAP`` keys need no threshold."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    _keys, _cols, few, thresh, count, top, finished = _work_row(work, row, CAP, SMALL)
+    _keys, _cols, few, thresh, count, top = _work_row(work, row, CAP, SMALL)
     tl.store(count, 0)
     tl.store(top, -2147483648)
-    tl.store(finished, 0)
     if n > CAP:
         j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
         step = ((n - RUN).to(tl.int32) // (SAMPLE_RUNS - 1)).to(tl.int64)  # n < 2^31
@@ -181,22 +180,18 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.
 
 
 @triton.jit
-def _filter_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r, chunk,
+def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
                    CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
-                   STAGES: tl.constexpr, DEFER: tl.constexpr, FUSE: tl.constexpr,
-                   TILE: tl.constexpr, BITS: tl.constexpr, OUT_BLOCK: tl.constexpr):
+                   STAGES: tl.constexpr):
     """One streaming read: chunk ``c`` of a row lists its keys at or above the row's threshold
     (key and request-local column) in the row's candidate list, its place reserved by one
     atomic a block. The count goes on past ``CAP`` (then nothing more is written, and the
-    select reads the row instead). ``DEFER``: a block's survivors are stored while the next
-    block is read, so that the atomic's round trip overlaps it. ``FUSE``: the row's last
-    program to finish (an acquire-release count) runs its select (``_select_row``); a row
-    that is not filtered is selected by its first program."""
+    select reads the row instead)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     if n > CAP:
-        keys_out, cols_out, _few, thresh, count, top, _fin = _work_row(work, row, CAP, SMALL)
+        keys_out, cols_out, _few, thresh, count, top = _work_row(work, row, CAP, SMALL)
         t = tl.load(thresh)
         # from start rounded down to 16, so that the loads are 16-byte vectors; columns as
         # int32 (W < 2^31): half the registers and address arithmetic of int64
@@ -204,43 +199,17 @@ def _filter_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r, chunk
         hi = tl.minimum(lo + chunk, end.to(tl.int32))
         first = start.to(tl.int32)
         src = logits + row * s_l_r
-        if DEFER:
-            base_prev = tl.zeros((), tl.int32)
-            keep_prev = tl.zeros((BLOCK,), tl.int1)
-            k_prev = tl.zeros((BLOCK,), tl.int32)
-            cols_prev = tl.zeros((BLOCK,), tl.int32)
-            for c0 in tl.range(lo, hi + BLOCK, BLOCK, num_stages=STAGES):
-                cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
-                x = tl.load(src + cols, mask=(cols < W) & (cols < hi), other=0.0)
-                k = _order_keys(x)
-                keep = (cols >= first) & (cols < hi) & (k >= t)
-                kept = tl.sum(keep.to(tl.int32), axis=0)
-                tl.atomic_max(top, tl.max(tl.where(keep, k, -2147483648), axis=0), sem="relaxed")
-                base = tl.atomic_add(count, kept, sem="relaxed")  # read next iteration
-                _store_survivors(keys_out, cols_out, base_prev, keep_prev, k_prev, cols_prev,
-                                 first, CAP)
-                base_prev, keep_prev, k_prev, cols_prev = base, keep, k, cols
-        else:
-            for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-                cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
-                x = tl.load(src + cols, mask=cols < W, other=0.0)
-                k = _order_keys(x)
-                keep = (cols >= first) & (cols < hi) & (k >= t)
-                kept = tl.sum(keep.to(tl.int32), axis=0)
-                if kept > 0:
-                    tl.atomic_max(top, tl.max(tl.where(keep, k, -2147483648), axis=0),
-                                  sem="relaxed")
-                    base = tl.atomic_add(count, kept, sem="relaxed")
-                    _store_survivors(keys_out, cols_out, base, keep, k, cols, first, CAP)
-    if FUSE:
-        last = c == 0
-        if n > CAP:
-            tl.debug_barrier()  # every thread's stores before the release
-            _k, _c, _f, _t, _n, _top, finished = _work_row(work, row, CAP, SMALL)
-            last = tl.atomic_add(finished, 1, sem="acq_rel") == tl.num_programs(1) - 1
-        if last:
-            _select_row(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r, row, CAP, SMALL,
-                        TILE, BITS, OUT_BLOCK)
+        for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
+            x = tl.load(src + cols, mask=cols < W, other=0.0)
+            k = _order_keys(x)
+            keep = (cols >= first) & (cols < hi) & (k >= t)
+            kept = tl.sum(keep.to(tl.int32), axis=0)
+            if kept > 0:
+                tl.atomic_max(top, tl.max(tl.where(keep, k, -2147483648), axis=0),
+                              sem="relaxed")
+                base = tl.atomic_add(count, kept, sem="relaxed")
+                _store_survivors(keys_out, cols_out, base, keep, k, cols, first, CAP)
 
 
 @triton.jit
@@ -339,7 +308,7 @@ def _select_row(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r, row,
     start, end, n = _row_range(starts, ends, row, W)
     src = logits + row * s_l_r + start
     dst = out + row * s_o_r
-    list_keys, list_cols, few, thresh, count, top, _done = _work_row(work, row, CAP, SMALL)
+    list_keys, list_cols, few, thresh, count, top = _work_row(work, row, CAP, SMALL)
     if n <= topk:
         for c0 in range(0, n, OUT_BLOCK):
             i = c0 + tl.arange(0, OUT_BLOCK)
