@@ -44,6 +44,8 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
     - MODEL1 (``model1``) under 64 heads: 16-head programs with tiles of 32 (the 8-tile rows
       of 64 gathered rows need 246 KB of shared memory at 16 heads and 262 KB at 32; tiles of
       32 at 16 heads: 131 KB, no spill; 64-head programs go to the Gluon kernel).
+    - MODEL1 at 64 heads: one stage (the Gluon kernel's single staging buffer, measured
+      faster than two).
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
       least two tiles of ``topk``.
     """
@@ -57,6 +59,10 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
     block_n, num_stages = (16, 1) if dtype == torch.float32 else (64, 2)
     if model1 and block_m < 64 and dtype != torch.float32:
         block_n = 32
+    if model1 and block_m == 64:
+        # the Gluon kernel's one staging buffer: measured faster than two (copies two tiles
+        # ahead) at all eight B=64 shapes on the H200 (benchmarks/NOTES.md)
+        num_stages = 1
     if dtype == torch.float32:
         num_warps = 8
     groups = -(-num_heads // block_m)
