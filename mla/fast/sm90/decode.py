@@ -44,7 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mla.fast.common import capability
 from mla.fast.sm90.softmax import barrier, softmax_pv
 
-__all__ = ["BLOCK_M", "BLOCK_N", "NUM_WARPS", "decode_kernel", "supported"]
+__all__ = ["BLOCK_M", "BLOCK_N", "NUM_WARPS", "decode_kernel", "page_row", "q_rows",
+           "request_tiles", "store_result", "supported", "zero_tail"]
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # keys per tile
@@ -71,6 +72,116 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
 
 
 @gluon.jit
+def request_tiles(SEQLENS, b, split, num_splits, max_blocks, PAGE_SIZE: gl.constexpr,
+                  BN: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr):
+    """Request ``b``'s length ``L`` (0 when bad), whether it is bad (negative, or past the
+    table's capacity: NaN results), and this split's keys: an equal share ``[t_lo, t_hi)`` of
+    whole tiles, its last key ``end`` and ``full_end``, the keys every query row sees."""
+    L = gl.load(SEQLENS + b)
+    # written so that L + PAGE_SIZE cannot overflow
+    bad = (L < 0) | ((L > 0) & ((L - 1) // PAGE_SIZE >= max_blocks))
+    L = gl.where(bad, 0, L)
+    n_tiles = gl.cdiv(L, BN)
+    per_split = gl.cdiv(n_tiles, num_splits)
+    t_lo = split * per_split
+    t_hi = gl.minimum(t_lo + per_split, n_tiles)
+    end = gl.minimum(t_hi * BN, L)
+    if CAUSAL:
+        full_end = gl.minimum(end, L - S_Q + 1)
+    else:
+        full_end = end
+    return L, bad, t_lo, t_hi, end, full_end
+
+
+@gluon.jit
+def q_rows(Q, b, g, stride_qb, stride_qt, stride_qh, N: gl.constexpr, S_Q: gl.constexpr,
+           BM: gl.constexpr, ld: gl.constexpr):
+    """Pointers to the 64 query rows of head group ``g`` (``s_q · N`` flattened) and which
+    exist: rows past ``s_q · N`` read as zeros and are never stored."""
+    r = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+    row = (Q + b.to(gl.int64) * stride_qb + (r // N).to(gl.int64) * stride_qt
+           + (r % N).to(gl.int64) * stride_qh)
+    return row, r < S_Q * N
+
+
+@gluon.jit
+def page_row(bt_row, i, t_hi, num_blocks, PAGE_SIZE: gl.constexpr, BN: gl.constexpr):
+    """First cache row of tile ``i`` (0 past ``t_hi``) and whether its table entry is
+    outside ``[0, num_blocks)`` (never followed: page 0 is read and the request is NaN)."""
+    page = gl.load(bt_row + (i * BN) // PAGE_SIZE, mask=i < t_hi, other=0)
+    outside = (page < 0) | (page >= num_blocks)
+    page = gl.where(outside, 0, page)
+    return page * PAGE_SIZE + (i * BN) % PAGE_SIZE, outside
+
+
+@gluon.jit
+def zero_tail(k, start, L, ld: gl.constexpr):
+    """Zero the rows at or past ``L`` of a K tile in shared memory (its value columns): the
+    request's last tile may run into rows of the page the cache never wrote (NaN, in the
+    tests), and ``0 · NaN`` would poison ``P · V``."""
+    BN: gl.constexpr = k.shape[0]
+    CH: gl.constexpr = 64
+    keep = (start + gl.arange(0, BN, layout=gl.SliceLayout(1, ld))) < L
+    for c in gl.static_range(k.shape[1] // CH):
+        part = k.slice(c * CH, CH, dim=1)
+        v = part.load(ld)
+        part.store(gl.where(keep[:, None], v, gl.zeros_like(v)))
+    fence_async_shared()
+    barrier()
+
+
+@gluon.jit
+def store_result(acc, m_i, l_i, bad, g, b, split, num_splits, O, LSE, OP, LSEP, SINK,
+                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                 COL0: gl.constexpr, WRITE_LSE: gl.constexpr, DV: gl.constexpr,
+                 N: gl.constexpr, S_Q: gl.constexpr, SPLIT: gl.constexpr,
+                 HAS_SINK: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """The epilogue: ``acc`` holds output columns ``COL0 ..`` (all ``DV``, or a warp group's
+    share) of 64 query rows with the full row sums ``l_i``; stores them (and, ``WRITE_LSE``,
+    the lse) as the result, with the sink factor, or as the split partials that the combine
+    kernel of ``mla.fast.decode`` merges. Bad requests are NaN."""
+    BM: gl.constexpr = acc.type.shape[0]
+    DH: gl.constexpr = acc.type.shape[1]
+    ROWS: gl.constexpr = S_Q * N
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+    seen = l_i != 0.0  # l = 0: no key; a NaN l (a NaN logit) stays NaN, never "no key"
+    l_safe = gl.where(seen, l_i, 1.0)
+    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
+    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    r_s = g * BM + gl.arange(0, BM, layout=row_s)
+    r_ok_s = r_s < ROWS
+    r_o = g * BM + gl.arange(0, BM, layout=row_o)
+    ok_o = r_o < ROWS
+    c_o = COL0 + gl.arange(0, DH, layout=col_o)
+    if SPLIT:
+        # partials [B, splits, ROWS, DV] and [B, splits, ROWS]; "no key" is lse = -inf
+        if WRITE_LSE:
+            part_s = (b * num_splits + split).to(gl.int64) * ROWS + r_s
+            gl.store(LSEP + part_s,
+                     gl.where(bad, float("nan"), gl.where(seen, lse, float("-inf"))),
+                     mask=r_ok_s)
+        part_o = (b * num_splits + split).to(gl.int64) * ROWS + r_o
+        seen_o = gl.convert_layout(seen, row_o)
+        gl.store(OP + part_o[:, None] * DV + c_o[None, :], o, mask=(ok_o & seen_o)[:, None])
+    else:
+        if HAS_SINK:  # exp(lse) / (exp(lse) + exp(sink)), as mla.fast.decode._sink_factor
+            sink = gl.load(SINK + r_s % N, mask=r_ok_s, other=0.0)
+            factor = gl.where(seen, 1.0 / (1.0 + gl.exp(sink - gl.where(seen, lse, 0.0))), 1.0)
+            factor = gl.where(sink != sink, float("nan"), factor)
+            o = o * gl.convert_layout(factor, row_o)[:, None]
+        o = gl.where(bad, float("nan"), o)
+        o_row = (O + b.to(gl.int64) * stride_ob + (r_o // N).to(gl.int64) * stride_ot
+                 + (r_o % N).to(gl.int64) * stride_oh)
+        gl.store(o_row[:, None] + c_o[None, :], o.to(O.dtype.element_ty), mask=ok_o[:, None])
+        if WRITE_LSE:
+            gl.store(LSE + b.to(gl.int64) * stride_lb + (r_s % N).to(gl.int64) * stride_lh
+                     + r_s // N, gl.where(bad, float("nan"), gl.where(seen, lse, float("inf"))),
+                     mask=r_ok_s)
+
+
+@gluon.jit
 def decode_kernel(
     Q, KV, BT, SEQLENS, O, LSE, OP, LSEP, SINK,
     stride_qb, stride_qt, stride_qh,
@@ -89,7 +200,6 @@ def decode_kernel(
     DV: gl.constexpr = 512
     DR: gl.constexpr = 64
     CH: gl.constexpr = 64  # columns per 128-byte swizzle box
-    ROWS: gl.constexpr = S_Q * N
     dtype: gl.constexpr = Q.dtype.element_ty
 
     g = gl.program_id(0)
@@ -104,10 +214,8 @@ def decode_kernel(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                         warps_per_cta=[8, 1], order=[1, 0])
-    row_ld: gl.constexpr = gl.SliceLayout(1, ld)
     col_ld: gl.constexpr = gl.SliceLayout(0, ld)
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                               rank=2)
@@ -121,11 +229,8 @@ def decode_kernel(
     mbarrier.init(bars.index(0), count=1)
     mbarrier.init(bars.index(1), count=1)
 
-    # q rows -> shared memory (rows past s_q · N read as zeros and are never stored)
-    r_ld = g * BM + gl.arange(0, BM, layout=row_ld)
-    ok_ld = r_ld < ROWS
-    q_row = (Q + b.to(gl.int64) * stride_qb + (r_ld // N).to(gl.int64) * stride_qt
-             + (r_ld % N).to(gl.int64) * stride_qh)
+    # q rows -> shared memory
+    q_row, ok_ld = q_rows(Q, b, g, stride_qb, stride_qt, stride_qh, N, S_Q, BM, ld)
     c_ld = gl.arange(0, CH, layout=col_ld)
     for c in gl.static_range(DV // CH):
         x = gl.load(q_row[:, None] + (c * CH + c_ld)[None, :], mask=ok_ld[:, None], other=0.0)
@@ -133,20 +238,8 @@ def decode_kernel(
     x = gl.load(q_row[:, None] + (DV + c_ld)[None, :], mask=ok_ld[:, None], other=0.0)
     q_pe.store(x)
 
-    # this program's keys: an equal share of whole tiles of the request's length
-    L = gl.load(SEQLENS + b)
-    # negative, or past the table's capacity (written so that L + PAGE_SIZE cannot overflow)
-    bad = (L < 0) | ((L > 0) & ((L - 1) // PAGE_SIZE >= max_blocks))
-    L = gl.where(bad, 0, L)
-    n_tiles = gl.cdiv(L, BN)
-    per_split = gl.cdiv(n_tiles, num_splits)
-    t_lo = split * per_split
-    t_hi = gl.minimum(t_lo + per_split, n_tiles)
-    end = gl.minimum(t_hi * BN, L)
-    if CAUSAL:
-        full_end = gl.minimum(end, L - S_Q + 1)  # keys every query row sees
-    else:
-        full_end = end
+    L, bad, t_lo, t_hi, end, full_end = request_tiles(SEQLENS, b, split, num_splits,
+                                                      max_blocks, PAGE_SIZE, BN, S_Q, CAUSAL)
 
     kv_desc = tma.make_tensor_descriptor(KV, shape=[kv_rows, DV], strides=[stride_kvr, 1],
                                          block_shape=[BN, DV], layout=smem)
@@ -159,11 +252,8 @@ def decode_kernel(
     barrier()
 
     if t_lo < t_hi:  # first tile -> stage 0
-        page = gl.load(bt_row + (t_lo * BN) // PAGE_SIZE)
-        outside = (page < 0) | (page >= num_blocks)  # never followed: page 0, and NaN out
+        row0, outside = page_row(bt_row, t_lo, t_hi, num_blocks, PAGE_SIZE, BN)
         bad = bad | outside
-        page = gl.where(outside, 0, page)
-        row0 = page * PAGE_SIZE + (t_lo * BN) % PAGE_SIZE
         mbarrier.expect(bars.index(0), TILE_BYTES)
         tma.async_copy_global_to_shared(kv_desc, [row0, 0], bars.index(0), k_nope.index(0))
         tma.async_copy_global_to_shared(pe_desc, [row0, 0], bars.index(0), k_pe.index(0))
@@ -180,36 +270,25 @@ def decode_kernel(
     # each tile's page is looked up a tile ahead of its TMA issue, so that the issue never
     # waits for a block-table load (the same idea for the sparse kernel's indices paid off
     # on the GPU: benchmarks/NOTES.md)
-    nxt_page = gl.load(bt_row + ((t_lo + 1) * BN) // PAGE_SIZE, mask=t_lo + 1 < t_hi, other=0)
+    nxt_row, nxt_out = page_row(bt_row, t_lo + 1, t_hi, num_blocks, PAGE_SIZE, BN)
     for i in range(t_lo, t_hi):
         it = i - t_lo
         s = it % 2
         # every warp has finished tile i-1 (its P · V read stage 1-s and P): refill them
         barrier()
         if i + 1 < t_hi:
-            outside = (nxt_page < 0) | (nxt_page >= num_blocks)
-            bad = bad | outside
-            nxt_page = gl.where(outside, 0, nxt_page)
-            row0 = nxt_page * PAGE_SIZE + ((i + 1) * BN) % PAGE_SIZE
+            bad = bad | nxt_out
             mbarrier.expect(bars.index(1 - s), TILE_BYTES)
-            tma.async_copy_global_to_shared(kv_desc, [row0, 0], bars.index(1 - s),
+            tma.async_copy_global_to_shared(kv_desc, [nxt_row, 0], bars.index(1 - s),
                                             k_nope.index(1 - s))
-            tma.async_copy_global_to_shared(pe_desc, [row0, 0], bars.index(1 - s),
+            tma.async_copy_global_to_shared(pe_desc, [nxt_row, 0], bars.index(1 - s),
                                             k_pe.index(1 - s))
-        nxt_page = gl.load(bt_row + ((i + 2) * BN) // PAGE_SIZE, mask=i + 2 < t_hi, other=0)
+        nxt_row, nxt_out = page_row(bt_row, i + 2, t_hi, num_blocks, PAGE_SIZE, BN)
         mbarrier.wait(bars.index(s), (it // 2) & 1)
         kn = k_nope.index(s)
         start = i * BN
         if start + BN > L:
-            # the request's last tile: rows past L hold whatever the page holds; zero the
-            # value rows so that P · V sees 0, not 0 · NaN
-            keep = (start + gl.arange(0, BN, layout=row_ld)) < L
-            for c in gl.static_range(DV // CH):
-                part = kn.slice(c * CH, CH, dim=1)
-                v = part.load(ld)
-                part.store(gl.where(keep[:, None], v, gl.zeros_like(v)))
-            fence_async_shared()
-            barrier()
+            zero_tail(kn, start, L, ld)
 
         sc = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc, is_async=True)
@@ -226,34 +305,6 @@ def decode_kernel(
     mbarrier.invalidate(bars.index(0))
     mbarrier.invalidate(bars.index(1))
 
-    seen = l_i != 0.0  # l = 0: no key; a NaN l (a NaN logit) stays NaN, never "no key"
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
-    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    r_o = g * BM + gl.arange(0, BM, layout=row_o)
-    ok_o = r_o < ROWS
-    seen_o = gl.convert_layout(seen, row_o)
-    c_o = gl.arange(0, DV, layout=col_o)
-    r_ok_s = r_s < ROWS
-    if SPLIT:
-        # partials [B, splits, ROWS, DV] and [B, splits, ROWS]; "no key" is lse = -inf
-        part_s = (b * num_splits + split).to(gl.int64) * ROWS + r_s
-        gl.store(LSEP + part_s, gl.where(bad, float("nan"), gl.where(seen, lse, float("-inf"))),
-                 mask=r_ok_s)
-        part_o = (b * num_splits + split).to(gl.int64) * ROWS + r_o
-        gl.store(OP + part_o[:, None] * DV + c_o[None, :], o,
-                 mask=(ok_o & seen_o)[:, None])
-    else:
-        if HAS_SINK:  # exp(lse) / (exp(lse) + exp(sink)), as mla.fast.decode._sink_factor
-            sink = gl.load(SINK + r_s % N, mask=r_ok_s, other=0.0)
-            factor = gl.where(seen, 1.0 / (1.0 + gl.exp(sink - gl.where(seen, lse, 0.0))), 1.0)
-            factor = gl.where(sink != sink, float("nan"), factor)
-            o = o * gl.convert_layout(factor, row_o)[:, None]
-        o = gl.where(bad, float("nan"), o)
-        o_row = (O + b.to(gl.int64) * stride_ob + (r_o // N).to(gl.int64) * stride_ot
-                 + (r_o % N).to(gl.int64) * stride_oh)
-        gl.store(o_row[:, None] + c_o[None, :], o.to(dtype), mask=ok_o[:, None])
-        gl.store(LSE + b.to(gl.int64) * stride_lb + (r_s % N).to(gl.int64) * stride_lh
-                 + r_s // N, gl.where(bad, float("nan"), gl.where(seen, lse, float("inf"))),
-                 mask=r_ok_s)
-
+    store_result(acc, m_i, l_i, bad, g, b, split, num_splits, O, LSE, OP, LSEP, SINK,
+                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                 0, True, DV, N, S_Q, SPLIT, HAS_SINK, s_layout, o_layout)

@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.fast.sm90.decode import page_row, q_rows, request_tiles, store_result, zero_tail
 from mla.fast.sm90.softmax import barrier
 
 __all__ = ["NUM_WARPS", "seesaw_kernel"]
@@ -61,16 +62,6 @@ _P_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_O.value, k_wid
 _Q_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=_S.value, k_width=2))
 _LD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                     warps_per_cta=[4, 1], order=[1, 0]))
-
-
-@gluon.jit
-def _page_row(bt_row, i, t_hi, num_blocks, PAGE_SIZE: gl.constexpr, BN: gl.constexpr):
-    """First cache row of tile ``i`` (0 past ``t_hi``) and whether its table entry is
-    outside ``[0, num_blocks)`` (never followed: page 0 is read and the request is NaN)."""
-    page = gl.load(bt_row + (i * BN) // PAGE_SIZE, mask=i < t_hi, other=0)
-    outside = (page < 0) | (page >= num_blocks)
-    page = gl.where(outside, 0, page)
-    return page * PAGE_SIZE + (i * BN) % PAGE_SIZE, outside
 
 
 @gluon.jit
@@ -109,21 +100,6 @@ def _logits(q_l, q_r, q_pe, k_l, k_r, k_pe, s_zero, qk_scale, start, end, full_e
 
 
 @gluon.jit
-def _zero_tail(k_half, start, L, ld: gl.constexpr):
-    """Zero the rows at or past ``L`` of this group's value columns of the request's last tile:
-    the cache may hold NaN there, and ``0 · NaN`` would poison ``P · V``."""
-    BN: gl.constexpr = k_half.shape[0]
-    CH: gl.constexpr = 64
-    keep = (start + gl.arange(0, BN, layout=gl.SliceLayout(1, ld))) < L
-    for c in gl.static_range(k_half.shape[1] // CH):
-        part = k_half.slice(c * CH, CH, dim=1)
-        v = part.load(ld)
-        part.store(gl.where(keep[:, None], v, gl.zeros_like(v)))
-    fence_async_shared()
-    barrier()
-
-
-@gluon.jit
 def _opaque_zero(x):
     """0, computed by an instruction the compiler may not move out of the loop: the shared
     memory addresses indexed with it (the wgmma descriptors) are then rebuilt in every
@@ -137,56 +113,6 @@ def _use_max(m):
     """The shift of the exponentials: a row that has seen no key keeps ``m = -inf`` and is
     shifted by 0, so that ``exp2`` gives 0 rather than NaN."""
     return gl.where(m == float("-inf"), 0.0, m)
-
-
-@gluon.jit
-def _epilogue(acc, m_i, l_i, bad, g, b, split, num_splits, O, LSE, OP, LSEP, SINK,
-              stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-              COL0: gl.constexpr, WRITE_LSE: gl.constexpr, N: gl.constexpr,
-              S_Q: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
-              s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """Store this group's 256 output columns (and, for group 0, the lse), as the sm_90
-    kernel's epilogue does for all 512; ``l_i`` is the full row sum (both groups)."""
-    BM: gl.constexpr = acc.type.shape[0]
-    DH: gl.constexpr = acc.type.shape[1]
-    DV: gl.constexpr = 2 * DH
-    ROWS: gl.constexpr = S_Q * N
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-    seen = l_i != 0.0  # l = 0: no key; a NaN l (a NaN logit) stays NaN, never "no key"
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453
-    o = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    r_s = g * BM + gl.arange(0, BM, layout=row_s)
-    r_ok_s = r_s < ROWS
-    r_o = g * BM + gl.arange(0, BM, layout=row_o)
-    ok_o = r_o < ROWS
-    c_o = COL0 + gl.arange(0, DH, layout=col_o)
-    if SPLIT:
-        # partials [B, splits, ROWS, DV] and [B, splits, ROWS]; "no key" is lse = -inf
-        if WRITE_LSE:
-            part_s = (b * num_splits + split).to(gl.int64) * ROWS + r_s
-            gl.store(LSEP + part_s,
-                     gl.where(bad, float("nan"), gl.where(seen, lse, float("-inf"))),
-                     mask=r_ok_s)
-        part_o = (b * num_splits + split).to(gl.int64) * ROWS + r_o
-        seen_o = gl.convert_layout(seen, row_o)
-        gl.store(OP + part_o[:, None] * DV + c_o[None, :], o, mask=(ok_o & seen_o)[:, None])
-    else:
-        if HAS_SINK:  # exp(lse) / (exp(lse) + exp(sink)), as mla.fast.decode._sink_factor
-            sink = gl.load(SINK + r_s % N, mask=r_ok_s, other=0.0)
-            factor = gl.where(seen, 1.0 / (1.0 + gl.exp(sink - gl.where(seen, lse, 0.0))), 1.0)
-            factor = gl.where(sink != sink, float("nan"), factor)
-            o = o * gl.convert_layout(factor, row_o)[:, None]
-        o = gl.where(bad, float("nan"), o)
-        o_row = (O + b.to(gl.int64) * stride_ob + (r_o // N).to(gl.int64) * stride_ot
-                 + (r_o % N).to(gl.int64) * stride_oh)
-        gl.store(o_row[:, None] + c_o[None, :], o.to(O.dtype.element_ty), mask=ok_o[:, None])
-        if WRITE_LSE:
-            gl.store(LSE + b.to(gl.int64) * stride_lb + (r_s % N).to(gl.int64) * stride_lh
-                     + r_s // N, gl.where(bad, float("nan"), gl.where(seen, lse, float("inf"))),
-                     mask=r_ok_s)
 
 
 @gluon.jit
@@ -205,8 +131,8 @@ def _g0_step(i0, ph, acc, m_i, l_i, bad, q_pe, bufs, kv_desc, bt_row, t_hi, L, e
     BN: gl.constexpr = 64
     dtype: gl.constexpr = q_l.dtype
     # the pages of the next pair, loaded now so that the refills do not wait for them
-    row_a, out_a = _page_row(bt_row, i0 + 2, t_hi, num_blocks, PAGE_SIZE, BN)
-    row_b, out_b = _page_row(bt_row, i0 + 3, t_hi, num_blocks, PAGE_SIZE, BN)
+    row_a, out_a = page_row(bt_row, i0 + 2, t_hi, num_blocks, PAGE_SIZE, BN)
+    row_b, out_b = page_row(bt_row, i0 + 3, t_hi, num_blocks, PAGE_SIZE, BN)
     start = i0 * BN
     c_s = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
@@ -230,7 +156,7 @@ def _g0_step(i0, ph, acc, m_i, l_i, bad, q_pe, bufs, kv_desc, bt_row, t_hi, L, e
     mbarrier.arrive(sync[0])
     acc = acc * gl.convert_layout(alpha0, row_o)[:, None]
     if start + BN > L:
-        _zero_tail(k_l.index(0), start, L, ld)
+        zero_tail(k_l.index(0), start, L, ld)
     p_reg = gl.convert_layout(p, p_op)
     acc = warpgroup_mma(p_reg, k_l.index(0), acc, is_async=True)
     acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_reg))
@@ -248,7 +174,7 @@ def _g0_step(i0, ph, acc, m_i, l_i, bad, q_pe, bufs, kv_desc, bt_row, t_hi, L, e
     if PAIR:
         i1 = i0 + 1
         if i1 * BN + BN > L:
-            _zero_tail(k_l.index(1), i1 * BN, L, ld)
+            zero_tail(k_l.index(1), i1 * BN, L, ld)
         acc = warpgroup_mma(p_smem[1], k_l.index(1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         if i1 + 2 < t_hi:
@@ -274,8 +200,8 @@ def _g1_step(i0, ph, acc, m_i, l_i, bad, q_pe, bufs, kv_desc, pe_desc, bt_row, t
     BN: gl.constexpr = 64
     dtype: gl.constexpr = q_l.dtype
     i1 = i0 + 1
-    row_a, out_a = _page_row(bt_row, i0 + 2, t_hi, num_blocks, PAGE_SIZE, BN)
-    row_b, out_b = _page_row(bt_row, i1 + 2, t_hi, num_blocks, PAGE_SIZE, BN)
+    row_a, out_a = page_row(bt_row, i0 + 2, t_hi, num_blocks, PAGE_SIZE, BN)
+    row_b, out_b = page_row(bt_row, i1 + 2, t_hi, num_blocks, PAGE_SIZE, BN)
     if PAIR:
         c_s = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
@@ -289,7 +215,7 @@ def _g1_step(i0, ph, acc, m_i, l_i, bad, q_pe, bufs, kv_desc, pe_desc, bt_row, t
     # P0 · V0 into this half at m0, under this group's softmax
     acc = acc * gl.convert_layout(alpha0, row_o)[:, None]
     if i0 * BN + BN > L:
-        _zero_tail(k_r.index(0), i0 * BN, L, ld)
+        zero_tail(k_r.index(0), i0 * BN, L, ld)
     acc = warpgroup_mma(p_smem[0], k_r.index(0), acc, is_async=True)
     if PAIR:
         m1 = gl.maximum(m0, gl.max(qk, axis=1))
@@ -319,7 +245,7 @@ def _g1_step(i0, ph, acc, m_i, l_i, bad, q_pe, bufs, kv_desc, pe_desc, bt_row, t
     acc = acc * gl.convert_layout(alpha1, row_o)[:, None]
     if PAIR:
         if i1 * BN + BN > L:
-            _zero_tail(k_r.index(1), i1 * BN, L, ld)
+            zero_tail(k_r.index(1), i1 * BN, L, ld)
         p_reg = gl.convert_layout(p, p_op)
         acc = warpgroup_mma(p_reg, k_r.index(1), acc, is_async=True)
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_reg))
@@ -388,9 +314,9 @@ def _group(bufs, kv_desc, pe_desc, bt_row, bad, g, b, split, t_lo, t_hi, L, end,
     mbarrier.arrive(sync[4])
     mbarrier.wait(sync[4], 0)
     l_i = l_i + l_smem[1 - GROUP].load(row_s)
-    _epilogue(acc, m_i, l_i, bad, g, b, split, num_splits, O, LSE, OP, LSEP, SINK,
-              stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
-              GROUP * DH, GROUP == 0, N, S_Q, SPLIT, HAS_SINK, s_layout, o_layout)
+    store_result(acc, m_i, l_i, bad, g, b, split, num_splits, O, LSE, OP, LSEP, SINK,
+                 stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+                 GROUP * DH, GROUP == 0, 2 * DH, N, S_Q, SPLIT, HAS_SINK, s_layout, o_layout)
 
 
 @gluon.jit
@@ -436,7 +362,6 @@ def seesaw_kernel(
     DH: gl.constexpr = 256
     DR: gl.constexpr = 64
     CH: gl.constexpr = 64  # columns per 128-byte swizzle box
-    ROWS: gl.constexpr = S_Q * N
     dtype: gl.constexpr = Q.dtype.element_ty
 
     g = gl.program_id(0)
@@ -445,7 +370,6 @@ def seesaw_kernel(
 
     ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                         warps_per_cta=[4, 1], order=[1, 0])
-    row_ld: gl.constexpr = gl.SliceLayout(1, ld)
     col_ld: gl.constexpr = gl.SliceLayout(0, ld)
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                               rank=2)
@@ -483,11 +407,8 @@ def seesaw_kernel(
     mbarrier.init(sync[4], count=2)
     mbarrier.arrive(sync[3])
 
-    # q rows -> shared memory (rows past s_q · N read as zeros and are never stored)
-    r_ld = g * BM + gl.arange(0, BM, layout=row_ld)
-    ok_ld = r_ld < ROWS
-    q_row = (Q + b.to(gl.int64) * stride_qb + (r_ld // N).to(gl.int64) * stride_qt
-             + (r_ld % N).to(gl.int64) * stride_qh)
+    # q rows -> shared memory
+    q_row, ok_ld = q_rows(Q, b, g, stride_qb, stride_qt, stride_qh, N, S_Q, BM, ld)
     c_ld = gl.arange(0, CH, layout=col_ld)
     for c in gl.static_range(DH // CH):
         x = gl.load(q_row[:, None] + (c * CH + c_ld)[None, :], mask=ok_ld[:, None], other=0.0)
@@ -498,19 +419,8 @@ def seesaw_kernel(
     x = gl.load(q_row[:, None] + (DV + c_ld)[None, :], mask=ok_ld[:, None], other=0.0)
     p_smem[1].store(x)  # each group takes q's rope columns into registers from here
 
-    # this program's keys: an equal share of whole tiles of the request's length
-    L = gl.load(SEQLENS + b)
-    bad = (L < 0) | ((L > 0) & ((L - 1) // PAGE_SIZE >= max_blocks))
-    L = gl.where(bad, 0, L)
-    n_tiles = gl.cdiv(L, BN)
-    per_split = gl.cdiv(n_tiles, num_splits)
-    t_lo = split * per_split
-    t_hi = gl.minimum(t_lo + per_split, n_tiles)
-    end = gl.minimum(t_hi * BN, L)
-    if CAUSAL:
-        full_end = gl.minimum(end, L - S_Q + 1)  # keys every query row sees
-    else:
-        full_end = end
+    L, bad, t_lo, t_hi, end, full_end = request_tiles(SEQLENS, b, split, num_splits,
+                                                      max_blocks, PAGE_SIZE, BN, S_Q, CAUSAL)
 
     kv_desc = tma.make_tensor_descriptor(KV, shape=[kv_rows, DV], strides=[stride_kvr, 1],
                                          block_shape=[BN, DH], layout=smem)
@@ -522,8 +432,8 @@ def seesaw_kernel(
     barrier()
 
     # the first pair
-    row0, out0 = _page_row(bt_row, t_lo, t_hi, num_blocks, PAGE_SIZE, BN)
-    row1, out1 = _page_row(bt_row, t_lo + 1, t_hi, num_blocks, PAGE_SIZE, BN)
+    row0, out0 = page_row(bt_row, t_lo, t_hi, num_blocks, PAGE_SIZE, BN)
+    row1, out1 = page_row(bt_row, t_lo + 1, t_hi, num_blocks, PAGE_SIZE, BN)
     if t_lo < t_hi:
         bad = bad | out0
         _load_left(kv_desc, row0, ready[0], k_l.index(0))
