@@ -49,7 +49,7 @@ def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
-def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan = DEFAULT_PLAN):
+def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan = indexer_logits.PAGED_PLAN):
     """The paged kernel that ``plan.paged_loads`` picks for pages of 64 on sm_90."""
     np_ = triton.next_power_of_2(next_n)
     const = dict(NP=np_, HP=64, D=128, BLOCK_N=plan.block_n, NAN_CODES=False,

@@ -28,17 +28,18 @@ import json
 import os
 
 import torch
+import triton
 import triton.testing
 
 import mla.reference as ref
 from benchmarks.common import ceilings, log, report_heading, time_graph
 from benchmarks.indexer import fp8_matmul_tflops, paged_inputs
-from benchmarks.indexer_logits_balanced import _RESIDENT, balanced_paged_logits
+from benchmarks.indexer_logits_balanced import balanced_paged_logits
 from mla.compare import poison_like, rel_err
 from mla.environment import environment
 from mla.fast import fp8_paged_mqa_logits
 from mla.fast.indexer_logits import PAGED_PLAN, logits_budget
-from mla.fast.indexer_logits_paged import paged_loads
+from mla.fast.indexer_logits_paged import _RESIDENT, paged_loads
 from mla.fast.indexer_logits_tile import LogitsPlan
 
 H, D, PAGE = 64, 128, 64
@@ -47,27 +48,58 @@ def _library(q8, cache, w, lens, table, width, plan):
     return fp8_paged_mqa_logits(q8, cache, w, lens, table, width, plan=plan)
 
 
+_SPREAD = LogitsPlan()  # the previous default: 4 programs a SM, at most 16 tiles each
+
 VARIANTS = {  # name: (plan, how it runs)
     "default": (PAGED_PLAN, _library),
-    "previous (gather, 2 stages, 2 programs/SM)": (
+    "spread, 16 tiles (previous default)": (_SPREAD, _library),
+    "spread, 32 tiles": (dataclasses.replace(_SPREAD, max_tiles=32), _library),
+    "waves, at most 16 tiles": (dataclasses.replace(PAGED_PLAN, max_tiles=16), _library),
+    "waves, at most 64 tiles": (dataclasses.replace(PAGED_PLAN, max_tiles=64), _library),
+    "waves, page (cp.async)": (dataclasses.replace(PAGED_PLAN, paged_loads="page"), _library),
+    "waves, page, 64 tiles": (dataclasses.replace(PAGED_PLAN, paged_loads="page",
+                                                  max_tiles=64), _library),
+    "waves, tma, 3 stages": (dataclasses.replace(PAGED_PLAN, stages=3), _library),
+    "waves, tma, 5 stages": (dataclasses.replace(PAGED_PLAN, stages=5), _library),
+    "waves, page, 3 stages": (dataclasses.replace(PAGED_PLAN, paged_loads="page", stages=3),
+                              _library),
+    "spread, 8 programs a SM": (dataclasses.replace(_SPREAD, programs_per_sm=8), _library),
+    "spread, 1 program a SM, 32 tiles": (dataclasses.replace(_SPREAD, programs_per_sm=1,
+                                                             max_tiles=32), _library),
+    "spread, page, 8 programs a SM": (dataclasses.replace(_SPREAD, paged_loads="page",
+                                                          programs_per_sm=8), _library),
+    "gather, 2 stages, 2 programs a SM (the first kernel)": (
         LogitsPlan(paged_loads="gather", stages=2, programs_per_sm=2), _library),
-    "page (cp.async)": (dataclasses.replace(PAGED_PLAN, paged_loads="page"), _library),
-    "tma, 3 stages": (dataclasses.replace(PAGED_PLAN, paged_loads="tma", stages=3), _library),
-    "tma, 8 tiles a program": (dataclasses.replace(PAGED_PLAN, paged_loads="tma",
-                                                   max_tiles=8), _library),
-    "tma, 4 tiles a program": (dataclasses.replace(PAGED_PLAN, paged_loads="tma",
-                                                   max_tiles=4), _library),
-    "page, 8 tiles a program": (dataclasses.replace(PAGED_PLAN, paged_loads="page",
-                                                    max_tiles=8), _library),
-    "balanced one-wave grid (tma)": (dataclasses.replace(PAGED_PLAN, paged_loads="tma"),
+    "balanced one-wave grid (tma)": (dataclasses.replace(_SPREAD, paged_loads="tma"),
                                      balanced_paged_logits),
-    "balanced one-wave grid (page)": (dataclasses.replace(PAGED_PLAN, paged_loads="page"),
+    "balanced one-wave grid (page)": (dataclasses.replace(_SPREAD, paged_loads="page"),
                                       balanced_paged_logits),
 }
 
 SHAPES = [(1, 1, 8192), (1, 1, 131072), (1, 2, 131072), (32, 1, 32768), (32, 2, 32768),
-          (32, 1, 131072), (32, 2, 131072), (128, 1, 32768), (128, 2, 32768), (128, 4, 32768),
-          (128, 1, 131072), (128, 2, 131072)]
+          (32, 4, 32768), (32, 1, 131072), (32, 2, 131072), (128, 1, 32768), (128, 2, 32768),
+          (128, 4, 32768), (128, 1, 131072), (128, 2, 131072)]
+
+
+@triton.jit
+def _empty_kernel(x):
+    """Nothing: what a graph replay of one Triton launch costs by itself."""
+
+
+def floor() -> dict:
+    """The fixed cost under the B = 1 rows, in graph replays: an empty Triton kernel, and the
+    default call on one request of 64 keys (one program of one tile: its launch, the queries'
+    and the table's reads, one tile and the store, in a chain), beside B = 1 at 8K and 128K."""
+    x = torch.empty(1, device="cuda")
+    res = {"empty_kernel_ms": time_graph(lambda: _empty_kernel[(1,)](x))}
+    for L in (64, 8192, 131072):
+        q8, cache, w, lens, table = paged_inputs(1, 1, L)
+        for name, plan in (("default", PAGED_PLAN),
+                           ("page", dataclasses.replace(PAGED_PLAN, paged_loads="page"))):
+            res[f"{name} L={L} ms"] = time_graph(functools.partial(
+                fp8_paged_mqa_logits, q8, cache, w, lens, table, L, plan=plan))
+    log("floor (graph replays): " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
+    return res
 
 
 def _bench(fn) -> float:
@@ -93,8 +125,9 @@ def _small_case(seed: int, lens: list[int], next_n: int):
             table.to(torch.int32))
 
 
-def correctness() -> list[dict]:
-    """Every route and variant against the float64 reference; the default in a CUDA graph."""
+def correctness(names: list[str]) -> list[dict]:
+    """Each variant timed (``names``) against the float64 reference; the default in a CUDA
+    graph."""
     rows, budget = [], logits_budget("cuda")
     for seed, (lens, next_n) in enumerate([([5000, 1, 0, 4097], 1), ([3000, 130, 64], 2),
                                            ([2500, 7], 4)]):
@@ -102,7 +135,8 @@ def correctness() -> list[dict]:
         width = max(lens) + 100
         want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], width)
         gpu = tuple(a.cuda() for a in args)
-        for name, (plan, runner) in VARIANTS.items():
+        for name in names:
+            plan, runner = VARIANTS[name]
             got = runner(*gpu, width, plan).cpu()
             err = rel_err(got, want)
             same_inf = bool(torch.equal(torch.isneginf(got), torch.isneginf(want)))
@@ -178,6 +212,18 @@ def _roof_pct(res: dict, next_n: int) -> float:
     return 100 * r["roofline_TFLOPs"] / res["ceilings"]["fp8_matmul_TFLOPs"]
 
 
+def _floor_line(res: dict) -> str:
+    f = res["floor"]
+    tiny = f["default L=64 ms"]
+    parts = [f"B = 1 at {L // 1024}K: {f[f'default L={L} ms'] * 1e3:.1f} us (floor "
+             f"{100 * tiny / f[f'default L={L} ms']:.0f}%; page route "
+             f"{f[f'page L={L} ms'] * 1e3:.1f} us)" for L in (8192, 131072)]
+    return (f"Fixed floor (graph replays): an empty Triton kernel {f['empty_kernel_ms'] * 1e3:.1f}"
+            f" us; the default call on one request of 64 keys (one program, one tile) "
+            f"{tiny * 1e3:.1f} us (page route {f['page L=64 ms'] * 1e3:.1f}); " + "; ".join(parts)
+            + ".")
+
+
 def markdown(res: dict) -> str:
     ceil = res["ceilings"]
     lines = report_heading("Paged indexer logits: routes and plans", res)
@@ -192,6 +238,7 @@ def markdown(res: dict) -> str:
               f"{_roof_pct(res, 1):.0f}% of the fp8 rate: 50% of fp8 is out of reach there by "
               "construction; next_n = 2 (~248 FLOP/byte, roofline "
               f"{_roof_pct(res, 2):.0f}% of fp8) and 4 can reach it.", "",
+              _floor_line(res), "",
               "| B | next_n | L | variant | route | graph ms | eager ms | TFLOP/s | % fp8 | "
               "roofline | % roofline | GB/s | vs default |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -218,10 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     ceil["fp8_matmul_TFLOPs"] = fp8_matmul_tflops()
     log(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, fp8 matmul "
         f"{ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s")
-    res = {"environment": env, "ceilings": ceil, "correctness": correctness()}
+    res = {"environment": env, "ceilings": ceil, "correctness": correctness(args.variants)}
     res["timings"] = timings(ceil["fp8_matmul_TFLOPs"], ceil["copy_TBps"], args.variants)
-    res["balanced_resident"] = {str(k): v for k, v in _RESIDENT.items()}
-    log(f"balanced grid, programs a SM holds: {sorted(_RESIDENT.values())}")
+    res["floor"] = floor()
+    res["resident"] = {f"{k[0].__name__} {dict(k[2])}": v for k, v in _RESIDENT.items()}
+    for k, v in res["resident"].items():
+        log(f"programs a SM holds: {v}: {k}")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"indexer_logits_{env['date'][:10]}")
     with open(stem + ".json", "w") as f:

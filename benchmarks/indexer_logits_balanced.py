@@ -17,7 +17,13 @@ import triton
 import triton.language as tl
 
 from mla.fast.common import ensure_allocator, interpreting, next_pow2, num_sms
-from mla.fast.indexer_logits_paged import _load_q, _store_dead, _store_tile, paged_loads
+from mla.fast.indexer_logits_paged import (
+    _load_q,
+    _store_dead,
+    _store_tile,
+    paged_loads,
+    resident_programs,
+)
 from mla.fast.indexer_logits_tile import LogitsPlan, tile_logits
 from mla.reference.indexer_cache import INDEX_DIM
 
@@ -107,29 +113,6 @@ def _paged_page_kernel(
         t += n
 
 
-_RESIDENT: dict[tuple, int] = {}
-
-
-def _resident(device: torch.device, args: tuple, kw: dict) -> int:
-    """How many programs of the page kernel one SM holds at once (its registers, shared
-    memory and threads, as compiled for these arguments; cached per specialization): the
-    grid is that many a SM, so that the equal shares run in one wave."""
-    key = (device.index, tuple(sorted(kw.items())))
-    got = _RESIDENT.get(key)
-    if got is None:
-        k = _paged_page_kernel.warmup(*args, grid=(1,), **kw)
-        k._init_handles()
-        props = torch.cuda.get_device_properties(device)
-        warps = k.metadata.num_warps
-        regs_a_warp = -(-max(k.n_regs, 1) * 32 // 256) * 256  # allocated per warp, by 256
-        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_a_warp * warps)
-        smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-        by_smem = smem // (k.metadata.shared + 1024)  # 1 KB a program reserved (sm_90)
-        by_threads = props.max_threads_per_multi_processor // (32 * warps)
-        got = _RESIDENT[key] = max(1, min(by_regs, by_smem, by_threads, 32))
-    return got
-
-
 def balanced_paged_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                           context_lens: torch.Tensor, block_tables: torch.Tensor,
                           max_model_len: int, plan: LogitsPlan) -> torch.Tensor:
@@ -151,7 +134,8 @@ def balanced_paged_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torc
     kw = dict(NP=next_pow2(next_n), HP=max(16, next_pow2(H)), D=INDEX_DIM,
               BLOCK_N=plan.block_n, NAN_CODES=interpreting(), STAGES=plan.stages,
               num_warps=plan.num_warps, PAGE=bs, MAX_TILES=plan.max_tiles, TMA=loads == "tma")
-    per_sm = plan.programs_per_sm if interpreting() else _resident(q.device, args, kw)
+    per_sm = (plan.programs_per_sm if interpreting() else
+              resident_programs(_paged_page_kernel, q.device, args, kw))
     programs = max(1, min(num_sms(q.device) * per_sm, B * row_tiles))
     _paged_page_kernel[(programs,)](*args, **kw)
     return out

@@ -19,8 +19,8 @@ import mla.reference as ref
 from mla.compare import poison_like, rel_err
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits
 from mla.fast.indexer_logits import logits_budget
-from mla.fast.indexer_logits_paged import paged_loads
-from mla.fast.indexer_logits_tile import LogitsPlan, split_keys
+from mla.fast.indexer_logits_paged import PAGED_PLAN, paged_loads
+from mla.fast.indexer_logits_tile import PROGRAM_COST_TILES, LogitsPlan, split_keys, split_waves
 from mla.reference.paged_cache import make_block_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,6 +71,7 @@ TMA_ROUTE = "tma" if DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >=
 
 
 @pytest.mark.parametrize("plan,page,route", [
+    (PAGED_PLAN, 64, TMA_ROUTE),                         # the default: split in waves
     (LogitsPlan(), 64, TMA_ROUTE),
     (LogitsPlan(), 128, TMA_ROUTE),                      # two tiles a page
     (LogitsPlan(block_n=32, stages=2), 32, TMA_ROUTE),   # the smallest TMA page
@@ -97,6 +98,7 @@ def test_one_long_row_over_many_programs(route: str):
     L = 64 * 17 + 5
     if DEVICE == "cpu":  # the interpreter's 4 SMs: 8 programs wanted, 19 tiles
         assert split_keys(L + 64, 1, 64, torch.device(DEVICE), 2, 4) == (3, 7)
+        assert split_waves(L + 64, 1, 64, 8, 4) == (3, 7)  # one wave of 8 slots
     args = _inputs(5, [L], 2, 64, minus_one=False)
     want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], L + 64)
     _check(fp8_paged_mqa_logits(*_on(args), L + 64, plan=plan), want)
@@ -114,6 +116,29 @@ def test_split_fills_the_machine():
         assert 1 <= per <= max_tiles and (splits - 1) * per < tiles <= splits * per
         assert rows * splits >= min(per_sm * 4, rows * tiles) or per == max_tiles
     assert split_keys(131072, 1, 64, cpu, 4, 16) == (16, 128)
+
+
+def test_split_in_whole_waves():
+    """The wave split covers every tile once, in programs of at most ``max_tiles``, in no more
+    waves than any other split; at the H200's 132 SMs x 5 programs it takes one wave of 640
+    programs at B = 32, L = 32K (the spread split: 1024, 1.55 waves), one of 512 for one
+    request of 128K, and 26 tiles a program for 4 waves at B = 128, L = 32K (not 32: the
+    same 4 waves, longer)."""
+    for keys, rows, slots, max_tiles in [(32768, 32, 660, 32), (131072, 1, 660, 32),
+                                         (32768, 128, 660, 32), (131072, 128, 528, 64),
+                                         (65, 1, 16, 4), (64 * 19, 3, 16, 4), (1, 5, 16, 32)]:
+        per, splits = split_waves(keys, rows, 64, slots, max_tiles)
+        tiles = -(-keys // 64)
+        assert 1 <= per <= max_tiles and (splits - 1) * per < tiles <= splits * per
+        waves = -(-rows * splits // slots)
+        for other in range(1, min(max_tiles, tiles) + 1):
+            w = -(-rows * -(-tiles // other) // slots)
+            assert waves * (per + PROGRAM_COST_TILES) <= w * (other + PROGRAM_COST_TILES)
+    assert split_waves(32768, 32, 64, 660, 32) == (26, 20)
+    assert split_waves(131072, 1, 64, 660, 32) == (4, 512)
+    assert split_waves(32768, 128, 64, 660, 32) == (26, 20)
+    with pytest.raises(ValueError, match="LogitsPlan.split"):
+        LogitsPlan(split="even")
 
 
 @pytest.mark.parametrize("route", ["tma", "page", "gather"])

@@ -35,16 +35,18 @@ from mla.fast.common import (
     ensure_allocator,
     interpreting,
     next_pow2,
+    num_sms,
     should_validate,
 )
-from mla.fast.indexer_logits_tile import LogitsPlan, split_keys, tile_logits
+from mla.fast.indexer_logits_tile import LogitsPlan, split_keys, split_waves, tile_logits
 from mla.reference.indexer_cache import INDEX_DIM
 from mla.reference.indexer_logits import check_paged_logits_args
 from mla.validation import check_tensor
 
-__all__ = ["PAGED_PLAN", "fp8_paged_mqa_logits", "paged_loads"]
+__all__ = ["PAGED_PLAN", "fp8_paged_mqa_logits", "paged_loads", "resident_programs"]
 
-PAGED_PLAN = LogitsPlan()
+# the decode default: programs of up to 32 tiles, split in whole waves of what a SM holds
+PAGED_PLAN = LogitsPlan(max_tiles=32, split="waves")
 
 
 @triton.jit
@@ -223,8 +225,6 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
     plan = plan or PAGED_PLAN
-    tiles, splits = split_keys(max_model_len, B, plan.block_n, q.device, plan.programs_per_sm,
-                               plan.max_tiles)
     u8 = kv_cache.reshape(-1).view(torch.uint8)
     common = (q, weights, u8.view(torch.float8_e4m3fn), u8.view(torch.float32), context_lens,
               block_tables, out)
@@ -234,16 +234,50 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
                  num_warps=plan.num_warps)
     loads = paged_loads(plan, kv_cache)
     if loads == "gather":
-        _paged_gather_kernel[(B, splits)](
-            *common, H, next_n, nb, bs, block_tables.shape[1], max_model_len, tiles,
-            *strides, **sizes)
-        return out
-    if loads == "tma":
-        ensure_allocator()  # the in-kernel tensor descriptors' scratch
-    _paged_page_kernel[(B, splits)](
-        *common, H, next_n, nb, block_tables.shape[1], max_model_len, tiles, *strides,
-        PAGE=bs, MAX_TILES=plan.max_tiles, TMA=loads == "tma", **sizes)
+        kernel = _paged_gather_kernel
+        head = (*common, H, next_n, nb, bs, block_tables.shape[1], max_model_len)
+    else:
+        kernel = _paged_page_kernel
+        head = (*common, H, next_n, nb, block_tables.shape[1], max_model_len)
+        sizes.update(PAGE=bs, MAX_TILES=plan.max_tiles, TMA=loads == "tma")
+        if loads == "tma":
+            ensure_allocator()  # the in-kernel tensor descriptors' scratch
+    if plan.split == "waves":
+        # compiled with 3 tiles for the count (not 1, which Triton would specialize)
+        slots = num_sms(q.device) * (plan.programs_per_sm if interpreting() else
+                                     resident_programs(kernel, q.device, (*head, 3, *strides),
+                                                       sizes))
+        tiles, splits = split_waves(max_model_len, B, plan.block_n, slots, plan.max_tiles)
+    else:
+        tiles, splits = split_keys(max_model_len, B, plan.block_n, q.device,
+                                   plan.programs_per_sm, plan.max_tiles)
+    kernel[(B, splits)](*head, tiles, *strides, **sizes)
     return out
+
+
+_RESIDENT: dict[tuple, int] = {}
+REGS_A_SM = 65536  # every CUDA GPU from sm_50 to sm_90
+
+
+def resident_programs(kernel: triton.runtime.JITFunction, device: torch.device, args: tuple,
+                      sizes: dict) -> int:
+    """How many programs of ``kernel`` (compiled for ``args`` and the constexprs ``sizes``)
+    one SM of ``device`` holds at once: its registers (allocated per warp by 256), shared
+    memory (1 KB a program reserved on sm_90) and threads. Compiled and counted once per
+    specialization; the launch that follows uses the same compiled kernel."""
+    key = (kernel, device.index, tuple(sorted(sizes.items())))
+    got = _RESIDENT.get(key)
+    if got is None:
+        k = kernel.warmup(*args, grid=(1,), **sizes)
+        k._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        warps = k.metadata.num_warps
+        regs_a_warp = triton.cdiv(max(k.n_regs, 1) * 32, 256) * 256
+        by_regs = REGS_A_SM // (regs_a_warp * warps)
+        by_smem = props.shared_memory_per_multiprocessor // (k.metadata.shared + 1024)
+        by_threads = props.max_threads_per_multi_processor // (32 * warps)
+        got = _RESIDENT[key] = max(1, min(by_regs, by_smem, by_threads, 32))
+    return got
 
 
 def _check_paged_values(context_lens: torch.Tensor, block_tables: torch.Tensor, nb: int,

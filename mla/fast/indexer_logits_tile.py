@@ -12,6 +12,7 @@ weights, the sum over heads and the key's scale follow in float32 registers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -19,10 +20,12 @@ import triton.language as tl
 
 from mla.fast.common import num_sms
 
-__all__ = ["LogitsPlan", "PAGED_LOADS", "split_keys", "tile_logits"]
+__all__ = ["LogitsPlan", "PAGED_LOADS", "SPLITS", "split_keys", "split_waves", "tile_logits"]
 
 # how the paged kernel reads a tile of keys, fastest first (``LogitsPlan.paged_loads``)
 PAGED_LOADS = ("tma", "page", "gather")
+# how the paged kernel splits a row's keys over programs (``LogitsPlan.split``)
+SPLITS = ("spread", "waves")
 
 
 def _pow2(v: object, low: int) -> bool:
@@ -41,6 +44,9 @@ class LogitsPlan:
     page size; each falls back to the next where the page size or the layout forbids it);
     ``max_tiles``, the most tiles a program covers, and ``programs_per_sm``, how many programs
     the split of a row's keys aims at per SM (fewer requests: more, shorter programs).
+    ``split`` (the paged kernel only; the ragged one always spreads): ``"spread"`` splits as
+    ``split_keys``; ``"waves"`` as ``split_waves``, for the programs a SM holds of the kernel
+    as compiled (``programs_per_sm`` stands for that count under the interpreter).
     ``benchmarks/indexer.py --sweep`` and ``benchmarks/indexer_logits.py`` (the paged routes)
     time the alternatives."""
     block_n: int = 64
@@ -50,6 +56,7 @@ class LogitsPlan:
     paged_loads: str = "tma"
     max_tiles: int = 16
     programs_per_sm: int = 4
+    split: str = "spread"
 
     def __post_init__(self) -> None:
         for name, low in (("block_n", 16), ("queries", 1), ("num_warps", 1), ("max_tiles", 1)):
@@ -63,6 +70,8 @@ class LogitsPlan:
         if self.paged_loads not in PAGED_LOADS:
             raise ValueError(f"LogitsPlan.paged_loads must be one of {PAGED_LOADS}, got "
                              f"{self.paged_loads!r}")
+        if self.split not in SPLITS:
+            raise ValueError(f"LogitsPlan.split must be one of {SPLITS}, got {self.split!r}")
 
 
 def split_keys(keys: int, programs_other: int, block_n: int, device: torch.device,
@@ -73,6 +82,32 @@ def split_keys(keys: int, programs_other: int, block_n: int, device: torch.devic
     tiles = max(1, triton.cdiv(keys, block_n))
     want = max(1, triton.cdiv(programs_per_sm * num_sms(device), max(1, programs_other)))
     per = max(1, min(max_tiles, triton.cdiv(tiles, want)))
+    return per, triton.cdiv(tiles, per)
+
+
+# a program's fixed cost (its queries and weights, the pipeline's fill and drain) in tiles of
+# streaming: B = 128, L = 128K, next_n = 1 took 1.07x / 1.30x the time of 16-tile programs
+# with 8 / 4 tiles a program (H200), which (t + c) / t fits at c ~ 1.7
+PROGRAM_COST_TILES = 2
+
+
+@functools.lru_cache(maxsize=256)
+def split_waves(keys: int, rows: int, block_n: int, slots: int, max_tiles: int
+                ) -> tuple[int, int]:
+    """(tiles per program, at most ``max_tiles``; programs along the keys) for ``rows`` rows
+    of ``keys`` keys when the GPU holds ``slots`` programs at once: the split whose programs
+    run in the fewest whole waves of ``slots``, each wave as long as its programs' tiles plus
+    ``PROGRAM_COST_TILES`` (ties: the longer programs). Where the programs run in one wave
+    (few rows) it gives the most, shortest programs that fit it, so that a single request is
+    spread over every SM; where a batch needs many waves, programs as long as whole waves
+    allow (B = 32, L = 32K: 640 programs of 26 tiles, one wave of 5 a SM, where the spread
+    split's 1024 of 16 made 1.55)."""
+    tiles = max(1, triton.cdiv(keys, block_n))
+    best = (float("inf"), 1)
+    for per in range(1, min(max_tiles, tiles) + 1):
+        waves = triton.cdiv(rows * triton.cdiv(tiles, per), slots)
+        best = min(best, (waves * (per + PROGRAM_COST_TILES), -per))
+    per = -best[1]
     return per, triton.cdiv(tiles, per)
 
 
