@@ -57,7 +57,8 @@ def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan = indexer_logits.PAGE
     ints = dict(H=64, next_n=next_n, n_blocks=4096, block_size=64, max_blocks=2048,
                 width=_KEYS, tiles=plan.max_tiles, s_q_b=next_n * 64 * 128, s_q_n=64 * 128,
                 s_q_h=128, s_w_r=64, s_t_b=2048)
-    ptrs = dict(_LOGITS_PTRS, cache_f8="fp8e4nv", cache_f32="fp32", lens="i32", table="i32")
+    ptrs = dict(_LOGITS_PTRS, cache_f8="fp8e4nv", cache_f32="fp32", lens="i32", table="i32",
+                codes_desc="fp8e4nv", scale_desc="fp32")  # the descriptors: built in-kernel
     if plan.paged_loads == "gather":
         return _compile(indexer_logits_paged._paged_gather_kernel, const, ptrs, ints,
                         plan.num_warps)

@@ -39,7 +39,7 @@ from mla.compare import poison_like, rel_err
 from mla.environment import environment
 from mla.fast import fp8_paged_mqa_logits
 from mla.fast.indexer_logits import PAGED_PLAN, logits_budget
-from mla.fast.indexer_logits_paged import _RESIDENT, paged_loads
+from mla.fast.indexer_logits_paged import _RESIDENT, launch_plan, paged_loads
 from mla.fast.indexer_logits_tile import LogitsPlan
 
 H, D, PAGE = 64, 128, 64
@@ -57,6 +57,12 @@ VARIANTS = {  # name: (plan, how it runs)
     "waves, at most 16 tiles": (dataclasses.replace(PAGED_PLAN, max_tiles=16), _library),
     "waves, at most 64 tiles": (dataclasses.replace(PAGED_PLAN, max_tiles=64), _library),
     "waves, page (cp.async)": (dataclasses.replace(PAGED_PLAN, paged_loads="page"), _library),
+    "waves, tma, host descriptors": (dataclasses.replace(PAGED_PLAN, paged_loads="tma_host"),
+                                     _library),
+    "waves, tma, host descriptors, 64 tiles": (
+        dataclasses.replace(PAGED_PLAN, paged_loads="tma_host", max_tiles=64), _library),
+    "spread, tma, host descriptors": (dataclasses.replace(_SPREAD, paged_loads="tma_host"),
+                                      _library),
     "waves, page, 64 tiles": (dataclasses.replace(PAGED_PLAN, paged_loads="page",
                                                   max_tiles=64), _library),
     "waves, tma, 3 stages": (dataclasses.replace(PAGED_PLAN, stages=3), _library),
@@ -95,7 +101,8 @@ def floor() -> dict:
     for L in (64, 8192, 131072):
         q8, cache, w, lens, table = paged_inputs(1, 1, L)
         for name, plan in (("default", PAGED_PLAN),
-                           ("page", dataclasses.replace(PAGED_PLAN, paged_loads="page"))):
+                           ("page", dataclasses.replace(PAGED_PLAN, paged_loads="page")),
+                           ("tma_host", dataclasses.replace(PAGED_PLAN, paged_loads="tma_host"))):
             res[f"{name} L={L} ms"] = time_graph(functools.partial(
                 fp8_paged_mqa_logits, q8, cache, w, lens, table, L, plan=plan))
     log("floor (graph replays): " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
@@ -171,13 +178,13 @@ def correctness(names: list[str]) -> list[dict]:
     return rows
 
 
-def timings(fp8_tflops: float, copy_tbps: float, names: list[str]) -> list[dict]:
-    rows = []
+def timings(fp8_tflops: float, copy_tbps: float, names: list[str], rows: list[dict],
+            save) -> None:
+    """Each variant at each shape into ``rows``, ``save()`` after each shape (a run cut short
+    keeps what it timed)."""
     for B, next_n, L in SHAPES:
         q8, cache, w, lens, table = paged_inputs(B, next_n, L)
-        flops = 2 * B * next_n * H * D * L
-        nbytes = B * L * 132 + B * next_n * (H * D + H * 4 + L * 4)
-        roof = min(fp8_tflops, flops / nbytes * copy_tbps)
+        flops, nbytes, roof = _roofline(B, next_n, L, fp8_tflops, copy_tbps)
         base = fp8_paged_mqa_logits(q8, cache, w, lens, table, L)
         for name in names:
             plan, runner = VARIANTS[name]
@@ -185,6 +192,9 @@ def timings(fp8_tflops: float, copy_tbps: float, names: list[str]) -> list[dict]
                    "plan": dataclasses.asdict(plan), "route": paged_loads(plan, cache),
                    "roofline_TFLOPs": roof}
             try:
+                if runner is _library:  # the split it launches: tiles a program, programs
+                    _, grid, args, _ = launch_plan(plan, q8, cache, w, lens, table, base)
+                    row["split"] = [args[-6], grid[0] * grid[1]]
                 run = functools.partial(runner, q8, cache, w, lens, table, L, plan)
                 row["rel_to_default"] = rel_err(run(), base)
                 row["eager_ms"] = _bench(run)
@@ -203,13 +213,22 @@ def timings(fp8_tflops: float, copy_tbps: float, names: list[str]) -> list[dict]
             rows.append(row)
         del q8, cache, w, lens, table, base
         torch.cuda.empty_cache()
-    return rows
+        save()
+
+
+def _roofline(B: int, next_n: int, L: int, fp8_tflops: float, copy_tbps: float
+              ) -> tuple[float, float, float]:
+    """(FLOPs, bytes moved, roofline TFLOP/s) of one call: the cache read once, the queries,
+    weights and logits."""
+    flops = 2 * B * next_n * H * D * L
+    nbytes = B * L * 132 + B * next_n * (H * D + H * 4 + L * 4)
+    return flops, nbytes, min(fp8_tflops, flops / nbytes * copy_tbps)
 
 
 def _roof_pct(res: dict, next_n: int) -> float:
-    """The roofline at ``next_n`` as % of the fp8 rate (the longest rows timed)."""
-    r = max((r for r in res["timings"] if r["next_n"] == next_n), key=lambda r: (r["L"], r["B"]))
-    return 100 * r["roofline_TFLOPs"] / res["ceilings"]["fp8_matmul_TFLOPs"]
+    """The roofline at ``next_n`` as % of the fp8 rate (B = 128, L = 128K)."""
+    fp8 = res["ceilings"]["fp8_matmul_TFLOPs"]
+    return 100 * _roofline(128, next_n, 131072, fp8, res["ceilings"]["copy_TBps"])[2] / fp8
 
 
 def _floor_line(res: dict) -> str:
@@ -220,7 +239,8 @@ def _floor_line(res: dict) -> str:
              f"{f[f'page L={L} ms'] * 1e3:.1f} us)" for L in (8192, 131072)]
     return (f"Fixed floor (graph replays): an empty Triton kernel {f['empty_kernel_ms'] * 1e3:.1f}"
             f" us; the default call on one request of 64 keys (one program, one tile) "
-            f"{tiny * 1e3:.1f} us (page route {f['page L=64 ms'] * 1e3:.1f}); " + "; ".join(parts)
+            f"{tiny * 1e3:.1f} us (page route {f['page L=64 ms'] * 1e3:.1f}, host descriptors "
+            f"{f['tma_host L=64 ms'] * 1e3:.1f}); " + "; ".join(parts)
             + ".")
 
 
@@ -247,8 +267,9 @@ def markdown(res: dict) -> str:
                  f"{r['pct_fp8']:.0f} | {r['roofline_TFLOPs']:.0f} | {r['pct_roofline']:.0f} | "
                  f"{r['GBps']:.0f} | "
                  f"{r['rel_to_default']:.1e}" if "ms" in r else f"{r['error']} | | | | | | |")
-        lines.append(f"| {r['B']} | {r['next_n']} | {r['L']} | {r['variant']} | {r['route']} "
-                     f"| {cells} |")
+        split = f" ({r['split'][1]} x {r['split'][0]} tiles)" if "split" in r else ""
+        lines.append(f"| {r['B']} | {r['next_n']} | {r['L']} | {r['variant']}{split} "
+                     f"| {r['route']} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
@@ -266,17 +287,21 @@ def main(argv: list[str] | None = None) -> int:
     log(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, fp8 matmul "
         f"{ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s")
     res = {"environment": env, "ceilings": ceil, "correctness": correctness(args.variants)}
-    res["timings"] = timings(ceil["fp8_matmul_TFLOPs"], ceil["copy_TBps"], args.variants)
     res["floor"] = floor()
-    res["resident"] = {f"{k[0].__name__} {dict(k[2])}": v for k, v in _RESIDENT.items()}
-    for k, v in res["resident"].items():
-        log(f"programs a SM holds: {v}: {k}")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"indexer_logits_{env['date'][:10]}")
-    with open(stem + ".json", "w") as f:
-        json.dump(res, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(res))
+
+    def save() -> None:
+        res["resident"] = {f"{k[0].__name__} {dict(k[2])}": v for k, v in _RESIDENT.items()}
+        with open(stem + ".json", "w") as f:
+            json.dump(res, f, indent=1)
+        with open(stem + ".md", "w") as f:
+            f.write(markdown(res))
+
+    res["timings"] = []
+    timings(ceil["fp8_matmul_TFLOPs"], ceil["copy_TBps"], args.variants, res["timings"], save)
+    for k, v in res["resident"].items():
+        log(f"programs a SM holds: {v}: {k}")
     log(f"wrote {stem}.json / .md")
     return 0 if all(r["ok"] for r in res["correctness"]) else 1
 

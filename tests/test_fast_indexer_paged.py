@@ -68,11 +68,13 @@ def _check(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 TMA_ROUTE = "tma" if DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9 else "page"
+HOST_TMA_ROUTE = "tma_host" if TMA_ROUTE == "tma" else "page"
 
 
 @pytest.mark.parametrize("plan,page,route", [
     (PAGED_PLAN, 64, TMA_ROUTE),                         # the default: split in waves
     (LogitsPlan(), 64, TMA_ROUTE),
+    (LogitsPlan(paged_loads="tma_host", max_tiles=2), 128, HOST_TMA_ROUTE),  # 4 programs
     (LogitsPlan(), 128, TMA_ROUTE),                      # two tiles a page
     (LogitsPlan(block_n=32, stages=2), 32, TMA_ROUTE),   # the smallest TMA page
     (LogitsPlan(paged_loads="page"), 64, "page"),
@@ -90,7 +92,7 @@ def test_routes_match_the_reference(plan: LogitsPlan, page: int, route: str, len
     _check(fp8_paged_mqa_logits(*_on(args), width, plan=plan), want)
 
 
-@pytest.mark.parametrize("route", ["tma", "page", "gather"])
+@pytest.mark.parametrize("route", ["tma", "tma_host", "page", "gather"])
 def test_one_long_row_over_many_programs(route: str):
     """One request over programs of 3 tiles (not a power of two: the page vector is padded),
     the last one partly past the length; the split is what the launch uses."""
@@ -141,7 +143,7 @@ def test_split_in_whole_waves():
         LogitsPlan(split="even")
 
 
-@pytest.mark.parametrize("route", ["tma", "page", "gather"])
+@pytest.mark.parametrize("route", ["tma", "tma_host", "page", "gather"])
 def test_pages_outside_the_cache_give_nan(route: str):
     """Unvalidated, a table entry outside the cache (past it, or -1) within the length gives
     NaN for that page's keys and nothing else; a length past the table's row too."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mla.fast.common import (
     capability,
@@ -43,7 +44,8 @@ from mla.reference.indexer_cache import INDEX_DIM
 from mla.reference.indexer_logits import check_paged_logits_args
 from mla.validation import check_tensor
 
-__all__ = ["PAGED_PLAN", "fp8_paged_mqa_logits", "paged_loads", "resident_programs"]
+__all__ = ["PAGED_PLAN", "fp8_paged_mqa_logits", "launch_plan", "paged_loads",
+           "resident_programs"]
 
 # the decode default: programs of up to 32 tiles, split in whole waves of what a SM holds
 PAGED_PLAN = LogitsPlan(max_tiles=32, split="waves")
@@ -87,7 +89,7 @@ def _store_dead(out_rows, col0, first, tiles, width, next_n, NP: tl.constexpr,
 
 @triton.jit
 def _paged_page_kernel(
-    q, w, cache_f8, cache_f32, lens, table, out,
+    q, w, cache_f8, cache_f32, codes_desc, scale_desc, lens, table, out,
     H, next_n, n_blocks, max_blocks, width, tiles,
     s_q_b, s_q_n, s_q_h, s_w_r, s_t_b,
     NP: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -112,15 +114,12 @@ def _paged_page_kernel(
     pages = tl.where((pages >= 0) & (pages < n_blocks), pages, -1)
     ROWS: tl.constexpr = PAGE * (D + 4) // D  # 128-byte rows a page (codes, then scales)
     SCALES: tl.constexpr = PAGE * (D // 4)  # a page's scales, in float32 from its start
-    if TMA:
+    if TMA == 1:  # built here (else: 2, built by the host and passed; 0: pointer loads)
         codes_desc = tl.make_tensor_descriptor(cache_f8, shape=[n_blocks * ROWS, D],
                                                strides=[D, 1], block_shape=[BLOCK_N, D])
         scale_desc = tl.make_tensor_descriptor(cache_f32 + SCALES, shape=[n_blocks, PAGE],
                                                strides=[PAGE * (D // 4 + 1), 1],
                                                block_shape=[1, BLOCK_N])
-    else:
-        codes_desc = cache_f8  # unused
-        scale_desc = cache_f32
     d = tl.arange(0, D)
     o = tl.arange(0, BLOCK_N)
     for i in tl.range(0, live_tiles, num_stages=STAGES):
@@ -129,7 +128,7 @@ def _paged_page_kernel(
         page = tl.maximum(page, 0)
         first = col0 + i * BLOCK_N
         o0 = first % PAGE
-        if TMA:
+        if TMA > 0:
             codes = codes_desc.load([(page * ROWS + o0).to(tl.int32), 0])
             k_scale = tl.reshape(scale_desc.load([page.to(tl.int32), o0.to(tl.int32)]),
                                  (BLOCK_N,))
@@ -179,12 +178,12 @@ def _paged_gather_kernel(
 
 def paged_loads(plan: LogitsPlan, kv_cache: torch.Tensor) -> str:
     """How the kernel will read this cache under ``plan``: its ``paged_loads``, or the next
-    that the cache allows. ``"tma"`` needs sm_90 (or the interpreter), pages whose codes start
-    on 128-byte rows (``block_size % 32 == 0``) in a 16-byte aligned cache of fewer than 2^31
-    such rows; ``"page"`` needs whole tiles in a page."""
+    that the cache allows. ``"tma"`` and ``"tma_host"`` need sm_90 (or the interpreter),
+    pages whose codes start on 128-byte rows (``block_size % 32 == 0``) in a 16-byte aligned
+    cache of fewer than 2^31 such rows; ``"page"`` needs whole tiles in a page."""
     nb, bs, _ = kv_cache.shape
     loads = plan.paged_loads
-    if loads == "tma":
+    if loads in ("tma", "tma_host"):
         hopper = interpreting() if kv_cache.device.type != "cuda" else \
             capability(kv_cache.device)[0] >= 9
         if not (hopper and bs % 32 == 0 and bs % plan.block_n == 0
@@ -224,7 +223,20 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         return out
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    plan = plan or PAGED_PLAN
+    kernel, grid, args, sizes = launch_plan(plan or PAGED_PLAN, q, kv_cache, weights,
+                                            context_lens, block_tables, out)
+    kernel[grid](*args, **sizes)
+    return out
+
+
+def launch_plan(plan: LogitsPlan, q: torch.Tensor, kv_cache: torch.Tensor,
+                weights: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                out: torch.Tensor) -> tuple:
+    """(kernel, grid, arguments, constexprs) of ``fp8_paged_mqa_logits`` for checked inputs:
+    the grid is (requests, programs along the keys), the tiles a program after the sizes."""
+    B, next_n, H, _ = q.shape
+    nb, bs, _ = kv_cache.shape
+    max_model_len = out.shape[1]
     u8 = kv_cache.reshape(-1).view(torch.uint8)
     common = (q, weights, u8.view(torch.float8_e4m3fn), u8.view(torch.float32), context_lens,
               block_tables, out)
@@ -238,8 +250,12 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         head = (*common, H, next_n, nb, bs, block_tables.shape[1], max_model_len)
     else:
         kernel = _paged_page_kernel
-        head = (*common, H, next_n, nb, block_tables.shape[1], max_model_len)
-        sizes.update(PAGE=bs, MAX_TILES=plan.max_tiles, TMA=loads == "tma")
+        descs = _host_descriptors(u8, nb, bs, plan.block_n) if loads == "tma_host" else \
+            common[2:4]  # unused
+        head = (*common[:4], *descs, *common[4:], H, next_n, nb, block_tables.shape[1],
+                max_model_len)
+        sizes.update(PAGE=bs, MAX_TILES=plan.max_tiles,
+                     TMA={"page": 0, "tma": 1, "tma_host": 2}[loads])
         if loads == "tma":
             ensure_allocator()  # the in-kernel tensor descriptors' scratch
     if plan.split == "waves":
@@ -251,8 +267,23 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     else:
         tiles, splits = split_keys(max_model_len, B, plan.block_n, q.device,
                                    plan.programs_per_sm, plan.max_tiles)
-    kernel[(B, splits)](*head, tiles, *strides, **sizes)
-    return out
+    return kernel, (B, splits), (*head, tiles, *strides), sizes
+
+
+
+
+def _host_descriptors(u8: torch.Tensor, nb: int, bs: int, block_n: int) -> tuple:
+    """The page kernel's two tensor descriptors, as ``_paged_page_kernel`` builds them with
+    ``TMA == 1``, built here: a page's codes as ``block_n`` 128-byte rows, its scales as one
+    row of a ``[num_blocks, block_size]`` float32 view (scales start ``block_size · 128``
+    bytes into a page)."""
+    rows = bs * (INDEX_DIM + 4) // INDEX_DIM
+    codes = TensorDescriptor(u8.view(torch.float8_e4m3fn), [nb * rows, INDEX_DIM],
+                             [INDEX_DIM, 1], [block_n, INDEX_DIM])
+    f32 = u8.view(torch.float32)
+    scales = TensorDescriptor(f32[bs * INDEX_DIM // 4:], [nb, bs],
+                              [bs * (INDEX_DIM // 4 + 1), 1], [1, block_n])
+    return codes, scales
 
 
 _RESIDENT: dict[tuple, int] = {}

@@ -23,7 +23,7 @@ from mla.fast.common import num_sms
 __all__ = ["LogitsPlan", "PAGED_LOADS", "SPLITS", "split_keys", "split_waves", "tile_logits"]
 
 # how the paged kernel reads a tile of keys, fastest first (``LogitsPlan.paged_loads``)
-PAGED_LOADS = ("tma", "page", "gather")
+PAGED_LOADS = ("tma", "tma_host", "page", "gather")
 # how the paged kernel splits a row's keys over programs (``LogitsPlan.split``)
 SPLITS = ("spread", "waves")
 
@@ -39,9 +39,11 @@ class LogitsPlan:
     ``num_warps``, and ``stages``, the key tiles in flight (software pipelining of the loads).
 
     The paged (decode) kernel only: ``paged_loads``, how a tile of keys is read where the cache
-    allows it (``"tma"``: one tensor-descriptor copy of a page's codes and one of its scales;
-    ``"page"``: pointer loads from one page; ``"gather"``: a block-table lookup per key, any
-    page size; each falls back to the next where the page size or the layout forbids it);
+    allows it (``"tma"``: one tensor-descriptor copy of a page's codes and one of its scales,
+    the descriptors built by each program; ``"tma_host"``: the same copies through
+    descriptors the host builds and passes; ``"page"``: pointer loads from one page;
+    ``"gather"``: a block-table lookup per key, any page size; the TMA routes fall back to
+    ``"page"``, and that to ``"gather"``, where the page size or the layout forbids them);
     ``max_tiles``, the most tiles a program covers, and ``programs_per_sm``, how many programs
     the split of a row's keys aims at per SM (fewer requests: more, shorter programs).
     ``split`` (the paged kernel only; the ragged one always spreads): ``"spread"`` splits as
