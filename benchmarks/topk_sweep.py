@@ -1,18 +1,21 @@
 """``python -m benchmarks.topk_sweep --out DIR``: ``mla.fast.top_k_per_row`` on the GPU, its sets
-against the reference's on random, adversarial and benchmark shapes, and its plans timed.
+against the reference's on random, adversarial and benchmark shapes, and its routes and plans
+timed.
 
 - Checks: the fast set equal to ``mla.reference.top_k_per_row``'s (run on the GPU: the same
   plain PyTorch), ``-1`` only after the set, on rows of every kind the kernels treat apart:
   shorter than ``topk``, empty, length 1, ragged starts and ends, all-equal, NaN-heavy,
   ``±inf``, ``±0``, sorted, the top ``2 * topk`` crowded into one narrow range, values planted
   where the estimate samples (it fails: too few survivors), ties overflowing the candidate
-  list; bf16 logits; ``topk`` from 1 to past the list; a CUDA graph replay. Each line says how
-  many rows took the exact scan instead of the candidate list (``survivors``).
-- Timing (``triton.testing.do_bench`` medians, L2 flushed; and CUDA-graph replays): rows 1 to
-  256 of 8K to 128K keys, ``k = 2048``; the three launches one by one for the default plan;
-  two rows where the threshold fails (the scan's cost);
-  ``TopkPlan`` alternatives; GB/s of the logits read against the copy bandwidth of this run,
-  beside ``torch.topk`` on the values.
+  list; bf16 logits; ``topk`` from 1 to past the list; a CUDA graph replay; each case by
+  both routes (one launch, three launches). Each line says how many rows took the exact scan
+  instead of the candidate list (``survivors``).
+- Timing (CUDA-graph replays, L2 flushed; and direct calls, ``triton.testing.do_bench``
+  medians, with the host's time a call): rows 1 to 256 of 8K to 128K keys, ``k = 2048``, the
+  default route, each route forced, the three launches one by one; two rows where the
+  threshold fails (the scan's cost); ``TopkPlan`` alternatives of the one-launch kernel
+  (block, warps, stages, sample) and of the three launches; GB/s of the logits read against
+  the copy bandwidth of this run, beside ``torch.topk`` on the values. A table on stdout.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import mla.reference as ref
 from benchmarks.common import ceilings, log, time_graph
 from mla.conformance.cases.indexer import as_sets
 from mla.environment import environment
+from mla.fast import topk as fast_topk
 from mla.fast.topk import (
     CANDIDATES,
     TopkPlan,
@@ -41,16 +45,18 @@ from mla.fast.topk import (
 )
 
 TOPK = 2048
-SHAPES = [(1, 8192), (128, 8192), (1, 32768), (32, 32768), (128, 32768), (256, 32768),
-          (1, 131072), (32, 131072), (128, 131072), (256, 131072)]
-PLANS = [TopkPlan(), TopkPlan(block=512, programs_per_sm=32),
-         TopkPlan(block=2048, filter_warps=8, programs_per_sm=4),  # the first run's
-         TopkPlan(programs_per_sm=32), TopkPlan(block=1024, filter_warps=2, programs_per_sm=16),
-         TopkPlan(stages=2), TopkPlan(stages=4), TopkPlan(estimate_bits=8),
-         TopkPlan(estimate_warps=8), TopkPlan(sample_runs=256, estimate_warps=8),
-         TopkPlan(select_warps=4), TopkPlan(select_warps=16), TopkPlan(select_bits=5),
-         TopkPlan(select_bits=8), TopkPlan(select_tile=1024), TopkPlan(oversample=1.25)]
-SWEEP_SHAPES = [(128, 131072), (128, 32768), (256, 131072), (1, 131072)]
+SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)]
+ONE = dict(fused_rows=1)  # the one-launch kernel at every row count
+THREE = dict(fused_rows=1 << 30)  # three launches at every row count
+PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, select_warps=16),
+         TopkPlan(**ONE), TopkPlan(**ONE, fused_block=2048), TopkPlan(**ONE, fused_block=8192),
+         TopkPlan(**ONE, fused_warps=16),
+         TopkPlan(**ONE, fused_stages=2), TopkPlan(**ONE, fused_stages=4),
+         TopkPlan(**ONE, sample_runs=256), TopkPlan(**ONE, sample_runs=128),
+         TopkPlan(**ONE, estimate_bits=8),
+         TopkPlan(**ONE, fused_block=8192, fused_warps=16, fused_stages=2)]
+SWEEP_SHAPES = [(128, 131072), (256, 131072), (128, 32768), (32, 131072), (1, 131072),
+                (128, 8192)]
 
 
 def _bench(fn) -> float:
@@ -115,36 +121,37 @@ def cases(seed: int = 0):
     yield "bf16", randn(16, 32768).bfloat16(), *_full(16, 32768), TOPK
 
 
-def check(name: str, logits, starts, ends, topk) -> dict:
-    got = top_k_per_row(logits, starts, ends, topk)
+def check(name: str, logits, starts, ends, topk, plan: TopkPlan, route: str) -> dict:
+    got = top_k_per_row(logits, starts, ends, topk, plan=plan)
     want = ref.top_k_per_row(logits.float(), starts, ends, topk)
     same = torch.equal(as_sets(got), as_sets(want))
     kept = (got >= 0).sum(1)
     packed = torch.equal(got >= 0, torch.arange(topk, device="cuda")[None, :] < kept[:, None])
     work, steps = launches(logits.float().contiguous(), starts, ends,
-                           torch.empty_like(got), topk, TopkPlan())
-    for s in steps[:2]:
-        s()
+                           torch.empty_like(got), topk, plan)
+    _run(steps)
     n = (ends.long().clamp(max=logits.shape[1]) - starts.long().clamp(min=0)).clamp(min=0)
     cap = CANDIDATES
     s = survivors(work).long()
     filtered = n > cap
     listed = filtered & (s >= topk) & (s <= cap)
-    row = {"case": name, "shape": list(logits.shape), "topk": topk, "same_set": same,
-           "packed": packed, "rows": len(n), "filtered_rows": int(filtered.sum()),
+    row = {"case": name, "route": route, "shape": list(logits.shape), "topk": topk,
+           "same_set": same, "packed": packed, "rows": len(n),
+           "filtered_rows": int(filtered.sum()),
            "scanned_rows": int((filtered & ~listed).sum()),
            "survivors_min": int(s[filtered].min()) if filtered.any() else None,
            "survivors_max": int(s[filtered].max()) if filtered.any() else None}
     if not same:
         bad = (as_sets(got) != as_sets(want)).any(1).nonzero().flatten().tolist()
         row["bad_rows"] = bad[:10]
-    log(f"check {name} {list(logits.shape)} k={topk}: {'OK' if same and packed else 'MISMATCH'}"
-        f" (scanned {row['scanned_rows']}/{row['filtered_rows']} filtered rows, survivors "
+    log(f"check {route} {name} {list(logits.shape)} k={topk}: "
+        f"{'OK' if same and packed else 'MISMATCH'} (scanned {row['scanned_rows']}/"
+        f"{row['filtered_rows']} filtered rows, survivors "
         f"{row['survivors_min']}..{row['survivors_max']})")
     return row
 
 
-def graph_check() -> dict:
+def graph_check(plan: TopkPlan, route: str) -> dict:
     """A CUDA graph captures the call (no sync, no value-dependent launches) and its replay on
     new logits gives the new set."""
     x = torch.randn(8, 65536, device="cuda")
@@ -153,16 +160,16 @@ def graph_check() -> dict:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        top_k_per_row(x, st, en, TOPK)
+        top_k_per_row(x, st, en, TOPK, plan=plan)
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out["v"] = top_k_per_row(x, st, en, TOPK)
+        out["v"] = top_k_per_row(x, st, en, TOPK, plan=plan)
     x.copy_(torch.randn_like(x))
     g.replay()
     same = torch.equal(as_sets(out["v"]), as_sets(ref.top_k_per_row(x, st, en, TOPK)))
-    log(f"CUDA graph replay: {'OK' if same else 'MISMATCH'}")
-    return {"case": "CUDA graph replay", "same_set": same}
+    log(f"CUDA graph replay {route}: {'OK' if same else 'MISMATCH'}")
+    return {"case": "CUDA graph replay", "route": route, "same_set": same}
 
 
 def _run(steps) -> None:
@@ -170,16 +177,20 @@ def _run(steps) -> None:
         s()
 
 
-def _plan_times(x, st, en, plan: TopkPlan, reps: int = 30) -> dict:
-    """GPU times of one call in a CUDA graph (no host launch cost), and of its launches one
-    by one (graphs of the first 1, 2, 3): what each kernel costs."""
+def _graph_ms(x, st, en, plan: TopkPlan, reps: int = 30) -> float:
+    out = torch.empty(x.shape[0], TOPK, dtype=torch.int32, device="cuda")
+    return time_graph(functools.partial(_run, launches(x, st, en, out, TOPK, plan)[1]),
+                      reps=reps)
+
+
+def _split_times(x, st, en, plan: TopkPlan, reps: int = 30) -> dict:
+    """The three launches one by one (graphs of the first 1, 2, 3): what each kernel costs."""
     out = torch.empty(x.shape[0], TOPK, dtype=torch.int32, device="cuda")
     _, steps = launches(x, st, en, out, TOPK, plan)
     upto = [time_graph(functools.partial(_run, steps[:i + 1]), reps=reps)
             for i in range(len(steps))]
     names = ["estimate_ms", "filter_ms", "select_ms"]
-    return {"graph_ms": upto[-1],
-            **{n: upto[i] - (upto[i - 1] if i else 0.0) for i, n in enumerate(names)}}
+    return {n: upto[i] - (upto[i - 1] if i else 0.0) for i, n in enumerate(names)}
 
 
 def _host_us(fn, calls: int = 100) -> float:
@@ -194,52 +205,62 @@ def _host_us(fn, calls: int = 100) -> float:
     return (t1 - t0) / calls * 1e6
 
 
+def _pct(R: int, W: int, ms: float, copy_tbps: float) -> float:
+    """The logits' bytes read at ``ms`` against the copy bandwidth, in %."""
+    return 100 * R * W * 4 / (ms * 1e-3) / (copy_tbps * 1e12)
+
+
 def timing(copy_tbps: float) -> list[dict]:
+    """Per shape: the default call direct (validated: its host sync included) and unvalidated,
+    its host time, and each route in a CUDA graph."""
     rows = []
     for R, W in SHAPES:
         x = torch.randn(R, W, device="cuda")
         st, en = _full(R, W)
-        nbytes = R * W * 4 + R * TOPK * 4
         call = functools.partial(top_k_per_row, x, st, en, TOPK)
-        row = {"R": R, "L": W, "ms": _bench(call), **_plan_times(x, st, en, TopkPlan()),
-               "host_us": _host_us(call)}
+        quiet = functools.partial(top_k_per_row, x, st, en, TOPK, validate=False)
+        row = {"R": R, "L": W, "route": "one" if TopkPlan().fused(R) else "three",
+               "ms": _bench(call), "unvalidated_ms": _bench(quiet),
+               "host_us": _host_us(quiet), "validated_host_us": _host_us(call),
+               "graph_ms": _graph_ms(x, st, en, TopkPlan()),
+               "one_graph_ms": _graph_ms(x, st, en, TopkPlan(**ONE)),
+               "three_graph_ms": _graph_ms(x, st, en, TopkPlan(**THREE)),
+               **_split_times(x, st, en, TopkPlan(**THREE))}
         row["torch_topk_values_ms"] = _bench(functools.partial(torch.topk, x, TOPK, dim=1))
-        row["GBps"] = nbytes / (row["ms"] * 1e-3) / 1e9
-        row["graph_GBps"] = nbytes / (row["graph_ms"] * 1e-3) / 1e9
-        row["pct_copy"] = 100 * row["GBps"] / (copy_tbps * 1e3)
-        row["graph_pct_copy"] = 100 * row["graph_GBps"] / (copy_tbps * 1e3)
+        for k in ("ms", "unvalidated_ms", "graph_ms", "one_graph_ms", "three_graph_ms"):
+            row[k.replace("ms", "pct_copy")] = _pct(R, W, row[k], copy_tbps)
         rows.append(row)
-        log(f"time R={R} L={W}: {row['ms'] * 1e3:.1f} us ({row['GBps']:.0f} GB/s, "
-            f"{row['pct_copy']:.0f}% of copy; graph {row['graph_ms'] * 1e3:.1f} us, "
-            f"{row['graph_pct_copy']:.0f}%); graph launches {row['estimate_ms'] * 1e3:.1f} + "
-            f"{row['filter_ms'] * 1e3:.1f} + {row['select_ms'] * 1e3:.1f} us; host "
-            f"{row['host_us']:.0f} us a call; torch.topk values "
+        log(f"time R={R} L={W} ({row['route']} launch(es)): direct {row['ms'] * 1e3:.1f} us "
+            f"(unvalidated {row['unvalidated_ms'] * 1e3:.1f}, host {row['host_us']:.0f} us, "
+            f"validated {row['validated_host_us']:.0f}); graph {row['graph_ms'] * 1e3:.1f} us "
+            f"({row['graph_pct_copy']:.0f}% of copy); one launch "
+            f"{row['one_graph_ms'] * 1e3:.1f}, three {row['three_graph_ms'] * 1e3:.1f} "
+            f"({row['estimate_ms'] * 1e3:.1f} + {row['filter_ms'] * 1e3:.1f} + "
+            f"{row['select_ms'] * 1e3:.1f}); torch.topk values "
             f"{row['torch_topk_values_ms'] * 1e3:.1f} us")
         torch.cuda.empty_cache()
     return rows
 
 
 def sweep(copy_tbps: float, rows: list[dict], save) -> list[dict]:
-    """``TopkPlan`` alternatives (CUDA-graph times, each launch apart); each row appended to
-    ``rows`` and saved as it comes."""
+    """``TopkPlan`` alternatives (CUDA-graph times); each row appended to ``rows`` and saved as
+    it comes."""
     for R, W in SWEEP_SHAPES:
         x = torch.randn(R, W, device="cuda")
         st, en = _full(R, W)
-        want = as_sets(top_k_per_row(x, st, en, TOPK))
+        want = as_sets(ref.top_k_per_row(x, st, en, TOPK))
         for plan in PLANS:
-            row = {"R": R, "L": W, "plan": dataclasses.asdict(plan)}
+            row = {"R": R, "L": W, "plan": dataclasses.asdict(plan), "name": _changed(plan)}
             try:
                 got = top_k_per_row(x, st, en, TOPK, plan=plan)
                 row["same_set"] = bool(torch.equal(as_sets(got), want))
-                row.update(_plan_times(x, st, en, plan, reps=15))
-                row["pct_copy"] = 100 * R * W * 4 / (row["graph_ms"] * 1e-3) / (copy_tbps * 1e12)
-                parts = " + ".join(f"{row[n] * 1e3:.1f}" for n in
-                                   ("estimate_ms", "filter_ms", "select_ms") if n in row)
-                log(f"sweep R={R} L={W} {_changed(plan)}: graph {row['graph_ms'] * 1e3:.1f} us "
-                    f"({parts}), {row['pct_copy']:.0f}% of copy, same set {row['same_set']}")
+                row["graph_ms"] = _graph_ms(x, st, en, plan, reps=15)
+                row["pct_copy"] = _pct(R, W, row["graph_ms"], copy_tbps)
+                log(f"sweep R={R} L={W} {row['name']}: graph {row['graph_ms'] * 1e3:.1f} us, "
+                    f"{row['pct_copy']:.0f}% of copy, same set {row['same_set']}")
             except Exception as e:  # a plan that does not compile or fit is a result too
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
-                log(f"sweep R={R} L={W} {_changed(plan)}: {row['error']}")
+                log(f"sweep R={R} L={W} {row['name']}: {row['error']}")
             rows.append(row)
             save()
         torch.cuda.empty_cache()
@@ -247,15 +268,16 @@ def sweep(copy_tbps: float, rows: list[dict], save) -> list[dict]:
 
 
 def _changed(plan: TopkPlan) -> str:
-    """The fields a plan changes from the default."""
+    """The fields a plan changes from the default (the route by name)."""
     base = dataclasses.asdict(TopkPlan())
     diff = {k: v for k, v in dataclasses.asdict(plan).items() if base[k] != v}
-    return "default" if not diff else " ".join(f"{k}={v}" for k, v in diff.items())
+    route = {1: "one", 1 << 30: "three"}.get(diff.pop("fused_rows", None), "")
+    return " ".join([route] * bool(route) + [f"{k}={v}" for k, v in diff.items()]) or "default"
 
 
 def adversarial_timing() -> list[dict]:
     """The scan's cost where the threshold fails: every key equal (the list overflows), and
-    half the row tied at the boundary."""
+    half the row tied at the boundary; by each route."""
     rows = []
     for name, R, W in (("all equal", 128, 32768), ("half the row tied at the boundary", 32,
                                                    131072)):
@@ -265,10 +287,54 @@ def adversarial_timing() -> list[dict]:
         else:
             x[:, 1::2] = 3.0
         st, en = _full(R, W)
-        ms = _bench(functools.partial(top_k_per_row, x, st, en, TOPK))
-        rows.append({"case": name, "R": R, "L": W, "ms": ms})
-        log(f"time {name} R={R} L={W}: {ms * 1e3:.1f} us (the scan)")
+        for route, plan in (("one", TopkPlan(**ONE)), ("three", TopkPlan(**THREE))):
+            ms = _graph_ms(x, st, en, plan, reps=10)
+            rows.append({"case": name, "route": route, "R": R, "L": W, "graph_ms": ms})
+            log(f"time {name} R={R} L={W} {route}: graph {ms * 1e3:.1f} us (the scan)")
     return rows
+
+
+def compiled_facts() -> list[dict]:
+    """Registers, spilled bytes and shared memory of every kernel this run compiled (the
+    launchers keep them), one row per kernel and plan."""
+    rows, seen = [], set()
+    for name in ("_estimate", "_filter", "_select", "_fused"):
+        for (_dev, key), k in getattr(fast_topk, name).compiled.items():
+            plan = key[0] if isinstance(key[0], TopkPlan) else key[0][0]
+            row = {"kernel": name.strip("_"), "plan": _changed(plan),
+                   "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None),
+                   "shared": getattr(k.metadata, "shared", None)}
+            if tuple(row.values()) not in seen:
+                seen.add(tuple(row.values()))
+                rows.append(row)
+    return rows
+
+
+def table(res: dict) -> str:
+    """The compact summary printed on stdout."""
+    lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us in CUDA graphs (% of copy)",
+             "R x L | default route | graph | one launch | three (est+filter+select) | "
+             "direct | unvalidated | host"]
+    for r in res["timing"]:
+        lines.append(
+            f"{r['R']} x {r['L'] // 1024}K | {r['route']} | {r['graph_ms'] * 1e3:.1f} "
+            f"({r['graph_pct_copy']:.0f}%) | {r['one_graph_ms'] * 1e3:.1f} | "
+            f"{r['three_graph_ms'] * 1e3:.1f} ({r['estimate_ms'] * 1e3:.0f}+"
+            f"{r['filter_ms'] * 1e3:.0f}+{r['select_ms'] * 1e3:.0f}) | {r['ms'] * 1e3:.1f} | "
+            f"{r['unvalidated_ms'] * 1e3:.1f} | {r['host_us']:.0f}")
+    shapes = sorted({(r["R"], r["L"]) for r in res["sweep"]}, key=SWEEP_SHAPES.index)
+    for R, W in shapes:
+        got = [r for r in res["sweep"] if (r["R"], r["L"]) == (R, W) and "graph_ms" in r]
+        got.sort(key=lambda r: r["graph_ms"])
+        lines.append(f"sweep {R} x {W // 1024}K: " + "; ".join(
+            f"{r['name']} {r['graph_ms'] * 1e3:.1f}{'' if r['same_set'] else ' WRONG'}"
+            for r in got))
+    lines += [f"compiled {c['kernel']} {c['plan']}: {c['regs']} registers, {c['spills']} B "
+              f"spilled, {c['shared']} B shared" for c in res["compiled"]]
+    bad = [f"{c['case']} ({c['route']})" for c in res["checks"]
+           if not (c["same_set"] and c.get("packed", 1))]
+    lines.append(f"checks {len(res['checks']) - len(bad)}/{len(res['checks'])} OK; bad: {bad}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     ceil = ceilings()
     log(f"copy {ceil['copy_TBps']:.2f} TB/s")
     res = {"environment": env, "ceilings": ceil, "checks": [], "timing": [], "adversarial": [],
-           "sweep": []}
+           "sweep": [], "compiled": []}
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"topk_sweep_{env['date'][:10]}.json")
 
@@ -292,19 +358,21 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
 
+    if "check" in want:
+        for route, plan in (("one", TopkPlan(**ONE)), ("three", TopkPlan(**THREE))):
+            res["checks"] += [check(*c, plan, route) for c in cases()]
+            res["checks"].append(graph_check(plan, route))
+        save()
     if "time" in want:
         res["timing"] = timing(ceil["copy_TBps"])
         save()
-    if "check" in want:
-        res["checks"] = [check(*c) for c in cases()] + [graph_check()]
-        bad = [c["case"] for c in res["checks"] if not (c["same_set"] and c.get("packed", 1))]
-        log(f"checks: {len(res['checks']) - len(bad)}/{len(res['checks'])} OK; bad: {bad}")
-        save()
-    if "time" in want:
         res["adversarial"] = adversarial_timing()
         save()
     if "sweep" in want:
         sweep(ceil["copy_TBps"], res["sweep"], save)
+    res["compiled"] = compiled_facts()
+    save()
+    print(table(res), flush=True)
     log(f"wrote {path}")
     return 0
 

@@ -25,6 +25,8 @@ from mla.fast.topk import (
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LONG = CANDIDATES + 3000  # a row longer than the candidate list: estimated, then filtered
+# each route at every row count: one program a row (one launch), or three launches
+ROUTES = {"one": TopkPlan(fused_rows=1), "three": TopkPlan(fused_rows=1 << 30)}
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -47,13 +49,13 @@ def _check(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, topk:
     return got
 
 
-def _paths(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, topk: int
-           ) -> list[str]:
+def _paths(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, topk: int,
+           plan: TopkPlan | None = None) -> list[str]:
     """Which path each row takes: ``direct``, ``listed`` or ``scanned`` (``survivors``)."""
     logits, starts, ends = _on((logits.float(), starts, ends))
     out = torch.empty(len(starts), topk, dtype=torch.int32, device=DEVICE)
-    work, steps = launches(logits, starts, ends, out, topk, TopkPlan())
-    for step in steps[:2]:
+    work, steps = launches(logits, starts, ends, out, topk, plan or TopkPlan())
+    for step in steps:
         step()
     cap, s = CANDIDATES, survivors(work).cpu().tolist()
     n = (ends - starts).cpu().tolist()
@@ -89,11 +91,13 @@ def _full(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     ([3, 0], [LONG + 3, LONG], LONG + 16, 2048, True),      # filtered, ties at the boundary
     ([0, 7], [LONG, LONG + 7], LONG + 7, 1, False),         # filtered, k = 1
 ])
-def test_topk_sets(starts, ends, width, topk, ties):
-    _check(*_rows(_gen(width + topk), starts, ends, width, ties), topk)
+@pytest.mark.parametrize("route", ROUTES)
+def test_topk_sets(starts, ends, width, topk, ties, route):
+    _check(*_rows(_gen(width + topk), starts, ends, width, ties), topk, ROUTES[route])
 
 
-def test_topk_paths():
+@pytest.mark.parametrize("route", ROUTES)
+def test_topk_paths(route):
     """Each path is taken where the module doc says, and each gives the reference's set: a
     short row directly, a random long row from its candidate list, a long row of equal keys (the
     list overflows) and a long row whose sampled columns hold its highest values (too few
@@ -102,24 +106,29 @@ def test_topk_paths():
     en[0] = CANDIDATES
     logits[2] = 0.5
     logits[3, sample_columns(LONG)] = 100.0 + torch.rand(4096, generator=_gen(31))
-    assert _paths(logits, st, en, 2048) == ["direct", "listed", "scanned", "scanned"]
-    _check(logits, st, en, 2048)
+    plan = ROUTES[route]
+    assert _paths(logits, st, en, 2048, plan) == ["direct", "listed", "scanned", "scanned"]
+    _check(logits, st, en, 2048, plan)
 
 
-def test_topk_row_order():
-    """A row selected from its own columns (a short row, a scanned row) comes as at most two
-    runs in column order: the keys above the boundary bucket, then the bucket's chosen ones."""
+@pytest.mark.parametrize("route", ROUTES)
+def test_topk_row_order(route):
+    """A row selected from its own columns comes in column order when held whole (a short
+    row), as at most two runs in column order when scanned (the keys above the boundary
+    bucket, then the bucket's chosen ones)."""
     logits, st, en = _full(torch.randn(3, LONG, generator=_gen(32)))
     en[0] = 5000
     logits[2] = -1.0  # every key tied: its threshold lets too many through
-    assert _paths(logits, st, en, 2048) == ["direct", "listed", "scanned"]
-    got = _check(logits, st, en, 2048)
-    for r in (0, 2):
+    plan = ROUTES[route]
+    assert _paths(logits, st, en, 2048, plan) == ["direct", "listed", "scanned"]
+    got = _check(logits, st, en, 2048, plan)
+    for r, runs in ((0, 1), (2, 2)):
         descents = int((got[r, 1:] < got[r, :-1]).sum())
-        assert descents <= 1, f"row {r}: {descents + 1} runs"
+        assert descents < runs, f"row {r}: {descents + 1} runs"
 
 
-def test_topk_special_values():
+@pytest.mark.parametrize("route", ROUTES)
+def test_topk_special_values(route):
     """NaN inside the range ranks above every number (the reference's sort); -inf inside is a
     value like any other; -0 and +0 are equal, so their tie goes to the lower index; a row of
     equal values keeps its first k columns. Short rows (direct) and long ones (filtered)."""
@@ -131,12 +140,13 @@ def test_topk_special_values():
         logits[2, ::2] = -0.0
         logits[2, 1::2] = 0.0
         logits[3, 10:width - 10] = 2.5
-        got = _check(logits, st, en, k)
+        got = _check(logits, st, en, k, ROUTES[route])
         assert {5, 77, 250} <= set(got[0].tolist())
         assert got[2].tolist() == list(range(k)) and got[3].tolist() == list(range(k))
 
 
-def test_topk_nan_and_inf_heavy_rows():
+@pytest.mark.parametrize("route", ROUTES)
+def test_topk_nan_and_inf_heavy_rows(route):
     """More NaN than k (the threshold is NaN's key, the list overflows), fewer NaN than k,
     half +inf, all -inf but a few: filtered rows."""
     logits, st, en = _full(torch.randn(5, LONG, generator=_gen(33)))
@@ -146,10 +156,11 @@ def test_topk_nan_and_inf_heavy_rows():
     logits[3] = float("-inf")
     logits[3, ::100] = 1.0
     logits[4, ::7] = float("-inf")
-    _check(logits, st, en, 2048)
+    _check(logits, st, en, 2048, ROUTES[route])
 
 
-def test_topk_narrow_range_and_overflowing_ties():
+@pytest.mark.parametrize("route", ROUTES)
+def test_topk_narrow_range_and_overflowing_ties(route):
     """The top 2k packed into a range a few ulps wide (the estimate must resolve it to the
     last level), and more keys equal at the boundary than the list holds (scanned)."""
     width = 2 * CANDIDATES
@@ -157,8 +168,8 @@ def test_topk_narrow_range_and_overflowing_ties():
     cols = torch.randperm(width, generator=_gen(35))[:4096]
     logits[0, cols] = 5.0 + torch.rand(4096, generator=_gen(36)) * 1e-5
     logits[1, torch.randperm(width, generator=_gen(37))[:CANDIDATES + 100]] = 3.0
-    assert _paths(logits, st, en, 2048) == ["listed", "scanned"]
-    _check(logits, st, en, 2048)
+    assert _paths(logits, st, en, 2048, ROUTES[route]) == ["listed", "scanned"]
+    _check(logits, st, en, 2048, ROUTES[route])
 
 
 def test_topk_sorted_rows():

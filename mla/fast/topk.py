@@ -43,13 +43,14 @@ allocations, so a CUDA graph can capture it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
 import triton
 
 from mla.fast.common import TRITON_VERSION, next_pow2, num_sms, should_validate
+from mla.fast.launch import CompiledLauncher, int_spec, ptr_spec
+from mla.fast.topk_fused import _fused_kernel
 from mla.fast.topk_kernels import (
     WORK_PAD,
     _estimate_kernel,
@@ -66,18 +67,30 @@ SMALL = 1024  # a boundary bucket this small is compacted and finished in regist
 RUN = 8  # the estimate's sample comes in runs of 8 keys: one 32-byte sector
 WORK_PAD_COLUMNS = WORK_PAD.value
 
+_estimate = CompiledLauncher(_estimate_kernel)
+_filter = CompiledLauncher(_filter_kernel)
+_select = CompiledLauncher(_select_kernel)
+_fused = CompiledLauncher(_fused_kernel)
+
 
 @dataclasses.dataclass(frozen=True)
 class TopkPlan:
     """How the kernels run (``benchmarks/topk_sweep.py`` times the alternatives).
 
-    Estimate: ``sample_runs`` runs of ``RUN`` keys (2 to 1024), ``estimate_warps``,
+    Route: calls of at least ``fused_rows`` rows run the one-launch kernel (one program a
+    row: ``fused_block`` keys a step, ``fused_stages`` steps in flight, ``fused_warps``);
+    fewer rows run three launches, which spread a row's read over many programs.
+    Estimate (both routes): ``sample_runs`` runs of ``RUN`` keys (2 to 1024),
     ``estimate_bits`` a radix level, ``oversample`` (the survivors aimed at, in ``topk``,
-    before three standard deviations of the sample's). Streaming read:
-    ``block`` keys a step, ``stages`` steps in flight, ``filter_warps``, ``programs_per_sm``
-    (the grid aims at that many programs per SM: a row is cut into that many chunks over the
-    rows). Select: ``select_bits`` a radix level, ``select_tile`` items a step,
-    ``select_warps``."""
+    before three standard deviations of the sample's); ``estimate_warps`` (three launches).
+    Three launches' streaming read: ``block`` keys a step, ``stages`` steps in flight,
+    ``filter_warps``, ``programs_per_sm`` (the grid aims at that many programs per SM: a row is
+    cut into that many chunks over the rows). Select (both routes): ``select_bits`` a radix
+    level, ``select_tile`` keys a step of a scanned row; ``select_warps`` (three launches)."""
+    fused_rows: int = 64
+    fused_block: int = 4096
+    fused_stages: int = 3
+    fused_warps: int = 8
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
@@ -94,7 +107,7 @@ class TopkPlan:
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",
-                     "estimate_warps"):
+                     "estimate_warps", "fused_block", "fused_warps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
@@ -106,10 +119,17 @@ class TopkPlan:
         if not 2 <= self.sample_runs <= 1024:
             raise ValueError(f"TopkPlan.sample_runs must lie in [2, 1024], got "
                              f"{self.sample_runs!r}")
-        for name in ("stages", "programs_per_sm"):
+        if self.fused_block < 16:
+            raise ValueError(f"TopkPlan.fused_block must be at least 16 (16-byte loads), got "
+                             f"{self.fused_block!r}")
+        for name in ("stages", "programs_per_sm", "fused_stages", "fused_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TopkPlan.{name} must be an int >= 1, got {v!r}")
+
+    def fused(self, rows: int) -> bool:
+        """Whether a call of ``rows`` rows takes the one-launch kernel."""
+        return rows >= self.fused_rows
 
 
 def sample_columns(n: int, runs: int = 512) -> torch.Tensor:
@@ -130,7 +150,7 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     ``logits [R, W]`` float32 (other float dtypes are read as float32, exactly);
     ``validate``: check the ranges within ``[0, W]`` on the host (a sync); ``None``: only when
     no CUDA graph is being captured. Unvalidated, a range is clipped to the row. ``plan``:
-    the kernels' tiling (``TopkPlan()`` by default).
+    the kernels' route and tiling (``TopkPlan()`` by default).
     """
     check_float("logits", logits, ndim=2)
     R, W = logits.shape
@@ -166,29 +186,37 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
              out: torch.Tensor, topk: int, plan: TopkPlan
              ) -> tuple[torch.Tensor, list[Callable[[], None]]]:
     """The scratch (``[R, work_columns(cap, SMALL)]`` int32, per row: ``_work_row``) and the
-    three launches, in order, on
-    checked arguments (``logits`` float32 with unit column stride): ``top_k_per_row`` runs
-    them; the tests read the survivor counts, the benchmarks time each."""
+    launches, in order, on checked arguments (``logits`` float32 with unit column stride): one
+    (``plan.fused(R)``) or three (estimate, filter, select); ``top_k_per_row`` runs them, the
+    tests read the survivor counts, the benchmarks time each. A launch after the first of its
+    shapes and plan calls the compiled kernel directly (``mla.fast.launch``)."""
     R, W = logits.shape
     cap = CANDIDATES
     work = torch.empty(R, work_columns(cap, SMALL), dtype=torch.int32, device=logits.device)
+    rows = (logits, row_starts, row_ends)
+    s_l_r, s_o_r = logits.stride(0), out.stride(0)
+    # what fixes every compiled kernel's specialization but the plan (which keys its own)
+    key = (plan, W, topk, int_spec(s_l_r), int_spec(s_o_r), row_starts.dtype, row_ends.dtype,
+           *(ptr_spec(t) for t in (*rows, work, out)))
+    out_block = min(1024, next_pow2(topk))
+    if plan.fused(R):
+        args = (*rows, work, out, W, topk, s_l_r, s_o_r, float(plan.oversample),
+                plan.sample_runs, RUN, plan.estimate_bits, cap, SMALL, plan.select_tile,
+                plan.select_bits, plan.fused_block, plan.fused_stages, out_block)
+        return work, [lambda: _fused(key, (R, 1, 1), args, num_warps=plan.fused_warps)]
     chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
     chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
     chunks = max(1, triton.cdiv(W, chunk))
-    rows = (logits, row_starts, row_ends)
-    s_l_r = logits.stride(0)
-    select = dict(CAP=cap, SMALL=SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
-                  OUT_BLOCK=min(1024, next_pow2(topk)))
+    est_args = (*rows, work, W, topk, s_l_r, float(plan.oversample), cap, plan.sample_runs,
+                RUN, plan.estimate_bits, SMALL)
+    filter_args = (*rows, work, W, s_l_r, chunk, cap, SMALL, plan.block, plan.stages)
+    select_args = (*rows, work, out, W, topk, s_l_r, s_o_r, cap, SMALL, plan.select_tile,
+                   plan.select_bits, out_block)
     return work, [
-        functools.partial(_estimate_kernel[(R,)], *rows, work, W, topk, s_l_r,
-                          OVERSAMPLE=float(plan.oversample), CAP=cap,
-                          SAMPLE_RUNS=plan.sample_runs, RUN=RUN, BITS=plan.estimate_bits,
-                          SMALL=SMALL, num_warps=plan.estimate_warps),
-        functools.partial(_filter_kernel[(R, chunks)], *rows, work, W, s_l_r, chunk, CAP=cap,
-                          SMALL=SMALL, BLOCK=plan.block, STAGES=plan.stages,
-                          num_warps=plan.filter_warps),
-        functools.partial(_select_kernel[(R,)], *rows, work, out, W, topk, s_l_r,
-                          out.stride(0), num_warps=plan.select_warps, **select)]
+        lambda: _estimate(key, (R, 1, 1), est_args, num_warps=plan.estimate_warps),
+        lambda: _filter((key, chunk), (R, chunks, 1), filter_args,
+                        num_warps=plan.filter_warps),
+        lambda: _select(key, (R, 1, 1), select_args, num_warps=plan.select_warps)]
 
 
 def survivors(work: torch.Tensor) -> torch.Tensor:

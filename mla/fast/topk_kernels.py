@@ -41,12 +41,12 @@ def _row_range(starts, ends, row, W):
 @triton.jit
 def _work_row(work, row, CAP: tl.constexpr, SMALL: tl.constexpr):
     """A row's scratch (``work_columns`` int32): the candidates' keys, their columns,
-    ``SMALL`` int64 for a compacted boundary bucket, then the threshold, the survivor count
-    and the survivors' largest key."""
+    ``SMALL`` int64 for a compacted boundary bucket, then the threshold and the survivor
+    count."""
     base = work + row * (2 * CAP + 2 * SMALL + WORK_PAD)
     few = (base + 2 * CAP).to(tl.pointer_type(tl.int64))
     tail = base + 2 * CAP + 2 * SMALL
-    return base, base + CAP, few, tail, tail + 1, tail + 2
+    return base, base + CAP, few, tail, tail + 1
 
 
 @triton.jit
@@ -149,34 +149,45 @@ def _floor_of_rank(c, rank, few_ptr, slack, BITS: tl.constexpr, SMALL: tl.conste
     return found
 
 
+
+
+@triton.jit
+def _threshold(src, n, topk, few, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
+               SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr, BITS: tl.constexpr,
+               SMALL: tl.constexpr):
+    """The int32 key that about ``OVERSAMPLE * topk`` of the row's ``n`` keys (``src``: its
+    first) reach, from a sample of ``SAMPLE_RUNS`` evenly spaced runs of ``RUN`` keys (every
+    part of the row is seen). For rows of more than ``CAP`` keys."""
+    j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
+    step = ((n - RUN).to(tl.int32) // (SAMPLE_RUNS - 1)).to(tl.int64)  # n < 2^31
+    cols = (j * step)[:, None] + tl.arange(0, RUN)[None, :]
+    k = _order_keys(tl.load(src + cols))
+    c = tl.reshape(k.to(tl.int64) + 2147483648, (SAMPLE_RUNS * RUN,))  # keys only
+    # the sample rank that OVERSAMPLE x topk keys (plus three deviations) reach in the row
+    expect = tl.fdiv((topk * 1.0) * (SAMPLE_RUNS * RUN), n.to(tl.float32))  # approximate
+    # (for a large topk, at most halfway to the list's length)
+    fits = 0.5 * (expect + tl.fdiv(CAP * (SAMPLE_RUNS * RUN * 1.0), n.to(tl.float32)))
+    aim = tl.ceil(OVERSAMPLE * expect + 3.0 * tl.sqrt(expect) + 8.0)
+    rank = tl.minimum(tl.minimum(aim, fits), SAMPLE_RUNS * RUN).to(tl.int32)
+    # a bucket of a few keys, or of equal keys, is taken whole: its floor is the threshold
+    floor = _floor_of_rank(c, rank, few, rank // 8 + 4, BITS, SMALL)
+    return (floor - 2147483648).to(tl.int32)
+
+
 @triton.jit
 def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.constexpr,
                      CAP: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
                      BITS: tl.constexpr, SMALL: tl.constexpr):
-    """Per row a key that about ``OVERSAMPLE * topk`` keys reach (from a sample of ``SAMPLE_RUNS``
-    evenly spaced runs of ``RUN`` keys: every part of the row is seen), and the row's survivor
-    count zeroed. Rows of no more than ``CAP`` keys need no threshold."""
+    """Per row its threshold (``_threshold``) and its survivor count zeroed. Rows of no more
+    than ``CAP`` keys need no threshold."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    _keys, _cols, few, thresh, count, top = _work_row(work, row, CAP, SMALL)
+    _keys, _cols, few, thresh, count = _work_row(work, row, CAP, SMALL)
     tl.store(count, 0)
-    tl.store(top, -2147483648)
     if n > CAP:
-        j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
-        step = ((n - RUN).to(tl.int32) // (SAMPLE_RUNS - 1)).to(tl.int64)  # n < 2^31
-        first = start + j * step
-        cols = first[:, None] + tl.arange(0, RUN)[None, :]
-        k = _order_keys(tl.load(logits + row * s_l_r + cols))
-        c = tl.reshape(k.to(tl.int64) + 2147483648, (SAMPLE_RUNS * RUN,))  # keys only
-        # the sample rank that OVERSAMPLE x topk keys (plus three deviations) reach in the row
-        expect = tl.fdiv((topk * 1.0) * (SAMPLE_RUNS * RUN), n.to(tl.float32))  # approximate
-        # (for a large topk, at most halfway to the list's length)
-        fits = 0.5 * (expect + tl.fdiv(CAP * (SAMPLE_RUNS * RUN * 1.0), n.to(tl.float32)))
-        aim = tl.ceil(OVERSAMPLE * expect + 3.0 * tl.sqrt(expect) + 8.0)
-        rank = tl.minimum(tl.minimum(aim, fits), SAMPLE_RUNS * RUN).to(tl.int32)
-        # a bucket of a few keys, or of equal keys, is taken whole: its floor is the threshold
-        floor = _floor_of_rank(c, rank, few, rank // 8 + 4, BITS, SMALL)
-        tl.store(thresh, (floor - 2147483648).to(tl.int32))
+        t = _threshold(logits + row * s_l_r + start, n, topk, few, OVERSAMPLE, CAP,
+                       SAMPLE_RUNS, RUN, BITS, SMALL)
+        tl.store(thresh, t)
 
 
 @triton.jit
@@ -191,7 +202,7 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
     c = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     if n > CAP:
-        keys_out, cols_out, _few, thresh, count, top = _work_row(work, row, CAP, SMALL)
+        keys_out, cols_out, _few, thresh, count = _work_row(work, row, CAP, SMALL)
         t = tl.load(thresh)
         # from start rounded down to 16, so that the loads are 16-byte vectors; columns as
         # int32 (W < 2^31): half the registers and address arithmetic of int64
@@ -206,8 +217,6 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
             keep = (cols >= first) & (cols < hi) & (k >= t)
             kept = tl.sum(keep.to(tl.int32), axis=0)
             if kept > 0:
-                tl.atomic_max(top, tl.max(tl.where(keep, k, -2147483648), axis=0),
-                              sem="relaxed")
                 base = tl.atomic_add(count, kept, sem="relaxed")
                 _store_survivors(keys_out, cols_out, base, keep, k, cols, first, CAP)
 
@@ -221,58 +230,85 @@ def _store_survivors(keys_out, cols_out, base, keep, k, cols, start, CAP: tl.con
 
 
 @triton.jit
-def _item_keys(src, list_keys, list_cols, listed, i, items):
-    """Composites of items ``i``: of the candidate list (``listed``) or of the row's columns
-    (``-1`` past ``items``)."""
+def _row_composites(src, n, CAP: tl.constexpr):
+    """The composites of a row of ``n <= CAP`` keys (``src``: its first), ``-1`` past it."""
+    i = tl.arange(0, CAP)
+    k = _order_keys(tl.load(src + i, mask=i < n, other=0.0))
+    return tl.where(i < n, _composite(k, i), -1)
+
+
+@triton.jit
+def _list_composites(list_keys, list_cols, items, CAP: tl.constexpr):
+    """The composites of a candidate list of ``items <= CAP``, ``-1`` past it."""
+    i = tl.arange(0, CAP)
     live = i < items
-    k_row = _order_keys(tl.load(src + i, mask=live & (listed == 0), other=0.0))
-    k = tl.where(listed != 0, tl.load(list_keys + i, mask=live & (listed != 0), other=0), k_row)
-    col = tl.where(listed != 0, tl.load(list_cols + i, mask=live & (listed != 0), other=0), i)
+    k = tl.load(list_keys + i, mask=live, other=0)
+    col = tl.load(list_cols + i, mask=live, other=0)
     return tl.where(live, _composite(k, col), -1)
 
 
 @triton.jit
-def _stream_select(src, list_keys, list_cols, listed, items, need, few_ptr, dst, lo, hi,
-                   TILE: tl.constexpr, BITS: tl.constexpr, SMALL: tl.constexpr):
-    """The exact ``need`` best of ``items`` (the candidate list, or the row: directly, or
-    because its threshold failed) by one program, each level a read of the items in tiles
-    (two: the window's place, then the histogram), so the cost follows the items, not the
-    list's length; once the boundary bucket fits ``SMALL``, one more read writes the items
-    above it (all selected, in item order) and compacts its items (``few_ptr``), and the
-    levels go on in registers, then write the bucket's chosen ones (in item order). A
-    bucket that never fits takes a last read to write the selection. A list's composites lie
-    in ``[lo, hi]`` (the threshold, the largest key the filter saw): its first level places
-    its window without a read."""
+def _select_held(c, need, few_ptr, dst, BITS: tl.constexpr, SMALL: tl.constexpr):
+    """The exact ``need`` best of the composites ``c`` held in registers (``-1``: none), their
+    columns written to ``dst`` in ``c``'s order. Radix levels until the boundary bucket holds
+    exactly the keys still needed (then the set is every ``c`` at or above its prefix); once
+    the bucket fits ``SMALL`` it is compacted (``few_ptr``) and the levels go on over it."""
+    need = tl.zeros((), tl.int32) + need
+    found, mask, need, inside, shift = _level(c, c >= 0, need, BITS)
+    done = (inside == need).to(tl.int32)
+    if (done == 0) & (inside <= SMALL):
+        m = (c & mask) == found
+        tl.store(few_ptr + tl.cumsum(m.to(tl.int32), axis=0) - 1, c, mask=m)
+        tl.debug_barrier()  # every thread's items written before they are read
+        j = tl.arange(0, SMALL)
+        few = tl.load(few_ptr + j, mask=j < inside, other=-1)
+        while done == 0:
+            found, mask, need, inside, shift = _level(few, (few & mask) == found, need, BITS)
+            done = (inside == need).to(tl.int32)
+    while done == 0:
+        found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
+        done = (inside == need).to(tl.int32)
+    _write_taken(dst, c, c >= found, 0)
+
+
+@triton.jit
+def _stream_select(src, n, need, few_ptr, dst, TILE: tl.constexpr, BITS: tl.constexpr,
+                   SMALL: tl.constexpr):
+    """The exact ``need`` best of a row of ``n`` keys too long to hold (``src``: its first),
+    its threshold having failed, by one program, each level a read of the row in tiles (two:
+    the window's place, then the histogram); once the boundary bucket fits ``SMALL``, one more
+    read writes the keys above it (all selected, in column order) and compacts its items
+    (``few_ptr``), and the levels go on in registers, then write the bucket's chosen ones (in
+    column order). A bucket that never fits takes a last read to write the selection."""
     need = tl.zeros((), tl.int32) + need
     mask = tl.full((), -9223372036854775808, tl.int64)  # the sign bit: items only
     found = tl.zeros((), tl.int64)
     done = tl.zeros((), tl.int32)
-    inside = tl.zeros((), tl.int32) + items
-    bounded = listed
+    n = n.to(tl.int32)
+    inside = n
     while (done == 0) & (inside > SMALL):
-        cmin = tl.where(bounded != 0, lo, 9223372036854775807)
-        cmax = tl.where(bounded != 0, hi, 0)
-        for t in range(0, tl.where(bounded != 0, 0, items), TILE):
-            c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
+        cmin = tl.full((), 9223372036854775807, tl.int64)
+        cmax = tl.zeros((), tl.int64)
+        for t in range(0, n, TILE):
+            c = _tile_composites(src, t + tl.arange(0, TILE), n)
             match = (c & mask) == found
             cmin = tl.minimum(cmin, tl.min(tl.where(match, c, 9223372036854775807), axis=0))
             cmax = tl.maximum(cmax, tl.max(tl.where(match, c, 0), axis=0))
         shift = _place(cmin, cmax, BITS)
         h = tl.zeros((1 << BITS,), tl.int32)
-        for t in range(0, items, TILE):
-            c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
+        for t in range(0, n, TILE):
+            c = _tile_composites(src, t + tl.arange(0, TILE), n)
             h += _digits(c, shift, (c & mask) == found, BITS)
         d, above, inside = _bucket(h, need, 1 << BITS)
         need -= above
         found, mask = _fix(cmin, shift, d, BITS)
         done = (inside == need).to(tl.int32)
-        bounded = 0 * bounded
     written = tl.zeros((), tl.int32)
     if done == 0:
         # one read: the items above the bucket are written (all selected), its items compacted
         kept = tl.zeros((), tl.int32)
-        for t in range(0, items, TILE):
-            c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
+        for t in range(0, n, TILE):
+            c = _tile_composites(src, t + tl.arange(0, TILE), n)
             m = (c & mask) == found
             tl.store(few_ptr + kept + tl.cumsum(m.to(tl.int32), axis=0) - 1, c, mask=m)
             kept += tl.sum(m.to(tl.int32), axis=0)
@@ -285,9 +321,16 @@ def _stream_select(src, list_keys, list_cols, listed, items, need, few_ptr, dst,
             done = (inside == need).to(tl.int32)
         _write_taken(dst, few, (few & mask) >= found, written)
     else:
-        for t in range(0, items, TILE):
-            c = _item_keys(src, list_keys, list_cols, listed, t + tl.arange(0, TILE), items)
+        for t in range(0, n, TILE):
+            c = _tile_composites(src, t + tl.arange(0, TILE), n)
             written = _write_taken(dst, c, (c & mask) >= found, written)
+
+
+@triton.jit
+def _tile_composites(src, i, n):
+    """Composites of the row's columns ``i`` (``-1`` past ``n``)."""
+    k = _order_keys(tl.load(src + i, mask=i < n, other=0.0))
+    return tl.where(i < n, _composite(k, i), -1)
 
 
 @triton.jit
@@ -299,28 +342,32 @@ def _write_taken(dst, c, take, written):
 
 
 @triton.jit
-def _select_row(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r, row,
-                CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
-                BITS: tl.constexpr, OUT_BLOCK: tl.constexpr):
-    """The exact ``topk`` best of the row's candidate list, or of the row itself when it has
-    no more than ``CAP`` keys or its threshold failed (``_stream_select``); then ``-1`` past
-    the row's count."""
-    start, end, n = _row_range(starts, ends, row, W)
-    src = logits + row * s_l_r + start
-    dst = out + row * s_o_r
-    list_keys, list_cols, few, thresh, count, top = _work_row(work, row, CAP, SMALL)
-    if n <= topk:
-        for c0 in range(0, n, OUT_BLOCK):
-            i = c0 + tl.arange(0, OUT_BLOCK)
-            tl.store(dst + i, i, mask=i < n)
+def _select_listed_or_row(src, n, topk, list_keys, list_cols, survivors, few, dst,
+                          CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
+                          BITS: tl.constexpr):
+    """For ``n > topk``: the exact ``topk`` best of the row held whole (``n <= CAP``), of its
+    candidate list held whole (``topk <= survivors <= CAP``), or else of the row streamed
+    (the threshold failed)."""
+    if n <= CAP:
+        _select_held(_row_composites(src, n, CAP), topk, few, dst, BITS, SMALL)
+    elif (survivors >= topk) & (survivors <= CAP):
+        _select_held(_list_composites(list_keys, list_cols, survivors, CAP), topk, few, dst,
+                     BITS, SMALL)
     else:
-        survivors = tl.load(count)
-        listed = ((n > CAP) & (survivors >= topk) & (survivors <= CAP)).to(tl.int32)
-        items = tl.where(listed != 0, survivors, n).to(tl.int32)
-        lo = (tl.load(thresh).to(tl.int64) + 2147483648) << 31
-        hi = ((tl.load(top).to(tl.int64) + 2147483648) << 31) | 0x7FFFFFFF
-        _stream_select(src, list_keys, list_cols, listed, items, topk, few, dst, lo, hi, TILE,
-                       BITS, SMALL)
+        _stream_select(src, n, topk, few, dst, TILE, BITS, SMALL)
+
+
+@triton.jit
+def _write_all(dst, n, OUT_BLOCK: tl.constexpr):
+    """A row of no more than ``topk`` keys: all of them, in order."""
+    for c0 in range(0, n, OUT_BLOCK):
+        i = c0 + tl.arange(0, OUT_BLOCK)
+        tl.store(dst + i, i, mask=i < n)
+
+
+@triton.jit
+def _write_tail(dst, n, topk, OUT_BLOCK: tl.constexpr):
+    """``-1`` past the row's ``min(n, topk)`` indices."""
     kept = tl.minimum(n, topk)
     for c0 in range(0, topk, OUT_BLOCK):
         i = c0 + tl.arange(0, OUT_BLOCK)
@@ -331,6 +378,17 @@ def _select_row(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r, row,
 def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
                    CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
                    BITS: tl.constexpr, OUT_BLOCK: tl.constexpr):
-    """One program a row: ``_select_row``."""
-    _select_row(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
-                tl.program_id(0).to(tl.int64), CAP, SMALL, TILE, BITS, OUT_BLOCK)
+    """One program a row: the exact ``topk`` best of the row's candidate list, or of the row
+    itself when it has no more than ``CAP`` keys or its threshold failed
+    (``_select_listed_or_row``); then ``-1`` past the row's count."""
+    row = tl.program_id(0).to(tl.int64)
+    start, end, n = _row_range(starts, ends, row, W)
+    src = logits + row * s_l_r + start
+    dst = out + row * s_o_r
+    list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
+    if n <= topk:
+        _write_all(dst, n, OUT_BLOCK)
+    else:
+        _select_listed_or_row(src, n, topk, list_keys, list_cols, tl.load(count), few, dst,
+                              CAP, SMALL, TILE, BITS)
+    _write_tail(dst, n, topk, OUT_BLOCK)

@@ -1,0 +1,69 @@
+"""The one-launch kernel of ``mla.fast.top_k_per_row``: one program a row estimates its
+threshold, reads its row once listing the keys that reach it, and selects among those, all in
+one program (the plan and the semantics: ``mla.fast.topk``; the shared pieces:
+``mla.fast.topk_kernels``).
+
+Against the three launches it saves two kernels' start and drain, the threshold's and the
+count's round trips through memory, and the atomics: the program owns its row, so a block's
+survivors go to ``count + cumsum(keep) - 1`` with the count in a register.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mla.fast.topk_kernels import (
+    _order_keys,
+    _row_range,
+    _select_listed_or_row,
+    _threshold,
+    _work_row,
+    _write_all,
+    _write_tail,
+)
+
+
+@triton.jit
+def _fused_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
+                  OVERSAMPLE: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
+                  EST_BITS: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
+                  TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                  STAGES: tl.constexpr, OUT_BLOCK: tl.constexpr):
+    """One program a row: a row of no more than ``CAP`` keys is selected whole; a longer one
+    gets its threshold from the sample, one streaming read of ``BLOCK`` keys a step
+    (``STAGES`` in flight) lists the keys reaching it, and the list (or, when the threshold
+    let fewer than ``topk`` or more than ``CAP`` through, the row) is selected; then ``-1``
+    past the row's count. The survivor count is stored for ``mla.fast.topk.survivors``."""
+    row = tl.program_id(0).to(tl.int64)
+    start, end, n = _row_range(starts, ends, row, W)
+    src = logits + row * s_l_r
+    dst = out + row * s_o_r
+    keys_out, cols_out, few, _thresh, count_ptr = _work_row(work, row, CAP, SMALL)
+    count = tl.zeros((), tl.int32)
+    if n <= topk:
+        _write_all(dst, n, OUT_BLOCK)
+    else:
+        if n > CAP:
+            t = _threshold(src + start, n, topk, few, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN,
+                           EST_BITS, SMALL)
+            # from start rounded down to 16, so that the loads are 16-byte vectors; columns
+            # as int32 (W < 2^31)
+            first = start.to(tl.int32)
+            last = end.to(tl.int32)
+            lo = tl.multiple_of(first - first % 16, 16)
+            for c0 in tl.range(lo, last, BLOCK, num_stages=STAGES):
+                cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
+                k = _order_keys(tl.load(src + cols, mask=cols < W, other=0.0))
+                keep = (cols >= first) & (cols < last) & (k >= t)
+                pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                ok = keep & (pos < CAP)
+                tl.store(keys_out + pos, k, mask=ok)
+                tl.store(cols_out + pos, cols - first, mask=ok)
+                count += tl.sum(keep.to(tl.int32), axis=0)
+            tl.store(count_ptr, count)
+            tl.debug_barrier()  # the list written by every thread before any reads it
+        _select_listed_or_row(src + start, n, topk, keys_out, cols_out, count, few, dst, CAP,
+                              SMALL, TILE, BITS)
+    _write_tail(dst, n, topk, OUT_BLOCK)
+
