@@ -109,6 +109,23 @@ def floor() -> dict:
     return res
 
 
+def heads_probe() -> list[dict]:
+    """Where the time goes: the default call with the queries' first 16 or 32 of the 64 heads
+    (a quarter or half of the MMA and of the epilogue, the same cache bytes), graph replays.
+    Near the 64-head time: the loads' pipeline bounds the kernel, not its arithmetic."""
+    rows = []
+    for B, next_n, L in ((32, 1, 32768), (32, 2, 32768), (128, 2, 131072)):
+        q8, cache, w, lens, table = paged_inputs(B, next_n, L)
+        for heads in (16, 32, 64):
+            ms = time_graph(functools.partial(fp8_paged_mqa_logits, q8[:, :, :heads], cache,
+                                              w[:, :heads], lens, table, L))
+            rows.append({"B": B, "next_n": next_n, "L": L, "heads": heads, "ms": ms})
+            log(f"probe B={B} next_n={next_n} L={L} heads={heads}: graph {ms * 1e3:.1f} us")
+        del q8, cache, w, lens, table
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
@@ -259,6 +276,13 @@ def markdown(res: dict) -> str:
               "construction; next_n = 2 (~248 FLOP/byte, roofline "
               f"{_roof_pct(res, 2):.0f}% of fp8) and 4 can reach it.", "",
               _floor_line(res), "",
+              "Heads probe (the default call on the queries' first 16 / 32 / 64 heads: the "
+              "same cache bytes, a quarter / half / all of the MMA and epilogue; graph us): "
+              + "; ".join(f"B = {B} next_n = {n} L = {L // 1024}K: " + " / ".join(
+                  f"{r['ms'] * 1e3:.1f}" for r in res.get("heads_probe", [])
+                  if (r["B"], r["next_n"], r["L"]) == (B, n, L))
+                  for B, n, L in dict.fromkeys((r["B"], r["next_n"], r["L"])
+                                               for r in res.get("heads_probe", []))) + ".", "",
               "| B | next_n | L | variant | route | graph ms | eager ms | TFLOP/s | % fp8 | "
               "roofline | % roofline | GB/s | vs default |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -288,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s")
     res = {"environment": env, "ceilings": ceil, "correctness": correctness(args.variants)}
     res["floor"] = floor()
+    res["heads_probe"] = heads_probe()
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"indexer_logits_{env['date'][:10]}")
 
