@@ -15,8 +15,11 @@ measured in the same run (``python -m benchmarks.indexer --out DIR``).
   cost between them); beside it ``torch.topk`` on int64 keys that pack the order-preserving
   float bits with the inverted column (the same set, ties to the lower index) and plain
   ``torch.topk`` on the values (no tie rule; for orientation).
-- Errors: the logits against the float64 reference on a slice of each shape, and over 20
-  seeds on small shapes, beside the budget (``mla.fast.indexer_logits.logits_budget``).
+- Errors: the logits against the float64 reference in ``mla.compare.logits_err``'s measure
+  (the error over the magnitude ``k_scale · Σ_h |w_h| · ReLU(q_h · k)``) on a slice of each
+  shape, and over 20 seeds on small shapes, beside the budget
+  (``mla.fast.indexer_logits.logits_budget``) and the error of the FP8 MMA's accumulator
+  emulated on the same inputs (``benchmarks.fp8_mma``, "model").
 - ``--sweep``: a few ``LogitsPlan`` tilings and pipeline depths of both logits kernels on two
   decode shapes and one prefill shape, each compared with the default plan's logits.
 
@@ -36,9 +39,11 @@ import torch
 import triton.testing
 
 import mla.reference as ref
+from benchmarks import fp8_mma
 from benchmarks.common import ceilings, log, report_heading, time_graph
-from mla.compare import rel_err
-from mla.conformance.cases.indexer import as_sets, logits_limit
+from benchmarks.fp8_mma import emulated_logits
+from mla.compare import logits_err, rel_err
+from mla.conformance.cases.indexer import as_sets
 from mla.environment import environment
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits, top_k_per_row
 from mla.fast.indexer_logits import LogitsPlan, logits_budget
@@ -88,6 +93,30 @@ def paged_inputs(B: int, next_n: int, L: int, seed: int = 0):
     return q8.view(B, next_n, H, D), cache, w, lens, table
 
 
+def ragged_errors(got: torch.Tensor, q8: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                  w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor) -> tuple[float, float]:
+    """``logits_err`` of ``got`` and of the emulated FP8 MMA (on ``q8``'s device) against the
+    float64 reference (the magnitude: the reference with ``|w|``)."""
+    cpu = (q8.cpu(), (kv[0].cpu(), kv[1].cpu()), w.cpu().double(), ks.cpu(), ke.cpu())
+    want = ref.fp8_mqa_logits(*cpu)
+    mag = ref.fp8_mqa_logits(cpu[0], cpu[1], cpu[2].abs(), *cpu[3:])
+    lo, hi = int(ks.min()), int(ke.max())  # the emulation only where some query looks
+    model = torch.full_like(want, float("-inf"))
+    model[:, lo:hi] = emulated_logits(q8, kv[0][lo:hi], kv[1][lo:hi], w).cpu()
+    model = torch.where(torch.isinf(want), want, model)
+    return logits_err(got, want, mag), logits_err(model, want, mag)
+
+
+def paged_errors(got: torch.Tensor, q8: torch.Tensor, cache: torch.Tensor, w: torch.Tensor,
+                 lens: torch.Tensor, table: torch.Tensor, width: int) -> tuple[float, float]:
+    """As ``ragged_errors`` for the paged logits."""
+    cpu = (q8.cpu(), cache.cpu(), w.cpu().double(), lens.cpu(), table.cpu())
+    want = ref.fp8_paged_mqa_logits(*cpu, width)
+    mag = ref.fp8_paged_mqa_logits(cpu[0], cpu[1], cpu[2].abs(), *cpu[3:], width)
+    model = fp8_mma.fp8_paged_mqa_logits(q8, cache, w, lens, table, width).cpu()
+    return logits_err(got, want, mag), logits_err(model, want, mag)
+
+
 def bench_decode(fp8_tflops: float, copy_tbps: float) -> list[dict]:
     rows = []
     for L in (8192, 32768, 131072):
@@ -98,20 +127,19 @@ def bench_decode(fp8_tflops: float, copy_tbps: float) -> list[dict]:
                 flops = 2 * B * next_n * H * D * L
                 nbytes = B * L * 132 + B * next_n * (H * D + H * 4 + L * 4)
                 roof = min(fp8_tflops, flops / nbytes * copy_tbps)
-                err = math.nan  # checked where the cache is small enough to copy (B = 1)
+                err = model = math.nan  # checked where the cache is small enough (B = 1)
                 if B == 1:
                     got = fp8_paged_mqa_logits(q8, cache, w, lens, table, L)
-                    err = rel_err(got, ref.fp8_paged_mqa_logits(
-                        q8.cpu(), cache.cpu(), w.cpu().double(), lens.cpu(), table.cpu(), L))
+                    err, model = paged_errors(got, q8, cache, w, lens, table, L)
                 tf = flops / (ms * 1e-3) / 1e12
                 row = {"kernel": "fp8_paged_mqa_logits", "B": B, "next_n": next_n, "L": L,
                        "ms": ms, "TFLOPs": tf, "pct_fp8": 100 * tf / fp8_tflops,
                        "roofline_TFLOPs": roof, "pct_roofline": 100 * tf / roof,
-                       "GBps": nbytes / (ms * 1e-3) / 1e9, "rel_err": err}
+                       "GBps": nbytes / (ms * 1e-3) / 1e9, "err": err, "model_err": model}
                 rows.append(row)
                 log(f"decode B={B} next_n={next_n} L={L}: {ms:.3f} ms, {tf:.0f} TFLOP/s "
                     f"({row['pct_fp8']:.0f}% of fp8, {row['pct_roofline']:.0f}% of roofline "
-                    f"{roof:.0f}), err {_err(err)}")
+                    f"{roof:.0f}), err {_err(err)} (model {_err(model)})")
                 torch.cuda.empty_cache()
     return rows
 
@@ -142,16 +170,15 @@ def bench_prefill(fp8_tflops: float) -> list[dict]:
         ms = _bench(functools.partial(fp8_mqa_logits, q8, kv, w, ks, ke))
         pairs = int((ke - ks).long().sum())
         flops = 2 * pairs * H * D
-        got = fp8_mqa_logits(q8[-8:], kv, w[-8:], ks[-8:], ke[-8:])
-        want = ref.fp8_mqa_logits(q8[-8:].cpu(), (kv[0].cpu(), kv[1].cpu()),
-                                  w[-8:].cpu().double(), ks[-8:].cpu(), ke[-8:].cpu())
+        sl = (q8[-8:], kv, w[-8:], ks[-8:], ke[-8:])
+        err, model = ragged_errors(fp8_mqa_logits(*sl), *sl)
         tf = flops / (ms * 1e-3) / 1e12
         row = {"kernel": "fp8_mqa_logits", "shape": name, "S": len(ks), "N": kv[0].shape[0],
-               "ms": ms, "TFLOPs": tf, "pct_fp8": 100 * tf / fp8_tflops,
-               "rel_err": rel_err(got, want)}
+               "ms": ms, "TFLOPs": tf, "pct_fp8": 100 * tf / fp8_tflops, "err": err,
+               "model_err": model}
         rows.append(row)
         log(f"prefill {name}: {ms:.3f} ms, {tf:.0f} TFLOP/s ({row['pct_fp8']:.0f}% of fp8), "
-            f"err {row['rel_err']:.1e}")
+            f"err {err:.1e} (model {model:.1e})")
         torch.cuda.empty_cache()
     return rows
 
@@ -255,9 +282,10 @@ def bench_topk(copy_tbps: float) -> list[dict]:
 
 
 def logits_errors(seeds: int = 20) -> dict:
-    """Worst relative error of both kernels against the float64 reference over ``seeds``
-    draws (DeepSeek-V3.2's 64 heads; bf16 keys of gains 2^±4, q scale folded into w)."""
-    paged, ragged = [], []
+    """Worst and mean ``logits_err`` of both kernels against the float64 reference over
+    ``seeds`` draws (DeepSeek-V3.2's 64 heads; bf16 keys of gains 2^±4, q scale folded into w),
+    and of the FP8 MMA's accumulator emulated on the same inputs."""
+    paged, ragged, model = [], [], []
     for seed in range(seeds):
         g = torch.Generator().manual_seed(seed)
         lens = [int(x) for x in torch.randint(1, 3000, (4,), generator=g)]
@@ -273,27 +301,27 @@ def logits_errors(seeds: int = 20) -> dict:
         q = torch.randn(8, H, D, generator=g, dtype=torch.float64)
         w = torch.randn(8, H, generator=g, dtype=torch.float64) * (H * D) ** -0.5
         q8, wq = ref.quantize_indexer_q(q, w)
-        lens_t = torch.tensor(lens, dtype=torch.int32)
-        W = max(lens)
-        want = ref.fp8_paged_mqa_logits(q8.view(4, 2, H, D), cache, wq.double(), lens_t,
-                                        table, W)
-        got = fp8_paged_mqa_logits(q8.view(4, 2, H, D).cuda(), cache.cuda(), wq.cuda(),
-                                   lens_t.cuda(), table.cuda(), W)
-        paged.append(rel_err(got, want))
+        args = (q8.view(4, 2, H, D).cuda(), cache.cuda(), wq.cuda(),
+                torch.tensor(lens, dtype=torch.int32).cuda(), table.cuda())
+        err, emulated = paged_errors(fp8_paged_mqa_logits(*args, max(lens)), *args, max(lens))
+        paged.append(err)
+        model.append(emulated)
         codes, scale = ref.read_indexer_k_cache(cache, (table[0].long()[torch.arange(
             lens[0]) // PAGE] * PAGE + torch.arange(lens[0]) % PAGE))
         ks = torch.zeros(8, dtype=torch.int32)
         ke = torch.tensor([max(1, lens[0] - 7 + i) for i in range(8)], dtype=torch.int32)
-        want = ref.fp8_mqa_logits(q8, (codes, scale), wq.double(), ks, ke)
-        got = fp8_mqa_logits(q8.cuda(), (codes.cuda(), scale.cuda()), wq.cuda(), ks.cuda(),
-                             ke.cuda())
-        ragged.append(rel_err(got, want))
-    res = {"seeds": seeds, "paged_worst": max(paged), "paged_mean": sum(paged) / seeds,
-           "ragged_worst": max(ragged), "ragged_mean": sum(ragged) / seeds,
-           "budget": logits_budget("cuda"), "catalogue_limit": logits_limit(H, "cuda")}
-    log(f"logits errors over {seeds} seeds: paged worst {res['paged_worst']:.2e} (mean "
-        f"{res['paged_mean']:.2e}), ragged worst {res['ragged_worst']:.2e}; budget "
-        f"{res['budget']:.2e}, catalogue limit {res['catalogue_limit']:.2e}")
+        sl = (q8.cuda(), (codes.cuda(), scale.cuda()), wq.cuda(), ks.cuda(), ke.cuda())
+        err, emulated = ragged_errors(fp8_mqa_logits(*sl), *sl)
+        ragged.append(err)
+        model.append(emulated)
+    res = {"measure": "logits_err", "seeds": seeds, "paged_worst": max(paged),
+           "paged_mean": sum(paged) / seeds, "ragged_worst": max(ragged),
+           "ragged_mean": sum(ragged) / seeds, "model_worst": max(model),
+           "model_mean": sum(model) / len(model), "budget": logits_budget("cuda")}
+    log(f"logits errors (logits_err) over {seeds} seeds: paged worst {res['paged_worst']:.2e} "
+        f"(mean {res['paged_mean']:.2e}), ragged worst {res['ragged_worst']:.2e} (mean "
+        f"{res['ragged_mean']:.2e}); emulated FP8 MMA worst {res['model_worst']:.2e}; budget "
+        f"{res['budget']:.2e}")
     return res
 
 
@@ -313,28 +341,33 @@ def markdown(res: dict) -> str:
     lines = report_heading("Lightning indexer (fp8 logits, top-k)", res)
     lines[2] = lines[2].rstrip(".") + f", fp8 matmul {ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s."
     e = res["errors"]
-    lines += [f"Logits against the float64 reference over {e['seeds']} seeds: paged worst "
-              f"{e['paged_worst']:.2e}, ragged worst {e['ragged_worst']:.2e} (budget "
-              f"{e['budget']:.1e}; the catalogue's limit on a CUDA device "
-              f"{e['catalogue_limit']:.1e}).",
+    lines += [f"Logits against the float64 reference (`mla.compare.logits_err`: the error "
+              "over the magnitude k_scale · Σ_h |w_h| · ReLU(q_h · k)) over "
+              f"{e['seeds']} seeds: paged worst {e['paged_worst']:.2e}, ragged worst "
+              f"{e['ragged_worst']:.2e}; the FP8 MMA's accumulator emulated on the same inputs "
+              f"(`benchmarks.fp8_mma`) worst {e['model_worst']:.2e}; budget {e['budget']:.1e}. "
+              "The err columns below are the same measure, model the emulation's.",
               "", "## fp8_paged_mqa_logits (decode, H = 64, pages of 64)", "",
               "The roofline is min(fp8 rate, FLOPs/bytes · copy bandwidth). At next_n = 1 "
               "the work is ~124 FLOP a byte of cache, so the roofline is "
               f"{_roof_pct(res, 1):.0f}% of the fp8 rate: 50% of fp8 is out of reach there by "
               "construction, and the measure is % of roofline; next_n = 2 (~248 FLOP/byte, "
               f"roofline {_roof_pct(res, 2):.0f}% of fp8) can reach 50% of fp8.", "",
-              "| B | next_n | L | ms | TFLOP/s | % fp8 | roofline | % roofline | GB/s | err |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| B | next_n | L | ms | TFLOP/s | % fp8 | roofline | % roofline | GB/s | err "
+              "| model |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["decode"]:
         lines.append(f"| {r['B']} | {r['next_n']} | {r['L']} | {r['ms']:.3f} | "
                      f"{r['TFLOPs']:.0f} | {r['pct_fp8']:.0f} | {r['roofline_TFLOPs']:.0f} | "
-                     f"{r['pct_roofline']:.0f} | {r['GBps']:.0f} | {_err(r['rel_err'])} |")
+                     f"{r['pct_roofline']:.0f} | {r['GBps']:.0f} | {_err(r['err'])} | "
+                     f"{_err(r['model_err'])} |")
     lines += ["", "## fp8_mqa_logits (prefill, ragged)", "",
-              "| shape | S | N | ms | TFLOP/s | % fp8 | err |", "| --- | --- | --- | --- | --- "
-              "| --- | --- |"]
+              "| shape | S | N | ms | TFLOP/s | % fp8 | err | model |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["prefill"]:
         lines.append(f"| {r['shape']} | {r['S']} | {r['N']} | {r['ms']:.3f} | "
-                     f"{r['TFLOPs']:.0f} | {r['pct_fp8']:.0f} | {r['rel_err']:.1e} |")
+                     f"{r['TFLOPs']:.0f} | {r['pct_fp8']:.0f} | {r['err']:.1e} | "
+                     f"{r['model_err']:.1e} |")
     lines += ["", "## top_k_per_row (k = 2048)", "",
               "| rows | L | Triton ms | GB/s | % copy | in a CUDA graph ms | % copy | packed "
               "torch.topk ms | torch.topk values ms | set = reference |",

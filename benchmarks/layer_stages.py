@@ -26,7 +26,8 @@ class Stage:
     stage: str
     error: float
     budget: float
-    measure: str  # "rel" (Frobenius), "abs" (max), "bytes" (count of differing bytes)
+    measure: str  # "rel" (Frobenius), "abs" (max), "bytes" (count of differing bytes),
+    # "logits_err" (mla.compare's, the indexer logits')
 
     @property
     def passed(self) -> bool:

@@ -5,7 +5,8 @@ inputs to it:
 
     index cache   bytes equal to the reference's quantization of the same rotated keys
     logits        the reference's fp8 logits in float64 on the same e4m3 q, weights and cache:
-                  the fast kernels' ``logits_budget`` (the FP8 MMA's accumulator on a GPU)
+                  the fast kernels' ``logits_budget`` in ``logits_err``'s measure (the FP8
+                  MMA's accumulator on a GPU)
     top-k         the reference's top_k_per_row on the fast logits: the same sets (exact); and
                   on the float64 logits: any difference only between keys whose float64
                   logits lie within the logits budget of the row's k-th value (a near tie)
@@ -28,7 +29,7 @@ from benchmarks.layer_stages import (
     gemm_budget,
     rel_stage,
 )
-from mla.compare import TOLERANCES, budget
+from mla.compare import TOLERANCES, budget, logits_err
 from mla.config import MLAConfig, get_config
 from mla.fast.indexer_logits import logits_budget
 from mla.reference.decode import absorb_q
@@ -85,6 +86,14 @@ def _sets(idx: torch.Tensor) -> torch.Tensor:
     """Each row's indices sorted (the -1 padding last), so equal sets compare equal."""
     i = idx.long().cpu()
     return torch.where(i < 0, torch.iinfo(torch.int64).max, i).sort(dim=1).values
+
+
+def _logits_stage(layer: str, logits: torch.Tensor, logits64: torch.Tensor,
+                  mag64: torch.Tensor) -> Stage:
+    """``logits_err`` (the error over the magnitude, the logits with ``|weights|``) within
+    ``logits_budget``."""
+    return Stage(layer, "logits", logits_err(logits, logits64, mag64),
+                 logits_budget(logits.device), "logits_err")
 
 
 def _topk_stages(layer: str, tr, logits64: torch.Tensor, topk: int) -> list[Stage]:
@@ -204,10 +213,10 @@ def sparse_decode_check(config: MLAConfig, dtype: torch.dtype, device: str, lens
     stages, w64 = _common(layer, tr, w, before_kv, before_ik, kv, ik, h64, positions, req,
                           bt_c, dtype)
     ik_c = ik.cpu()
-    logits64 = fp8_paged_mqa_logits(tr.q_index.cpu().view(B, s_q, *tr.q_index.shape[1:]), ik_c,
-                                    tr.index_weights.double().cpu(), sl_c + s_q, bt_c,
-                                    tr.logits.shape[1])
-    stages.append(rel_stage(layer, "logits", tr.logits, logits64, logits_budget(tr.logits.device)))
+    q_c, w_c = tr.q_index.cpu().view(B, s_q, *tr.q_index.shape[1:]), tr.index_weights.double()
+    logits64, mag64 = (fp8_paged_mqa_logits(q_c, ik_c, iw_c.cpu(), sl_c + s_q, bt_c,
+                                            tr.logits.shape[1]) for iw_c in (w_c, w_c.abs()))
+    stages.append(_logits_stage(layer, tr.logits, logits64, mag64))
     stages += _topk_stages(layer, tr, logits64, config.index_topk)
     conv = ref_convert(req.to(torch.int32), bt_c, tr.local.cpu(), block_size)
     stages.append(bytes_stage(layer, "conversion", tr.slots, conv))
@@ -255,9 +264,10 @@ def sparse_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     seq = [c + n for c, n in zip(context_lens, new_lens)]
     cu = torch.tensor([0] + torch.tensor(seq).cumsum(0).tolist(), dtype=torch.int32)
     keys = gather_indexer_k_cache(ik.cpu(), bt_c, cu)
-    logits64 = fp8_mqa_logits(tr.q_index.cpu(), keys, tr.index_weights.double().cpu(),
-                              tr.row_starts.cpu(), tr.row_ends.cpu())
-    stages.append(rel_stage(layer, "logits", tr.logits, logits64, logits_budget(tr.logits.device)))
+    w_c = tr.index_weights.double().cpu()
+    logits64, mag64 = (fp8_mqa_logits(tr.q_index.cpu(), keys, iw_c, tr.row_starts.cpu(),
+                                      tr.row_ends.cpu()) for iw_c in (w_c, w_c.abs()))
+    stages.append(_logits_stage(layer, tr.logits, logits64, mag64))
     stages += _topk_stages(layer, tr, logits64, config.index_topk)
     req32 = req.to(torch.int32)
     if fp8_kv:

@@ -23,7 +23,8 @@ from collections.abc import Iterator
 import torch
 
 __all__ = ["TOLERANCES", "ERROR_BUDGETS", "LSE_ABS_TOL", "rel_err", "max_abs_err",
-           "assert_close", "budget", "poison_like", "poisoned_alloc", "tolerance"]
+           "assert_close", "budget", "poison_like", "poisoned_alloc", "tolerance",
+           "FP8_MMA_LOGITS_ERR", "logits_err"]
 
 # Relative Frobenius tolerances against a float64 reference on upcast inputs (conventions §11).
 TOLERANCES: dict[torch.dtype, float] = {
@@ -95,12 +96,41 @@ ERROR_BUDGETS: dict[tuple[str, str, str], float] = {
     ("sparse_mla_prefill", "float32", "out_rel"): 3.3e-6,
 }
 
-# The indexer's fp8 logits on Hopper's FP8 tensor cores: their accumulator keeps 13 mantissa
-# bits and truncates (DeepSeek-V3's report, §3.3.2), so a 128-dim e4m3 dot carries about 2^-13
-# of relative error whose bias does not average out over the heads (modelled: 1.1e-4 to 1.4e-4
-# on DeepSeek-V3.2's shapes). Measured on an H200, mla.fast's kernels: 7.2e-5 to 1.5e-4 over the
-# catalogue's nine logits cases (2026-11-30). The budget: twice the model, 2^-12.
-FP8_MMA_LOGITS_REL = 2.0 ** -12
+# The indexer's fp8 logits, ``k_scale · Σ_h w_h · ReLU(q_h · k)``, are measured by
+# ``logits_err``: the error's Frobenius norm over that of their magnitude ``mag``, the same
+# logits with every weight's absolute value (the reference's function on ``|w|``), not over the
+# logits' own norm, which shrinks as heads of opposite weights cancel: how much they cancel is a
+# property of the inputs, while every head's dot goes through the accumulator whatever its
+# weight's sign. Budget: Hopper's FP8 tensor cores accumulate each 128-dim dot in an
+# accumulator of 13 mantissa bits that truncates (DeepSeek-V3's report, §3.3.2; emulated in
+# benchmarks/fp8_mma.py); derivation and measurements in conventions §11.
+FP8_MMA_LOGITS_ERR = 2.0 ** -13
+
+
+def logits_err(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> float:
+    """‖got − want‖ / ‖mag‖ (float64) over the entries where ``want`` is finite; ``inf`` on NaN
+    or infinities that differ from ``want``'s (as ``rel_err``). ``mag``: the magnitude the
+    error is measured against, the shape of ``want``, finite where ``want`` is."""
+    if mag.shape != want.shape:
+        raise ValueError(f"shape mismatch: mag {list(mag.shape)} vs want {list(want.shape)}")
+    pair = _aligned(got, want)
+    if pair is None:
+        return float("inf")
+    o, r = pair
+    m = mag.detach().to(device="cpu", dtype=torch.float64)[~torch.isinf(
+        want.detach().to(device="cpu", dtype=torch.float64))]
+    if not torch.isfinite(m).all():
+        raise ValueError("mag must be finite wherever want is")
+    peak = max(o.abs().max().item(), r.abs().max().item(), m.abs().max().item()) \
+        if o.numel() else 0.0
+    if peak > 0.0:  # a power-of-two rescale, exact, as rel_err's
+        s = 2.0 ** -max(math.frexp(peak)[1], -1000)
+        o, r, m = o * s, r * s, m * s
+    diff = torch.linalg.vector_norm(o - r).item()
+    norm = torch.linalg.vector_norm(m).item()
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / norm
 
 
 def tolerance(dtype: torch.dtype) -> float:

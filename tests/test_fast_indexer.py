@@ -5,7 +5,9 @@
 Under ``TRITON_INTERPRET=1`` on the CPU (conftest sets it without a GPU) with small shapes; the
 same tests run compiled on a GPU. The cache write is held to the reference byte for byte on a
 cache poisoned with ``0xFF`` (NaN as e4m3 and as float32 scale); the logits to the float64
-reference within the budget of the device's accumulation (``logits_budget``). What the kernels
+reference within the budget of the device's accumulation (``logits_budget``, in
+``mla.compare.logits_err``'s measure: the error over the magnitude, the reference's logits with
+the weights' absolute values). What the kernels
 compile to for sm_90 is checked on any machine (``benchmarks/indexer_compile.py``).
 """
 
@@ -21,7 +23,7 @@ import pytest
 import torch
 
 import mla.reference as ref
-from mla.compare import poison_like, rel_err
+from mla.compare import logits_err, poison_like
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_k_quant_and_cache
 from mla.fast.indexer_logits import LogitsPlan, logits_budget
 from mla.reference.paged_cache import make_block_table
@@ -180,15 +182,31 @@ def _fp8_q(g: torch.Generator, rows: int, heads: int) -> tuple[torch.Tensor, tor
     return ref.quantize_indexer_q(q, w)
 
 
-def _check_logits(got: torch.Tensor, want: torch.Tensor, heads: int) -> float:
-    """Within the budget, with the reference's ``-inf`` exactly where it has them."""
-    assert got.dtype == torch.float32 and got.shape == want.shape
+def _check_logits(got: torch.Tensor, want: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """Within the budget against ``want = (logits, magnitude)``, with the reference's ``-inf``
+    exactly where it has them."""
+    logits, mag = want
+    assert got.dtype == torch.float32 and got.shape == logits.shape
     got = got.cpu()
-    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf pattern differs"
-    err = rel_err(got, want)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(logits)), "-inf pattern differs"
+    err = logits_err(got, logits, mag)
     limit = logits_budget(DEVICE)
-    assert err <= limit, f"logits: relative error {err:.3e} > {limit:.1e}"
+    assert err <= limit, f"logits: logits_err {err:.3e} > {limit:.1e}"
     return err
+
+
+def _ragged_want(args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 reference's ragged logits and their magnitude (weights' absolute values)."""
+    w = args[2].double()
+    return (ref.fp8_mqa_logits(*args[:2], w, *args[3:]),
+            ref.fp8_mqa_logits(*args[:2], w.abs(), *args[3:]))
+
+
+def _paged_want(args: tuple, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``_ragged_want`` for the paged logits."""
+    w = args[2].double()
+    return (ref.fp8_paged_mqa_logits(*args[:2], w, *args[3:], width),
+            ref.fp8_paged_mqa_logits(*args[:2], w.abs(), *args[3:], width))
 
 
 def _ragged(g: torch.Generator, lens: list[int], queries: int, heads: int = 64):
@@ -220,9 +238,8 @@ def _on(device: str, args: tuple) -> tuple:
 ])
 def test_ragged_logits(lens: list[int], queries: int, heads: int):
     args = _ragged(_gen(sum(lens) + heads), lens, queries, heads)
-    want = ref.fp8_mqa_logits(*args[:2], args[2].double(), *args[3:])
     got = fp8_mqa_logits(*_on(DEVICE, args))
-    _check_logits(got, want, heads)
+    _check_logits(got, _ragged_want(args))
 
 
 def _paged(g: torch.Generator, lens: list[int], next_n: int, page: int, heads: int = 64,
@@ -254,9 +271,8 @@ def _paged(g: torch.Generator, lens: list[int], next_n: int, page: int, heads: i
 def test_paged_logits(lens: list[int], next_n: int, page: int, heads: int, minus_one: bool):
     args = _paged(_gen(sum(lens) + next_n + page), lens, next_n, page, heads, minus_one)
     width = max(lens) + 67  # columns past every length: -inf, and a tile past them all
-    want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], width)
     got = fp8_paged_mqa_logits(*_on(DEVICE, args), width)
-    _check_logits(got, want, heads)
+    _check_logits(got, _paged_want(args, width))
 
 
 @pytest.mark.parametrize("plan", [LogitsPlan(block_n=128, queries=2, stages=3),
@@ -265,11 +281,10 @@ def test_logits_other_plans(plan: LogitsPlan):
     """Tiles of 128 and of 16 keys, one or two prefill queries a program, 1 or 3 stages: the
     same logits."""
     args = _paged(_gen(31), [150, 17], 2, 16)
-    want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], 160)
-    _check_logits(fp8_paged_mqa_logits(*_on(DEVICE, args), 160, plan=plan), want, 64)
+    _check_logits(fp8_paged_mqa_logits(*_on(DEVICE, args), 160, plan=plan),
+                  _paged_want(args, 160))
     args = _ragged(_gen(32), [140, 30], 5)
-    want = ref.fp8_mqa_logits(*args[:2], args[2].double(), *args[3:])
-    _check_logits(fp8_mqa_logits(*_on(DEVICE, args), plan=plan), want, 64)
+    _check_logits(fp8_mqa_logits(*_on(DEVICE, args), plan=plan), _ragged_want(args))
     with pytest.raises(ValueError, match="LogitsPlan.block_n"):
         LogitsPlan(block_n=48)
     with pytest.raises(ValueError, match="LogitsPlan.stages"):
@@ -278,9 +293,9 @@ def test_logits_other_plans(plan: LogitsPlan):
 
 def test_paged_logits_deepgemm_cache_view_and_uint8_q():
     q8, cache, w, lens, table = _paged(_gen(11), [20, 3], 1, 16)
-    want = ref.fp8_paged_mqa_logits(q8, cache, w.double(), lens, table, 24)
+    want = _paged_want((q8, cache, w, lens, table), 24)
     args = _on(DEVICE, (q8.view(torch.uint8), cache[:, :, None], w, lens, table))
-    _check_logits(fp8_paged_mqa_logits(*args, 24), want, 64)
+    _check_logits(fp8_paged_mqa_logits(*args, 24), want)
 
 
 def test_logits_nan_in_nan_out():
@@ -314,18 +329,24 @@ def test_logits_empty():
 
 
 def test_logits_a_broken_twin_fails():
-    """The budget bites: the reference without the ReLU, and with the causal rule one key
-    short, fail the check that the kernel passes."""
-    q8, cache, w, lens, table = _paged(_gen(16), [70, 9], 2, 16)
-    got = fp8_paged_mqa_logits(*_on(DEVICE, (q8, cache, w, lens, table)), 72)
-    want = ref.fp8_paged_mqa_logits(q8, cache, w.double(), lens, table, 72)
-    _check_logits(got, want, 64)
-    with pytest.raises(AssertionError, match="relative error"):
-        _check_logits(got, ref.fp8_paged_mqa_logits(q8, cache, w.double() * 1.01, lens, table,
-                                                     72), 64)
+    """The budget bites: logits 1% off, or with one head's weight dropped, or the causal rule
+    one key short, fail the check that the kernel passes, and so does a plain float32
+    computation of the logits."""
+    args = _paged(_gen(16), [70, 9], 2, 16)
+    got = fp8_paged_mqa_logits(*_on(DEVICE, args), 72)
+    want = _paged_want(args, 72)
+    _check_logits(got, want)
+    q8, cache, w, lens, table = args
+    _check_logits(ref.fp8_paged_mqa_logits(q8, cache, w, lens, table, 72), want)  # float32
+    one_head = w.clone()
+    one_head[:, 7] = 0.0
+    for wrong in (ref.fp8_paged_mqa_logits(q8, cache, w, lens, table, 72) * 1.01,
+                  ref.fp8_paged_mqa_logits(q8, cache, one_head, lens, table, 72)):
+        with pytest.raises(AssertionError, match="logits_err"):
+            _check_logits(wrong, want)
     with pytest.raises(AssertionError, match="-inf pattern"):
-        _check_logits(got, ref.fp8_paged_mqa_logits(q8, cache, w.double(), lens - 1, table,
-                                                     72), 64)
+        _check_logits(got, (ref.fp8_paged_mqa_logits(q8, cache, w.double(), lens - 1, table,
+                                                      72), want[1]))
 
 
 def test_logits_refuse_bad_input():

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mla.reference as ref
-from mla.compare import poison_like, rel_err
+from mla.compare import logits_err, poison_like
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits
 from mla.fast.indexer_logits import logits_budget
 from mla.fast.indexer_logits_paged import PAGED_PLAN, paged_loads
@@ -59,12 +59,16 @@ def _on(args: tuple) -> tuple:
     return tuple(a.to(DEVICE) for a in args)
 
 
-def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+def _check(got: torch.Tensor, args: tuple, width: int) -> None:
+    """Against the float64 reference in ``logits_err``'s measure (the magnitude: the reference
+    with the weights' absolute values)."""
+    want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], width)
+    mag = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double().abs(), *args[3:], width)
     got = got.cpu()
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "-inf pattern differs"
-    err = rel_err(got, want)
-    assert err <= logits_budget(DEVICE), f"relative error {err:.3e}"
+    err = logits_err(got, want, mag)
+    assert err <= logits_budget(DEVICE), f"logits_err {err:.3e}"
 
 
 TMA_ROUTE = "tma" if DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9 else "page"
@@ -88,8 +92,7 @@ def test_routes_match_the_reference(plan: LogitsPlan, page: int, route: str, len
     args = _inputs(page + next_n + sum(lens), lens, next_n, page)
     assert paged_loads(plan, args[1].to(DEVICE)) == route
     width = max(lens) + 70  # -inf columns and whole tiles past every length
-    want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], width)
-    _check(fp8_paged_mqa_logits(*_on(args), width, plan=plan), want)
+    _check(fp8_paged_mqa_logits(*_on(args), width, plan=plan), args, width)
 
 
 @pytest.mark.parametrize("route", ["tma", "tma_host", "page", "gather"])
@@ -102,8 +105,7 @@ def test_one_long_row_over_many_programs(route: str):
         assert split_keys(L + 64, 1, 64, torch.device(DEVICE), 2, 4) == (3, 7)
         assert split_waves(L + 64, 1, 64, 8, 4) == (3, 7)  # one wave of 8 slots
     args = _inputs(5, [L], 2, 64, minus_one=False)
-    want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], L + 64)
-    _check(fp8_paged_mqa_logits(*_on(args), L + 64, plan=plan), want)
+    _check(fp8_paged_mqa_logits(*_on(args), L + 64, plan=plan), args, L + 64)
 
 
 def test_split_fills_the_machine():
