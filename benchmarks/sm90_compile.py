@@ -45,6 +45,7 @@ from mla.fast import decode as fast_decode
 from mla.fast.decode import plan_decode
 from mla.fast.sm90 import decode as sm90_decode
 from mla.fast.sm90 import sparse as sm90_sparse
+from mla.fast.sparse_plan import MODEL1_OVERLAP
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on an H200 (227 KB)
@@ -138,11 +139,12 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                    HAS_MAXL: bool = False, N: int = 128, S: int = 1,
                    dtype: str = "bf16", HAS_SINK: bool = False,
                    CHECK_RANGE: bool = False, MODEL1: bool = False, HAS_EXTRA: bool = False,
-                   HAS_TOPK_LEN2: bool = False, D: int = 576,
-                   RAW_STAGES: int = 2) -> triton.compiler.CompiledKernel:
+                   HAS_TOPK_LEN2: bool = False, D: int = 576, RAW_STAGES: int = 2,
+                   MODEL1_KERNEL: str = "staged") -> triton.compiler.CompiledKernel:
     """``sparse_kernel`` for sm_90 as ``mla.fast.sparse`` launches it: a ``[Q, N, 576]``
     query, top-k 2048, a cache of 576-element rows or ``fp8_ds_mla`` 656-byte rows, or
-    (``MODEL1``) a ``[Q, N, 512]`` query over MODEL1 pages of 64 tokens."""
+    (``MODEL1``) a ``[Q, N, 512]`` query over MODEL1 pages of 64 tokens; ``MODEL1_KERNEL``
+    names the plan's MODEL1 kernel (``mla.fast.sparse_plan.MODEL1_KERNELS``)."""
     dt = _DTYPES[dtype]
     if FP8 and dt != "bf16":
         raise ValueError("fp8_ds_mla takes a bf16 query")
@@ -151,7 +153,15 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                  HAS_MAXL=HAS_MAXL, SPLIT=SPLIT, SCALE_OFFSET=_DV if FP8 else 0,
                  ROPE_OFFSET=_ROPE_OFFSET, HAS_SINK=HAS_SINK, CHECK_RANGE=CHECK_RANGE,
                  MODEL1=MODEL1, HAS_EXTRA=HAS_EXTRA, HAS_TOPK_LEN2=HAS_TOPK_LEN2,
-                 HAS_PE=not MODEL1 and D == _D, RAW_STAGES=RAW_STAGES if MODEL1 else 1)
+                 HAS_PE=not MODEL1 and D == _D, RAW_STAGES=RAW_STAGES if MODEL1 else 1,
+                 RAW_SWIZZLE=MODEL1_KERNEL == "staged_swizzled")
+    fn = sm90_sparse.sparse_kernel
+    if MODEL1 and MODEL1_KERNEL in MODEL1_OVERLAP:
+        from mla.fast.sm90.sparse_overlap import model1_overlap_kernel
+
+        fn = model1_overlap_kernel
+        const.update(zip(("QK_CHUNKS", "BF16_DEQUANT", "PAIRED"),
+                         MODEL1_OVERLAP[MODEL1_KERNEL]))
     d = 512 if MODEL1 else D
     ptrs = dict(Q=dt, KV="u8" if FP8 or MODEL1 else dt, IDX="i32", TOPK_LEN="i32", SINK="fp32",
                 O=dt, LSE="fp32", KV2="u8" if FP8 or MODEL1 else dt, IDX2="i32",
@@ -165,7 +175,7 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                 stride_lb=S * N, stride_lt=N, stride_lh=1,
                 stride_mq=N if HAS_MAXL else 0, stride_mh=1 if HAS_MAXL else 0,
                 n_rows=rows, topk=topk, num_splits=splits)
-    src = _specialize(sm90_sparse.sparse_kernel, const, ptrs, {"qk_scale": "fp32"}, ints)
+    src = _specialize(fn, const, ptrs, {"qk_scale": "fp32"}, ints)
     return triton.compile(src, target=TARGET, options={"num_warps": NUM_WARPS})
 
 

@@ -29,6 +29,10 @@ per shape, as an engine does, and filled by one call before anything is timed or
 The MODEL1 rows also time, in graphs, the Triton kernel with the default split count, and with
 ``--sweep`` the Gluon kernel with other split counts and with one staging buffer (the plan's
 ``num_stages`` 1): the evidence behind ``plan_sparse``'s choices.
+
+``python -m benchmarks.sparse_v4 --out DIR`` times the MODEL1 rows with every Gluon MODEL1
+kernel a plan can name (``SparsePlan.model1_kernel``, ``mla.fast.sparse_plan.MODEL1_KERNELS``)
+beside the default plan and FlashMLA, each variant's error against the reference too.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from benchmarks.common import log, time_graph
 from mla.compare import rel_err
 from mla.fast.common import num_sms
 from mla.fast.sparse import plan_sparse, sparse_mla_decode, sparse_mla_prefill
+from mla.fast.sparse_plan import MODEL1_KERNELS
 from mla.reference.fp8 import FP8_DS_MLA_BYTES
 from mla.reference.fp8_model1 import fp8_model1_cache, fp8_model1_page_bytes
 
@@ -161,7 +166,8 @@ def _time_peer(row: dict, key: str, fn) -> torch.Tensor | None:
         return None
 
 
-def _model1(s: V4Shape, gen: torch.Generator, fm, sweep: bool = False) -> dict:
+def _model1(s: V4Shape, gen: torch.Generator, fm, sweep: bool = False,
+            kernels: tuple[str, ...] = ()) -> dict:
     from mla.reference.sparse import sparse_mla_decode as ref_decode
 
     nb = s.B * CONTEXT // PAGE
@@ -201,6 +207,15 @@ def _model1(s: V4Shape, gen: torch.Generator, fm, sweep: bool = False) -> dict:
                           **{k: v[:2] if k == "extra_indices_in_kvcache" else v
                              for k, v in v4.items() if k.startswith("extra")})
     row["rel_err_vs_reference"] = rel_err(out[:2], r_out)
+    variants = {}
+    for name in kernels:  # the same plan with another Gluon MODEL1 kernel
+        plan = dataclasses.replace(default, model1_kernel=name)
+        got = ours(plan)[0]
+        variants[name] = {"graph_us": _graph(lambda plan=plan: ours(plan)),
+                          "rel_err_vs_reference": rel_err(got[:2], r_out),
+                          "rel_err_vs_default": rel_err(got.float(), out.float())}
+    if variants:
+        row["model1_kernels"] = variants
     if fm is not None:
         sched, _ = fm.get_mla_metadata()
         extra = v4.get("extra_k_cache")
@@ -272,10 +287,10 @@ def _sink_cost(s: V4Shape, gen: torch.Generator, fm) -> dict:
 
 
 def run_v4(seed: int = 0, names: list[str] | None = None, sweep: bool = False,
-           on_row=None) -> list[dict]:
+           on_row=None, kernels: tuple[str, ...] = ()) -> list[dict]:
     """Every V4 shape (``names``: substrings to select): one row each; ``sweep``: the MODEL1
-    rows time the Gluon kernel at other split counts too; ``on_row(rows)`` after each row (a
-    run cut short keeps what it measured)."""
+    rows time the Gluon kernel at other split counts too; ``kernels``: and these Gluon MODEL1
+    kernels; ``on_row(rows)`` after each row (a run cut short keeps what it measured)."""
     fm, why = _flashmla()
     if fm is None:
         log(f"FlashMLA not timed: {why}")
@@ -286,7 +301,7 @@ def run_v4(seed: int = 0, names: list[str] | None = None, sweep: bool = False,
         log(f"{s.name} ...")
         gen = torch.Generator(device="cuda").manual_seed(seed)
         try:
-            row = (_model1(s, gen, fm, sweep) if s.kind == "model1"
+            row = (_model1(s, gen, fm, sweep, kernels) if s.kind == "model1"
                    else _sink_cost(s, gen, fm))
         except Exception as e:  # one shape's failure is a result; the others still run
             row = {"error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
@@ -359,3 +374,72 @@ def markdown_v4(rows: list[dict]) -> list[str]:
                 f"{_f(r, 'rel_err_vs_flashmla', '.1e')} | sink <= {100 * s['target']:.0f}% | "
                 f"{'yes' if r.get('met') else 'no'} |")
     return lines + variants
+
+
+def _cell(us: float, err: float, peer: float | None) -> str:
+    ratio = f" ({us / peer:.2f})" if peer else ""
+    return f"{us:.1f}{ratio} [{err:.1e}]"
+
+
+def markdown_kernels(rows: list[dict]) -> list[str]:
+    """The MODEL1 rows' Gluon kernels: graph µs, ``/ FlashMLA``, error against the reference."""
+    names = sorted({k for r in rows for k in r.get("model1_kernels", {})},
+                   key=MODEL1_KERNELS.index)
+    lines = ["## The Gluon MODEL1 kernels", "",
+             "Graph µs (ours / FlashMLA) [relative error against the float64 reference, two "
+             "requests]; the default plan's kernel first.", "",
+             "| shape | FlashMLA | default | " + " | ".join(names) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in names) + " |"]
+    for r in rows:
+        if "model1_kernels" not in r:
+            continue
+        peer = r.get("flashmla_graph_us")
+        v = r["model1_kernels"]
+        lines.append(f"| {r['shape']['name']} | {_f(r, 'flashmla_graph_us', '.1f')} | "
+                     f"{r['plan']['model1_kernel']}: "
+                     f"{_cell(r['ours_graph_us'], r['rel_err_vs_reference'], peer)} | "
+                     + " | ".join(_cell(v[n]['graph_us'], v[n]['rel_err_vs_reference'], peer)
+                                  if n in v else "-" for n in names) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.sparse_v4 --out DIR [--kernels K ...] [--only S ...]``: the
+    MODEL1 rows with the Gluon MODEL1 kernels; JSON and markdown into ``--out``."""
+    import argparse
+    import json
+    import os
+
+    from benchmarks.common import ceilings, report_heading
+    from mla.check.registry import environment
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sparse_v4", description=main.__doc__)
+    p.add_argument("--out", default="benchmarks/results", help="output directory")
+    p.add_argument("--kernels", nargs="*", default=list(MODEL1_KERNELS),
+                   choices=MODEL1_KERNELS, help="Gluon MODEL1 kernels to time")
+    p.add_argument("--only", nargs="*", default=["MODEL1"], help="substrings of shape names")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    env = environment()
+    res = {"environment": env, "ceilings": ceilings(), "v4": []}
+    stem = os.path.join(args.out, f"sparse_v4_kernels_{env['date'][:10]}")
+
+    def write(rows: list[dict]) -> str:
+        res["v4"] = rows
+        with open(stem + ".json", "w") as f:
+            json.dump(res, f, indent=1)
+        md = "\n".join(report_heading("Sparse MLA, DeepSeek-V4, MODEL1 kernels", res)
+                       + markdown_kernels(rows) + [""] + markdown_v4(rows))
+        with open(stem + ".md", "w") as f:
+            f.write(md + "\n")
+        return md
+
+    rows = run_v4(args.seed, args.only, on_row=write, kernels=tuple(args.kernels))
+    write(rows)
+    print("\n".join(markdown_kernels(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

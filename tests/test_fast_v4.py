@@ -21,6 +21,7 @@ from _nan_rule import assert_nan_rule
 from mla import compare
 from mla.compare import assert_close, budget, rel_err
 from mla.fast import SparsePlan, sparse_mla_decode, sparse_mla_prefill
+from mla.fast.sparse_plan import MODEL1_KERNELS
 from mla.reference.fp8_model1 import fp8_model1_cache, quantize_fp8_model1
 from mla.reference.sparse import sparse_mla_decode as ref_decode
 from mla.reference.sparse import sparse_mla_prefill as ref_prefill
@@ -453,6 +454,49 @@ def test_sm90_kernel_takes_model1_the_second_scope_and_sinks(num_splits, num_sta
         assert_nan_rule(a, b, name=name,
                         abs_tol=budget("sparse_mla_prefill", torch.bfloat16, "lse_abs"))
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon sm_90 kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("N,num_splits", [(64, 1), (128, 1), (64, 3)])
+@pytest.mark.parametrize("kernel", MODEL1_KERNELS)
+def test_sm90_model1_kernels(kernel, N, num_splits):
+    """Each Gluon MODEL1 kernel a plan can name (``model1_kernel``), the route asserted: a
+    second scope of pages of 1 with its own lengths, sinks, lengths that are not tile
+    multiples (one request lonely), -1 entries and repeats, 64 and 128 heads, 1 and 3 splits,
+    against the float64 reference; then without value checks a length past top-k and a slot
+    past the cache make exactly their queries NaN."""
+    import mla.fast.sparse as fast_sparse
+    from mla.fast.sparse_kernels import MODEL1
+
+    g = _gen(17 + N)
+    c1, u1 = model1_cache(6, 64, g)
+    c2, u2 = model1_cache(90, 1, g)
+    q = torch.randn(4, 1, N, D4, generator=g).to(torch.bfloat16).to(DEVICE)
+    idx1, idx2 = pick(g, (4, 1, 300), u1), pick(g, (4, 1, 70), u2)
+    plan = SparsePlan(64, 64, num_splits, 8, 1, model1_kernel=kernel)
+    pages = lambda c: c.as_strided((c.shape[0], c.stride(0)), (c.stride(0), 1))  # noqa: E731
+    assert fast_sparse._sm90_route(plan, q, pages(c1), 512, MODEL1, pages(c2))
+    lens = torch.tensor([300, 0, 129, 63], dtype=I32, device=DEVICE)
+    lens2 = torch.tensor([70, 5, 0, 64], dtype=I32, device=DEVICE)
+    v4 = dict(extra_k_cache=c2, extra_indices_in_kvcache=idx2, extra_topk_length=lens2,
+              attn_sink=_sink(N, g, 370))
+    check_decode(q, c1, idx1, True, lens, plan, **v4)
+    check_decode(q, c1, idx1, True, None, plan)  # one scope, full top-k
+    bad_idx, bad_lens = idx1.clone(), lens.clone()
+    bad_idx[0, 0, 7] = c1.shape[0] * c1.shape[1]
+    bad_lens[2] = 301
+    out, lse = sparse_mla_decode(q, c1, bad_idx, D4 ** -0.5, True, bad_lens, plan=plan,
+                                 validate=False, **v4)
+    nan_q = torch.tensor([True, False, True, False], device=DEVICE)
+    assert torch.isnan(out[nan_q]).all() and torch.isnan(lse[nan_q]).all()
+    assert not torch.isnan(out[~nan_q]).any()
+
+
+def test_model1_kernel_names_are_checked():
+    with pytest.raises(ValueError, match="model1_kernel must be one of"):
+        SparsePlan(64, 64, 1, 8, 1, model1_kernel="overlapped")
 
 _PLAN_CHILD = """
 import json, sys

@@ -97,7 +97,7 @@ from mla.fast.common import (
 from mla.fast.launch import CompiledLauncher
 from mla.fast.sparse_index import convert_req_index_to_global_index
 from mla.fast.sparse_kernels import DS_MLA, MODEL1, PLAIN, combine_kernel, sparse_kernel
-from mla.fast.sparse_plan import SparsePlan, plan_sparse
+from mla.fast.sparse_plan import MODEL1_OVERLAP, SparsePlan, plan_sparse
 from mla.reference.fp8 import D_NOPE, FP8_DS_MLA_BYTES, ROPE_OFFSET
 from mla.reference.fp8_model1 import FP8_MODEL1_BYTES, fp8_model1_pages
 from mla.reference.sparse import (
@@ -138,6 +138,7 @@ class _Launch:
     out_shapes: tuple[tuple[int, ...], ...]  # out, lse (decode) / out, max_logits, lse
     grid: tuple[int, int, int] | None = None  # None: nothing to compute
     sm90: bool = False
+    sm90_overlap: bool = False  # the Gluon kernel is mla.fast.sm90.sparse_overlap's
     # per input slot: (source, view) for the JIT, which types each pointer by its view's dtype
     jit_inputs: tuple[tuple[int, View] | None, ...] = ()
     # per input slot: (source, view or None where the view starts at the source's address)
@@ -162,6 +163,7 @@ _MAX_LAUNCHES = 4096  # distinct keys kept (a serving engine sees a few hundred)
 _triton_sparse = CompiledLauncher(sparse_kernel)
 _triton_combine = CompiledLauncher(combine_kernel)
 _sm90_sparse: CompiledLauncher | None = None  # built at the first sm_90 launch
+_sm90_overlap: CompiledLauncher | None = None
 _INF = float("inf")
 
 
@@ -292,16 +294,24 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
     flags = dict(has_sink=sources[7] is not None, check_range=not has_maxl)
 
     sm90_route = _sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None)
+    overlap = fmt == MODEL1 and plan.model1_kernel in MODEL1_OVERLAP
     if sm90_route:
         def layout(sc: _Scope) -> tuple[int, int]:  # (row or page stride, page size)
             return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
         ints = (q.stride(0), q.stride(1), first.idx.stride(0), *layout(first),
                 extra.idx.stride(0), *layout(extra), *out_s, *lse_s, *m_s,
                 first.n_rows, topk, extra.n_rows, topk2)
-        tail = (plan.num_splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0, has_extra,
-                has_extra and extra.has_length, first.has_length, flags["has_sink"],
-                flags["check_range"], has_maxl, split, D_NOPE if fmt == DS_MLA else 0,
-                ROPE_OFFSET, 2 if fmt == MODEL1 and plan.num_stages >= 2 else 1)
+        if overlap:
+            tail = (plan.num_splits, N, S, groups, has_extra, has_extra and extra.has_length,
+                    first.has_length, flags["has_sink"], flags["check_range"], has_maxl, split,
+                    *MODEL1_OVERLAP[plan.model1_kernel])
+        else:
+            tail = (plan.num_splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0,
+                    has_extra, has_extra and extra.has_length, first.has_length,
+                    flags["has_sink"], flags["check_range"], has_maxl, split,
+                    D_NOPE if fmt == DS_MLA else 0, ROPE_OFFSET,
+                    2 if fmt == MODEL1 and plan.num_stages >= 2 else 1,
+                    fmt == MODEL1 and plan.model1_kernel == "staged_swizzled")
         ptr_map, options = tuple(slot[s] for s in _SM90_SLOTS), {"num_warps": 8}
     else:
         ints = (q.stride(0), q.stride(1), first.idx.stride(0), first.stride_row,
@@ -319,7 +329,8 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
     if split:
         combine_args = (plan.num_splits, *out_s, *lse_s, *m_s, N, S, DV, block_dv,
                         max(2, next_pow2(plan.num_splits)), flags["has_sink"], has_maxl)
-    return _Launch(out_shapes, (Q * groups, plan.num_splits, 1), sm90_route, tuple(jit),
+    return _Launch(out_shapes, (Q * groups, plan.num_splits, 1), sm90_route,
+                   sm90_route and overlap, tuple(jit),
                    direct, ptr_map, o_size + 2 * l_size if split else 0, o_size,
                    o_size + l_size, ints, tail, options,
                    tuple(slot[s] for s in _COMBINE_SLOTS), combine_args, (Q * N, 1, 1))
@@ -329,7 +340,7 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
          prepare: Callable[[], _Launch]) -> tuple[torch.Tensor, ...]:
     """Allocate the outputs and launch: directly (kept compiled kernels, the sources in place
     of their views) when possible, else through the JIT with the typed views."""
-    global _sm90_sparse
+    global _sm90_sparse, _sm90_overlap
     q = sources[0]
     outs = [torch.empty(launch.out_shapes[0], dtype=q.dtype, device=q.device)]
     outs += [torch.empty(s, dtype=torch.float32, device=q.device) for s in launch.out_shapes[1:]]
@@ -343,9 +354,16 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
     if launch.sm90:
         from mla.fast.sm90 import sparse as sm90_module
 
-        if _sm90_sparse is None or _sm90_sparse.fn is not sm90_module.sparse_kernel:
-            _sm90_sparse = CompiledLauncher(sm90_module.sparse_kernel)
-        launcher = _sm90_sparse
+        if launch.sm90_overlap:
+            from mla.fast.sm90.sparse_overlap import model1_overlap_kernel
+
+            if _sm90_overlap is None or _sm90_overlap.fn is not model1_overlap_kernel:
+                _sm90_overlap = CompiledLauncher(model1_overlap_kernel)
+            launcher = _sm90_overlap
+        else:
+            if _sm90_sparse is None or _sm90_sparse.fn is not sm90_module.sparse_kernel:
+                _sm90_sparse = CompiledLauncher(sm90_module.sparse_kernel)
+            launcher = _sm90_sparse
     else:
         launcher = _triton_sparse
     if key is not None and launcher.direct and not interpreting():
@@ -413,7 +431,7 @@ def _cached(key: tuple | None, prepare: Callable[[], _Launch], scale_name: str,
     if key is not None:
         if len(_launches) >= _MAX_LAUNCHES:  # shape churn: start again, kernels too
             _launches.clear()
-            for launcher in (_triton_sparse, _triton_combine, _sm90_sparse):
+            for launcher in (_triton_sparse, _triton_combine, _sm90_sparse, _sm90_overlap):
                 if launcher is not None:
                     launcher.compiled.clear()
         _launches[key] = launch

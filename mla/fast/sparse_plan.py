@@ -9,7 +9,25 @@ import torch
 
 from mla.fast.common import TRITON_VERSION, next_pow2
 
-__all__ = ["SparsePlan", "plan_sparse"]
+__all__ = ["MODEL1_KERNELS", "MODEL1_OVERLAP", "SparsePlan", "plan_sparse"]
+
+# The Gluon kernels a plan may name for 64-head MODEL1 decode (``SparsePlan.model1_kernel``):
+# "staged" (``mla.fast.sm90.sparse``: cp.async into a staging buffer, dequantized into the one
+# K buffer at the top of each tile, then the dots), "staged_swizzled" (the same, the staging
+# buffer's 16-byte chunks XOR-swizzled by row), and the overlap kernel's variants
+# (``mla.fast.sm90.sparse_overlap``: two K buffers, the next tile gathered into registers and
+# dequantized while this tile's dots run), each as (its e4m3 tiles of 7 dequantized while
+# ``q · Kᵀ`` runs, the rest while ``P · V`` runs; the scale multiply in bf16; the tile loop
+# unrolled by two, so that the two K buffers are named by constants and the compiler puts no
+# CTA barrier between the stores of one tile's dequantization)
+MODEL1_OVERLAP: dict[str, tuple[int, bool, bool]] = {
+    "overlap_pv": (0, False, False),
+    "overlap_pv_paired": (0, False, True),
+    "overlap_qk3_paired": (3, False, True),
+    "overlap_qk7_paired": (7, False, True),
+    "overlap_pv_bf16_paired": (0, True, True),
+}
+MODEL1_KERNELS = ("staged", "staged_swizzled", *MODEL1_OVERLAP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +44,13 @@ class SparsePlan:
     # and over MODEL1 pages ``num_stages``: 2 staging buffers, or 1; the rest describe only
     # the Triton fallback)
     sm90: bool = True
+    # 64-head MODEL1 decode on Hopper: which Gluon kernel (one of MODEL1_KERNELS)
+    model1_kernel: str = "staged"
+
+    def __post_init__(self) -> None:
+        if self.model1_kernel not in MODEL1_KERNELS:
+            raise ValueError(f"model1_kernel must be one of {MODEL1_KERNELS}, "
+                             f"got {self.model1_kernel!r}")
 
 
 def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,

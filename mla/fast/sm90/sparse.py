@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mla.fast.common import capability
 from mla.fast.sm90.softmax import barrier, softmax_pv
 
-__all__ = ["sparse_kernel", "supported"]
+__all__ = ["epilogue", "load_q", "sparse_kernel", "supported"]
 
 _DV = 512
 _DR = 64
@@ -103,6 +103,7 @@ def sparse_kernel(
     HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
     HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
     SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr, RAW_STAGES: gl.constexpr,
+    RAW_SWIZZLE: gl.constexpr = False,
 ):
     """Grid ``(queries · GROUPS, splits)``, 8 warps. ``KV`` is the cache as rows of
     ``stride_row`` elements (q's dtype) or bytes (``FP8``: uint8, 656-byte rows), or
@@ -114,12 +115,14 @@ def sparse_kernel(
     entry outside ``[-1, n_rows)``, gets NaN results; ``SINK [N]`` (``HAS_SINK``) scales the
     unsplit output by ``σ(lse − sink)`` (split partials get it in the combine kernel).
     ``RAW_STAGES`` (MODEL1): 2 staging buffers, the copies two tiles ahead (issued while a
-    tile's ``P · V`` runs); 1: one buffer, the next tile's copies after the dequantization."""
+    tile's ``P · V`` runs); 1: one buffer, the next tile's copies after the dequantization.
+    ``RAW_SWIZZLE`` (MODEL1): the staging buffer's 16-byte chunks XOR-swizzled by row (rows
+    are 512 bytes apart, so unswizzled the two rows of a quarter warp's 16-byte accesses hit
+    the same banks)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
     DR: gl.constexpr = 64
-    CH: gl.constexpr = 64  # bf16 columns per 128-byte swizzle box
     F8: gl.constexpr = 128  # e4m3 values per scale
     dtype: gl.constexpr = Q.dtype.element_ty
 
@@ -136,12 +139,9 @@ def sparse_kernel(
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     # 16-byte vectors: 8 × 16-bit or 16 × 8-bit values a thread
     ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                         warps_per_cta=[8, 1], order=[1, 0])
-    row_ld: gl.constexpr = gl.SliceLayout(1, ld)
-    col_ld: gl.constexpr = gl.SliceLayout(0, ld)
     ld8: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
                                          warps_per_cta=[8, 1], order=[1, 0])
     row_8: gl.constexpr = gl.SliceLayout(1, ld8)
@@ -163,6 +163,11 @@ def sparse_kernel(
                                               rank=2)
     plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
                                                   order=[1, 0])
+    if RAW_SWIZZLE:
+        raw_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8,
+                                                           order=[1, 0])
+    else:
+        raw_layout: gl.constexpr = plain
 
     q_nope = gl.allocate_shared_memory(dtype, [BM, DV], smem)
     q_pe = gl.allocate_shared_memory(dtype, [BM, DR], smem)
@@ -175,25 +180,14 @@ def sparse_kernel(
     elif MODEL1:
         k_nope = gl.allocate_shared_memory(dtype, [1, BN, DV], smem)
         # 448 of 512 columns used
-        raw = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, BN, DV], plain)
+        raw = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, BN, DV], raw_layout)
         raw_sc = raw  # unused: the scale bytes travel in registers
     else:
         k_nope = gl.allocate_shared_memory(dtype, [2, BN, DV], smem)
         raw = k_nope  # unused
         raw_sc = k_nope
 
-    # q rows -> shared memory (heads past N read as zeros and are never stored)
-    h_ld = g * BM + gl.arange(0, BM, layout=row_ld)
-    q_row = Q + qi64 * stride_qq + h_ld.to(gl.int64) * stride_qh
-    c_ld = gl.arange(0, CH, layout=col_ld)
-    for c in gl.static_range(DV // CH):
-        x = gl.load(q_row[:, None] + (c * CH + c_ld)[None, :], mask=(h_ld < N)[:, None],
-                    other=0.0)
-        q_nope.slice(c * CH, CH, dim=1).store(x)
-    if HAS_PE:  # rows of 512: the rope values are in q_nope's columns
-        x = gl.load(q_row[:, None] + (DV + c_ld)[None, :], mask=(h_ld < N)[:, None],
-                    other=0.0)
-        q_pe.store(x)
+    load_q(Q, qi64, g, stride_qq, stride_qh, q_nope, q_pe, N, HAS_PE, ld)
 
     # this program's entries: an equal share of whole tiles of the query's list
     c_s = gl.arange(0, BN, layout=col_s)
@@ -321,6 +315,48 @@ def sparse_kernel(
             acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, row_o)
     async_copy.wait_group(0)
 
+    epilogue(acc, m_i, l_i, bad, qi64, g, split, SINK, O, LSE, MAXL, OP, LSEP, MAXP,
+             stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
+             num_splits, N, S, HAS_SINK, HAS_MAXL, SPLIT, s_layout, o_layout)
+
+
+@gluon.jit
+def load_q(Q, qi64, g, stride_qq, stride_qh, q_nope, q_pe, N: gl.constexpr,
+           HAS_PE: gl.constexpr, ld: gl.constexpr):
+    """Heads ``[64 g, 64 g + 64)`` of query ``qi64`` into shared memory (heads past ``N`` read
+    as zeros and are never stored): ``q_nope`` the first 512 columns, ``q_pe`` the 64 rope
+    columns of rows of 576 (``HAS_PE``)."""
+    BM: gl.constexpr = 64
+    DV: gl.constexpr = 512
+    CH: gl.constexpr = 64
+    h_ld = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+    q_row = Q + qi64 * stride_qq + h_ld.to(gl.int64) * stride_qh
+    c_ld = gl.arange(0, CH, layout=gl.SliceLayout(0, ld))
+    for c in gl.static_range(DV // CH):
+        x = gl.load(q_row[:, None] + (c * CH + c_ld)[None, :], mask=(h_ld < N)[:, None],
+                    other=0.0)
+        q_nope.slice(c * CH, CH, dim=1).store(x)
+    if HAS_PE:  # rows of 512: the rope values are in q_nope's columns
+        x = gl.load(q_row[:, None] + (DV + c_ld)[None, :], mask=(h_ld < N)[:, None],
+                    other=0.0)
+        q_pe.store(x)
+
+
+@gluon.jit
+def epilogue(acc, m_i, l_i, bad, qi64, g, split, SINK, O, LSE, MAXL, OP, LSEP, MAXP,
+             stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
+             num_splits, N: gl.constexpr, S: gl.constexpr, HAS_SINK: gl.constexpr,
+             HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr, s_layout: gl.constexpr,
+             o_layout: gl.constexpr):
+    """The 64 heads' results from the online softmax's ``acc``, ``m_i``, ``l_i``: ``out``,
+    ``lse`` and (``HAS_MAXL``) the max logits, the sink applied; or (``SPLIT``) this split's
+    partials for the combine kernel. ``bad``: the query's lengths were out of range (NaN)."""
+    BM: gl.constexpr = 64
+    DV: gl.constexpr = 512
+    dtype: gl.constexpr = O.dtype.element_ty
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
     seen = l_i != 0.0  # l = 0: nothing seen; a NaN l (a NaN logit) stays NaN, never "nothing"
     l_safe = gl.where(seen, l_i, 1.0)
     lse2 = m_i + gl.log2(l_safe)
