@@ -230,45 +230,98 @@ def _store_survivors(keys_out, cols_out, base, keep, k, cols, start, CAP: tl.con
 
 
 @triton.jit
-def _row_composites(src, n, CAP: tl.constexpr):
-    """The composites of a row of ``n <= CAP`` keys (``src``: its first), ``-1`` past it."""
-    i = tl.arange(0, CAP)
-    k = _order_keys(tl.load(src + i, mask=i < n, other=0.0))
-    return tl.where(i < n, _composite(k, i), -1)
+def _level32(k, match, need, BITS: tl.constexpr):
+    """One radix level over the matching int32 keys ``k`` (signed order), read as unsigned
+    bit patterns ``v = k ^ 0x80000000`` (same order): the boundary's prefix of ``v`` and its
+    mask, the keys still needed, the boundary bucket's count and the window's place, which
+    starts at the highest bit in which the matching keys differ (as ``_window``)."""
+    kmin = tl.min(tl.where(match, k, 2147483647), axis=0)
+    kmax = tl.max(tl.where(match, k, -2147483648), axis=0)
+    shift = _place((kmin ^ kmax).to(tl.int64) & 0xFFFFFFFF, 0, BITS).to(tl.int32)
+    v = k ^ -2147483648
+    h = tl.histogram((v >> shift) & ((1 << BITS) - 1), 1 << BITS, mask=match)
+    d, above, inside = _bucket(h, need, 1 << BITS)
+    ones = tl.full((), -1, tl.int32)
+    fixed = tl.where(shift + BITS >= 32, 0, ones << tl.minimum(shift + BITS, 31))
+    found = ((kmin ^ -2147483648) & fixed) | (d << shift)
+    return found, ones << shift, need - above, inside, shift
 
 
 @triton.jit
-def _list_composites(list_keys, list_cols, items, CAP: tl.constexpr):
-    """The composites of a candidate list of ``items <= CAP``, ``-1`` past it."""
-    i = tl.arange(0, CAP)
-    live = i < items
-    k = tl.load(list_keys + i, mask=live, other=0)
-    col = tl.load(list_cols + i, mask=live, other=0)
-    return tl.where(live, _composite(k, col), -1)
-
-
-@triton.jit
-def _select_held(c, need, few_ptr, dst, BITS: tl.constexpr, SMALL: tl.constexpr):
-    """The exact ``need`` best of the composites ``c`` held in registers (``-1``: none), their
-    columns written to ``dst`` in ``c``'s order. Radix levels until the boundary bucket holds
-    exactly the keys still needed (then the set is every ``c`` at or above its prefix); once
-    the bucket fits ``SMALL`` it is compacted (``few_ptr``) and the levels go on over it."""
+def _kth_key(k, live, need, few_ptr, BITS: tl.constexpr, SMALL: tl.constexpr):
+    """The ``need``-th largest of the ``live`` int32 keys ``k`` held in registers (``need`` at
+    most their count), as a key ``kth`` such that every key above it is selected and, of the
+    ``inside`` keys equal to it (or, when ``inside`` equals ``left``, at or above it), ``left``
+    are. Radix levels until the boundary bucket holds exactly the keys still needed or is one
+    value; once it fits ``SMALL`` it is compacted (``few_ptr``) and the levels go on over it.
+    Returns ``kth, left, inside``."""
     need = tl.zeros((), tl.int32) + need
-    found, mask, need, inside, shift = _level(c, c >= 0, need, BITS)
-    done = (inside == need).to(tl.int32)
+    found, mask, need, inside, shift = _level32(k, live, need, BITS)
+    done = ((inside == need) | (shift == 0)).to(tl.int32)
     if (done == 0) & (inside <= SMALL):
-        m = (c & mask) == found
-        tl.store(few_ptr + tl.cumsum(m.to(tl.int32), axis=0) - 1, c, mask=m)
-        tl.debug_barrier()  # every thread's items written before they are read
+        m = live & (((k ^ -2147483648) & mask) == found)
+        few32 = few_ptr.to(tl.pointer_type(tl.int32))
+        tl.store(few32 + tl.cumsum(m.to(tl.int32), axis=0) - 1, k, mask=m)
+        tl.debug_barrier()  # every thread's keys written before they are read
         j = tl.arange(0, SMALL)
-        few = tl.load(few_ptr + j, mask=j < inside, other=-1)
+        held = j < inside
+        few = tl.load(few32 + j, mask=held, other=0)
         while done == 0:
-            found, mask, need, inside, shift = _level(few, (few & mask) == found, need, BITS)
-            done = (inside == need).to(tl.int32)
+            found, mask, need, inside, shift = _level32(
+                few, held & (((few ^ -2147483648) & mask) == found), need, BITS)
+            done = ((inside == need) | (shift == 0)).to(tl.int32)
     while done == 0:
-        found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
-        done = (inside == need).to(tl.int32)
-    _write_taken(dst, c, c >= found, 0)
+        found, mask, need, inside, shift = _level32(
+            k, live & (((k ^ -2147483648) & mask) == found), need, BITS)
+        done = ((inside == need) | (shift == 0)).to(tl.int32)
+    return found ^ -2147483648, need, inside
+
+
+@triton.jit
+def _held_keys(src, list_keys, i, items, LISTED: tl.constexpr):
+    """Keys of items ``i``: of the candidate list (``LISTED``) or of the row's columns."""
+    if LISTED:
+        return tl.load(list_keys + i, mask=i < items, other=0)
+    return _order_keys(tl.load(src + i, mask=i < items, other=0.0))
+
+
+@triton.jit
+def _held_cols(list_cols, i, mask, LISTED: tl.constexpr):
+    """Request-local columns of items ``i``."""
+    if LISTED:
+        return tl.load(list_cols + i, mask=mask, other=0)
+    return i
+
+
+@triton.jit
+def _select_held(src, list_keys, list_cols, items, need, few_ptr, dst, LISTED: tl.constexpr,
+                 HELD: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr,
+                 SMALL: tl.constexpr):
+    """The exact ``need`` best of ``items <= HELD`` keys held in registers: a row's (column
+    ``i`` at place ``i``) or its candidate list's (``LISTED``), their columns written to
+    ``dst`` in the items' order. The keys alone decide unless the boundary key is tied; then
+    a second select among the tied ones, on the inverted column, takes the lowest columns.
+    Int32 keys, not int64 composites, and one tensor held at a time (the write reads the items
+    again in tiles): the registers of one int32 a key."""
+    i = tl.arange(0, HELD)
+    kth, left, inside = _kth_key(_held_keys(src, list_keys, i, items, LISTED), i < items,
+                                 need, few_ptr, BITS, SMALL)
+    col_kth = tl.zeros((), tl.int32)  # every column of the boundary key when it is not tied
+    if inside > left:
+        k = _held_keys(src, list_keys, i, items, LISTED)
+        tie = (i < items) & (k == kth)
+        inverted = tl.where(tie, 0x7FFFFFFF - _held_cols(list_cols, i, tie, LISTED), -1)
+        col_kth, _left, _inside = _kth_key(inverted, inverted >= 0, left, few_ptr, BITS,
+                                           SMALL)
+    written = tl.zeros((), tl.int32)
+    for t in range(0, items, TILE):
+        j = t + tl.arange(0, TILE)
+        k = _held_keys(src, list_keys, j, items, LISTED)
+        cols = _held_cols(list_cols, j, (j < items) & (k >= kth), LISTED)
+        take = (j < items) & ((k > kth) | ((k == kth) & (0x7FFFFFFF - cols >= col_kth)))
+        pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(dst + pos, cols, mask=take)
+        written += tl.sum(take.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -349,9 +402,10 @@ def _select_listed_or_row(src, n, topk, list_keys, list_cols, survivors, few, ds
     candidate list held whole (``topk <= survivors <= CAP``), or else of the row streamed
     (the threshold failed)."""
     if n <= CAP:
-        _select_held(_row_composites(src, n, CAP), topk, few, dst, BITS, SMALL)
+        _select_held(src, list_keys, list_cols, n, topk, few, dst, False, CAP, TILE, BITS,
+                     SMALL)
     elif (survivors >= topk) & (survivors <= CAP):
-        _select_held(_list_composites(list_keys, list_cols, survivors, CAP), topk, few, dst,
+        _select_held(src, list_keys, list_cols, survivors, topk, few, dst, True, CAP, TILE,
                      BITS, SMALL)
     else:
         _stream_select(src, n, topk, few, dst, TILE, BITS, SMALL)
