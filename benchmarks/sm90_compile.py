@@ -160,7 +160,7 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
         from mla.fast.sm90.sparse_overlap import model1_overlap_kernel
 
         fn = model1_overlap_kernel
-        const.update(zip(("QK_CHUNKS", "BF16_DEQUANT", "PAIRED"),
+        const.update(zip(("QK_CHUNKS", "BF16_DEQUANT", "PAIRED", "WIDE"),
                          MODEL1_OVERLAP[MODEL1_KERNEL]))
     d = 512 if MODEL1 else D
     ptrs = dict(Q=dt, KV="u8" if FP8 or MODEL1 else dt, IDX="i32", TOPK_LEN="i32", SINK="fp32",

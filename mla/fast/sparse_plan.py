@@ -15,17 +15,19 @@ __all__ = ["MODEL1_KERNELS", "MODEL1_OVERLAP", "SparsePlan", "plan_sparse"]
 # "staged" (``mla.fast.sm90.sparse``: cp.async into a staging buffer, dequantized into the one
 # K buffer at the top of each tile, then the dots), "staged_swizzled" (the same, the staging
 # buffer's 16-byte chunks XOR-swizzled by row), and the overlap kernel's variants
-# (``mla.fast.sm90.sparse_overlap``: two K buffers, the next tile gathered into registers and
-# dequantized while this tile's dots run), each as (its e4m3 tiles of 7 dequantized while
-# ``q · Kᵀ`` runs, the rest while ``P · V`` runs; the scale multiply in bf16; the tile loop
-# unrolled by two, so that the two K buffers are named by constants and the compiler puts no
-# CTA barrier between the stores of one tile's dequantization)
-MODEL1_OVERLAP: dict[str, tuple[int, bool, bool]] = {
-    "overlap_pv": (0, False, False),
-    "overlap_pv_paired": (0, False, True),
-    "overlap_qk3_paired": (3, False, True),
-    "overlap_qk7_paired": (7, False, True),
-    "overlap_pv_bf16_paired": (0, True, True),
+# (``mla.fast.sm90.sparse_overlap``: two K buffers, the next tile gathered, 6 of its 7 e4m3
+# tiles staged and 1 in registers, and dequantized while this tile's dots run), each as
+# (the e4m3 tiles of 7 dequantized while ``q · Kᵀ`` runs, the rest while ``P · V`` runs; the
+# scale multiply in bf16; the tile loop unrolled by two, so that the two K buffers are named
+# by constants; two e4m3 tiles a shared-memory store: the compiler puts a CTA barrier before
+# each store into K, 4 a tile instead of 7)
+MODEL1_OVERLAP: dict[str, tuple[int, bool, bool, bool]] = {
+    "overlap_pv": (0, False, False, False),
+    "overlap_pv_paired": (0, False, True, False),
+    "overlap_qk3_paired": (3, False, True, False),
+    "overlap_qk7_paired": (7, False, True, False),
+    "overlap_pv_bf16_paired": (0, True, True, False),
+    "overlap_pv_wide_paired": (0, False, True, True),
 }
 MODEL1_KERNELS = ("staged", "staged_swizzled", *MODEL1_OVERLAP)
 

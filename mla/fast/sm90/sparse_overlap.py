@@ -56,6 +56,7 @@ def model1_overlap_kernel(
     HAS_TOPK_LEN2: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
     QK_CHUNKS: gl.constexpr, BF16_DEQUANT: gl.constexpr, PAIRED: gl.constexpr,
+    WIDE: gl.constexpr,
 ):
     """Grid ``(queries · GROUPS, splits)``, 8 warps; the arguments of
     ``mla.fast.sm90.sparse.sparse_kernel`` over MODEL1 pages (``KV``, ``KV2``: uint8 pages
@@ -87,9 +88,14 @@ def model1_overlap_kernel(
     q_nope = gl.allocate_shared_memory(dtype, [BM, DV], smem)
     k_buf = gl.allocate_shared_memory(dtype, [2, BN, DV], smem)
     p_smem = gl.allocate_shared_memory(dtype, [BM, BN], smem)
-    raw = gl.allocate_shared_memory(gl.uint8, [6, BN, 64],
-                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
-                                                            order=[1, 0]))
+    if WIDE:  # e4m3 tiles in pairs: rows 128 bytes apart, 16-byte chunks swizzled by row
+        raw = gl.allocate_shared_memory(gl.uint8, [3, BN, 128],
+                                        gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8,
+                                                                order=[1, 0]))
+    else:
+        raw = gl.allocate_shared_memory(gl.uint8, [6, BN, 64],
+                                        gl.SwizzledSharedLayout(vec=1, per_phase=1,
+                                                                max_phase=1, order=[1, 0]))
     load_q(Q, qi64, g, stride_qq, stride_qh, q_nope, q_nope, N, False, ld)
 
     # this program's entries: an equal share of whole tiles of the query's list
@@ -115,15 +121,15 @@ def model1_overlap_kernel(
                                                page_size, page_size2, HAS_EXTRA)
     i_ld, i_8 = _entries(ir, st, hi, ld, ld8m)
     _copy_rope(kv_, i_ld, t_lo < t_hi, rows_, sr_, ps_, k_buf.index(0), ld)
-    e6, codes = _fetch(kv_, i_8, t_lo < t_hi, rows_, sr_, ps_, raw, ld8m)
+    e6, codes = _fetch(kv_, i_8, t_lo < t_hi, rows_, sr_, ps_, raw, WIDE, ld8m)
     async_copy.commit_group()
     async_copy.wait_group(0)
-    _dequant(k_buf.index(0), raw, e6, codes, 0, 7, BF16_DEQUANT, ld8m)
+    _dequant(k_buf.index(0), raw, e6, codes, 0, 7, BF16_DEQUANT, WIDE, ld8m)
     ir, st, hi, kv_, rows_, sr_, ps_ = _source(t_lo + 1, tiles1, idx1, idx2, n1, n2, KV, KV2,
                                                n_rows, n_rows2, stride_row, stride_row2,
                                                page_size, page_size2, HAS_EXTRA)
     i_ld, i_8 = _entries(ir, st, hi, ld, ld8m)
-    e6, codes = _fetch(kv_, i_8, t_lo + 1 < t_hi, rows_, sr_, ps_, raw, ld8m)
+    e6, codes = _fetch(kv_, i_8, t_lo + 1 < t_hi, rows_, sr_, ps_, raw, WIDE, ld8m)
     async_copy.commit_group()
     fence_async_shared()
     barrier()  # K[0] is written
@@ -140,19 +146,19 @@ def model1_overlap_kernel(
             acc, m_i, l_i, e6, codes = _tile(
                 j, t_hi, k_buf.index(0), k_buf.index(1), raw, q_nope, p_smem, acc, m_i, l_i,
                 e6, codes, lists, qk_scale, HAS_EXTRA, CHECK_RANGE, QK_CHUNKS,
-                BF16_DEQUANT, ld, ld8m, s_layout, o_layout)
+                BF16_DEQUANT, WIDE, ld, ld8m, s_layout, o_layout)
             if j + 1 < t_hi:
                 acc, m_i, l_i, e6, codes = _tile(
                     j + 1, t_hi, k_buf.index(1), k_buf.index(0), raw, q_nope, p_smem, acc, m_i,
                     l_i, e6, codes, lists, qk_scale, HAS_EXTRA, CHECK_RANGE,
-                    QK_CHUNKS, BF16_DEQUANT, ld, ld8m, s_layout, o_layout)
+                    QK_CHUNKS, BF16_DEQUANT, WIDE, ld, ld8m, s_layout, o_layout)
     else:
         for i in range(t_lo, t_hi):
             s = (i - t_lo) % 2
             acc, m_i, l_i, e6, codes = _tile(
                 i, t_hi, k_buf.index(s), k_buf.index(1 - s), raw, q_nope, p_smem, acc, m_i,
                 l_i, e6, codes, lists, qk_scale, HAS_EXTRA, CHECK_RANGE, QK_CHUNKS,
-                BF16_DEQUANT, ld, ld8m, s_layout, o_layout)
+                BF16_DEQUANT, WIDE, ld, ld8m, s_layout, o_layout)
     async_copy.wait_group(0)  # the copies issued past the last tile (masked: zeros) land
 
     epilogue(acc, m_i, l_i, bad, qi64, g, split, SINK, O, LSE, MAXL, OP, LSEP, MAXP,
@@ -163,8 +169,8 @@ def model1_overlap_kernel(
 @gluon.jit
 def _tile(i, t_hi, kn, nxt, raw, q_nope, p_smem, acc, m_i, l_i, e6, codes, lists, qk_scale,
           HAS_EXTRA: gl.constexpr, CHECK_RANGE: gl.constexpr, QK_CHUNKS: gl.constexpr,
-          BF16_DEQUANT: gl.constexpr, ld: gl.constexpr, ld8m: gl.constexpr,
-          s_layout: gl.constexpr, o_layout: gl.constexpr):
+          BF16_DEQUANT: gl.constexpr, WIDE: gl.constexpr, ld: gl.constexpr,
+          ld8m: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Tile i (in ``kn``): its dots and online-softmax step, while tile i+1 (e4m3 bytes staged
     in ``raw`` and ``e6``, scales ``codes``; its rope values already copied into ``nxt``) is
     dequantized into ``nxt``, then tile i+2 gathered (its rope values into ``kn`` once every
@@ -181,14 +187,14 @@ def _tile(i, t_hi, kn, nxt, raw, q_nope, p_smem, acc, m_i, l_i, e6, codes, lists
     sc_ = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     if QK_CHUNKS > 0:
         async_copy.wait_group(1)  # tile i+1's staged bytes (its rope copies may not land)
-        _dequant(nxt, raw, e6, codes, 0, QK_CHUNKS, BF16_DEQUANT, ld8m)
+        _dequant(nxt, raw, e6, codes, 0, QK_CHUNKS, BF16_DEQUANT, WIDE, ld8m)
     if QK_CHUNKS == 7:  # tile i+1's bytes all consumed: gather tile i+2's
         ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 2, tiles1, idx1, idx2, n1, n2, KV,
                                                    KV2, n_rows, n_rows2, stride_row,
                                                    stride_row2, page_size, page_size2,
                                                    HAS_EXTRA)
         i_ld, i_8 = _entries(ir, st, hi, ld, ld8m)
-        e6, codes = _fetch(kv_, i_8, i + 2 < t_hi, rows_, sr_, ps_, raw, ld8m)
+        e6, codes = _fetch(kv_, i_8, i + 2 < t_hi, rows_, sr_, ps_, raw, WIDE, ld8m)
         async_copy.commit_group()
     sc_ = warpgroup_mma_wait(num_outstanding=0, deps=(sc_,))
     valid = (cols < hi_i) & (idx >= 0) & (idx < rows_i)
@@ -200,13 +206,13 @@ def _tile(i, t_hi, kn, nxt, raw, q_nope, p_smem, acc, m_i, l_i, e6, codes, lists
                                WAIT=False)
     if QK_CHUNKS < 7:
         async_copy.wait_group(1)  # tile i+1's staged bytes (its rope copies may not land)
-        _dequant(nxt, raw, e6, codes, QK_CHUNKS, 7, BF16_DEQUANT, ld8m)
+        _dequant(nxt, raw, e6, codes, QK_CHUNKS, 7, BF16_DEQUANT, WIDE, ld8m)
         ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 2, tiles1, idx1, idx2, n1, n2, KV,
                                                    KV2, n_rows, n_rows2, stride_row,
                                                    stride_row2, page_size, page_size2,
                                                    HAS_EXTRA)
         i_ld, i_8 = _entries(ir, st, hi, ld, ld8m)
-        e6, codes = _fetch(kv_, i_8, i + 2 < t_hi, rows_, sr_, ps_, raw, ld8m)
+        e6, codes = _fetch(kv_, i_8, i + 2 < t_hi, rows_, sr_, ps_, raw, WIDE, ld8m)
         async_copy.commit_group()
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(1)  # tile i+1's rope copies (tile i+2's bytes may not land)
@@ -241,7 +247,8 @@ def _copy_rope(KV, i_ld, issue, n_rows, page_stride, page_size, kn, ld: gl.const
 
 
 @gluon.jit
-def _fetch(KV, i_8, issue, n_rows, page_stride, page_size, raw, ld8m: gl.constexpr):
+def _fetch(KV, i_8, issue, n_rows, page_stride, page_size, raw, WIDE: gl.constexpr,
+           ld8m: gl.constexpr):
     """When ``issue``, the named tokens' first 6 tiles of 64 e4m3 bytes copied by ``cp.async``
     into ``raw`` (not committed), and their 7th tile (``[64, 64]`` uint8) and their scale
     bytes (one int64 a row: byte c is tile c's UE8M0 scale) loaded into registers, both
@@ -251,9 +258,16 @@ def _fetch(KV, i_8, issue, n_rows, page_stride, page_size, raw, ld8m: gl.constex
     row = KV + pg + tok * 576
     c = gl.arange(0, 64, layout=gl.SliceLayout(0, ld8m))
     m = ok[:, None]
-    for t in gl.static_range(6):
-        async_copy.async_copy_global_to_shared(raw.index(t), row[:, None] + (t * 64 + c)[None, :],
-                                               mask=m)
+    if WIDE:  # tiles 2t and 2t + 1 side by side
+        c2 = gl.arange(0, 128, layout=gl.SliceLayout(0, ld8m))
+        for t in gl.static_range(3):
+            async_copy.async_copy_global_to_shared(raw.index(t),
+                                                   row[:, None] + (t * 128 + c2)[None, :],
+                                                   mask=m)
+    else:
+        for t in gl.static_range(6):
+            async_copy.async_copy_global_to_shared(raw.index(t),
+                                                   row[:, None] + (t * 64 + c)[None, :], mask=m)
     e6 = gl.load(row[:, None] + (384 + c)[None, :], mask=m, other=0)
     # the page's scales follow its page_size data rows of 576 bytes, 8 bytes a token (the
     # page starts 16-byte aligned: the 8-byte load is aligned)
@@ -264,20 +278,40 @@ def _fetch(KV, i_8, issue, n_rows, page_stride, page_size, raw, ld8m: gl.constex
 
 @gluon.jit
 def _dequant(kn, raw, e6, codes, LO: gl.constexpr, HI: gl.constexpr,
-             BF16_DEQUANT: gl.constexpr, ld8m: gl.constexpr):
+             BF16_DEQUANT: gl.constexpr, WIDE: gl.constexpr, ld8m: gl.constexpr):
     """e4m3 tiles ``[LO, HI)`` (0-5 from ``raw``, 6 from ``e6``) into K's columns
-    ``[64 LO, 64 HI)``: times ``2^(byte − 127)`` (the byte 0xFF: NaN; built from the exponent
-    bits, exact for the bytes 1-254; 0 reads as 0)."""
-    for c in gl.static_range(LO, HI):
-        byte = ((codes >> (8 * c)) & 255).to(gl.int32)
-        scale = gl.where(byte == 255, float("nan"), (byte << 23).to(gl.float32, bitcast=True))
-        if c < 6:
-            b8 = raw.index(c).load(ld8m)
-        else:
-            b8 = e6
-        f8 = b8.to(gl.float8e4nv, bitcast=True)
-        if BF16_DEQUANT:
-            v = f8.to(kn.dtype) * scale.to(kn.dtype)[:, None]
-        else:
-            v = (f8.to(gl.float32) * scale[:, None]).to(kn.dtype)
-        kn.slice(c * 64, 64, dim=1).store(v)
+    ``[64 LO, 64 HI)`` (``WIDE``: two tiles a store, ``LO`` and ``HI`` even or 7)."""
+    if WIDE:
+        gl.static_assert(LO % 2 == 0 and (HI % 2 == 0 or HI == 7), "WIDE: pairs of tiles")
+        col = gl.arange(0, 128, layout=gl.SliceLayout(0, ld8m))
+        for t in gl.static_range(LO // 2, (HI - HI // 7) // 2):
+            scale = gl.where(col[None, :] < 64, _scale(codes, 2 * t)[:, None],
+                             _scale(codes, 2 * t + 1)[:, None])
+            _store_scaled(kn.slice(t * 128, 128, dim=1), raw.index(t).load(ld8m), scale,
+                          BF16_DEQUANT)
+    else:
+        for c in gl.static_range(LO, HI - HI // 7):
+            _store_scaled(kn.slice(c * 64, 64, dim=1), raw.index(c).load(ld8m),
+                          _scale(codes, c)[:, None], BF16_DEQUANT)
+    if HI == 7:
+        _store_scaled(kn.slice(384, 64, dim=1), e6, _scale(codes, 6)[:, None], BF16_DEQUANT)
+
+
+@gluon.jit
+def _scale(codes, c: gl.constexpr):
+    """Tile c's scale ``2^(byte − 127)`` from its UE8M0 byte in ``codes`` (the byte 0xFF: NaN;
+    built from the exponent bits, exact for the bytes 1-254; 0 reads as 0)."""
+    byte = ((codes >> (8 * c)) & 255).to(gl.int32)
+    return gl.where(byte == 255, float("nan"), (byte << 23).to(gl.float32, bitcast=True))
+
+
+@gluon.jit
+def _store_scaled(dst, b8, scale, BF16_DEQUANT: gl.constexpr):
+    """``e4m3(b8) · scale`` into ``dst`` in its dtype (``BF16_DEQUANT``: the product in bf16,
+    exact as in float32 for a power-of-two scale)."""
+    f8 = b8.to(gl.float8e4nv, bitcast=True)
+    if BF16_DEQUANT:
+        v = f8.to(dst.dtype) * scale.to(dst.dtype)
+    else:
+        v = (f8.to(gl.float32) * scale).to(dst.dtype)
+    dst.store(v)
