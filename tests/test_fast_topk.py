@@ -207,10 +207,24 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(select_bits=5), TopkPlan(select_bits=6),
                                   TopkPlan(select_tile=1024), TopkPlan(oversample=1.0),
                                   TopkPlan(block=2048, filter_warps=8, programs_per_sm=4),
-                                  TopkPlan(sample_runs=256, estimate_warps=4, estimate_bits=5)])
+                                  TopkPlan(sample_runs=256, estimate_warps=4, estimate_bits=5),
+                                  TopkPlan(fused_rows=1, fused_block=1024, fused_stages=2),
+                                  TopkPlan(fused_rows=1, fused_lists=32, fused_warps=4)])
 def test_topk_other_plans(plan):
     logits, st, en = _rows(_gen(41), [0, 5], [LONG, LONG - 9], LONG)
     _check(logits, st, en, 2048, plan=plan)
+
+
+def test_topk_segment_overflow():
+    """The one-launch kernel's segmented lists (64 segments of 128): a row whose survivors
+    crowd into one segment's columns overflows it and is scanned, exactly; a random row fills
+    them evenly and is selected from the gathered list."""
+    plan = TopkPlan(fused_rows=1, fused_block=8192, fused_lists=64)
+    logits, st, en = _full(torch.randn(2, LONG, generator=_gen(42)))
+    logits[1, :128] = 10.0 + torch.rand(128, generator=_gen(43))  # segment 0 of both steps
+    logits[1, 8192:8320] = 10.0 + torch.rand(128, generator=_gen(44))
+    assert _paths(logits, st, en, 100, plan) == ["listed", "scanned"]
+    _check(logits, st, en, 100, plan)
 
 
 def test_topk_a_broken_twin_fails():
@@ -246,6 +260,10 @@ def test_topk_empty_and_bad_input():
         TopkPlan(oversample=0.5)
     with pytest.raises(ValueError, match="TopkPlan.sample_runs"):
         TopkPlan(sample_runs=2048)
+    with pytest.raises(ValueError, match="TopkPlan.fused_block"):
+        TopkPlan(fused_block=1024, fused_lists=128)
+    with pytest.raises(ValueError, match="TopkPlan.fused_rows"):
+        TopkPlan(fused_rows=0)
     # unvalidated, a range past the row is clipped to it
     got = top_k_per_row(logits.nan_to_num(-1.0), st, en + 5, 20, validate=False).cpu()
     assert sorted(got[0][got[0] >= 0].tolist()) == list(range(10))

@@ -52,10 +52,10 @@ from mla.fast.common import TRITON_VERSION, next_pow2, num_sms, should_validate
 from mla.fast.launch import CompiledLauncher, int_spec, ptr_spec
 from mla.fast.topk_fused import _fused_kernel
 from mla.fast.topk_kernels import (
-    WORK_PAD,
     _estimate_kernel,
     _filter_kernel,
     _select_kernel,
+    count_column,
     work_columns,
 )
 from mla.validation import check_float, check_index, check_same_device
@@ -65,7 +65,6 @@ __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
 SMALL = 1024  # a boundary bucket this small is compacted and finished in registers
 RUN = 8  # the estimate's sample comes in runs of 8 keys: one 32-byte sector
-WORK_PAD_COLUMNS = WORK_PAD.value
 
 _estimate = CompiledLauncher(_estimate_kernel)
 _filter = CompiledLauncher(_filter_kernel)
@@ -78,7 +77,9 @@ class TopkPlan:
     """How the kernels run (``benchmarks/topk_sweep.py`` times the alternatives).
 
     Route: calls of at least ``fused_rows`` rows run the one-launch kernel (one program a
-    row: ``fused_block`` keys a step, ``fused_stages`` steps in flight, ``fused_warps``);
+    row: ``fused_block`` keys a step, ``fused_stages`` steps in flight, ``fused_warps``,
+    ``fused_lists`` segments of the candidate list, each with its own count: 1, a
+    block-wide scan a step; at least ``fused_warps``, scans within a warp);
     fewer rows run three launches, which spread a row's read over many programs.
     Estimate (both routes): ``sample_runs`` runs of ``RUN`` keys (2 to 1024),
     ``estimate_bits`` a radix level, ``oversample`` (the survivors aimed at, in ``topk``,
@@ -91,6 +92,7 @@ class TopkPlan:
     fused_block: int = 4096
     fused_stages: int = 3
     fused_warps: int = 8
+    fused_lists: int = 1
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
@@ -107,7 +109,7 @@ class TopkPlan:
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",
-                     "estimate_warps", "fused_block", "fused_warps"):
+                     "estimate_warps", "fused_block", "fused_warps", "fused_lists"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
@@ -119,9 +121,10 @@ class TopkPlan:
         if not 2 <= self.sample_runs <= 1024:
             raise ValueError(f"TopkPlan.sample_runs must lie in [2, 1024], got "
                              f"{self.sample_runs!r}")
-        if self.fused_block < 16:
-            raise ValueError(f"TopkPlan.fused_block must be at least 16 (16-byte loads), got "
-                             f"{self.fused_block!r}")
+        if self.fused_block < 16 * self.fused_lists or self.fused_lists > CANDIDATES // 16:
+            raise ValueError(f"TopkPlan.fused_block must hold 16 keys a list (16-byte loads) "
+                             f"and fused_lists at most {CANDIDATES // 16}, got fused_block="
+                             f"{self.fused_block!r}, fused_lists={self.fused_lists!r}")
         for name in ("stages", "programs_per_sm", "fused_stages", "fused_rows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -202,7 +205,8 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     if plan.fused(R):
         args = (*rows, work, out, W, topk, s_l_r, s_o_r, float(plan.oversample),
                 plan.sample_runs, RUN, plan.estimate_bits, cap, SMALL, plan.select_tile,
-                plan.select_bits, plan.fused_block, plan.fused_stages, out_block)
+                plan.select_bits, plan.fused_block, plan.fused_stages, plan.fused_lists,
+                out_block)
         return work, [lambda: _fused(key, (R, 1, 1), args, num_warps=plan.fused_warps)]
     chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
     chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
@@ -223,4 +227,4 @@ def survivors(work: torch.Tensor) -> torch.Tensor:
     """The survivor count of each row after the streaming read (``launches``' scratch): more
     than ``topk`` and at most the list's length, the candidates were selected; otherwise the
     row was scanned (rows of no more than the list's length are never filtered)."""
-    return work[:, work.shape[1] - WORK_PAD_COLUMNS + 1]  # after the threshold (_work_row)
+    return work[:, count_column(CANDIDATES, SMALL)]

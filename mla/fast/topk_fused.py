@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from mla.fast.topk_kernels import (
+    _lists_row,
     _order_keys,
     _row_range,
     _select_listed_or_row,
@@ -29,12 +30,13 @@ def _fused_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
                   OVERSAMPLE: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
                   EST_BITS: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
                   TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                  STAGES: tl.constexpr, OUT_BLOCK: tl.constexpr):
+                  STAGES: tl.constexpr, LISTS: tl.constexpr, OUT_BLOCK: tl.constexpr):
     """One program a row: a row of no more than ``CAP`` keys is selected whole; a longer one
     gets its threshold from the sample, one streaming read of ``BLOCK`` keys a step
-    (``STAGES`` in flight) lists the keys reaching it, and the list (or, when the threshold
-    let fewer than ``topk`` or more than ``CAP`` through, the row) is selected; then ``-1``
-    past the row's count. The survivor count is stored for ``mla.fast.topk.survivors``."""
+    (``STAGES`` in flight) lists the keys reaching it (``_stream_lists``), and the list (or,
+    when the threshold let fewer than ``topk`` or more than fit through, the row) is
+    selected; then ``-1`` past the row's count. The survivor count is stored for
+    ``mla.fast.topk.survivors`` (past ``CAP`` where a list overflowed)."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     src = logits + row * s_l_r
@@ -47,23 +49,77 @@ def _fused_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
         if n > CAP:
             t = _threshold(src + start, n, topk, few, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN,
                            EST_BITS, SMALL)
-            # from start rounded down to 16, so that the loads are 16-byte vectors; columns
-            # as int32 (W < 2^31)
-            first = start.to(tl.int32)
-            last = end.to(tl.int32)
-            lo = tl.multiple_of(first - first % 16, 16)
-            for c0 in tl.range(lo, last, BLOCK, num_stages=STAGES):
-                cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
-                k = _order_keys(tl.load(src + cols, mask=cols < W, other=0.0))
-                keep = (cols >= first) & (cols < last) & (k >= t)
-                pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-                ok = keep & (pos < CAP)
-                tl.store(keys_out + pos, k, mask=ok)
-                tl.store(cols_out + pos, cols - first, mask=ok)
-                count += tl.sum(keep.to(tl.int32), axis=0)
+            seg_keys, seg_cols = _lists_row(work, row, CAP, SMALL)
+            if LISTS == 1:
+                count = _stream_list(src, start, end, t, W, keys_out, cols_out, CAP, BLOCK,
+                                     STAGES)
+            else:
+                count = _stream_lists(src, start, end, t, W, seg_keys, seg_cols, keys_out,
+                                      cols_out, topk, CAP, BLOCK, STAGES, LISTS)
             tl.store(count_ptr, count)
             tl.debug_barrier()  # the list written by every thread before any reads it
         _select_listed_or_row(src + start, n, topk, keys_out, cols_out, count, few, dst, CAP,
                               SMALL, TILE, BITS)
     _write_tail(dst, n, topk, OUT_BLOCK)
 
+
+@triton.jit
+def _stream_list(src, start, end, t, W, keys_out, cols_out, CAP: tl.constexpr,
+                 BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """One read of the row (``src``: row 0 of it, columns ``[start, end)``) listing the keys
+    at or above ``t`` at ``count + cumsum(keep) - 1`` (a block-wide scan a step); returns the
+    count (past ``CAP``, the list is incomplete)."""
+    # from start rounded down to 16, so that the loads are 16-byte vectors; columns as int32
+    first = start.to(tl.int32)
+    last = end.to(tl.int32)
+    lo = tl.multiple_of(first - first % 16, 16)
+    count = tl.zeros((), tl.int32)
+    for c0 in tl.range(lo, last, BLOCK, num_stages=STAGES):
+        cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
+        k = _order_keys(tl.load(src + cols, mask=cols < W, other=0.0))
+        keep = (cols >= first) & (cols < last) & (k >= t)
+        pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        ok = keep & (pos < CAP)
+        tl.store(keys_out + pos, k, mask=ok)
+        tl.store(cols_out + pos, cols - first, mask=ok)
+        count += tl.sum(keep.to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _stream_lists(src, start, end, t, W, seg_keys, seg_cols, keys_out, cols_out, topk,
+                  CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                  LISTS: tl.constexpr):
+    """As ``_stream_list``, but a step is ``[LISTS, BLOCK / LISTS]`` keys and row ``r`` of it
+    lists its survivors in its own segment (``CAP / LISTS`` long) with its own count: with a
+    warp a row the scan and the count stay inside the warp (no barrier a step). Then the
+    segments are gathered into one list (``keys_out``, ``cols_out``). Returns the count, or
+    more than ``CAP`` where a segment overflowed or too few survived (the row is scanned)."""
+    SEG: tl.constexpr = CAP // LISTS
+    STEP: tl.constexpr = BLOCK // LISTS
+    first = start.to(tl.int32)
+    last = end.to(tl.int32)
+    lo = tl.multiple_of(first - first % 16, 16)
+    r = tl.arange(0, LISTS)
+    counts = tl.zeros((LISTS,), tl.int32)
+    for c0 in tl.range(lo, last, BLOCK, num_stages=STAGES):
+        cols = tl.multiple_of(c0, 16) + r[:, None] * STEP + tl.arange(0, STEP)[None, :]
+        k = _order_keys(tl.load(src + cols, mask=cols < W, other=0.0))
+        keep = (cols >= first) & (cols < last) & (k >= t)
+        slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
+        ok = keep & (slot < SEG)
+        at = r[:, None] * SEG + slot
+        tl.store(seg_keys + at, k, mask=ok)
+        tl.store(seg_cols + at, cols - first, mask=ok)
+        counts += tl.sum(keep.to(tl.int32), axis=1)
+    count = tl.sum(counts, axis=0)
+    fits = (tl.max(counts, axis=0) <= SEG) & (count >= topk)
+    tl.debug_barrier()  # the segments written by every thread before they are gathered
+    if fits:
+        j = tl.arange(0, SEG)[None, :]
+        live = j < counts[:, None]
+        at = r[:, None] * SEG + j
+        to = (tl.cumsum(counts, axis=0) - counts)[:, None] + j
+        tl.store(keys_out + to, tl.load(seg_keys + at, mask=live), mask=live)
+        tl.store(cols_out + to, tl.load(seg_cols + at, mask=live), mask=live)
+    return tl.where(fits, count, CAP + 1 + count)
