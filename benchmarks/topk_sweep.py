@@ -310,6 +310,28 @@ def compiled_facts() -> list[dict]:
     return rows
 
 
+def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
+    """The one-launch kernel of each plan compiled for sm_90 on any machine (no GPU; not under
+    the interpreter), as ``benchmarks.indexer_compile`` compiles the three launches: shared
+    memory, registers, spilled bytes (``tests/test_fast_topk.py`` asserts none)."""
+    from benchmarks.indexer_compile import _KEYS, _compile
+    from benchmarks.sm90_compile import facts
+    from mla.fast.topk_fused import _fused_kernel
+
+    ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
+    ints = dict(W=_KEYS, topk=TOPK, s_l_r=_KEYS, s_o_r=TOPK)
+    found = {}
+    for plan in plans:
+        const = dict(OVERSAMPLE=float(plan.oversample), SAMPLE_RUNS=plan.sample_runs,
+                     RUN=fast_topk.RUN, EST_BITS=plan.estimate_bits, CAP=CANDIDATES,
+                     SMALL=fast_topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
+                     BLOCK=plan.fused_block, STAGES=plan.fused_stages, LISTS=plan.fused_lists,
+                     OUT_BLOCK=1024)
+        found[_changed(plan)] = facts(_compile(_fused_kernel, const, ptrs, ints,
+                                               plan.fused_warps))
+    return found
+
+
 def table(res: dict) -> str:
     """The compact summary printed on stdout."""
     lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us in CUDA graphs (% of copy)",
@@ -342,7 +364,13 @@ def main(argv: list[str] | None = None) -> int:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--only", nargs="*", choices=("check", "time", "sweep"))
+    p.add_argument("--sm90", action="store_true",
+                   help="only compile the default one-launch kernel for sm_90 (no GPU needed) "
+                        "and print its facts as JSON")
     args = p.parse_args(argv)
+    if args.sm90:
+        print(json.dumps(sm90_facts([TopkPlan()])))
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.topk_sweep needs a CUDA GPU")
     want = set(args.only or ("check", "time", "sweep"))

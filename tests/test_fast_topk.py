@@ -9,6 +9,12 @@ the benchmark's shapes on the GPU.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -267,3 +273,18 @@ def test_topk_empty_and_bad_input():
     # unvalidated, a range past the row is clipped to it
     got = top_k_per_row(logits.nan_to_num(-1.0), st, en + 5, 20, validate=False).cpu()
     assert sorted(got[0][got[0] >= 0].tolist()) == list(range(10))
+
+
+def test_one_launch_kernel_compiles_for_sm90():
+    """The default one-launch kernel compiles for the H200 without spills (in a child process
+    without the interpreter, which cannot compile for a GPU; the three launches' kernels:
+    ``tests/test_fast_indexer.py``)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "benchmarks.topk_sweep", "--sm90"], cwd=root,
+                          env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (name, f), = json.loads(done.stdout).items()
+    assert f["stack"] == 0 and f["local"] == 0 and not f["ptx_local"], f"{name} spills: {f}"
+    assert f["shared"] <= 232448, f"{name}: {f['shared']} B of shared memory"
