@@ -99,13 +99,12 @@ def model1_overlap_kernel(
     load_q(Q, qi64, g, stride_qq, stride_qh, q_nope, q_nope, N, False, ld)
 
     # this program's entries: an equal share of whole tiles of the query's list
-    n1, bad = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
+    n1, _ = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
     tiles1 = gl.cdiv(n1, BN)
     n2 = n1
     tiles = tiles1
     if HAS_EXTRA:
-        n2, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
-        bad = bad | bad2
+        n2, _ = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
         tiles = tiles1 + gl.cdiv(n2, BN)
     per_split = gl.cdiv(tiles, num_splits)
     t_lo = split * per_split
@@ -161,6 +160,12 @@ def model1_overlap_kernel(
                 BF16_DEQUANT, WIDE, ld, ld8m, s_layout, o_layout)
     async_copy.wait_group(0)  # the copies issued past the last tile (masked: zeros) land
 
+    # whether a length lies outside [0, topk]: read again here rather than held across the
+    # loop (Triton 3.7's registers spilled it)
+    _, bad = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
+    if HAS_EXTRA:
+        _, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
+        bad = bad | bad2
     epilogue(acc, m_i, l_i, bad, qi64, g, split, SINK, O, LSE, MAXL, OP, LSEP, MAXP,
              stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
              num_splits, N, S, HAS_SINK, HAS_MAXL, SPLIT, s_layout, o_layout)
