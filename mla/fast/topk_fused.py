@@ -55,7 +55,8 @@ def _fused_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
                                      STAGES)
             else:
                 count = _stream_lists(src, start, end, t, W, seg_keys, seg_cols, keys_out,
-                                      cols_out, topk, CAP, BLOCK, STAGES, LISTS)
+                                      cols_out, few.to(tl.pointer_type(tl.int32)), topk, CAP,
+                                      BLOCK, STAGES, LISTS, TILE)
             tl.store(count_ptr, count)
             tl.debug_barrier()  # the list written by every thread before any reads it
         _select_listed_or_row(src + start, n, topk, keys_out, cols_out, count, few, dst, CAP,
@@ -87,13 +88,14 @@ def _stream_list(src, start, end, t, W, keys_out, cols_out, CAP: tl.constexpr,
 
 
 @triton.jit
-def _stream_lists(src, start, end, t, W, seg_keys, seg_cols, keys_out, cols_out, topk,
+def _stream_lists(src, start, end, t, W, seg_keys, seg_cols, keys_out, cols_out, few, topk,
                   CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                  LISTS: tl.constexpr):
+                  LISTS: tl.constexpr, TILE: tl.constexpr):
     """As ``_stream_list``, but a step is ``[LISTS, BLOCK / LISTS]`` keys and row ``r`` of it
     lists its survivors in its own segment (``CAP / LISTS`` long) with its own count: with a
     warp a row the scan and the count stay inside the warp (no barrier a step). Then the
-    segments are gathered into one list (``keys_out``, ``cols_out``). Returns the count, or
+    segments are gathered into one list (``keys_out``, ``cols_out``; ``few``: 2 x ``LISTS``
+    int32 for their counts and places). Returns the count, or
     more than ``CAP`` where a segment overflowed or too few survived (the row is scanned)."""
     SEG: tl.constexpr = CAP // LISTS
     STEP: tl.constexpr = BLOCK // LISTS
@@ -114,12 +116,17 @@ def _stream_lists(src, start, end, t, W, seg_keys, seg_cols, keys_out, cols_out,
         counts += tl.sum(keep.to(tl.int32), axis=1)
     count = tl.sum(counts, axis=0)
     fits = (tl.max(counts, axis=0) <= SEG) & (count >= topk)
-    tl.debug_barrier()  # the segments written by every thread before they are gathered
     if fits:
-        j = tl.arange(0, SEG)[None, :]
-        live = j < counts[:, None]
-        at = r[:, None] * SEG + j
-        to = (tl.cumsum(counts, axis=0) - counts)[:, None] + j
-        tl.store(keys_out + to, tl.load(seg_keys + at, mask=live), mask=live)
-        tl.store(cols_out + to, tl.load(seg_cols + at, mask=live), mask=live)
+        # each segment's count and first place in the list, through memory (``few``: free
+        # here), so that the gather runs in tiles of a few registers a thread
+        tl.store(few + r, counts)
+        tl.store(few + LISTS + r, tl.cumsum(counts, axis=0) - counts)
+        tl.debug_barrier()  # the segments and their counts written before they are read
+        for g in range(0, CAP, TILE):
+            i = g + tl.arange(0, TILE)
+            slot = i % SEG
+            live = slot < tl.load(few + i // SEG)
+            to = tl.load(few + LISTS + i // SEG) + slot
+            tl.store(keys_out + to, tl.load(seg_keys + i, mask=live), mask=live)
+            tl.store(cols_out + to, tl.load(seg_cols + i, mask=live), mask=live)
     return tl.where(fits, count, CAP + 1 + count)
