@@ -227,6 +227,8 @@ def timing(copy_tbps: float) -> list[dict]:
                "three_graph_ms": _graph_ms(x, st, en, TopkPlan(**THREE)),
                **_split_times(x, st, en, TopkPlan(**THREE))}
         row["torch_topk_values_ms"] = _bench(functools.partial(torch.topk, x, TOPK, dim=1))
+        # the floor of one read of the logits at this shape: a row maximum in a graph
+        row["read_floor_ms"] = time_graph(functools.partial(torch.amax, x, dim=1), reps=30)
         for k in ("ms", "unvalidated_ms", "graph_ms", "one_graph_ms", "three_graph_ms"):
             row[k.replace("ms", "pct_copy")] = _pct(R, W, row[k], copy_tbps)
         rows.append(row)
@@ -237,7 +239,7 @@ def timing(copy_tbps: float) -> list[dict]:
             f"{row['one_graph_ms'] * 1e3:.1f}, three {row['three_graph_ms'] * 1e3:.1f} "
             f"({row['estimate_ms'] * 1e3:.1f} + {row['filter_ms'] * 1e3:.1f} + "
             f"{row['select_ms'] * 1e3:.1f}); torch.topk values "
-            f"{row['torch_topk_values_ms'] * 1e3:.1f} us")
+            f"{row['torch_topk_values_ms'] * 1e3:.1f} us, amax {row['read_floor_ms'] * 1e3:.1f}")
         torch.cuda.empty_cache()
     return rows
 
@@ -336,14 +338,15 @@ def table(res: dict) -> str:
     """The compact summary printed on stdout."""
     lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us in CUDA graphs (% of copy)",
              "R x L | default route | graph | one launch | three (est+filter+select) | "
-             "direct | unvalidated | host"]
+             "direct | unvalidated | host | amax (one read)"]
     for r in res["timing"]:
         lines.append(
             f"{r['R']} x {r['L'] // 1024}K | {r['route']} | {r['graph_ms'] * 1e3:.1f} "
             f"({r['graph_pct_copy']:.0f}%) | {r['one_graph_ms'] * 1e3:.1f} | "
             f"{r['three_graph_ms'] * 1e3:.1f} ({r['estimate_ms'] * 1e3:.0f}+"
             f"{r['filter_ms'] * 1e3:.0f}+{r['select_ms'] * 1e3:.0f}) | {r['ms'] * 1e3:.1f} | "
-            f"{r['unvalidated_ms'] * 1e3:.1f} | {r['host_us']:.0f}")
+            f"{r['unvalidated_ms'] * 1e3:.1f} | {r['host_us']:.0f} | "
+            f"{r['read_floor_ms'] * 1e3:.1f}")
     shapes = sorted({(r["R"], r["L"]) for r in res["sweep"]}, key=SWEEP_SHAPES.index)
     for R, W in shapes:
         got = [r for r in res["sweep"] if (r["R"], r["L"]) == (R, W) and "graph_ms" in r]
