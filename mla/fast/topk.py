@@ -7,37 +7,42 @@ logits and top-k"): per row the ``min(topk, end - start)`` highest logits of col
 ``j - start``; the rest of the row ``-1``. Columns outside ``[start, end)`` never count (the
 streaming read loads whole 16-byte vectors of the row, so a neighbour may be loaded, then
 masked). The set is not sorted by score (the sparse attention sums over it, the catalogue
-compares sets): a row selected from its own columns comes as at most two runs in column order
-(the keys above the boundary's radix bucket, then the bucket's chosen ones), a row selected
-from its candidate list in the list's order, which the streaming read's atomics decide (the
-set never depends on it).
+compares sets): a row held whole comes in column order, a row scanned as at most two runs in
+column order (the keys above the boundary's radix bucket, then the bucket's chosen ones), a
+row selected from its candidate list in the list's order (column order, or the order of the
+segments or of the three launches' atomics; the set never depends on it).
 
 **Why this shape.** Reading 128K float32 logits a row at the copy bandwidth leaves about 30
 instructions a key per thread. ``tl.histogram`` lowers to a warp ballot per bit of the bin
 index and a popcount per bin a thread owns: ~25 instructions a key at 2048 bins, ~3 at 256, so
 a histogram of every key cannot keep up with the memory; a compare and a rare compacting store
-can. Three launches (``mla.fast.topk_kernels``):
+can. Three steps:
 
-1. **estimate**, a program a row: a stratified sample of the row (512 evenly spaced runs of 8
-   keys, 4096 in all: short runs, as neighbouring logits may be alike) gives, by radix levels
-   of 256 bins, a key that about ``1.5 * topk`` (plus three standard deviations) of the row's
-   keys reach; the row's survivor count is zeroed.
-2. **filter**, ``R x C`` programs, the one read of the row: each block's keys at or above the
-   threshold go (key, column) to the row's candidate list, their place reserved by one atomic
-   a block. About ``1.5 * topk`` survive: a few thousand of 128K.
-3. **select**, a program a row: the exact ``topk`` best of the candidates, a radix select on
-   the int64 ``(key, 0x7FFFFFFF - column)`` (unique: ties go to the lower column by the
-   order itself). Each level's digit window starts at the highest bit in which the remaining
-   candidates differ, levels stop as soon as the boundary bucket holds exactly the keys still
-   needed, and once that bucket fits ``SMALL`` it is compacted and finished in registers:
-   usually two reads of the list. A row of no more than ``CANDIDATES`` keys skips 1-2 and is
-   its own list.
+1. **estimate**: a stratified sample of the row (512 evenly spaced runs of 8 keys, 4096 in
+   all: short runs, as neighbouring logits may be alike) gives, by radix levels, a key that
+   about ``1.5 * topk`` (plus three standard deviations) of the row's keys reach.
+2. **filter**, the one read of the row: each block's keys at or above the threshold go
+   (key, column) to the row's candidate list. About ``1.5 * topk`` survive: a few thousand of
+   128K.
+3. **select**: the exact ``topk`` best of the candidates, held in registers as int32 keys:
+   radix levels whose digit window starts at the highest bit in which the remaining keys
+   differ, until the boundary bucket holds exactly the keys still needed or is one tied key
+   (then a second select among the tied ones on the inverted column: ties to the lower
+   column); once the bucket fits ``SMALL`` it is compacted and finished over that. A row of
+   no more than ``CANDIDATES`` keys skips 1-2 and is held whole.
+
+Two routes run them (``TopkPlan.fused``). **One launch** (``mla.fast.topk_fused``), one
+program a row doing all three, its survivor count in a register (no atomics: the program owns
+its row), for calls of many rows. **Three launches** (``mla.fast.topk_kernels``): estimate
+and select a program a row, the filter ``R x C`` one-warp programs whose blocks reserve their
+place in the list by one atomic each: more SMs read a row, for calls of few rows.
 
 **Correctness never rests on the estimate.** A row whose threshold let fewer than ``topk`` or
 more than ``CANDIDATES`` keys through (massive ties, a row that is all ``-inf``, a sample that
-misjudged an adversarial row) is selected by the same select reading the whole row instead of
-the list: slow, not wrong. Nothing depends on values at launch: no host sync, fixed grids and
-allocations, so a CUDA graph can capture it.
+misjudged an adversarial row) is selected from the whole row, read again at every radix level
+(int64 ``(key, 0x7FFFFFFF - column)`` composites, unique per row): slow, not wrong. Nothing
+depends on values at launch: no host sync, fixed grids and allocations, so a CUDA graph can
+capture it.
 """
 
 from __future__ import annotations
