@@ -4,8 +4,10 @@
 on an sm_90 GPU (each module's ``supported``); everywhere else their Triton kernels run.
 
 - ``decode``: paged decode (``decode_kernel``), ``sparse``: sparse top-k decode and prefill
-  (``sparse_kernel``); ``softmax``: the online-softmax + ``P · V`` step both share, and the
-  CTA barrier under the name this Triton gives it.
+  (``sparse_kernel``); ``sparse_overlap``: MODEL1 sparse decode with the dequantization
+  overlapped with the dots (``model1_overlap_kernel``, for plans that name it);
+  ``softmax``: the online-softmax + ``P · V`` step both share, and the CTA barrier under the
+  name this Triton gives it.
 
 Gluon is Triton's experimental layer and its names move between releases (3.6's
 ``gl.thread_barrier`` is 3.7's ``gl.barrier``). These kernels are built and compile-tested
