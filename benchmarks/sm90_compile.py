@@ -156,7 +156,11 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                  HAS_PE=not MODEL1 and D == _D, RAW_STAGES=RAW_STAGES if MODEL1 else 1,
                  RAW_SWIZZLE=MODEL1_KERNEL == "staged_swizzled")
     fn = sm90_sparse.sparse_kernel
-    if MODEL1 and MODEL1_KERNEL in MODEL1_OVERLAP:
+    if MODEL1 and MODEL1_KERNEL == "warp_specialized":
+        from mla.fast.sm90.sparse_ws import model1_ws_kernel
+
+        fn = model1_ws_kernel
+    elif MODEL1 and MODEL1_KERNEL in MODEL1_OVERLAP:
         from mla.fast.sm90.sparse_overlap import model1_overlap_kernel
 
         fn = model1_overlap_kernel

@@ -21,6 +21,8 @@ __all__ = ["MODEL1_KERNELS", "MODEL1_OVERLAP", "SparsePlan", "plan_sparse"]
 # scale multiply in bf16; the tile loop unrolled by two, so that the two K buffers are named
 # by constants; two e4m3 tiles a shared-memory store: the compiler puts a CTA barrier before
 # each store into K, 4 a tile instead of 7)
+# "warp_specialized" (``mla.fast.sm90.sparse_ws``): a producer warp group gathers and
+# dequantizes into two K buffers while the two consumer groups run the dots.
 MODEL1_OVERLAP: dict[str, tuple[int, bool, bool, bool]] = {
     "overlap_pv": (0, False, False, False),
     "overlap_pv_paired": (0, False, True, False),
@@ -29,7 +31,7 @@ MODEL1_OVERLAP: dict[str, tuple[int, bool, bool, bool]] = {
     "overlap_pv_bf16_paired": (0, True, True, False),
     "overlap_pv_wide_paired": (0, False, True, True),
 }
-MODEL1_KERNELS = ("staged", "staged_swizzled", *MODEL1_OVERLAP)
+MODEL1_KERNELS = ("staged", "staged_swizzled", *MODEL1_OVERLAP, "warp_specialized")
 
 
 @dataclasses.dataclass(frozen=True)

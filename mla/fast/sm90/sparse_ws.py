@@ -1,0 +1,217 @@
+"""MODEL1 sparse decode for Hopper (sm_90) in Gluon, warp-specialized: a producer warp group
+gathers and dequantizes while two consumer warp groups run the dots.
+
+FlashMLA's MODEL1 decode gives the gathers and the dequantization their own warp group. Here,
+for the same 64-head programs as ``mla.fast.sm90.sparse`` and the same results:
+
+- the consumers (the program's 8 warps): per 64-entry tile ``S = q · Kᵀ`` split by keys, the
+  softmax statistics across both groups, ``P`` through shared memory, ``O += P · V`` split by
+  columns, exactly as the coupled kernel; they wait for ``ready[s]`` before a tile in K
+  buffer s and arrive at ``free[s]`` once both groups' ``P · V`` have read it;
+- the producer (4 more warps, 96 registers a thread): per tile it waits for ``free[s]``,
+  copies the tokens' bf16 rope values into K's last 64 columns (``cp.async``), dequantizes
+  the e4m3 bytes gathered a tile ahead (6 of 7 tiles of 64 bytes staged by ``cp.async``,
+  the 7th and the 7 UE8M0 scale bytes in registers: ``mla.fast.sm90.sparse_overlap``'s
+  gather) into K, gathers the next tile's bytes, and arrives at ``ready[s]``;
+- two K buffers, so the producer works a tile ahead of the consumers: q 64 KB + K 128 KB +
+  P 8 KB + staging 24 KB = 229,888 B of shared memory.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from mla.fast.sm90.softmax import barrier, softmax_pv
+from mla.fast.sm90.sparse import _length, _source, epilogue, load_q
+from mla.fast.sm90.sparse_overlap import _copy_rope, _dequant, _fetch
+
+__all__ = ["model1_ws_kernel"]
+
+_PRODUCER_REGS = gl.constexpr(96)  # registers a producer thread keeps (setmaxnreg)
+
+
+@gluon.jit
+def model1_ws_kernel(
+    Q, KV, IDX, TOPK_LEN, KV2, IDX2, TOPK_LEN2, SINK, O, LSE, MAXL, OP, LSEP, MAXP,
+    stride_qq, stride_qh, stride_iq, stride_row, page_size,
+    stride_iq2, stride_row2, page_size2,
+    stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
+    n_rows, topk, n_rows2, topk2, qk_scale, num_splits,
+    N: gl.constexpr, S: gl.constexpr, GROUPS: gl.constexpr, HAS_EXTRA: gl.constexpr,
+    HAS_TOPK_LEN2: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
+    CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
+):
+    """Grid ``(queries · GROUPS, splits)``, 8 warps (and the producer's 4); the arguments of
+    ``mla.fast.sm90.sparse_overlap.model1_overlap_kernel`` without its variant switches."""
+    BM: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    DV: gl.constexpr = 512
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    pid = gl.program_id(0)
+    split = gl.program_id(1)
+    qi = pid // GROUPS
+    g = pid % GROUPS
+    qi64 = qi.to(gl.int64)
+
+    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                        warps_per_cta=[8, 1], order=[1, 0])
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                              rank=2)
+    q_nope = gl.allocate_shared_memory(dtype, [BM, DV], smem)
+    k_buf = gl.allocate_shared_memory(dtype, [2, BN, DV], smem)
+    p_smem = gl.allocate_shared_memory(dtype, [BM, BN], smem)
+    raw = gl.allocate_shared_memory(gl.uint8, [6, BN, 64],
+                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
+                                                            order=[1, 0]))
+    bl: gl.constexpr = mbarrier.MBarrierLayout()
+    # ready[s]: K buffer s holds the next tile; free[s]: the consumers are done with it
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], bl)
+    for k in gl.static_range(2):
+        mbarrier.init(ready.index(k), count=1)
+        mbarrier.init(free.index(k), count=1)
+        mbarrier.arrive(free.index(k))  # both buffers start free
+    load_q(Q, qi64, g, stride_qq, stride_qh, q_nope, q_nope, N, False, ld)
+
+    n1, _ = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
+    tiles1 = gl.cdiv(n1, BN)
+    n2 = n1
+    tiles = tiles1
+    if HAS_EXTRA:
+        n2, _ = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
+        tiles = tiles1 + gl.cdiv(n2, BN)
+    per_split = gl.cdiv(tiles, num_splits)
+    t_lo = split * per_split
+    t_hi = gl.minimum(t_lo + per_split, tiles)
+    idx1 = IDX + qi64 * stride_iq
+    idx2 = idx1
+    if HAS_EXTRA:
+        idx2 = IDX2 + qi64 * stride_iq2
+    fence_async_shared()
+    barrier()  # q is written, the barriers initialized
+
+    # the argument tuples are written out in the call: a tuple built first would turn the
+    # constexprs into run-time values in the worker partition (Triton 3.6)
+    gl.warp_specialize([
+        (_consumer, (q_nope, k_buf, p_smem, ready, free, t_lo, t_hi, tiles1, idx1, idx2, n1,
+                     n2, KV, KV2, n_rows, n_rows2, stride_row, stride_row2, page_size,
+                     page_size2, qk_scale, qi, g, split, TOPK_LEN, TOPK_LEN2, topk, topk2,
+                     SINK, O, LSE, MAXL, OP, LSEP, MAXP, stride_oq, stride_oh, stride_lb,
+                     stride_lt, stride_lh, stride_mq, stride_mh, num_splits,
+                     N, S, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
+                     HAS_MAXL, SPLIT)),
+        (_producer, (k_buf, raw, ready, free, t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV, KV2,
+                     n_rows, n_rows2, stride_row, stride_row2, page_size, page_size2,
+                     HAS_EXTRA)),
+    ], [4], [_PRODUCER_REGS])
+
+
+@gluon.jit
+def _consumer(q_nope, k_buf, p_smem, ready, free, t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV,
+              KV2, n_rows, n_rows2, stride_row, stride_row2, page_size, page_size2, qk_scale,
+              qi, g, split, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, O, LSE, MAXL, OP, LSEP,
+              MAXP, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
+              stride_mh, num_splits, N: gl.constexpr, S: gl.constexpr,
+              HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+              HAS_TOPK_LEN2: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
+              HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr):
+    """The two consumer warp groups: each tile's dots and online-softmax step, then the
+    epilogue."""
+    BM: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    DV: gl.constexpr = 512
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 32, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                       instr_shape=[16, 256, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    c_s = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+    acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.zeros([BM], gl.float32, layout=row_s)
+    for i in range(t_lo, t_hi):
+        s = (i - t_lo) % 2
+        ph = ((i - t_lo) // 2) & 1
+        kn = k_buf.index(s)
+        ir_i, st_i, hi_i, _, rows_i, _, _ = _source(i, tiles1, idx1, idx2, n1, n2, KV, KV2,
+                                                    n_rows, n_rows2, stride_row, stride_row2,
+                                                    page_size, page_size2, HAS_EXTRA)
+        cols = st_i + c_s
+        idx = gl.load(ir_i + cols, mask=cols < hi_i, other=-1)  # for the logits' mask
+        mbarrier.wait(ready.index(s), ph)
+        sc_ = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        sc_ = warpgroup_mma_wait(num_outstanding=0, deps=(sc_,))
+        valid = (cols < hi_i) & (idx >= 0) & (idx < rows_i)
+        qk = gl.where(valid[None, :], sc_ * qk_scale, float("-inf"))  # log2 domain
+        if CHECK_RANGE:  # an entry outside [-1, n_rows) is a NaN logit: a NaN query
+            qk = gl.where(((cols < hi_i) & ((idx < -1) | (idx >= rows_i)))[None, :],
+                          float("nan"), qk)
+        acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, gl.SliceLayout(1, o_layout))
+        barrier()  # both groups' P · V have read K[s] and P
+        mbarrier.arrive(free.index(s))
+
+    # whether a length lies outside [0, topk], read again here (not held across the loop)
+    _, bad = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
+    if HAS_EXTRA:
+        _, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
+        bad = bad | bad2
+    epilogue(acc, m_i, l_i, bad, qi.to(gl.int64), g, split, SINK, O, LSE, MAXL, OP, LSEP,
+             MAXP, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
+             num_splits, N, S, HAS_SINK, HAS_MAXL, SPLIT, s_layout, o_layout)
+
+
+@gluon.jit
+def _producer(k_buf, raw, ready, free, t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV, KV2,
+              n_rows, n_rows2, stride_row, stride_row2, page_size, page_size2,
+              HAS_EXTRA: gl.constexpr):
+    """The producer warp group: each tile's rope copies and dequantization into its K buffer
+    once the consumers have freed it, the next tile's gather, then ``ready``."""
+    BN: gl.constexpr = 64
+    ldp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                         warps_per_cta=[4, 1], order=[1, 0])
+    ld8p: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4],
+                                          warps_per_cta=[4, 1], order=[1, 0])
+    ir, st, hi, kv_, rows_, sr_, ps_ = _source(t_lo, tiles1, idx1, idx2, n1, n2, KV, KV2,
+                                               n_rows, n_rows2, stride_row, stride_row2,
+                                               page_size, page_size2, HAS_EXTRA)
+    c8 = st + gl.arange(0, BN, layout=gl.SliceLayout(1, ld8p))
+    i_8 = gl.load(ir + c8, mask=c8 < hi, other=-1)
+    e6, codes = _fetch(kv_, i_8, t_lo < t_hi, rows_, sr_, ps_, raw, False, ld8p)
+    async_copy.commit_group()
+    for i in range(t_lo, t_hi):
+        s = (i - t_lo) % 2
+        ph = ((i - t_lo) // 2) & 1
+        kn = k_buf.index(s)
+        mbarrier.wait(free.index(s), ph)  # the consumers are done with the tile before last
+        ir, st, hi, kv_, rows_, sr_, ps_ = _source(i, tiles1, idx1, idx2, n1, n2, KV, KV2,
+                                                   n_rows, n_rows2, stride_row, stride_row2,
+                                                   page_size, page_size2, HAS_EXTRA)
+        c1 = st + gl.arange(0, BN, layout=gl.SliceLayout(1, ldp))
+        i_ld = gl.load(ir + c1, mask=c1 < hi, other=-1)
+        _copy_rope(kv_, i_ld, True, rows_, sr_, ps_, kn, ldp)
+        async_copy.commit_group()
+        async_copy.wait_group(1)  # tile i's staged bytes (its rope copies may not land)
+        _dequant(kn, raw, e6, codes, 0, 7, False, False, ld8p)
+        # tile i+1's bytes: each thread reads back only what its own copies wrote
+        ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 1, tiles1, idx1, idx2, n1, n2, KV, KV2,
+                                                   n_rows, n_rows2, stride_row, stride_row2,
+                                                   page_size, page_size2, HAS_EXTRA)
+        c8 = st + gl.arange(0, BN, layout=gl.SliceLayout(1, ld8p))
+        i_8 = gl.load(ir + c8, mask=c8 < hi, other=-1)
+        e6, codes = _fetch(kv_, i_8, i + 1 < t_hi, rows_, sr_, ps_, raw, False, ld8p)
+        async_copy.commit_group()
+        async_copy.wait_group(1)  # tile i's rope copies (tile i+1's bytes may not land)
+        fence_async_shared()
+        barrier()  # every producer thread's part of K[s] is written
+        mbarrier.arrive(ready.index(s))
+    async_copy.wait_group(0)  # the copies issued past the last tile (masked: zeros) land
