@@ -49,7 +49,8 @@ TOPK = 2048
 SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)]
 ONE = dict(fused_rows=1)  # the one-launch kernel at every row count
 THREE = dict(fused_rows=1 << 30)  # three launches at every row count
-PLANS = [TopkPlan(**THREE), TopkPlan(**ONE), TopkPlan(**ONE, fused_block=2048),
+PLANS = [TopkPlan(**THREE), TopkPlan(**ONE), TopkPlan(**ONE, fused_parts=1),
+         TopkPlan(**ONE, fused_block=2048),
          TopkPlan(**ONE, fused_block=8192), TopkPlan(**ONE, fused_warps=16),
          TopkPlan(**ONE, fused_stages=2), TopkPlan(**ONE, fused_stages=4),
          TopkPlan(**ONE, sample_runs=256), TopkPlan(**ONE, fused_lists=32),
@@ -321,16 +322,18 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
     from mla.fast.topk_fused import _fused_kernel
 
     ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
-    ints = dict(W=_KEYS, topk=TOPK, s_l_r=_KEYS, s_o_r=TOPK)
+    ptrs.update(parts="i32", sync="i32")
+    ints = dict(W=_KEYS, topk=TOPK, s_l_r=_KEYS, s_o_r=TOPK, chunk=_KEYS)
     found = {}
     for plan in plans:
-        const = dict(OVERSAMPLE=float(plan.oversample), SAMPLE_RUNS=plan.sample_runs,
-                     RUN=fast_topk.RUN, EST_BITS=plan.estimate_bits, CAP=CANDIDATES,
-                     SMALL=fast_topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
-                     BLOCK=plan.fused_block, STAGES=plan.fused_stages, LISTS=plan.fused_lists,
-                     OUT_BLOCK=1024)
-        found[_changed(plan)] = facts(_compile(_fused_kernel, const, ptrs, ints,
-                                               plan.fused_warps))
+        for split in (False, True):
+            const = dict(OVERSAMPLE=float(plan.oversample), SAMPLE_RUNS=plan.sample_runs,
+                         RUN=fast_topk.RUN, EST_BITS=plan.estimate_bits, CAP=CANDIDATES,
+                         SMALL=fast_topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
+                         BLOCK=plan.fused_block, STAGES=plan.fused_stages,
+                         LISTS=plan.fused_lists, SPLIT=split, OUT_BLOCK=1024)
+            found[_changed(plan) + " split" * split] = facts(
+                _compile(_fused_kernel, const, ptrs, ints, plan.fused_warps))
     return found
 
 
@@ -368,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--only", nargs="*", choices=("check", "time", "sweep"))
     p.add_argument("--sm90", action="store_true",
-                   help="only compile the default one-launch kernel for sm_90 (no GPU needed) "
-                        "and print its facts as JSON")
+                   help="only compile the default one-launch kernel (a row a program, a row "
+                        "split) for sm_90 (no GPU needed) and print its facts as JSON")
     args = p.parse_args(argv)
     if args.sm90:
         print(json.dumps(sm90_facts([TopkPlan()])))

@@ -221,11 +221,29 @@ def test_topk_other_plans(plan):
     _check(logits, st, en, 2048, plan=plan)
 
 
+def test_topk_split_rows():
+    """Rows fewer than the SMs split over several programs each (the last to finish selects):
+    a random row from the gathered list, a row with its start and end off the 16-key grid,
+    more NaN than k (listed: the NaN all tie, the lowest columns win) and more equal keys
+    than the list holds (scanned), one row and two."""
+    plan = TopkPlan(fused_rows=1, fused_block=1024)
+    logits, st, en = _full(torch.randn(2, LONG + 50, generator=_gen(45)))
+    st[1], en[1] = 21, LONG + 37
+    assert _paths(logits[:1], st[:1], en[:1], 2048, plan) == ["listed"]
+    _check(logits[:1], st[:1], en[:1], 2048, plan)
+    assert _paths(logits, st, en, 2048, plan) == ["listed", "listed"]
+    _check(logits, st, en, 2048, plan)
+    logits[0, ::3] = float("nan")
+    logits[1, torch.randperm(LONG, generator=_gen(46))[:CANDIDATES + 100] + 21] = 3.0
+    assert _paths(logits, st, en, 2048, plan) == ["listed", "scanned"]
+    _check(logits, st, en, 2048, plan)
+
+
 def test_topk_segment_overflow():
     """The one-launch kernel's segmented lists (64 segments of 128): a row whose survivors
     crowd into one segment's columns overflows it and is scanned, exactly; a random row fills
     them evenly and is selected from the gathered list."""
-    plan = TopkPlan(fused_rows=1, fused_block=8192, fused_lists=64)
+    plan = TopkPlan(fused_rows=1, fused_block=8192, fused_lists=64, fused_parts=1)
     logits, st, en = _full(torch.randn(2, LONG, generator=_gen(42)))
     logits[1, :128] = 10.0 + torch.rand(128, generator=_gen(43))  # segment 0 of both steps
     logits[1, 8192:8320] = 10.0 + torch.rand(128, generator=_gen(44))
@@ -276,7 +294,8 @@ def test_topk_empty_and_bad_input():
 
 
 def test_one_launch_kernel_compiles_for_sm90():
-    """The default one-launch kernel compiles for the H200 without spills (in a child process
+    """The default one-launch kernel, a row a program and a row split over programs, compiles
+    for the H200 without spills (in a child process
     without the interpreter, which cannot compile for a GPU; the three launches' kernels:
     ``tests/test_fast_indexer.py``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -285,6 +304,8 @@ def test_one_launch_kernel_compiles_for_sm90():
                           env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    (name, f), = json.loads(done.stdout).items()
-    assert f["stack"] == 0 and f["local"] == 0 and not f["ptx_local"], f"{name} spills: {f}"
-    assert f["shared"] <= 232448, f"{name}: {f['shared']} B of shared memory"
+    found = json.loads(done.stdout)
+    assert len(found) == 2  # a row a program, a row split over programs
+    for name, f in found.items():
+        assert f["stack"] == 0 and f["local"] == 0 and not f["ptx_local"], f"{name} spills: {f}"
+        assert f["shared"] <= 232448, f"{name}: {f['shared']} B of shared memory"

@@ -84,7 +84,9 @@ class TopkPlan:
     Route: calls of at least ``fused_rows`` rows run the one-launch kernel (one program a
     row: ``fused_block`` keys a step, ``fused_stages`` steps in flight, ``fused_warps``,
     ``fused_lists`` segments of the candidate list, each with its own count: 1, a
-    block-wide scan a step; at least ``fused_warps``, scans within a warp);
+    block-wide scan a step; at least ``fused_warps``, scans within a warp; a row of more
+    than ``CANDIDATES`` keys split over up to ``fused_parts`` programs, so that the call has
+    about one program per SM, the last to finish selecting);
     fewer rows run three launches, which spread a row's read over many programs.
     Estimate (both routes): ``sample_runs`` runs of ``RUN`` keys (2 to 1024),
     ``estimate_bits`` a radix level, ``oversample`` (the survivors aimed at, in ``topk``,
@@ -98,6 +100,7 @@ class TopkPlan:
     fused_stages: int = 3
     fused_warps: int = 8
     fused_lists: int = 1
+    fused_parts: int = 64
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
@@ -130,7 +133,7 @@ class TopkPlan:
             raise ValueError(f"TopkPlan.fused_block must hold 16 keys a list (16-byte loads) "
                              f"and fused_lists at most {CANDIDATES // 16}, got fused_block="
                              f"{self.fused_block!r}, fused_lists={self.fused_lists!r}")
-        for name in ("stages", "programs_per_sm", "fused_stages", "fused_rows"):
+        for name in ("stages", "programs_per_sm", "fused_stages", "fused_rows", "fused_parts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TopkPlan.{name} must be an int >= 1, got {v!r}")
@@ -208,11 +211,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
            *(ptr_spec(t) for t in (*rows, work, out)))
     out_block = min(1024, next_pow2(topk))
     if plan.fused(R):
-        args = (*rows, work, out, W, topk, s_l_r, s_o_r, float(plan.oversample),
-                plan.sample_runs, RUN, plan.estimate_bits, cap, SMALL, plan.select_tile,
-                plan.select_bits, plan.fused_block, plan.fused_stages, plan.fused_lists,
-                out_block)
-        return work, [lambda: _fused(key, (R, 1, 1), args, num_warps=plan.fused_warps)]
+        return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]
     chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
     chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
     chunks = max(1, triton.cdiv(W, chunk))
@@ -226,6 +225,31 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
         lambda: _filter((key, chunk), (R, chunks, 1), filter_args,
                         num_warps=plan.filter_warps),
         lambda: _select(key, (R, 1, 1), select_args, num_warps=plan.select_warps)]
+
+
+def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
+                work: torch.Tensor, out: torch.Tensor, topk: int, plan: TopkPlan, key: tuple
+                ) -> Callable[[], None]:
+    """The one-launch kernel's launch: rows longer than the list split into parts when the
+    rows are fewer than the SMs (``TopkPlan.fused_parts``), with their scratch."""
+    R, W = logits.shape
+    cap, block = CANDIDATES, plan.fused_block
+    parts = 1
+    if W > cap:
+        parts = max(1, min(plan.fused_parts, num_sms(logits.device) // R, triton.cdiv(W, block)))
+    chunk = block * triton.cdiv(triton.cdiv(max(W, 1), parts), block)
+    parts = triton.cdiv(max(W, 1), chunk)
+    if parts > 1:  # each part's own list, and per row the list's fill and the parts arrived
+        lists = torch.empty(R * parts * 2 * cap, dtype=torch.int32, device=logits.device)
+        sync = torch.zeros(R, 2, dtype=torch.int32, device=logits.device)
+    else:
+        lists = sync = work  # not read
+    args = (logits, row_starts, row_ends, work, lists, sync, out, W, topk, logits.stride(0),
+            out.stride(0), chunk, float(plan.oversample), plan.sample_runs, RUN,
+            plan.estimate_bits, cap, SMALL, plan.select_tile, plan.select_bits, block,
+            plan.fused_stages, plan.fused_lists, parts > 1, min(1024, next_pow2(topk)))
+    key = (key, chunk, parts > 1, ptr_spec(lists), ptr_spec(sync))
+    return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps)
 
 
 def survivors(work: torch.Tensor) -> torch.Tensor:

@@ -26,59 +26,91 @@ from mla.fast.topk_kernels import (
 
 
 @triton.jit
-def _fused_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
+def _fused_kernel(logits, starts, ends, work, parts, sync, out, W, topk, s_l_r, s_o_r, chunk,
                   OVERSAMPLE: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
                   EST_BITS: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
                   TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                  STAGES: tl.constexpr, LISTS: tl.constexpr, OUT_BLOCK: tl.constexpr):
-    """One program a row: a row of no more than ``CAP`` keys is selected whole; a longer one
-    gets its threshold from the sample, one streaming read of ``BLOCK`` keys a step
-    (``STAGES`` in flight) lists the keys reaching it (``_stream_lists``), and the list (or,
-    when the threshold let fewer than ``topk`` or more than fit through, the row) is
-    selected; then ``-1`` past the row's count. The survivor count is stored for
-    ``mla.fast.topk.survivors`` (past ``CAP`` where a list overflowed)."""
+                  STAGES: tl.constexpr, LISTS: tl.constexpr, SPLIT: tl.constexpr,
+                  OUT_BLOCK: tl.constexpr):
+    """Programs ``(row, part)``: a row of no more than ``CAP`` keys is selected whole by its
+    part 0; a longer one gets its threshold from the sample (each part alike), each part
+    streams its ``chunk`` of columns once in steps of ``BLOCK`` keys (``STAGES`` in flight)
+    listing the keys reaching it, and the list (or, when the threshold let fewer than ``topk``
+    or more than fit through, the row) is selected; then ``-1`` past the row's count.
+
+    One part a row: its list is the row's (``_stream_list`` or, ``LISTS > 1``,
+    ``_stream_lists``). ``SPLIT``, several: each part lists into its own ``parts`` list
+    (``CAP``), reserves its place in the row's list by one atomic on ``sync[row, 0]`` (zeroed
+    by the caller) and copies it there; the part that arrives last (``sync[row, 1]``) selects.
+    The survivor count is stored for ``mla.fast.topk.survivors`` (past ``CAP`` where a list
+    overflowed)."""
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     start, end, n = _row_range(starts, ends, row, W)
     src = logits + row * s_l_r
     dst = out + row * s_o_r
     keys_out, cols_out, few, _thresh, count_ptr = _work_row(work, row, CAP, SMALL)
-    count = tl.zeros((), tl.int32)
-    if n <= topk:
-        _write_all(dst, n, OUT_BLOCK)
+    if n <= CAP:
+        if part == 0:
+            if n <= topk:
+                _write_all(dst, n, OUT_BLOCK)
+            else:
+                _select_listed_or_row(src + start, n, topk, keys_out, cols_out, part * 0, few,
+                                      dst, CAP, SMALL, TILE, BITS)
+            _write_tail(dst, n, topk, OUT_BLOCK)
     else:
-        if n > CAP:
-            t = _threshold(src + start, n, topk, few, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN,
-                           EST_BITS, SMALL)
-            seg_keys, seg_cols = _lists_row(work, row, CAP, SMALL)
+        t = _threshold(src + start, n, topk, few, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN, EST_BITS,
+                       SMALL)
+        # from start rounded down to 16, so that the loads are 16-byte vectors; columns as
+        # int32 (W < 2^31)
+        first = start.to(tl.int32)
+        lo = tl.multiple_of(first - first % 16 + part * chunk, 16)
+        hi = tl.minimum(lo + chunk, end.to(tl.int32))
+        if SPLIT:
+            mine = parts + (row * tl.num_programs(1) + part) * (2 * CAP)
+            kept = _stream_list(src, first, lo, hi, t, W, mine, mine + CAP, CAP, BLOCK, STAGES)
+            base = tl.atomic_add(sync + 2 * row, kept, sem="relaxed")
+            for g in range(0, tl.minimum(kept, CAP - base), TILE):
+                i = g + tl.arange(0, TILE)
+                m = (i < kept) & (base + i < CAP)
+                tl.store(keys_out + base + i, tl.load(mine + i, mask=m), mask=m)
+                tl.store(cols_out + base + i, tl.load(mine + CAP + i, mask=m), mask=m)
+            tl.debug_barrier()  # the part's copy written by every thread before it arrives
+            arrived = tl.atomic_add(sync + 2 * row + 1, 1, sem="acq_rel")
+            if arrived == tl.num_programs(1) - 1:
+                count = tl.atomic_add(sync + 2 * row, 0, sem="acq_rel")
+                tl.store(count_ptr, count)
+                _select_listed_or_row(src + start, n, topk, keys_out, cols_out, count, few,
+                                      dst, CAP, SMALL, TILE, BITS)
+                _write_tail(dst, n, topk, OUT_BLOCK)
+        else:
             if LISTS == 1:
-                count = _stream_list(src, start, end, t, W, keys_out, cols_out, CAP, BLOCK,
+                count = _stream_list(src, first, lo, hi, t, W, keys_out, cols_out, CAP, BLOCK,
                                      STAGES)
             else:
-                count = _stream_lists(src, start, end, t, W, seg_keys, seg_cols, keys_out,
+                seg_keys, seg_cols = _lists_row(work, row, CAP, SMALL)
+                count = _stream_lists(src, first, lo, hi, t, W, seg_keys, seg_cols, keys_out,
                                       cols_out, few.to(tl.pointer_type(tl.int32)), topk, CAP,
                                       BLOCK, STAGES, LISTS, TILE)
             tl.store(count_ptr, count)
             tl.debug_barrier()  # the list written by every thread before any reads it
-        _select_listed_or_row(src + start, n, topk, keys_out, cols_out, count, few, dst, CAP,
-                              SMALL, TILE, BITS)
-    _write_tail(dst, n, topk, OUT_BLOCK)
+            _select_listed_or_row(src + start, n, topk, keys_out, cols_out, count, few, dst,
+                                  CAP, SMALL, TILE, BITS)
+            _write_tail(dst, n, topk, OUT_BLOCK)
 
 
 @triton.jit
-def _stream_list(src, start, end, t, W, keys_out, cols_out, CAP: tl.constexpr,
+def _stream_list(src, first, lo, hi, t, W, keys_out, cols_out, CAP: tl.constexpr,
                  BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """One read of the row (``src``: row 0 of it, columns ``[start, end)``) listing the keys
-    at or above ``t`` at ``count + cumsum(keep) - 1`` (a block-wide scan a step); returns the
-    count (past ``CAP``, the list is incomplete)."""
-    # from start rounded down to 16, so that the loads are 16-byte vectors; columns as int32
-    first = start.to(tl.int32)
-    last = end.to(tl.int32)
-    lo = tl.multiple_of(first - first % 16, 16)
+    """One read of columns ``[max(lo, first), hi)`` of the row (``src``: its column 0;
+    ``lo`` a multiple of 16) listing the keys at or above ``t`` (columns from ``first``) at
+    ``count + cumsum(keep) - 1`` (a block-wide scan a step); returns the count (past ``CAP``,
+    the list is incomplete)."""
     count = tl.zeros((), tl.int32)
-    for c0 in tl.range(lo, last, BLOCK, num_stages=STAGES):
+    for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
         k = _order_keys(tl.load(src + cols, mask=cols < W, other=0.0))
-        keep = (cols >= first) & (cols < last) & (k >= t)
+        keep = (cols >= first) & (cols < hi) & (k >= t)
         pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         ok = keep & (pos < CAP)
         tl.store(keys_out + pos, k, mask=ok)
@@ -88,7 +120,7 @@ def _stream_list(src, start, end, t, W, keys_out, cols_out, CAP: tl.constexpr,
 
 
 @triton.jit
-def _stream_lists(src, start, end, t, W, seg_keys, seg_cols, keys_out, cols_out, few, topk,
+def _stream_lists(src, first, lo, hi, t, W, seg_keys, seg_cols, keys_out, cols_out, few, topk,
                   CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
                   LISTS: tl.constexpr, TILE: tl.constexpr):
     """As ``_stream_list``, but a step is ``[LISTS, BLOCK / LISTS]`` keys and row ``r`` of it
@@ -99,15 +131,12 @@ def _stream_lists(src, start, end, t, W, seg_keys, seg_cols, keys_out, cols_out,
     more than ``CAP`` where a segment overflowed or too few survived (the row is scanned)."""
     SEG: tl.constexpr = CAP // LISTS
     STEP: tl.constexpr = BLOCK // LISTS
-    first = start.to(tl.int32)
-    last = end.to(tl.int32)
-    lo = tl.multiple_of(first - first % 16, 16)
     r = tl.arange(0, LISTS)
     counts = tl.zeros((LISTS,), tl.int32)
-    for c0 in tl.range(lo, last, BLOCK, num_stages=STAGES):
+    for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         cols = tl.multiple_of(c0, 16) + r[:, None] * STEP + tl.arange(0, STEP)[None, :]
         k = _order_keys(tl.load(src + cols, mask=cols < W, other=0.0))
-        keep = (cols >= first) & (cols < last) & (k >= t)
+        keep = (cols >= first) & (cols < hi) & (k >= t)
         slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
         ok = keep & (slot < SEG)
         at = r[:, None] * SEG + slot
