@@ -49,15 +49,17 @@ TOPK = 2048
 SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)]
 ONE = dict(fused_rows=1)  # the one-launch kernel at every row count
 THREE = dict(fused_rows=1 << 30)  # three launches at every row count
-PLANS = [TopkPlan(**THREE), TopkPlan(**ONE), TopkPlan(**ONE, fused_parts=1),
-         TopkPlan(**ONE, fused_block=2048),
+PLANS = [TopkPlan(**THREE), TopkPlan(**ONE), TopkPlan(**ONE, fused_block=2048),
          TopkPlan(**ONE, fused_block=8192), TopkPlan(**ONE, fused_warps=16),
          TopkPlan(**ONE, fused_stages=2), TopkPlan(**ONE, fused_stages=4),
          TopkPlan(**ONE, sample_runs=256), TopkPlan(**ONE, fused_lists=32),
          TopkPlan(**ONE, fused_lists=64, fused_block=8192),
          TopkPlan(**ONE, fused_lists=32, fused_warps=16)]
+# rows fewer than the SMs: the one-launch kernel splits each row over programs
+SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**ONE), TopkPlan(**ONE, fused_parts=1),
+               TopkPlan(**ONE, fused_block=2048), TopkPlan(**ONE, fused_block=1024)]
 SWEEP_SHAPES = [(128, 131072), (256, 131072), (128, 32768), (32, 131072), (1, 131072),
-                (128, 8192)]
+                (32, 32768)]
 
 
 def _bench(fn) -> float:
@@ -252,7 +254,7 @@ def sweep(copy_tbps: float, rows: list[dict], save) -> list[dict]:
         x = torch.randn(R, W, device="cuda")
         st, en = _full(R, W)
         want = as_sets(ref.top_k_per_row(x, st, en, TOPK))
-        for plan in PLANS:
+        for plan in PLANS if R >= 128 else SPLIT_PLANS:
             row = {"R": R, "L": W, "plan": dataclasses.asdict(plan), "name": _changed(plan)}
             try:
                 got = top_k_per_row(x, st, en, TOPK, plan=plan)
