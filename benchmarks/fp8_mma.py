@@ -2,17 +2,17 @@
 
 Hopper's e4m3 MMA (``wgmma ... .e4m3.e4m3.f32``, ``k = 32`` a step) does not accumulate in
 float32: DeepSeek-V3's report (§3.3.2) measures about 14 bits kept on H800s and promotes
-partial sums to CUDA cores every 128 elements; others measure an e8m13 accumulator whose low 10
-float32 bits come out zero, truncated. The indexer's dot has ``d = 128``: four MMA steps in the
-tensor cores' accumulator, never promoted (DeepGEMM's ``fp8_mqa_logits`` and ours alike).
+partial sums to CUDA cores every 128 elements; on the H200 the low 10 bits of every float32
+result come out zero (13 mantissa bits kept). The indexer's dot has ``d = 128``: four MMA steps
+in the tensor cores' accumulator, never promoted (DeepGEMM's ``fp8_mqa_logits`` and ours alike).
 
 ``emulated_logits`` computes ``k_scale · Σ_h w_h · ReLU(q_h · k)`` with each dot summed that
 way: products exact (two e4m3 numbers make at most 8 significant bits), ``step`` of them added
 to the running sum per MMA step, and
 - ``mode="sum"``: the step's exact sum, truncated toward zero to ``bits`` mantissa bits;
 - ``mode="align"``: each addend (the running sum and the step's products) first truncated to
-  the multiple of the largest one's ``2^(e - bits)``, as an adder tree aligned to the largest
-  exponent does, then the sum truncated to ``bits`` as above;
+  the multiple of ``2^(e - bits)``, ``2^e`` the largest one's leading bit, as an adder aligned
+  to the largest exponent does, then the sum truncated to ``bits`` as above (the H200's);
 - ``mode="align_products"``: the step's products aligned so among themselves, their sum then
   added to the running sum and truncated as in "sum".
 The weighted sum over heads and the scale are exact (float64): their float32 roundings are
@@ -39,7 +39,8 @@ __all__ = ["MODES", "BITS", "STEP", "MODE", "truncate_bits", "emulated_dots", "e
            "fp8_mqa_logits", "fp8_paged_mqa_logits"]
 
 MODES = ("sum", "align", "align_products")
-# the model used for the budget (conventions §11)
+# the H200's: its single-head dots equal this model's bit for bit in 57-88% of cases (more than
+# the other modes, 14 bits or steps of 16), its logits' errors within 5% (conventions §11)
 BITS, STEP, MODE = 13, 32, "align"
 
 

@@ -89,11 +89,11 @@ def _sets(idx: torch.Tensor) -> torch.Tensor:
 
 
 def _logits_stage(layer: str, logits: torch.Tensor, logits64: torch.Tensor,
-                  mag64: torch.Tensor) -> Stage:
+                  mag64: torch.Tensor, heads: int) -> Stage:
     """``logits_err`` (the error over the magnitude, the logits with ``|weights|``) within
-    ``logits_budget``."""
+    ``logits_budget`` of the layer's index heads."""
     return Stage(layer, "logits", logits_err(logits, logits64, mag64),
-                 logits_budget(logits.device), "logits_err")
+                 logits_budget(logits.device, heads), "logits_err")
 
 
 def _topk_stages(layer: str, tr, logits64: torch.Tensor, topk: int) -> list[Stage]:
@@ -216,7 +216,7 @@ def sparse_decode_check(config: MLAConfig, dtype: torch.dtype, device: str, lens
     q_c, w_c = tr.q_index.cpu().view(B, s_q, *tr.q_index.shape[1:]), tr.index_weights.double()
     logits64, mag64 = (fp8_paged_mqa_logits(q_c, ik_c, iw_c.cpu(), sl_c + s_q, bt_c,
                                             tr.logits.shape[1]) for iw_c in (w_c, w_c.abs()))
-    stages.append(_logits_stage(layer, tr.logits, logits64, mag64))
+    stages.append(_logits_stage(layer, tr.logits, logits64, mag64, w_c.shape[1]))
     stages += _topk_stages(layer, tr, logits64, config.index_topk)
     conv = ref_convert(req.to(torch.int32), bt_c, tr.local.cpu(), block_size)
     stages.append(bytes_stage(layer, "conversion", tr.slots, conv))
@@ -267,7 +267,7 @@ def sparse_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
     w_c = tr.index_weights.double().cpu()
     logits64, mag64 = (fp8_mqa_logits(tr.q_index.cpu(), keys, iw_c, tr.row_starts.cpu(),
                                       tr.row_ends.cpu()) for iw_c in (w_c, w_c.abs()))
-    stages.append(_logits_stage(layer, tr.logits, logits64, mag64))
+    stages.append(_logits_stage(layer, tr.logits, logits64, mag64, w_c.shape[1]))
     stages += _topk_stages(layer, tr, logits64, config.index_topk)
     req32 = req.to(torch.int32)
     if fp8_kv:

@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["TOLERANCES", "ERROR_BUDGETS", "LSE_ABS_TOL", "rel_err", "max_abs_err",
            "assert_close", "budget", "poison_like", "poisoned_alloc", "tolerance",
-           "FP8_MMA_LOGITS_ERR", "logits_err"]
+           "FP8_MMA_LOGITS_ERR", "fp8_mma_logits_budget", "logits_err"]
 
 # Relative Frobenius tolerances against a float64 reference on upcast inputs (conventions §11).
 TOLERANCES: dict[torch.dtype, float] = {
@@ -103,8 +103,17 @@ ERROR_BUDGETS: dict[tuple[str, str, str], float] = {
 # property of the inputs, while every head's dot goes through the accumulator whatever its
 # weight's sign. Budget: Hopper's FP8 tensor cores accumulate each 128-dim dot in an
 # accumulator of 13 mantissa bits that truncates (DeepSeek-V3's report, §3.3.2; emulated in
-# benchmarks/fp8_mma.py); derivation and measurements in conventions §11.
+# benchmarks/fp8_mma.py): FP8_MMA_LOGITS_ERR from DeepSeek-V3.2's 64 heads up; with fewer heads
+# the dots' roundings average less, sqrt(64 / heads) times it (fp8_mma_logits_budget).
+# Derivation and measurements in conventions §11.
 FP8_MMA_LOGITS_ERR = 2.0 ** -13
+
+
+def fp8_mma_logits_budget(heads: int) -> float:
+    """``logits_err``'s budget for FP8-MMA logits summed over ``heads`` heads."""
+    if heads < 1:
+        raise ValueError(f"heads must be >= 1, got {heads}")
+    return FP8_MMA_LOGITS_ERR * math.sqrt(max(1.0, 64 / heads))
 
 
 def logits_err(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> float:

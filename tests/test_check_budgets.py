@@ -6,6 +6,10 @@ too), and on the CPU under ``TRITON_INTERPRET=1`` in float16 and float32. For ev
 ``mla.compare.ERROR_BUDGETS`` the worst error over all of them must be measured, finite, and
 between 1/3 and 2/3 of the budget: a budget far above its measurement lets a bug through; one
 too close fails on the next seed. Missing measurements fail (they are never skipped).
+
+The indexer's fp8 logits have their own measure and budget (``mla.compare.logits_err``,
+``fp8_mma_logits_budget``), measured by ``python -m benchmarks.indexer --only errors prefill``
+on an H200 (its JSON committed as ``benchmarks/results/indexer_errors_<date>.json``).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from mla.compare import ERROR_BUDGETS
+from mla.compare import ERROR_BUDGETS, fp8_mma_logits_budget
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 LOW, HIGH = 1.5, 3.0
@@ -68,3 +72,22 @@ def test_every_measured_float_quantity_has_a_budget():
     missing = [k for k in worst if k.split("|")[0] in kernels
                and tuple(k.split("|")) not in ERROR_BUDGETS]
     assert not missing, missing
+
+
+def test_the_fp8_logits_budget_is_about_twice_the_worst_measured_error():
+    """DeepSeek-V3.2's 64 heads: the H200's worst ``logits_err`` over the benchmark's seeds and
+    shapes, and that of the emulated FP8 MMA on the same inputs, each between 1/3 and 2/3 of
+    the budget."""
+    runs = sorted(RESULTS.glob("indexer_errors_*.json"))
+    assert runs, ("no indexer logits measurement: run PYTHONPATH=. python -m benchmarks.indexer "
+                  "--only errors prefill --out DIR on a GPU, commit DIR/indexer_<date>.json as "
+                  "benchmarks/results/indexer_errors_<date>.json")
+    rec = json.loads(runs[-1].read_text())
+    e = rec["errors"]
+    assert e["measure"] == "logits_err" and e["seeds"] >= MIN_SEEDS
+    shapes = [r for r in rec["prefill"] + rec["decode"] if math.isfinite(r["err"])]
+    measured = max([e["paged_worst"], e["ragged_worst"]] + [r["err"] for r in shapes])
+    model = max([e["model_worst"]] + [r["model_err"] for r in shapes])
+    b = fp8_mma_logits_budget(64)
+    for what, w in (("measured", measured), ("emulated", model)):
+        assert LOW * w <= b <= HIGH * w, f"budget {b:.2g} is {b / w:.2f}x the worst {what} {w:.3g}"

@@ -182,31 +182,32 @@ def _fp8_q(g: torch.Generator, rows: int, heads: int) -> tuple[torch.Tensor, tor
     return ref.quantize_indexer_q(q, w)
 
 
-def _check_logits(got: torch.Tensor, want: tuple[torch.Tensor, torch.Tensor]) -> float:
-    """Within the budget against ``want = (logits, magnitude)``, with the reference's ``-inf``
-    exactly where it has them."""
-    logits, mag = want
+def _check_logits(got: torch.Tensor, want: tuple[torch.Tensor, torch.Tensor, int]) -> float:
+    """Within the budget against ``want = (logits, magnitude, heads)``, with the reference's
+    ``-inf`` exactly where it has them."""
+    logits, mag, heads = want
     assert got.dtype == torch.float32 and got.shape == logits.shape
     got = got.cpu()
     assert torch.equal(torch.isneginf(got), torch.isneginf(logits)), "-inf pattern differs"
     err = logits_err(got, logits, mag)
-    limit = logits_budget(DEVICE)
+    limit = logits_budget(DEVICE, heads)
     assert err <= limit, f"logits: logits_err {err:.3e} > {limit:.1e}"
     return err
 
 
-def _ragged_want(args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 reference's ragged logits and their magnitude (weights' absolute values)."""
+def _ragged_want(args: tuple) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The float64 reference's ragged logits, their magnitude (the weights' absolute values)
+    and the number of heads."""
     w = args[2].double()
     return (ref.fp8_mqa_logits(*args[:2], w, *args[3:]),
-            ref.fp8_mqa_logits(*args[:2], w.abs(), *args[3:]))
+            ref.fp8_mqa_logits(*args[:2], w.abs(), *args[3:]), w.shape[1])
 
 
-def _paged_want(args: tuple, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _paged_want(args: tuple, width: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """As ``_ragged_want`` for the paged logits."""
     w = args[2].double()
     return (ref.fp8_paged_mqa_logits(*args[:2], w, *args[3:], width),
-            ref.fp8_paged_mqa_logits(*args[:2], w.abs(), *args[3:], width))
+            ref.fp8_paged_mqa_logits(*args[:2], w.abs(), *args[3:], width), w.shape[1])
 
 
 def _ragged(g: torch.Generator, lens: list[int], queries: int, heads: int = 64):
@@ -346,7 +347,7 @@ def test_logits_a_broken_twin_fails():
             _check_logits(wrong, want)
     with pytest.raises(AssertionError, match="-inf pattern"):
         _check_logits(got, (ref.fp8_paged_mqa_logits(q8, cache, w.double(), lens - 1, table,
-                                                      72), want[1]))
+                                                      72), *want[1:]))
 
 
 def test_logits_refuse_bad_input():

@@ -9,7 +9,7 @@ import torch
 
 import mla.reference as ref
 from benchmarks import fp8_mma
-from mla.compare import FP8_MMA_LOGITS_ERR, logits_err, rel_err
+from mla.compare import FP8_MMA_LOGITS_ERR, fp8_mma_logits_budget, logits_err, rel_err
 from mla.conformance import CATALOGUE
 from mla.conformance.cases.indexer import HEADS, logits_budget_of
 from mla.conformance.catalogue import Setting
@@ -66,6 +66,16 @@ def test_logits_err_measures_against_the_magnitude():
     tiny = 2.0 ** -1000  # squares underflow: rescaled before the norms, no passing 0
     assert logits_err(got * tiny, want * tiny, mag * tiny) == pytest.approx(
         logits_err(got, want, mag))
+
+
+def test_the_fp8_budget_widens_below_64_heads():
+    """Fewer heads average fewer dots' roundings: sqrt(64 / heads) times the budget below 64,
+    the budget itself from 64 up (DeepSeek-V3.2's index heads)."""
+    assert fp8_mma_logits_budget(64) == fp8_mma_logits_budget(128) == FP8_MMA_LOGITS_ERR
+    assert fp8_mma_logits_budget(16) == 2 * FP8_MMA_LOGITS_ERR
+    assert fp8_mma_logits_budget(1) == 8 * FP8_MMA_LOGITS_ERR
+    with pytest.raises(ValueError, match="heads"):
+        fp8_mma_logits_budget(0)
 
 
 @pytest.mark.parametrize("name", ["fp8_paged_mqa_logits/page_64_long",

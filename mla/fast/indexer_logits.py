@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.compare import FP8_MMA_LOGITS_ERR
+from mla.compare import fp8_mma_logits_budget
 from mla.fast.common import TRITON_VERSION, interpreting, next_pow2, should_validate
 from mla.fast.indexer_logits_paged import PAGED_PLAN, fp8_paged_mqa_logits
 from mla.fast.indexer_logits_tile import LogitsPlan, split_keys, tile_logits
@@ -54,13 +54,14 @@ RAGGED_PLAN = LogitsPlan(num_warps=4 if TRITON_VERSION < (3, 7) else 8, stages=2
 INTERPRETED_BUDGET = 2 * U32
 
 
-def logits_budget(device: torch.device | str) -> float:
-    """The budget of these kernels' logits in ``mla.compare.logits_err``'s measure (the error
-    against the float64 reference over the magnitude ``k_scale · Σ_h |w_h| · ReLU(q_h · k)``):
-    the FP8 MMA's (``FP8_MMA_LOGITS_ERR``) compiled on a GPU, float32 roundings
-    (``INTERPRETED_BUDGET``) under the interpreter; the catalogue's limits in each setting."""
+def logits_budget(device: torch.device | str, heads: int = 64) -> float:
+    """The budget of these kernels' logits over ``heads`` heads (DeepSeek-V3.2's 64 by
+    default) in ``mla.compare.logits_err``'s measure (the error against the float64 reference
+    over the magnitude ``k_scale · Σ_h |w_h| · ReLU(q_h · k)``): the FP8 MMA's
+    (``fp8_mma_logits_budget``) compiled on a GPU, float32 roundings (``INTERPRETED_BUDGET``)
+    under the interpreter; within the catalogue's limits in each setting."""
     if torch.device(device).type == "cuda" and not interpreting():
-        return FP8_MMA_LOGITS_ERR
+        return fp8_mma_logits_budget(heads)
     return INTERPRETED_BUDGET
 
 
