@@ -38,6 +38,8 @@ def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int
         if param.is_constexpr:
             sig[name] = "constexpr"
             constexprs[name] = const[name]
+        elif name in ptrs and ptrs[name].startswith("tensordesc"):  # a host descriptor
+            sig[name] = ptrs[name]
         elif name in ptrs:
             sig[name] = "*" + ptrs[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -49,8 +51,10 @@ def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
 
 
-def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan = indexer_logits.PAGED_PLAN):
-    """The paged kernel that ``plan.paged_loads`` picks for pages of 64 on sm_90."""
+def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan | None = None):
+    """The paged kernel that ``plan.paged_loads`` picks for pages of 64 on sm_90 (``None``:
+    the default plan for ``next_n``)."""
+    plan = plan or indexer_logits_paged.paged_plan(next_n)
     np_ = triton.next_power_of_2(next_n)
     const = dict(NP=np_, HP=64, D=128, BLOCK_N=plan.block_n, NAN_CODES=False,
                  STAGES=plan.stages)
@@ -58,11 +62,15 @@ def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan = indexer_logits.PAGE
                 width=_KEYS, tiles=plan.max_tiles, s_q_b=next_n * 64 * 128, s_q_n=64 * 128,
                 s_q_h=128, s_w_r=64, s_t_b=2048)
     ptrs = dict(_LOGITS_PTRS, cache_f8="fp8e4nv", cache_f32="fp32", lens="i32", table="i32",
-                codes_desc="fp8e4nv", scale_desc="fp32")  # the descriptors: built in-kernel
+                codes_desc="fp8e4nv", scale_desc="fp32")  # unused pointers, but by tma_host
+    if plan.paged_loads == "tma_host":
+        ptrs.update(codes_desc=f"tensordesc<fp8e4nv[{plan.block_n}, 128]>",
+                    scale_desc=f"tensordesc<fp32[1, {plan.block_n}]>")
     if plan.paged_loads == "gather":
         return _compile(indexer_logits_paged._paged_gather_kernel, const, ptrs, ints,
                         plan.num_warps)
-    const.update(PAGE=64, MAX_TILES=plan.max_tiles, TMA=plan.paged_loads == "tma")
+    const.update(PAGE=64, MAX_TILES=plan.max_tiles,
+                 TMA={"page": 0, "tma": 1, "tma_host": 2}[plan.paged_loads])
     return _compile(indexer_logits_paged._paged_page_kernel, const, ptrs, ints,
                     plan.num_warps)
 

@@ -4,7 +4,8 @@ every route stays the reference's.
 
 - Correctness: each route (``paged_loads`` tma / page / gather) against the float64 reference
   on small caches poisoned with NaN bytes (-1 table entries, lengths off the tiles,
-  ``next_n`` 1, 2, 4), the relative error beside the budget (``logits_budget``) and the
+  ``next_n`` 1, 2, 4), the error in ``mla.compare.logits_err``'s measure (over the magnitude:
+  the reference with the weights' absolute values) beside the budget (``logits_budget``) and the
   ``-inf`` pattern; and the default call captured in a CUDA graph, replayed on new values.
 - Timings: DeepSeek-V3.2's 64 heads of 128 on scattered pages of 64, B in {1, 32, 128},
   ``next_n`` 1, 2 (and 4 at L = 32K), each variant against the default plan's logits
@@ -26,6 +27,7 @@ import dataclasses
 import functools
 import json
 import os
+import statistics
 
 import torch
 import triton
@@ -35,11 +37,18 @@ import mla.reference as ref
 from benchmarks.common import ceilings, log, report_heading, time_graph
 from benchmarks.indexer import fp8_matmul_tflops, paged_inputs
 from benchmarks.indexer_logits_balanced import balanced_paged_logits
-from mla.compare import poison_like, rel_err
+from mla.compare import logits_err, poison_like, rel_err
 from mla.environment import environment
 from mla.fast import fp8_paged_mqa_logits
-from mla.fast.indexer_logits import PAGED_PLAN, logits_budget
-from mla.fast.indexer_logits_paged import _RESIDENT, launch_plan, paged_loads
+from mla.fast.indexer_logits import logits_budget
+from mla.fast.indexer_logits_paged import (
+    _RESIDENT,
+    PAGED_PLAN,
+    WIDE_PAGED_PLAN,
+    launch_plan,
+    paged_loads,
+    paged_plan,
+)
 from mla.fast.indexer_logits_tile import LogitsPlan
 
 H, D, PAGE = 64, 128, 64
@@ -48,25 +57,32 @@ def _library(q8, cache, w, lens, table, width, plan):
     return fp8_paged_mqa_logits(q8, cache, w, lens, table, width, plan=plan)
 
 
+def _plan(name: str, next_n: int) -> LogitsPlan:
+    """The variant's plan (``None``: the default's for ``next_n``, as the library picks)."""
+    return VARIANTS[name][0] or paged_plan(next_n)
+
+
 _SPREAD = LogitsPlan()  # the previous default: 4 programs a SM, at most 16 tiles each
 
 VARIANTS = {  # name: (plan, how it runs)
-    "default": (PAGED_PLAN, _library),
+    "default": (None, _library),  # paged_plan(next_n)
     "spread, 16 tiles (previous default)": (_SPREAD, _library),
     "spread, 32 tiles": (dataclasses.replace(_SPREAD, max_tiles=32), _library),
     "waves, at most 16 tiles": (dataclasses.replace(PAGED_PLAN, max_tiles=16), _library),
     "waves, at most 64 tiles": (dataclasses.replace(PAGED_PLAN, max_tiles=64), _library),
     "waves, page (cp.async)": (dataclasses.replace(PAGED_PLAN, paged_loads="page"), _library),
-    "waves, tma, host descriptors": (dataclasses.replace(PAGED_PLAN, paged_loads="tma_host"),
-                                     _library),
+    "waves, tma, host descriptors": (PAGED_PLAN, _library),
+    "waves, tma, in-kernel descriptors": (WIDE_PAGED_PLAN, _library),
+    "waves, tma, host descriptors, 3 stages": (dataclasses.replace(PAGED_PLAN, stages=3),
+                                               _library),
     "waves, tma, host descriptors, 64 tiles": (
         dataclasses.replace(PAGED_PLAN, paged_loads="tma_host", max_tiles=64), _library),
     "spread, tma, host descriptors": (dataclasses.replace(_SPREAD, paged_loads="tma_host"),
                                       _library),
     "waves, page, 64 tiles": (dataclasses.replace(PAGED_PLAN, paged_loads="page",
                                                   max_tiles=64), _library),
-    "waves, tma, 3 stages": (dataclasses.replace(PAGED_PLAN, stages=3), _library),
-    "waves, tma, 5 stages": (dataclasses.replace(PAGED_PLAN, stages=5), _library),
+    "waves, tma, 3 stages": (dataclasses.replace(WIDE_PAGED_PLAN, stages=3), _library),
+    "waves, tma, 5 stages": (dataclasses.replace(WIDE_PAGED_PLAN, stages=5), _library),
     "waves, page, 3 stages": (dataclasses.replace(PAGED_PLAN, paged_loads="page", stages=3),
                               _library),
     "spread, 8 programs a SM": (dataclasses.replace(_SPREAD, programs_per_sm=8), _library),
@@ -102,7 +118,7 @@ def floor() -> dict:
         q8, cache, w, lens, table = paged_inputs(1, 1, L)
         for name, plan in (("default", PAGED_PLAN),
                            ("page", dataclasses.replace(PAGED_PLAN, paged_loads="page")),
-                           ("tma_host", dataclasses.replace(PAGED_PLAN, paged_loads="tma_host"))):
+                           ("tma", WIDE_PAGED_PLAN)):
             res[f"{name} L={L} ms"] = time_graph(functools.partial(
                 fp8_paged_mqa_logits, q8, cache, w, lens, table, L, plan=plan))
     log("floor (graph replays): " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in res.items()))
@@ -123,6 +139,56 @@ def heads_probe() -> list[dict]:
             log(f"probe B={B} next_n={next_n} L={L} heads={heads}: graph {ms * 1e3:.1f} us")
         del q8, cache, w, lens, table
         torch.cuda.empty_cache()
+    return rows
+
+
+def _time_graph_read_flush(fn, reps: int = 50) -> float:
+    """``time_graph`` with the L2 flushed by reading 256 MB, not writing it: ``time_graph``'s
+    ``zero_`` leaves the L2 full of dirty lines (~50 MB on the H200) that the timed kernel's
+    reads then write back to memory; here they are clean."""
+    flush = torch.ones(256 << 20, dtype=torch.int8, device="cuda")
+    sink = torch.empty((), dtype=torch.int64, device="cuda")
+    fn()
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps + 5):
+        torch.sum(flush, dtype=torch.int64, out=sink)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[5:])
+
+
+def flush_probe() -> list[dict]:
+    """The default call and an empty kernel timed after a written (``time_graph``) and after
+    a read L2 flush: what the write-back of the flush's dirty lines adds to each time."""
+    x = torch.empty(1, device="cuda")
+
+    def empty() -> None:
+        _empty_kernel[(1,)](x)
+
+    rows = [{"what": "empty kernel", "written_ms": time_graph(empty),
+             "read_ms": _time_graph_read_flush(empty)}]
+    for B, next_n, L in ((32, 1, 32768), (32, 2, 32768), (128, 2, 131072)):
+        q8, cache, w, lens, table = paged_inputs(B, next_n, L)
+        run = functools.partial(fp8_paged_mqa_logits, q8, cache, w, lens, table, L)
+        rows.append({"what": f"B={B} next_n={next_n} L={L}", "B": B, "next_n": next_n, "L": L,
+                     "written_ms": time_graph(run), "read_ms": _time_graph_read_flush(run)})
+        del q8, cache, w, lens, table, run
+        torch.cuda.empty_cache()
+    for r in rows:
+        log(f"flush probe {r['what']}: after a written flush {r['written_ms'] * 1e3:.1f} us, "
+            f"after a read flush {r['read_ms'] * 1e3:.1f} us")
     return rows
 
 
@@ -159,13 +225,15 @@ def correctness(names: list[str]) -> list[dict]:
         width = max(lens) + 100
         want = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double(), *args[3:], width)
         gpu = tuple(a.cuda() for a in args)
+        mag = ref.fp8_paged_mqa_logits(args[0], args[1], args[2].double().abs(), *args[3:],
+                                       width)
         for name in names:
-            plan, runner = VARIANTS[name]
+            plan, runner = _plan(name, next_n), VARIANTS[name][1]
             got = runner(*gpu, width, plan).cpu()
-            err = rel_err(got, want)
+            err = logits_err(got, want, mag)
             same_inf = bool(torch.equal(torch.isneginf(got), torch.isneginf(want)))
             row = {"lens": lens, "next_n": next_n, "variant": name,
-                   "route": paged_loads(plan, gpu[1]), "rel_err": err, "budget": budget,
+                   "route": paged_loads(plan, gpu[1]), "err": err, "budget": budget,
                    "same_neg_inf": same_inf, "ok": err <= budget and same_inf}
             rows.append(row)
             log(f"check lens={lens} next_n={next_n} {name} ({row['route']}): err {err:.2e} "
@@ -185,10 +253,10 @@ def correctness(names: list[str]) -> list[dict]:
         w.mul_(2.0)
         graph.replay()
         torch.cuda.synchronize()
-        err = rel_err(out["logits"].cpu(), want * 2)
+        err = logits_err(out["logits"].cpu(), want * 2, mag * 2)
         ok = err <= budget
         rows.append({"lens": lens, "next_n": next_n, "variant": "default in a CUDA graph",
-                     "route": paged_loads(PAGED_PLAN, cache), "rel_err": err,
+                     "route": paged_loads(paged_plan(next_n), cache), "err": err,
                      "budget": budget, "same_neg_inf": True, "ok": ok})
         log(f"check lens={lens} next_n={next_n} CUDA graph replay (weights x2): err {err:.2e}"
             f"{'' if ok else '  FAIL'}")
@@ -204,7 +272,7 @@ def timings(fp8_tflops: float, copy_tbps: float, names: list[str], rows: list[di
         flops, nbytes, roof = _roofline(B, next_n, L, fp8_tflops, copy_tbps)
         base = fp8_paged_mqa_logits(q8, cache, w, lens, table, L)
         for name in names:
-            plan, runner = VARIANTS[name]
+            plan, runner = _plan(name, next_n), VARIANTS[name][1]
             row = {"B": B, "next_n": next_n, "L": L, "variant": name,
                    "plan": dataclasses.asdict(plan), "route": paged_loads(plan, cache),
                    "roofline_TFLOPs": roof}
@@ -256,8 +324,8 @@ def _floor_line(res: dict) -> str:
              f"{f[f'page L={L} ms'] * 1e3:.1f} us)" for L in (8192, 131072)]
     return (f"Fixed floor (graph replays): an empty Triton kernel {f['empty_kernel_ms'] * 1e3:.1f}"
             f" us; the default call on one request of 64 keys (one program, one tile) "
-            f"{tiny * 1e3:.1f} us (page route {f['page L=64 ms'] * 1e3:.1f}, host descriptors "
-            f"{f['tma_host L=64 ms'] * 1e3:.1f}); " + "; ".join(parts)
+            f"{tiny * 1e3:.1f} us (page route {f['page L=64 ms'] * 1e3:.1f}, in-kernel "
+            f"descriptors {f['tma L=64 ms'] * 1e3:.1f}); " + "; ".join(parts)
             + ".")
 
 
@@ -266,8 +334,9 @@ def markdown(res: dict) -> str:
     lines = report_heading("Paged indexer logits: routes and plans", res)
     lines[2] = lines[2].rstrip(".") + f", fp8 matmul {ceil['fp8_matmul_TFLOPs']:.0f} TFLOP/s."
     bad = [r for r in res["correctness"] if not r["ok"]]
-    worst = max(r["rel_err"] for r in res["correctness"])
-    lines += [f"Against the float64 reference: {len(res['correctness']) - len(bad)}/"
+    worst = max(r["err"] for r in res["correctness"])
+    lines += [f"Against the float64 reference (`logits_err`: over the magnitude, the reference "
+              f"with |weights|): {len(res['correctness']) - len(bad)}/"
               f"{len(res['correctness'])} checks pass (worst {worst:.2e}, budget "
               f"{res['correctness'][0]['budget']:.1e}).", "",
               "The roofline is min(fp8 rate, FLOPs/bytes · copy bandwidth). At next_n = 1 the "
@@ -283,6 +352,10 @@ def markdown(res: dict) -> str:
                   if (r["B"], r["next_n"], r["L"]) == (B, n, L))
                   for B, n, L in dict.fromkeys((r["B"], r["next_n"], r["L"])
                                                for r in res.get("heads_probe", []))) + ".", "",
+              "L2 flush probe (graph us after time_graph's written flush / after a read flush, "
+              "which leaves no dirty lines to write back): " + "; ".join(
+                  f"{r['what']}: {r['written_ms'] * 1e3:.1f} / {r['read_ms'] * 1e3:.1f}"
+                  for r in res.get("flush_probe", [])) + ".", "",
               "| B | next_n | L | variant | route | graph ms | eager ms | TFLOP/s | % fp8 | "
               "roofline | % roofline | GB/s | vs default |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -313,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"environment": env, "ceilings": ceil, "correctness": correctness(args.variants)}
     res["floor"] = floor()
     res["heads_probe"] = heads_probe()
+    res["flush_probe"] = flush_probe()
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"indexer_logits_{env['date'][:10]}")
 

@@ -76,7 +76,7 @@ HOST_TMA_ROUTE = "tma_host" if TMA_ROUTE == "tma" else "page"
 
 
 @pytest.mark.parametrize("plan,page,route", [
-    (PAGED_PLAN, 64, TMA_ROUTE),                         # the default: split in waves
+    (PAGED_PLAN, 64, HOST_TMA_ROUTE),                    # the default: split in waves
     (LogitsPlan(), 64, TMA_ROUTE),
     (LogitsPlan(paged_loads="tma_host", max_tiles=2), 128, HOST_TMA_ROUTE),  # 4 programs
     (LogitsPlan(), 128, TMA_ROUTE),                      # two tiles a page

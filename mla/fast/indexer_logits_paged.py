@@ -5,16 +5,20 @@
 Program ``(b, split)`` covers ``tiles`` consecutive tiles of request ``b``'s keys with its
 ``next_n`` queries' heads stacked on the MMA's N (``indexer_logits_tile``); ``tiles`` is a
 runtime argument (at most the plan's ``max_tiles``), so that the batch sizes and lengths of a
-server share one compiled kernel. At ``next_n = 1``
+server share one compiled kernel. How many tiles: ``split_waves`` (whole waves of the
+programs a SM holds, ``resident_programs``; the default) or ``split_keys``. At ``next_n = 1``
 the work is ~124 FLOP a byte of cache, so decode is bound by reading the cache: what matters
-is how many bytes each SM keeps in flight. Two kernels:
+is how many bytes each SM keeps in flight, and each program's fixed chain (its queries, its
+pages, its first copy), which the one-wave grids of small batches do not hide. Two kernels:
 
 - ``_paged_page_kernel`` (a page a tile or more: ``block_size`` a multiple of ``block_n``):
   the program reads its tiles' pages from the block table once, in one vector load, before
   its loop, so that no table read sits between one tile's loads and the next; each tile is
   then one copy of a page's ``[block_n, 128]`` codes and one of its ``block_n`` scales, issued
   ``stages - 1`` tiles ahead of the dot. Through tensor descriptors (TMA) where the page's
-  codes start on a 128-byte row (``block_size % 32 == 0``, sm_90), else pointer loads.
+  codes start on a 128-byte row (``block_size % 32 == 0``, sm_90), else pointer loads; the
+  descriptors built by the host and passed (``"tma_host"``), or by each program
+  (``"tma"``: a write to global scratch and a fence before its first copy).
 - ``_paged_gather_kernel`` (any page size): a block-table lookup per key inside the loop. The
   lookup feeds the address of the same tile's loads, and Triton's pipeliner then waits for
   every copy in flight before each tile (one tile in flight a program, plus the table's
@@ -25,6 +29,8 @@ nothing is written past a row.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -44,11 +50,22 @@ from mla.reference.indexer_cache import INDEX_DIM
 from mla.reference.indexer_logits import check_paged_logits_args
 from mla.validation import check_tensor
 
-__all__ = ["PAGED_PLAN", "fp8_paged_mqa_logits", "launch_plan", "paged_loads",
-           "resident_programs"]
+__all__ = ["PAGED_PLAN", "WIDE_PAGED_PLAN", "fp8_paged_mqa_logits", "launch_plan", "paged_loads",
+           "paged_plan", "resident_programs"]
 
-# the decode default: programs of up to 32 tiles, split in whole waves of what a SM holds
-PAGED_PLAN = LogitsPlan(max_tiles=32, split="waves")
+# The decode default, as measured on the H200 (benchmarks/indexer_logits.py, DeepSeek-V3.2's
+# 64 heads, pages of 64, B 1-128, L 8K-128K): programs of up to 32 tiles split in whole waves of
+# what a SM holds (the spread split's 16-tile programs: 2-8% slower past B = 1, 1.55-1.9 waves
+# at B = 32, L = 32K), their tiles copied through descriptors the host builds (the in-kernel
+# descriptors' extra step in each program's chain: 2-12% slower at next_n <= 2); at
+# next_n > 2 (4-7% slower with the host's descriptors there) the in-kernel descriptors.
+PAGED_PLAN = LogitsPlan(paged_loads="tma_host", max_tiles=32, split="waves")
+WIDE_PAGED_PLAN = dataclasses.replace(PAGED_PLAN, paged_loads="tma")
+
+
+def paged_plan(next_n: int) -> LogitsPlan:
+    """The default plan for ``next_n`` queries a request (``PAGED_PLAN`` up to 2)."""
+    return PAGED_PLAN if next_n <= 2 else WIDE_PAGED_PLAN
 
 
 @triton.jit
@@ -205,7 +222,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     ``block_tables [B, max_blocks]``. ``validate``: check the lengths against
     ``max_model_len`` and the block tables within each length on the host (a sync); ``None``:
     only when no CUDA graph is being captured. Unvalidated, a key on a page outside the cache
-    gives NaN, and nothing is written past a row. ``plan``: the tiling (``PAGED_PLAN``).
+    gives NaN, and nothing is written past a row. ``plan``: the tiling (``paged_plan``).
     """
     q, kv_cache = check_paged_logits_args(q, kv_cache, weights, context_lens, block_tables,
                                           max_model_len)
@@ -223,7 +240,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         return out
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    kernel, grid, args, sizes = launch_plan(plan or PAGED_PLAN, q, kv_cache, weights,
+    kernel, grid, args, sizes = launch_plan(plan or paged_plan(next_n), q, kv_cache, weights,
                                             context_lens, block_tables, out)
     kernel[grid](*args, **sizes)
     return out
