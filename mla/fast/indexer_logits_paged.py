@@ -71,15 +71,16 @@ def paged_plan(next_n: int) -> LogitsPlan:
 @triton.jit
 def _load_q(q, w, b, next_n, H, s_q_b, s_q_n, s_q_h, s_w_r, NP: tl.constexpr,
             HP: tl.constexpr, D: tl.constexpr):
-    """Request ``b``'s queries as the MMA's B operand ``[D, NP·HP]`` and their weights."""
+    """Request ``b``'s queries as the MMA's B operand ``[D, NP·HP]`` and their weights (read
+    first: the queries' copy to shared memory waits for its read where it stands)."""
     r = tl.arange(0, NP * HP)
     n = r // HP
     h = r % HP
     row_ok = (n < next_n) & (h < H)
     d = tl.arange(0, D)
+    w_r = tl.load(w + (b * next_n + n) * s_w_r + h, mask=row_ok, other=0.0).to(tl.float32)
     q_rows = tl.load(q + b * s_q_b + n[:, None] * s_q_n + h[:, None] * s_q_h + d[None, :],
                      mask=row_ok[:, None], other=0.0)
-    w_r = tl.load(w + (b * next_n + n) * s_w_r + h, mask=row_ok, other=0.0).to(tl.float32)
     return tl.trans(q_rows), w_r
 
 
@@ -116,14 +117,11 @@ def _paged_page_kernel(
     b = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1).to(tl.int64) * tiles * BLOCK_N
     L = tl.minimum(tl.load(lens + b).to(tl.int64), width)  # never write past the row
-    q_t, w_r = _load_q(q, w, b, next_n, H, s_q_b, s_q_n, s_q_h, s_w_r, NP, HP, D)
-    nq = tl.arange(0, NP)
-    ends = L - next_n + nq + 1  # query n sees keys [0, L - next_n + n]
-    out_rows = out + (b * next_n + nq.to(tl.int64)) * width
-    live_tiles = tl.minimum(tl.cdiv(tl.maximum(L - col0, 0), BLOCK_N), tiles)
     # the program's pages, a tile each (a page holds whole tiles), in one read that does not
     # wait for the length (entries past it are read, never used): a page past the table's
-    # row or outside the cache is -1, read as page 0 and its keys made NaN
+    # row or outside the cache is -1, read as page 0 and its keys made NaN. Read before the
+    # queries, whose copy to shared memory waits for them before the loop's first copies:
+    # the two reads' latencies overlap instead of adding up
     j = tl.arange(0, MAX_TILES)
     blk = (col0 + j * BLOCK_N) // PAGE
     pages = tl.load(table + b * s_t_b + blk, mask=(j < tiles) & (blk < max_blocks),
@@ -137,6 +135,11 @@ def _paged_page_kernel(
         scale_desc = tl.make_tensor_descriptor(cache_f32 + SCALES, shape=[n_blocks, PAGE],
                                                strides=[PAGE * (D // 4 + 1), 1],
                                                block_shape=[1, BLOCK_N])
+    q_t, w_r = _load_q(q, w, b, next_n, H, s_q_b, s_q_n, s_q_h, s_w_r, NP, HP, D)
+    nq = tl.arange(0, NP)
+    ends = L - next_n + nq + 1  # query n sees keys [0, L - next_n + n]
+    out_rows = out + (b * next_n + nq.to(tl.int64)) * width
+    live_tiles = tl.minimum(tl.cdiv(tl.maximum(L - col0, 0), BLOCK_N), tiles)
     d = tl.arange(0, D)
     o = tl.arange(0, BLOCK_N)
     for i in tl.range(0, live_tiles, num_stages=STAGES):
