@@ -123,6 +123,8 @@ def balanced_paged_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torc
     loads = paged_loads(plan, kv_cache)
     if loads == "gather":
         raise ValueError("the balanced grid needs whole tiles in a page")
+    if loads == "tma_host":  # this kernel builds its descriptors itself
+        loads = "tma"
     if loads == "tma":
         ensure_allocator()
     u8 = kv_cache.reshape(-1).view(torch.uint8)
