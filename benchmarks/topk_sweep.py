@@ -46,20 +46,20 @@ from mla.fast.topk import (
 )
 
 TOPK = 2048
-SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)]
-ONE = dict(fused_rows=1)  # the one-launch kernel at every row count
-THREE = dict(fused_rows=1 << 30)  # three launches at every row count
-PLANS = [TopkPlan(**THREE), TopkPlan(**ONE), TopkPlan(**ONE, fused_block=2048),
-         TopkPlan(**ONE, fused_block=8192), TopkPlan(**ONE, fused_warps=16),
-         TopkPlan(**ONE, fused_stages=2), TopkPlan(**ONE, fused_stages=4),
-         TopkPlan(**ONE, sample_runs=256), TopkPlan(**ONE, fused_lists=32),
-         TopkPlan(**ONE, fused_lists=64, fused_block=8192),
-         TopkPlan(**ONE, fused_lists=32, fused_warps=16)]
+SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 64, 128, 256)]
+ONE = dict(route="one")  # the one-launch kernel at every row count
+THREE = dict(route="three")  # three launches at every row count
+# many rows (the default: three launches)
+PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, select_warps=16),
+         TopkPlan(**THREE, select_bits=8), TopkPlan(**THREE, estimate_warps=8),
+         TopkPlan(**THREE, sample_runs=256), TopkPlan(**THREE, select_tile=1024),
+         TopkPlan(**ONE), TopkPlan(**ONE, fused_warps=16)]
 # rows fewer than the SMs: the one-launch kernel splits each row over programs
-SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**ONE), TopkPlan(**ONE, fused_parts=1),
-               TopkPlan(**ONE, fused_block=2048), TopkPlan(**ONE, fused_block=1024)]
-SWEEP_SHAPES = [(128, 131072), (256, 131072), (128, 32768), (32, 131072), (1, 131072),
-                (32, 32768)]
+SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**ONE), TopkPlan(**ONE, fused_block=1024),
+               TopkPlan(**ONE, fused_block=4096), TopkPlan(**ONE, fused_stages=4),
+               TopkPlan(**ONE, fused_warps=16), TopkPlan(**ONE, sample_runs=256)]
+SWEEP_SHAPES = [(128, 131072), (256, 131072), (128, 32768), (1, 131072), (32, 131072),
+                (48, 131072), (64, 131072), (32, 32768), (64, 32768)]
 
 
 def _bench(fn) -> float:
@@ -193,7 +193,10 @@ def _split_times(x, st, en, plan: TopkPlan, reps: int = 30) -> dict:
     upto = [time_graph(functools.partial(_run, steps[:i + 1]), reps=reps)
             for i in range(len(steps))]
     names = ["estimate_ms", "filter_ms", "select_ms"]
-    return {n: upto[i] - (upto[i - 1] if i else 0.0) for i, n in enumerate(names)}
+    times = {n: upto[i] - (upto[i - 1] if i else 0.0) for i, n in enumerate(names)}
+    # the select alone, on the list the first two left (it changes nothing they wrote)
+    times["select_alone_ms"] = time_graph(steps[2], reps=reps)
+    return times
 
 
 def _host_us(fn, calls: int = 100) -> float:
@@ -222,7 +225,8 @@ def timing(copy_tbps: float) -> list[dict]:
         st, en = _full(R, W)
         call = functools.partial(top_k_per_row, x, st, en, TOPK)
         quiet = functools.partial(top_k_per_row, x, st, en, TOPK, validate=False)
-        row = {"R": R, "L": W, "route": "one" if TopkPlan().fused(R) else "three",
+        one = TopkPlan().one_launch(R, W, torch.cuda.get_device_properties(0).multi_processor_count)
+        row = {"R": R, "L": W, "route": "one" if one else "three",
                "ms": _bench(call), "unvalidated_ms": _bench(quiet),
                "host_us": _host_us(quiet), "validated_host_us": _host_us(call),
                "graph_ms": _graph_ms(x, st, en, TopkPlan()),
@@ -241,7 +245,8 @@ def timing(copy_tbps: float) -> list[dict]:
             f"({row['graph_pct_copy']:.0f}% of copy); one launch "
             f"{row['one_graph_ms'] * 1e3:.1f}, three {row['three_graph_ms'] * 1e3:.1f} "
             f"({row['estimate_ms'] * 1e3:.1f} + {row['filter_ms'] * 1e3:.1f} + "
-            f"{row['select_ms'] * 1e3:.1f}); torch.topk values "
+            f"{row['select_ms'] * 1e3:.1f}, select alone {row['select_alone_ms'] * 1e3:.1f}); "
+            f"torch.topk values "
             f"{row['torch_topk_values_ms'] * 1e3:.1f} us, amax {row['read_floor_ms'] * 1e3:.1f}")
         torch.cuda.empty_cache()
     return rows
@@ -254,7 +259,7 @@ def sweep(copy_tbps: float, rows: list[dict], save) -> list[dict]:
         x = torch.randn(R, W, device="cuda")
         st, en = _full(R, W)
         want = as_sets(ref.top_k_per_row(x, st, en, TOPK))
-        for plan in PLANS if R >= 128 else SPLIT_PLANS:
+        for plan in PLANS if R >= 96 else SPLIT_PLANS:
             row = {"R": R, "L": W, "plan": dataclasses.asdict(plan), "name": _changed(plan)}
             try:
                 got = top_k_per_row(x, st, en, TOPK, plan=plan)
@@ -276,7 +281,7 @@ def _changed(plan: TopkPlan) -> str:
     """The fields a plan changes from the default (the route by name)."""
     base = dataclasses.asdict(TopkPlan())
     diff = {k: v for k, v in dataclasses.asdict(plan).items() if base[k] != v}
-    route = {1: "one", 1 << 30: "three"}.get(diff.pop("fused_rows", None), "")
+    route = diff.pop("route", "")
     return " ".join([route] * bool(route) + [f"{k}={v}" for k, v in diff.items()]) or "default"
 
 
@@ -333,7 +338,7 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                          RUN=fast_topk.RUN, EST_BITS=plan.estimate_bits, CAP=CANDIDATES,
                          SMALL=fast_topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
                          BLOCK=plan.fused_block, STAGES=plan.fused_stages,
-                         LISTS=plan.fused_lists, SPLIT=split, OUT_BLOCK=1024)
+                         SPLIT=split, OUT_BLOCK=1024)
             found[_changed(plan) + " split" * split] = facts(
                 _compile(_fused_kernel, const, ptrs, ints, plan.fused_warps))
     return found
@@ -349,7 +354,8 @@ def table(res: dict) -> str:
             f"{r['R']} x {r['L'] // 1024}K | {r['route']} | {r['graph_ms'] * 1e3:.1f} "
             f"({r['graph_pct_copy']:.0f}%) | {r['one_graph_ms'] * 1e3:.1f} | "
             f"{r['three_graph_ms'] * 1e3:.1f} ({r['estimate_ms'] * 1e3:.0f}+"
-            f"{r['filter_ms'] * 1e3:.0f}+{r['select_ms'] * 1e3:.0f}) | {r['ms'] * 1e3:.1f} | "
+            f"{r['filter_ms'] * 1e3:.0f}+{r['select_ms'] * 1e3:.0f}; select alone "
+            f"{r['select_alone_ms'] * 1e3:.0f}) | {r['ms'] * 1e3:.1f} | "
             f"{r['unvalidated_ms'] * 1e3:.1f} | {r['host_us']:.0f} | "
             f"{r['read_floor_ms'] * 1e3:.1f}")
     shapes = sorted({(r["R"], r["L"]) for r in res["sweep"]}, key=SWEEP_SHAPES.index)

@@ -32,7 +32,7 @@ from mla.fast.topk import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LONG = CANDIDATES + 3000  # a row longer than the candidate list: estimated, then filtered
 # each route at every row count: one program a row (one launch), or three launches
-ROUTES = {"one": TopkPlan(fused_rows=1), "three": TopkPlan(fused_rows=1 << 30)}
+ROUTES = {"one": TopkPlan(route="one"), "three": TopkPlan(route="three")}
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -214,8 +214,8 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(select_tile=1024), TopkPlan(oversample=1.0),
                                   TopkPlan(block=2048, filter_warps=8, programs_per_sm=4),
                                   TopkPlan(sample_runs=256, estimate_warps=4, estimate_bits=5),
-                                  TopkPlan(fused_rows=1, fused_block=1024, fused_stages=2),
-                                  TopkPlan(fused_rows=1, fused_lists=32, fused_warps=4)])
+                                  TopkPlan(route="one", fused_block=1024, fused_stages=2),
+                                  TopkPlan(route="one", fused_warps=4, fused_parts=1)])
 def test_topk_other_plans(plan):
     logits, st, en = _rows(_gen(41), [0, 5], [LONG, LONG - 9], LONG)
     _check(logits, st, en, 2048, plan=plan)
@@ -226,7 +226,7 @@ def test_topk_split_rows():
     a random row from the gathered list, a row with its start and end off the 16-key grid,
     more NaN than k (listed: the NaN all tie, the lowest columns win) and more equal keys
     than the list holds (scanned), one row and two."""
-    plan = TopkPlan(fused_rows=1, fused_block=1024)
+    plan = TopkPlan(route="one", fused_block=1024)
     logits, st, en = _full(torch.randn(2, LONG + 50, generator=_gen(45)))
     st[1], en[1] = 21, LONG + 37
     assert _paths(logits[:1], st[:1], en[:1], 2048, plan) == ["listed"]
@@ -237,18 +237,6 @@ def test_topk_split_rows():
     logits[1, torch.randperm(LONG, generator=_gen(46))[:CANDIDATES + 100] + 21] = 3.0
     assert _paths(logits, st, en, 2048, plan) == ["listed", "scanned"]
     _check(logits, st, en, 2048, plan)
-
-
-def test_topk_segment_overflow():
-    """The one-launch kernel's segmented lists (64 segments of 128): a row whose survivors
-    crowd into one segment's columns overflows it and is scanned, exactly; a random row fills
-    them evenly and is selected from the gathered list."""
-    plan = TopkPlan(fused_rows=1, fused_block=8192, fused_lists=64, fused_parts=1)
-    logits, st, en = _full(torch.randn(2, LONG, generator=_gen(42)))
-    logits[1, :128] = 10.0 + torch.rand(128, generator=_gen(43))  # segment 0 of both steps
-    logits[1, 8192:8320] = 10.0 + torch.rand(128, generator=_gen(44))
-    assert _paths(logits, st, en, 100, plan) == ["listed", "scanned"]
-    _check(logits, st, en, 100, plan)
 
 
 def test_topk_a_broken_twin_fails():
@@ -285,9 +273,11 @@ def test_topk_empty_and_bad_input():
     with pytest.raises(ValueError, match="TopkPlan.sample_runs"):
         TopkPlan(sample_runs=2048)
     with pytest.raises(ValueError, match="TopkPlan.fused_block"):
-        TopkPlan(fused_block=1024, fused_lists=128)
-    with pytest.raises(ValueError, match="TopkPlan.fused_rows"):
-        TopkPlan(fused_rows=0)
+        TopkPlan(fused_block=8)
+    with pytest.raises(ValueError, match="TopkPlan.route"):
+        TopkPlan(route="fused")
+    with pytest.raises(ValueError, match="TopkPlan.min_parts"):
+        TopkPlan(min_parts=0)
     # unvalidated, a range past the row is clipped to it
     got = top_k_per_row(logits.nan_to_num(-1.0), st, en + 5, 20, validate=False).cpu()
     assert sorted(got[0][got[0] >= 0].tolist()) == list(range(10))

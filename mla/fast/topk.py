@@ -81,13 +81,18 @@ _fused = CompiledLauncher(_fused_kernel)
 class TopkPlan:
     """How the kernels run (``benchmarks/topk_sweep.py`` times the alternatives).
 
-    Route: calls of at least ``fused_rows`` rows run the one-launch kernel (one program a
-    row: ``fused_block`` keys a step, ``fused_stages`` steps in flight, ``fused_warps``,
-    ``fused_lists`` segments of the candidate list, each with its own count: 1, a
-    block-wide scan a step; at least ``fused_warps``, scans within a warp; a row of more
-    than ``CANDIDATES`` keys split over up to ``fused_parts`` programs, so that the call has
-    about one program per SM, the last to finish selecting);
-    fewer rows run three launches, which spread a row's read over many programs.
+    Route (``route``: ``"auto"``, ``"one"``, ``"three"``; ``one_launch``): ``"auto"`` takes
+    the one-launch kernel where the rows are no longer than ``CANDIDATES`` (held whole, one
+    program a row) or where each row can be split over at least ``min_parts`` programs
+    (``rows * min_parts <= SMs``), three launches otherwise. Measured on the H200 (k = 2048,
+    CUDA graphs): one launch 19 / 36 / 21 us at 1 x 128K, 32 x 128K, 32 x 32K against 57 / 67
+    / 53 for three; three launches 104 / 179 / 64 us at 128 x 128K, 256 x 128K, 128 x 32K
+    against 153 / 267 / 83 (a program of the one-launch kernel holds a row's list in
+    registers: one resident a SM, whose read of a whole row is a chain of block-wide scans at
+    ~3.4 GB/s; the three launches' filter runs 64 one-warp programs a SM). The one-launch
+    kernel: ``fused_block`` keys a step, ``fused_stages`` steps in flight, ``fused_warps``; a
+    row longer than ``CANDIDATES`` split over up to ``fused_parts`` programs, about one a SM
+    in all, the last to finish selecting.
     Estimate (both routes): ``sample_runs`` runs of ``RUN`` keys (2 to 1024),
     ``estimate_bits`` a radix level, ``oversample`` (the survivors aimed at, in ``topk``,
     before three standard deviations of the sample's); ``estimate_warps`` (three launches).
@@ -95,11 +100,11 @@ class TopkPlan:
     ``filter_warps``, ``programs_per_sm`` (the grid aims at that many programs per SM: a row is
     cut into that many chunks over the rows). Select (both routes): ``select_bits`` a radix
     level, ``select_tile`` keys a step of a scanned row; ``select_warps`` (three launches)."""
-    fused_rows: int = 64
-    fused_block: int = 4096
+    route: str = "auto"
+    min_parts: int = 4
+    fused_block: int = 2048
     fused_stages: int = 3
     fused_warps: int = 8
-    fused_lists: int = 1
     fused_parts: int = 64
     block: int = 256
     stages: int = 3
@@ -118,7 +123,7 @@ class TopkPlan:
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",
-                     "estimate_warps", "fused_block", "fused_warps", "fused_lists"):
+                     "estimate_warps", "fused_block", "fused_warps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
@@ -130,18 +135,23 @@ class TopkPlan:
         if not 2 <= self.sample_runs <= 1024:
             raise ValueError(f"TopkPlan.sample_runs must lie in [2, 1024], got "
                              f"{self.sample_runs!r}")
-        if self.fused_block < 16 * self.fused_lists or self.fused_lists > CANDIDATES // 16:
-            raise ValueError(f"TopkPlan.fused_block must hold 16 keys a list (16-byte loads) "
-                             f"and fused_lists at most {CANDIDATES // 16}, got fused_block="
-                             f"{self.fused_block!r}, fused_lists={self.fused_lists!r}")
-        for name in ("stages", "programs_per_sm", "fused_stages", "fused_rows", "fused_parts"):
+        if self.route not in ("auto", "one", "three"):
+            raise ValueError(f"TopkPlan.route must be 'auto', 'one' or 'three', got "
+                             f"{self.route!r}")
+        if self.fused_block < 16:
+            raise ValueError(f"TopkPlan.fused_block must be at least 16 (16-byte loads), got "
+                             f"{self.fused_block!r}")
+        for name in ("stages", "programs_per_sm", "fused_stages", "min_parts", "fused_parts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TopkPlan.{name} must be an int >= 1, got {v!r}")
 
-    def fused(self, rows: int) -> bool:
-        """Whether a call of ``rows`` rows takes the one-launch kernel."""
-        return rows >= self.fused_rows
+    def one_launch(self, rows: int, width: int, sms: int) -> bool:
+        """Whether a call of ``rows`` rows of ``width`` logits on ``sms`` SMs takes the
+        one-launch kernel (``route``)."""
+        if self.route != "auto":
+            return self.route == "one"
+        return width <= CANDIDATES or rows * self.min_parts <= sms
 
 
 def sample_columns(n: int, runs: int = 512) -> torch.Tensor:
@@ -199,7 +209,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
              ) -> tuple[torch.Tensor, list[Callable[[], None]]]:
     """The scratch (``[R, work_columns(cap, SMALL)]`` int32, per row: ``_work_row``) and the
     launches, in order, on checked arguments (``logits`` float32 with unit column stride): one
-    (``plan.fused(R)``) or three (estimate, filter, select); ``top_k_per_row`` runs them, the
+    (``plan.one_launch``) or three (estimate, filter, select); ``top_k_per_row`` runs them, the
     tests read the survivor counts, the benchmarks time each. A launch after the first of its
     shapes and plan calls the compiled kernel directly (``mla.fast.launch``)."""
     R, W = logits.shape
@@ -211,7 +221,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     key = (plan, W, topk, int_spec(s_l_r), int_spec(s_o_r), row_starts.dtype, row_ends.dtype,
            *(ptr_spec(t) for t in (*rows, work, out)))
     out_block = min(1024, next_pow2(topk))
-    if plan.fused(R):
+    if plan.one_launch(R, W, num_sms(logits.device)):
         return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]
     chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
     chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
@@ -248,7 +258,7 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     args = (logits, row_starts, row_ends, work, lists, sync, out, W, topk, logits.stride(0),
             out.stride(0), chunk, float(plan.oversample), plan.sample_runs, RUN,
             plan.estimate_bits, cap, SMALL, plan.select_tile, plan.select_bits, block,
-            plan.fused_stages, plan.fused_lists, parts > 1, min(1024, next_pow2(topk)))
+            plan.fused_stages, parts > 1, min(1024, next_pow2(topk)))
     key = (key, chunk, parts > 1, ptr_spec(lists), ptr_spec(sync))
     return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps)
 

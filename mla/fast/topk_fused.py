@@ -1,11 +1,14 @@
-"""The one-launch kernel of ``mla.fast.top_k_per_row``: one program a row estimates its
-threshold, reads its row once listing the keys that reach it, and selects among those, all in
-one program (the plan and the semantics: ``mla.fast.topk``; the shared pieces:
-``mla.fast.topk_kernels``).
+"""The one-launch kernel of ``mla.fast.top_k_per_row``: the programs of a row estimate its
+threshold, read their part of the row once listing the keys that reach it, and the last of
+them selects among those (the plan, the route and the semantics: ``mla.fast.topk``; the
+shared pieces: ``mla.fast.topk_kernels``).
 
-Against the three launches it saves two kernels' start and drain, the threshold's and the
-count's round trips through memory, and the atomics: the program owns its row, so a block's
-survivors go to ``count + cumsum(keep) - 1`` with the count in a register.
+Against the three launches it saves two kernels' start and drain and the threshold's round
+trip through memory; a part's survivors go to ``count + cumsum(keep) - 1`` with the count in
+a register (no atomic a block), and a row of few parts spreads its read over as many SMs.
+What it cannot do is run many programs a SM: a program holds a whole candidate list in
+registers for the select (~250 a thread), so one is resident a SM, and a whole row read by
+one program is a chain of block-wide scans (~3.4 GB/s on the H200).
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import triton
 import triton.language as tl
 
 from mla.fast.topk_kernels import (
-    _lists_row,
     _order_keys,
     _row_range,
     _select_listed_or_row,
@@ -30,7 +32,7 @@ def _fused_kernel(logits, starts, ends, work, parts, sync, out, W, topk, s_l_r, 
                   OVERSAMPLE: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
                   EST_BITS: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
                   TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                  STAGES: tl.constexpr, LISTS: tl.constexpr, SPLIT: tl.constexpr,
+                  STAGES: tl.constexpr, SPLIT: tl.constexpr,
                   OUT_BLOCK: tl.constexpr):
     """Programs ``(row, part)``: a row of no more than ``CAP`` keys is selected whole by its
     part 0; a longer one gets its threshold from the sample (each part alike), each part
@@ -38,10 +40,10 @@ def _fused_kernel(logits, starts, ends, work, parts, sync, out, W, topk, s_l_r, 
     listing the keys reaching it, and the list (or, when the threshold let fewer than ``topk``
     or more than fit through, the row) is selected; then ``-1`` past the row's count.
 
-    One part a row: its list is the row's (``_stream_list`` or, ``LISTS > 1``,
-    ``_stream_lists``). ``SPLIT``, several: each part lists into its own ``parts`` list
-    (``CAP``), reserves its place in the row's list by one atomic on ``sync[row, 0]`` (zeroed
-    by the caller) and copies it there; the part that arrives last (``sync[row, 1]``) selects.
+    One part a row: its list is the row's (``_stream_list``). ``SPLIT``, several: each part
+    lists into its own ``parts`` list (``CAP``), reserves its place in the row's list by one
+    atomic on ``sync[row, 0]`` (zeroed by the caller) and copies it there; the part that
+    arrives last (``sync[row, 1]``) selects.
     The survivor count is stored for ``mla.fast.topk.survivors`` (past ``CAP`` where a list
     overflowed)."""
     row = tl.program_id(0).to(tl.int64)
@@ -84,14 +86,7 @@ def _fused_kernel(logits, starts, ends, work, parts, sync, out, W, topk, s_l_r, 
                                       dst, CAP, SMALL, TILE, BITS)
                 _write_tail(dst, n, topk, OUT_BLOCK)
         else:
-            if LISTS == 1:
-                count = _stream_list(src, first, lo, hi, t, W, keys_out, cols_out, CAP, BLOCK,
-                                     STAGES)
-            else:
-                seg_keys, seg_cols = _lists_row(work, row, CAP, SMALL)
-                count = _stream_lists(src, first, lo, hi, t, W, seg_keys, seg_cols, keys_out,
-                                      cols_out, few.to(tl.pointer_type(tl.int32)), topk, CAP,
-                                      BLOCK, STAGES, LISTS, TILE)
+            count = _stream_list(src, first, lo, hi, t, W, keys_out, cols_out, CAP, BLOCK, STAGES)
             tl.store(count_ptr, count)
             tl.debug_barrier()  # the list written by every thread before any reads it
             _select_listed_or_row(src + start, n, topk, keys_out, cols_out, count, few, dst,
@@ -117,45 +112,3 @@ def _stream_list(src, first, lo, hi, t, W, keys_out, cols_out, CAP: tl.constexpr
         tl.store(cols_out + pos, cols - first, mask=ok)
         count += tl.sum(keep.to(tl.int32), axis=0)
     return count
-
-
-@triton.jit
-def _stream_lists(src, first, lo, hi, t, W, seg_keys, seg_cols, keys_out, cols_out, few, topk,
-                  CAP: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                  LISTS: tl.constexpr, TILE: tl.constexpr):
-    """As ``_stream_list``, but a step is ``[LISTS, BLOCK / LISTS]`` keys and row ``r`` of it
-    lists its survivors in its own segment (``CAP / LISTS`` long) with its own count: with a
-    warp a row the scan and the count stay inside the warp (no barrier a step). Then the
-    segments are gathered into one list (``keys_out``, ``cols_out``; ``few``: 2 x ``LISTS``
-    int32 for their counts and places). Returns the count, or
-    more than ``CAP`` where a segment overflowed or too few survived (the row is scanned)."""
-    SEG: tl.constexpr = CAP // LISTS
-    STEP: tl.constexpr = BLOCK // LISTS
-    r = tl.arange(0, LISTS)
-    counts = tl.zeros((LISTS,), tl.int32)
-    for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        cols = tl.multiple_of(c0, 16) + r[:, None] * STEP + tl.arange(0, STEP)[None, :]
-        k = _order_keys(tl.load(src + cols, mask=cols < W, other=0.0))
-        keep = (cols >= first) & (cols < hi) & (k >= t)
-        slot = counts[:, None] + tl.cumsum(keep.to(tl.int32), axis=1) - 1
-        ok = keep & (slot < SEG)
-        at = r[:, None] * SEG + slot
-        tl.store(seg_keys + at, k, mask=ok)
-        tl.store(seg_cols + at, cols - first, mask=ok)
-        counts += tl.sum(keep.to(tl.int32), axis=1)
-    count = tl.sum(counts, axis=0)
-    fits = (tl.max(counts, axis=0) <= SEG) & (count >= topk)
-    if fits:
-        # each segment's count and first place in the list, through memory (``few``: free
-        # here), so that the gather runs in tiles of a few registers a thread
-        tl.store(few + r, counts)
-        tl.store(few + LISTS + r, tl.cumsum(counts, axis=0) - counts)
-        tl.debug_barrier()  # the segments and their counts written before they are read
-        for g in range(0, CAP, TILE):
-            i = g + tl.arange(0, TILE)
-            slot = i % SEG
-            live = slot < tl.load(few + i // SEG)
-            to = tl.load(few + LISTS + i // SEG) + slot
-            tl.store(keys_out + to, tl.load(seg_keys + i, mask=live), mask=live)
-            tl.store(cols_out + to, tl.load(seg_cols + i, mask=live), mask=live)
-    return tl.where(fits, count, CAP + 1 + count)

@@ -16,8 +16,8 @@ WORK_PAD = tl.constexpr(16)  # the threshold and the count, padded: each list 64
 
 
 def work_columns(cap: int, small: int) -> int:
-    """int32 a row of the kernels' scratch (``_work_row``, then ``_lists_row``)."""
-    return 4 * cap + 2 * small + WORK_PAD.value
+    """int32 a row of the kernels' scratch (``_work_row``)."""
+    return 2 * cap + 2 * small + WORK_PAD.value
 
 
 def count_column(cap: int, small: int) -> int:
@@ -48,18 +48,10 @@ def _work_row(work, row, CAP: tl.constexpr, SMALL: tl.constexpr):
     """A row's scratch (``work_columns`` int32): the candidates' keys, their columns,
     ``SMALL`` int64 for a compacted boundary bucket, then the threshold and the survivor
     count."""
-    base = work + row * (4 * CAP + 2 * SMALL + WORK_PAD)
+    base = work + row * (2 * CAP + 2 * SMALL + WORK_PAD)
     few = (base + 2 * CAP).to(tl.pointer_type(tl.int64))
     tail = base + 2 * CAP + 2 * SMALL
     return base, base + CAP, few, tail, tail + 1
-
-
-@triton.jit
-def _lists_row(work, row, CAP: tl.constexpr, SMALL: tl.constexpr):
-    """The rest of a row's scratch: the one-launch kernel's per-segment lists (keys, columns)
-    before they are gathered into the candidate list."""
-    base = work + row * (4 * CAP + 2 * SMALL + WORK_PAD) + 2 * CAP + 2 * SMALL + WORK_PAD
-    return base, base + CAP
 
 
 @triton.jit
