@@ -52,12 +52,11 @@ THREE = dict(route="three")  # three launches at every row count
 # many rows (the default: three launches)
 PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, select_warps=16),
          TopkPlan(**THREE, select_bits=8), TopkPlan(**THREE, estimate_warps=8),
-         TopkPlan(**THREE, sample_runs=256), TopkPlan(**THREE, select_tile=1024),
-         TopkPlan(**ONE), TopkPlan(**ONE, fused_warps=16)]
+         TopkPlan(**THREE, sample_runs=256), TopkPlan(**ONE), TopkPlan(**ONE, fused_warps=16)]
 # rows fewer than the SMs: the one-launch kernel splits each row over programs
 SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**ONE), TopkPlan(**ONE, fused_block=1024),
-               TopkPlan(**ONE, fused_block=4096), TopkPlan(**ONE, fused_stages=4),
-               TopkPlan(**ONE, fused_warps=16), TopkPlan(**ONE, sample_runs=256)]
+               TopkPlan(**ONE, fused_block=4096), TopkPlan(**ONE, fused_warps=16),
+               TopkPlan(**ONE, sample_runs=256)]
 SWEEP_SHAPES = [(128, 131072), (256, 131072), (128, 32768), (1, 131072), (32, 131072),
                 (48, 131072), (64, 131072), (32, 32768), (64, 32768)]
 
