@@ -71,6 +71,7 @@ def _fused_kernel(logits, starts, ends, work, parts, sync, out, W, topk, s_l_r, 
         if SPLIT:
             mine = parts + (row * tl.num_programs(1) + part) * (2 * CAP)
             kept = _stream_list(src, first, lo, hi, t, W, mine, mine + CAP, CAP, BLOCK, STAGES)
+            tl.debug_barrier()  # the part's list written by every thread before it is copied
             base = tl.atomic_add(sync + 2 * row, kept, sem="relaxed")
             for g in range(0, tl.minimum(kept, CAP - base), TILE):
                 i = g + tl.arange(0, TILE)
