@@ -418,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", nargs="*", default=list(MODEL1_KERNELS),
                    choices=MODEL1_KERNELS, help="Gluon MODEL1 kernels to time")
     p.add_argument("--only", nargs="*", default=["MODEL1"], help="substrings of shape names")
+    p.add_argument("--sweep", action="store_true", help="the default kernel's split counts")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -435,9 +436,11 @@ def main(argv: list[str] | None = None) -> int:
             f.write(md + "\n")
         return md
 
-    rows = run_v4(args.seed, args.only, on_row=write, kernels=tuple(args.kernels))
+    rows = run_v4(args.seed, args.only, args.sweep, on_row=write, kernels=tuple(args.kernels))
     write(rows)
     print("\n".join(markdown_kernels(rows)))
+    if args.sweep:
+        print("\n".join(markdown_v4(rows)[-len(rows) - 2:]))
     return 0
 
 

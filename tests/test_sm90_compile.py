@@ -61,22 +61,14 @@ SPARSE += [dict(FP8=False, MODEL1=True, N=64),
                 HAS_SINK=True, CHECK_RANGE=True, SPLIT=True),
            dict(FP8=True, HAS_EXTRA=True, HAS_SINK=True, CHECK_RANGE=True, HAS_TOPK_LEN=True),
            dict(FP8=False, D=512, N=64, HAS_MAXL=True, HAS_SINK=True, HAS_TOPK_LEN=True)]
-# the other Gluon MODEL1 kernels a plan can name (mla.fast.sparse_plan.MODEL1_KERNELS): the
-# swizzled staging buffer, and the overlap kernel (two K buffers, 6 of 7 e4m3 tiles staged,
-# the 7th in registers: 229,888 B of shared memory; all 7 in registers spilled 400 B;
-# holding the length check across the loop spilled 8 B under Triton 3.7), and the
-# warp-specialized kernel (a 96-register producer group: 88 spilled 16 B)
+# the warp-specialized MODEL1 kernel, the default plan's at 64 heads (a producer group of
+# 104 registers: 88 spilled 16 B; the next tile's entries held across the loop spilled 8-40 B),
+# both of its variants, unsplit at 128 heads and split at 64
 _V4 = dict(FP8=False, MODEL1=True, HAS_EXTRA=True, HAS_TOPK_LEN=True, HAS_TOPK_LEN2=True,
            HAS_SINK=True, CHECK_RANGE=True)
-SPARSE += [dict(_V4, MODEL1_KERNEL="staged_swizzled", RAW_STAGES=1),
-           dict(_V4, MODEL1_KERNEL="overlap_pv", SPLIT=True),
-           dict(_V4, MODEL1_KERNEL="overlap_pv_paired", N=64),
-           dict(_V4, MODEL1_KERNEL="overlap_qk3_paired"),
-           dict(_V4, MODEL1_KERNEL="overlap_qk7_paired", SPLIT=True),
-           dict(_V4, MODEL1_KERNEL="overlap_pv_bf16_paired"),
-           dict(_V4, MODEL1_KERNEL="overlap_pv_wide_paired", SPLIT=True, N=64),
-           dict(_V4, MODEL1_KERNEL="warp_specialized"),
-           dict(_V4, MODEL1_KERNEL="warp_specialized", SPLIT=True, N=64)]
+SPARSE += [dict(_V4, MODEL1_KERNEL=k, **shape) for k in ("warp_specialized",
+                                                          "warp_specialized_early")
+           for shape in ({}, {"SPLIT": True, "N": 64})]
 VARIANTS = [("decode", a) for a in DECODE] + [("sparse", a) for a in SPARSE]
 # the Triton decode kernel with plan_decode's default plans (every float32 call runs it)
 TRITON_DECODE = [dict(N=n, S_Q=s_q, CAUSAL=s_q > 1, dtype=dt) for dt in ("fp32", "bf16", "fp16")

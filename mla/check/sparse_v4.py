@@ -176,6 +176,7 @@ def v4_decode_cases(ctx: Ctx) -> Iterator[Case]:
     """The fast sparse decode on DeepSeek-V4's inputs, and the sink on each sm_90 route."""
     Plan = fast.SparsePlan  # noqa: N806
     gluon_split = Plan(64, 64, 4, 8, 2)
+    coupled = Plan(64, 64, 1, 8, 1, model1_kernel="staged")  # MODEL1's other Gluon kernel
     triton_64 = Plan(64, 64, 1, 8, 2, sm90=False)
     specs: list[tuple[str, V4Decode]]
     if ctx.quick:
@@ -206,6 +207,9 @@ def v4_decode_cases(ctx: Ctx) -> Iterator[Case]:
              V4Decode("model1", 8, 64, 512, (512, 1, 0, 300, 512, 65, 64, 511))),
             ("MODEL1 B=2 N=128 topk=2048 lens, sinks, forced 4 splits (sm_90 + combine)",
              V4Decode("model1", 2, 128, 2048, (2048, 100), plan=gluon_split)),
+            ("MODEL1 B=4 N=128 topk=2048 lens, second scope 128, sinks, the coupled kernel",
+             V4Decode("model1", 4, 128, 2048, (2048, 100, 0, 1000), 128, (128, 0, 7, 64),
+                      plan=coupled)),
             ("MODEL1 B=8 N=128 topk=2048 sinks, forced Triton",
              V4Decode("model1", 8, 128, 2048, plan=triton_64)),
             ("MODEL1 B=4 N=128 topk=2048 bad length and slot (sm_90), validate=False",

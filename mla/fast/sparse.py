@@ -47,7 +47,9 @@ How (docs/kernels.md, "Sparse"):
   ``num_splits`` comes from shapes only, so a call never synchronizes (CUDA graphs).
 - The Gluon sm_90 kernel (``mla.fast.sm90.sparse``) takes the 64-head programs over
   DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``), DeepSeek-V4's rows of 512 (in q's
-  dtype, or MODEL1 pages with bf16 q), one or two scopes, sinks included.
+  dtype, or MODEL1 pages with bf16 q), one or two scopes, sinks included; over MODEL1 pages
+  the plan's ``model1_kernel`` picks it or (the default) the warp-specialized kernel of
+  ``mla.fast.sm90.sparse_ws``.
 
 ``convert_req_index_to_global_index`` (``mla.fast.sparse_index``, re-exported here): the
 indexer's request-local top-k positions to the cache slots these kernels read.
@@ -97,7 +99,7 @@ from mla.fast.common import (
 from mla.fast.launch import CompiledLauncher
 from mla.fast.sparse_index import convert_req_index_to_global_index
 from mla.fast.sparse_kernels import DS_MLA, MODEL1, PLAIN, combine_kernel, sparse_kernel
-from mla.fast.sparse_plan import MODEL1_OVERLAP, SparsePlan, plan_sparse
+from mla.fast.sparse_plan import MODEL1_WS, SparsePlan, plan_sparse
 from mla.reference.fp8 import D_NOPE, FP8_DS_MLA_BYTES, ROPE_OFFSET
 from mla.reference.fp8_model1 import FP8_MODEL1_BYTES, fp8_model1_pages
 from mla.reference.sparse import (
@@ -138,8 +140,8 @@ class _Launch:
     out_shapes: tuple[tuple[int, ...], ...]  # out, lse (decode) / out, max_logits, lse
     grid: tuple[int, int, int] | None = None  # None: nothing to compute
     sm90: bool = False
-    # the Gluon kernel: mla.fast.sm90's "sparse", or for MODEL1 "overlap" or "ws"
-    sm90_kernel: str = "sparse"
+    # the Gluon kernel: mla.fast.sm90.sparse's, or (MODEL1, True) mla.fast.sm90.sparse_ws's
+    sm90_ws: bool = False
     # per input slot: (source, view) for the JIT, which types each pointer by its view's dtype
     jit_inputs: tuple[tuple[int, View] | None, ...] = ()
     # per input slot: (source, view or None where the view starts at the source's address)
@@ -164,7 +166,7 @@ _MAX_LAUNCHES = 4096  # distinct keys kept (a serving engine sees a few hundred)
 _triton_sparse = CompiledLauncher(sparse_kernel)
 _triton_combine = CompiledLauncher(combine_kernel)
 _sm90_sparse: CompiledLauncher | None = None  # built at the first sm_90 launch
-_sm90_model1: dict[str, CompiledLauncher] = {}  # the MODEL1 kernels a plan may name
+_sm90_ws: CompiledLauncher | None = None
 _INF = float("inf")
 
 
@@ -295,28 +297,23 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
     flags = dict(has_sink=sources[7] is not None, check_range=not has_maxl)
 
     sm90_route = _sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None)
-    kernel = "sparse"
-    if fmt == MODEL1 and plan.model1_kernel in MODEL1_OVERLAP:
-        kernel = "overlap"
-    elif fmt == MODEL1 and plan.model1_kernel == "warp_specialized":
-        kernel = "ws"
+    ws = fmt == MODEL1 and plan.model1_kernel in MODEL1_WS
     if sm90_route:
         def layout(sc: _Scope) -> tuple[int, int]:  # (row or page stride, page size)
             return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
         ints = (q.stride(0), q.stride(1), first.idx.stride(0), *layout(first),
                 extra.idx.stride(0), *layout(extra), *out_s, *lse_s, *m_s,
                 first.n_rows, topk, extra.n_rows, topk2)
-        if kernel != "sparse":
+        if ws:
             tail = (plan.num_splits, N, S, groups, has_extra, has_extra and extra.has_length,
                     first.has_length, flags["has_sink"], flags["check_range"], has_maxl, split,
-                    *MODEL1_OVERLAP.get(plan.model1_kernel, ()))
+                    *MODEL1_WS[plan.model1_kernel])
         else:
             tail = (plan.num_splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0,
                     has_extra, has_extra and extra.has_length, first.has_length,
                     flags["has_sink"], flags["check_range"], has_maxl, split,
                     D_NOPE if fmt == DS_MLA else 0, ROPE_OFFSET,
-                    2 if fmt == MODEL1 and plan.num_stages >= 2 else 1,
-                    fmt == MODEL1 and plan.model1_kernel == "staged_swizzled")
+                    2 if fmt == MODEL1 and plan.num_stages >= 2 else 1)
         ptr_map, options = tuple(slot[s] for s in _SM90_SLOTS), {"num_warps": 8}
     else:
         ints = (q.stride(0), q.stride(1), first.idx.stride(0), first.stride_row,
@@ -335,7 +332,7 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
         combine_args = (plan.num_splits, *out_s, *lse_s, *m_s, N, S, DV, block_dv,
                         max(2, next_pow2(plan.num_splits)), flags["has_sink"], has_maxl)
     return _Launch(out_shapes, (Q * groups, plan.num_splits, 1), sm90_route,
-                   kernel if sm90_route else "sparse", tuple(jit),
+                   sm90_route and ws, tuple(jit),
                    direct, ptr_map, o_size + 2 * l_size if split else 0, o_size,
                    o_size + l_size, ints, tail, options,
                    tuple(slot[s] for s in _COMBINE_SLOTS), combine_args, (Q * N, 1, 1))
@@ -345,7 +342,7 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
          prepare: Callable[[], _Launch]) -> tuple[torch.Tensor, ...]:
     """Allocate the outputs and launch: directly (kept compiled kernels, the sources in place
     of their views) when possible, else through the JIT with the typed views."""
-    global _sm90_sparse
+    global _sm90_sparse, _sm90_ws
     q = sources[0]
     outs = [torch.empty(launch.out_shapes[0], dtype=q.dtype, device=q.device)]
     outs += [torch.empty(s, dtype=torch.float32, device=q.device) for s in launch.out_shapes[1:]]
@@ -359,8 +356,12 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
     if launch.sm90:
         from mla.fast.sm90 import sparse as sm90_module
 
-        if launch.sm90_kernel != "sparse":
-            launcher = _model1_launcher(launch.sm90_kernel)
+        if launch.sm90_ws:
+            from mla.fast.sm90.sparse_ws import model1_ws_kernel
+
+            if _sm90_ws is None or _sm90_ws.fn is not model1_ws_kernel:
+                _sm90_ws = CompiledLauncher(model1_ws_kernel)
+            launcher = _sm90_ws
         else:
             if _sm90_sparse is None or _sm90_sparse.fn is not sm90_module.sparse_kernel:
                 _sm90_sparse = CompiledLauncher(sm90_module.sparse_kernel)
@@ -400,18 +401,6 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
     return tuple(outs)
 
 
-def _model1_launcher(kernel: str) -> CompiledLauncher:
-    """The launcher of the MODEL1 Gluon kernel ``kernel`` ("overlap" or "ws")."""
-    if kernel == "ws":
-        from mla.fast.sm90.sparse_ws import model1_ws_kernel as fn
-    else:
-        from mla.fast.sm90.sparse_overlap import model1_overlap_kernel as fn
-    launcher = _sm90_model1.get(kernel)
-    if launcher is None or launcher.fn is not fn:
-        launcher = _sm90_model1[kernel] = CompiledLauncher(fn)
-    return launcher
-
-
 def _parts(launch: _Launch, part: torch.Tensor | None, lse: torch.Tensor) -> list:
     if part is None:
         return [lse, lse, lse]  # unused
@@ -444,8 +433,7 @@ def _cached(key: tuple | None, prepare: Callable[[], _Launch], scale_name: str,
     if key is not None:
         if len(_launches) >= _MAX_LAUNCHES:  # shape churn: start again, kernels too
             _launches.clear()
-            for launcher in (_triton_sparse, _triton_combine, _sm90_sparse,
-                             *_sm90_model1.values()):
+            for launcher in (_triton_sparse, _triton_combine, _sm90_sparse, _sm90_ws):
                 if launcher is not None:
                     launcher.compiled.clear()
         _launches[key] = launch

@@ -9,29 +9,20 @@ import torch
 
 from mla.fast.common import TRITON_VERSION, next_pow2
 
-__all__ = ["MODEL1_KERNELS", "MODEL1_OVERLAP", "SparsePlan", "plan_sparse"]
+__all__ = ["MODEL1_KERNELS", "MODEL1_WS", "SparsePlan", "plan_sparse"]
 
 # The Gluon kernels a plan may name for 64-head MODEL1 decode (``SparsePlan.model1_kernel``):
-# "staged" (``mla.fast.sm90.sparse``: cp.async into a staging buffer, dequantized into the one
-# K buffer at the top of each tile, then the dots), "staged_swizzled" (the same, the staging
-# buffer's 16-byte chunks XOR-swizzled by row), and the overlap kernel's variants
-# (``mla.fast.sm90.sparse_overlap``: two K buffers, the next tile gathered, 6 of its 7 e4m3
-# tiles staged and 1 in registers, and dequantized while this tile's dots run), each as
-# (the e4m3 tiles of 7 dequantized while ``q · Kᵀ`` runs, the rest while ``P · V`` runs; the
-# scale multiply in bf16; the tile loop unrolled by two, so that the two K buffers are named
-# by constants; two e4m3 tiles a shared-memory store: the compiler puts a CTA barrier before
-# each store into K, 4 a tile instead of 7)
-# "warp_specialized" (``mla.fast.sm90.sparse_ws``): a producer warp group gathers and
-# dequantizes into two K buffers while the two consumer groups run the dots.
-MODEL1_OVERLAP: dict[str, tuple[int, bool, bool, bool]] = {
-    "overlap_pv": (0, False, False, False),
-    "overlap_pv_paired": (0, False, True, False),
-    "overlap_qk3_paired": (3, False, True, False),
-    "overlap_qk7_paired": (7, False, True, False),
-    "overlap_pv_bf16_paired": (0, True, True, False),
-    "overlap_pv_wide_paired": (0, False, True, True),
+# the warp-specialized kernel's variants (``mla.fast.sm90.sparse_ws``: a producer warp group
+# gathers and dequantizes into two K buffers while two consumer groups run the dots), each as
+# (the producer's registers a thread, the next tile's gather issued tile by tile during this
+# tile's dequantization), and "staged" (``mla.fast.sm90.sparse``, the coupled kernel: cp.async
+# into a staging buffer, dequantized by all 8 warps at the top of each tile, then the dots;
+# measured 1.13-1.64x slower, benchmarks/NOTES.md)
+MODEL1_WS: dict[str, tuple[int, bool]] = {
+    "warp_specialized": (104, False),
+    "warp_specialized_early": (104, True),
 }
-MODEL1_KERNELS = ("staged", "staged_swizzled", *MODEL1_OVERLAP, "warp_specialized")
+MODEL1_KERNELS = (*MODEL1_WS, "staged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +40,7 @@ class SparsePlan:
     # the Triton fallback)
     sm90: bool = True
     # 64-head MODEL1 decode on Hopper: which Gluon kernel (one of MODEL1_KERNELS)
-    model1_kernel: str = "staged"
+    model1_kernel: str = "warp_specialized"
 
     def __post_init__(self) -> None:
         if self.model1_kernel not in MODEL1_KERNELS:
@@ -73,7 +64,9 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
     - MODEL1 (``model1``) under 64 heads: 16-head programs with tiles of 32 (the 8-tile rows
       of 64 gathered rows need 246 KB of shared memory at 16 heads and 262 KB at 32; tiles of
       32 at 16 heads: 131 KB, no spill; 64-head programs go to the Gluon kernel).
-    - MODEL1 at 64 heads: one stage (the Gluon kernel's single staging buffer, measured
+    - MODEL1 at 64 heads: the warp-specialized Gluon kernel (``model1_kernel``'s default;
+      measured 1.13-1.24x faster than the coupled one at B=64, benchmarks/NOTES.md); one
+      stage, for a plan that names the coupled kernel (its single staging buffer, measured
       faster than two).
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
       least two tiles of ``topk``.

@@ -4,8 +4,8 @@
 on an sm_90 GPU (each module's ``supported``); everywhere else their Triton kernels run.
 
 - ``decode``: paged decode (``decode_kernel``), ``sparse``: sparse top-k decode and prefill
-  (``sparse_kernel``); ``sparse_overlap``: MODEL1 sparse decode with the dequantization
-  overlapped with the dots (``model1_overlap_kernel``, for plans that name it);
+  (``sparse_kernel``); ``sparse_ws``: MODEL1 sparse decode with a producer warp group that
+  gathers and dequantizes (``model1_ws_kernel``, the default plan's at 64 heads);
   ``softmax``: the online-softmax + ``P · V`` step both share, and the CTA barrier under the
   name this Triton gives it.
 

@@ -103,7 +103,6 @@ def sparse_kernel(
     HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
     HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
     SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr, RAW_STAGES: gl.constexpr,
-    RAW_SWIZZLE: gl.constexpr = False,
 ):
     """Grid ``(queries · GROUPS, splits)``, 8 warps. ``KV`` is the cache as rows of
     ``stride_row`` elements (q's dtype) or bytes (``FP8``: uint8, 656-byte rows), or
@@ -115,10 +114,7 @@ def sparse_kernel(
     entry outside ``[-1, n_rows)``, gets NaN results; ``SINK [N]`` (``HAS_SINK``) scales the
     unsplit output by ``σ(lse − sink)`` (split partials get it in the combine kernel).
     ``RAW_STAGES`` (MODEL1): 2 staging buffers, the copies two tiles ahead (issued while a
-    tile's ``P · V`` runs); 1: one buffer, the next tile's copies after the dequantization.
-    ``RAW_SWIZZLE`` (MODEL1): the staging buffer's 16-byte chunks XOR-swizzled by row (rows
-    are 512 bytes apart, so unswizzled the two rows of a quarter warp's 16-byte accesses hit
-    the same banks)."""
+    tile's ``P · V`` runs); 1: one buffer, the next tile's copies after the dequantization."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
@@ -163,11 +159,6 @@ def sparse_kernel(
                                               rank=2)
     plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1,
                                                   order=[1, 0])
-    if RAW_SWIZZLE:
-        raw_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8,
-                                                           order=[1, 0])
-    else:
-        raw_layout: gl.constexpr = plain
 
     q_nope = gl.allocate_shared_memory(dtype, [BM, DV], smem)
     q_pe = gl.allocate_shared_memory(dtype, [BM, DR], smem)
@@ -180,7 +171,7 @@ def sparse_kernel(
     elif MODEL1:
         k_nope = gl.allocate_shared_memory(dtype, [1, BN, DV], smem)
         # 448 of 512 columns used
-        raw = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, BN, DV], raw_layout)
+        raw = gl.allocate_shared_memory(gl.uint8, [RAW_STAGES, BN, DV], plain)
         raw_sc = raw  # unused: the scale bytes travel in registers
     else:
         k_nope = gl.allocate_shared_memory(dtype, [2, BN, DV], smem)

@@ -1,20 +1,27 @@
 """MODEL1 sparse decode for Hopper (sm_90) in Gluon, warp-specialized: a producer warp group
 gathers and dequantizes while two consumer warp groups run the dots.
 
-FlashMLA's MODEL1 decode gives the gathers and the dequantization their own warp group. Here,
-for the same 64-head programs as ``mla.fast.sm90.sparse`` and the same results:
+The coupled kernel of ``mla.fast.sm90.sparse`` runs four phases of about the same length in
+series per 64-entry tile (wait for the staged bytes, dequantize them into K, ``S = q · Kᵀ``,
+softmax and ``P · V``; benchmarks/NOTES.md). FlashMLA's MODEL1 decode gives the gathers and
+the dequantization their own warp group; so does this kernel, for the same 64-head programs
+and the same results:
 
-- the consumers (the program's 8 warps): per 64-entry tile ``S = q · Kᵀ`` split by keys, the
-  softmax statistics across both groups, ``P`` through shared memory, ``O += P · V`` split by
-  columns, exactly as the coupled kernel; they wait for ``ready[s]`` before a tile in K
-  buffer s and arrive at ``free[s]`` once both groups' ``P · V`` have read it;
-- the producer (4 more warps, 96 registers a thread): per tile it waits for ``free[s]``,
-  copies the tokens' bf16 rope values into K's last 64 columns (``cp.async``), dequantizes
-  the e4m3 bytes gathered a tile ahead (6 of 7 tiles of 64 bytes staged by ``cp.async``,
-  the 7th and the 7 UE8M0 scale bytes in registers: ``mla.fast.sm90.sparse_overlap``'s
-  gather) into K, gathers the next tile's bytes, and arrives at ``ready[s]``;
+- the consumers (the program's 8 warps, 200 registers a thread): per tile ``S = q · Kᵀ``
+  split by keys, the softmax statistics across both groups, ``P`` through shared memory,
+  ``O += P · V`` split by columns, as the coupled kernel; they wait for ``ready[s]`` before
+  a tile in K buffer s and arrive at ``free[s]`` once both groups' ``P · V`` have read it;
+- the producer (4 more warps, ``PRODUCER_REGS`` registers a thread): per tile it loads the
+  entries of this tile's rope and of the next tile's bytes, waits for ``free[s]``, copies
+  the rope values (``cp.async``) into K's last 64 columns, dequantizes the tile's e4m3 bytes
+  gathered a tile ahead (6 of 7 tiles of 64 bytes staged by ``cp.async``, the 7th and the 7
+  UE8M0 scale bytes in registers) into K, gathers the next tile's bytes (``EARLY``: each
+  staged tile as soon as this tile's is read), and arrives at ``ready[s]``;
 - two K buffers, so the producer works a tile ahead of the consumers: q 64 KB + K 128 KB +
-  P 8 KB + staging 24 KB = 229,888 B of shared memory.
+  P 8 KB + staging 24 KB = 229,924 B of shared memory with the barriers.
+
+``mla.fast.sparse`` launches it for plans whose ``model1_kernel`` names one of its variants
+(``mla.fast.sparse_plan.MODEL1_WS``; the default plan's).
 """
 
 from __future__ import annotations
@@ -30,12 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.fast.sm90.softmax import barrier, softmax_pv
-from mla.fast.sm90.sparse import _length, _source, epilogue, load_q
-from mla.fast.sm90.sparse_overlap import _copy_rope, _dequant, _fetch
+from mla.fast.sm90.sparse import _length, _model1_row, _source, epilogue, load_q
 
 __all__ = ["model1_ws_kernel"]
-
-_PRODUCER_REGS = gl.constexpr(96)  # registers a producer thread keeps (setmaxnreg)
 
 
 @gluon.jit
@@ -48,9 +52,14 @@ def model1_ws_kernel(
     N: gl.constexpr, S: gl.constexpr, GROUPS: gl.constexpr, HAS_EXTRA: gl.constexpr,
     HAS_TOPK_LEN2: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, EARLY: gl.constexpr,
 ):
     """Grid ``(queries · GROUPS, splits)``, 8 warps (and the producer's 4); the arguments of
-    ``mla.fast.sm90.sparse_overlap.model1_overlap_kernel`` without its variant switches."""
+    ``mla.fast.sm90.sparse.sparse_kernel`` over MODEL1 pages (``KV``, ``KV2``: uint8 pages
+    ``stride_row`` bytes apart of ``page_size`` tokens; q bf16 rows of 512).
+    ``PRODUCER_REGS``: the producer's registers a thread (setmaxnreg; the consumers get the
+    rest). ``EARLY``: the producer copies each of the next tile's staged e4m3 tiles as soon
+    as it has dequantized this tile's (else all of them after the whole dequantization)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
@@ -111,8 +120,8 @@ def model1_ws_kernel(
                      HAS_MAXL, SPLIT)),
         (_producer, (k_buf, raw, ready, free, t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV, KV2,
                      n_rows, n_rows2, stride_row, stride_row2, page_size, page_size2,
-                     HAS_EXTRA)),
-    ], [4], [_PRODUCER_REGS])
+                     HAS_EXTRA, EARLY)),
+    ], [4], [PRODUCER_REGS])
 
 
 @gluon.jit
@@ -173,45 +182,120 @@ def _consumer(q_nope, k_buf, p_smem, ready, free, t_lo, t_hi, tiles1, idx1, idx2
 @gluon.jit
 def _producer(k_buf, raw, ready, free, t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV, KV2,
               n_rows, n_rows2, stride_row, stride_row2, page_size, page_size2,
-              HAS_EXTRA: gl.constexpr):
+              HAS_EXTRA: gl.constexpr, EARLY: gl.constexpr):
     """The producer warp group: each tile's rope copies and dequantization into its K buffer
-    once the consumers have freed it, the next tile's gather, then ``ready``."""
-    BN: gl.constexpr = 64
+    once the consumers have freed it, the next tile's gather, then ``ready``. Each thread
+    reads back only the staged bytes its own copies wrote (the same layout), so a wait for
+    its copies needs no barrier."""
     ldp: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
                                          warps_per_cta=[4, 1], order=[1, 0])
     ld8p: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4],
                                           warps_per_cta=[4, 1], order=[1, 0])
-    ir, st, hi, kv_, rows_, sr_, ps_ = _source(t_lo, tiles1, idx1, idx2, n1, n2, KV, KV2,
-                                               n_rows, n_rows2, stride_row, stride_row2,
-                                               page_size, page_size2, HAS_EXTRA)
-    c8 = st + gl.arange(0, BN, layout=gl.SliceLayout(1, ld8p))
-    i_8 = gl.load(ir + c8, mask=c8 < hi, other=-1)
-    e6, codes = _fetch(kv_, i_8, t_lo < t_hi, rows_, sr_, ps_, raw, False, ld8p)
+    lists = (tiles1, idx1, idx2, n1, n2, KV, KV2, n_rows, n_rows2, stride_row, stride_row2,
+             page_size, page_size2)
+    # tile t_lo's bytes
+    i_8 = _entries(t_lo, lists, HAS_EXTRA, ld8p)
+    row, ok, sc_off = _rows(t_lo, t_hi, i_8, lists, HAS_EXTRA)
+    for c in gl.static_range(6):
+        _stage(raw, row, ok, c, ld8p)
     async_copy.commit_group()
+    e6, codes = _in_registers(row, ok, sc_off, ld8p)
     for i in range(t_lo, t_hi):
         s = (i - t_lo) % 2
         ph = ((i - t_lo) // 2) & 1
         kn = k_buf.index(s)
+        # the entries of this tile's rope and of the next tile, loaded before the wait for
+        # the buffer (which their latency then overlaps)
+        i_ld = _entries(i, lists, HAS_EXTRA, ldp)
+        i_8 = _entries(i + 1, lists, HAS_EXTRA, ld8p)
+        _, _, _, kv_, rows_, sr_, ps_ = _source(i, *lists, HAS_EXTRA)
         mbarrier.wait(free.index(s), ph)  # the consumers are done with the tile before last
-        ir, st, hi, kv_, rows_, sr_, ps_ = _source(i, tiles1, idx1, idx2, n1, n2, KV, KV2,
-                                                   n_rows, n_rows2, stride_row, stride_row2,
-                                                   page_size, page_size2, HAS_EXTRA)
-        c1 = st + gl.arange(0, BN, layout=gl.SliceLayout(1, ldp))
-        i_ld = gl.load(ir + c1, mask=c1 < hi, other=-1)
-        _copy_rope(kv_, i_ld, True, rows_, sr_, ps_, kn, ldp)
+        _copy_rope(kv_, i_ld, rows_, sr_, ps_, kn, ldp)
         async_copy.commit_group()
+        # tile i+1's rows: its bytes gathered after this tile's (tile by tile if EARLY)
+        row, ok, sc_off = _rows(i + 1, t_hi, i_8, lists, HAS_EXTRA)
         async_copy.wait_group(1)  # tile i's staged bytes (its rope copies may not land)
-        _dequant(kn, raw, e6, codes, 0, 7, False, False, ld8p)
-        # tile i+1's bytes: each thread reads back only what its own copies wrote
-        ir, st, hi, kv_, rows_, sr_, ps_ = _source(i + 1, tiles1, idx1, idx2, n1, n2, KV, KV2,
-                                                   n_rows, n_rows2, stride_row, stride_row2,
-                                                   page_size, page_size2, HAS_EXTRA)
-        c8 = st + gl.arange(0, BN, layout=gl.SliceLayout(1, ld8p))
-        i_8 = gl.load(ir + c8, mask=c8 < hi, other=-1)
-        e6, codes = _fetch(kv_, i_8, i + 1 < t_hi, rows_, sr_, ps_, raw, False, ld8p)
+        for c in gl.static_range(6):
+            _store_scaled(kn.slice(c * 64, 64, dim=1), raw.index(c).load(ld8p),
+                          _scale(codes, c))
+            if EARLY:
+                _stage(raw, row, ok, c, ld8p)
+        if not EARLY:
+            for c in gl.static_range(6):
+                _stage(raw, row, ok, c, ld8p)
         async_copy.commit_group()
+        _store_scaled(kn.slice(384, 64, dim=1), e6, _scale(codes, 6))
+        e6, codes = _in_registers(row, ok, sc_off, ld8p)
         async_copy.wait_group(1)  # tile i's rope copies (tile i+1's bytes may not land)
         fence_async_shared()
         barrier()  # every producer thread's part of K[s] is written
         mbarrier.arrive(ready.index(s))
     async_copy.wait_group(0)  # the copies issued past the last tile (masked: zeros) land
+
+
+@gluon.jit
+def _entries(t, lists, HAS_EXTRA: gl.constexpr, layout: gl.constexpr):
+    """Tile ``t``'s 64 entries (``-1`` past its scope's length) in the rows of ``layout``."""
+    BN: gl.constexpr = 64
+    ir, st, hi, _, _, _, _ = _source(t, *lists, HAS_EXTRA)
+    c = st + gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    return gl.load(ir + c, mask=c < hi, other=-1)
+
+
+@gluon.jit
+def _rows(t, t_hi, i_8, lists, HAS_EXTRA: gl.constexpr):
+    """Tile ``t``'s 64 data rows named by its entries ``i_8`` (uint8 pointers), whether each
+    is read (a valid entry of a tile before ``t_hi``), and the offset of each row's scale
+    bytes from it."""
+    _, _, _, kv_, rows_, sr_, ps_ = _source(t, *lists, HAS_EXTRA)
+    ok, pg, tok = _model1_row(i_8, rows_, ps_, sr_)
+    # a token's scale bytes are at 576 · page_size + 8 · token of its page, so at
+    # 576 · page_size − 568 · token of its data row
+    return (kv_ + pg + tok * 576, ok & (t < t_hi), (ps_ * 576).to(gl.int64) - 568 * tok)
+
+
+@gluon.jit
+def _stage(raw, row, ok, c: gl.constexpr, ld8p: gl.constexpr):
+    """``cp.async`` of the rows' e4m3 tile ``c`` (64 bytes at ``64 c``) into ``raw[c]``
+    (masked rows: zeros)."""
+    col = gl.arange(0, 64, layout=gl.SliceLayout(0, ld8p))
+    async_copy.async_copy_global_to_shared(raw.index(c), row[:, None] + (c * 64 + col)[None, :],
+                                           mask=ok[:, None])
+
+
+@gluon.jit
+def _in_registers(row, ok, sc_off, ld8p: gl.constexpr):
+    """The rows' 7th e4m3 tile (``[64, 64]`` uint8) and their 8 scale bytes (one int64 a row:
+    byte c is tile c's UE8M0 scale; at ``576 · page_size + 8 · token`` of the page, i.e.
+    ``row + sc_off``), loaded into registers; masked rows read zeros (value 0, scale 0)."""
+    col = gl.arange(0, 64, layout=gl.SliceLayout(0, ld8p))
+    e6 = gl.load(row[:, None] + (384 + col)[None, :], mask=ok[:, None], other=0)
+    # 8-byte aligned: the page starts 16-byte aligned, 576 · page_size and 8 · token too
+    sc_ptr = (row + sc_off).to(gl.pointer_type(gl.int64), bitcast=True)
+    return e6, gl.load(sc_ptr, mask=ok, other=0)
+
+
+@gluon.jit
+def _copy_rope(KV, i_ld, n_rows, page_stride, page_size, kn, ldp: gl.constexpr):
+    """``cp.async`` copies of the named tokens' 64 bf16 rope values (at byte 448 of a token's
+    576) into K's columns 448-511; an invalid entry copies zeros."""
+    ok, pg, tok = _model1_row(i_ld, n_rows, page_size, page_stride)
+    ptr = (KV + pg + tok * 576 + 448).to(gl.pointer_type(kn.dtype), bitcast=True)
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, ldp))
+    async_copy.async_copy_global_to_shared(kn.slice(448, 64, dim=1), ptr[:, None] + c[None, :],
+                                           mask=ok[:, None])
+
+
+@gluon.jit
+def _scale(codes, c: gl.constexpr):
+    """Tile c's scale ``2^(byte − 127)`` from its UE8M0 byte in ``codes`` (the byte 0xFF: NaN;
+    built from the exponent bits, exact for the bytes 1-254; 0 reads as 0)."""
+    byte = ((codes >> (8 * c)) & 255).to(gl.int32)
+    return gl.where(byte == 255, float("nan"), (byte << 23).to(gl.float32, bitcast=True))
+
+
+@gluon.jit
+def _store_scaled(dst, b8, scale):
+    """``e4m3(b8) · scale`` (a row's scale) into ``dst`` in its dtype."""
+    v = b8.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+    dst.store(v.to(dst.dtype))
