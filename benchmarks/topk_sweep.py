@@ -50,7 +50,9 @@ SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 64, 128, 256)]
 ONE = dict(route="one")  # the one-launch kernel at every row count
 THREE = dict(route="three")  # three launches at every row count
 # many rows (the default: three launches)
-PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, select_warps=16),
+PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, filter_local=512),
+         TopkPlan(**THREE, filter_local=1024, block=512, programs_per_sm=32),
+         TopkPlan(**THREE, select_warps=16),
          TopkPlan(**THREE, select_bits=8), TopkPlan(**THREE, estimate_warps=8),
          TopkPlan(**THREE, sample_runs=256), TopkPlan(**ONE), TopkPlan(**ONE, fused_warps=16)]
 # rows fewer than the SMs: the one-launch kernel splits each row over programs
@@ -307,7 +309,7 @@ def compiled_facts() -> list[dict]:
     """Registers, spilled bytes and shared memory of every kernel this run compiled (the
     launchers keep them), one row per kernel and plan."""
     rows, seen = [], set()
-    for name in ("_estimate", "_filter", "_select", "_fused"):
+    for name in ("_estimate", "_filter", "_filter_local", "_select", "_fused"):
         for (_dev, key), k in getattr(fast_topk, name).compiled.items():
             plan = key[0] if isinstance(key[0], TopkPlan) else key[0][0]
             row = {"kernel": name.strip("_"), "plan": _changed(plan),

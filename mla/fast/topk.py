@@ -59,6 +59,7 @@ from mla.fast.topk_fused import _fused_kernel
 from mla.fast.topk_kernels import (
     _estimate_kernel,
     _filter_kernel,
+    _filter_local_kernel,
     _select_kernel,
     count_column,
     work_columns,
@@ -73,6 +74,7 @@ RUN = 8  # the estimate's sample comes in runs of 8 keys: one 32-byte sector
 
 _estimate = CompiledLauncher(_estimate_kernel)
 _filter = CompiledLauncher(_filter_kernel)
+_filter_local = CompiledLauncher(_filter_local_kernel)
 _select = CompiledLauncher(_select_kernel)
 _fused = CompiledLauncher(_fused_kernel)
 
@@ -98,8 +100,10 @@ class TopkPlan:
     before three standard deviations of the sample's); ``estimate_warps`` (three launches).
     Three launches' streaming read: ``block`` keys a step, ``stages`` steps in flight,
     ``filter_warps``, ``programs_per_sm`` (the grid aims at that many programs per SM: a row is
-    cut into that many chunks over the rows). Select (both routes): ``select_bits`` a radix
-    level, ``select_tile`` keys a step of a scanned row; ``select_warps`` (three launches)."""
+    cut into that many chunks over the rows), ``filter_local`` (0: a block's survivors placed
+    by one atomic; else a program's own list of that many, moved to the row's when full).
+    Select (both routes): ``select_bits`` a radix level, ``select_tile`` keys a step of a
+    scanned row; ``select_warps`` (three launches)."""
     route: str = "auto"
     min_parts: int = 4
     fused_block: int = 2048
@@ -109,6 +113,7 @@ class TopkPlan:
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
+    filter_local: int = 0
     programs_per_sm: int = 64
     select_bits: int = 6
     select_tile: int = 2048
@@ -138,6 +143,10 @@ class TopkPlan:
         if self.route not in ("auto", "one", "three"):
             raise ValueError(f"TopkPlan.route must be 'auto', 'one' or 'three', got "
                              f"{self.route!r}")
+        if self.filter_local and (self.filter_local < self.block
+                                  or self.filter_local & (self.filter_local - 1)):
+            raise ValueError(f"TopkPlan.filter_local must be 0 or a power of two of at least "
+                             f"block ({self.block}), got {self.filter_local!r}")
         if self.fused_block < 16:
             raise ValueError(f"TopkPlan.fused_block must be at least 16 (16-byte loads), got "
                              f"{self.fused_block!r}")
@@ -229,12 +238,16 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     est_args = (*rows, work, W, topk, s_l_r, float(plan.oversample), cap, plan.sample_runs,
                 RUN, plan.estimate_bits, SMALL)
     filter_args = (*rows, work, W, s_l_r, chunk, cap, SMALL, plan.block, plan.stages)
+    if plan.filter_local:
+        local = torch.empty(R * chunks * 2 * plan.filter_local, dtype=torch.int32,
+                            device=logits.device)
+        filter_args = (*filter_args[:4], local, *filter_args[4:], plan.filter_local)
     select_args = (*rows, work, out, W, topk, s_l_r, s_o_r, cap, SMALL, plan.select_tile,
                    plan.select_bits, out_block)
     return work, [
         lambda: _estimate(key, (R, 1, 1), est_args, num_warps=plan.estimate_warps),
-        lambda: _filter((key, chunk), (R, chunks, 1), filter_args,
-                        num_warps=plan.filter_warps),
+        lambda: (_filter_local if plan.filter_local else _filter)(
+            (key, chunk), (R, chunks, 1), filter_args, num_warps=plan.filter_warps),
         lambda: _select(key, (R, 1, 1), select_args, num_warps=plan.select_warps)]
 
 

@@ -178,11 +178,7 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
     if n > CAP:
         keys_out, cols_out, _few, thresh, count = _work_row(work, row, CAP, SMALL)
         t = tl.load(thresh)
-        # from start rounded down to 16, so that the loads are 16-byte vectors; columns as
-        # int32 (W < 2^31): half the registers and address arithmetic of int64
-        lo = tl.multiple_of((start - start % 16 + c * chunk).to(tl.int32), 16)
-        hi = tl.minimum(lo + chunk, end.to(tl.int32))
-        first = start.to(tl.int32)
+        lo, hi, first = _chunk_range(start, end, c, chunk)
         src = logits + row * s_l_r
         for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
             cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
@@ -193,6 +189,63 @@ def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
             if kept > 0:
                 base = tl.atomic_add(count, kept, sem="relaxed")
                 _store_survivors(keys_out, cols_out, base, keep, k, cols, first, CAP)
+
+
+@triton.jit
+def _chunk_range(start, end, c, chunk):
+    """Chunk ``c``'s columns ``[lo, hi)`` from the row's start rounded down to 16 (16-byte
+    loads), and the start, as int32 (W < 2^31: half the registers and address arithmetic)."""
+    lo = tl.multiple_of((start - start % 16 + c * chunk).to(tl.int32), 16)
+    return lo, tl.minimum(lo + chunk, end.to(tl.int32)), start.to(tl.int32)
+
+
+@triton.jit
+def _filter_local_kernel(logits, starts, ends, work, local, W, s_l_r, chunk,
+                         CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
+                         STAGES: tl.constexpr, LOCAL: tl.constexpr):
+    """``_filter_kernel`` without a round trip a block: the program lists its survivors in its
+    own ``local`` list of ``LOCAL`` and moves that list to the row's, its place reserved by
+    one atomic, when the next block might not fit and at the end."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1).to(tl.int64)
+    start, end, n = _row_range(starts, ends, row, W)
+    if n > CAP:
+        keys_out, cols_out, _few, thresh, count = _work_row(work, row, CAP, SMALL)
+        t = tl.load(thresh)
+        lo, hi, first = _chunk_range(start, end, c, chunk)
+        src = logits + row * s_l_r
+        mine = local + (row * tl.num_programs(1) + c) * (2 * LOCAL)
+        held = tl.zeros((), tl.int32)
+        for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+            cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
+            x = tl.load(src + cols, mask=cols < W, other=0.0)
+            k = _order_keys(x)
+            keep = (cols >= first) & (cols < hi) & (k >= t)
+            if held > LOCAL - BLOCK:  # this block might not fit: move the list first
+                held = _move_local(mine, held, count, keys_out, cols_out, CAP, LOCAL, BLOCK)
+            pos = held + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+            tl.store(mine + pos, k, mask=keep)
+            tl.store(mine + LOCAL + pos, cols - first, mask=keep)
+            held += tl.sum(keep.to(tl.int32), axis=0)
+        if held > 0:
+            _move_local(mine, held, count, keys_out, cols_out, CAP, LOCAL, BLOCK)
+
+
+@triton.jit
+def _move_local(mine, held, count, keys_out, cols_out, CAP: tl.constexpr, LOCAL: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """A filter program's own list of ``held`` items moved to the row's list at a place one
+    atomic reserves, ``BLOCK`` a step (the registers of a block); returns 0 (the list empty
+    again)."""
+    tl.debug_barrier()  # the list written by every thread before it is read
+    base = tl.atomic_add(count, held, sem="relaxed")
+    for g in range(0, held, BLOCK):
+        i = g + tl.arange(0, BLOCK)
+        m = (i < held) & (base + i < CAP)
+        tl.store(keys_out + base + i, tl.load(mine + i, mask=m), mask=m)
+        tl.store(cols_out + base + i, tl.load(mine + LOCAL + i, mask=m), mask=m)
+    tl.debug_barrier()  # read by every thread before the list is written again
+    return held * 0
 
 
 @triton.jit
