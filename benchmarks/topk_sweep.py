@@ -46,7 +46,7 @@ from mla.fast.topk import (
 )
 
 TOPK = 2048
-SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 64, 128, 256)]
+SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)]
 ONE = dict(route="one")  # the one-launch kernel at every row count
 THREE = dict(route="three")  # three launches at every row count
 # many rows (the default: three launches)
@@ -56,7 +56,8 @@ PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, filter_local=512),
          TopkPlan(**THREE, select_bits=8), TopkPlan(**THREE, estimate_warps=8),
          TopkPlan(**THREE, sample_runs=256), TopkPlan(**ONE), TopkPlan(**ONE, fused_warps=16)]
 # rows fewer than the SMs: the one-launch kernel splits each row over programs
-SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**ONE), TopkPlan(**ONE, fused_block=1024),
+SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, filter_local=512), TopkPlan(**ONE),
+               TopkPlan(**ONE, fused_block=1024),
                TopkPlan(**ONE, fused_block=4096), TopkPlan(**ONE, fused_warps=16),
                TopkPlan(**ONE, sample_runs=256)]
 SWEEP_SHAPES = [(128, 131072), (256, 131072), (128, 32768), (1, 131072), (32, 131072),
