@@ -415,10 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         if "time" in want:
             res["timing"] = timing(ceil["copy_TBps"])
             save()
-            res["adversarial"] = adversarial_timing()
-            save()
         if "sweep" in want:
             sweep(ceil["copy_TBps"], res["sweep"], save)
+        if "time" in want:
+            res["adversarial"] = adversarial_timing()
+            save()
     finally:
         res["compiled"] = compiled_facts()
         save()
