@@ -5,7 +5,8 @@ read off the GPU's global timer.
 CUDA-graph time cannot split. A probe kernel runs the select's pieces (``mla.fast.topk_kernels``,
 the same ``@triton.jit`` functions) on one row held in registers and stamps ``globaltimer``
 between them: the keys' load, the first radix level, the whole ``_kth_key``, then the write of
-the set; and, for the one-launch kernel's read, one part's ``_stream_list`` over a row.
+the set; the threshold from the sample; one program's ``_stream_list`` over a whole row; and the
+select of the list it made (its length printed too).
 Prints the mean of each phase over a few rows (one program each, 8 warps).
 """
 
@@ -23,7 +24,8 @@ from mla.fast.topk import CANDIDATES, SMALL, TopkPlan
 from mla.fast.topk_fused import _stream_list
 from mla.fast.topk_kernels import _held_keys, _kth_key, _level32, _select_held, _threshold
 
-PHASES = ["load", "first level", "kth key", "select (all)", "threshold", "stream 128K"]
+PHASES = ["load", "first level", "kth key", "select (all)", "threshold", "stream 128K",
+          "select list"]
 
 
 @triton.jit
@@ -50,14 +52,19 @@ def _phases_kernel(logits, scratch, out, stamps, W, topk, CAP: tl.constexpr,
     t = _threshold(src, W, topk, few, 1.5, CAP, 512, 8, 5, SMALL)
     t5 = globaltimer()
     count = _stream_list(src, 0, 0, W, t, W, lst, lst + CAP, CAP, BLOCK, 3)
+    tl.debug_barrier()
     t6 = globaltimer()
+    _select_held(src, lst, lst + CAP, count, topk, few, dst, True, CAP, TILE, BITS, SMALL)
+    t7 = globaltimer()
     tl.store(at + 0, t1 - t0)
     tl.store(at + 1, t2 - t1)
     tl.store(at + 2, t3 - t2)
     tl.store(at + 3, t4 - t3)
     tl.store(at + 4, t5 - t4)
     tl.store(at + 5, t6 - t5)
-    tl.store(at + 6, (s + found + inside + kth + left + inside2 + count).to(tl.int64))
+    tl.store(at + 6, t7 - t6)
+    tl.store(at + 7, count.to(tl.int64))
+    tl.store(at + 8, (s + found + inside + kth + left + inside2).to(tl.int64))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         us = (stamps[:, :len(PHASES)].double().mean(0) / 1e3).tolist()
         found[warps] = dict(zip(PHASES, us))
+        found[warps]["list"] = stamps[:, 7].double().mean().item()
         print(f"{warps} warps, one program a row, us: " +
-              "; ".join(f"{n} {v:.1f}" for n, v in zip(PHASES, us)), flush=True)
+              "; ".join(f"{n} {v:.1f}" for n, v in zip(PHASES, us)) +
+              f"; list of {found[warps]['list']:.0f}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(found, f, indent=1)
