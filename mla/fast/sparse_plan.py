@@ -17,7 +17,7 @@ __all__ = ["MODEL1_KERNELS", "MODEL1_WS", "SparsePlan", "plan_sparse"]
 # (the producer's registers a thread, the next tile's gather issued tile by tile during this
 # tile's dequantization), and "staged" (``mla.fast.sm90.sparse``, the coupled kernel: cp.async
 # into a staging buffer, dequantized by all 8 warps at the top of each tile, then the dots;
-# measured 1.13-1.64x slower, benchmarks/NOTES.md)
+# 1.04-1.24x slower at B=64, benchmarks/NOTES.md)
 MODEL1_WS: dict[str, tuple[int, bool]] = {
     "warp_specialized": (104, False),
     "warp_specialized_early": (104, True),
@@ -65,7 +65,7 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
       of 64 gathered rows need 246 KB of shared memory at 16 heads and 262 KB at 32; tiles of
       32 at 16 heads: 131 KB, no spill; 64-head programs go to the Gluon kernel).
     - MODEL1 at 64 heads: the warp-specialized Gluon kernel (``model1_kernel``'s default;
-      measured 1.13-1.24x faster than the coupled one at B=64, benchmarks/NOTES.md); one
+      measured 1.04-1.24x faster than the coupled one at B=64, benchmarks/NOTES.md); one
       stage, for a plan that names the coupled kernel (its single staging buffer, measured
       faster than two).
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
