@@ -7,7 +7,7 @@ the same ``@triton.jit`` functions) on one row held in registers and stamps ``gl
 between them: the keys' load, the first radix level, the whole ``_kth_key``, then the write of
 the set; the threshold from the sample; one program's ``_stream_list`` over a whole row; and the
 select of the list it made (its length printed too).
-Prints the mean of each phase over a few rows (one program each, 8 warps).
+Prints the mean of each phase over a few rows (one program each), at 8 and 16 warps.
 """
 
 from __future__ import annotations
