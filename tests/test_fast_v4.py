@@ -419,9 +419,9 @@ def test_nan_in_the_second_scope_is_nan_out(plan):
 @pytest.mark.parametrize("num_splits,num_stages", [(1, 2), (3, 2), (1, 1), (3, 1)])
 def test_sm90_kernel_takes_model1_the_second_scope_and_sinks(num_splits, num_stages):
     """On an H200 the 64-head MODEL1 calls, with a second scope of pages of 1 and sinks, go to
-    the Gluon kernel (the route is asserted, not assumed) and match the reference within the
-    bf16 budget, with one staging buffer and with two; so do rows of 512 in q's dtype (decode
-    with a second scope, prefill)."""
+    the coupled Gluon kernel when the plan names it (the route is asserted, not assumed) and
+    match the reference within the bf16 budget, with one staging buffer and with two; so do
+    rows of 512 in q's dtype (decode with a second scope, prefill)."""
     import mla.fast.sparse as fast_sparse
     from mla.fast.sparse_kernels import MODEL1, PLAIN
 
@@ -430,7 +430,7 @@ def test_sm90_kernel_takes_model1_the_second_scope_and_sinks(num_splits, num_sta
     c2, u2 = model1_cache(60, 1, g)
     q = torch.randn(3, 1, 64, D4, generator=g).to(torch.bfloat16).to(DEVICE)
     idx1, idx2 = pick(g, (3, 1, 200), u1), pick(g, (3, 1, 40), u2)
-    plan = SparsePlan(64, 64, num_splits, 8, num_stages)
+    plan = SparsePlan(64, 64, num_splits, 8, num_stages, model1_kernel="staged")
     pages = lambda c: c.as_strided((c.shape[0], c.stride(0)), (c.stride(0), 1))  # noqa: E731
     assert fast_sparse._sm90_route(plan, q, pages(c1), 512, MODEL1, pages(c2))
     lens = torch.tensor([200, 0, 77], dtype=I32, device=DEVICE)
