@@ -103,8 +103,9 @@ ERROR_BUDGETS: dict[tuple[str, str, str], float] = {
 # property of the inputs, while every head's dot goes through the accumulator whatever its
 # weight's sign. Budget: Hopper's FP8 tensor cores accumulate each 128-dim dot in an
 # accumulator of 13 mantissa bits that truncates (DeepSeek-V3's report, §3.3.2; emulated in
-# benchmarks/fp8_mma.py): FP8_MMA_LOGITS_ERR from DeepSeek-V3.2's 64 heads up; with fewer heads
-# the dots' roundings average less, sqrt(64 / heads) times it (fp8_mma_logits_budget).
+# benchmarks/fp8_mma.py): FP8_MMA_LOGITS_ERR from DeepSeek-V3.2's 64 heads up, 1.8 times the
+# worst an H200 measures there; with fewer heads the dots' roundings average less, sqrt(64 /
+# heads) times it (fp8_mma_logits_budget).
 # Derivation and measurements in conventions §11.
 FP8_MMA_LOGITS_ERR = 2.0 ** -13
 

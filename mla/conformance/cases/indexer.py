@@ -49,13 +49,14 @@ budget. On a CUDA device the budget is the FP8 tensor cores' instead
 ``k = 32`` at a step into an accumulator of 13 mantissa bits that truncates (DeepSeek-V3's
 report, §3.3.2), never promoted to float32 within the 128-dim dot. ``benchmarks/fp8_mma.py``
 emulates it (each step's addends truncated to the largest one's 13-bit grid, the sum truncated
-to 13 bits; the H200's single-head dots equal it bit for bit in 57-88% of cases, its logits'
+to 13 bits; the H200's single-head dots equal it bit for bit in 57-89% of cases, its logits'
 errors within 5%). At 64 heads and more the budget is ``2^-13`` (``FP8_MMA_LOGITS_ERR``):
 on an H200 mla.fast's kernels measure 2.2e-5 to 4.3e-5 on these cases (27 case-seeds) and up
-to 6.4e-5 on the benchmark's uniformly random e4m3 keys, whose few large products lose more
-to the aligned truncation (emulated: 3.4e-5 and 6.7e-5). The budget is set by the worst input
-distribution, 1.9 times it. With fewer heads, fewer dots' roundings average: ``sqrt(64 /
-heads)`` times ``2^-13`` (one head measures 1.2-2.4e-4, the dot's own error). A 1% error is
+to 6.7e-5 on the benchmark's uniformly random e4m3 keys, whose few large products lose more
+to the aligned truncation (emulated: 3.4e-5 and 7.1e-5). The budget is set by the worst input
+distribution, 1.8 times it. With fewer heads, fewer dots' roundings average: ``sqrt(64 /
+heads)`` times ``2^-13`` (one head measures 1.4-2.3e-4, the dot's own error; from 8 to 128
+heads the worst distribution sits at 0.44-0.59 of the budget). A 1% error is
 20 to 28 times over the budget, one head's weight dropped more. The limits do not depend on
 the setting's dtype: the kernel's inputs are fp8 and float32 whatever it is.
 """
