@@ -45,7 +45,6 @@ from mla.fast import decode as fast_decode
 from mla.fast.decode import plan_decode
 from mla.fast.sm90 import decode as sm90_decode
 from mla.fast.sm90 import sparse as sm90_sparse
-from mla.fast.sparse_plan import MODEL1_WS
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use on an H200 (227 KB)
@@ -155,11 +154,10 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                  MODEL1=MODEL1, HAS_EXTRA=HAS_EXTRA, HAS_TOPK_LEN2=HAS_TOPK_LEN2,
                  HAS_PE=not MODEL1 and D == _D, RAW_STAGES=RAW_STAGES if MODEL1 else 1)
     fn = sm90_sparse.sparse_kernel
-    if MODEL1 and MODEL1_KERNEL in MODEL1_WS:
+    if MODEL1 and MODEL1_KERNEL == "warp_specialized":
         from mla.fast.sm90.sparse_ws import model1_ws_kernel
 
         fn = model1_ws_kernel
-        const.update(zip(("PRODUCER_REGS", "EARLY"), MODEL1_WS[MODEL1_KERNEL]))
     d = 512 if MODEL1 else D
     ptrs = dict(Q=dt, KV="u8" if FP8 or MODEL1 else dt, IDX="i32", TOPK_LEN="i32", SINK="fp32",
                 O=dt, LSE="fp32", KV2="u8" if FP8 or MODEL1 else dt, IDX2="i32",

@@ -63,11 +63,10 @@ SPARSE += [dict(FP8=False, MODEL1=True, N=64),
            dict(FP8=False, D=512, N=64, HAS_MAXL=True, HAS_SINK=True, HAS_TOPK_LEN=True)]
 # the warp-specialized MODEL1 kernel, the default plan's at 64 heads (a producer group of
 # 104 registers: 88 spilled 16 B; the next tile's entries held across the loop spilled 8-40 B),
-# both of its variants, unsplit at 128 heads and split at 64
+# unsplit at 128 heads and split at 64
 _V4 = dict(FP8=False, MODEL1=True, HAS_EXTRA=True, HAS_TOPK_LEN=True, HAS_TOPK_LEN2=True,
            HAS_SINK=True, CHECK_RANGE=True)
-SPARSE += [dict(_V4, MODEL1_KERNEL=k, **shape) for k in ("warp_specialized",
-                                                          "warp_specialized_early")
+SPARSE += [dict(_V4, MODEL1_KERNEL="warp_specialized", **shape)
            for shape in ({}, {"SPLIT": True, "N": 64})]
 VARIANTS = [("decode", a) for a in DECODE] + [("sparse", a) for a in SPARSE]
 # the Triton decode kernel with plan_decode's default plans (every float32 call runs it)

@@ -99,7 +99,7 @@ from mla.fast.common import (
 from mla.fast.launch import CompiledLauncher
 from mla.fast.sparse_index import convert_req_index_to_global_index
 from mla.fast.sparse_kernels import DS_MLA, MODEL1, PLAIN, combine_kernel, sparse_kernel
-from mla.fast.sparse_plan import MODEL1_WS, SparsePlan, plan_sparse
+from mla.fast.sparse_plan import SparsePlan, plan_sparse
 from mla.reference.fp8 import D_NOPE, FP8_DS_MLA_BYTES, ROPE_OFFSET
 from mla.reference.fp8_model1 import FP8_MODEL1_BYTES, fp8_model1_pages
 from mla.reference.sparse import (
@@ -297,7 +297,7 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
     flags = dict(has_sink=sources[7] is not None, check_range=not has_maxl)
 
     sm90_route = _sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None)
-    ws = fmt == MODEL1 and plan.model1_kernel in MODEL1_WS
+    ws = fmt == MODEL1 and plan.model1_kernel == "warp_specialized"
     if sm90_route:
         def layout(sc: _Scope) -> tuple[int, int]:  # (row or page stride, page size)
             return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
@@ -306,8 +306,7 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
                 first.n_rows, topk, extra.n_rows, topk2)
         if ws:
             tail = (plan.num_splits, N, S, groups, has_extra, has_extra and extra.has_length,
-                    first.has_length, flags["has_sink"], flags["check_range"], has_maxl, split,
-                    *MODEL1_WS[plan.model1_kernel])
+                    first.has_length, flags["has_sink"], flags["check_range"], has_maxl, split)
         else:
             tail = (plan.num_splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0,
                     has_extra, has_extra and extra.has_length, first.has_length,

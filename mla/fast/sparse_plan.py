@@ -9,20 +9,15 @@ import torch
 
 from mla.fast.common import TRITON_VERSION, next_pow2
 
-__all__ = ["MODEL1_KERNELS", "MODEL1_WS", "SparsePlan", "plan_sparse"]
+__all__ = ["MODEL1_KERNELS", "SparsePlan", "plan_sparse"]
 
 # The Gluon kernels a plan may name for 64-head MODEL1 decode (``SparsePlan.model1_kernel``):
-# the warp-specialized kernel's variants (``mla.fast.sm90.sparse_ws``: a producer warp group
-# gathers and dequantizes into two K buffers while two consumer groups run the dots), each as
-# (the producer's registers a thread, the next tile's gather issued tile by tile during this
-# tile's dequantization), and "staged" (``mla.fast.sm90.sparse``, the coupled kernel: cp.async
-# into a staging buffer, dequantized by all 8 warps at the top of each tile, then the dots;
-# 1.04-1.24x slower at B=64, benchmarks/NOTES.md)
-MODEL1_WS: dict[str, tuple[int, bool]] = {
-    "warp_specialized": (104, False),
-    "warp_specialized_early": (104, True),
-}
-MODEL1_KERNELS = (*MODEL1_WS, "staged")
+# "warp_specialized" (``mla.fast.sm90.sparse_ws``: a producer warp group gathers and
+# dequantizes into two K buffers while two consumer groups run the dots) and "staged"
+# (``mla.fast.sm90.sparse``, the coupled kernel: cp.async into a staging buffer, dequantized
+# by all 8 warps at the top of each tile, then the dots; 1.10-1.30x slower at B=64 on the
+# H200, benchmarks/NOTES.md)
+MODEL1_KERNELS = ("warp_specialized", "staged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +60,7 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
       of 64 gathered rows need 246 KB of shared memory at 16 heads and 262 KB at 32; tiles of
       32 at 16 heads: 131 KB, no spill; 64-head programs go to the Gluon kernel).
     - MODEL1 at 64 heads: the warp-specialized Gluon kernel (``model1_kernel``'s default;
-      measured 1.04-1.24x faster than the coupled one at B=64, benchmarks/NOTES.md); one
+      measured 1.10-1.30x faster than the coupled one at B=64, benchmarks/NOTES.md); one
       stage, for a plan that names the coupled kernel (its single staging buffer, measured
       faster than two).
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
