@@ -57,7 +57,7 @@ __all__ = ["PAGED_PLAN", "WIDE_PAGED_PLAN", "fp8_paged_mqa_logits", "launch_plan
 # 64 heads, pages of 64, B 1-128, L 8K-128K): programs of up to 32 tiles split in whole waves of
 # what a SM holds (the spread split's 16-tile programs: 2-8% slower past B = 1, 1.55-1.9 waves
 # at B = 32, L = 32K), their tiles copied through descriptors the host builds (the in-kernel
-# descriptors' extra step in each program's chain: 4-23% slower at next_n <= 2 but at
+# descriptors' extra step in each program's chain: 3-23% slower at next_n <= 2 but at
 # B = 128 L = 128K, within 2% there); at next_n > 2 (4-7% slower with the host's
 # descriptors there) the in-kernel descriptors.
 PAGED_PLAN = LogitsPlan(paged_loads="tma_host", max_tiles=32, split="waves")
