@@ -26,7 +26,6 @@ from mla.fast import indexer_cache, indexer_logits, indexer_logits_paged, topk
 TARGET = GPUTarget("cuda", 90, 32)
 _KEYS = 131072
 _LOGITS_PTRS = dict(q="fp8e4nv", w="fp32", out="fp32")
-DEFAULT_PLAN = indexer_logits.LogitsPlan()
 
 
 def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int
