@@ -45,7 +45,7 @@ def _phases_kernel(logits, scratch, out, stamps, W, topk, CAP: tl.constexpr,
     t1 = globaltimer()
     found, _m, _n, inside, _s = _level32(k, i < CAP, topk, BITS)
     t2 = globaltimer()
-    kth, left, inside2 = _kth_key(k, i < CAP, topk, few, 0, BITS, SMALL)
+    kth, left, inside2 = _kth_key(k, i < CAP, topk, few, BITS, SMALL)
     t3 = globaltimer()
     _select_held(src, src, src, CAP, topk, few, dst, False, CAP, TILE, BITS, SMALL)
     t4 = globaltimer()

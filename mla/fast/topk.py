@@ -53,7 +53,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from mla.fast.common import next_pow2, num_sms, should_validate
+from mla.fast.common import TRITON_VERSION, next_pow2, num_sms, should_validate
 from mla.fast.launch import CompiledLauncher, int_spec, ptr_spec
 from mla.fast.topk_fused import _fused_kernel
 from mla.fast.topk_kernels import (
@@ -121,10 +121,9 @@ class TopkPlan:
     oversample: float = 1.5
     sample_runs: int = 512
     estimate_warps: int = 16
-    # 5-bit levels: the fastest under Triton 3.6 (16 us against 18 at 6 bits, 128 x 128K), and
-    # the int32 levels' 16-warp estimate compiles without a stack frame under 3.6 and 3.7.1
-    # (6 and 7 bits take an 8-byte one under 3.7.1)
-    estimate_bits: int = 5
+    # 5-bit levels are the fastest under Triton 3.6 (16 us against 18 at 6 bits, 128 x 128K);
+    # Triton 3.7 compiles the 16-warp 5-bit estimate with an 8-byte stack frame, 6 bits without
+    estimate_bits: int = 5 if TRITON_VERSION < (3, 7) else 6
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",

@@ -126,6 +126,40 @@ def _level(c, match, need, BITS: tl.constexpr):
 
 
 @triton.jit
+def _floor_of_rank(c, rank, few_ptr, slack, BITS: tl.constexpr, SMALL: tl.constexpr):
+    """A value at or below the ``rank``-th largest of ``c`` (non-negative), with at most
+    ``slack`` items more at or above it (or only equal ones): the floor of the radix bucket
+    that holds the ``rank``-th, refined until the bucket is that small.
+
+    A level costs the same for every element of ``c``, matching or not: after the first, the
+    bucket's items (usually a few dozen) are compacted through ``few_ptr`` (``SMALL`` int64)
+    into a ``SMALL`` tensor and the next levels run on that; a larger bucket (ties) stays.
+    At most 16 levels (each fixes ``BITS`` more of 64 bits): the floor only sets how many
+    keys the read lists, never which are selected, so the loop is bounded whatever happens."""
+    need = tl.zeros((), tl.int32) + rank
+    mask = tl.full((), -9223372036854775808, tl.int64)  # the sign bit: every item
+    found = tl.zeros((), tl.int64)
+    found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
+    levels = tl.zeros((), tl.int32) + 1
+    done = ((inside <= slack) | (shift == 0)).to(tl.int32)
+    if (done == 0) & (inside <= SMALL):
+        m = (c & mask) == found
+        tl.store(few_ptr + tl.cumsum(m.to(tl.int32), axis=0) - 1, c, mask=m)
+        tl.debug_barrier()  # every thread's items written before they are read
+        j = tl.arange(0, SMALL)
+        few = tl.load(few_ptr + j, mask=j < inside, other=-1)
+        while done == 0:
+            found, mask, need, inside, shift = _level(few, (few & mask) == found, need, BITS)
+            levels += 1
+            done = ((inside <= slack) | (shift == 0) | (levels >= 16)).to(tl.int32)
+    while done == 0:
+        found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
+        levels += 1
+        done = ((inside <= slack) | (shift == 0) | (levels >= 16)).to(tl.int32)
+    return found
+
+
+@triton.jit
 def _threshold(src, n, topk, few, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
                SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr, BITS: tl.constexpr,
                SMALL: tl.constexpr):
@@ -135,17 +169,17 @@ def _threshold(src, n, topk, few, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
     j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
     step = ((n - RUN).to(tl.int32) // (SAMPLE_RUNS - 1)).to(tl.int64)  # n < 2^31
     cols = (j * step)[:, None] + tl.arange(0, RUN)[None, :]
-    k = tl.reshape(_order_keys(tl.load(src + cols)), (SAMPLE_RUNS * RUN,))
+    k = _order_keys(tl.load(src + cols))
+    c = tl.reshape(k.to(tl.int64) + 2147483648, (SAMPLE_RUNS * RUN,))  # keys only
     # the sample rank that OVERSAMPLE x topk keys (plus three deviations) reach in the row
     expect = tl.fdiv((topk * 1.0) * (SAMPLE_RUNS * RUN), n.to(tl.float32))  # approximate
     # (for a large topk, at most halfway to the list's length)
     fits = 0.5 * (expect + tl.fdiv(CAP * (SAMPLE_RUNS * RUN * 1.0), n.to(tl.float32)))
     aim = tl.ceil(OVERSAMPLE * expect + 3.0 * tl.sqrt(expect) + 8.0)
     rank = tl.minimum(tl.minimum(aim, fits), SAMPLE_RUNS * RUN).to(tl.int32)
-    # a bucket of a few keys more than needed, or of equal keys, is taken whole: its floor is
-    # the threshold
-    floor, _left, _inside = _kth_key(k, k == k, rank, few, rank // 8 + 4, BITS, SMALL)
-    return floor
+    # a bucket of a few keys, or of equal keys, is taken whole: its floor is the threshold
+    floor = _floor_of_rank(c, rank, few, rank // 8 + 4, BITS, SMALL)
+    return (floor - 2147483648).to(tl.int32)
 
 
 @triton.jit
@@ -275,18 +309,16 @@ def _level32(k, match, need, BITS: tl.constexpr):
 
 
 @triton.jit
-def _kth_key(k, live, need, few_ptr, slack, BITS: tl.constexpr, SMALL: tl.constexpr):
+def _kth_key(k, live, need, few_ptr, BITS: tl.constexpr, SMALL: tl.constexpr):
     """The ``need``-th largest of the ``live`` int32 keys ``k`` held in registers (``need`` at
-    most their count), as the floor ``kth`` of a radix bucket such that every key above the
-    bucket is selected and ``left`` of its ``inside`` keys are: with ``slack`` 0, exactly
-    the bucket's keys (``inside == left``: every key at or above ``kth``) or, where the bucket
-    is one tied key, ``left`` of those equal to ``kth``; with ``slack`` more, a bucket of up
-    to ``slack`` keys more than needed ends the levels early (the estimate's threshold).
-    Radix levels until then; once the bucket fits ``SMALL`` it is compacted (``few_ptr``) and
-    the levels go on over it. Returns ``kth, left, inside``."""
+    most their count), as a key ``kth`` such that every key above it is selected and, of the
+    ``inside`` keys equal to it (or, when ``inside`` equals ``left``, at or above it), ``left``
+    are. Radix levels until the boundary bucket holds exactly the keys still needed or is one
+    value; once it fits ``SMALL`` it is compacted (``few_ptr``) and the levels go on over it.
+    Returns ``kth, left, inside``."""
     need = tl.zeros((), tl.int32) + need
     found, mask, need, inside, shift = _level32(k, live, need, BITS)
-    done = ((inside - need <= slack) | (shift == 0)).to(tl.int32)
+    done = ((inside == need) | (shift == 0)).to(tl.int32)
     if (done == 0) & (inside <= SMALL):
         m = live & (((k ^ -2147483648) & mask) == found)
         few32 = few_ptr.to(tl.pointer_type(tl.int32))
@@ -298,11 +330,11 @@ def _kth_key(k, live, need, few_ptr, slack, BITS: tl.constexpr, SMALL: tl.conste
         while done == 0:
             found, mask, need, inside, shift = _level32(
                 few, held & (((few ^ -2147483648) & mask) == found), need, BITS)
-            done = ((inside - need <= slack) | (shift == 0)).to(tl.int32)
+            done = ((inside == need) | (shift == 0)).to(tl.int32)
     while done == 0:
         found, mask, need, inside, shift = _level32(
             k, live & (((k ^ -2147483648) & mask) == found), need, BITS)
-        done = ((inside - need <= slack) | (shift == 0)).to(tl.int32)
+        done = ((inside == need) | (shift == 0)).to(tl.int32)
     return found ^ -2147483648, need, inside
 
 
@@ -334,13 +366,13 @@ def _select_held(src, list_keys, list_cols, items, need, few_ptr, dst, LISTED: t
     again in tiles): the registers of one int32 a key."""
     i = tl.arange(0, HELD)
     kth, left, inside = _kth_key(_held_keys(src, list_keys, i, items, LISTED), i < items,
-                                 need, few_ptr, 0, BITS, SMALL)
+                                 need, few_ptr, BITS, SMALL)
     col_kth = tl.zeros((), tl.int32)  # every column of the boundary key when it is not tied
     if inside > left:
         k = _held_keys(src, list_keys, i, items, LISTED)
         tie = (i < items) & (k == kth)
         inverted = tl.where(tie, 0x7FFFFFFF - _held_cols(list_cols, i, tie, LISTED), -1)
-        col_kth, _left, _inside = _kth_key(inverted, inverted >= 0, left, few_ptr, 0, BITS,
+        col_kth, _left, _inside = _kth_key(inverted, inverted >= 0, left, few_ptr, BITS,
                                            SMALL)
     written = tl.zeros((), tl.int32)
     for t in range(0, items, TILE):
