@@ -27,7 +27,6 @@ import dataclasses
 import functools
 import json
 import os
-import statistics
 
 import torch
 import triton
@@ -142,32 +141,6 @@ def heads_probe() -> list[dict]:
     return rows
 
 
-def _time_graph_read_flush(fn, reps: int = 50) -> float:
-    """``time_graph`` with the L2 flushed by reading 256 MB, not writing it: ``time_graph``'s
-    ``zero_`` leaves the L2 full of dirty lines (~50 MB on the H200) that the timed kernel's
-    reads then write back to memory; here they are clean."""
-    flush = torch.ones(256 << 20, dtype=torch.int8, device="cuda")
-    fn()
-    g = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps + 5):
-        flush.sum(dtype=torch.int64)  # read, not written: no dirty lines left in the L2
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[5:])
-
-
 def flush_probe() -> list[dict]:
     """The default call and an empty kernel timed after a written (``time_graph``) and after
     a read L2 flush: what the write-back of the flush's dirty lines adds to each time."""
@@ -177,12 +150,12 @@ def flush_probe() -> list[dict]:
         _empty_kernel[(1,)](x)
 
     rows = [{"what": "empty kernel", "written_ms": time_graph(empty),
-             "read_ms": _time_graph_read_flush(empty)}]
+             "read_ms": time_graph(empty, read_flush=True)}]
     for B, next_n, L in ((32, 1, 32768), (32, 2, 32768), (128, 2, 131072)):
         q8, cache, w, lens, table = paged_inputs(B, next_n, L)
         run = functools.partial(fp8_paged_mqa_logits, q8, cache, w, lens, table, L)
         rows.append({"what": f"B={B} next_n={next_n} L={L}", "B": B, "next_n": next_n, "L": L,
-                     "written_ms": time_graph(run), "read_ms": _time_graph_read_flush(run)})
+                     "written_ms": time_graph(run), "read_ms": time_graph(run, read_flush=True)})
         del q8, cache, w, lens, table, run
         torch.cuda.empty_cache()
     for r in rows:
