@@ -5,8 +5,9 @@ unpacked by ``benchmarks.peers``; a shape it refuses is recorded with its error)
 
 - **What a sink costs** (target <= 2% of the kernel's time): the same call with and without
   ``attn_sink``, sparse decode on the ``fp8_ds_mla`` cache (B=64, N=128, top-k 2048) and
-  sparse prefill (s_q=2048, s_kv=16384, N=128: rows of 576 with top-k 2048, and DeepSeek-V4's
-  rows of 512 with top-k 512).
+  MODEL1 sparse decode with the default plan's kernel (B=64, N=64 and 128, top-k 2048, per-head
+  sinks as in the MODEL1 rows), and sparse prefill (s_q=2048, s_kv=16384, N=128: rows of 576
+  with top-k 2048, and DeepSeek-V4's rows of 512 with top-k 512).
 - **MODEL1 sparse decode** (target <= 1.2 x FlashMLA's time) at DeepSeek-V4-like shapes: B=64,
   N in {64, 128}, top-k in {512, 2048}, without and with a second scope of 128 entries (pages
   of 64 in both caches), per-head sinks as DeepSeek-V4 uses them.
@@ -61,7 +62,7 @@ CONTEXT = 8192  # tokens per request
 @dataclasses.dataclass(frozen=True)
 class V4Shape:
     name: str
-    kind: str  # "model1", "sink_decode", "sink_prefill"
+    kind: str  # "model1", "sink_decode", "sink_model1", "sink_prefill"
     B: int  # requests (decode) or s_q (prefill)
     N: int
     topk: int
@@ -76,6 +77,8 @@ SHAPES = [
       for n in (64, 128) for k in (512, 2048) for e in (0, 128)),
     V4Shape("sink cost: decode fp8_ds_mla B64 N128 topk2048", "sink_decode", 64, 128, 2048,
             target=0.02),
+    *(V4Shape(f"sink cost: decode MODEL1 B64 N{n} topk2048", "sink_model1", 64, n, 2048,
+              target=0.02) for n in (64, 128)),
     V4Shape("sink cost: prefill s_q2048 s_kv16384 N128 topk2048", "sink_prefill", 2048, 128,
             2048, target=0.02),
     V4Shape("sink cost: prefill d512 s_q2048 s_kv16384 N128 topk512", "sink_prefill", 2048,
@@ -247,6 +250,19 @@ def _sink_cost(s: V4Shape, gen: torch.Generator, fm) -> dict:
 
         def ours(attn_sink):
             return sparse_mla_decode(q, cache, idx, SCALE, True, validate=False,
+                                     attn_sink=attn_sink)
+
+        def peer(attn_sink, sched):
+            return fm.flash_mla_with_kvcache(q, cache.unsqueeze(2), None, None, 512, sched,
+                                             None, SCALE, False, True, indices=idx,
+                                             attn_sink=attn_sink)
+    elif s.kind == "sink_model1":
+        cache = model1_pages(gen, s.B * CONTEXT // PAGE)
+        q = torch.randn(s.B, 1, s.N, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+        idx = _distinct_slots(gen, s.B, s.topk, CONTEXT)
+
+        def ours(attn_sink):
+            return sparse_mla_decode(q, cache, idx, SCALE, True, None, 512, validate=False,
                                      attn_sink=attn_sink)
 
         def peer(attn_sink, sched):
