@@ -86,16 +86,17 @@ def ragged(plan: indexer_logits.LogitsPlan = indexer_logits.RAGGED_PLAN):
 
 def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     plan, cap = topk.TopkPlan(), topk.CANDIDATES
-    ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
-    ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, chunk=32768)
+    ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", words="i32", out="i32")
+    ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, s_w_r=2 * _KEYS // 32,
+                chunk=32768)
     select = dict(CAP=cap, SMALL=topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
-                  OUT_BLOCK=1024)
+                  OUT_BLOCK=1024, WORD_TILE=topk.WORD_TILE)
     launches = {
         topk._estimate_kernel: (dict(CAP=cap, BITS=plan.estimate_bits, RUN=topk.RUN,
                                      SAMPLE_RUNS=plan.sample_runs, SMALL=topk.SMALL,
                                      OVERSAMPLE=float(plan.oversample)), plan.estimate_warps),
-        topk._filter_kernel: (dict(CAP=cap, SMALL=topk.SMALL, BLOCK=plan.block,
-                                   STAGES=plan.stages), plan.filter_warps),
+        topk._mask_kernel: (dict(CAP=cap, SMALL=topk.SMALL, BLOCK=plan.block,
+                                 STAGES=plan.stages), plan.filter_warps),
         topk._select_kernel: (select, plan.select_warps)}
     return {fn.__name__: _compile(fn, const, ptrs, ints, warps)
             for fn, (const, warps) in launches.items()}

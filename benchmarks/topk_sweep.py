@@ -10,12 +10,13 @@ timed.
   list; bf16 logits; ``topk`` from 1 to past the list; a CUDA graph replay; each case by
   both routes (one launch, three launches). Each line says how many rows took the exact scan
   instead of the candidate list (``survivors``).
-- Timing (CUDA-graph replays, L2 flushed; and direct calls, ``triton.testing.do_bench``
-  medians, with the host's time a call): rows 1 to 256 of 8K to 128K keys, ``k = 2048``, the
-  default route, each route forced, the three launches one by one; two rows where the
-  threshold fails (the scan's cost); ``TopkPlan`` alternatives of the one-launch kernel
-  (block, warps, stages, sample) and of the three launches; GB/s of the logits read against
-  the copy bandwidth of this run, beside ``torch.topk`` on the values. A table on stdout.
+- Timing (CUDA-graph replays, L2 flushed by a read: no dirty lines to write back; and direct
+  calls, ``triton.testing.do_bench`` medians, with the host's time a call): rows 1 to 256 of
+  8K to 128K keys, ``k = 2048``, the default route, each route forced, the three launches
+  one by one; two rows where the threshold fails (the scan's cost); ``TopkPlan`` alternatives
+  of the one-launch kernel (block, warps, stages, sample) and of the three launches; GB/s of
+  the logits read against the copy bandwidth of this run, beside ``torch.topk`` on the
+  values. A table on stdout.
 """
 
 from __future__ import annotations
@@ -50,13 +51,15 @@ SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)]
 ONE = dict(route="one")  # the one-launch kernel at every row count
 THREE = dict(route="three")  # three launches at every row count
 # many rows (the default: three launches)
-PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, filter_local=512),
-         TopkPlan(**THREE, filter_local=1024, block=512, programs_per_sm=32),
-         TopkPlan(**THREE, select_warps=16),
+PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, block=1024, filter_warps=4, programs_per_sm=16),
+         TopkPlan(**THREE, select_warps=16), TopkPlan(**THREE, select_warps=4),
          TopkPlan(**THREE, select_bits=8), TopkPlan(**THREE, estimate_warps=8),
-         TopkPlan(**THREE, sample_runs=256), TopkPlan(**ONE), TopkPlan(**ONE, fused_warps=16)]
+         TopkPlan(**THREE, estimate_warps=4), TopkPlan(**THREE, estimate_bits=8),
+         TopkPlan(**THREE, sample_runs=256), TopkPlan(**THREE, sample_runs=128),
+         TopkPlan(**THREE, sample_runs=256, estimate_warps=4),
+         TopkPlan(**THREE, oversample=1.2), TopkPlan(**ONE), TopkPlan(**ONE, fused_warps=16)]
 # rows fewer than the SMs: the one-launch kernel splits each row over programs
-SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, filter_local=512), TopkPlan(**ONE),
+SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, programs_per_sm=32), TopkPlan(**ONE),
                TopkPlan(**ONE, fused_block=1024),
                TopkPlan(**ONE, fused_block=4096), TopkPlan(**ONE, fused_warps=16),
                TopkPlan(**ONE, sample_runs=256)]
@@ -185,19 +188,19 @@ def _run(steps) -> None:
 def _graph_ms(x, st, en, plan: TopkPlan, reps: int = 30) -> float:
     out = torch.empty(x.shape[0], TOPK, dtype=torch.int32, device="cuda")
     return time_graph(functools.partial(_run, launches(x, st, en, out, TOPK, plan)[1]),
-                      reps=reps)
+                      reps=reps, read_flush=True)
 
 
 def _split_times(x, st, en, plan: TopkPlan, reps: int = 30) -> dict:
     """The three launches one by one (graphs of the first 1, 2, 3): what each kernel costs."""
     out = torch.empty(x.shape[0], TOPK, dtype=torch.int32, device="cuda")
     _, steps = launches(x, st, en, out, TOPK, plan)
-    upto = [time_graph(functools.partial(_run, steps[:i + 1]), reps=reps)
+    upto = [time_graph(functools.partial(_run, steps[:i + 1]), reps=reps, read_flush=True)
             for i in range(len(steps))]
     names = ["estimate_ms", "filter_ms", "select_ms"]
     times = {n: upto[i] - (upto[i - 1] if i else 0.0) for i, n in enumerate(names)}
     # the select alone, on the list the first two left (it changes nothing they wrote)
-    times["select_alone_ms"] = time_graph(steps[2], reps=reps)
+    times["select_alone_ms"] = time_graph(steps[2], reps=reps, read_flush=True)
     return times
 
 
@@ -237,7 +240,8 @@ def timing(copy_tbps: float) -> list[dict]:
                **_split_times(x, st, en, TopkPlan(**THREE))}
         row["torch_topk_values_ms"] = _bench(functools.partial(torch.topk, x, TOPK, dim=1))
         # the floor of one read of the logits at this shape: a row maximum in a graph
-        row["read_floor_ms"] = time_graph(functools.partial(torch.amax, x, dim=1), reps=30)
+        row["read_floor_ms"] = time_graph(functools.partial(torch.amax, x, dim=1), reps=30,
+                                           read_flush=True)
         for k in ("ms", "unvalidated_ms", "graph_ms", "one_graph_ms", "three_graph_ms"):
             row[k.replace("ms", "pct_copy")] = _pct(R, W, row[k], copy_tbps)
         rows.append(row)
@@ -310,7 +314,7 @@ def compiled_facts() -> list[dict]:
     """Registers, spilled bytes and shared memory of every kernel this run compiled (the
     launchers keep them), one row per kernel and plan."""
     rows, seen = [], set()
-    for name in ("_estimate", "_filter", "_filter_local", "_select", "_fused"):
+    for name in ("_estimate", "_mask", "_select", "_fused"):
         for (_dev, key), k in getattr(fast_topk, name).compiled.items():
             plan = key[0] if isinstance(key[0], TopkPlan) else key[0][0]
             row = {"kernel": name.strip("_"), "plan": _changed(plan),

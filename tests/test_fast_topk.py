@@ -178,11 +178,10 @@ def test_topk_narrow_range_and_overflowing_ties(route):
     _check(logits, st, en, 2048, ROUTES[route])
 
 
-@pytest.mark.parametrize("plan", [TopkPlan(), TopkPlan(route="three", filter_local=256,
-                                                      programs_per_sm=1)])
+@pytest.mark.parametrize("plan", [TopkPlan(), TopkPlan(route="three", programs_per_sm=1)])
 def test_topk_sorted_rows(plan):
-    """Rows sorted either way: the stratified sample still brackets the k-th key; a filter
-    program's own list fills and moves to the row's again and again."""
+    """Rows sorted either way: the stratified sample still brackets the k-th key; the
+    survivors crowd one end of the row (one program's part, a run of whole bitmask words)."""
     x = torch.randn(2, LONG, generator=_gen(38)).sort(dim=1).values
     x[1] = x[1].flip(0)
     assert _paths(*_full(x), 2048, plan) == ["listed", "listed"]
@@ -219,8 +218,8 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(sample_runs=256, estimate_warps=4, estimate_bits=5),
                                   TopkPlan(route="one", fused_block=1024, fused_stages=2),
                                   TopkPlan(route="one", fused_warps=4, fused_parts=1),
-                                  TopkPlan(route="three", filter_local=1024),
-                                  TopkPlan(route="three", filter_local=256, programs_per_sm=1)])
+                                  TopkPlan(route="three", block=1024, filter_warps=4),
+                                  TopkPlan(route="three", block=32, programs_per_sm=1)])
 def test_topk_other_plans(plan):
     logits, st, en = _rows(_gen(41), [0, 5], [LONG, LONG - 9], LONG)
     _check(logits, st, en, 2048, plan=plan)
@@ -279,8 +278,8 @@ def test_topk_empty_and_bad_input():
         TopkPlan(sample_runs=2048)
     with pytest.raises(ValueError, match="TopkPlan.fused_block"):
         TopkPlan(fused_block=8)
-    with pytest.raises(ValueError, match="TopkPlan.filter_local"):
-        TopkPlan(filter_local=128)
+    with pytest.raises(ValueError, match="TopkPlan.block"):
+        TopkPlan(block=16)
     with pytest.raises(ValueError, match="TopkPlan.route"):
         TopkPlan(route="fused")
     with pytest.raises(ValueError, match="TopkPlan.min_parts"):

@@ -58,8 +58,7 @@ from mla.fast.launch import CompiledLauncher, int_spec, ptr_spec
 from mla.fast.topk_fused import _fused_kernel
 from mla.fast.topk_kernels import (
     _estimate_kernel,
-    _filter_kernel,
-    _filter_local_kernel,
+    _mask_kernel,
     _select_kernel,
     count_column,
     work_columns,
@@ -71,10 +70,10 @@ __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
 SMALL = 1024  # a boundary bucket this small is compacted and finished in registers
 RUN = 8  # the estimate's sample comes in runs of 8 keys: one 32-byte sector
+WORD_TILE = 4096  # the select counts a bitmask's words 4096 at a time (128K keys)
 
 _estimate = CompiledLauncher(_estimate_kernel)
-_filter = CompiledLauncher(_filter_kernel)
-_filter_local = CompiledLauncher(_filter_local_kernel)
+_mask = CompiledLauncher(_mask_kernel)
 _select = CompiledLauncher(_select_kernel)
 _fused = CompiledLauncher(_fused_kernel)
 
@@ -113,7 +112,6 @@ class TopkPlan:
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
-    filter_local: int = 0
     programs_per_sm: int = 64
     select_bits: int = 6
     select_tile: int = 2048
@@ -142,10 +140,9 @@ class TopkPlan:
         if self.route not in ("auto", "one", "three"):
             raise ValueError(f"TopkPlan.route must be 'auto', 'one' or 'three', got "
                              f"{self.route!r}")
-        if self.filter_local and (self.filter_local < self.block
-                                  or self.filter_local & (self.filter_local - 1)):
-            raise ValueError(f"TopkPlan.filter_local must be 0 or a power of two of at least "
-                             f"block ({self.block}), got {self.filter_local!r}")
+        if self.block < 32:
+            raise ValueError(f"TopkPlan.block must be at least 32 (a bitmask word), got "
+                             f"{self.block!r}")
         if self.fused_block < 16:
             raise ValueError(f"TopkPlan.fused_block must be at least 16 (16-byte loads), got "
                              f"{self.fused_block!r}")
@@ -236,17 +233,17 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     chunks = max(1, triton.cdiv(W, chunk))
     est_args = (*rows, work, W, topk, s_l_r, float(plan.oversample), cap, plan.sample_runs,
                 RUN, plan.estimate_bits, SMALL)
-    filter_args = (*rows, work, W, s_l_r, chunk, cap, SMALL, plan.block, plan.stages)
-    if plan.filter_local:
-        local = torch.empty(R * chunks * 2 * plan.filter_local, dtype=torch.int32,
-                            device=logits.device)
-        filter_args = (*filter_args[:4], local, *filter_args[4:], plan.filter_local)
-    select_args = (*rows, work, out, W, topk, s_l_r, s_o_r, cap, SMALL, plan.select_tile,
-                   plan.select_bits, out_block)
+    # per row the bitmask's words (columns rounded up to whole blocks), then their running
+    # counts
+    s_w_r = 2 * (triton.cdiv(W, plan.block) * plan.block // 32)
+    words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
+    mask_args = (*rows, work, words, W, s_l_r, s_w_r, chunk, cap, SMALL, plan.block,
+                 plan.stages)
+    select_args = (*rows, work, words, out, W, topk, s_l_r, s_o_r, s_w_r, cap, SMALL,
+                   plan.select_tile, plan.select_bits, out_block, WORD_TILE)
     return work, [
         lambda: _estimate(key, (R, 1, 1), est_args, num_warps=plan.estimate_warps),
-        lambda: (_filter_local if plan.filter_local else _filter)(
-            (key, chunk), (R, chunks, 1), filter_args, num_warps=plan.filter_warps),
+        lambda: _mask((key, chunk), (R, chunks, 1), mask_args, num_warps=plan.filter_warps),
         lambda: _select(key, (R, 1, 1), select_args, num_warps=plan.select_warps)]
 
 

@@ -199,187 +199,246 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.
 
 
 @triton.jit
-def _filter_kernel(logits, starts, ends, work, W, s_l_r, chunk,
-                   CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
-                   STAGES: tl.constexpr):
-    """One streaming read: chunk ``c`` of a row lists its keys at or above the row's threshold
-    (key and request-local column) in the row's candidate list, its place reserved by one
-    atomic a block. The count goes on past ``CAP`` (then nothing more is written, and the
-    select reads the row instead)."""
+def _mask_kernel(logits, starts, ends, work, words, W, s_l_r, s_w_r, chunk,
+                 CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
+                 STAGES: tl.constexpr):
+    """One streaming read: chunk ``c`` of a row (columns from its start rounded down to
+    ``BLOCK``) records a bit a key, set where the key reaches the row's threshold, as int32
+    words (bit ``b`` of word ``w``: column ``32 w + b``; zero outside ``[start, end)``). No
+    scan, no atomic, no branch: a block's keys become ``BLOCK / 32`` stored words, and the
+    loads stay in flight (``STAGES``)."""
     row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
+    c = tl.program_id(1)
     start, end, n = _row_range(starts, ends, row, W)
     if n > CAP:
-        keys_out, cols_out, _few, thresh, count = _work_row(work, row, CAP, SMALL)
+        _keys, _cols, _few, thresh, _count = _work_row(work, row, CAP, SMALL)
         t = tl.load(thresh)
-        lo, hi, first = _chunk_range(start, end, c, chunk)
+        first = start.to(tl.int32)
+        lo = tl.multiple_of(first - first % BLOCK + c * chunk, BLOCK)
+        hi = tl.minimum(lo + chunk, end.to(tl.int32))
         src = logits + row * s_l_r
+        dst = words + row * s_w_r
         for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
-            x = tl.load(src + cols, mask=cols < W, other=0.0)
-            k = _order_keys(x)
-            keep = (cols >= first) & (cols < hi) & (k >= t)
-            kept = tl.sum(keep.to(tl.int32), axis=0)
-            if kept > 0:
-                base = tl.atomic_add(count, kept, sem="relaxed")
-                _store_survivors(keys_out, cols_out, base, keep, k, cols, first, CAP)
+            cols = tl.multiple_of(c0, BLOCK) + tl.arange(0, BLOCK)
+            x = tl.load(src + cols, mask=cols < hi, other=0.0)
+            keep = (cols >= first) & (cols < hi) & (_order_keys(x) >= t)
+            bits = tl.reshape(keep.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :]
+            tl.store(dst + c0 // 32 + tl.arange(0, BLOCK // 32), tl.sum(bits, axis=1))
 
 
 @triton.jit
-def _chunk_range(start, end, c, chunk):
-    """Chunk ``c``'s columns ``[lo, hi)`` from the row's start rounded down to 16 (16-byte
-    loads), and the start, as int32 (W < 2^31: half the registers and address arithmetic)."""
-    lo = tl.multiple_of((start - start % 16 + c * chunk).to(tl.int32), 16)
-    return lo, tl.minimum(lo + chunk, end.to(tl.int32)), start.to(tl.int32)
+def _popc(x):
+    """Set bits of each int32 (SWAR on the unsigned pattern: no intrinsic, so the
+    interpreter runs it too)."""
+    u = x.to(tl.uint32, bitcast=True)
+    u = u - ((u >> 1) & 0x55555555)
+    u = (u & 0x33333333) + ((u >> 2) & 0x33333333)
+    u = (u + (u >> 4)) & 0x0F0F0F0F
+    return ((u * 0x01010101) >> 24).to(tl.int32)
 
 
 @triton.jit
-def _filter_local_kernel(logits, starts, ends, work, local, W, s_l_r, chunk,
-                         CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
-                         STAGES: tl.constexpr, LOCAL: tl.constexpr):
-    """``_filter_kernel`` without a round trip a block: the program lists its survivors in its
-    own ``local`` list of ``LOCAL`` and moves that list to the row's, its place reserved by
-    one atomic, when the next block might not fit and at the end."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1).to(tl.int64)
-    start, end, n = _row_range(starts, ends, row, W)
-    if n > CAP:
-        keys_out, cols_out, _few, thresh, count = _work_row(work, row, CAP, SMALL)
-        t = tl.load(thresh)
-        lo, hi, first = _chunk_range(start, end, c, chunk)
-        src = logits + row * s_l_r
-        mine = local + (row * tl.num_programs(1) + c) * (2 * LOCAL)
-        held = tl.zeros((), tl.int32)
-        for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            cols = tl.multiple_of(c0, 16) + tl.arange(0, BLOCK)
-            x = tl.load(src + cols, mask=cols < W, other=0.0)
-            k = _order_keys(x)
-            keep = (cols >= first) & (cols < hi) & (k >= t)
-            if held > LOCAL - BLOCK:  # this block might not fit: move the list first
-                held = _move_local(mine, held, count, keys_out, cols_out, CAP, LOCAL, BLOCK)
-            pos = held + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-            tl.store(mine + pos, k, mask=keep)
-            tl.store(mine + LOCAL + pos, cols - first, mask=keep)
-            held += tl.sum(keep.to(tl.int32), axis=0)
-        if held > 0:
-            _move_local(mine, held, count, keys_out, cols_out, CAP, LOCAL, BLOCK)
+def _mask_prefix(bits, incl, w0, w1, TILE: tl.constexpr):
+    """Per word ``w`` of ``[w0, w1)`` the set bits of words ``w0..w`` (stored to ``incl``);
+    returns the total."""
+    total = tl.zeros((), tl.int32)
+    for g in range(w0, w1, TILE):
+        j = g + tl.arange(0, TILE)
+        m = j < w1
+        pc = _popc(tl.load(bits + j, mask=m, other=0))
+        tl.store(incl + j, total + tl.cumsum(pc, axis=0), mask=m)
+        total += tl.sum(pc, axis=0)
+    return total
 
 
 @triton.jit
-def _move_local(mine, held, count, keys_out, cols_out, CAP: tl.constexpr, LOCAL: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """A filter program's own list of ``held`` items moved to the row's list at a place one
-    atomic reserves, ``BLOCK`` a step (the registers of a block); returns 0 (the list empty
-    again)."""
-    tl.debug_barrier()  # the list written by every thread before it is read
-    base = tl.atomic_add(count, held, sem="relaxed")
-    for g in range(0, held, BLOCK):
-        i = g + tl.arange(0, BLOCK)
-        m = (i < held) & (base + i < CAP)
-        tl.store(keys_out + base + i, tl.load(mine + i, mask=m), mask=m)
-        tl.store(cols_out + base + i, tl.load(mine + LOCAL + i, mask=m), mask=m)
-    tl.debug_barrier()  # read by every thread before the list is written again
-    return held * 0
+def _list_from_mask(src, start, bits, incl, w0, w1, total, keys_out, cols_out,
+                    TILE: tl.constexpr, HELD: tl.constexpr):
+    """The candidate list of the ``total <= HELD`` keys whose bits are set (``bits`` words
+    ``[w0, w1)``, ``incl`` their running counts), in column order: each word's set bits go
+    to the places after the words before it, a bit a round, as many rounds as the fullest
+    word of a tile of ``TILE`` words has bits (no loads in the rounds); then the keys of the
+    listed columns read from the row (``src``: column 0) in one gather."""
+    for g in range(w0, w1, TILE):
+        j = g + tl.arange(0, TILE)
+        word = tl.load(bits + j, mask=j < w1, other=0)
+        pc = _popc(word)
+        pos = tl.load(incl + j, mask=j < w1, other=0) - pc
+        u = word.to(tl.uint32, bitcast=True)
+        for _r in range(0, tl.max(pc, axis=0)):
+            low = u & (0 - u)  # the lowest set bit
+            bit = _popc((low - 1).to(tl.int32, bitcast=True))  # its place
+            has = u != 0
+            tl.store(cols_out + pos, j * 32 + bit - start.to(tl.int32), mask=has)
+            pos += has.to(tl.int32)
+            u = u & (u - 1)
+    tl.debug_barrier()  # every thread's columns stored before they are read
+    p = tl.arange(0, HELD)
+    live = p < total
+    col = tl.load(cols_out + p, mask=live, other=0)
+    tl.store(keys_out + p, _order_keys(tl.load(src + start + col, mask=live, other=0.0)),
+             mask=live)
 
 
 @triton.jit
-def _store_survivors(keys_out, cols_out, base, keep, k, cols, start, CAP: tl.constexpr):
-    pos = base + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    ok = keep & (pos < CAP)
-    tl.store(keys_out + pos, k, mask=ok)
-    tl.store(cols_out + pos, (cols - start).to(tl.int32), mask=ok)
+def _rank_few(k, bucket, need, few32, TINY: tl.constexpr):
+    """The ``need``-th largest of the at most ``TINY`` keys ``k`` in ``bucket``, exactly, in
+    one step: compacted (``few32``) and ranked against each other (``TINY x TINY``
+    comparisons). Returns the key ``kth``, how many of the bucket's keys equal to it are
+    needed (``left``) and how many there are (``inside``)."""
+    tl.debug_barrier()  # the scratch read by every thread before it is written again
+    tl.store(few32 + tl.cumsum(bucket.to(tl.int32), axis=0) - 1, k, mask=bucket)
+    tl.debug_barrier()  # every thread's keys written before they are read
+    count = tl.sum(bucket.to(tl.int32), axis=0)
+    j = tl.arange(0, TINY)
+    held = j < count
+    v = tl.load(few32 + j, mask=held, other=0)
+    vt = tl.reshape(v, (1, TINY))
+    ht = tl.reshape(held, (1, TINY))
+    above = tl.sum((ht & (vt > v[:, None])).to(tl.int32), axis=1)
+    equal = tl.sum((ht & (vt == v[:, None])).to(tl.int32), axis=1)
+    at = held & (above < need) & (above + equal >= need)  # the need-th's value, however tied
+    kth = tl.max(tl.where(at, v, -2147483648), axis=0)
+    above_kth = tl.max(tl.where(at, above, 0), axis=0)
+    inside = tl.max(tl.where(at, equal, 0), axis=0)
+    return kth, need - above_kth, inside
 
 
 @triton.jit
-def _level32(k, match, need, BITS: tl.constexpr):
-    """One radix level over the matching int32 keys ``k`` (signed order), read as unsigned
-    bit patterns ``v = k ^ 0x80000000`` (same order): the boundary's prefix of ``v`` and its
-    mask, the keys still needed, the boundary bucket's count and the window's place, which
-    starts at the highest bit in which the matching keys differ (as ``_window``)."""
-    kmin = tl.min(tl.where(match, k, 2147483647), axis=0)
-    kmax = tl.max(tl.where(match, k, -2147483648), axis=0)
-    shift = _place((kmin ^ kmax).to(tl.int64) & 0xFFFFFFFF, 0, BITS).to(tl.int32)
-    v = k ^ -2147483648
-    h = tl.histogram((v >> shift) & ((1 << BITS) - 1), 1 << BITS, mask=match)
+def _item_keys(src, list_keys, list_cols, few32, i, count, tie_key, listed, ties, few):
+    """Items ``i``'s int32 keys and which are live (runtime modes, so that one copy of the
+    code serves every mode): the row's keys (``src``), its list's (``listed``), or (``few``)
+    the compacted ``few32``; with ``ties`` (not ``few``), the inverted columns
+    ``0x7FFFFFFF - column`` of the items whose key is ``tie_key`` (the others dead): their
+    largest are the lowest columns."""
+    live = i < count
+    from_list = (listed != 0) | (few != 0)
+    k = tl.where(from_list, tl.load(tl.where(few != 0, few32, list_keys) + i,
+                                    mask=live & from_list, other=0),
+                 _order_keys(tl.load(src + i, mask=live & ~from_list, other=0.0)))
+    tie = (ties != 0) & (few == 0)
+    live = live & (~tie | (k == tie_key))
+    col = tl.where(listed != 0, tl.load(list_cols + i, mask=live & tie & (listed != 0),
+                                        other=0), i)
+    return tl.where(tie, 0x7FFFFFFF - col, k), live
+
+
+@triton.jit
+def _level_tiles(src, list_keys, list_cols, few32, count, tie_key, listed, ties, few, found,
+                 mask, need, BITS: tl.constexpr, TILE: tl.constexpr):
+    """One radix level over the items (``_item_keys``) matching the boundary's prefix
+    ``found`` (under ``mask``), read in tiles of ``TILE`` (keys as unsigned patterns
+    ``k ^ 0x80000000``, the same order): their least and greatest, which place the digit
+    window at the highest bit in which they differ, then their digits' histogram. Returns the
+    boundary's prefix and mask, the keys still needed, the boundary bucket's count and the
+    window's place."""
+    kmin = tl.full((TILE,), 2147483647, tl.int32)
+    kmax = tl.full((TILE,), -2147483648, tl.int32)
+    for t in range(0, count, TILE):
+        k, live = _item_keys(src, list_keys, list_cols, few32, t + tl.arange(0, TILE), count,
+                             tie_key, listed, ties, few)
+        match = live & (((k ^ -2147483648) & mask) == found)
+        kmin = tl.minimum(kmin, tl.where(match, k, 2147483647))
+        kmax = tl.maximum(kmax, tl.where(match, k, -2147483648))
+    lo = tl.min(kmin, axis=0)
+    shift = _place((lo ^ tl.max(kmax, axis=0)).to(tl.int64) & 0xFFFFFFFF, 0, BITS).to(tl.int32)
+    h = tl.zeros((1 << BITS,), tl.int32)
+    for t in range(0, count, TILE):
+        k, live = _item_keys(src, list_keys, list_cols, few32, t + tl.arange(0, TILE), count,
+                             tie_key, listed, ties, few)
+        v = k ^ -2147483648
+        h += tl.histogram((v >> shift) & ((1 << BITS) - 1), 1 << BITS,
+                          mask=live & ((v & mask) == found))
     d, above, inside = _bucket(h, need, 1 << BITS)
     ones = tl.full((), -1, tl.int32)
     fixed = tl.where(shift + BITS >= 32, 0, ones << tl.minimum(shift + BITS, 31))
-    found = ((kmin ^ -2147483648) & fixed) | (d << shift)
-    return found, ones << shift, need - above, inside, shift
+    return ((lo ^ -2147483648) & fixed) | (d << shift), ones << shift, need - above, inside, shift
 
 
 @triton.jit
-def _kth_key(k, live, need, few_ptr, BITS: tl.constexpr, SMALL: tl.constexpr):
-    """The ``need``-th largest of the ``live`` int32 keys ``k`` held in registers (``need`` at
-    most their count), as a key ``kth`` such that every key above it is selected and, of the
-    ``inside`` keys equal to it (or, when ``inside`` equals ``left``, at or above it), ``left``
-    are. Radix levels until the boundary bucket holds exactly the keys still needed or is one
-    value; once it fits ``SMALL`` it is compacted (``few_ptr``) and the levels go on over it.
-    Returns ``kth, left, inside``."""
+def _kth_tiles(src, list_keys, list_cols, items, need, tie_key, listed, ties, few_ptr,
+               BITS: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
+               TINY: tl.constexpr = 64):
+    """The ``need``-th largest (``need`` at most their count) of the items' keys
+    (``_item_keys``), as a key ``kth`` such that every key above it is selected and, of the
+    ``inside`` keys equal to it (or, when ``inside`` equals ``left``, at or above it),
+    ``left`` are. Radix levels (``_level_tiles``) until the boundary bucket holds exactly the
+    keys still needed or is one value; once it fits ``SMALL`` its keys are compacted
+    (``few_ptr``) and the levels go on over them; once it fits ``TINY`` they are ranked
+    exactly (``_rank_few``). The items stay in memory, read in tiles, and the loop has one
+    copy of each step: a select's time is its chain of block-wide steps, and a cold kernel
+    fetches its code from DRAM, so the code it runs is kept small. Returns
+    ``kth, left, inside``."""
+    few32 = few_ptr.to(tl.pointer_type(tl.int32))
+    items = (tl.zeros((), tl.int64) + items).to(tl.int32)  # fewer than 2^31 keys a row
     need = tl.zeros((), tl.int32) + need
-    found, mask, need, inside, shift = _level32(k, live, need, BITS)
-    done = ((inside == need) | (shift == 0)).to(tl.int32)
-    if (done == 0) & (inside <= SMALL):
-        m = live & (((k ^ -2147483648) & mask) == found)
-        few32 = few_ptr.to(tl.pointer_type(tl.int32))
-        tl.store(few32 + tl.cumsum(m.to(tl.int32), axis=0) - 1, k, mask=m)
-        tl.debug_barrier()  # every thread's keys written before they are read
-        j = tl.arange(0, SMALL)
-        held = j < inside
-        few = tl.load(few32 + j, mask=held, other=0)
-        while done == 0:
-            found, mask, need, inside, shift = _level32(
-                few, held & (((few ^ -2147483648) & mask) == found), need, BITS)
-            done = ((inside == need) | (shift == 0)).to(tl.int32)
+    found = tl.zeros((), tl.int32)
+    mask = tl.zeros((), tl.int32)  # no bit fixed: every live item matches
+    inside = items
+    held = items  # the items the levels read: the row's or list's, then the compacted few
+    few = tl.zeros((), tl.int32)
+    done = tl.zeros((), tl.int32)
+    kth = tl.zeros((), tl.int32)
     while done == 0:
-        found, mask, need, inside, shift = _level32(
-            k, live & (((k ^ -2147483648) & mask) == found), need, BITS)
-        done = ((inside == need) | (shift == 0)).to(tl.int32)
-    return found ^ -2147483648, need, inside
+        if (few != 0) & (inside <= TINY):
+            j = tl.arange(0, SMALL)
+            keys = tl.load(few32 + j, mask=j < held, other=0)
+            kth, need, inside = _rank_few(
+                keys, (j < held) & (((keys ^ -2147483648) & mask) == found), need, few32,
+                TINY)
+            done = tl.full((), 1, tl.int32)
+        elif (few == 0) & (inside <= SMALL):
+            kept = tl.zeros((), tl.int32)
+            for t in range(0, items, TILE):
+                k, live = _item_keys(src, list_keys, list_cols, few32, t + tl.arange(0, TILE),
+                                     items, tie_key, listed, ties, few)
+                m = live & (((k ^ -2147483648) & mask) == found)
+                tl.store(few32 + kept + tl.cumsum(m.to(tl.int32), axis=0) - 1, k, mask=m)
+                kept += tl.sum(m.to(tl.int32), axis=0)
+            tl.debug_barrier()  # every thread's keys written before they are read
+            held = kept
+            few = tl.full((), 1, tl.int32)
+        else:
+            found, mask, need, inside, shift = _level_tiles(src, list_keys, list_cols, few32,
+                                                            held, tie_key, listed, ties, few,
+                                                            found, mask, need, BITS, TILE)
+            done = ((inside == need) | (shift == 0)).to(tl.int32)
+            kth = found ^ -2147483648
+    return kth, need, inside
 
 
 @triton.jit
-def _held_keys(src, list_keys, i, items, LISTED: tl.constexpr):
-    """Keys of items ``i``: of the candidate list (``LISTED``) or of the row's columns."""
-    if LISTED:
-        return tl.load(list_keys + i, mask=i < items, other=0)
-    return _order_keys(tl.load(src + i, mask=i < items, other=0.0))
-
-
-@triton.jit
-def _held_cols(list_cols, i, mask, LISTED: tl.constexpr):
-    """Request-local columns of items ``i``."""
-    if LISTED:
-        return tl.load(list_cols + i, mask=mask, other=0)
-    return i
-
-
-@triton.jit
-def _select_held(src, list_keys, list_cols, items, need, few_ptr, dst, LISTED: tl.constexpr,
-                 HELD: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr,
-                 SMALL: tl.constexpr):
-    """The exact ``need`` best of ``items <= HELD`` keys held in registers: a row's (column
-    ``i`` at place ``i``) or its candidate list's (``LISTED``), their columns written to
-    ``dst`` in the items' order. The keys alone decide unless the boundary key is tied; then
-    a second select among the tied ones, on the inverted column, takes the lowest columns.
-    Int32 keys, not int64 composites, and one tensor held at a time (the write reads the items
-    again in tiles): the registers of one int32 a key."""
-    i = tl.arange(0, HELD)
-    kth, left, inside = _kth_key(_held_keys(src, list_keys, i, items, LISTED), i < items,
-                                 need, few_ptr, BITS, SMALL)
+def _select_held(src, list_keys, list_cols, items, need, few_ptr, dst, listed,
+                 TILE: tl.constexpr, BITS: tl.constexpr, SMALL: tl.constexpr):
+    """The exact ``need`` best of ``items`` keys: a row's (column ``i`` at place ``i``) or its
+    candidate list's (``listed``, at run time), their columns written to ``dst`` in the items'
+    order. The keys alone decide unless the boundary key is tied; then a second select among
+    the tied ones, on the inverted column, takes the lowest columns (the same loop again, so
+    its code is there once). The items are read in tiles (``_kth_tiles``), never held
+    whole."""
+    listed = tl.zeros((), tl.int32) + listed
+    kth = tl.zeros((), tl.int32)
     col_kth = tl.zeros((), tl.int32)  # every column of the boundary key when it is not tied
-    if inside > left:
-        k = _held_keys(src, list_keys, i, items, LISTED)
-        tie = (i < items) & (k == kth)
-        inverted = tl.where(tie, 0x7FFFFFFF - _held_cols(list_cols, i, tie, LISTED), -1)
-        col_kth, _left, _inside = _kth_key(inverted, inverted >= 0, left, few_ptr, BITS,
-                                           SMALL)
+    ties = tl.zeros((), tl.int32)
+    left = tl.zeros((), tl.int32) + need
+    go = tl.full((), 1, tl.int32)
+    while go != 0:
+        key, left_now, inside = _kth_tiles(src, list_keys, list_cols, items, left, kth, listed,
+                                           ties, few_ptr, BITS, SMALL, TILE)
+        if ties == 0:
+            kth = key
+            left = left_now
+            go = (inside > left_now).to(tl.int32)
+            ties = tl.full((), 1, tl.int32)
+        else:
+            col_kth = key
+            go = tl.zeros((), tl.int32)
     written = tl.zeros((), tl.int32)
     for t in range(0, items, TILE):
         j = t + tl.arange(0, TILE)
-        k = _held_keys(src, list_keys, j, items, LISTED)
-        cols = _held_cols(list_cols, j, (j < items) & (k >= kth), LISTED)
-        take = (j < items) & ((k > kth) | ((k == kth) & (0x7FFFFFFF - cols >= col_kth)))
+        k, live = _item_keys(src, list_keys, list_cols, list_keys, j, items, 0, listed, 0, 0)
+        cols = tl.where(listed != 0, tl.load(list_cols + j, mask=live & (k >= kth), other=0), j)
+        take = live & ((k > kth) | ((k == kth) & (0x7FFFFFFF - cols >= col_kth)))
         pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
         tl.store(dst + pos, cols, mask=take)
         written += tl.sum(take.to(tl.int32), axis=0)
@@ -462,12 +521,9 @@ def _select_listed_or_row(src, n, topk, list_keys, list_cols, survivors, few, ds
     """For ``n > topk``: the exact ``topk`` best of the row held whole (``n <= CAP``), of its
     candidate list held whole (``topk <= survivors <= CAP``), or else of the row streamed
     (the threshold failed)."""
-    if n <= CAP:
-        _select_held(src, list_keys, list_cols, n, topk, few, dst, False, CAP, TILE, BITS,
-                     SMALL)
-    elif (survivors >= topk) & (survivors <= CAP):
-        _select_held(src, list_keys, list_cols, survivors, topk, few, dst, True, CAP, TILE,
-                     BITS, SMALL)
+    if (n <= CAP) | ((survivors >= topk) & (survivors <= CAP)):  # one call: one copy of it
+        _select_held(src, list_keys, list_cols, tl.where(n <= CAP, n, survivors), topk, few,
+                     dst, (n > CAP).to(tl.int32), TILE, BITS, SMALL)
     else:
         _stream_select(src, n, topk, few, dst, TILE, BITS, SMALL)
 
@@ -490,20 +546,37 @@ def _write_tail(dst, n, topk, OUT_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _select_kernel(logits, starts, ends, work, out, W, topk, s_l_r, s_o_r,
+def _select_kernel(logits, starts, ends, work, words, out, W, topk, s_l_r, s_o_r, s_w_r,
                    CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
-                   BITS: tl.constexpr, OUT_BLOCK: tl.constexpr):
-    """One program a row: the exact ``topk`` best of the row's candidate list, or of the row
-    itself when it has no more than ``CAP`` keys or its threshold failed
-    (``_select_listed_or_row``); then ``-1`` past the row's count."""
+                   BITS: tl.constexpr, OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr):
+    """One program a row: the exact ``topk`` best of the row held whole (no more than ``CAP``
+    keys), of the keys its bitmask marks (``_mask_kernel``; their count, stored for
+    ``survivors``, from ``topk`` to ``CAP``), or else of the row streamed (the threshold
+    failed); then ``-1`` past the row's count."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    src = logits + row * s_l_r + start
+    src = logits + row * s_l_r
     dst = out + row * s_o_r
     list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
     if n <= topk:
         _write_all(dst, n, OUT_BLOCK)
     else:
-        _select_listed_or_row(src, n, topk, list_keys, list_cols, tl.load(count), few, dst,
-                              CAP, SMALL, TILE, BITS)
+        items = n.to(tl.int32)
+        if n > CAP:
+            bits = words + row * s_w_r
+            incl = bits + s_w_r // 2
+            w0 = (start // 32).to(tl.int32)
+            w1 = ((end + 31) // 32).to(tl.int32)
+            items = _mask_prefix(bits, incl, w0, w1, WORD_TILE)
+            tl.store(count, items)
+            tl.debug_barrier()  # every thread's running counts stored before any reads them
+            if (items >= topk) & (items <= CAP):
+                _list_from_mask(src, start, bits, incl, w0, w1, items, list_keys, list_cols,
+                                WORD_TILE, CAP)
+                tl.debug_barrier()  # the list stored by every thread before any reads it
+        if (n <= CAP) | ((items >= topk) & (items <= CAP)):  # one call: one copy of it
+            _select_held(src + start, list_keys, list_cols, items, topk, few, dst,
+                         (n > CAP).to(tl.int32), TILE, BITS, SMALL)
+        else:
+            _stream_select(src + start, n, topk, few, dst, TILE, BITS, SMALL)
     _write_tail(dst, n, topk, OUT_BLOCK)
