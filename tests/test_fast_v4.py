@@ -22,7 +22,12 @@ from mla import compare
 from mla.compare import assert_close, budget, rel_err
 from mla.fast import SparsePlan, sparse_mla_decode, sparse_mla_prefill
 from mla.fast.sparse_plan import MODEL1_KERNELS
-from mla.reference.fp8_model1 import fp8_model1_cache, quantize_fp8_model1
+from mla.reference.fp8_model1 import (
+    fp8_model1_cache,
+    fp8_model1_page_bytes,
+    fp8_model1_rows,
+    quantize_fp8_model1,
+)
 from mla.reference.sparse import sparse_mla_decode as ref_decode
 from mla.reference.sparse import sparse_mla_prefill as ref_prefill
 
@@ -491,6 +496,80 @@ def test_sm90_model1_kernels(kernel, N, num_splits):
     nan_q = torch.tensor([True, False, True, False], device=DEVICE)
     assert torch.isnan(out[nan_q]).all() and torch.isnan(lse[nan_q]).all()
     assert not torch.isnan(out[~nan_q]).any()
+
+
+def _exact_pages(g: torch.Generator, nb: int = 3, bs: int = 64, B: int = 8
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """MODEL1 pages (CPU) whose every non-NaN e4m3 code and UE8M0 bytes 0-246 (0: 2^-127;
+    246: the largest short of bf16 overflow) dequantize to normal bf16 values (under byte 30,
+    e4m3 magnitudes of 2 and up: products at or above 2^-126), and ``B`` distinct slots whose
+    rows hold the extreme bytes (0, 1, 29 | 30, 127 | 128, 134 | 135, 246)."""
+    pages = torch.randint(0, 256, (nb, fp8_model1_page_bytes(bs)), generator=g,
+                          dtype=torch.uint8)
+    data = pages[:, :576 * bs].view(nb, bs, 576)
+    codes = pages[:, 576 * bs:584 * bs].view(nb, bs, 8)
+    codes.copy_(torch.randint(0, 247, codes.shape, generator=g, dtype=torch.uint8))
+    rows = torch.randperm(nb * bs, generator=g)[:B]
+    forced = torch.tensor([0, 1, 29, 30, 127, 128, 134, 135, 246], dtype=torch.uint8)
+    for b in range(B):
+        codes[rows[b] // bs, rows[b] % bs, :7] = forced[(torch.arange(7) + 2 * b) % 9]
+    nope = data[..., :448].view(nb, bs, 7, 64)
+    nope.copy_(nope & 0xFE)  # no NaN code (0x7F, 0xFF): 0x7E, 0xFE instead
+    nope.copy_(torch.where((codes[..., :7] < 30)[..., None], nope | 0x40, nope))
+    data[..., 448:] = torch.randn(nb, bs, 64, generator=g).to(torch.bfloat16).view(torch.uint8)
+    return pages, rows
+
+
+def test_exact_pages_catch_a_scale_byte_misread():
+    """The bit-exact test's pages can fail it: their rows dequantized with the byte 0 read as
+    0 (the scale it once had in the kernel), or a scale off by one binade, differ from the
+    reference's rows."""
+    pages, rows = _exact_pages(_gen(29))
+    data = pages[:, :576 * 64].reshape(-1, 576)[rows]
+    codes = pages[:, 576 * 64:584 * 64].reshape(-1, 8)[rows, :7].to(torch.int32)
+    x = data[:, :448].contiguous().view(torch.float8_e4m3fn).float().view(-1, 7, 64)
+    want = fp8_model1_rows(pages, 64, rows)[:, :448].view(-1, 7, 64)
+    for scale in (torch.where(codes == 0, 0.0, torch.pow(2.0, codes - 127.0)),
+                  torch.pow(2.0, codes - 126.0)):
+        got = (x * scale[..., None]).to(torch.bfloat16)
+        assert torch.isfinite(want.float()).all() and not torch.equal(got, want)
+    assert torch.equal((x * torch.pow(2.0, codes - 127.0)[..., None]).to(torch.bfloat16), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon sm_90 kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("N,num_splits", [(128, 1), (64, 3)])
+def test_sm90_model1_dequantization_is_bit_exact(N, num_splits):
+    """The default MODEL1 kernel's dequantization, bit for bit: with q = 0 and one valid entry
+    a query, the softmax weighs that key by exactly 1, so the output is its dequantized row
+    (V = K), equal to the reference's bf16 row (values: a -0 sums to +0), over
+    ``_exact_pages`` (subnormal products are left out: they would test the tensor cores'
+    P · V, not the dequantization); a NaN code in a query's row makes a NaN query."""
+    import mla.fast.sparse as fast_sparse
+    from mla.fast.sparse_kernels import MODEL1
+
+    B, bs = 8, 64
+    pages, rows = _exact_pages(_gen(29), B=B, bs=bs)
+    nan_q = 5
+    pages[:, :576 * bs].view(-1, bs, 576)[rows[nan_q] // bs, rows[nan_q] % bs, 100] = 0x7F
+    idx = torch.full((B, 1, 100), -1, dtype=I32)
+    for b in range(B):
+        idx[b, 0, (17 * b + 3) % 100] = rows[b]
+    cache = fp8_model1_cache(pages.to(DEVICE), bs)
+    q = torch.zeros(B, 1, N, D4, dtype=torch.bfloat16, device=DEVICE)
+    plan = SparsePlan(64, 64, num_splits, 8, 1)
+    pages_of = cache.as_strided((cache.shape[0], cache.stride(0)), (cache.stride(0), 1))
+    assert fast_sparse._sm90_route(plan, q, pages_of, 512, MODEL1, None)
+    out, lse = sparse_mla_decode(q, cache, idx.to(DEVICE), D4 ** -0.5, True, None, 512,
+                                 plan=plan)
+    want = fp8_model1_rows(pages, bs, rows).view(B, 1, 1, D4).expand(B, 1, N, D4)
+    ok = torch.arange(B) != nan_q
+    assert torch.isfinite(want[ok].float()).all()
+    got = out.cpu()
+    assert torch.equal(got[ok], want[ok]), (got[ok] != want[ok]).sum()
+    assert torch.isnan(got[nan_q]).all() and torch.isnan(lse.cpu()[nan_q]).all()
+    assert (lse.cpu()[ok] == 0).all()
 
 
 def test_model1_kernel_names_are_checked():
