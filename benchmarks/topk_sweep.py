@@ -51,20 +51,17 @@ SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)]
 ONE = dict(route="one")  # the one-launch kernel at every row count
 THREE = dict(route="three")  # three launches at every row count
 # many rows (the default: three launches)
-PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, block=1024, filter_warps=4, programs_per_sm=16),
-         TopkPlan(**THREE, select_warps=16), TopkPlan(**THREE, select_warps=4),
-         TopkPlan(**THREE, select_bits=8), TopkPlan(**THREE, estimate_warps=8),
-         TopkPlan(**THREE, estimate_warps=4), TopkPlan(**THREE, estimate_bits=8),
-         TopkPlan(**THREE, sample_runs=256), TopkPlan(**THREE, sample_runs=128),
-         TopkPlan(**THREE, sample_runs=256, estimate_warps=4),
-         TopkPlan(**THREE, oversample=1.2), TopkPlan(**ONE), TopkPlan(**ONE, fused_warps=16)]
+PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, select_maxnreg=128),
+         TopkPlan(**THREE, select_maxnreg=128, select_tile=1024),
+         TopkPlan(**THREE, select_tile=1024), TopkPlan(**THREE, oversample=1.2),
+         TopkPlan(**ONE)]
 # rows fewer than the SMs: the one-launch kernel splits each row over programs
 SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, programs_per_sm=32), TopkPlan(**ONE),
                TopkPlan(**ONE, fused_block=1024),
                TopkPlan(**ONE, fused_block=4096), TopkPlan(**ONE, fused_warps=16),
                TopkPlan(**ONE, sample_runs=256)]
-SWEEP_SHAPES = [(128, 131072), (256, 131072), (128, 32768), (1, 131072), (32, 131072),
-                (48, 131072), (64, 131072), (32, 32768), (64, 32768)]
+SWEEP_SHAPES = [(128, 131072), (256, 131072), (128, 32768), (256, 32768), (128, 8192),
+                (256, 8192)]
 
 
 def _bench(fn) -> float:

@@ -116,6 +116,7 @@ class TopkPlan:
     select_bits: int = 6
     select_tile: int = 2048
     select_warps: int = 8
+    select_maxnreg: int = 0  # 0: the compiler's choice; else its registers a thread capped
     oversample: float = 1.5
     sample_runs: int = 512
     estimate_warps: int = 16
@@ -140,6 +141,9 @@ class TopkPlan:
         if self.route not in ("auto", "one", "three"):
             raise ValueError(f"TopkPlan.route must be 'auto', 'one' or 'three', got "
                              f"{self.route!r}")
+        if self.select_maxnreg and not 24 <= self.select_maxnreg <= 255:
+            raise ValueError(f"TopkPlan.select_maxnreg must be 0 or in [24, 255], got "
+                             f"{self.select_maxnreg!r}")
         if self.block < 32:
             raise ValueError(f"TopkPlan.block must be at least 32 (a bitmask word), got "
                              f"{self.block!r}")
@@ -244,7 +248,8 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     return work, [
         lambda: _estimate(key, (R, 1, 1), est_args, num_warps=plan.estimate_warps),
         lambda: _mask((key, chunk), (R, chunks, 1), mask_args, num_warps=plan.filter_warps),
-        lambda: _select(key, (R, 1, 1), select_args, num_warps=plan.select_warps)]
+        lambda: _select(key, (R, 1, 1), select_args, num_warps=plan.select_warps,
+                        **({"maxnreg": plan.select_maxnreg} if plan.select_maxnreg else {}))]
 
 
 def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,

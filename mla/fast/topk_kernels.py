@@ -220,7 +220,9 @@ def _mask_kernel(logits, starts, ends, work, words, W, s_l_r, s_w_r, chunk,
         dst = words + row * s_w_r
         for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
             cols = tl.multiple_of(c0, BLOCK) + tl.arange(0, BLOCK)
-            x = tl.load(src + cols, mask=cols < hi, other=0.0)
+            # masked at the row's width, not the range's end: whole 16-byte vectors (the
+            # neighbours loaded are never kept)
+            x = tl.load(src + cols, mask=cols < W, other=0.0)
             keep = (cols >= first) & (cols < hi) & (_order_keys(x) >= t)
             bits = tl.reshape(keep.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :]
             tl.store(dst + c0 // 32 + tl.arange(0, BLOCK // 32), tl.sum(bits, axis=1))
@@ -254,11 +256,11 @@ def _mask_prefix(bits, incl, w0, w1, TILE: tl.constexpr):
 @triton.jit
 def _list_from_mask(src, start, bits, incl, w0, w1, total, keys_out, cols_out,
                     TILE: tl.constexpr, HELD: tl.constexpr):
-    """The candidate list of the ``total <= HELD`` keys whose bits are set (``bits`` words
+    """The candidate list of the ``total`` keys whose bits are set (``bits`` words
     ``[w0, w1)``, ``incl`` their running counts), in column order: each word's set bits go
     to the places after the words before it, a bit a round, as many rounds as the fullest
     word of a tile of ``TILE`` words has bits (no loads in the rounds); then the keys of the
-    listed columns read from the row (``src``: column 0) in one gather."""
+    listed columns read from the row (``src``: column 0), ``HELD`` at a time."""
     for g in range(w0, w1, TILE):
         j = g + tl.arange(0, TILE)
         word = tl.load(bits + j, mask=j < w1, other=0)
@@ -273,11 +275,12 @@ def _list_from_mask(src, start, bits, incl, w0, w1, total, keys_out, cols_out,
             pos += has.to(tl.int32)
             u = u & (u - 1)
     tl.debug_barrier()  # every thread's columns stored before they are read
-    p = tl.arange(0, HELD)
-    live = p < total
-    col = tl.load(cols_out + p, mask=live, other=0)
-    tl.store(keys_out + p, _order_keys(tl.load(src + start + col, mask=live, other=0.0)),
-             mask=live)
+    for g in range(0, total, HELD):
+        p = g + tl.arange(0, HELD)
+        live = p < total
+        col = tl.load(cols_out + p, mask=live, other=0)
+        tl.store(keys_out + p, _order_keys(tl.load(src + start + col, mask=live, other=0.0)),
+                 mask=live)
 
 
 @triton.jit
