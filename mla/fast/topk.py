@@ -7,35 +7,39 @@ logits and top-k"): per row the ``min(topk, end - start)`` highest logits of col
 ``j - start``; the rest of the row ``-1``. Columns outside ``[start, end)`` never count (the
 streaming read loads whole 16-byte vectors of the row, so a neighbour may be loaded, then
 masked). The set is not sorted by score (the sparse attention sums over it, the catalogue
-compares sets): a row held whole comes in column order, a row scanned as at most two runs in
-column order (the keys above the boundary's radix bucket, then the bucket's chosen ones), a
-row selected from its candidate list in the list's order (column order, or the order of the
-segments or of the three launches' atomics; the set never depends on it).
+compares sets): a row held whole, or selected from its candidate list, comes in column order
+(or, in the one-launch kernel's split rows, the order in which its parts arrived), a row scanned
+as at most two runs in column order (the keys above the boundary's radix bucket, then the
+bucket's chosen ones); the set never depends on it.
 
 **Why this shape.** Reading 128K float32 logits a row at the copy bandwidth leaves about 30
 instructions a key per thread. ``tl.histogram`` lowers to a warp ballot per bit of the bin
 index and a popcount per bin a thread owns: ~25 instructions a key at 2048 bins, ~3 at 256, so
-a histogram of every key cannot keep up with the memory; a compare and a rare compacting store
-can. Three steps:
+a histogram of every key cannot keep up with the memory; a compare can. Three steps:
 
 1. **estimate**: a stratified sample of the row (512 evenly spaced runs of 8 keys, 4096 in
    all: short runs, as neighbouring logits may be alike) gives, by radix levels, a key that
    about ``1.5 * topk`` (plus three standard deviations) of the row's keys reach.
-2. **filter**, the one read of the row: each block's keys at or above the threshold go
-   (key, column) to the row's candidate list. About ``1.5 * topk`` survive: a few thousand of
-   128K.
-3. **select**: the exact ``topk`` best of the candidates, held in registers as int32 keys:
-   radix levels whose digit window starts at the highest bit in which the remaining keys
+2. **filter**, the one read of the row: a bit a key, set where the key reaches the threshold,
+   stored as 32-bit words (no scan, no atomic, nothing the next block waits for: the read
+   streams at 2.9 TB/s on the H200, where listing the keys as it goes ran at 1.3). About
+   ``1.5 * topk`` bits are set: a few thousand of 128K.
+3. **select**: the words' running counts, then the candidate list (each word's set bits at
+   the places after the words before it, in column order), then the exact ``topk`` best of
+   it: radix levels whose digit window starts at the highest bit in which the remaining keys
    differ, until the boundary bucket holds exactly the keys still needed or is one tied key
    (then a second select among the tied ones on the inverted column: ties to the lower
-   column); once the bucket fits ``SMALL`` it is compacted and finished over that. A row of
-   no more than ``CANDIDATES`` keys skips 1-2 and is held whole.
+   column); once the bucket fits ``SMALL`` it is compacted, and once it fits 64 keys they are
+   ranked against each other in one step. The items are read in tiles, never held whole, and
+   each step's code is there once (a loop with run-time modes): a select is a chain of
+   block-wide steps, and a kernel that starts cold fetches its code from DRAM. A row of no
+   more than ``CANDIDATES`` keys skips 1-2 and is selected whole.
 
-Two routes run them (``TopkPlan.fused``). **One launch** (``mla.fast.topk_fused``), one
-program a row doing all three, its survivor count in a register (no atomics: the program owns
-its row), for calls of many rows. **Three launches** (``mla.fast.topk_kernels``): estimate
-and select a program a row, the filter ``R x C`` one-warp programs whose blocks reserve their
-place in the list by one atomic each: more SMs read a row, for calls of few rows.
+Two routes run them (``TopkPlan.route``). **One launch** (``mla.fast.topk_fused``), a program a
+row (or a few a row, the last to finish selecting) doing all three, its survivors listed as it
+reads (the count in a register), for calls of few rows or short rows. **Three launches**
+(``mla.fast.topk_kernels``): estimate and select a program a row, the filter ``R x C``
+one-warp programs: more SMs read a row, for calls of many rows.
 
 **Correctness never rests on the estimate.** A row whose threshold let fewer than ``topk`` or
 more than ``CANDIDATES`` keys through (massive ties, a row that is all ``-inf``, a sample that
