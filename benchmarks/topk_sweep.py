@@ -54,7 +54,8 @@ THREE = dict(route="three")  # three launches at every row count
 PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, select_maxnreg=128),
          TopkPlan(**THREE, select_maxnreg=128, select_tile=1024),
          TopkPlan(**THREE, select_tile=1024), TopkPlan(**THREE, oversample=1.2),
-         TopkPlan(**ONE)]
+         TopkPlan(**ONE), TopkPlan(**ONE, select_maxnreg=128),
+         TopkPlan(**ONE, select_maxnreg=128, select_tile=1024)]
 # rows fewer than the SMs: the one-launch kernel splits each row over programs
 SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, programs_per_sm=32), TopkPlan(**ONE),
                TopkPlan(**ONE, fused_block=1024),

@@ -57,7 +57,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from mla.fast.common import TRITON_VERSION, next_pow2, num_sms, should_validate
+from mla.fast.common import TRITON_VERSION, interpreting, next_pow2, num_sms, should_validate
 from mla.fast.launch import CompiledLauncher, int_spec, ptr_spec
 from mla.fast.topk_fused import _fused_kernel
 from mla.fast.topk_kernels import (
@@ -120,7 +120,9 @@ class TopkPlan:
     select_bits: int = 6
     select_tile: int = 2048
     select_warps: int = 8
-    select_maxnreg: int = 0  # 0: the compiler's choice; else its registers a thread capped
+    # the selecting kernels' (select, one launch) registers a thread capped (0: the compiler's
+    # choice): 128 lets two programs of 8 warps share a SM
+    select_maxnreg: int = 0
     oversample: float = 1.5
     sample_runs: int = 512
     estimate_warps: int = 16
@@ -253,7 +255,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
         lambda: _estimate(key, (R, 1, 1), est_args, num_warps=plan.estimate_warps),
         lambda: _mask((key, chunk), (R, chunks, 1), mask_args, num_warps=plan.filter_warps),
         lambda: _select(key, (R, 1, 1), select_args, num_warps=plan.select_warps,
-                        **({"maxnreg": plan.select_maxnreg} if plan.select_maxnreg else {}))]
+                        **_maxnreg(plan))]
 
 
 def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
@@ -278,7 +280,14 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
             plan.estimate_bits, cap, SMALL, plan.select_tile, plan.select_bits, block,
             plan.fused_stages, parts > 1, min(1024, next_pow2(topk)))
     key = (key, chunk, parts > 1, ptr_spec(lists), ptr_spec(sync))
-    return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps)
+    return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps,
+                          **_maxnreg(plan))
+
+
+def _maxnreg(plan: TopkPlan) -> dict:
+    """The launch option capping the selecting kernels' registers, when the plan sets one (a
+    compiler option: the interpreter has none)."""
+    return {"maxnreg": plan.select_maxnreg} if plan.select_maxnreg and not interpreting() else {}
 
 
 def survivors(work: torch.Tensor) -> torch.Tensor:
