@@ -51,11 +51,9 @@ SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)]
 ONE = dict(route="one")  # the one-launch kernel at every row count
 THREE = dict(route="three")  # three launches at every row count
 # many rows (the default: three launches)
-PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, select_maxnreg=128),
-         TopkPlan(**THREE, select_maxnreg=128, select_tile=1024),
+PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, select_maxnreg=0),
          TopkPlan(**THREE, select_tile=1024), TopkPlan(**THREE, oversample=1.2),
-         TopkPlan(**ONE), TopkPlan(**ONE, select_maxnreg=128),
-         TopkPlan(**ONE, select_maxnreg=128, select_tile=1024)]
+         TopkPlan(**ONE), TopkPlan(**ONE, select_maxnreg=0)]
 # rows fewer than the SMs: the one-launch kernel splits each row over programs
 SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, programs_per_sm=32), TopkPlan(**ONE),
                TopkPlan(**ONE, fused_block=1024),

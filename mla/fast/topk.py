@@ -105,7 +105,10 @@ class TopkPlan:
     ``filter_warps``, ``programs_per_sm`` (the grid aims at that many programs per SM: a row is
     cut into that many chunks over the rows), ``filter_local`` (0: a block's survivors placed
     by one atomic; else a program's own list of that many, moved to the row's when full).
-    Select (both routes): ``select_bits`` a radix level, ``select_tile`` keys a step of a
+    Select (both routes): ``select_maxnreg`` (where the rows outnumber the SMs, the registers
+    a thread capped and tiles of at most 1024 keys, two programs a SM: 256 x 8K 63 against
+    75 us, 256 x 128K 135 against 146; with one wave the cap only costs, 128 x 128K 88
+    against 79), ``select_bits`` a radix level, ``select_tile`` keys a step of a
     scanned row; ``select_warps`` (three launches)."""
     route: str = "auto"
     min_parts: int = 4
@@ -120,9 +123,9 @@ class TopkPlan:
     select_bits: int = 6
     select_tile: int = 2048
     select_warps: int = 8
-    # the selecting kernels' (select, one launch) registers a thread capped (0: the compiler's
-    # choice): 128 lets two programs of 8 warps share a SM
-    select_maxnreg: int = 0
+    # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
+    # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
+    select_maxnreg: int = 128
     oversample: float = 1.5
     sample_runs: int = 512
     estimate_warps: int = 16
@@ -249,13 +252,14 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
     mask_args = (*rows, work, words, W, s_l_r, s_w_r, chunk, cap, SMALL, plan.block,
                  plan.stages)
+    cap_regs, tile = _capped(plan, R, logits.device)
     select_args = (*rows, work, words, out, W, topk, s_l_r, s_o_r, s_w_r, cap, SMALL,
-                   plan.select_tile, plan.select_bits, out_block, WORD_TILE)
+                   tile, plan.select_bits, out_block, WORD_TILE)
     return work, [
         lambda: _estimate(key, (R, 1, 1), est_args, num_warps=plan.estimate_warps),
         lambda: _mask((key, chunk), (R, chunks, 1), mask_args, num_warps=plan.filter_warps),
-        lambda: _select(key, (R, 1, 1), select_args, num_warps=plan.select_warps,
-                        **_maxnreg(plan))]
+        lambda: _select((key, *cap_regs.items()), (R, 1, 1), select_args,
+                        num_warps=plan.select_warps, **cap_regs)]
 
 
 def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
@@ -275,19 +279,22 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
         sync = torch.zeros(R, 2, dtype=torch.int32, device=logits.device)
     else:
         lists = sync = work  # not read
+    cap_regs, tile = _capped(plan, R, logits.device)
     args = (logits, row_starts, row_ends, work, lists, sync, out, W, topk, logits.stride(0),
             out.stride(0), chunk, float(plan.oversample), plan.sample_runs, RUN,
-            plan.estimate_bits, cap, SMALL, plan.select_tile, plan.select_bits, block,
+            plan.estimate_bits, cap, SMALL, tile, plan.select_bits, block,
             plan.fused_stages, parts > 1, min(1024, next_pow2(topk)))
-    key = (key, chunk, parts > 1, ptr_spec(lists), ptr_spec(sync))
-    return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps,
-                          **_maxnreg(plan))
+    key = (key, chunk, parts > 1, ptr_spec(lists), ptr_spec(sync), *cap_regs.items())
+    return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps, **cap_regs)
 
 
-def _maxnreg(plan: TopkPlan) -> dict:
-    """The launch option capping the selecting kernels' registers, when the plan sets one (a
-    compiler option: the interpreter has none)."""
-    return {"maxnreg": plan.select_maxnreg} if plan.select_maxnreg and not interpreting() else {}
+def _capped(plan: TopkPlan, rows: int, device: torch.device) -> tuple[dict, int]:
+    """The selecting kernels' launch option and tile: where the rows outnumber the SMs (and
+    the plan caps), ``maxnreg`` and tiles of at most 1024 keys (no spill under the cap), else
+    neither. The interpreter takes no compiler option."""
+    if plan.select_maxnreg and not interpreting() and rows > num_sms(device):
+        return {"maxnreg": plan.select_maxnreg}, min(plan.select_tile, 1024)
+    return {}, plan.select_tile
 
 
 def survivors(work: torch.Tensor) -> torch.Tensor:
