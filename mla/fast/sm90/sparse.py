@@ -338,10 +338,12 @@ def epilogue(acc, m_i, l_i, bad, qi64, g, split, SINK, O, LSE, MAXL, OP, LSEP, M
              stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
              num_splits, N: gl.constexpr, S: gl.constexpr, HAS_SINK: gl.constexpr,
              HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr, s_layout: gl.constexpr,
-             o_layout: gl.constexpr):
+             o_layout: gl.constexpr, o_smem=None):
     """The 64 heads' results from the online softmax's ``acc``, ``m_i``, ``l_i``: ``out``,
     ``lse`` and (``HAS_MAXL``) the max logits, the sink applied; or (``SPLIT``) this split's
-    partials for the combine kernel. ``bad``: the query's lengths were out of range (NaN)."""
+    partials for the combine kernel. ``bad``: the query's lengths were out of range (NaN).
+    ``o_smem``: a ``[64, 512]`` shared buffer of O's dtype no thread reads any more, through
+    which ``out`` is stored in 16-byte pieces (else from the dots' layout, 4 bytes a store)."""
     BM: gl.constexpr = 64
     DV: gl.constexpr = 512
     dtype: gl.constexpr = O.dtype.element_ty
@@ -374,9 +376,19 @@ def epilogue(acc, m_i, l_i, bad, qi64, g, split, SINK, O, LSE, MAXL, OP, LSEP, M
         part_o = (qi64 * num_splits + split) * N + h_o
         gl.store(OP + part_o[:, None] * DV + c_o[None, :], o,
                  mask=(ho_ok & gl.convert_layout(seen, row_o))[:, None])
-    else:
+    elif o_smem is None:
         gl.store(O + qi64 * stride_oq + h_o.to(gl.int64)[:, None] * stride_oh + c_o[None, :],
                  o.to(dtype), mask=ho_ok[:, None])
+    else:
+        o_smem.store(o.to(dtype))
+        barrier()
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                            warps_per_cta=[8, 1], order=[1, 0])
+        h_l = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+        c_l = gl.arange(0, DV, layout=gl.SliceLayout(0, ld))
+        gl.store(O + qi64 * stride_oq + h_l.to(gl.int64)[:, None] * stride_oh + c_l[None, :],
+                 o_smem.load(ld), mask=(h_l < N)[:, None])
+    if not SPLIT:
         gl.store(LSE + (qi64 // S) * stride_lb + (qi64 % S) * stride_lt + h_s * stride_lh,
                  gl.where(seen | bad, lse, float("inf")), mask=hs_ok)
         if HAS_MAXL:
