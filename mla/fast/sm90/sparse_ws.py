@@ -12,7 +12,7 @@ and the same results:
   ``S = q · Kᵀ`` split by keys, the softmax statistics across both groups, ``P`` through
   shared memory, ``O += P · V`` split by columns, as the coupled kernel; they wait for
   ``ready[s]`` before a tile in K buffer s and arrive at ``free[s]`` once both groups'
-  ``P · V`` have read it;
+  ``P · V`` have read it; out goes through q's buffer, in 16-byte stores;
 - the producer (4 more warps, 104 registers a thread): per tile it loads the entries of the
   next tile's rope and of the tile after it (a tile before their use), waits for ``free[s]``,
   copies the rope values (``cp.async``) into K's last 64 columns, dequantizes the tile's e4m3
