@@ -280,6 +280,8 @@ def test_topk_empty_and_bad_input():
         TopkPlan(fused_block=8)
     with pytest.raises(ValueError, match="TopkPlan.block"):
         TopkPlan(block=16)
+    with pytest.raises(ValueError, match="TopkPlan.select_maxnreg"):
+        TopkPlan(select_maxnreg=8)
     with pytest.raises(ValueError, match="TopkPlan.route"):
         TopkPlan(route="fused")
     with pytest.raises(ValueError, match="TopkPlan.min_parts"):
