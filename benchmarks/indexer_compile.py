@@ -92,7 +92,7 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     select = dict(CAP=cap, SMALL=topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
                   OUT_BLOCK=1024, WORD_TILE=topk.WORD_TILE)
     launches = {
-        topk._estimate_kernel: (dict(CAP=cap, BITS=plan.estimate_bits, RUN=topk.RUN,
+        topk._estimate_kernel: (dict(CAP=cap, RUN=topk.RUN,
                                      SAMPLE_RUNS=plan.sample_runs, SMALL=topk.SMALL,
                                      OVERSAMPLE=float(plan.oversample)), plan.estimate_warps),
         topk._mask_kernel: (dict(CAP=cap, SMALL=topk.SMALL, BLOCK=plan.block,

@@ -111,7 +111,8 @@ def test_topk_paths(route):
     logits, st, en = _full(torch.randn(4, LONG, generator=_gen(30)))
     en[0] = CANDIDATES
     logits[2] = 0.5
-    logits[3, sample_columns(LONG)] = 100.0 + torch.rand(4096, generator=_gen(31))
+    sampled = sample_columns(LONG)
+    logits[3, sampled] = 100.0 + torch.rand(len(sampled), generator=_gen(31))
     plan = ROUTES[route]
     assert _paths(logits, st, en, 2048, plan) == ["direct", "listed", "scanned", "scanned"]
     _check(logits, st, en, 2048, plan)
@@ -215,7 +216,7 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(select_bits=5), TopkPlan(select_bits=6),
                                   TopkPlan(select_tile=1024), TopkPlan(oversample=1.0),
                                   TopkPlan(block=2048, filter_warps=8, programs_per_sm=4),
-                                  TopkPlan(sample_runs=256, estimate_warps=4, estimate_bits=5),
+                                  TopkPlan(sample_runs=256, estimate_warps=4),
                                   TopkPlan(route="one", fused_block=1024, fused_stages=2),
                                   TopkPlan(route="one", fused_warps=4, fused_parts=1),
                                   TopkPlan(route="three", block=1024, filter_warps=4),

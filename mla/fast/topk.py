@@ -57,7 +57,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from mla.fast.common import TRITON_VERSION, interpreting, next_pow2, num_sms, should_validate
+from mla.fast.common import interpreting, next_pow2, num_sms, should_validate
 from mla.fast.launch import CompiledLauncher, int_spec, ptr_spec
 from mla.fast.topk_fused import _fused_kernel
 from mla.fast.topk_kernels import (
@@ -121,17 +121,14 @@ class TopkPlan:
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
     programs_per_sm: int = 64
     select_bits: int = 6
-    select_tile: int = 2048
+    select_tile: int = 1024
     select_warps: int = 8
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
     select_maxnreg: int = 128
-    oversample: float = 1.5
-    sample_runs: int = 512
+    oversample: float = 1.2
+    sample_runs: int = 1024
     estimate_warps: int = 16
-    # 5-bit levels are the fastest under Triton 3.6 (16 us against 18 at 6 bits, 128 x 128K);
-    # Triton 3.7 compiles the 16-warp 5-bit estimate with an 8-byte stack frame, 6 bits without
-    estimate_bits: int = 5 if TRITON_VERSION < (3, 7) else 6
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",
@@ -139,9 +136,8 @@ class TopkPlan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
-        for name in ("select_bits", "estimate_bits"):
-            if getattr(self, name) not in (5, 6, 7, 8):
-                raise ValueError(f"TopkPlan.{name} must be 5 to 8, got {getattr(self, name)!r}")
+        if self.select_bits not in (5, 6, 7, 8):
+            raise ValueError(f"TopkPlan.select_bits must be 5 to 8, got {self.select_bits!r}")
         if not isinstance(self.oversample, (int, float)) or not 1.0 <= self.oversample <= 3.0:
             raise ValueError(f"TopkPlan.oversample must lie in [1, 3], got {self.oversample!r}")
         if not 2 <= self.sample_runs <= 1024:
@@ -172,7 +168,7 @@ class TopkPlan:
         return width <= CANDIDATES or rows * self.min_parts <= sms
 
 
-def sample_columns(n: int, runs: int = 512) -> torch.Tensor:
+def sample_columns(n: int, runs: int = 1024) -> torch.Tensor:
     """The columns (from the row's start) that the estimate samples in a row of ``n`` keys
     (``TopkPlan.sample_runs``): ``runs`` runs of ``RUN``, evenly spaced from 0 (the last ends
     less than ``runs - 1`` keys before the row's end)."""
@@ -245,10 +241,9 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
     chunks = max(1, triton.cdiv(W, chunk))
     est_args = (*rows, work, W, topk, s_l_r, float(plan.oversample), cap, plan.sample_runs,
-                RUN, plan.estimate_bits, SMALL)
-    # per row the bitmask's words (columns rounded up to whole blocks), then their running
-    # counts
-    s_w_r = 2 * (triton.cdiv(W, plan.block) * plan.block // 32)
+                RUN, SMALL)
+    # per row the bitmask's words (columns rounded up to whole blocks)
+    s_w_r = triton.cdiv(W, plan.block) * plan.block // 32
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
     mask_args = (*rows, work, words, W, s_l_r, s_w_r, chunk, cap, SMALL, plan.block,
                  plan.stages)
@@ -281,9 +276,9 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
         lists = sync = work  # not read
     cap_regs, tile = _capped(plan, R, logits.device)
     args = (logits, row_starts, row_ends, work, lists, sync, out, W, topk, logits.stride(0),
-            out.stride(0), chunk, float(plan.oversample), plan.sample_runs, RUN,
-            plan.estimate_bits, cap, SMALL, tile, plan.select_bits, block,
-            plan.fused_stages, parts > 1, min(1024, next_pow2(topk)))
+            out.stride(0), chunk, float(plan.oversample), plan.sample_runs, RUN, cap, SMALL,
+            tile, plan.select_bits, block, plan.fused_stages, parts > 1,
+            min(1024, next_pow2(topk)))
     key = (key, chunk, parts > 1, ptr_spec(lists), ptr_spec(sync), *cap_regs.items())
     return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps, **cap_regs)
 

@@ -30,7 +30,7 @@ from mla.fast.topk_kernels import (
 @triton.jit
 def _fused_kernel(logits, starts, ends, work, parts, sync, out, W, topk, s_l_r, s_o_r, chunk,
                   OVERSAMPLE: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
-                  EST_BITS: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
+                  CAP: tl.constexpr, SMALL: tl.constexpr,
                   TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
                   STAGES: tl.constexpr, SPLIT: tl.constexpr,
                   OUT_BLOCK: tl.constexpr):
@@ -61,8 +61,7 @@ def _fused_kernel(logits, starts, ends, work, parts, sync, out, W, topk, s_l_r, 
                                       dst, CAP, SMALL, TILE, BITS)
             _write_tail(dst, n, topk, OUT_BLOCK)
     else:
-        t = _threshold(src + start, n, topk, few, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN, EST_BITS,
-                       SMALL)
+        t = _threshold(src + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
         # from start rounded down to 16, so that the loads are 16-byte vectors; columns as
         # int32 (W < 2^31)
         first = start.to(tl.int32)

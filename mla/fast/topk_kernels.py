@@ -126,75 +126,81 @@ def _level(c, match, need, BITS: tl.constexpr):
 
 
 @triton.jit
-def _floor_of_rank(c, rank, few_ptr, slack, BITS: tl.constexpr, SMALL: tl.constexpr):
-    """A value at or below the ``rank``-th largest of ``c`` (non-negative), with at most
-    ``slack`` items more at or above it (or only equal ones): the floor of the radix bucket
-    that holds the ``rank``-th, refined until the bucket is that small.
-
-    A level costs the same for every element of ``c``, matching or not: after the first, the
-    bucket's items (usually a few dozen) are compacted through ``few_ptr`` (``SMALL`` int64)
-    into a ``SMALL`` tensor and the next levels run on that; a larger bucket (ties) stays.
-    At most 16 levels (each fixes ``BITS`` more of 64 bits): the floor only sets how many
-    keys the read lists, never which are selected, so the loop is bounded whatever happens."""
-    need = tl.zeros((), tl.int32) + rank
-    mask = tl.full((), -9223372036854775808, tl.int64)  # the sign bit: every item
-    found = tl.zeros((), tl.int64)
-    found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
-    levels = tl.zeros((), tl.int32) + 1
-    done = ((inside <= slack) | (shift == 0)).to(tl.int32)
-    if (done == 0) & (inside <= SMALL):
-        m = (c & mask) == found
-        tl.store(few_ptr + tl.cumsum(m.to(tl.int32), axis=0) - 1, c, mask=m)
-        tl.debug_barrier()  # every thread's items written before they are read
-        j = tl.arange(0, SMALL)
-        few = tl.load(few_ptr + j, mask=j < inside, other=-1)
-        while done == 0:
-            found, mask, need, inside, shift = _level(few, (few & mask) == found, need, BITS)
-            levels += 1
-            done = ((inside <= slack) | (shift == 0) | (levels >= 16)).to(tl.int32)
-    while done == 0:
-        found, mask, need, inside, shift = _level(c, (c & mask) == found, need, BITS)
-        levels += 1
-        done = ((inside <= slack) | (shift == 0) | (levels >= 16)).to(tl.int32)
-    return found
+def _count_min_max(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, tl.minimum(a1, b1), tl.maximum(a2, b2)
 
 
 @triton.jit
-def _threshold(src, n, topk, few, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
-               SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr, BITS: tl.constexpr,
-               SMALL: tl.constexpr):
+def _bisect(u, need, slack):
+    """Bisection for the ``need``-th largest of the nonzero ``u`` (uint32; 0 marks an empty
+    place; ``need`` at most their count): the least ``p`` whose bits from the top are fixed
+    one a step, keeping at least ``need`` items at or above it. Starts below the bits all
+    items share (their least and greatest) and stops once at most ``need + slack`` items
+    reach ``p``. Returns ``p`` and how many reach it: exactly ``need`` (with ``slack = 0``)
+    unless the ``need``-th is tied, then ``p`` is its value. No memory: a step is a compare
+    and a count of every held item (about 20 steps on a top-k's candidates; two bits a step,
+    three counts, ran slower on the H200)."""
+    reach, lo, hi = tl.reduce(((u != 0).to(tl.int32), tl.where(u != 0, u, 0xFFFFFFFF), u), 0,
+                              _count_min_max)
+    # the highest bit in which the items differ (-1: all equal), read off the float64
+    # exponent (exact below 2^53); the bits above it are every item's
+    x = (lo ^ hi).to(tl.int64)
+    b = tl.maximum((x.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1023, -1)
+    p = (lo.to(tl.int64) & (-1 << (b + 1))).to(tl.uint32)
+    b = b.to(tl.int32)
+    while (b >= 0) & (reach > need + slack):
+        c = p | (tl.full((), 1, tl.uint32) << b.to(tl.uint32))
+        count = tl.sum((u >= c).to(tl.int32), axis=0)
+        if count >= need:
+            p = c
+            reach = count
+        b -= 1
+    return p, reach
+
+
+@triton.jit
+def _unsigned(k):
+    """int32 keys as uint32 patterns in the same order: never 0 (the least key, ``-inf``'s,
+    is ``0x007FFFFF``), so that 0 can mark an empty place."""
+    return (k ^ -2147483648).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _threshold(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
+               SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr):
     """The int32 key that about ``OVERSAMPLE * topk`` of the row's ``n`` keys (``src``: its
     first) reach, from a sample of ``SAMPLE_RUNS`` evenly spaced runs of ``RUN`` keys (every
     part of the row is seen). For rows of more than ``CAP`` keys."""
     j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
     step = ((n - RUN).to(tl.int32) // (SAMPLE_RUNS - 1)).to(tl.int64)  # n < 2^31
     cols = (j * step)[:, None] + tl.arange(0, RUN)[None, :]
-    k = _order_keys(tl.load(src + cols))
-    c = tl.reshape(k.to(tl.int64) + 2147483648, (SAMPLE_RUNS * RUN,))  # keys only
+    u = tl.reshape(_unsigned(_order_keys(tl.load(src + cols))), (SAMPLE_RUNS * RUN,))
     # the sample rank that OVERSAMPLE x topk keys (plus three deviations) reach in the row
     expect = tl.fdiv((topk * 1.0) * (SAMPLE_RUNS * RUN), n.to(tl.float32))  # approximate
     # (for a large topk, at most halfway to the list's length)
     fits = 0.5 * (expect + tl.fdiv(CAP * (SAMPLE_RUNS * RUN * 1.0), n.to(tl.float32)))
     aim = tl.ceil(OVERSAMPLE * expect + 3.0 * tl.sqrt(expect) + 8.0)
     rank = tl.minimum(tl.minimum(aim, fits), SAMPLE_RUNS * RUN).to(tl.int32)
-    # a bucket of a few keys, or of equal keys, is taken whole: its floor is the threshold
-    floor = _floor_of_rank(c, rank, few, rank // 8 + 4, BITS, SMALL)
-    return (floor - 2147483648).to(tl.int32)
+    # any key that about rank to rank + rank / 16 + 2 of the sample reach (or, past it, a
+    # tied one: its value) will do: the threshold only sets how many keys the read lists,
+    # never which are selected
+    t, _reach = _bisect(u, rank, rank // 16 + 2)
+    return (t ^ 0x80000000).to(tl.int32, bitcast=True)
 
 
 @triton.jit
 def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.constexpr,
                      CAP: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
-                     BITS: tl.constexpr, SMALL: tl.constexpr):
+                     SMALL: tl.constexpr):
     """Per row its threshold (``_threshold``) and its survivor count zeroed. Rows of no more
     than ``CAP`` keys need no threshold."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    _keys, _cols, few, thresh, count = _work_row(work, row, CAP, SMALL)
+    _keys, _cols, _few, thresh, count = _work_row(work, row, CAP, SMALL)
     tl.store(count, 0)
     if n > CAP:
-        t = _threshold(logits + row * s_l_r + start, n, topk, few, OVERSAMPLE, CAP,
-                       SAMPLE_RUNS, RUN, BITS, SMALL)
+        t = _threshold(logits + row * s_l_r + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS,
+                       RUN)
         tl.store(thresh, t)
 
 
@@ -240,211 +246,28 @@ def _popc(x):
 
 
 @triton.jit
-def _mask_prefix(bits, incl, w0, w1, TILE: tl.constexpr):
-    """Per word ``w`` of ``[w0, w1)`` the set bits of words ``w0..w`` (stored to ``incl``);
-    returns the total."""
+def _list_from_mask(bits, start, w0, w1, cols_out, CAP: tl.constexpr, TILE: tl.constexpr):
+    """The columns (from ``start``) of the keys whose bits are set (``bits`` words
+    ``[w0, w1)``), listed in column order: a tile of ``TILE`` words at a time, each word's set
+    bits go to the places after the words before it (running counts of the words' popcounts),
+    a bit a round, as many rounds as the tile's fullest word has bits (no loads in the
+    rounds); places past ``CAP`` are dropped. Returns the count."""
     total = tl.zeros((), tl.int32)
-    for g in range(w0, w1, TILE):
-        j = g + tl.arange(0, TILE)
-        m = j < w1
-        pc = _popc(tl.load(bits + j, mask=m, other=0))
-        tl.store(incl + j, total + tl.cumsum(pc, axis=0), mask=m)
-        total += tl.sum(pc, axis=0)
-    return total
-
-
-@triton.jit
-def _list_from_mask(src, start, bits, incl, w0, w1, total, keys_out, cols_out,
-                    TILE: tl.constexpr, HELD: tl.constexpr):
-    """The candidate list of the ``total`` keys whose bits are set (``bits`` words
-    ``[w0, w1)``, ``incl`` their running counts), in column order: each word's set bits go
-    to the places after the words before it, a bit a round, as many rounds as the fullest
-    word of a tile of ``TILE`` words has bits (no loads in the rounds); then the keys of the
-    listed columns read from the row (``src``: column 0), ``HELD`` at a time."""
     for g in range(w0, w1, TILE):
         j = g + tl.arange(0, TILE)
         word = tl.load(bits + j, mask=j < w1, other=0)
         pc = _popc(word)
-        pos = tl.load(incl + j, mask=j < w1, other=0) - pc
+        pos = total + tl.cumsum(pc, axis=0) - pc
         u = word.to(tl.uint32, bitcast=True)
         for _r in range(0, tl.max(pc, axis=0)):
             low = u & (0 - u)  # the lowest set bit
             bit = _popc((low - 1).to(tl.int32, bitcast=True))  # its place
-            has = u != 0
+            has = (u != 0) & (pos < CAP)
             tl.store(cols_out + pos, j * 32 + bit - start.to(tl.int32), mask=has)
-            pos += has.to(tl.int32)
+            pos += 1
             u = u & (u - 1)
-    tl.debug_barrier()  # every thread's columns stored before they are read
-    for g in range(0, total, HELD):
-        p = g + tl.arange(0, HELD)
-        live = p < total
-        col = tl.load(cols_out + p, mask=live, other=0)
-        tl.store(keys_out + p, _order_keys(tl.load(src + start + col, mask=live, other=0.0)),
-                 mask=live)
-
-
-@triton.jit
-def _rank_few(k, bucket, need, few32, TINY: tl.constexpr):
-    """The ``need``-th largest of the at most ``TINY`` keys ``k`` in ``bucket``, exactly, in
-    one step: compacted (``few32``) and ranked against each other (``TINY x TINY``
-    comparisons). Returns the key ``kth``, how many of the bucket's keys equal to it are
-    needed (``left``) and how many there are (``inside``)."""
-    tl.debug_barrier()  # the scratch read by every thread before it is written again
-    tl.store(few32 + tl.cumsum(bucket.to(tl.int32), axis=0) - 1, k, mask=bucket)
-    tl.debug_barrier()  # every thread's keys written before they are read
-    count = tl.sum(bucket.to(tl.int32), axis=0)
-    j = tl.arange(0, TINY)
-    held = j < count
-    v = tl.load(few32 + j, mask=held, other=0)
-    vt = tl.reshape(v, (1, TINY))
-    ht = tl.reshape(held, (1, TINY))
-    above = tl.sum((ht & (vt > v[:, None])).to(tl.int32), axis=1)
-    equal = tl.sum((ht & (vt == v[:, None])).to(tl.int32), axis=1)
-    at = held & (above < need) & (above + equal >= need)  # the need-th's value, however tied
-    kth = tl.max(tl.where(at, v, -2147483648), axis=0)
-    above_kth = tl.max(tl.where(at, above, 0), axis=0)
-    inside = tl.max(tl.where(at, equal, 0), axis=0)
-    return kth, need - above_kth, inside
-
-
-@triton.jit
-def _item_keys(src, list_keys, list_cols, few32, i, count, tie_key, listed, ties, few):
-    """Items ``i``'s int32 keys and which are live (runtime modes, so that one copy of the
-    code serves every mode): the row's keys (``src``), its list's (``listed``), or (``few``)
-    the compacted ``few32``; with ``ties`` (not ``few``), the inverted columns
-    ``0x7FFFFFFF - column`` of the items whose key is ``tie_key`` (the others dead): their
-    largest are the lowest columns."""
-    live = i < count
-    from_list = (listed != 0) | (few != 0)
-    k = tl.where(from_list, tl.load(tl.where(few != 0, few32, list_keys) + i,
-                                    mask=live & from_list, other=0),
-                 _order_keys(tl.load(src + i, mask=live & ~from_list, other=0.0)))
-    tie = (ties != 0) & (few == 0)
-    live = live & (~tie | (k == tie_key))
-    col = tl.where(listed != 0, tl.load(list_cols + i, mask=live & tie & (listed != 0),
-                                        other=0), i)
-    return tl.where(tie, 0x7FFFFFFF - col, k), live
-
-
-@triton.jit
-def _level_tiles(src, list_keys, list_cols, few32, count, tie_key, listed, ties, few, found,
-                 mask, need, BITS: tl.constexpr, TILE: tl.constexpr):
-    """One radix level over the items (``_item_keys``) matching the boundary's prefix
-    ``found`` (under ``mask``), read in tiles of ``TILE`` (keys as unsigned patterns
-    ``k ^ 0x80000000``, the same order): their least and greatest, which place the digit
-    window at the highest bit in which they differ, then their digits' histogram. Returns the
-    boundary's prefix and mask, the keys still needed, the boundary bucket's count and the
-    window's place."""
-    kmin = tl.full((TILE,), 2147483647, tl.int32)
-    kmax = tl.full((TILE,), -2147483648, tl.int32)
-    for t in range(0, count, TILE):
-        k, live = _item_keys(src, list_keys, list_cols, few32, t + tl.arange(0, TILE), count,
-                             tie_key, listed, ties, few)
-        match = live & (((k ^ -2147483648) & mask) == found)
-        kmin = tl.minimum(kmin, tl.where(match, k, 2147483647))
-        kmax = tl.maximum(kmax, tl.where(match, k, -2147483648))
-    lo = tl.min(kmin, axis=0)
-    shift = _place((lo ^ tl.max(kmax, axis=0)).to(tl.int64) & 0xFFFFFFFF, 0, BITS).to(tl.int32)
-    h = tl.zeros((1 << BITS,), tl.int32)
-    for t in range(0, count, TILE):
-        k, live = _item_keys(src, list_keys, list_cols, few32, t + tl.arange(0, TILE), count,
-                             tie_key, listed, ties, few)
-        v = k ^ -2147483648
-        h += tl.histogram((v >> shift) & ((1 << BITS) - 1), 1 << BITS,
-                          mask=live & ((v & mask) == found))
-    d, above, inside = _bucket(h, need, 1 << BITS)
-    ones = tl.full((), -1, tl.int32)
-    fixed = tl.where(shift + BITS >= 32, 0, ones << tl.minimum(shift + BITS, 31))
-    return ((lo ^ -2147483648) & fixed) | (d << shift), ones << shift, need - above, inside, shift
-
-
-@triton.jit
-def _kth_tiles(src, list_keys, list_cols, items, need, tie_key, listed, ties, few_ptr,
-               BITS: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
-               TINY: tl.constexpr = 64):
-    """The ``need``-th largest (``need`` at most their count) of the items' keys
-    (``_item_keys``), as a key ``kth`` such that every key above it is selected and, of the
-    ``inside`` keys equal to it (or, when ``inside`` equals ``left``, at or above it),
-    ``left`` are. Radix levels (``_level_tiles``) until the boundary bucket holds exactly the
-    keys still needed or is one value; once it fits ``SMALL`` its keys are compacted
-    (``few_ptr``) and the levels go on over them; once it fits ``TINY`` they are ranked
-    exactly (``_rank_few``). The items stay in memory, read in tiles, and the loop has one
-    copy of each step: a select's time is its chain of block-wide steps, and a cold kernel
-    fetches its code from DRAM, so the code it runs is kept small. Returns
-    ``kth, left, inside``."""
-    few32 = few_ptr.to(tl.pointer_type(tl.int32))
-    items = (tl.zeros((), tl.int64) + items).to(tl.int32)  # fewer than 2^31 keys a row
-    need = tl.zeros((), tl.int32) + need
-    found = tl.zeros((), tl.int32)
-    mask = tl.zeros((), tl.int32)  # no bit fixed: every live item matches
-    inside = items
-    held = items  # the items the levels read: the row's or list's, then the compacted few
-    few = tl.zeros((), tl.int32)
-    done = tl.zeros((), tl.int32)
-    kth = tl.zeros((), tl.int32)
-    while done == 0:
-        if (few != 0) & (inside <= TINY):
-            j = tl.arange(0, SMALL)
-            keys = tl.load(few32 + j, mask=j < held, other=0)
-            kth, need, inside = _rank_few(
-                keys, (j < held) & (((keys ^ -2147483648) & mask) == found), need, few32,
-                TINY)
-            done = tl.full((), 1, tl.int32)
-        elif (few == 0) & (inside <= SMALL):
-            kept = tl.zeros((), tl.int32)
-            for t in range(0, items, TILE):
-                k, live = _item_keys(src, list_keys, list_cols, few32, t + tl.arange(0, TILE),
-                                     items, tie_key, listed, ties, few)
-                m = live & (((k ^ -2147483648) & mask) == found)
-                tl.store(few32 + kept + tl.cumsum(m.to(tl.int32), axis=0) - 1, k, mask=m)
-                kept += tl.sum(m.to(tl.int32), axis=0)
-            tl.debug_barrier()  # every thread's keys written before they are read
-            held = kept
-            few = tl.full((), 1, tl.int32)
-        else:
-            found, mask, need, inside, shift = _level_tiles(src, list_keys, list_cols, few32,
-                                                            held, tie_key, listed, ties, few,
-                                                            found, mask, need, BITS, TILE)
-            done = ((inside == need) | (shift == 0)).to(tl.int32)
-            kth = found ^ -2147483648
-    return kth, need, inside
-
-
-@triton.jit
-def _select_held(src, list_keys, list_cols, items, need, few_ptr, dst, listed,
-                 TILE: tl.constexpr, BITS: tl.constexpr, SMALL: tl.constexpr):
-    """The exact ``need`` best of ``items`` keys: a row's (column ``i`` at place ``i``) or its
-    candidate list's (``listed``, at run time), their columns written to ``dst`` in the items'
-    order. The keys alone decide unless the boundary key is tied; then a second select among
-    the tied ones, on the inverted column, takes the lowest columns (the same loop again, so
-    its code is there once). The items are read in tiles (``_kth_tiles``), never held
-    whole."""
-    listed = tl.zeros((), tl.int32) + listed
-    kth = tl.zeros((), tl.int32)
-    col_kth = tl.zeros((), tl.int32)  # every column of the boundary key when it is not tied
-    ties = tl.zeros((), tl.int32)
-    left = tl.zeros((), tl.int32) + need
-    go = tl.full((), 1, tl.int32)
-    while go != 0:
-        key, left_now, inside = _kth_tiles(src, list_keys, list_cols, items, left, kth, listed,
-                                           ties, few_ptr, BITS, SMALL, TILE)
-        if ties == 0:
-            kth = key
-            left = left_now
-            go = (inside > left_now).to(tl.int32)
-            ties = tl.full((), 1, tl.int32)
-        else:
-            col_kth = key
-            go = tl.zeros((), tl.int32)
-    written = tl.zeros((), tl.int32)
-    for t in range(0, items, TILE):
-        j = t + tl.arange(0, TILE)
-        k, live = _item_keys(src, list_keys, list_cols, list_keys, j, items, 0, listed, 0, 0)
-        cols = tl.where(listed != 0, tl.load(list_cols + j, mask=live & (k >= kth), other=0), j)
-        take = live & ((k > kth) | ((k == kth) & (0x7FFFFFFF - cols >= col_kth)))
-        pos = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(dst + pos, cols, mask=take)
-        written += tl.sum(take.to(tl.int32), axis=0)
+        total += tl.sum(pc, axis=0)
+    return total
 
 
 @triton.jit
@@ -518,15 +341,98 @@ def _write_taken(dst, c, take, written):
 
 
 @triton.jit
+def _held_keys(src, list_keys, i, items, from_list):
+    """Items ``i``'s keys as ``_unsigned`` patterns, 0 past ``items``: the list's keys
+    (``from_list``) or the row's floats made keys, by one load of 32-bit patterns."""
+    live = i < items
+    raw = tl.load(tl.where(from_list, list_keys, src.to(tl.pointer_type(tl.int32))) + i,
+                  mask=live, other=0)
+    k = tl.where(from_list, raw, _order_keys(raw.to(tl.float32, bitcast=True)))
+    return tl.where(live, _unsigned(k), 0)
+
+
+@triton.jit
+def _inverted(cols):
+    """``0x7FFFFFFF - column`` as uint32: larger for a lower column, never 0 (columns are
+    below ``2^31 - 1``)."""
+    return (0x7FFFFFFF - cols).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _boundary(u, cols, need):
+    """Where the ``need`` best of the held keys ``u`` (``_bisect``'s convention) end: the
+    key ``p`` and the least inverted column ``last`` taken among the items equal to ``p``
+    (1 when every item at or above ``p`` is taken). When the ``need``-th key is tied, a
+    second bisection among its equals, on the inverted column, takes the lowest columns
+    (``cols``: the items' columns, read only where equal to ``p``)."""
+    p, reach = _bisect(u, need, 0)
+    last = tl.full((), 1, tl.uint32)
+    if reach > need:
+        v = tl.where(u == p, _inverted(cols), 0)
+        last, _reach = _bisect(v, need - tl.sum((u > p).to(tl.int32), axis=0), 0)
+    return p, last
+
+
+@triton.jit
+def _select_in_registers(u, cols, need, dst):
+    """The exact ``need`` best of the held keys ``u`` (0: no item), their ``cols`` written to
+    ``dst`` in the items' order."""
+    p, last = _boundary(u, cols, need)
+    take = (u > p) | ((u == p) & (_inverted(cols) >= last))
+    tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, cols, mask=take)
+
+
+@triton.jit
+def _select_in_tiles(src, list_keys, list_cols, items, need, dst, from_list,
+                     HOLD: tl.constexpr, TILE: tl.constexpr):
+    """``_select_in_registers`` for up to ``HOLD`` items in memory (a row's keys, column
+    ``i`` at place ``i``, or a list's, ``from_list``) too many to hold with their columns:
+    the keys are held for the bisections, then read again in tiles of ``TILE`` to write the
+    columns."""
+    i = tl.arange(0, HOLD)
+    u = _held_keys(src, list_keys, i, items, from_list)
+    cols = tl.where(from_list, tl.load(list_cols + i, mask=(i < items) & from_list, other=0), i)
+    p, last = _boundary(u, cols, need)
+    written = tl.zeros((), tl.int32)
+    for t in range(0, items, TILE):
+        j = t + tl.arange(0, TILE)
+        w = _held_keys(src, list_keys, j, items, from_list)
+        c = tl.where(from_list, tl.load(list_cols + j, mask=(w >= p) & from_list, other=0), j)
+        take = (w > p) | ((w == p) & (_inverted(c) >= last))
+        tl.store(dst + written + tl.cumsum(take.to(tl.int32), axis=0) - 1, c, mask=take)
+        written += tl.sum(take.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _gather_keys(src, list_cols, list_keys, items, TILE: tl.constexpr):
+    """The keys of the listed columns (``src``: the row's start), stored beside them."""
+    for g in range(0, items, TILE):
+        i = g + tl.arange(0, TILE)
+        live = i < items
+        col = tl.load(list_cols + i, mask=live, other=0)
+        tl.store(list_keys + i, _order_keys(tl.load(src + col, mask=live, other=0.0)),
+                 mask=live)
+
+
+@triton.jit
 def _select_listed_or_row(src, n, topk, list_keys, list_cols, survivors, few, dst,
                           CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
                           BITS: tl.constexpr):
-    """For ``n > topk``: the exact ``topk`` best of the row held whole (``n <= CAP``), of its
-    candidate list held whole (``topk <= survivors <= CAP``), or else of the row streamed
-    (the threshold failed)."""
-    if (n <= CAP) | ((survivors >= topk) & (survivors <= CAP)):  # one call: one copy of it
-        _select_held(src, list_keys, list_cols, tl.where(n <= CAP, n, survivors), topk, few,
-                     dst, (n > CAP).to(tl.int32), TILE, BITS, SMALL)
+    """For ``n > topk``: the exact ``topk`` best of the row (``src``: its start) held whole
+    (``n <= CAP``), of its candidate list held whole (``topk <= survivors <= CAP``, keys and
+    columns in memory), or else of the row streamed (the threshold failed). Up to half the
+    list's length, the keys and columns are held together."""
+    items = tl.where(n <= CAP, n, survivors).to(tl.int32)
+    from_list = n > CAP
+    if (n <= CAP) | ((survivors >= topk) & (survivors <= CAP)):
+        if items <= CAP // 2:
+            i = tl.arange(0, CAP // 2)
+            u = _held_keys(src, list_keys, i, items, from_list)
+            cols = tl.where(from_list, tl.load(list_cols + i, mask=(i < items) & from_list,
+                                               other=0), i)
+            _select_in_registers(u, cols, topk, dst)
+        else:
+            _select_in_tiles(src, list_keys, list_cols, items, topk, dst, from_list, CAP, TILE)
     else:
         _stream_select(src, n, topk, few, dst, TILE, BITS, SMALL)
 
@@ -555,31 +461,35 @@ def _select_kernel(logits, starts, ends, work, words, out, W, topk, s_l_r, s_o_r
     """One program a row: the exact ``topk`` best of the row held whole (no more than ``CAP``
     keys), of the keys its bitmask marks (``_mask_kernel``; their count, stored for
     ``survivors``, from ``topk`` to ``CAP``), or else of the row streamed (the threshold
-    failed); then ``-1`` past the row's count."""
+    failed); then ``-1`` past the row's count. A list of up to ``CAP / 2`` is gathered
+    straight into registers (its keys never stored)."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    src = logits + row * s_l_r
+    src = logits + row * s_l_r + start
     dst = out + row * s_o_r
     list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
     if n <= topk:
         _write_all(dst, n, OUT_BLOCK)
     else:
         items = n.to(tl.int32)
+        done = tl.zeros((), tl.int32)
         if n > CAP:
-            bits = words + row * s_w_r
-            incl = bits + s_w_r // 2
-            w0 = (start // 32).to(tl.int32)
-            w1 = ((end + 31) // 32).to(tl.int32)
-            items = _mask_prefix(bits, incl, w0, w1, WORD_TILE)
+            items = _list_from_mask(words + row * s_w_r, start, (start // 32).to(tl.int32),
+                                    ((end + 31) // 32).to(tl.int32), list_cols, CAP, WORD_TILE)
             tl.store(count, items)
-            tl.debug_barrier()  # every thread's running counts stored before any reads them
-            if (items >= topk) & (items <= CAP):
-                _list_from_mask(src, start, bits, incl, w0, w1, items, list_keys, list_cols,
-                                WORD_TILE, CAP)
-                tl.debug_barrier()  # the list stored by every thread before any reads it
-        if (n <= CAP) | ((items >= topk) & (items <= CAP)):  # one call: one copy of it
-            _select_held(src + start, list_keys, list_cols, items, topk, few, dst,
-                         (n > CAP).to(tl.int32), TILE, BITS, SMALL)
-        else:
-            _stream_select(src + start, n, topk, few, dst, TILE, BITS, SMALL)
+            tl.debug_barrier()  # the list stored by every thread before any reads it
+            if (items >= topk) & (items <= CAP // 2):
+                i = tl.arange(0, CAP // 2)
+                live = i < items
+                cols = tl.load(list_cols + i, mask=live, other=0)
+                u = tl.where(live, _unsigned(_order_keys(tl.load(src + cols, mask=live,
+                                                                 other=0.0))), 0)
+                _select_in_registers(u, cols, topk, dst)
+                done = tl.full((), 1, tl.int32)
+            elif (items > CAP // 2) & (items <= CAP):
+                _gather_keys(src, list_cols, list_keys, items, TILE)
+                tl.debug_barrier()  # the keys stored by every thread before any reads them
+        if done == 0:
+            _select_listed_or_row(src, n, topk, list_keys, list_cols, items, few, dst, CAP,
+                                  SMALL, TILE, BITS)
     _write_tail(dst, n, topk, OUT_BLOCK)
