@@ -52,13 +52,15 @@ ONE = dict(route="one")  # the one-launch kernel at every row count
 THREE = dict(route="three")  # three launches at every row count
 # many rows (the default: three launches)
 PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, select_maxnreg=0),
-         TopkPlan(**THREE, select_tile=1024), TopkPlan(**THREE, oversample=1.2),
+         TopkPlan(**THREE, estimate_warps=8), TopkPlan(**THREE, estimate_warps=32),
+         TopkPlan(**THREE, sample_runs=512, oversample=1.5),
+         TopkPlan(**THREE, select_warps=16), TopkPlan(**THREE, select_tile=1024),
          TopkPlan(**ONE), TopkPlan(**ONE, select_maxnreg=0)]
 # rows fewer than the SMs: the one-launch kernel splits each row over programs
 SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, programs_per_sm=32), TopkPlan(**ONE),
                TopkPlan(**ONE, fused_block=1024),
                TopkPlan(**ONE, fused_block=4096), TopkPlan(**ONE, fused_warps=16),
-               TopkPlan(**ONE, sample_runs=256)]
+               TopkPlan(**ONE, sample_runs=512, oversample=1.5)]
 SWEEP_SHAPES = [(128, 131072), (256, 131072), (128, 32768), (256, 32768), (128, 8192),
                 (256, 8192)]
 
@@ -338,8 +340,8 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
     for plan in plans:
         for split in (False, True):
             const = dict(OVERSAMPLE=float(plan.oversample), SAMPLE_RUNS=plan.sample_runs,
-                         RUN=fast_topk.RUN, CAP=CANDIDATES,
-                         SMALL=fast_topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
+                         RUN=fast_topk.RUN, CAP=CANDIDATES, SMALL=fast_topk.SMALL,
+                         TILE=min(plan.select_tile, 1024), BITS=plan.select_bits,
                          BLOCK=plan.fused_block, STAGES=plan.fused_stages,
                          SPLIT=split, OUT_BLOCK=1024)
             found[_changed(plan) + " split" * split] = facts(

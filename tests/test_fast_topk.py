@@ -119,6 +119,21 @@ def test_topk_paths(route):
 
 
 @pytest.mark.parametrize("route", ROUTES)
+def test_topk_held_with_columns_or_in_tiles(route):
+    """A row of ``CANDIDATES // 2`` keys is selected with its columns held beside its keys, a
+    row of one more with only its keys held and its columns written in tiles: both exact,
+    with the boundary key distinct and tied (a few hundred distinct values)."""
+    half = CANDIDATES // 2
+    logits, st, en = _rows(_gen(50), [0, 0, 1, 0], [half, half + 1, half + 1, half + 1],
+                           half + 1)
+    logits[2:] = (logits[2:] * 40).round() / 40
+    plan = ROUTES[route]
+    assert _paths(logits, st, en, 2048, plan) == ["direct"] * 4
+    got = _check(logits, st, en, 2048, plan)
+    assert bool((got[:, 1:] > got[:, :-1]).all()), "a row held whole comes in column order"
+
+
+@pytest.mark.parametrize("route", ROUTES)
 def test_topk_row_order(route):
     """A row selected from its own columns comes in column order when held whole (a short
     row), as at most two runs in column order when scanned (the keys above the boundary

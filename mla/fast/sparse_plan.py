@@ -60,7 +60,8 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
       of 64 gathered rows need 246 KB of shared memory at 16 heads and 262 KB at 32; tiles of
       32 at 16 heads: 131 KB, no spill; 64-head programs go to the Gluon kernel).
     - MODEL1 at 64 heads: the warp-specialized Gluon kernel (``model1_kernel``'s default;
-      measured 1.10-1.30x faster than the coupled one at B=64, benchmarks/NOTES.md); one
+      at B=64 on the H200, N=128, 1.05-1.14x FlashMLA's time where the coupled one takes
+      1.52-1.66x: benchmarks/NOTES.md, "MODEL1 decode"); one
       stage, for a plan that names the coupled kernel (its single staging buffer, measured
       faster than two).
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at

@@ -1,5 +1,5 @@
 """``top_k_per_row`` in Triton: a threshold estimated from a sample, one streaming read that
-lists the keys reaching it, and an exact radix select among those few.
+marks the keys reaching it, and an exact select among those few, held in registers.
 
 Same selection as ``mla.reference.indexer_logits.top_k_per_row`` (conventions §10, "Indexer
 logits and top-k"): per row the ``min(topk, end - start)`` highest logits of columns
@@ -17,23 +17,25 @@ instructions a key per thread. ``tl.histogram`` lowers to a warp ballot per bit 
 index and a popcount per bin a thread owns: ~25 instructions a key at 2048 bins, ~3 at 256, so
 a histogram of every key cannot keep up with the memory; a compare can. Three steps:
 
-1. **estimate**: a stratified sample of the row (512 evenly spaced runs of 8 keys, 4096 in
-   all: short runs, as neighbouring logits may be alike) gives, by radix levels, a key that
-   about ``1.5 * topk`` (plus three standard deviations) of the row's keys reach.
+1. **estimate**: a stratified sample of the row (1024 evenly spaced runs of 8 keys, 8192 in
+   all: short runs, as neighbouring logits may be alike) gives, by bisection, a key that
+   about ``1.2 * topk`` (plus three standard deviations) of the row's keys reach: on random
+   rows of 128K keys, 2750-4000 survivors for ``topk = 2048``.
 2. **filter**, the one read of the row: a bit a key, set where the key reaches the threshold,
    stored as 32-bit words (no scan, no atomic, nothing the next block waits for: the read
-   streams at 2.9 TB/s on the H200, where listing the keys as it goes ran at 1.3). About
-   ``1.5 * topk`` bits are set: a few thousand of 128K.
-3. **select**: the words' running counts, then the candidate list (each word's set bits at
-   the places after the words before it, in column order), then the exact ``topk`` best of
-   it: radix levels whose digit window starts at the highest bit in which the remaining keys
-   differ, until the boundary bucket holds exactly the keys still needed or is one tied key
-   (then a second select among the tied ones on the inverted column: ties to the lower
-   column); once the bucket fits ``SMALL`` it is compacted, and once it fits 64 keys they are
-   ranked against each other in one step. The items are read in tiles, never held whole, and
-   each step's code is there once (a loop with run-time modes): a select is a chain of
-   block-wide steps, and a kernel that starts cold fetches its code from DRAM. A row of no
-   more than ``CANDIDATES`` keys skips 1-2 and is selected whole.
+   streams at 2.9 TB/s on the H200, where listing the keys as it goes ran at 1.3).
+3. **select**: the candidate list in one pass over the words (each word's set bits at the
+   places after the words before it, by running counts of their popcounts, in column order),
+   its keys gathered from the row straight into registers, then the exact ``topk`` best by
+   bisection: the boundary key's bits fixed from the top one a step, each step a compare and
+   a block-wide count of every held key (no histogram, no memory), until exactly ``topk``
+   keys reach it; when the boundary key is tied, a second bisection among its equals on the
+   inverted column takes the lowest columns. Up to ``CANDIDATES / 2`` items are held with
+   their columns; a longer list or row keeps only its keys and writes its columns in tiles.
+   A row of no more than ``CANDIDATES`` keys skips 1-2 and is selected whole.
+   ``benchmarks/topk_phases.py`` times the pieces: on the H200, a program of 128 selecting
+   from ~3300 candidates spends ~7 us on the list, ~5 on the gather, ~6 on the bisection
+   (about 20 steps) and ~2 on the write.
 
 Two routes run them (``TopkPlan.route``). **One launch** (``mla.fast.topk_fused``), a program a
 row (or a few a row, the last to finish selecting) doing all three, its survivors listed as it
@@ -72,9 +74,9 @@ from mla.validation import check_float, check_index, check_same_device
 __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", "top_k_per_row"]
 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
-SMALL = 1024  # a boundary bucket this small is compacted and finished in registers
+SMALL = 1024  # the scan compacts a boundary bucket this small and finishes it in registers
 RUN = 8  # the estimate's sample comes in runs of 8 keys: one 32-byte sector
-WORD_TILE = 4096  # the select counts a bitmask's words 4096 at a time (128K keys)
+WORD_TILE = 4096  # the select lists a bitmask's words 4096 at a time (128K keys)
 
 _estimate = CompiledLauncher(_estimate_kernel)
 _mask = CompiledLauncher(_mask_kernel)
@@ -90,26 +92,26 @@ class TopkPlan:
     the one-launch kernel where the rows are no longer than ``CANDIDATES`` (held whole, one
     program a row) or where each row can be split over at least ``min_parts`` programs
     (``rows * min_parts <= SMs``), three launches otherwise. Measured on the H200 (k = 2048,
-    CUDA graphs): one launch 19 / 36 / 21 us at 1 x 128K, 32 x 128K, 32 x 32K against 57 / 67
-    / 53 for three; three launches 104 / 179 / 64 us at 128 x 128K, 256 x 128K, 128 x 32K
-    against 153 / 267 / 83 (a program of the one-launch kernel holds a row's list in
-    registers: one resident a SM, whose read of a whole row is a chain of block-wide scans at
-    ~3.4 GB/s; the three launches' filter runs 64 one-warp programs a SM). The one-launch
-    kernel: ``fused_block`` keys a step, ``fused_stages`` steps in flight, ``fused_warps``; a
-    row longer than ``CANDIDATES`` split over up to ``fused_parts`` programs, about one a SM
-    in all, the last to finish selecting.
-    Estimate (both routes): ``sample_runs`` runs of ``RUN`` keys (2 to 1024),
-    ``estimate_bits`` a radix level, ``oversample`` (the survivors aimed at, in ``topk``,
-    before three standard deviations of the sample's); ``estimate_warps`` (three launches).
+    CUDA graphs, ``benchmarks/results/topk_plans_2026-12-01.json``): one launch 15 / 37 / 23
+    us at 1 x 128K, 32 x 128K, 32 x 32K against 25 / 39 / 38 for three; three launches 61 /
+    104 / 43 us at 128 x 128K, 256 x 128K, 128 x 32K against 111 / 172 / 52 (a program of
+    the one-launch kernel holds a row's list for the select: one resident a SM, whose read of
+    a whole row is a chain of block-wide scans; the three launches' filter runs many one-warp
+    programs a SM). The one-launch kernel: ``fused_block`` keys a step, ``fused_stages``
+    steps in flight, ``fused_warps``; a row longer than ``CANDIDATES`` split over up to
+    ``fused_parts`` programs, about one a SM in all, the last to finish selecting.
+    Estimate (both routes): ``sample_runs`` runs of ``RUN`` keys (2 to 1024), ``oversample``
+    (the survivors aimed at, in ``topk``, before three standard deviations of the sample's);
+    ``estimate_warps`` (three launches).
     Three launches' streaming read: ``block`` keys a step, ``stages`` steps in flight,
     ``filter_warps``, ``programs_per_sm`` (the grid aims at that many programs per SM: a row is
-    cut into that many chunks over the rows), ``filter_local`` (0: a block's survivors placed
-    by one atomic; else a program's own list of that many, moved to the row's when full).
+    cut into that many chunks over the rows).
     Select (both routes): ``select_maxnreg`` (where the rows outnumber the SMs, the registers
-    a thread capped and tiles of at most 1024 keys, two programs a SM: 256 x 8K 63 against
-    75 us, 256 x 128K 135 against 146; with one wave the cap only costs, 128 x 128K 88
-    against 79), ``select_bits`` a radix level, ``select_tile`` keys a step of a
-    scanned row; ``select_warps`` (three launches)."""
+    a thread capped and tiles of at most 1024 keys, two programs a SM: 256 x 128K 103 against
+    108 us, 256 x 8K 43 against 51; with one wave it changes nothing), ``select_tile`` keys a
+    step where a select reads in tiles (a list or row past ``CANDIDATES / 2``, the scan; at
+    most 1024 in the one-launch kernel), ``select_bits`` a radix level of the scan;
+    ``select_warps`` (three launches)."""
     route: str = "auto"
     min_parts: int = 4
     fused_block: int = 2048
@@ -121,14 +123,14 @@ class TopkPlan:
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
     programs_per_sm: int = 64
     select_bits: int = 6
-    select_tile: int = 1024
+    select_tile: int = 2048
     select_warps: int = 8
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
     select_maxnreg: int = 128
     oversample: float = 1.2
     sample_runs: int = 1024
-    estimate_warps: int = 16
+    estimate_warps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",
@@ -275,6 +277,7 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     else:
         lists = sync = work  # not read
     cap_regs, tile = _capped(plan, R, logits.device)
+    tile = min(tile, 1024)  # a tile of 2048 spills in this kernel (ptxas allots 128 registers)
     args = (logits, row_starts, row_ends, work, lists, sync, out, W, topk, logits.stride(0),
             out.stride(0), chunk, float(plan.oversample), plan.sample_runs, RUN, cap, SMALL,
             tile, plan.select_bits, block, plan.fused_stages, parts > 1,

@@ -6,9 +6,9 @@ shared pieces: ``mla.fast.topk_kernels``).
 Against the three launches it saves two kernels' start and drain and the threshold's round
 trip through memory; a part's survivors go to ``count + cumsum(keep) - 1`` with the count in
 a register (no atomic a block), and a row of few parts spreads its read over as many SMs.
-What it cannot do is run many programs a SM: a program holds a whole candidate list in
-registers for the select (~250 a thread), so one is resident a SM, and a whole row read by
-one program is a chain of block-wide scans (~3.4 GB/s on the H200).
+What it cannot do is run many programs a SM: a program holds a candidate list in registers
+for the select (127 registers a thread at 8 warps), so few are resident a SM, and a whole row
+read by one program is a chain of block-wide scans (~3.4 GB/s on the H200).
 """
 
 from __future__ import annotations

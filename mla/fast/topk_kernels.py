@@ -2,7 +2,9 @@
 
 Keys: a float32's bits ``b`` map to an int32 ``k`` that orders as the floats do (``b`` for a
 positive float, ``b ^ 0x7FFFFFFF`` for a negative one; ``-0`` read as ``+0``, every NaN as
-``2^31 - 1``). Ties go to the lower column: the radix levels run on the non-negative int64
+``2^31 - 1``). Ties go to the lower column. The select of held keys bisects their unsigned
+patterns (``_unsigned``), then, for a tied boundary key, its equals' inverted columns; the scan
+of a whole row (the threshold failed) runs radix levels on the non-negative int64
 ``(k + 2^31) << 31 | (0x7FFFFFFF - column)``, unique per row, so "the ``need`` best" is always
 one exact set, and its digits are plain bit fields.
 """
@@ -126,11 +128,6 @@ def _level(c, match, need, BITS: tl.constexpr):
 
 
 @triton.jit
-def _count_min_max(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, tl.minimum(a1, b1), tl.maximum(a2, b2)
-
-
-@triton.jit
 def _bisect(u, need, slack):
     """Bisection for the ``need``-th largest of the nonzero ``u`` (uint32; 0 marks an empty
     place; ``need`` at most their count): the least ``p`` whose bits from the top are fixed
@@ -140,8 +137,9 @@ def _bisect(u, need, slack):
     unless the ``need``-th is tied, then ``p`` is its value. No memory: a step is a compare
     and a count of every held item (about 20 steps on a top-k's candidates; two bits a step,
     three counts, ran slower on the H200)."""
-    reach, lo, hi = tl.reduce(((u != 0).to(tl.int32), tl.where(u != 0, u, 0xFFFFFFFF), u), 0,
-                              _count_min_max)
+    reach = tl.sum((u != 0).to(tl.int32), axis=0)
+    lo = tl.min(tl.where(u != 0, u, 0xFFFFFFFF), axis=0)
+    hi = tl.max(u, axis=0)
     # the highest bit in which the items differ (-1: all equal), read off the float64
     # exponent (exact below 2^53); the bits above it are every item's
     x = (lo ^ hi).to(tl.int64)
