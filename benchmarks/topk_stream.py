@@ -1,9 +1,11 @@
 """``python -m benchmarks.topk_stream --out DIR``: how fast can a Triton program stream a row of
 logits against a threshold, and what does each way of recording the survivors cost?
 
-The top-k's filter (``mla.fast.topk_kernels._filter_kernel``) streams at 1.2-1.3 TB/s, a third
-of the copy rate. These probe kernels read the same rows (float32, 128K keys, a fixed threshold
-that ~3000 keys of a row reach) in one-warp-or-more programs over chunks of the row, and differ
+The top-k's filter as it was when this probe was written (an atomic a block reserving each
+block's place in the row's candidate list, since replaced by the bitmask of
+``mla.fast.topk_kernels._mask_kernel``) streamed at 1.2-1.3 TB/s, a third of the copy rate.
+These probe kernels read the same rows (float32, 128K keys, a fixed threshold that ~3000 keys
+of a row reach) in one-warp-or-more programs over chunks of the row, and differ
 only in what they do with the keys reaching it:
 
 - ``count``: a per-thread count, summed once at the end (nothing stored: the ceiling);
@@ -11,7 +13,7 @@ only in what they do with the keys reaching it:
   the count in a register);
 - ``private_if``: the same, the scan and the stores skipped in blocks with no survivor;
 - ``bitmask``: one bit a key, a 32-bit word per 32 keys stored (no scan);
-- ``atomic``: the current filter (an atomic a block reserves the place in the row's list).
+- ``atomic``: that filter (an atomic a block reserves the place in the row's list).
 
 Each variant's results are checked (counts, listed columns, bits) before it is timed (CUDA-graph
 replays, L2 flushed by a read). Beside them: a device copy of the logits and ``torch.amax``
