@@ -92,11 +92,12 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     select = dict(CAP=cap, SMALL=topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
                   OUT_BLOCK=1024, WORD_TILE=topk.WORD_TILE)
     launches = {
-        topk._estimate_kernel: (dict(CAP=cap, RUN=topk.RUN,
+        topk._estimate_kernel: (dict(CAP=cap, RUN=plan.sample_run,
                                      SAMPLE_RUNS=plan.sample_runs, SMALL=topk.SMALL,
-                                     OVERSAMPLE=float(plan.oversample)), plan.estimate_warps),
+                                     OVERSAMPLE=float(plan.oversample), PDL=plan.pdl),
+                                plan.estimate_warps),
         topk._mask_kernel: (dict(CAP=cap, SMALL=topk.SMALL, BLOCK=plan.block,
-                                 STAGES=plan.stages), plan.filter_warps),
+                                 STAGES=plan.stages, PDL=plan.pdl), plan.filter_warps),
         topk._select_kernel: (select, plan.select_warps)}
     return {fn.__name__: _compile(fn, const, ptrs, ints, warps)
             for fn, (const, warps) in launches.items()}

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
-from mla.fast.topk import CANDIDATES, RUN, WORD_TILE, TopkPlan
+from mla.fast.topk import CANDIDATES, WORD_TILE, TopkPlan
 from mla.fast.topk_kernels import (
     _boundary,
     _inverted,
@@ -87,7 +87,7 @@ def phases(rows: int, W: int = 131072, topk: int = 2048) -> dict:
     for warps in (8, 16):
         def run(_warps: int = warps) -> list[float]:
             _phases_kernel[(rows,)](x, words, lists, out, stamps, W, topk, CAP=CANDIDATES,
-                                    WORD_TILE=WORD_TILE, RUN=RUN,
+                                    WORD_TILE=WORD_TILE, RUN=plan.sample_run,
                                     SAMPLE_RUNS=plan.sample_runs, num_warps=_warps)
             torch.cuda.synchronize()
             return (stamps[:, :len(PHASES)].double().mean(0) / 1e3).tolist()

@@ -340,7 +340,7 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
     for plan in plans:
         for split in (False, True):
             const = dict(OVERSAMPLE=float(plan.oversample), SAMPLE_RUNS=plan.sample_runs,
-                         RUN=fast_topk.RUN, CAP=CANDIDATES, SMALL=fast_topk.SMALL,
+                         RUN=plan.sample_run, CAP=CANDIDATES, SMALL=fast_topk.SMALL,
                          TILE=min(plan.select_tile, 1024), BITS=plan.select_bits,
                          BLOCK=plan.fused_block, STAGES=plan.fused_stages,
                          SPLIT=split, OUT_BLOCK=1024)

@@ -9,6 +9,7 @@ the benchmark's shapes on the GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ import torch
 
 import mla.reference as ref
 from mla.conformance.cases.indexer import as_sets
+from mla.fast import topk as fast_topk
 from mla.fast.topk import (
     CANDIDATES,
     TopkPlan,
@@ -116,6 +118,37 @@ def test_topk_paths(route):
     plan = ROUTES[route]
     assert _paths(logits, st, en, 2048, plan) == ["direct", "listed", "scanned", "scanned"]
     _check(logits, st, en, 2048, plan)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_topk_samples_where_the_plan_says(route):
+    """A plan's own sample layout (``sample_runs`` runs of ``sample_run``) is the one
+    ``sample_columns`` names: the row whose columns there hold its highest values is scanned
+    (too few keys reach the threshold), under the default layout it is listed."""
+    logits, st, en = _full(torch.randn(2, LONG, generator=_gen(32)))
+    planted = sample_columns(LONG, 256, 32)
+    logits[1, planted] = 100.0 + torch.rand(len(planted), generator=_gen(33))
+    plan = dataclasses.replace(ROUTES[route], sample_runs=256, sample_run=32)
+    assert _paths(logits, st, en, 2048, plan) == ["listed", "scanned"]
+    _check(logits, st, en, 2048, plan)
+    assert _paths(logits, st, en, 2048, ROUTES[route]) == ["listed", "listed"]
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="a dependent launch needs a GPU (none here)")
+def test_topk_filter_launched_as_dependent():
+    """On sm_90 and later the three launches' filter is the estimate's programmatic dependent
+    (its compiled kernel launched with ``launch_pdl``), the select not; off with ``pdl=False``;
+    the sets exact either way."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90")
+    logits, st, en = _rows(_gen(34), [0, 11], [LONG, LONG - 3], LONG)
+    for pdl in (True, False):
+        _check(logits, st, en, 2048, TopkPlan(route="three", pdl=pdl))
+        kept = {name: {k.metadata.launch_pdl for key, k in launcher.compiled.items()
+                       if key[1][0][0] == TopkPlan(route="three", pdl=pdl)}
+                for name, launcher in (("filter", fast_topk._mask),
+                                       ("select", fast_topk._select))}
+        assert kept == {"filter": {pdl}, "select": {False}}, kept
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -232,6 +265,8 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(select_tile=1024), TopkPlan(oversample=1.0),
                                   TopkPlan(block=2048, filter_warps=8, programs_per_sm=4),
                                   TopkPlan(sample_runs=256, estimate_warps=4),
+                                  TopkPlan(sample_runs=256, sample_run=32),
+                                  TopkPlan(route="three", pdl=False),
                                   TopkPlan(route="one", fused_block=1024, fused_stages=2),
                                   TopkPlan(route="one", fused_warps=4, fused_parts=1),
                                   TopkPlan(route="three", block=1024, filter_warps=4),
@@ -292,6 +327,12 @@ def test_topk_empty_and_bad_input():
         TopkPlan(oversample=0.5)
     with pytest.raises(ValueError, match="TopkPlan.sample_runs"):
         TopkPlan(sample_runs=2048)
+    with pytest.raises(ValueError, match="TopkPlan.sample_run "):
+        TopkPlan(sample_run=12)
+    with pytest.raises(ValueError, match="sample_runs \\* sample_run must be at most 8192"):
+        TopkPlan(sample_runs=1024, sample_run=16)
+    with pytest.raises(TypeError, match="TopkPlan.pdl must be a bool"):
+        TopkPlan(pdl=1)
     with pytest.raises(ValueError, match="TopkPlan.fused_block"):
         TopkPlan(fused_block=8)
     with pytest.raises(ValueError, match="TopkPlan.block"):

@@ -59,7 +59,7 @@ from collections.abc import Callable
 import torch
 import triton
 
-from mla.fast.common import interpreting, next_pow2, num_sms, should_validate
+from mla.fast.common import capability, interpreting, next_pow2, num_sms, should_validate
 from mla.fast.launch import CompiledLauncher, int_spec, ptr_spec
 from mla.fast.topk_fused import _fused_kernel
 from mla.fast.topk_kernels import (
@@ -75,7 +75,6 @@ __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", 
 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
 SMALL = 1024  # the scan compacts a boundary bucket this small and finishes it in registers
-RUN = 8  # the estimate's sample comes in runs of 8 keys: one 32-byte sector
 WORD_TILE = 4096  # the select lists a bitmask's words 4096 at a time (128K keys)
 
 _estimate = CompiledLauncher(_estimate_kernel)
@@ -100,7 +99,8 @@ class TopkPlan:
     programs a SM). The one-launch kernel: ``fused_block`` keys a step, ``fused_stages``
     steps in flight, ``fused_warps``; a row longer than ``CANDIDATES`` split over up to
     ``fused_parts`` programs, about one a SM in all, the last to finish selecting.
-    Estimate (both routes): ``sample_runs`` runs of ``RUN`` keys (2 to 1024), ``oversample``
+    Estimate (both routes): ``sample_runs`` runs (2 to 1024) of ``sample_run`` keys (at most
+    ``CANDIDATES`` in all), ``oversample``
     (the survivors aimed at, in ``topk``, before three standard deviations of the sample's);
     ``estimate_warps`` (three launches).
     Three launches' streaming read: ``block`` keys a step, ``stages`` steps in flight,
@@ -111,7 +111,13 @@ class TopkPlan:
     108 us, 256 x 8K 43 against 51; with one wave it changes nothing), ``select_tile`` keys a
     step where a select reads in tiles (a list or row past ``CANDIDATES / 2``, the scan; at
     most 1024 in the one-launch kernel), ``select_bits`` a radix level of the scan;
-    ``select_warps`` (three launches)."""
+    ``select_warps`` (three launches).
+    ``pdl`` (three launches, on sm_90 or later): the filter launched as the estimate's
+    programmatic dependent (``launch_pdl``), so that it starts while the estimate ends, its
+    programs waiting for the thresholds: 1.0-1.4 us less at every shape measured (8K to 128K
+    keys, 32 to 512 rows); the select launched so too was slower below 256 x 128K (its programs,
+    resident early, crowd the filter's), so it is not
+    (``benchmarks/results/topk_pdl_2026-12-01.json``)."""
     route: str = "auto"
     min_parts: int = 4
     fused_block: int = 2048
@@ -130,11 +136,14 @@ class TopkPlan:
     select_maxnreg: int = 128
     oversample: float = 1.2
     sample_runs: int = 1024
+    sample_run: int = 8
     estimate_warps: int = 8
+    # three launches: the filter launched as the estimate's programmatic dependent (sm_90+)
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",
-                     "estimate_warps", "fused_block", "fused_warps"):
+                     "sample_run", "estimate_warps", "fused_block", "fused_warps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
@@ -145,6 +154,12 @@ class TopkPlan:
         if not 2 <= self.sample_runs <= 1024:
             raise ValueError(f"TopkPlan.sample_runs must lie in [2, 1024], got "
                              f"{self.sample_runs!r}")
+        if self.sample_runs * self.sample_run > CANDIDATES:
+            raise ValueError(f"TopkPlan.sample_runs * sample_run must be at most {CANDIDATES} (a "
+                             f"sample shorter than every sampled row), got {self.sample_runs} * "
+                             f"{self.sample_run}")
+        if not isinstance(self.pdl, bool):
+            raise TypeError(f"TopkPlan.pdl must be a bool, got {type(self.pdl).__name__}")
         if self.route not in ("auto", "one", "three"):
             raise ValueError(f"TopkPlan.route must be 'auto', 'one' or 'three', got "
                              f"{self.route!r}")
@@ -170,12 +185,12 @@ class TopkPlan:
         return width <= CANDIDATES or rows * self.min_parts <= sms
 
 
-def sample_columns(n: int, runs: int = 1024) -> torch.Tensor:
+def sample_columns(n: int, runs: int = 1024, run: int = 8) -> torch.Tensor:
     """The columns (from the row's start) that the estimate samples in a row of ``n`` keys
-    (``TopkPlan.sample_runs``): ``runs`` runs of ``RUN``, evenly spaced from 0 (the last ends
-    less than ``runs - 1`` keys before the row's end)."""
-    first = torch.arange(runs) * ((n - RUN) // (runs - 1))
-    return (first[:, None] + torch.arange(RUN)[None, :]).flatten()
+    (``TopkPlan.sample_runs``, ``sample_run``): ``runs`` runs of ``run``, evenly spaced from 0
+    (the last ends less than ``runs - 1`` keys before the row's end)."""
+    first = torch.arange(runs) * ((n - run) // (runs - 1))
+    return (first[:, None] + torch.arange(run)[None, :]).flatten()
 
 
 def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
@@ -242,21 +257,31 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
     chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
     chunks = max(1, triton.cdiv(W, chunk))
+    pdl = _pdl(plan, logits.device)
     est_args = (*rows, work, W, topk, s_l_r, float(plan.oversample), cap, plan.sample_runs,
-                RUN, SMALL)
+                plan.sample_run, SMALL, bool(pdl))
     # per row the bitmask's words (columns rounded up to whole blocks)
     s_w_r = triton.cdiv(W, plan.block) * plan.block // 32
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
     mask_args = (*rows, work, words, W, s_l_r, s_w_r, chunk, cap, SMALL, plan.block,
-                 plan.stages)
+                 plan.stages, bool(pdl))
     cap_regs, tile = _capped(plan, R, logits.device)
     select_args = (*rows, work, words, out, W, topk, s_l_r, s_o_r, s_w_r, cap, SMALL,
                    tile, plan.select_bits, out_block, WORD_TILE)
     return work, [
         lambda: _estimate(key, (R, 1, 1), est_args, num_warps=plan.estimate_warps),
-        lambda: _mask((key, chunk), (R, chunks, 1), mask_args, num_warps=plan.filter_warps),
+        lambda: _mask((key, chunk), (R, chunks, 1), mask_args, num_warps=plan.filter_warps,
+                      **pdl),
         lambda: _select((key, *cap_regs.items()), (R, 1, 1), select_args,
                         num_warps=plan.select_warps, **cap_regs)]
+
+
+def _pdl(plan: TopkPlan, device: torch.device) -> dict:
+    """The filter's launch option (``TopkPlan.pdl``): on a GPU of compute capability 9.0 or
+    later, ``launch_pdl``; none under the interpreter (which takes no compiler option)."""
+    if plan.pdl and not interpreting() and capability(device)[0] >= 9:
+        return {"launch_pdl": True}
+    return {}
 
 
 def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
@@ -279,8 +304,8 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     cap_regs, tile = _capped(plan, R, logits.device)
     tile = min(tile, 1024)  # a tile of 2048 spills in this kernel (ptxas allots 128 registers)
     args = (logits, row_starts, row_ends, work, lists, sync, out, W, topk, logits.stride(0),
-            out.stride(0), chunk, float(plan.oversample), plan.sample_runs, RUN, cap, SMALL,
-            tile, plan.select_bits, block, plan.fused_stages, parts > 1,
+            out.stride(0), chunk, float(plan.oversample), plan.sample_runs, plan.sample_run, cap,
+            SMALL, tile, plan.select_bits, block, plan.fused_stages, parts > 1,
             min(1024, next_pow2(topk)))
     key = (key, chunk, parts > 1, ptr_spec(lists), ptr_spec(sync), *cap_regs.items())
     return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps, **cap_regs)

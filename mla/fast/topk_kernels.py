@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 WORK_PAD = tl.constexpr(16)  # the threshold and the count, padded: each list 64-byte aligned
 
@@ -189,9 +190,12 @@ def _threshold(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
 @triton.jit
 def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.constexpr,
                      CAP: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
-                     SMALL: tl.constexpr):
+                     SMALL: tl.constexpr, PDL: tl.constexpr):
     """Per row its threshold (``_threshold``) and its survivor count zeroed. Rows of no more
-    than ``CAP`` keys need no threshold."""
+    than ``CAP`` keys need no threshold. ``PDL``: the filter, launched as its programmatic
+    dependent, may start now (its programs wait for this kernel's results)."""
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     _keys, _cols, _few, thresh, count = _work_row(work, row, CAP, SMALL)
@@ -205,15 +209,19 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.
 @triton.jit
 def _mask_kernel(logits, starts, ends, work, words, W, s_l_r, s_w_r, chunk,
                  CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
-                 STAGES: tl.constexpr):
+                 STAGES: tl.constexpr, PDL: tl.constexpr):
     """One streaming read: chunk ``c`` of a row (columns from its start rounded down to
     ``BLOCK``) records a bit a key, set where the key reaches the row's threshold, as int32
     words (bit ``b`` of word ``w``: column ``32 w + b``; zero outside ``[start, end)``). No
     scan, no atomic, no branch: a block's keys become ``BLOCK / 32`` stored words, and the
-    loads stay in flight (``STAGES``)."""
+    loads stay in flight (``STAGES``). ``PDL``: launched as the estimate's programmatic
+    dependent, a program waits for the estimate's thresholds (``griddepcontrol.wait``; the
+    row ranges are inputs, read before)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     start, end, n = _row_range(starts, ends, row, W)
+    if PDL:
+        gdc_wait()
     if n > CAP:
         _keys, _cols, _few, thresh, _count = _work_row(work, row, CAP, SMALL)
         t = tl.load(thresh)
@@ -259,7 +267,8 @@ def _list_from_mask(bits, start, w0, w1, cols_out, CAP: tl.constexpr, TILE: tl.c
         u = word.to(tl.uint32, bitcast=True)
         for _r in range(0, tl.max(pc, axis=0)):
             low = u & (0 - u)  # the lowest set bit
-            bit = _popc((low - 1).to(tl.int32, bitcast=True))  # its place
+            # its place: a power of two is exact in float32, its exponent the place
+            bit = (low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
             has = (u != 0) & (pos < CAP)
             tl.store(cols_out + pos, j * 32 + bit - start.to(tl.int32), mask=has)
             pos += 1
