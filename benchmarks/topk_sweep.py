@@ -229,7 +229,7 @@ def timing(copy_tbps: float) -> list[dict]:
         st, en = _full(R, W)
         call = functools.partial(top_k_per_row, x, st, en, TOPK)
         quiet = functools.partial(top_k_per_row, x, st, en, TOPK, validate=False)
-        one = TopkPlan().one_launch(R, W, torch.cuda.get_device_properties(0).multi_processor_count)
+        one = TopkPlan().one_launch()
         row = {"R": R, "L": W, "route": "one" if one else "three",
                "ms": _bench(call), "unvalidated_ms": _bench(quiet),
                "host_us": _host_us(quiet), "validated_host_us": _host_us(call),
@@ -334,8 +334,8 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
     from mla.fast.topk_fused import _fused_kernel
 
     ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
-    ptrs.update(parts="i32", sync="i32")
-    ints = dict(W=_KEYS, topk=TOPK, s_l_r=_KEYS, s_o_r=TOPK, chunk=_KEYS)
+    ptrs.update(words="i32", sync="i32")
+    ints = dict(W=_KEYS, topk=TOPK, s_l_r=_KEYS, s_o_r=TOPK, s_w_r=_KEYS // 32, chunk=_KEYS)
     found = {}
     for plan in plans:
         for split in (False, True):
@@ -343,7 +343,7 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                          RUN=plan.sample_run, CAP=CANDIDATES, SMALL=fast_topk.SMALL,
                          TILE=min(plan.select_tile, 1024), BITS=plan.select_bits,
                          BLOCK=plan.fused_block, STAGES=plan.fused_stages,
-                         SPLIT=split, OUT_BLOCK=1024)
+                         SPLIT=split, OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
             found[_changed(plan) + " split" * split] = facts(
                 _compile(_fused_kernel, const, ptrs, ints, plan.fused_warps))
     return found

@@ -341,8 +341,8 @@ def test_topk_empty_and_bad_input():
         TopkPlan(select_maxnreg=8)
     with pytest.raises(ValueError, match="TopkPlan.route"):
         TopkPlan(route="fused")
-    with pytest.raises(ValueError, match="TopkPlan.min_parts"):
-        TopkPlan(min_parts=0)
+    with pytest.raises(ValueError, match="TopkPlan.fused_min_parts"):
+        TopkPlan(fused_min_parts=0)
     # unvalidated, a range past the row is clipped to it
     got = top_k_per_row(logits.nan_to_num(-1.0), st, en + 5, 20, validate=False).cpu()
     assert sorted(got[0][got[0] >= 0].tolist()) == list(range(10))

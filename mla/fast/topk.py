@@ -34,14 +34,17 @@ a histogram of every key cannot keep up with the memory; a compare can. Three st
    their columns; a longer list or row keeps only its keys and writes its columns in tiles.
    A row of no more than ``CANDIDATES`` keys skips 1-2 and is selected whole.
    ``benchmarks/topk_phases.py`` times the pieces: on the H200, a program of 128 selecting
-   from ~3300 candidates spends ~7 us on the list, ~5 on the gather, ~6 on the bisection
+   from ~3300 candidates spends ~6 us on the list, ~5 on the gather, ~6 on the bisection
    (about 20 steps) and ~2 on the write.
 
-Two routes run them (``TopkPlan.route``). **One launch** (``mla.fast.topk_fused``), a program a
-row (or a few a row, the last to finish selecting) doing all three, its survivors listed as it
-reads (the count in a register), for calls of few rows or short rows. **Three launches**
-(``mla.fast.topk_kernels``): estimate and select a program a row, the filter ``R x C``
-one-warp programs: more SMs read a row, for calls of many rows.
+Two routes run them (``TopkPlan.route``). **One launch** (``mla.fast.topk_fused``, the
+default), a row split over at least two programs (``TopkPlan.fused_min_parts``), each
+estimating the threshold, marking its part of the row in the bitmask, the last of them to
+arrive selecting; two programs a SM (registers capped), so one SM's select overlaps another
+program's read. **Three launches** (``mla.fast.topk_kernels``): estimate and select a program
+a row, the filter ``R x C`` one-warp programs; slower at every shape measured (1.1 to 2.4
+times the one launch's time), kept as the alternative the tests and the benchmark hold the
+one launch against.
 
 **Correctness never rests on the estimate.** A row whose threshold let fewer than ``topk`` or
 more than ``CANDIDATES`` keys through (massive ties, a row that is all ``-inf``, a sample that
@@ -88,17 +91,16 @@ class TopkPlan:
     """How the kernels run (``benchmarks/topk_sweep.py`` times the alternatives).
 
     Route (``route``: ``"auto"``, ``"one"``, ``"three"``; ``one_launch``): ``"auto"`` takes
-    the one-launch kernel where the rows are no longer than ``CANDIDATES`` (held whole, one
-    program a row) or where each row can be split over at least ``min_parts`` programs
-    (``rows * min_parts <= SMs``), three launches otherwise. Measured on the H200 (k = 2048,
-    CUDA graphs, ``benchmarks/results/topk_plans_2026-12-01.json``): one launch 15 / 37 / 23
-    us at 1 x 128K, 32 x 128K, 32 x 32K against 25 / 39 / 38 for three; three launches 61 /
-    104 / 43 us at 128 x 128K, 256 x 128K, 128 x 32K against 111 / 172 / 52 (a program of
-    the one-launch kernel holds a row's list for the select: one resident a SM, whose read of
-    a whole row is a chain of block-wide scans; the three launches' filter runs many one-warp
-    programs a SM). The one-launch kernel: ``fused_block`` keys a step, ``fused_stages``
-    steps in flight, ``fused_warps``; a row longer than ``CANDIDATES`` split over up to
-    ``fused_parts`` programs, about one a SM in all, the last to finish selecting.
+    the one-launch kernel, which was faster at every shape measured on the H200 (k = 2048,
+    CUDA graphs, L2 flushed, ``benchmarks/results/topk_routes_2026-12-01.json``): 35.5 /
+    66.2 / 121 / 225 us at 128 / 256 / 512 / 1024 x 128K (45 / 48 / 52 / 56% of the copy
+    bandwidth) against 59 / 102 / 182 / 334 for three launches; 12.5 against 30 at 1 x 128K,
+    19 against 39 at 32 x 128K, 22 against 42 at 128 x 32K, 233 against 389 at 2048 x 32K.
+    The one-launch kernel: ``fused_block`` keys a step, ``fused_stages`` steps in flight,
+    ``fused_warps``; a row longer than ``CANDIDATES`` split over ``max(fused_min_parts,
+    SMs // rows)`` programs, at most ``fused_parts``, the last to finish selecting (two parts
+    rather than one: 35.5 against 70 us at 128 x 128K, 66 against 89 at 256 x 128K; three:
+    42 and 76).
     Estimate (both routes): ``sample_runs`` runs (2 to 1024) of ``sample_run`` keys (at most
     ``CANDIDATES`` in all), ``oversample``
     (the survivors aimed at, in ``topk``, before three standard deviations of the sample's);
@@ -106,9 +108,9 @@ class TopkPlan:
     Three launches' streaming read: ``block`` keys a step, ``stages`` steps in flight,
     ``filter_warps``, ``programs_per_sm`` (the grid aims at that many programs per SM: a row is
     cut into that many chunks over the rows).
-    Select (both routes): ``select_maxnreg`` (where the rows outnumber the SMs, the registers
-    a thread capped and tiles of at most 1024 keys, two programs a SM: 256 x 128K 103 against
-    108 us, 256 x 8K 43 against 51; with one wave it changes nothing), ``select_tile`` keys a
+    Select (both routes): ``select_maxnreg`` (where the selecting kernel's programs outnumber
+    the SMs, the registers a thread capped and tiles of at most 1024 keys, two programs a SM:
+    three launches 256 x 128K 103 against 108 us, 256 x 8K 43 against 51), ``select_tile`` keys a
     step where a select reads in tiles (a list or row past ``CANDIDATES / 2``, the scan; at
     most 1024 in the one-launch kernel), ``select_bits`` a radix level of the scan;
     ``select_warps`` (three launches).
@@ -119,11 +121,11 @@ class TopkPlan:
     resident early, crowd the filter's), so it is not
     (``benchmarks/results/topk_pdl_2026-12-01.json``)."""
     route: str = "auto"
-    min_parts: int = 4
-    fused_block: int = 2048
+    fused_block: int = 4096
     fused_stages: int = 3
     fused_warps: int = 8
     fused_parts: int = 64
+    fused_min_parts: int = 2
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
@@ -169,20 +171,18 @@ class TopkPlan:
         if self.block < 32:
             raise ValueError(f"TopkPlan.block must be at least 32 (a bitmask word), got "
                              f"{self.block!r}")
-        if self.fused_block < 16:
-            raise ValueError(f"TopkPlan.fused_block must be at least 16 (16-byte loads), got "
+        if self.fused_block < 32:
+            raise ValueError(f"TopkPlan.fused_block must be at least 32 (a bitmask word), got "
                              f"{self.fused_block!r}")
-        for name in ("stages", "programs_per_sm", "fused_stages", "min_parts", "fused_parts"):
+        for name in ("stages", "programs_per_sm", "fused_stages", "fused_parts",
+                     "fused_min_parts"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TopkPlan.{name} must be an int >= 1, got {v!r}")
 
-    def one_launch(self, rows: int, width: int, sms: int) -> bool:
-        """Whether a call of ``rows`` rows of ``width`` logits on ``sms`` SMs takes the
-        one-launch kernel (``route``)."""
-        if self.route != "auto":
-            return self.route == "one"
-        return width <= CANDIDATES or rows * self.min_parts <= sms
+    def one_launch(self) -> bool:
+        """Whether a call takes the one-launch kernel (``route``: all but ``"three"``)."""
+        return self.route != "three"
 
 
 def sample_columns(n: int, runs: int = 1024, run: int = 8) -> torch.Tensor:
@@ -252,7 +252,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     key = (plan, W, topk, int_spec(s_l_r), int_spec(s_o_r), row_starts.dtype, row_ends.dtype,
            *(ptr_spec(t) for t in (*rows, work, out)))
     out_block = min(1024, next_pow2(topk))
-    if plan.one_launch(R, W, num_sms(logits.device)):
+    if plan.one_launch():
         return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]
     chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
     chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
@@ -288,34 +288,34 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
                 work: torch.Tensor, out: torch.Tensor, topk: int, plan: TopkPlan, key: tuple
                 ) -> Callable[[], None]:
     """The one-launch kernel's launch: rows longer than the list split into parts when the
-    rows are fewer than the SMs (``TopkPlan.fused_parts``), with their scratch."""
+    rows are fewer than the SMs (``TopkPlan.fused_parts``), with the bitmask and, for parts,
+    the rows' arrival counts."""
     R, W = logits.shape
     cap, block = CANDIDATES, plan.fused_block
     parts = 1
     if W > cap:
-        parts = max(1, min(plan.fused_parts, num_sms(logits.device) // R, triton.cdiv(W, block)))
+        parts = max(plan.fused_min_parts, num_sms(logits.device) // R)
+        parts = max(1, min(parts, plan.fused_parts, triton.cdiv(W, block)))
     chunk = block * triton.cdiv(triton.cdiv(max(W, 1), parts), block)
     parts = triton.cdiv(max(W, 1), chunk)
-    if parts > 1:  # each part's own list, and per row the list's fill and the parts arrived
-        lists = torch.empty(R * parts * 2 * cap, dtype=torch.int32, device=logits.device)
-        sync = torch.zeros(R, 2, dtype=torch.int32, device=logits.device)
-    else:
-        lists = sync = work  # not read
-    cap_regs, tile = _capped(plan, R, logits.device)
+    s_w_r = triton.cdiv(W, block) * block // 32 if W > cap else 1
+    words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
+    sync = torch.zeros(R, dtype=torch.int32, device=logits.device) if parts > 1 else words
+    cap_regs, tile = _capped(plan, R * parts, logits.device)
     tile = min(tile, 1024)  # a tile of 2048 spills in this kernel (ptxas allots 128 registers)
-    args = (logits, row_starts, row_ends, work, lists, sync, out, W, topk, logits.stride(0),
-            out.stride(0), chunk, float(plan.oversample), plan.sample_runs, plan.sample_run, cap,
-            SMALL, tile, plan.select_bits, block, plan.fused_stages, parts > 1,
-            min(1024, next_pow2(topk)))
-    key = (key, chunk, parts > 1, ptr_spec(lists), ptr_spec(sync), *cap_regs.items())
+    args = (logits, row_starts, row_ends, work, words, sync, out, W, topk, logits.stride(0),
+            out.stride(0), s_w_r, chunk, float(plan.oversample), plan.sample_runs,
+            plan.sample_run, cap, SMALL, tile, plan.select_bits, block, plan.fused_stages,
+            parts > 1, min(1024, next_pow2(topk)), WORD_TILE)
+    key = (key, chunk, parts > 1, ptr_spec(words), ptr_spec(sync), *cap_regs.items())
     return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps, **cap_regs)
 
 
-def _capped(plan: TopkPlan, rows: int, device: torch.device) -> tuple[dict, int]:
-    """The selecting kernels' launch option and tile: where the rows outnumber the SMs (and
-    the plan caps), ``maxnreg`` and tiles of at most 1024 keys (no spill under the cap), else
-    neither. The interpreter takes no compiler option."""
-    if plan.select_maxnreg and not interpreting() and rows > num_sms(device):
+def _capped(plan: TopkPlan, programs: int, device: torch.device) -> tuple[dict, int]:
+    """The selecting kernels' launch option and tile: where their programs outnumber the SMs
+    (and the plan caps), ``maxnreg`` and tiles of at most 1024 keys (no spill under the cap),
+    else neither. The interpreter takes no compiler option."""
+    if plan.select_maxnreg and not interpreting() and programs > num_sms(device):
         return {"maxnreg": plan.select_maxnreg}, min(plan.select_tile, 1024)
     return {}, plan.select_tile
 

@@ -210,13 +210,9 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.
 def _mask_kernel(logits, starts, ends, work, words, W, s_l_r, s_w_r, chunk,
                  CAP: tl.constexpr, SMALL: tl.constexpr, BLOCK: tl.constexpr,
                  STAGES: tl.constexpr, PDL: tl.constexpr):
-    """One streaming read: chunk ``c`` of a row (columns from its start rounded down to
-    ``BLOCK``) records a bit a key, set where the key reaches the row's threshold, as int32
-    words (bit ``b`` of word ``w``: column ``32 w + b``; zero outside ``[start, end)``). No
-    scan, no atomic, no branch: a block's keys become ``BLOCK / 32`` stored words, and the
-    loads stay in flight (``STAGES``). ``PDL``: launched as the estimate's programmatic
-    dependent, a program waits for the estimate's thresholds (``griddepcontrol.wait``; the
-    row ranges are inputs, read before)."""
+    """Program ``(row, c)`` marks chunk ``c`` of the row (``_mask_chunk``). ``PDL``: launched
+    as the estimate's programmatic dependent, a program waits for the estimate's thresholds
+    (``griddepcontrol.wait``; the row ranges are inputs, read before)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     start, end, n = _row_range(starts, ends, row, W)
@@ -224,20 +220,29 @@ def _mask_kernel(logits, starts, ends, work, words, W, s_l_r, s_w_r, chunk,
         gdc_wait()
     if n > CAP:
         _keys, _cols, _few, thresh, _count = _work_row(work, row, CAP, SMALL)
-        t = tl.load(thresh)
-        first = start.to(tl.int32)
-        lo = tl.multiple_of(first - first % BLOCK + c * chunk, BLOCK)
-        hi = tl.minimum(lo + chunk, end.to(tl.int32))
-        src = logits + row * s_l_r
-        dst = words + row * s_w_r
-        for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-            cols = tl.multiple_of(c0, BLOCK) + tl.arange(0, BLOCK)
-            # masked at the row's width, not the range's end: whole 16-byte vectors (the
-            # neighbours loaded are never kept)
-            x = tl.load(src + cols, mask=cols < W, other=0.0)
-            keep = (cols >= first) & (cols < hi) & (_order_keys(x) >= t)
-            bits = tl.reshape(keep.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :]
-            tl.store(dst + c0 // 32 + tl.arange(0, BLOCK // 32), tl.sum(bits, axis=1))
+        _mask_chunk(logits + row * s_l_r, words + row * s_w_r, start, end, c, chunk,
+                    tl.load(thresh), W, BLOCK, STAGES)
+
+
+@triton.jit
+def _mask_chunk(src, dst, start, end, c, chunk, t, W, BLOCK: tl.constexpr,
+                STAGES: tl.constexpr):
+    """One streaming read: chunk ``c`` of a row (``src``: its column 0; columns from its
+    ``start`` rounded down to ``BLOCK``) records a bit a key, set where the key reaches ``t``,
+    as int32 words (bit ``b`` of word ``w``: column ``32 w + b``; zero outside
+    ``[start, end)``). No scan, no atomic, no branch: a block's keys become ``BLOCK / 32``
+    stored words, and the loads stay in flight (``STAGES``)."""
+    first = start.to(tl.int32)
+    lo = tl.multiple_of(first - first % BLOCK + c * chunk, BLOCK)
+    hi = tl.minimum(lo + chunk, end.to(tl.int32))
+    for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+        cols = tl.multiple_of(c0, BLOCK) + tl.arange(0, BLOCK)
+        # masked at the row's width, not the range's end: whole 16-byte vectors (the
+        # neighbours loaded are never kept)
+        x = tl.load(src + cols, mask=cols < W, other=0.0)
+        keep = (cols >= first) & (cols < hi) & (_order_keys(x) >= t)
+        bits = tl.reshape(keep.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :]
+        tl.store(dst + c0 // 32 + tl.arange(0, BLOCK // 32), tl.sum(bits, axis=1))
 
 
 @triton.jit
@@ -465,15 +470,23 @@ def _write_tail(dst, n, topk, OUT_BLOCK: tl.constexpr):
 def _select_kernel(logits, starts, ends, work, words, out, W, topk, s_l_r, s_o_r, s_w_r,
                    CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
                    BITS: tl.constexpr, OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr):
-    """One program a row: the exact ``topk`` best of the row held whole (no more than ``CAP``
-    keys), of the keys its bitmask marks (``_mask_kernel``; their count, stored for
-    ``survivors``, from ``topk`` to ``CAP``), or else of the row streamed (the threshold
-    failed); then ``-1`` past the row's count. A list of up to ``CAP / 2`` is gathered
-    straight into registers (its keys never stored)."""
+    """One program a row: ``_select_row``."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    src = logits + row * s_l_r + start
-    dst = out + row * s_o_r
+    _select_row(logits + row * s_l_r, start, end, n, topk, words + row * s_w_r, work, row,
+                out + row * s_o_r, CAP, SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE)
+
+
+@triton.jit
+def _select_row(src, start, end, n, topk, bits, work, row, dst, CAP: tl.constexpr,
+                SMALL: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr,
+                OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr):
+    """The exact ``topk`` best of the row (``src``: its column 0) held whole (no more than
+    ``CAP`` keys), of the keys its bitmask ``bits`` marks (``_mask_chunk``; their count, stored
+    for ``survivors``, from ``topk`` to ``CAP``), or else of the row streamed (the threshold
+    failed); then ``-1`` past the row's count. A list of up to ``CAP / 2`` is gathered
+    straight into registers (its keys never stored). ``work``: the scratch (``_work_row``)."""
+    src = src + start
     list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
     if n <= topk:
         _write_all(dst, n, OUT_BLOCK)
@@ -481,7 +494,7 @@ def _select_kernel(logits, starts, ends, work, words, out, W, topk, s_l_r, s_o_r
         items = n.to(tl.int32)
         done = tl.zeros((), tl.int32)
         if n > CAP:
-            items = _list_from_mask(words + row * s_w_r, start, (start // 32).to(tl.int32),
+            items = _list_from_mask(bits, start, (start // 32).to(tl.int32),
                                     ((end + 31) // 32).to(tl.int32), list_cols, CAP, WORD_TILE)
             tl.store(count, items)
             tl.debug_barrier()  # the list stored by every thread before any reads it
