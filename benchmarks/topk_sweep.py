@@ -47,21 +47,20 @@ from mla.fast.topk import (
 )
 
 TOPK = 2048
-SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)]
-ONE = dict(route="one")  # the one-launch kernel at every row count
+SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)] + [
+    (512, 131072), (1024, 131072)]
+ONE = dict(route="one")  # the one-launch kernel at every row count (the default)
 THREE = dict(route="three")  # three launches at every row count
-# many rows (the default: three launches)
-PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, select_maxnreg=0),
-         TopkPlan(**THREE, estimate_warps=8), TopkPlan(**THREE, estimate_warps=32),
-         TopkPlan(**THREE, sample_runs=512, oversample=1.5),
-         TopkPlan(**THREE, select_warps=16), TopkPlan(**THREE, select_tile=1024),
-         TopkPlan(**ONE), TopkPlan(**ONE, select_maxnreg=0)]
-# rows fewer than the SMs: the one-launch kernel splits each row over programs
-SPLIT_PLANS = [TopkPlan(**THREE), TopkPlan(**THREE, programs_per_sm=32), TopkPlan(**ONE),
-               TopkPlan(**ONE, fused_block=1024),
-               TopkPlan(**ONE, fused_block=4096), TopkPlan(**ONE, fused_warps=16),
-               TopkPlan(**ONE, sample_runs=512, oversample=1.5)]
-SWEEP_SHAPES = [(128, 131072), (256, 131072), (128, 32768), (256, 32768), (128, 8192),
+# rows as many as the SMs or more: the default's neighbours, and three launches
+PLANS = [TopkPlan(**ONE), TopkPlan(**ONE, fused_min_parts=1), TopkPlan(**ONE, fused_min_parts=3),
+         TopkPlan(**ONE, fused_block=2048), TopkPlan(**ONE, fused_stages=4),
+         TopkPlan(**ONE, select_maxnreg=0), TopkPlan(**ONE, fused_warps=16),
+         TopkPlan(**ONE, sample_runs=512, sample_run=16),
+         TopkPlan(**THREE), TopkPlan(**THREE, pdl=False)]
+# rows fewer than the SMs: the one-launch kernel splits each row over SMs // rows programs
+SPLIT_PLANS = [TopkPlan(**ONE), TopkPlan(**ONE, fused_block=2048), TopkPlan(**ONE, fused_warps=16),
+               TopkPlan(**ONE, fused_min_parts=4), TopkPlan(**THREE)]
+SWEEP_SHAPES = [(32, 131072), (128, 131072), (256, 131072), (128, 32768), (256, 32768), (128, 8192),
                 (256, 8192)]
 
 
