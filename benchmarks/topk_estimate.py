@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.common import log, time_graph
+from benchmarks.topk_stream import _keys
 from mla.environment import environment
 from mla.fast.topk import CANDIDATES, TopkPlan
 from mla.fast.topk_kernels import _level, _order_keys, _threshold, _unsigned
@@ -61,11 +62,6 @@ def _estimate_probe(logits, thresh, W, topk, OVERSAMPLE: tl.constexpr, CAP: tl.c
     else:
         t = _threshold_levels(src, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN, LEVEL_BITS)
     tl.store(thresh + row, t)
-
-
-def _keys(x: torch.Tensor) -> torch.Tensor:
-    b = x.view(torch.int32)
-    return torch.where(b < 0, b ^ 0x7FFFFFFF, b)
 
 
 def main(argv: list[str] | None = None) -> int:
