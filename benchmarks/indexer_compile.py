@@ -28,10 +28,10 @@ _KEYS = 131072
 _LOGITS_PTRS = dict(q="fp8e4nv", w="fp32", out="fp32")
 
 
-def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int
+def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int, **options
              ) -> triton.compiler.CompiledKernel:
     """``fn`` specialized as a launch specializes it: pointers 16-byte aligned, integers that
-    are multiples of 16 marked so (Triton's rule)."""
+    are multiples of 16 marked so (Triton's rule); ``options``: more compiler options."""
     sig, attrs, constexprs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:
@@ -47,7 +47,7 @@ def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int
             if ints[name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, **options})
 
 
 def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan | None = None):

@@ -24,22 +24,15 @@ from benchmarks.common import log, time_graph
 from benchmarks.topk_stream import _keys
 from mla.environment import environment
 from mla.fast.topk import CANDIDATES, TopkPlan
-from mla.fast.topk_kernels import _level, _order_keys, _threshold, _unsigned
+from mla.fast.topk_kernels import _level, _sample, _threshold
 
 
 @triton.jit
 def _threshold_levels(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
                       SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr, BITS: tl.constexpr):
     """``_threshold``'s sample and rank, the rank found by radix levels of ``BITS``."""
-    j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
-    step = ((n - RUN).to(tl.int32) // (SAMPLE_RUNS - 1)).to(tl.int64)
-    cols = (j * step)[:, None] + tl.arange(0, RUN)[None, :]
-    c = tl.reshape(_unsigned(_order_keys(tl.load(src + cols))), (SAMPLE_RUNS * RUN,))
-    c = c.to(tl.int64)
-    expect = tl.fdiv((topk * 1.0) * (SAMPLE_RUNS * RUN), n.to(tl.float32))
-    fits = 0.5 * (expect + tl.fdiv(CAP * (SAMPLE_RUNS * RUN * 1.0), n.to(tl.float32)))
-    aim = tl.ceil(OVERSAMPLE * expect + 3.0 * tl.sqrt(expect) + 8.0)
-    rank = tl.minimum(tl.minimum(aim, fits), SAMPLE_RUNS * RUN).to(tl.int32)
+    u, rank = _sample(src, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
+    c = u.to(tl.int64)
     slack = rank // 16 + 2
     need = rank
     found = tl.zeros((), tl.int64)

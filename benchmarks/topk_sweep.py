@@ -56,10 +56,11 @@ PLANS = [TopkPlan(**ONE), TopkPlan(**ONE, fused_min_parts=1), TopkPlan(**ONE, fu
          TopkPlan(**ONE, fused_block=2048), TopkPlan(**ONE, fused_stages=4),
          TopkPlan(**ONE, select_maxnreg=0), TopkPlan(**ONE, fused_warps=16),
          TopkPlan(**ONE, sample_runs=512, sample_run=16),
-         TopkPlan(**THREE), TopkPlan(**THREE, pdl=False)]
+         TopkPlan(**ONE, fused_part_lists=False), TopkPlan(**THREE), TopkPlan(**THREE, pdl=False)]
 # rows fewer than the SMs: the one-launch kernel splits each row over SMs // rows programs
 SPLIT_PLANS = [TopkPlan(**ONE), TopkPlan(**ONE, fused_block=2048), TopkPlan(**ONE, fused_warps=16),
-               TopkPlan(**ONE, fused_min_parts=4), TopkPlan(**THREE)]
+               TopkPlan(**ONE, fused_min_parts=4), TopkPlan(**ONE, fused_part_lists=False),
+               TopkPlan(**THREE)]
 SWEEP_SHAPES = [(32, 131072), (128, 131072), (256, 131072), (128, 32768), (256, 32768), (128, 8192),
                 (256, 8192)]
 
@@ -326,8 +327,10 @@ def compiled_facts() -> list[dict]:
 
 def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
     """The one-launch kernel of each plan compiled for sm_90 on any machine (no GPU; not under
-    the interpreter), as ``benchmarks.indexer_compile`` compiles the three launches: shared
-    memory, registers, spilled bytes (``tests/test_fast_topk.py`` asserts none)."""
+    the interpreter), as ``benchmarks.indexer_compile`` compiles the three launches and as
+    ``mla.fast.topk`` launches it where its programs are no more than the SMs
+    (``UNCAPPED``): shared memory, registers, spilled bytes (``tests/test_fast_topk.py``
+    asserts none)."""
     from benchmarks.indexer_compile import _KEYS, _compile
     from benchmarks.sm90_compile import facts
     from mla.fast.topk_fused import _fused_kernel
@@ -342,9 +345,11 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                          RUN=plan.sample_run, CAP=CANDIDATES, SMALL=fast_topk.SMALL,
                          TILE=min(plan.select_tile, 1024), BITS=plan.select_bits,
                          BLOCK=plan.fused_block, STAGES=plan.fused_stages,
-                         SPLIT=split, OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
+                         SPLIT=split, PART_LISTS=split and plan.fused_part_lists,
+                         OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
             found[_changed(plan) + " split" * split] = facts(
-                _compile(_fused_kernel, const, ptrs, ints, plan.fused_warps))
+                _compile(_fused_kernel, const, ptrs, ints, plan.fused_warps,
+                         **fast_topk.UNCAPPED))
     return found
 
 

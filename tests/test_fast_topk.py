@@ -269,6 +269,7 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(route="three", pdl=False),
                                   TopkPlan(route="one", fused_block=1024, fused_stages=2),
                                   TopkPlan(route="one", fused_warps=4, fused_parts=1),
+                                  TopkPlan(route="one", fused_part_lists=False),
                                   TopkPlan(route="three", block=1024, filter_warps=4),
                                   TopkPlan(route="three", block=32, programs_per_sm=1)])
 def test_topk_other_plans(plan):
@@ -276,12 +277,14 @@ def test_topk_other_plans(plan):
     _check(logits, st, en, 2048, plan=plan)
 
 
-def test_topk_split_rows():
-    """Rows fewer than the SMs split over several programs each (the last to finish selects):
-    a random row from the gathered list, a row with its start and end off the 16-key grid,
-    more NaN than k (listed: the NaN all tie, the lowest columns win) and more equal keys
-    than the list holds (scanned), one row and two."""
-    plan = TopkPlan(route="one", fused_block=1024)
+@pytest.mark.parametrize("part_lists", [True, False])
+def test_topk_split_rows(part_lists):
+    """Rows fewer than the SMs split over several programs each (the last to finish selects;
+    the parts list their shares first, or the last lists the whole bitmask): a random row
+    from the gathered list, a row with its start and end off the 16-key grid, more NaN than k
+    (listed: the NaN all tie, the lowest columns win) and more equal keys than the list holds
+    (scanned), one row and two."""
+    plan = TopkPlan(route="one", fused_block=1024, fused_part_lists=part_lists)
     logits, st, en = _full(torch.randn(2, LONG + 50, generator=_gen(45)))
     st[1], en[1] = 21, LONG + 37
     assert _paths(logits[:1], st[:1], en[:1], 2048, plan) == ["listed"]
@@ -291,6 +294,20 @@ def test_topk_split_rows():
     logits[0, ::3] = float("nan")
     logits[1, torch.randperm(LONG, generator=_gen(46))[:CANDIDATES + 100] + 21] = 3.0
     assert _paths(logits, st, en, 2048, plan) == ["listed", "scanned"]
+    _check(logits, st, en, 2048, plan)
+
+
+@pytest.mark.parametrize("part_lists", [True, False])
+def test_topk_split_rows_short_of_the_width(part_lists):
+    """Rows much shorter than the logits' width (ragged prefill): the parts past a row's end
+    mark nothing and arrive at once, the others' shares (or the whole bitmask) make the list;
+    and a row whose survivors overflow one part's share of the list (scanned)."""
+    plan = TopkPlan(route="one", fused_block=1024, fused_part_lists=part_lists)
+    W = 3 * LONG
+    logits, st, en = _rows(_gen(47), [0, 2 * LONG - 5, 7], [LONG, W - 2, 2 * LONG], W)
+    logits[2, 7 + torch.randperm(LONG, generator=_gen(48))[:CANDIDATES - 500]] = 3.0
+    logits[2, 17500:18500] = 3.0  # in the second part (chunks of 17408 keys): one share fits
+    assert _paths(logits, st, en, 2048, plan) == ["listed", "listed", "scanned"]
     _check(logits, st, en, 2048, plan)
 
 
@@ -331,6 +348,8 @@ def test_topk_empty_and_bad_input():
         TopkPlan(sample_run=12)
     with pytest.raises(ValueError, match="sample_runs \\* sample_run must be at most 8192"):
         TopkPlan(sample_runs=1024, sample_run=16)
+    with pytest.raises(TypeError, match="TopkPlan.fused_part_lists must be a bool"):
+        TopkPlan(fused_part_lists=1)
     with pytest.raises(TypeError, match="TopkPlan.pdl must be a bool"):
         TopkPlan(pdl=1)
     with pytest.raises(ValueError, match="TopkPlan.fused_block"):

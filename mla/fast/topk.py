@@ -79,6 +79,9 @@ __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
 SMALL = 1024  # the scan compacts a boundary bucket this small and finishes it in registers
 WORD_TILE = 4096  # the select lists a bitmask's words 4096 at a time (128K keys)
+# the one-launch kernel's registers where they are not capped: left to itself, ptxas allots
+# the split rows' kernel 128 registers and spills (with this, 187 and none)
+UNCAPPED = {"maxnreg": 255}
 
 _estimate = CompiledLauncher(_estimate_kernel)
 _mask = CompiledLauncher(_mask_kernel)
@@ -126,6 +129,7 @@ class TopkPlan:
     fused_warps: int = 8
     fused_parts: int = 64
     fused_min_parts: int = 2
+    fused_part_lists: bool = True
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
@@ -160,8 +164,10 @@ class TopkPlan:
             raise ValueError(f"TopkPlan.sample_runs * sample_run must be at most {CANDIDATES} (a "
                              f"sample shorter than every sampled row), got {self.sample_runs} * "
                              f"{self.sample_run}")
-        if not isinstance(self.pdl, bool):
-            raise TypeError(f"TopkPlan.pdl must be a bool, got {type(self.pdl).__name__}")
+        for name in ("pdl", "fused_part_lists"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TopkPlan.{name} must be a bool, got "
+                                f"{type(getattr(self, name)).__name__}")
         if self.route not in ("auto", "one", "three"):
             raise ValueError(f"TopkPlan.route must be 'auto', 'one' or 'three', got "
                              f"{self.route!r}")
@@ -300,13 +306,17 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     parts = triton.cdiv(max(W, 1), chunk)
     s_w_r = triton.cdiv(W, block) * block // 32 if W > cap else 1
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
-    sync = torch.zeros(R, dtype=torch.int32, device=logits.device) if parts > 1 else words
+    # per row the parts arrived and the list's places taken (``_fused_kernel``)
+    sync = torch.zeros(R, 2, dtype=torch.int32, device=logits.device) if parts > 1 else words
     cap_regs, tile = _capped(plan, R * parts, logits.device)
+    if not cap_regs and not interpreting():
+        cap_regs = UNCAPPED
     tile = min(tile, 1024)  # a tile of 2048 spills in this kernel (ptxas allots 128 registers)
     args = (logits, row_starts, row_ends, work, words, sync, out, W, topk, logits.stride(0),
             out.stride(0), s_w_r, chunk, float(plan.oversample), plan.sample_runs,
             plan.sample_run, cap, SMALL, tile, plan.select_bits, block, plan.fused_stages,
-            parts > 1, min(1024, next_pow2(topk)), WORD_TILE)
+            parts > 1, parts > 1 and plan.fused_part_lists, min(1024, next_pow2(topk)),
+            WORD_TILE)
     key = (key, chunk, parts > 1, ptr_spec(words), ptr_spec(sync), *cap_regs.items())
     return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps, **cap_regs)
 

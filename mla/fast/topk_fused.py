@@ -16,10 +16,13 @@ import triton
 import triton.language as tl
 
 from mla.fast.topk_kernels import (
+    _chunk_range,
+    _list_part,
     _mask_chunk,
     _row_range,
     _select_row,
     _threshold,
+    _work_row,
 )
 
 
@@ -28,16 +31,21 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
                   chunk, OVERSAMPLE: tl.constexpr, SAMPLE_RUNS: tl.constexpr,
                   RUN: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
                   TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                  STAGES: tl.constexpr, SPLIT: tl.constexpr, OUT_BLOCK: tl.constexpr,
-                  WORD_TILE: tl.constexpr):
+                  STAGES: tl.constexpr, SPLIT: tl.constexpr, PART_LISTS: tl.constexpr,
+                  OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr):
     """Programs ``(row, part)``: a row of no more than ``CAP`` keys is selected whole by its
-    part 0; a longer one gets its threshold from the sample (each part alike), each part marks
-    its ``chunk`` of columns in the row's bitmask (``_mask_chunk``: steps of ``BLOCK`` keys,
-    ``STAGES`` in flight), and the row is selected from the marked keys (``_select_row``; the
-    row streamed where the threshold failed); then ``-1`` past the row's count.
+    part 0; a longer one gets its threshold from the sample (each part with columns of the
+    row alike), each part marks its ``chunk`` of columns in the row's bitmask
+    (``_mask_chunk``: steps of ``BLOCK`` keys, ``STAGES`` in flight), and the row is selected
+    from the marked keys (``_select_row``; the row streamed where the threshold failed); then
+    ``-1`` past the row's count.
 
-    ``SPLIT``, several parts a row: each part arrives by one atomic on ``sync[row]`` (zeroed
-    by the caller) after its words; the part that arrives last selects."""
+    ``SPLIT``, several parts a row: each part arrives by one atomic on ``sync[row, 0]``
+    (``sync`` ``[R, 2]``, zeroed by the caller) after its words; the part that arrives last
+    selects. ``PART_LISTS`` (with ``SPLIT``): before arriving, each part also lists its marked
+    keys with their keys in the row's candidate list (``_list_part``, places counted in
+    ``sync[row, 1]``), so that the last selects at once; else the last lists the whole
+    bitmask."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     start, end, n = _row_range(starts, ends, row, W)
@@ -45,13 +53,21 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
     bits = words + row * s_w_r
     selects = part == 0
     if n > CAP:
-        t = _threshold(src + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
-        _mask_chunk(src, bits, start, end, part, chunk, t, W, BLOCK, STAGES)
-        tl.debug_barrier()  # the part's words stored by every thread before it arrives
+        _first, lo, hi = _chunk_range(start, end, part, chunk, BLOCK)
+        if lo < hi:  # (a part past a short row's end has nothing to mark)
+            t = _threshold(src + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
+            _mask_chunk(src, bits, start, end, part, chunk, t, W, BLOCK, STAGES)
+            tl.debug_barrier()  # the part's words stored by every thread before any reads
+            if PART_LISTS:
+                list_keys, list_cols, _few, _thresh, _count = _work_row(work, row, CAP, SMALL)
+                _list_part(src + start, bits, start, lo, hi, list_keys, list_cols,
+                           sync + 2 * row + 1, CAP, TILE)
+                tl.debug_barrier()  # the share stored by every thread before it arrives
         if SPLIT:
-            arrived = tl.atomic_add(sync + row, 1, sem="acq_rel")
+            arrived = tl.atomic_add(sync + 2 * row, 1, sem="acq_rel")
             selects = arrived == tl.num_programs(1) - 1
             tl.debug_barrier()  # every thread past the arrival before any reads the words
     if selects:
-        _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r, CAP, SMALL,
-                    TILE, BITS, OUT_BLOCK, WORD_TILE)
+        _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r,
+                    sync + 2 * row + 1, CAP, SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE,
+                    PART_LISTS)

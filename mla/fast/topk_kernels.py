@@ -165,21 +165,29 @@ def _unsigned(k):
 
 
 @triton.jit
-def _threshold(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
-               SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr):
-    """The int32 key that about ``OVERSAMPLE * topk`` of the row's ``n`` keys (``src``: its
-    first) reach, from a sample of ``SAMPLE_RUNS`` evenly spaced runs of ``RUN`` keys (every
-    part of the row is seen). For rows of more than ``CAP`` keys."""
+def _sample(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
+            SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr):
+    """The estimate's sample of a row of ``n`` keys (``src``: its first), ``SAMPLE_RUNS``
+    evenly spaced runs of ``RUN`` keys (every part of the row is seen) as ``_unsigned``
+    patterns, and the sample rank that about ``OVERSAMPLE * topk`` of the row's keys (plus
+    three deviations) reach; for a large ``topk``, at most halfway to the list's length
+    ``CAP``. For rows of more than ``CAP`` keys."""
     j = tl.arange(0, SAMPLE_RUNS).to(tl.int64)
     step = ((n - RUN).to(tl.int32) // (SAMPLE_RUNS - 1)).to(tl.int64)  # n < 2^31
     cols = (j * step)[:, None] + tl.arange(0, RUN)[None, :]
     u = tl.reshape(_unsigned(_order_keys(tl.load(src + cols))), (SAMPLE_RUNS * RUN,))
-    # the sample rank that OVERSAMPLE x topk keys (plus three deviations) reach in the row
     expect = tl.fdiv((topk * 1.0) * (SAMPLE_RUNS * RUN), n.to(tl.float32))  # approximate
-    # (for a large topk, at most halfway to the list's length)
     fits = 0.5 * (expect + tl.fdiv(CAP * (SAMPLE_RUNS * RUN * 1.0), n.to(tl.float32)))
     aim = tl.ceil(OVERSAMPLE * expect + 3.0 * tl.sqrt(expect) + 8.0)
-    rank = tl.minimum(tl.minimum(aim, fits), SAMPLE_RUNS * RUN).to(tl.int32)
+    return u, tl.minimum(tl.minimum(aim, fits), SAMPLE_RUNS * RUN).to(tl.int32)
+
+
+@triton.jit
+def _threshold(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
+               SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr):
+    """The int32 key that about ``OVERSAMPLE * topk`` of the row's ``n`` keys (``src``: its
+    first) reach, by bisection on ``_sample``'s rank. For rows of more than ``CAP`` keys."""
+    u, rank = _sample(src, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
     # any key that about rank to rank + rank / 16 + 2 of the sample reach (or, past it, a
     # tied one: its value) will do: the threshold only sets how many keys the read lists,
     # never which are selected
@@ -225,16 +233,24 @@ def _mask_kernel(logits, starts, ends, work, words, W, s_l_r, s_w_r, chunk,
 
 
 @triton.jit
-def _mask_chunk(src, dst, start, end, c, chunk, t, W, BLOCK: tl.constexpr,
-                STAGES: tl.constexpr):
-    """One streaming read: chunk ``c`` of a row (``src``: its column 0; columns from its
-    ``start`` rounded down to ``BLOCK``) records a bit a key, set where the key reaches ``t``,
-    as int32 words (bit ``b`` of word ``w``: column ``32 w + b``; zero outside
-    ``[start, end)``). No scan, no atomic, no branch: a block's keys become ``BLOCK / 32``
-    stored words, and the loads stay in flight (``STAGES``)."""
+def _chunk_range(start, end, c, chunk, BLOCK: tl.constexpr):
+    """Chunk ``c``'s columns ``[lo, hi)`` of a row ``[start, end)``: chunks of ``chunk`` (a
+    multiple of ``BLOCK``) from ``start`` rounded down to ``BLOCK``; empty (``lo >= hi``) past
+    the row's end. Also ``start`` as int32."""
     first = start.to(tl.int32)
     lo = tl.multiple_of(first - first % BLOCK + c * chunk, BLOCK)
-    hi = tl.minimum(lo + chunk, end.to(tl.int32))
+    return first, lo, tl.minimum(lo + chunk, end.to(tl.int32))
+
+
+@triton.jit
+def _mask_chunk(src, dst, start, end, c, chunk, t, W, BLOCK: tl.constexpr,
+                STAGES: tl.constexpr):
+    """One streaming read: chunk ``c`` of a row (``src``: its column 0; ``_chunk_range``)
+    records a bit a key, set where the key reaches ``t``, as int32 words (bit ``b`` of word
+    ``w``: column ``32 w + b``; zero outside ``[start, end)``). No scan, no atomic, no branch:
+    a block's keys become ``BLOCK / 32`` stored words, and the loads stay in flight
+    (``STAGES``)."""
+    first, lo, hi = _chunk_range(start, end, c, chunk, BLOCK)
     for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         cols = tl.multiple_of(c0, BLOCK) + tl.arange(0, BLOCK)
         # masked at the row's width, not the range's end: whole 16-byte vectors (the
@@ -257,12 +273,14 @@ def _popc(x):
 
 
 @triton.jit
-def _list_from_mask(bits, start, w0, w1, cols_out, CAP: tl.constexpr, TILE: tl.constexpr):
+def _list_from_mask(bits, start, w0, w1, cols_out, src, keys_out, CAP: tl.constexpr,
+                    TILE: tl.constexpr, KEYS: tl.constexpr):
     """The columns (from ``start``) of the keys whose bits are set (``bits`` words
     ``[w0, w1)``), listed in column order: a tile of ``TILE`` words at a time, each word's set
     bits go to the places after the words before it (running counts of the words' popcounts),
     a bit a round, as many rounds as the tile's fullest word has bits (no loads in the
-    rounds); places past ``CAP`` are dropped. Returns the count."""
+    rounds but, with ``KEYS``, each listed key's, from ``src`` (the row's start) to the same
+    place of ``keys_out``); places past ``CAP`` are dropped. Returns the count."""
     total = tl.zeros((), tl.int32)
     for g in range(w0, w1, TILE):
         j = g + tl.arange(0, TILE)
@@ -275,11 +293,42 @@ def _list_from_mask(bits, start, w0, w1, cols_out, CAP: tl.constexpr, TILE: tl.c
             # its place: a power of two is exact in float32, its exponent the place
             bit = (low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
             has = (u != 0) & (pos < CAP)
-            tl.store(cols_out + pos, j * 32 + bit - start.to(tl.int32), mask=has)
+            col = j * 32 + bit - start.to(tl.int32)
+            tl.store(cols_out + pos, col, mask=has)
+            if KEYS:
+                key = _order_keys(tl.load(src + col, mask=has, other=0.0))
+                tl.store(keys_out + pos, key, mask=has)
             pos += 1
             u = u & (u - 1)
         total += tl.sum(pc, axis=0)
     return total
+
+
+@triton.jit
+def _count_marked(bits, w0, w1, TILE: tl.constexpr):
+    """The set bits of words ``[w0, w1)``."""
+    total = tl.zeros((), tl.int32)
+    for g in range(w0, w1, TILE):
+        j = g + tl.arange(0, TILE)
+        total += tl.sum(_popc(tl.load(bits + j, mask=j < w1, other=0)), axis=0)
+    return total
+
+
+@triton.jit
+def _list_part(src, bits, start, lo, hi, list_keys, list_cols, fill, CAP: tl.constexpr,
+               WORD_TILE: tl.constexpr):
+    """A part's share of the row's candidate list, after its marks (columns ``[lo, hi)``):
+    its marked keys' count reserves places ``[at, at + count)`` of the list by one atomic on
+    ``fill`` (the row's places taken, zeroed by the caller); the part lists its columns and
+    their keys there, in column order (the parts' shares in the order of their atomics). A
+    share that would pass ``CAP`` is not written: ``fill`` then exceeds ``CAP`` and the row is
+    scanned. ``src``: the row's start."""
+    w0, w1 = lo // 32, (hi + 31) // 32
+    marked = _count_marked(bits, w0, w1, WORD_TILE)
+    at = tl.atomic_add(fill, marked, sem="relaxed")
+    if at + marked <= CAP:
+        _list_from_mask(bits, start, w0, w1, list_cols + at, src, list_keys + at, CAP,
+                        WORD_TILE, True)
 
 
 @triton.jit
@@ -474,18 +523,20 @@ def _select_kernel(logits, starts, ends, work, words, out, W, topk, s_l_r, s_o_r
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     _select_row(logits + row * s_l_r, start, end, n, topk, words + row * s_w_r, work, row,
-                out + row * s_o_r, CAP, SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE)
+                out + row * s_o_r, work, CAP, SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE, False)
 
 
 @triton.jit
-def _select_row(src, start, end, n, topk, bits, work, row, dst, CAP: tl.constexpr,
+def _select_row(src, start, end, n, topk, bits, work, row, dst, fill, CAP: tl.constexpr,
                 SMALL: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr,
-                OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr):
+                OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr, LISTED: tl.constexpr):
     """The exact ``topk`` best of the row (``src``: its column 0) held whole (no more than
     ``CAP`` keys), of the keys its bitmask ``bits`` marks (``_mask_chunk``; their count, stored
     for ``survivors``, from ``topk`` to ``CAP``), or else of the row streamed (the threshold
     failed); then ``-1`` past the row's count. A list of up to ``CAP / 2`` is gathered
-    straight into registers (its keys never stored). ``work``: the scratch (``_work_row``)."""
+    straight into registers (its keys never stored). ``LISTED``: the list and its keys are
+    already in the scratch, ``fill`` places (``_list_part``). ``work``: the scratch
+    (``_work_row``)."""
     src = src + start
     list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
     if n <= topk:
@@ -494,21 +545,26 @@ def _select_row(src, start, end, n, topk, bits, work, row, dst, CAP: tl.constexp
         items = n.to(tl.int32)
         done = tl.zeros((), tl.int32)
         if n > CAP:
-            items = _list_from_mask(bits, start, (start // 32).to(tl.int32),
-                                    ((end + 31) // 32).to(tl.int32), list_cols, CAP, WORD_TILE)
-            tl.store(count, items)
-            tl.debug_barrier()  # the list stored by every thread before any reads it
-            if (items >= topk) & (items <= CAP // 2):
-                i = tl.arange(0, CAP // 2)
-                live = i < items
-                cols = tl.load(list_cols + i, mask=live, other=0)
-                u = tl.where(live, _unsigned(_order_keys(tl.load(src + cols, mask=live,
-                                                                 other=0.0))), 0)
-                _select_in_registers(u, cols, topk, dst)
-                done = tl.full((), 1, tl.int32)
-            elif (items > CAP // 2) & (items <= CAP):
-                _gather_keys(src, list_cols, list_keys, items, TILE)
-                tl.debug_barrier()  # the keys stored by every thread before any reads them
+            if LISTED:
+                items = tl.load(fill)
+                tl.store(count, items)
+            else:
+                items = _list_from_mask(bits, start, (start // 32).to(tl.int32),
+                                        ((end + 31) // 32).to(tl.int32), list_cols, src,
+                                        list_keys, CAP, WORD_TILE, False)
+                tl.store(count, items)
+                tl.debug_barrier()  # the list stored by every thread before any reads it
+                if (items >= topk) & (items <= CAP // 2):
+                    i = tl.arange(0, CAP // 2)
+                    live = i < items
+                    cols = tl.load(list_cols + i, mask=live, other=0)
+                    u = tl.where(live, _unsigned(_order_keys(tl.load(src + cols, mask=live,
+                                                                     other=0.0))), 0)
+                    _select_in_registers(u, cols, topk, dst)
+                    done = tl.full((), 1, tl.int32)
+                elif (items > CAP // 2) & (items <= CAP):
+                    _gather_keys(src, list_cols, list_keys, items, TILE)
+                    tl.debug_barrier()  # the keys stored by every thread before any reads them
         if done == 0:
             _select_listed_or_row(src, n, topk, list_keys, list_cols, items, few, dst, CAP,
                                   SMALL, TILE, BITS)
