@@ -311,6 +311,21 @@ def test_topk_split_rows_short_of_the_width(part_lists):
     _check(logits, st, en, 2048, plan)
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_topk_launches_repeated(route):
+    """The same launches run again (as a CUDA graph replays them) select again: the split
+    rows' arrival counts are zeroed by the kernel that used them."""
+    logits, st, en = _on(_rows(_gen(49), [0, 3], [LONG, LONG - 40], LONG))
+    out = torch.empty(2, 2048, dtype=torch.int32, device=DEVICE)
+    _work, steps = launches(logits, st, en, out, 2048, ROUTES[route])
+    want = as_sets(ref.top_k_per_row(logits.cpu(), st.cpu(), en.cpu(), 2048))
+    for _ in range(3):
+        out.fill_(-7)
+        for step in steps:
+            step()
+        assert torch.equal(as_sets(out.cpu()), want)
+
+
 def test_topk_a_broken_twin_fails():
     """The set comparison bites: ties broken toward the higher index differ."""
     logits, st, en = _rows(_gen(22), [0], [500], 500, ties=True)

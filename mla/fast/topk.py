@@ -306,7 +306,8 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     parts = triton.cdiv(max(W, 1), chunk)
     s_w_r = triton.cdiv(W, block) * block // 32 if W > cap else 1
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
-    # per row the parts arrived and the list's places taken (``_fused_kernel``)
+    # per row the parts arrived and the list's places taken (``_fused_kernel``; zeroed again
+    # by the kernel, so that the launch can be repeated)
     sync = torch.zeros(R, 2, dtype=torch.int32, device=logits.device) if parts > 1 else words
     cap_regs, tile = _capped(plan, R * parts, logits.device)
     if not cap_regs and not interpreting():

@@ -41,8 +41,9 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
     ``-1`` past the row's count.
 
     ``SPLIT``, several parts a row: each part arrives by one atomic on ``sync[row, 0]``
-    (``sync`` ``[R, 2]``, zeroed by the caller) after its words; the part that arrives last
-    selects. ``PART_LISTS`` (with ``SPLIT``): before arriving, each part also lists its marked
+    (``sync`` ``[R, 2]``, zeroed by the caller before the first launch) after its words; the
+    part that arrives last selects, then zeroes the row's ``sync`` again, so that the same
+    launch may run again (a CUDA graph's replays). ``PART_LISTS`` (with ``SPLIT``): before arriving, each part also lists its marked
     keys with their keys in the row's candidate list (``_list_part``, places counted in
     ``sync[row, 1]``), so that the last selects at once; else the last lists the whole
     bitmask."""
@@ -71,3 +72,8 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
         _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r,
                     sync + 2 * row + 1, CAP, SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE,
                     PART_LISTS)
+        if SPLIT:
+            if n > CAP:
+                # the row's counts zeroed for the next launch (a CUDA graph replays them)
+                tl.debug_barrier()  # every thread done reading them
+                tl.store(sync + 2 * row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
