@@ -128,7 +128,7 @@ class TopkPlan:
     fused_stages: int = 3
     fused_warps: int = 8
     fused_parts: int = 64
-    fused_min_parts: int = 2
+    fused_min_parts: int = 1
     fused_part_lists: bool = True
     block: int = 256
     stages: int = 3

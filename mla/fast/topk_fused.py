@@ -43,10 +43,10 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
     ``SPLIT``, several parts a row: each part arrives by one atomic on ``sync[row, 0]``
     (``sync`` ``[R, 2]``, zeroed by the caller before the first launch) after its words; the
     part that arrives last selects, then zeroes the row's ``sync`` again, so that the same
-    launch may run again (a CUDA graph's replays). ``PART_LISTS`` (with ``SPLIT``): before arriving, each part also lists its marked
-    keys with their keys in the row's candidate list (``_list_part``, places counted in
-    ``sync[row, 1]``), so that the last selects at once; else the last lists the whole
-    bitmask."""
+    launch may run again (a CUDA graph's replays). ``PART_LISTS`` (with ``SPLIT``): before
+    arriving, each part also lists its marked keys with their keys in the row's candidate
+    list (``_list_part``, places counted in ``sync[row, 1]``), so that the last selects at
+    once; else the last lists the whole bitmask."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     start, end, n = _row_range(starts, ends, row, W)
@@ -57,12 +57,12 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
         _first, lo, hi = _chunk_range(start, end, part, chunk, BLOCK)
         if lo < hi:  # (a part past a short row's end has nothing to mark)
             t = _threshold(src + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
-            _mask_chunk(src, bits, start, end, part, chunk, t, W, BLOCK, STAGES)
+            marked = _mask_chunk(src, bits, start, end, part, chunk, t, W, BLOCK, STAGES)
             tl.debug_barrier()  # the part's words stored by every thread before any reads
             if PART_LISTS:
                 list_keys, list_cols, _few, _thresh, _count = _work_row(work, row, CAP, SMALL)
-                _list_part(src + start, bits, start, lo, hi, list_keys, list_cols,
-                           sync + 2 * row + 1, CAP, TILE)
+                _list_part(src + start, bits, start, lo, hi, marked, list_keys, list_cols,
+                           sync + 2 * row + 1, CAP, TILE, 2 * TILE)
                 tl.debug_barrier()  # the share stored by every thread before it arrives
         if SPLIT:
             arrived = tl.atomic_add(sync + 2 * row, 1, sem="acq_rel")

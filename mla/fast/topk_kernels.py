@@ -249,16 +249,21 @@ def _mask_chunk(src, dst, start, end, c, chunk, t, W, BLOCK: tl.constexpr,
     records a bit a key, set where the key reaches ``t``, as int32 words (bit ``b`` of word
     ``w``: column ``32 w + b``; zero outside ``[start, end)``). No scan, no atomic, no branch:
     a block's keys become ``BLOCK / 32`` stored words, and the loads stay in flight
-    (``STAGES``)."""
+    (``STAGES``). Returns the count of bits set (each thread counts its own keys; one sum at
+    the end)."""
     first, lo, hi = _chunk_range(start, end, c, chunk, BLOCK)
+    kept = tl.zeros((BLOCK // 32, 32), tl.int32)
     for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
         cols = tl.multiple_of(c0, BLOCK) + tl.arange(0, BLOCK)
         # masked at the row's width, not the range's end: whole 16-byte vectors (the
         # neighbours loaded are never kept)
         x = tl.load(src + cols, mask=cols < W, other=0.0)
-        keep = (cols >= first) & (cols < hi) & (_order_keys(x) >= t)
-        bits = tl.reshape(keep.to(tl.int32), (BLOCK // 32, 32)) << tl.arange(0, 32)[None, :]
+        keep = tl.reshape(((cols >= first) & (cols < hi) & (_order_keys(x) >= t)).to(tl.int32),
+                          (BLOCK // 32, 32))
+        kept += keep
+        bits = keep << tl.arange(0, 32)[None, :]
         tl.store(dst + c0 // 32 + tl.arange(0, BLOCK // 32), tl.sum(bits, axis=1))
+    return tl.sum(tl.sum(kept, axis=1), axis=0)
 
 
 @triton.jit
@@ -273,14 +278,12 @@ def _popc(x):
 
 
 @triton.jit
-def _list_from_mask(bits, start, w0, w1, cols_out, src, keys_out, CAP: tl.constexpr,
-                    TILE: tl.constexpr, KEYS: tl.constexpr):
+def _list_from_mask(bits, start, w0, w1, cols_out, CAP: tl.constexpr, TILE: tl.constexpr):
     """The columns (from ``start``) of the keys whose bits are set (``bits`` words
     ``[w0, w1)``), listed in column order: a tile of ``TILE`` words at a time, each word's set
     bits go to the places after the words before it (running counts of the words' popcounts),
     a bit a round, as many rounds as the tile's fullest word has bits (no loads in the
-    rounds but, with ``KEYS``, each listed key's, from ``src`` (the row's start) to the same
-    place of ``keys_out``); places past ``CAP`` are dropped. Returns the count."""
+    rounds); places past ``CAP`` are dropped. Returns the count."""
     total = tl.zeros((), tl.int32)
     for g in range(w0, w1, TILE):
         j = g + tl.arange(0, TILE)
@@ -293,11 +296,7 @@ def _list_from_mask(bits, start, w0, w1, cols_out, src, keys_out, CAP: tl.conste
             # its place: a power of two is exact in float32, its exponent the place
             bit = (low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
             has = (u != 0) & (pos < CAP)
-            col = j * 32 + bit - start.to(tl.int32)
-            tl.store(cols_out + pos, col, mask=has)
-            if KEYS:
-                key = _order_keys(tl.load(src + col, mask=has, other=0.0))
-                tl.store(keys_out + pos, key, mask=has)
+            tl.store(cols_out + pos, j * 32 + bit - start.to(tl.int32), mask=has)
             pos += 1
             u = u & (u - 1)
         total += tl.sum(pc, axis=0)
@@ -305,30 +304,20 @@ def _list_from_mask(bits, start, w0, w1, cols_out, src, keys_out, CAP: tl.conste
 
 
 @triton.jit
-def _count_marked(bits, w0, w1, TILE: tl.constexpr):
-    """The set bits of words ``[w0, w1)``."""
-    total = tl.zeros((), tl.int32)
-    for g in range(w0, w1, TILE):
-        j = g + tl.arange(0, TILE)
-        total += tl.sum(_popc(tl.load(bits + j, mask=j < w1, other=0)), axis=0)
-    return total
-
-
-@triton.jit
-def _list_part(src, bits, start, lo, hi, list_keys, list_cols, fill, CAP: tl.constexpr,
-               WORD_TILE: tl.constexpr):
-    """A part's share of the row's candidate list, after its marks (columns ``[lo, hi)``):
-    its marked keys' count reserves places ``[at, at + count)`` of the list by one atomic on
-    ``fill`` (the row's places taken, zeroed by the caller); the part lists its columns and
-    their keys there, in column order (the parts' shares in the order of their atomics). A
-    share that would pass ``CAP`` is not written: ``fill`` then exceeds ``CAP`` and the row is
-    scanned. ``src``: the row's start."""
-    w0, w1 = lo // 32, (hi + 31) // 32
-    marked = _count_marked(bits, w0, w1, WORD_TILE)
+def _list_part(src, bits, start, lo, hi, marked, list_keys, list_cols, fill,
+               CAP: tl.constexpr, WORD_TILE: tl.constexpr, TILE: tl.constexpr):
+    """A part's share of the row's candidate list, after its marks (columns ``[lo, hi)``,
+    ``marked`` of them set): one atomic on ``fill`` (the row's places taken, zeroed before
+    the launch) reserves places ``[at, at + marked)`` of the list; the part lists its columns
+    there in column order (the parts' shares in the order of their atomics), then gathers
+    their keys beside them (``src``: the row's start), ``TILE`` a step. A share that would
+    pass ``CAP`` is not written: ``fill`` then exceeds ``CAP`` and the row is scanned."""
     at = tl.atomic_add(fill, marked, sem="relaxed")
     if at + marked <= CAP:
-        _list_from_mask(bits, start, w0, w1, list_cols + at, src, list_keys + at, CAP,
-                        WORD_TILE, True)
+        _list_from_mask(bits, start, lo // 32, (hi + 31) // 32, list_cols + at, CAP,
+                        WORD_TILE)
+        tl.debug_barrier()  # the columns stored by every thread before any reads them
+        _gather_keys(src, list_cols + at, list_keys + at, marked, TILE)
 
 
 @triton.jit
@@ -550,8 +539,8 @@ def _select_row(src, start, end, n, topk, bits, work, row, dst, fill, CAP: tl.co
                 tl.store(count, items)
             else:
                 items = _list_from_mask(bits, start, (start // 32).to(tl.int32),
-                                        ((end + 31) // 32).to(tl.int32), list_cols, src,
-                                        list_keys, CAP, WORD_TILE, False)
+                                        ((end + 31) // 32).to(tl.int32), list_cols, CAP,
+                                        WORD_TILE)
                 tl.store(count, items)
                 tl.debug_barrier()  # the list stored by every thread before any reads it
                 if (items >= topk) & (items <= CAP // 2):
