@@ -25,7 +25,7 @@ from triton.language.extra.cuda import globaltimer
 from benchmarks.common import log
 from mla.environment import environment
 from mla.fast import topk as fast_topk
-from mla.fast.common import next_pow2, num_sms
+from mla.fast.common import next_pow2
 from mla.fast.topk import CANDIDATES, SMALL, WORD_TILE, TopkPlan
 from mla.fast.topk_kernels import (
     _chunk_range,
@@ -110,10 +110,10 @@ def timeline(R: int, W: int, plan: TopkPlan, parts: int | None = None,
     en = torch.full((R,), W, dtype=torch.int32, device=dev)
     block = plan.fused_block
     if parts is None:
-        parts = max(plan.fused_min_parts, num_sms(dev) // R)
-        parts = max(1, min(parts, plan.fused_parts, triton.cdiv(W, block)))
-    chunk = block * triton.cdiv(triton.cdiv(W, parts), block)
-    parts = triton.cdiv(W, chunk)
+        parts, chunk = fast_topk.fused_parts(plan, R, W, dev)
+    else:
+        chunk = block * triton.cdiv(triton.cdiv(W, parts), block)
+        parts = triton.cdiv(W, chunk)
     if maxnreg is None:
         capped, _tile = fast_topk._capped(plan, R * parts, dev)
         maxnreg = capped.get("maxnreg", fast_topk.UNCAPPED["maxnreg"])

@@ -128,7 +128,7 @@ class TopkPlan:
     fused_stages: int = 3
     fused_warps: int = 8
     fused_parts: int = 64
-    fused_min_parts: int = 1
+    fused_min_parts: int = 2
     fused_part_lists: bool = True
     block: int = 256
     stages: int = 3
@@ -298,12 +298,7 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     the rows' arrival counts."""
     R, W = logits.shape
     cap, block = CANDIDATES, plan.fused_block
-    parts = 1
-    if W > cap:
-        parts = max(plan.fused_min_parts, num_sms(logits.device) // R)
-        parts = max(1, min(parts, plan.fused_parts, triton.cdiv(W, block)))
-    chunk = block * triton.cdiv(triton.cdiv(max(W, 1), parts), block)
-    parts = triton.cdiv(max(W, 1), chunk)
+    parts, chunk = fused_parts(plan, R, W, logits.device)
     s_w_r = triton.cdiv(W, block) * block // 32 if W > cap else 1
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
     # per row the parts arrived and the list's places taken (``_fused_kernel``; zeroed again
@@ -320,6 +315,20 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
             WORD_TILE)
     key = (key, chunk, parts > 1, ptr_spec(words), ptr_spec(sync), *cap_regs.items())
     return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps, **cap_regs)
+
+
+def fused_parts(plan: TopkPlan, R: int, W: int, device: torch.device) -> tuple[int, int]:
+    """The one-launch kernel's parts a row and their chunk of columns (a multiple of
+    ``plan.fused_block``): rows longer than the list, no more than the SMs, split over
+    ``max(fused_min_parts, SMs // R)`` programs (at most ``fused_parts``); more rows than
+    SMs, a program a row."""
+    parts = 1
+    if W > CANDIDATES:
+        sms = num_sms(device)
+        parts = max(plan.fused_min_parts if R <= sms else 1, sms // R)
+        parts = max(1, min(parts, plan.fused_parts, triton.cdiv(W, plan.fused_block)))
+    chunk = plan.fused_block * triton.cdiv(triton.cdiv(max(W, 1), parts), plan.fused_block)
+    return triton.cdiv(max(W, 1), chunk), chunk
 
 
 def _capped(plan: TopkPlan, programs: int, device: torch.device) -> tuple[dict, int]:
