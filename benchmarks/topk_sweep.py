@@ -346,7 +346,6 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                          TILE=min(plan.select_tile, 1024), BITS=plan.select_bits,
                          BLOCK=plan.fused_block, STAGES=plan.fused_stages,
                          SPLIT=split, PART_LISTS=split and plan.fused_part_lists,
-                         LIST_AS_READ=not split and plan.fused_list_as_read,
                          OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
             found[_changed(plan) + " split" * split] = facts(
                 _compile(_fused_kernel, const, ptrs, ints, plan.fused_warps,

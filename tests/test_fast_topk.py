@@ -270,7 +270,6 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(route="one", fused_block=1024, fused_stages=2),
                                   TopkPlan(route="one", fused_warps=4, fused_parts=1),
                                   TopkPlan(route="one", fused_part_lists=False),
-                                  TopkPlan(route="one", fused_parts=1, fused_list_as_read=False),
                                   TopkPlan(route="three", block=1024, filter_warps=4),
                                   TopkPlan(route="three", block=32, programs_per_sm=1)])
 def test_topk_other_plans(plan):
@@ -298,14 +297,12 @@ def test_topk_split_rows(part_lists):
     _check(logits, st, en, 2048, plan)
 
 
-@pytest.mark.parametrize("plan", [TopkPlan(route="one", fused_block=1024),
-                                  TopkPlan(route="one", fused_block=1024, fused_part_lists=False),
-                                  TopkPlan(route="one", fused_block=1024, fused_parts=1)])
-def test_topk_split_rows_short_of_the_width(plan):
+@pytest.mark.parametrize("part_lists", [True, False])
+def test_topk_split_rows_short_of_the_width(part_lists):
     """Rows much shorter than the logits' width (ragged prefill): the parts past a row's end
     mark nothing and arrive at once, the others' shares (or the whole bitmask) make the list;
-    and a row whose survivors overflow one part's share of the list (scanned); a part a row,
-    the list made as the row is read, overflowing it."""
+    and a row whose survivors overflow one part's share of the list (scanned)."""
+    plan = TopkPlan(route="one", fused_block=1024, fused_part_lists=part_lists)
     W = 3 * LONG
     logits, st, en = _rows(_gen(47), [0, 2 * LONG - 5, 7], [LONG, W - 2, 2 * LONG], W)
     logits[2, 7 + torch.randperm(LONG, generator=_gen(48))[:CANDIDATES - 500]] = 3.0

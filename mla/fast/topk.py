@@ -130,7 +130,6 @@ class TopkPlan:
     fused_parts: int = 64
     fused_min_parts: int = 2
     fused_part_lists: bool = True
-    fused_list_as_read: bool = True
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
@@ -165,7 +164,7 @@ class TopkPlan:
             raise ValueError(f"TopkPlan.sample_runs * sample_run must be at most {CANDIDATES} (a "
                              f"sample shorter than every sampled row), got {self.sample_runs} * "
                              f"{self.sample_run}")
-        for name in ("pdl", "fused_part_lists", "fused_list_as_read"):
+        for name in ("pdl", "fused_part_lists"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TopkPlan.{name} must be a bool, got "
                                 f"{type(getattr(self, name)).__name__}")
@@ -300,8 +299,7 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     R, W = logits.shape
     cap, block = CANDIDATES, plan.fused_block
     parts, chunk = fused_parts(plan, R, W, logits.device)
-    as_read = parts == 1 and plan.fused_list_as_read
-    s_w_r = triton.cdiv(W, block) * block // 32 if W > cap and not as_read else 1
+    s_w_r = triton.cdiv(W, block) * block // 32 if W > cap else 1
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
     # per row the parts arrived and the list's places taken (``_fused_kernel``; zeroed again
     # by the kernel, so that the launch can be repeated)
@@ -313,8 +311,8 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     args = (logits, row_starts, row_ends, work, words, sync, out, W, topk, logits.stride(0),
             out.stride(0), s_w_r, chunk, float(plan.oversample), plan.sample_runs,
             plan.sample_run, cap, SMALL, tile, plan.select_bits, block, plan.fused_stages,
-            parts > 1, parts > 1 and plan.fused_part_lists,
-            as_read, min(1024, next_pow2(topk)), WORD_TILE)
+            parts > 1, parts > 1 and plan.fused_part_lists, min(1024, next_pow2(topk)),
+            WORD_TILE)
     key = (key, chunk, parts > 1, ptr_spec(words), ptr_spec(sync), *cap_regs.items())
     return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps, **cap_regs)
 

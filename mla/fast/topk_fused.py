@@ -17,7 +17,6 @@ import triton.language as tl
 
 from mla.fast.topk_kernels import (
     _chunk_range,
-    _list_as_read,
     _list_part,
     _mask_chunk,
     _row_range,
@@ -33,8 +32,7 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
                   RUN: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
                   TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
                   STAGES: tl.constexpr, SPLIT: tl.constexpr, PART_LISTS: tl.constexpr,
-                  LIST_AS_READ: tl.constexpr, OUT_BLOCK: tl.constexpr,
-                  WORD_TILE: tl.constexpr):
+                  OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr):
     """Programs ``(row, part)``: a row of no more than ``CAP`` keys is selected whole by its
     part 0; a longer one gets its threshold from the sample (each part with columns of the
     row alike), each part marks its ``chunk`` of columns in the row's bitmask
@@ -48,29 +46,21 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
     launch may run again (a CUDA graph's replays). ``PART_LISTS`` (with ``SPLIT``): before
     arriving, each part also lists its marked keys with their keys in the row's candidate
     list (``_list_part``, places counted in ``sync[row, 1]``), so that the last selects at
-    once; else the last lists the whole bitmask. ``LIST_AS_READ`` (one part a row): the read
-    lists the keys as it goes (``_list_as_read``), no bitmask."""
+    once; else the last lists the whole bitmask."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     start, end, n = _row_range(starts, ends, row, W)
     src = logits + row * s_l_r
     bits = words + row * s_w_r
     selects = part == 0
-    list_keys, list_cols, _few, _thresh, count = _work_row(work, row, CAP, SMALL)
-    fill = sync + 2 * row + 1
     if n > CAP:
         _first, lo, hi = _chunk_range(start, end, part, chunk, BLOCK)
-        if LIST_AS_READ:  # (one part a row)
-            t = _threshold(src + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
-            tl.store(count, _list_as_read(src, start, end, t, W, list_keys, list_cols, BLOCK,
-                                          STAGES, CAP))
-            fill = count
-            tl.debug_barrier()  # the list stored by every thread before any reads it
-        elif lo < hi:  # (a part past a short row's end has nothing to mark)
+        if lo < hi:  # (a part past a short row's end has nothing to mark)
             t = _threshold(src + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
             marked = _mask_chunk(src, bits, start, end, part, chunk, t, W, BLOCK, STAGES)
             tl.debug_barrier()  # the part's words stored by every thread before any reads
             if PART_LISTS:
+                list_keys, list_cols, _few, _thresh, _count = _work_row(work, row, CAP, SMALL)
                 _list_part(src + start, bits, start, lo, hi, marked, list_keys, list_cols,
                            sync + 2 * row + 1, CAP, TILE, 2 * TILE)
                 tl.debug_barrier()  # the share stored by every thread before it arrives
@@ -79,8 +69,9 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
             selects = arrived == tl.num_programs(1) - 1
             tl.debug_barrier()  # every thread past the arrival before any reads the words
     if selects:
-        _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r, fill, CAP,
-                    SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE, PART_LISTS or LIST_AS_READ)
+        _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r,
+                    sync + 2 * row + 1, CAP, SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE,
+                    PART_LISTS)
         if SPLIT:
             if n > CAP:
                 # the row's counts zeroed for the next launch (a CUDA graph replays them)

@@ -267,29 +267,6 @@ def _mask_chunk(src, dst, start, end, c, chunk, t, W, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _list_as_read(src, start, end, t, W, list_keys, list_cols, BLOCK: tl.constexpr,
-                  STAGES: tl.constexpr, CAP: tl.constexpr):
-    """The whole row's streaming read (``src``: its column 0) listing the keys that reach
-    ``t`` as it goes: per step of ``BLOCK`` keys a block-wide running count places them after
-    those before, their columns (from ``start``) and keys stored (places past ``CAP``
-    dropped), in column order; no bitmask. Returns the count."""
-    first = start.to(tl.int32)
-    lo = tl.multiple_of(first - first % BLOCK, BLOCK)
-    hi = end.to(tl.int32)
-    total = tl.zeros((), tl.int32)
-    for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        cols = tl.multiple_of(c0, BLOCK) + tl.arange(0, BLOCK)
-        k = _order_keys(tl.load(src + cols, mask=cols < W, other=0.0))
-        keep = ((cols >= first) & (cols < hi) & (k >= t)).to(tl.int32)
-        pos = total + tl.cumsum(keep, axis=0) - 1
-        put = (keep != 0) & (pos < CAP)
-        tl.store(list_cols + pos, cols - first, mask=put)
-        tl.store(list_keys + pos, k, mask=put)
-        total += tl.sum(keep, axis=0)
-    return total
-
-
-@triton.jit
 def _popc(x):
     """Set bits of each int32 (SWAR on the unsigned pattern: no intrinsic, so the
     interpreter runs it too)."""
