@@ -33,8 +33,10 @@ from mla.fast.topk import (
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LONG = CANDIDATES + 3000  # a row longer than the candidate list: estimated, then filtered
-# each route at every row count: one program a row (one launch), or three launches
-ROUTES = {"one": TopkPlan(route="one"), "three": TopkPlan(route="three")}
+# each route at every row count: one launch; two (the estimate, then parts marking, listing and
+# the last selecting, 4096 keys a part here); three (estimate, filter, select)
+ROUTES = {"one": TopkPlan(route="one"), "two": TopkPlan(route="two", two_chunk=2048),
+          "three": TopkPlan(route="three")}
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -270,6 +272,8 @@ def test_topk_half_dtypes(dtype):
                                   TopkPlan(route="one", fused_block=1024, fused_stages=2),
                                   TopkPlan(route="one", fused_warps=4, fused_parts=1),
                                   TopkPlan(route="one", fused_part_lists=False),
+                                  TopkPlan(route="two", fused_block=1024, two_chunk=1024),
+                                  TopkPlan(route="two", pdl=False, fused_stages=1),
                                   TopkPlan(route="three", block=1024, filter_warps=4),
                                   TopkPlan(route="three", block=32, programs_per_sm=1)])
 def test_topk_other_plans(plan):

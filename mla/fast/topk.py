@@ -64,7 +64,7 @@ import triton
 
 from mla.fast.common import capability, interpreting, next_pow2, num_sms, should_validate
 from mla.fast.launch import CompiledLauncher, int_spec, ptr_spec
-from mla.fast.topk_fused import _fused_kernel
+from mla.fast.topk_fused import _fused_kernel, _mark_select_kernel
 from mla.fast.topk_kernels import (
     _estimate_kernel,
     _mask_kernel,
@@ -87,6 +87,7 @@ _estimate = CompiledLauncher(_estimate_kernel)
 _mask = CompiledLauncher(_mask_kernel)
 _select = CompiledLauncher(_select_kernel)
 _fused = CompiledLauncher(_fused_kernel)
+_mark_select = CompiledLauncher(_mark_select_kernel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,7 @@ class TopkPlan:
     fused_parts: int = 64
     fused_min_parts: int = 2
     fused_part_lists: bool = True
+    two_chunk: int = 16384
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
@@ -168,8 +170,8 @@ class TopkPlan:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TopkPlan.{name} must be a bool, got "
                                 f"{type(getattr(self, name)).__name__}")
-        if self.route not in ("auto", "one", "three"):
-            raise ValueError(f"TopkPlan.route must be 'auto', 'one' or 'three', got "
+        if self.route not in ("auto", "one", "two", "three"):
+            raise ValueError(f"TopkPlan.route must be 'auto', 'one', 'two' or 'three', got "
                              f"{self.route!r}")
         if self.select_maxnreg and not 24 <= self.select_maxnreg <= 255:
             raise ValueError(f"TopkPlan.select_maxnreg must be 0 or in [24, 255], got "
@@ -181,14 +183,14 @@ class TopkPlan:
             raise ValueError(f"TopkPlan.fused_block must be at least 32 (a bitmask word), got "
                              f"{self.fused_block!r}")
         for name in ("stages", "programs_per_sm", "fused_stages", "fused_parts",
-                     "fused_min_parts"):
+                     "fused_min_parts", "two_chunk"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TopkPlan.{name} must be an int >= 1, got {v!r}")
 
     def one_launch(self) -> bool:
-        """Whether a call takes the one-launch kernel (``route``: all but ``"three"``)."""
-        return self.route != "three"
+        """Whether a call takes the one-launch kernel (``route``: ``"auto"`` or ``"one"``)."""
+        return self.route in ("auto", "one")
 
 
 def sample_columns(n: int, runs: int = 1024, run: int = 8) -> torch.Tensor:
@@ -260,12 +262,19 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     out_block = min(1024, next_pow2(topk))
     if plan.one_launch():
         return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]
-    chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
-    chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
-    chunks = max(1, triton.cdiv(W, chunk))
     pdl = _pdl(plan, logits.device)
     est_args = (*rows, work, W, topk, s_l_r, float(plan.oversample), cap, plan.sample_runs,
                 plan.sample_run, SMALL, bool(pdl))
+
+    def estimate() -> None:
+        _estimate(key, (R, 1, 1), est_args, num_warps=plan.estimate_warps)
+
+    if plan.route == "two":
+        return work, [estimate, _two_launches(logits, row_starts, row_ends, work, out, topk,
+                                              plan, key, pdl)]
+    chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
+    chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
+    chunks = max(1, triton.cdiv(W, chunk))
     # per row the bitmask's words (columns rounded up to whole blocks)
     s_w_r = triton.cdiv(W, plan.block) * plan.block // 32
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
@@ -275,7 +284,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     select_args = (*rows, work, words, out, W, topk, s_l_r, s_o_r, s_w_r, cap, SMALL,
                    tile, plan.select_bits, out_block, WORD_TILE)
     return work, [
-        lambda: _estimate(key, (R, 1, 1), est_args, num_warps=plan.estimate_warps),
+        estimate,
         lambda: _mask((key, chunk), (R, chunks, 1), mask_args, num_warps=plan.filter_warps,
                       **pdl),
         lambda: _select((key, *cap_regs.items()), (R, 1, 1), select_args,
@@ -315,6 +324,28 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
             WORD_TILE)
     key = (key, chunk, parts > 1, ptr_spec(words), ptr_spec(sync), *cap_regs.items())
     return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps, **cap_regs)
+
+
+def _two_launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
+                  work: torch.Tensor, out: torch.Tensor, topk: int, plan: TopkPlan, key: tuple,
+                  pdl: dict) -> Callable[[], None]:
+    """Two launches' second (``_mark_select_kernel``): rows in parts of ``plan.two_chunk``
+    keys (whole ``fused_block`` steps), a row's parts next to each other in the grid."""
+    R, W = logits.shape
+    block = plan.fused_block
+    chunk = block * triton.cdiv(min(plan.two_chunk, max(W, 1)), block)
+    parts = triton.cdiv(max(W, 1), chunk)
+    s_w_r = triton.cdiv(W, block) * block // 32 if W > CANDIDATES else 1
+    words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
+    cap_regs, tile = _capped(plan, R * parts, logits.device)
+    if not cap_regs and not interpreting():
+        cap_regs = UNCAPPED
+    args = (logits, row_starts, row_ends, work, words, out, W, topk, logits.stride(0),
+            out.stride(0), s_w_r, chunk, CANDIDATES, SMALL, min(tile, 1024), plan.select_bits,
+            block, plan.fused_stages, min(1024, next_pow2(topk)), WORD_TILE, bool(pdl))
+    key = (key, chunk, ptr_spec(words), *cap_regs.items())
+    return lambda: _mark_select(key, (parts, R, 1), args, num_warps=plan.fused_warps, **pdl,
+                                **cap_regs)
 
 
 def fused_parts(plan: TopkPlan, R: int, W: int, device: torch.device) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from mla.fast.topk_kernels import (
     _chunk_range,
@@ -77,3 +78,42 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
                 # the row's counts zeroed for the next launch (a CUDA graph replays them)
                 tl.debug_barrier()  # every thread done reading them
                 tl.store(sync + 2 * row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
+
+
+@triton.jit
+def _mark_select_kernel(logits, starts, ends, work, words, out, W, topk, s_l_r, s_o_r, s_w_r,
+                        chunk, CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
+                        BITS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                        OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Two launches' second, after the estimate (``_estimate_kernel``: the thresholds, the
+    counts zeroed): programs ``(part, row)``, the parts of a row next to each other in the
+    grid, so that rows finish one after another and a row's select overlaps the later rows'
+    reads. Each part of a row longer than ``CAP`` marks its ``chunk`` (``_mask_chunk``),
+    lists its share (``_list_part``) and arrives; the last selects (``_select_row``). A
+    shorter row is selected whole by its part 0. ``PDL``: launched as the estimate's
+    programmatic dependent, a program waits for the thresholds."""
+    part = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    start, end, n = _row_range(starts, ends, row, W)
+    if PDL:
+        gdc_wait()
+    src = logits + row * s_l_r
+    bits = words + row * s_w_r
+    list_keys, list_cols, _few, thresh, count = _work_row(work, row, CAP, SMALL)
+    selects = part == 0
+    if n > CAP:
+        _first, lo, hi = _chunk_range(start, end, part, chunk, BLOCK)
+        if lo < hi:  # (a part past a short row's end has nothing to mark)
+            marked = _mask_chunk(src, bits, start, end, part, chunk, tl.load(thresh), W,
+                                 BLOCK, STAGES)
+            tl.debug_barrier()  # the part's words stored by every thread before any reads
+            _list_part(src + start, bits, start, lo, hi, marked, list_keys, list_cols, count,
+                       CAP, TILE, 2 * TILE)
+            tl.debug_barrier()  # the share stored by every thread before it arrives
+        arrived = tl.atomic_add(count + 1, 1, sem="acq_rel")
+        selects = arrived == tl.num_programs(0) - 1
+        tl.debug_barrier()  # every thread past the arrival before any reads the list
+    if selects:
+        _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r, count, CAP,
+                    SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE, True)

@@ -49,8 +49,8 @@ def _row_range(starts, ends, row, W):
 @triton.jit
 def _work_row(work, row, CAP: tl.constexpr, SMALL: tl.constexpr):
     """A row's scratch (``work_columns`` int32): the candidates' keys, their columns,
-    ``SMALL`` int64 for a compacted boundary bucket, then the threshold and the survivor
-    count."""
+    ``SMALL`` int64 for a compacted boundary bucket, then the threshold, the survivor count
+    and (two launches) the parts arrived."""
     base = work + row * (2 * CAP + 2 * SMALL + WORK_PAD)
     few = (base + 2 * CAP).to(tl.pointer_type(tl.int64))
     tail = base + 2 * CAP + 2 * SMALL
@@ -207,7 +207,7 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     _keys, _cols, _few, thresh, count = _work_row(work, row, CAP, SMALL)
-    tl.store(count, 0)
+    tl.store(count + tl.arange(0, 2), tl.zeros((2,), tl.int32))  # the count, the arrivals
     if n > CAP:
         t = _threshold(logits + row * s_l_r + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS,
                        RUN)
