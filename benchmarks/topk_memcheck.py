@@ -2,9 +2,10 @@
 ``mla.fast.top_k_per_row`` down every path its select can take, each set compared with
 ``mla.reference.top_k_per_row``, at sizes small enough for the sanitizer.
 
-The paths: more rows than SMs (three launches, the select's registers capped) and the
-one-launch kernel with rows split in two (registers capped), a row a program, and a row split
-over many programs, all from candidate lists;
+The paths: more rows than SMs (three launches, the select's registers capped), the
+one-launch kernel a row a program (capped or not), rows split in two (capped) and a row split
+over many programs, two launches a row a part and rows in parts of 4096, all from candidate
+lists;
 lists longer than half the list's length (``topk = 5000``: keys held, columns written in
 tiles); rows held whole at ``CANDIDATES // 2`` keys (keys and columns held) and one more
 (tiles), the boundary key tied; rows whose keys are all equal (the threshold fails: the scan).
@@ -38,10 +39,14 @@ def main() -> int:
     tied = (torch.randn(150, half + 1, device="cuda", generator=g) * 40).round() / 40
     cases = [
         ("200x20000 three (capped, lists)", x, 2048, TopkPlan(route="three")),
-        ("200x20000 one (parts of two, capped)", x, 2048, TopkPlan(route="one")),
+        ("200x20000 one a row a program (capped)", x, 2048, TopkPlan(route="one")),
+        ("100x20000 one (parts of two, capped)", x[:100].contiguous(), 2048,
+         TopkPlan(route="one")),
         ("100x20000 one a row a program", x[:100].contiguous(), 2048,
          TopkPlan(route="one", fused_min_parts=1)),
         ("8x20000 one split over many", x[:8].contiguous(), 2048, TopkPlan(route="one")),
+        ("200x20000 two (a row a part, capped)", x, 2048, TopkPlan(route="two")),
+        ("200x20000 two (parts of 4096)", x, 2048, TopkPlan(route="two", two_chunk=4096)),
         ("200x20000 k=5000 (lists past half)", x, 5000, None),
         (f"150x{half + 1} ties (tiles)", tied, 2048, TopkPlan(route="three")),
         (f"150x{half} ties (registers)", tied[:, :half].contiguous(), 2048,

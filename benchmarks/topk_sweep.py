@@ -50,11 +50,14 @@ TOPK = 2048
 SHAPES = [(R, W) for W in (8192, 32768, 131072) for R in (1, 32, 128, 256)] + [
     (512, 131072), (1024, 131072)]
 ONE = dict(route="one")  # the one-launch kernel at every row count (the default)
+TWO = dict(route="two")  # the estimate, then a kernel that marks, lists and selects
 THREE = dict(route="three")  # three launches at every row count
+ROUTES = [("one", TopkPlan(**ONE)), ("two", TopkPlan(**TWO)), ("three", TopkPlan(**THREE))]
 # rows as many as the SMs or more: the default's neighbours, and three launches
 PLANS = [TopkPlan(**ONE), TopkPlan(**ONE, fused_min_parts=1), TopkPlan(**ONE, fused_min_parts=3),
          TopkPlan(**ONE, fused_block=2048), TopkPlan(**ONE, fused_stages=4),
          TopkPlan(**ONE, select_maxnreg=0), TopkPlan(**ONE, fused_warps=16),
+         TopkPlan(**TWO), TopkPlan(**TWO, two_chunk=65536), TopkPlan(**TWO, fused_warps=4),
          TopkPlan(**ONE, sample_runs=512, sample_run=16),
          TopkPlan(**ONE, fused_part_lists=False), TopkPlan(**THREE), TopkPlan(**THREE, pdl=False)]
 # rows fewer than the SMs: the one-launch kernel splits each row over SMs // rows programs
@@ -229,26 +232,28 @@ def timing(copy_tbps: float) -> list[dict]:
         st, en = _full(R, W)
         call = functools.partial(top_k_per_row, x, st, en, TOPK)
         quiet = functools.partial(top_k_per_row, x, st, en, TOPK, validate=False)
-        one = TopkPlan().one_launch()
-        row = {"R": R, "L": W, "route": "one" if one else "three",
+        row = {"R": R, "L": W, "route": TopkPlan().route_for(R, W, x.device),
                "ms": _bench(call), "unvalidated_ms": _bench(quiet),
                "host_us": _host_us(quiet), "validated_host_us": _host_us(call),
                "graph_ms": _graph_ms(x, st, en, TopkPlan()),
                "one_graph_ms": _graph_ms(x, st, en, TopkPlan(**ONE)),
+               "two_graph_ms": _graph_ms(x, st, en, TopkPlan(**TWO)),
                "three_graph_ms": _graph_ms(x, st, en, TopkPlan(**THREE)),
                **_split_times(x, st, en, TopkPlan(**THREE))}
         row["torch_topk_values_ms"] = _bench(functools.partial(torch.topk, x, TOPK, dim=1))
         # the floor of one read of the logits at this shape: a row maximum in a graph
         row["read_floor_ms"] = time_graph(functools.partial(torch.amax, x, dim=1), reps=30,
                                            read_flush=True)
-        for k in ("ms", "unvalidated_ms", "graph_ms", "one_graph_ms", "three_graph_ms"):
+        for k in ("ms", "unvalidated_ms", "graph_ms", "one_graph_ms", "two_graph_ms",
+                  "three_graph_ms"):
             row[k.replace("ms", "pct_copy")] = _pct(R, W, row[k], copy_tbps)
         rows.append(row)
-        log(f"time R={R} L={W} ({row['route']} launch(es)): direct {row['ms'] * 1e3:.1f} us "
+        log(f"time R={R} L={W} (route {row['route']}): direct {row['ms'] * 1e3:.1f} us "
             f"(unvalidated {row['unvalidated_ms'] * 1e3:.1f}, host {row['host_us']:.0f} us, "
             f"validated {row['validated_host_us']:.0f}); graph {row['graph_ms'] * 1e3:.1f} us "
             f"({row['graph_pct_copy']:.0f}% of copy); one launch "
-            f"{row['one_graph_ms'] * 1e3:.1f}, three {row['three_graph_ms'] * 1e3:.1f} "
+            f"{row['one_graph_ms'] * 1e3:.1f}, two {row['two_graph_ms'] * 1e3:.1f}, three "
+            f"{row['three_graph_ms'] * 1e3:.1f} "
             f"({row['estimate_ms'] * 1e3:.1f} + {row['filter_ms'] * 1e3:.1f} + "
             f"{row['select_ms'] * 1e3:.1f}, select alone {row['select_alone_ms'] * 1e3:.1f}); "
             f"torch.topk values "
@@ -302,7 +307,7 @@ def adversarial_timing() -> list[dict]:
         else:
             x[:, 1::2] = 3.0
         st, en = _full(R, W)
-        for route, plan in (("one", TopkPlan(**ONE)), ("three", TopkPlan(**THREE))):
+        for route, plan in ROUTES:
             ms = _graph_ms(x, st, en, plan, reps=10)
             rows.append({"case": name, "route": route, "R": R, "L": W, "graph_ms": ms})
             log(f"time {name} R={R} L={W} {route}: graph {ms * 1e3:.1f} us (the scan)")
@@ -326,14 +331,14 @@ def compiled_facts() -> list[dict]:
 
 
 def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
-    """The one-launch kernel of each plan compiled for sm_90 on any machine (no GPU; not under
-    the interpreter), as ``benchmarks.indexer_compile`` compiles the three launches and as
-    ``mla.fast.topk`` launches it where its programs are no more than the SMs
-    (``UNCAPPED``): shared memory, registers, spilled bytes (``tests/test_fast_topk.py``
-    asserts none)."""
+    """The one-launch kernel (a row a program, a row split) and the two launches' second of
+    each plan compiled for sm_90 on any machine (no GPU; not under the interpreter), as
+    ``benchmarks.indexer_compile`` compiles the three launches and as ``mla.fast.topk``
+    launches them where their programs are no more than the SMs (``uncapped``): shared
+    memory, registers, spilled bytes (``tests/test_fast_topk.py`` asserts none)."""
     from benchmarks.indexer_compile import _KEYS, _compile
     from benchmarks.sm90_compile import facts
-    from mla.fast.topk_fused import _fused_kernel
+    from mla.fast.topk_fused import _fused_kernel, _mark_select_kernel
 
     ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
     ptrs.update(words="i32", sync="i32")
@@ -349,20 +354,27 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                          OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
             found[_changed(plan) + " split" * split] = facts(
                 _compile(_fused_kernel, const, ptrs, ints, plan.fused_warps,
-                         **fast_topk.UNCAPPED))
+                         **fast_topk.uncapped(plan.fused_warps)))
+        const = dict(CAP=CANDIDATES, SMALL=fast_topk.SMALL, TILE=min(plan.select_tile, 1024),
+                     BITS=plan.select_bits, BLOCK=plan.fused_block, STAGES=plan.fused_stages,
+                     OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE, PDL=plan.pdl)
+        found[_changed(plan) + " two launches"] = facts(
+            _compile(_mark_select_kernel, const, ptrs, dict(ints, chunk=plan.two_chunk),
+                     plan.fused_warps, **fast_topk.uncapped(plan.fused_warps)))
     return found
 
 
 def table(res: dict) -> str:
     """The compact summary printed on stdout."""
     lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us in CUDA graphs (% of copy)",
-             "R x L | default route | graph | one launch | three (est+filter+select) | "
+             "R x L | default route | graph | one launch | two | three (est+filter+select) | "
              "direct | unvalidated | host | amax (one read)"]
     for r in res["timing"]:
         lines.append(
             f"{r['R']} x {r['L'] // 1024}K | {r['route']} | {r['graph_ms'] * 1e3:.1f} "
             f"({r['graph_pct_copy']:.0f}%) | {r['one_graph_ms'] * 1e3:.1f} | "
-            f"{r['three_graph_ms'] * 1e3:.1f} ({r['estimate_ms'] * 1e3:.0f}+"
+            f"{r['two_graph_ms'] * 1e3:.1f} | {r['three_graph_ms'] * 1e3:.1f} "
+            f"({r['estimate_ms'] * 1e3:.0f}+"
             f"{r['filter_ms'] * 1e3:.0f}+{r['select_ms'] * 1e3:.0f}; select alone "
             f"{r['select_alone_ms'] * 1e3:.0f}) | {r['ms'] * 1e3:.1f} | "
             f"{r['unvalidated_ms'] * 1e3:.1f} | {r['host_us']:.0f} | "
@@ -415,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         if "check" in want:
-            for route, plan in (("one", TopkPlan(**ONE)), ("three", TopkPlan(**THREE))):
+            for route, plan in ROUTES:
                 res["checks"] += [check(*c, plan, route) for c in cases()]
                 res["checks"].append(graph_check(plan, route))
             save()

@@ -116,7 +116,7 @@ def timeline(R: int, W: int, plan: TopkPlan, parts: int | None = None,
         parts = triton.cdiv(W, chunk)
     if maxnreg is None:
         capped, _tile = fast_topk._capped(plan, R * parts, dev)
-        maxnreg = capped.get("maxnreg", fast_topk.UNCAPPED["maxnreg"])
+        maxnreg = capped.get("maxnreg", fast_topk.uncapped(plan.fused_warps)["maxnreg"])
     s_w_r = triton.cdiv(W, block) * block // 32
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=dev)
     sync = torch.zeros(R, 2, dtype=torch.int32, device=dev)

@@ -330,6 +330,21 @@ def test_topk_launches_repeated(route):
         assert torch.equal(as_sets(out.cpu()), want)
 
 
+def test_topk_route_for():
+    """``route="auto"``: two launches where a row fits one of their parts and the rows are more
+    than half the SMs (4 under the interpreter, the GPU's count on one), else one launch;
+    a route named is taken at every shape."""
+    sms = fast_topk.num_sms(torch.device(DEVICE))
+    auto, dev = TopkPlan(), torch.device(DEVICE)
+    assert auto.route_for(sms // 2 + 1, 32768, dev) == "two"
+    assert auto.route_for(sms // 2, 32768, dev) == "one"
+    assert auto.route_for(4 * sms, CANDIDATES, dev) == "one"  # held whole: no estimate
+    assert auto.route_for(4 * sms, 32769, dev) == "one"  # two parts of the second launch
+    assert TopkPlan(two_chunk=65536).route_for(4 * sms, 65536, dev) == "two"
+    for route in ("one", "two", "three"):
+        assert TopkPlan(route=route).route_for(1, 131072, dev) == route
+
+
 def test_topk_a_broken_twin_fails():
     """The set comparison bites: ties broken toward the higher index differ."""
     logits, st, en = _rows(_gen(22), [0], [500], 500, ties=True)
@@ -387,8 +402,8 @@ def test_topk_empty_and_bad_input():
 
 
 def test_one_launch_kernel_compiles_for_sm90():
-    """The default one-launch kernel, a row a program and a row split over programs, compiles
-    for the H200 without spills (in a child process
+    """The default one-launch kernel, a row a program and a row split over programs, and the
+    two launches' second compile for the H200 without spills (in a child process
     without the interpreter, which cannot compile for a GPU; the three launches' kernels:
     ``tests/test_fast_indexer.py``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -398,7 +413,7 @@ def test_one_launch_kernel_compiles_for_sm90():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout)
-    assert len(found) == 2  # a row a program, a row split over programs
+    assert len(found) == 3  # a row a program, a row split over programs, two launches
     for name, f in found.items():
         assert f["stack"] == 0 and f["local"] == 0 and not f["ptx_local"], f"{name} spills: {f}"
         assert f["shared"] <= 232448, f"{name}: {f['shared']} B of shared memory"

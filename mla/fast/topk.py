@@ -79,9 +79,14 @@ __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
 SMALL = 1024  # the scan compacts a boundary bucket this small and finishes it in registers
 WORD_TILE = 4096  # the select lists a bitmask's words 4096 at a time (128K keys)
-# the one-launch kernel's registers where they are not capped: left to itself, ptxas allots
-# the split rows' kernel 128 registers and spills (with this, 187 and none)
-UNCAPPED = {"maxnreg": 255}
+
+
+def uncapped(warps: int) -> dict:
+    """The one- and two-launch kernels' registers where they are not capped: all a thread
+    may have with ``warps`` warps a program (left to itself, ptxas allots the split rows'
+    kernel 128 registers at 8 warps and spills; with 255, 187 and none)."""
+    return {"maxnreg": min(255, 65536 // (32 * warps))}
+
 
 _estimate = CompiledLauncher(_estimate_kernel)
 _mask = CompiledLauncher(_mask_kernel)
@@ -131,7 +136,7 @@ class TopkPlan:
     fused_parts: int = 64
     fused_min_parts: int = 2
     fused_part_lists: bool = True
-    two_chunk: int = 16384
+    two_chunk: int = 32768
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
@@ -188,9 +193,15 @@ class TopkPlan:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TopkPlan.{name} must be an int >= 1, got {v!r}")
 
-    def one_launch(self) -> bool:
-        """Whether a call takes the one-launch kernel (``route``: ``"auto"`` or ``"one"``)."""
-        return self.route in ("auto", "one")
+    def route_for(self, R: int, W: int, device: torch.device) -> str:
+        """The route a call of ``R`` rows of ``W`` keys takes: ``route``, or for ``"auto"``
+        two launches where a row fits one part of them (``CANDIDATES < W <= two_chunk``) and
+        the rows are more than half the SMs, else one launch."""
+        if self.route != "auto":
+            return self.route
+        if CANDIDATES < W <= self.two_chunk and R > num_sms(device) // 2:
+            return "two"
+        return "one"
 
 
 def sample_columns(n: int, runs: int = 1024, run: int = 8) -> torch.Tensor:
@@ -260,7 +271,8 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     key = (plan, W, topk, int_spec(s_l_r), int_spec(s_o_r), row_starts.dtype, row_ends.dtype,
            *(ptr_spec(t) for t in (*rows, work, out)))
     out_block = min(1024, next_pow2(topk))
-    if plan.one_launch():
+    route = plan.route_for(R, W, logits.device)
+    if route == "one":
         return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]
     pdl = _pdl(plan, logits.device)
     est_args = (*rows, work, W, topk, s_l_r, float(plan.oversample), cap, plan.sample_runs,
@@ -269,7 +281,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     def estimate() -> None:
         _estimate(key, (R, 1, 1), est_args, num_warps=plan.estimate_warps)
 
-    if plan.route == "two":
+    if route == "two":
         return work, [estimate, _two_launches(logits, row_starts, row_ends, work, out, topk,
                                               plan, key, pdl)]
     chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
@@ -315,7 +327,7 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     sync = torch.zeros(R, 2, dtype=torch.int32, device=logits.device) if parts > 1 else words
     cap_regs, tile = _capped(plan, R * parts, logits.device)
     if not cap_regs and not interpreting():
-        cap_regs = UNCAPPED
+        cap_regs = uncapped(plan.fused_warps)
     tile = min(tile, 1024)  # a tile of 2048 spills in this kernel (ptxas allots 128 registers)
     args = (logits, row_starts, row_ends, work, words, sync, out, W, topk, logits.stride(0),
             out.stride(0), s_w_r, chunk, float(plan.oversample), plan.sample_runs,
@@ -339,7 +351,7 @@ def _two_launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
     cap_regs, tile = _capped(plan, R * parts, logits.device)
     if not cap_regs and not interpreting():
-        cap_regs = UNCAPPED
+        cap_regs = uncapped(plan.fused_warps)
     args = (logits, row_starts, row_ends, work, words, out, W, topk, logits.stride(0),
             out.stride(0), s_w_r, chunk, CANDIDATES, SMALL, min(tile, 1024), plan.select_bits,
             block, plan.fused_stages, min(1024, next_pow2(topk)), WORD_TILE, bool(pdl))

@@ -31,17 +31,19 @@ def main():
     outdir = sys.argv[1]
     ceil = ceilings(); copy = ceil["copy_TBps"]
     log(f"copy {copy:.2f}")
-    plans = {"one": TopkPlan(), "bitmask": TopkPlan(fused_list_as_read=False),
-             "as_read_stages4": TopkPlan(fused_stages=4), "as_read_block2048": TopkPlan(fused_block=2048),
-             "as_read_1part": TopkPlan(fused_min_parts=1)}
-    shapes = [(256, 131072), (1024, 131072), (512, 131072), (128, 131072), (256, 32768), (2048, 32768)]
+    plans = {"one": TopkPlan(), "three": TopkPlan(route="three"),
+             "two16k": TopkPlan(route="two"), "two8k": TopkPlan(route="two", two_chunk=8192),
+             "two32k": TopkPlan(route="two", two_chunk=32768), "two64k": TopkPlan(route="two", two_chunk=65536),
+             "two16k_w4": TopkPlan(route="two", fused_warps=4), "two16k_nopdl": TopkPlan(route="two", pdl=False)}
+    shapes = [(128, 131072), (256, 131072), (1024, 131072), (512, 131072), (32, 131072), (1, 131072),
+              (128, 32768), (256, 32768), (2048, 32768)]
     rows = []
     for R, W in shapes:
         torch.manual_seed(R + W)
         x = torch.randn(R, W, device="cuda")
         st, en = _full(R, W)
         want = torch.topk(x, TOPK, dim=1).indices.sort(dim=1).values
-        names = list(plans) if R != 128 else ["one", "as_read_1part"]
+        names = list(plans)
         for name in names:
             ms = [graph_time(x, st, en, plans[name]) for _ in range(3)]
             t = statistics.median(m[0] for m in ms)
@@ -54,6 +56,6 @@ def main():
             log(json.dumps(r))
         del x
         torch.cuda.empty_cache()
-    json.dump({"environment": environment(), "ceilings": ceil, "rows": rows}, open(os.path.join(outdir, "exp4.json"), "w"), indent=1)
+    json.dump({"environment": environment(), "ceilings": ceil, "rows": rows}, open(os.path.join(outdir, "exp5.json"), "w"), indent=1)
 
 main()
