@@ -358,9 +358,10 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
         const = dict(CAP=CANDIDATES, SMALL=fast_topk.SMALL, TILE=min(plan.select_tile, 1024),
                      BITS=plan.select_bits, BLOCK=plan.fused_block, STAGES=plan.fused_stages,
                      OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE, PDL=plan.pdl)
-        found[_changed(plan) + " two launches"] = facts(
-            _compile(_mark_select_kernel, const, ptrs, dict(ints, chunk=plan.two_chunk),
-                     plan.fused_warps, **fast_topk.uncapped(plan.fused_warps)))
+        for warps in (plan.fused_warps, plan.two_warps):  # fewer rows, many rows
+            found[_changed(plan) + f" two launches, {warps} warps"] = facts(
+                _compile(_mark_select_kernel, const, ptrs, dict(ints, chunk=plan.two_chunk),
+                         warps, **fast_topk.uncapped(warps)))
     return found
 
 

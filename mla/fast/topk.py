@@ -37,14 +37,20 @@ a histogram of every key cannot keep up with the memory; a compare can. Three st
    from ~3300 candidates spends ~6 us on the list, ~5 on the gather, ~6 on the bisection
    (about 20 steps) and ~2 on the write.
 
-Two routes run them (``TopkPlan.route``). **One launch** (``mla.fast.topk_fused``, the
-default), a row split over at least two programs (``TopkPlan.fused_min_parts``), each
-estimating the threshold, marking its part of the row in the bitmask, the last of them to
-arrive selecting; two programs a SM (registers capped), so one SM's select overlaps another
-program's read. **Three launches** (``mla.fast.topk_kernels``): estimate and select a program
-a row, the filter ``R x C`` one-warp programs; slower at every shape measured (1.1 to 2.4
-times the one launch's time), kept as the alternative the tests and the benchmark hold the
-one launch against.
+Three routes run them (``TopkPlan.route``; ``"auto"`` picks one or two launches by shape,
+``TopkPlan.route_for``). **One launch** (``mla.fast.topk_fused``): every program of a row
+estimates the threshold and marks its part of the row; rows no more than the SMs are split in
+at least two parts (``TopkPlan.fused_min_parts``), each part listing its own marked keys with
+their keys before it arrives, the last to arrive selecting; more rows, a program a row. Best
+where the rows are few (latency: every row's estimate, read and select in a chain).
+**Two launches** (the estimate a program a row, then ``_mark_select_kernel``: parts of
+``two_chunk`` keys that mark, list their shares and the last selects, a row's parts next to
+each other in the grid so that rows finish one after another): best for rows of up to 32K
+keys from half the SMs up, and for many rows (more than two a SM, then at 4 warps a program:
+more programs a SM, one's select overlapping the others' reads). **Three launches**
+(``mla.fast.topk_kernels``): estimate and select a program a row, the filter ``R x C``
+one-warp programs; slower at every shape measured, kept as the alternative the tests and
+the benchmark hold the others against.
 
 **Correctness never rests on the estimate.** A row whose threshold let fewer than ``topk`` or
 more than ``CANDIDATES`` keys through (massive ties, a row that is all ``-inf``, a sample that
@@ -99,36 +105,42 @@ _mark_select = CompiledLauncher(_mark_select_kernel)
 class TopkPlan:
     """How the kernels run (``benchmarks/topk_sweep.py`` times the alternatives).
 
-    Route (``route``: ``"auto"``, ``"one"``, ``"three"``; ``one_launch``): ``"auto"`` takes
-    the one-launch kernel, which was faster at every shape measured on the H200 (k = 2048,
-    CUDA graphs, L2 flushed, ``benchmarks/results/topk_routes_2026-12-01.json``): 35.5 /
-    66.2 / 121 / 225 us at 128 / 256 / 512 / 1024 x 128K (45 / 48 / 52 / 56% of the copy
-    bandwidth) against 59 / 102 / 182 / 334 for three launches; 12.5 against 30 at 1 x 128K,
-    19 against 39 at 32 x 128K, 22 against 42 at 128 x 32K, 233 against 389 at 2048 x 32K.
-    The one-launch kernel: ``fused_block`` keys a step, ``fused_stages`` steps in flight,
-    ``fused_warps``; a row longer than ``CANDIDATES`` split over ``max(fused_min_parts,
-    SMs // rows)`` programs, at most ``fused_parts``, the last to finish selecting (two parts
-    rather than one: 35.5 against 70 us at 128 x 128K, 66 against 89 at 256 x 128K; three:
-    42 and 76).
-    Estimate (both routes): ``sample_runs`` runs (2 to 1024) of ``sample_run`` keys (at most
+    Route (``route``: ``"auto"``, ``"one"``, ``"two"``, ``"three"``; ``route_for``). On the
+    H200 (k = 2048, random rows, CUDA graphs, L2 flushed,
+    ``benchmarks/results/topk_routes_replayed_2026-12-01.json``), ``"auto"``: 24.5 / 31 / 55
+    / 90 / 156 / 273 us at 1 / 32 / 128 / 256 / 512 / 1024 x 128K (29 / 36 / 43 / 47% of the
+    copy bandwidth from 128 rows); 35.6 / 50.6 / 284 at 128 / 256 / 2048 x 32K (one launch
+    37.8 / 57.9 / 365; three 42.8 / 63.6 / 385).
+    One launch: ``fused_block`` keys a step, ``fused_stages`` steps in flight,
+    ``fused_warps``; a row longer than ``CANDIDATES``, when the rows are no more than the
+    SMs, split over ``max(fused_min_parts, SMs // rows)`` programs (at most ``fused_parts``),
+    the last to arrive selecting (two parts against one: 55 against 57 us at 128 x 128K);
+    ``fused_part_lists``: each part lists its marked keys before it arrives (24.5 against 30
+    us at 1 x 128K, 31 against 36.7 at 32 x 128K), else the last lists the whole bitmask.
+    Two launches: parts of ``two_chunk`` keys (whole ``fused_block`` steps), ``fused_warps``,
+    or ``two_warps`` where the rows are more than ``many_rows_per_sm`` a SM (4 warps: 273
+    against 306 us at 1024 x 128K, 284 against 295 at 2048 x 32K; at 128 x 32K 8 warps, 35.9
+    against 44.6).
+    Estimate (all routes): ``sample_runs`` runs (2 to 1024) of ``sample_run`` keys (at most
     ``CANDIDATES`` in all), ``oversample``
     (the survivors aimed at, in ``topk``, before three standard deviations of the sample's);
-    ``estimate_warps`` (three launches).
+    ``estimate_warps`` (two and three launches).
     Three launches' streaming read: ``block`` keys a step, ``stages`` steps in flight,
     ``filter_warps``, ``programs_per_sm`` (the grid aims at that many programs per SM: a row is
     cut into that many chunks over the rows).
-    Select (both routes): ``select_maxnreg`` (where the selecting kernel's programs outnumber
+    Select (all routes): ``select_maxnreg`` (where the selecting kernel's programs outnumber
     the SMs, the registers a thread capped and tiles of at most 1024 keys, two programs a SM:
     three launches 256 x 128K 103 against 108 us, 256 x 8K 43 against 51), ``select_tile`` keys a
     step where a select reads in tiles (a list or row past ``CANDIDATES / 2``, the scan; at
     most 1024 in the one-launch kernel), ``select_bits`` a radix level of the scan;
     ``select_warps`` (three launches).
-    ``pdl`` (three launches, on sm_90 or later): the filter launched as the estimate's
-    programmatic dependent (``launch_pdl``), so that it starts while the estimate ends, its
-    programs waiting for the thresholds: 1.0-1.4 us less at every shape measured (8K to 128K
-    keys, 32 to 512 rows); the select launched so too was slower below 256 x 128K (its programs,
-    resident early, crowd the filter's), so it is not
-    (``benchmarks/results/topk_pdl_2026-12-01.json``)."""
+    ``pdl`` (two and three launches, on sm_90 or later): the second launch (two) or the filter
+    (three) launched as the estimate's programmatic dependent (``launch_pdl``), so that it
+    starts while the estimate ends, its programs waiting for the thresholds: three launches
+    1.0-1.4 us less at every shape measured (8K to 128K keys, 32 to 512 rows); the select
+    launched so too was slower below 256 x 128K (its programs, resident early, crowd the
+    filter's), so it is not (``benchmarks/results/topk_pdl_2026-12-01.json``); two launches
+    about 1 us less at 128 x 128K and 2048 x 32K."""
     route: str = "auto"
     fused_block: int = 4096
     fused_stages: int = 3
@@ -137,6 +149,8 @@ class TopkPlan:
     fused_min_parts: int = 2
     fused_part_lists: bool = True
     two_chunk: int = 32768
+    two_warps: int = 4
+    many_rows_per_sm: int = 2
     block: int = 256
     stages: int = 3
     filter_warps: int = 1  # one warp a program: no barriers in a block's chain of reductions
@@ -151,12 +165,13 @@ class TopkPlan:
     sample_runs: int = 1024
     sample_run: int = 8
     estimate_warps: int = 8
-    # three launches: the filter launched as the estimate's programmatic dependent (sm_90+)
+    # two and three launches: the second launch or the filter launched as the estimate's
+    # programmatic dependent (sm_90+)
     pdl: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block", "filter_warps", "select_tile", "select_warps", "sample_runs",
-                     "sample_run", "estimate_warps", "fused_block", "fused_warps"):
+                     "sample_run", "estimate_warps", "fused_block", "fused_warps", "two_warps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
@@ -188,18 +203,21 @@ class TopkPlan:
             raise ValueError(f"TopkPlan.fused_block must be at least 32 (a bitmask word), got "
                              f"{self.fused_block!r}")
         for name in ("stages", "programs_per_sm", "fused_stages", "fused_parts",
-                     "fused_min_parts", "two_chunk"):
+                     "fused_min_parts", "two_chunk", "many_rows_per_sm"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"TopkPlan.{name} must be an int >= 1, got {v!r}")
 
     def route_for(self, R: int, W: int, device: torch.device) -> str:
         """The route a call of ``R`` rows of ``W`` keys takes: ``route``, or for ``"auto"``
-        two launches where a row fits one part of them (``CANDIDATES < W <= two_chunk``) and
-        the rows are more than half the SMs, else one launch."""
+        two launches for rows longer than the list where they fit one part of them
+        (``W <= two_chunk``) and are more than half the SMs, or where they are many (more
+        than ``many_rows_per_sm`` a SM); else one launch."""
         if self.route != "auto":
             return self.route
-        if CANDIDATES < W <= self.two_chunk and R > num_sms(device) // 2:
+        sms = num_sms(device)
+        if W > CANDIDATES and ((W <= self.two_chunk and R > sms // 2)
+                               or R > self.many_rows_per_sm * sms):
             return "two"
         return "one"
 
@@ -349,15 +367,16 @@ def _two_launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     parts = triton.cdiv(max(W, 1), chunk)
     s_w_r = triton.cdiv(W, block) * block // 32 if W > CANDIDATES else 1
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
+    many = R > plan.many_rows_per_sm * num_sms(logits.device)
+    warps = plan.two_warps if many else plan.fused_warps
     cap_regs, tile = _capped(plan, R * parts, logits.device)
     if not cap_regs and not interpreting():
-        cap_regs = uncapped(plan.fused_warps)
+        cap_regs = uncapped(warps)
     args = (logits, row_starts, row_ends, work, words, out, W, topk, logits.stride(0),
             out.stride(0), s_w_r, chunk, CANDIDATES, SMALL, min(tile, 1024), plan.select_bits,
             block, plan.fused_stages, min(1024, next_pow2(topk)), WORD_TILE, bool(pdl))
-    key = (key, chunk, ptr_spec(words), *cap_regs.items())
-    return lambda: _mark_select(key, (parts, R, 1), args, num_warps=plan.fused_warps, **pdl,
-                                **cap_regs)
+    key = (key, chunk, warps, ptr_spec(words), *cap_regs.items())
+    return lambda: _mark_select(key, (parts, R, 1), args, num_warps=warps, **pdl, **cap_regs)
 
 
 def fused_parts(plan: TopkPlan, R: int, W: int, device: torch.device) -> tuple[int, int]:

@@ -31,12 +31,14 @@ def main():
     outdir = sys.argv[1]
     ceil = ceilings(); copy = ceil["copy_TBps"]
     log(f"copy {copy:.2f}")
-    plans = {"one": TopkPlan(), "three": TopkPlan(route="three"),
-             "two16k": TopkPlan(route="two"), "two8k": TopkPlan(route="two", two_chunk=8192),
-             "two32k": TopkPlan(route="two", two_chunk=32768), "two64k": TopkPlan(route="two", two_chunk=65536),
-             "two16k_w4": TopkPlan(route="two", fused_warps=4), "two16k_nopdl": TopkPlan(route="two", pdl=False)}
-    shapes = [(128, 131072), (256, 131072), (1024, 131072), (512, 131072), (32, 131072), (1, 131072),
-              (128, 32768), (256, 32768), (2048, 32768)]
+    w4 = dict(route="two", fused_warps=4)
+    plans = {"one": TopkPlan(route="one"), "two_w4": TopkPlan(**w4),
+             "w4_c64k": TopkPlan(**w4, two_chunk=65536), "w4_c128k": TopkPlan(**w4, two_chunk=131072),
+             "w4_c16k": TopkPlan(**w4, two_chunk=16384), "w4_s4": TopkPlan(**w4, fused_stages=4),
+             "w4_s2": TopkPlan(**w4, fused_stages=2), "w4_b2048": TopkPlan(**w4, fused_block=2048),
+             "w4_r96": TopkPlan(**w4, select_maxnreg=96), "w4_r168": TopkPlan(**w4, select_maxnreg=168),
+             "w2": TopkPlan(route="two", fused_warps=2), "w4_est4": TopkPlan(**w4, estimate_warps=4)}
+    shapes = [(1024, 131072), (512, 131072), (2048, 32768)]
     rows = []
     for R, W in shapes:
         torch.manual_seed(R + W)
@@ -56,6 +58,6 @@ def main():
             log(json.dumps(r))
         del x
         torch.cuda.empty_cache()
-    json.dump({"environment": environment(), "ceilings": ceil, "rows": rows}, open(os.path.join(outdir, "exp5.json"), "w"), indent=1)
+    json.dump({"environment": environment(), "ceilings": ceil, "rows": rows}, open(os.path.join(outdir, "exp7.json"), "w"), indent=1)
 
 main()
