@@ -39,11 +39,8 @@ def ceilings() -> dict[str, float]:
             "matmul_TFLOPs": 2 * 8192 ** 3 / (t_mm * 1e-3) / 1e12}
 
 
-def time_graph(fn, reps: int = 50, read_flush: bool = False) -> float:
-    """Median ms of graph replays of ``fn``, L2 flushed (outside the timing) before each: by
-    writing 256 MB, or (``read_flush``) by reading them, which leaves no dirty lines in the L2
-    for the timed kernel's reads to write back (~50 MB of them on the H200)."""
-    flush = torch.ones(256 << 20, dtype=torch.int8, device="cuda")
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` run once on a side stream (compiles, allocates), then captured in a CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -52,6 +49,15 @@ def time_graph(fn, reps: int = 50, read_flush: bool = False) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def time_replays(g: torch.cuda.CUDAGraph, reps: int = 50, read_flush: bool = False) -> float:
+    """Median ms of ``reps`` replays of ``g`` (five more first, dropped), L2 flushed (outside
+    the timing) before each: by writing 256 MB, or (``read_flush``) by reading them, which
+    leaves no dirty lines in the L2 for the timed kernel's reads to write back (~50 MB of them
+    on the H200)."""
+    flush = torch.ones(256 << 20, dtype=torch.int8, device="cuda")
     times = []
     for _ in range(reps + 5):
         if read_flush:
@@ -65,6 +71,11 @@ def time_graph(fn, reps: int = 50, read_flush: bool = False) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times[5:])
+
+
+def time_graph(fn, reps: int = 50, read_flush: bool = False) -> float:
+    """Median ms of graph replays of ``fn`` (``capture``, ``time_replays``)."""
+    return time_replays(capture(fn), reps, read_flush)
 
 
 def report_heading(title: str, res: dict) -> list[str]:

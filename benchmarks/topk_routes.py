@@ -20,7 +20,7 @@ import statistics
 
 import torch
 
-from benchmarks.common import ceilings, log
+from benchmarks.common import capture, ceilings, log, time_replays
 from benchmarks.topk_sweep import TOPK, _full, _pct, _run
 from mla.environment import environment
 from mla.fast.topk import CANDIDATES, TopkPlan, launches, survivors
@@ -37,29 +37,12 @@ def replayed(x: torch.Tensor, st: torch.Tensor, en: torch.Tensor, plan: TopkPlan
     everywhere) and the scratch."""
     out = torch.empty(x.shape[0], TOPK, dtype=torch.int32, device="cuda")
     work, steps = launches(x, st, en, out, TOPK, plan)
-    fn = functools.partial(_run, steps)
-    flush = torch.ones(256 << 20, dtype=torch.int8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps + 5):
-        flush.sum(dtype=torch.int64)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    g = capture(functools.partial(_run, steps))
+    ms = time_replays(g, reps, read_flush=True)
     out.fill_(-7)
     g.replay()
     torch.cuda.synchronize()
-    return statistics.median(times[5:]), out, work
+    return ms, out, work
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ import torch
 import triton.testing
 
 import mla.reference as ref
-from benchmarks.common import ceilings, log, time_graph
+from benchmarks.common import capture, ceilings, log, time_graph, time_replays
 from mla.conformance.cases.indexer import as_sets
 from mla.environment import environment
 from mla.fast import topk as fast_topk
@@ -188,9 +188,17 @@ def _run(steps) -> None:
 
 
 def _graph_ms(x, st, en, plan: TopkPlan, reps: int = 30) -> float:
+    """Median ms of graph replays of the launches; raises if a replay after the timing does not
+    write the set the first run wrote (a launch that works only once would time less)."""
     out = torch.empty(x.shape[0], TOPK, dtype=torch.int32, device="cuda")
-    return time_graph(functools.partial(_run, launches(x, st, en, out, TOPK, plan)[1]),
-                      reps=reps, read_flush=True)
+    g = capture(functools.partial(_run, launches(x, st, en, out, TOPK, plan)[1]))
+    first = as_sets(out)
+    ms = time_replays(g, reps=reps, read_flush=True)
+    out.fill_(-7)
+    g.replay()
+    if not torch.equal(as_sets(out), first):
+        raise RuntimeError(f"{plan}: a replay of the launches wrote another set than the first run")
+    return ms
 
 
 def _split_times(x, st, en, plan: TopkPlan, reps: int = 30) -> dict:
