@@ -40,7 +40,9 @@ def ceilings() -> dict[str, float]:
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:
-    """``fn`` run once on a side stream (compiles, allocates), then captured in a CUDA graph."""
+    """``fn`` run once on a side stream (compiles, allocates), then captured in a CUDA graph.
+    The graph holds addresses, not tensors: the caller keeps what ``fn`` launches on (its
+    scratch included) alive while it replays, or the replays use freed memory."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
