@@ -13,36 +13,21 @@ float32 rows, k = 2048, the copy bandwidth measured in the same run. Writes
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
 
 import torch
 
-from benchmarks.common import capture, ceilings, log, time_replays
-from benchmarks.topk_sweep import TOPK, _full, _pct, _run
+from benchmarks.common import ceilings, log
+from benchmarks.topk_sweep import TOPK, _full, _pct, replayed
 from mla.environment import environment
-from mla.fast.topk import CANDIDATES, TopkPlan, launches, survivors
+from mla.fast.topk import CANDIDATES, TopkPlan, survivors
 
 PLANS = {"auto": TopkPlan(), "one": TopkPlan(route="one"), "two": TopkPlan(route="two"),
          "three": TopkPlan(route="three")}
 SHAPES = [(1, 131072), (32, 131072), (128, 131072), (256, 131072), (512, 131072),
           (1024, 131072), (128, 32768), (256, 32768), (2048, 32768), (128, 8192), (256, 8192)]
-
-
-def replayed(x: torch.Tensor, st: torch.Tensor, en: torch.Tensor, plan: TopkPlan,
-             reps: int = 20) -> tuple[float, torch.Tensor, torch.Tensor]:
-    """Median ms of ``reps`` graph replays, then ``out`` of one more replay (after ``-7``
-    everywhere) and the scratch."""
-    out = torch.empty(x.shape[0], TOPK, dtype=torch.int32, device="cuda")
-    work, steps = launches(x, st, en, out, TOPK, plan)
-    g = capture(functools.partial(_run, steps))
-    ms = time_replays(g, reps, read_flush=True)
-    out.fill_(-7)
-    g.replay()
-    torch.cuda.synchronize()
-    return ms, out, work
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         st, en = _full(R, W)
         want = torch.topk(x, TOPK, dim=1).indices.sort(dim=1).values
         for name, plan in PLANS.items():
-            runs = [replayed(x, st, en, plan) for _ in range(3)]
+            runs = [replayed(x, st, en, plan, reps=20) for _ in range(3)]
             ms = statistics.median(r[0] for r in runs)
-            out, work = runs[-1][1], runs[-1][2]
+            out, work = runs[-1][2], runs[-1][3]
             # (rows no longer than the list are selected whole: no survivors)
             surv = survivors(work).float() if W > CANDIDATES else torch.full((1,), float("nan"))
             row = {"R": R, "L": W, "plan": name, "us": ms * 1e3,

@@ -187,16 +187,26 @@ def _run(steps) -> None:
         s()
 
 
-def _graph_ms(x, st, en, plan: TopkPlan, reps: int = 30) -> float:
-    """Median ms of graph replays of the launches; raises if a replay after the timing does not
-    write the set the first run wrote (a launch that works only once would time less)."""
+def replayed(x: torch.Tensor, st: torch.Tensor, en: torch.Tensor, plan: TopkPlan,
+             reps: int = 30) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launches captured in a CUDA graph: median ms of ``reps`` replays (L2 flushed by a
+    read), the first run's sets (``as_sets``), ``out`` of one more replay after ``-7``
+    everywhere (a launch that works only once leaves it so), and the scratch."""
     out = torch.empty(x.shape[0], TOPK, dtype=torch.int32, device="cuda")
-    steps = launches(x, st, en, out, TOPK, plan)[1]  # kept: the launches' scratch lives on
+    work, steps = launches(x, st, en, out, TOPK, plan)  # kept: the scratch lives on
     g = capture(functools.partial(_run, steps))
     first = as_sets(out)
     ms = time_replays(g, reps=reps, read_flush=True)
     out.fill_(-7)
     g.replay()
+    torch.cuda.synchronize()
+    return ms, first, out, work
+
+
+def _graph_ms(x, st, en, plan: TopkPlan, reps: int = 30) -> float:
+    """``replayed``'s time; raises if the replay after the timing wrote another set than the
+    first run (a launch that works only once would time less)."""
+    ms, first, out, _work = replayed(x, st, en, plan, reps)
     if not torch.equal(as_sets(out), first):
         raise RuntimeError(f"{plan}: a replay of the launches wrote another set than the first run")
     return ms
