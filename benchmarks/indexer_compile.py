@@ -86,7 +86,8 @@ def ragged(plan: indexer_logits.LogitsPlan = indexer_logits.RAGGED_PLAN):
 
 def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     plan, cap = topk.TopkPlan(), topk.CANDIDATES
-    ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", words="i32", out="i32")
+    ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", words="i32", ready="i32",
+                out="i32")
     ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, s_w_r=2 * _KEYS // 32,
                 chunk=32768)
     select = dict(CAP=cap, SMALL=topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
@@ -94,7 +95,8 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     launches = {
         topk._estimate_kernel: (dict(CAP=cap, RUN=plan.sample_run,
                                      SAMPLE_RUNS=plan.sample_runs, SMALL=topk.SMALL,
-                                     OVERSAMPLE=float(plan.oversample), PDL=plan.pdl),
+                                     OVERSAMPLE=float(plan.oversample), PDL=plan.pdl,
+                                     READY=False),
                                 plan.estimate_warps),
         topk._mask_kernel: (dict(CAP=cap, SMALL=topk.SMALL, BLOCK=plan.block,
                                  STAGES=plan.stages, PDL=plan.pdl), plan.filter_warps),

@@ -360,7 +360,7 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
     from mla.fast.topk_fused import _fused_kernel, _mark_select_kernel
 
     ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
-    ptrs.update(words="i32", sync="i32")
+    ptrs.update(words="i32", sync="i32", ready="i32")
     ints = dict(W=_KEYS, topk=TOPK, s_l_r=_KEYS, s_o_r=TOPK, s_w_r=_KEYS // 32, chunk=_KEYS)
     found = {}
     for plan in plans:
@@ -376,7 +376,7 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                          **fast_topk.uncapped(plan.fused_warps)))
         const = dict(CAP=CANDIDATES, SMALL=fast_topk.SMALL, TILE=min(plan.select_tile, 1024),
                      BITS=plan.select_bits, BLOCK=plan.fused_block, STAGES=plan.fused_stages,
-                     OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE, PDL=plan.pdl)
+                     OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
         for warps in (plan.fused_warps, plan.two_warps):  # fewer rows, many rows
             found[_changed(plan) + f" two launches, {warps} warps"] = facts(
                 _compile(_mark_select_kernel, const, ptrs, dict(ints, chunk=plan.two_chunk),

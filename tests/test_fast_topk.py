@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import mla.reference as ref
 from mla.conformance.cases.indexer import as_sets
@@ -30,6 +32,7 @@ from mla.fast.topk import (
     survivors,
     top_k_per_row,
 )
+from mla.fast.topk_kernels import _key_floor
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LONG = CANDIDATES + 3000  # a row longer than the candidate list: estimated, then filtered
@@ -115,7 +118,7 @@ def test_topk_paths(route):
     logits, st, en = _full(torch.randn(4, LONG, generator=_gen(30)))
     en[0] = CANDIDATES
     logits[2] = 0.5
-    sampled = sample_columns(LONG)
+    sampled = sample_columns(LONG, TopkPlan().sample_runs_for(LONG, 2048))
     logits[3, sampled] = 100.0 + torch.rand(len(sampled), generator=_gen(31))
     plan = ROUTES[route]
     assert _paths(logits, st, en, 2048, plan) == ["direct", "listed", "scanned", "scanned"]
@@ -128,9 +131,10 @@ def test_topk_samples_where_the_plan_says(route):
     ``sample_columns`` names: the row whose columns there hold its highest values is scanned
     (too few keys reach the threshold), under the default layout it is listed."""
     logits, st, en = _full(torch.randn(2, LONG, generator=_gen(32)))
+    plan = dataclasses.replace(ROUTES[route], sample_runs=256, sample_run=32, sample_rank=1000)
+    assert plan.sample_runs_for(LONG, 2048) == 256
     planted = sample_columns(LONG, 256, 32)
     logits[1, planted] = 100.0 + torch.rand(len(planted), generator=_gen(33))
-    plan = dataclasses.replace(ROUTES[route], sample_runs=256, sample_run=32)
     assert _paths(logits, st, en, 2048, plan) == ["listed", "scanned"]
     _check(logits, st, en, 2048, plan)
     assert _paths(logits, st, en, 2048, ROUTES[route]) == ["listed", "listed"]
@@ -347,6 +351,24 @@ def test_topk_route_for():
         assert TopkPlan(route=route).route_for(1, 131072, dev) == route
 
 
+def test_topk_sample_runs_for():
+    """The estimate samples ``sample_rank * W / topk`` keys, rounded up to whole runs and a
+    power of two of them, from 2 to ``sample_runs``."""
+    plan = TopkPlan()
+    assert plan.sample_runs_for(131072, 2048) == 1024  # 8192 keys: the k-th at rank ~128
+    assert plan.sample_runs_for(32768, 2048) == 256
+    assert plan.sample_runs_for(32769, 2048) == 512  # rounded up
+    assert plan.sample_runs_for(LONG, 2048) == 128
+    assert plan.sample_runs_for(131072, 16) == 1024  # capped at sample_runs
+    assert plan.sample_runs_for(16384, 8192) == 32
+    assert plan.sample_runs_for(16, 2048) == 2  # at least two runs
+    assert TopkPlan(sample_runs=64).sample_runs_for(131072, 2048) == 64
+    assert TopkPlan(sample_rank=256).sample_runs_for(32768, 2048) == 512
+    assert TopkPlan(sample_runs=256, sample_run=32).sample_runs_for(32768, 2048) == 64
+    with pytest.raises(ValueError, match="TopkPlan.sample_rank"):
+        TopkPlan(sample_rank=0)
+
+
 def test_topk_a_broken_twin_fails():
     """The set comparison bites: ties broken toward the higher index differ."""
     logits, st, en = _rows(_gen(22), [0], [500], 500, ties=True)
@@ -401,6 +423,40 @@ def test_topk_empty_and_bad_input():
     # unvalidated, a range past the row is clipped to it
     got = top_k_per_row(logits.nan_to_num(-1.0), st, en + 5, 20, validate=False).cpu()
     assert sorted(got[0][got[0] >= 0].tolist()) == list(range(10))
+
+
+@triton.jit
+def _floor_marks_kernel(t_ptr, x_ptr, out_ptr, T: tl.constexpr, X: tl.constexpr):
+    t = tl.load(t_ptr + tl.arange(0, T))
+    x = tl.load(x_ptr + tl.arange(0, X))
+    f = _key_floor(t)[:, None]
+    marks = (x[None, :] >= f) | (x[None, :] != x[None, :])
+    tl.store(out_ptr + tl.arange(0, T)[:, None] * X + tl.arange(0, X)[None, :],
+             marks.to(tl.int8))
+
+
+def test_topk_float_threshold_is_the_key_threshold():
+    """The streaming read compares floats with ``_key_floor(t)``: for every key threshold
+    ``t`` (those of the special values and their neighbours, past ``+inf`` and below
+    ``-inf``, random ones) and every float (both zeros, denormals, infinities, NaN, random),
+    ``x >= f`` or NaN exactly where the key of ``x`` (the reference's order: ``-0`` as ``+0``,
+    NaN above all) reaches ``t``. On a GPU the compare runs compiled (denormals not flushed)."""
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.17e-38, -1.17e-38, 1.0, -1.0,
+                            float("inf"), float("-inf"), float("nan"), 3.4e38, -3.4e38])
+    x = torch.cat([special, torch.randn(128 - len(special), generator=_gen(5)) * 10])
+    bits = x.view(torch.int32)
+    bits = torch.where(bits == -2147483648, 0, bits)
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    keys = torch.where(x.isnan(), 0x7FFFFFFF, keys).long()
+    edges = torch.tensor([-2139095041 - 1, -2139095041, -2139095040, -2147483648, -2, -1, 0, 1,
+                          2139095040, 2139095041, 2147483647])
+    t = torch.cat([edges, keys[:40] - 1, keys[:40], keys[:40] + 1,
+                   torch.randint(-2 ** 31, 2 ** 31, (256 - 11 - 120,), generator=_gen(6))])
+    t = t.clamp(-2 ** 31, 2 ** 31 - 1).to(torch.int32)
+    out = torch.empty(256, 128, dtype=torch.int8, device=DEVICE)
+    _floor_marks_kernel[(1,)](t.to(DEVICE), x.to(DEVICE), out, 256, 128)
+    want = keys[None, :] >= t.long()[:, None]
+    assert torch.equal(out.cpu().bool(), want)
 
 
 def test_one_launch_kernel_compiles_for_sm90():

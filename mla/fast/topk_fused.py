@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from mla.fast.topk_kernels import (
     _chunk_range,
@@ -23,6 +22,7 @@ from mla.fast.topk_kernels import (
     _row_range,
     _select_row,
     _threshold,
+    _wait_ready,
     _work_row,
 )
 
@@ -81,27 +81,29 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
 
 
 @triton.jit
-def _mark_select_kernel(logits, starts, ends, work, words, out, W, topk, s_l_r, s_o_r, s_w_r,
-                        chunk, CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
-                        BITS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                        OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr,
-                        PDL: tl.constexpr):
+def _mark_select_kernel(logits, starts, ends, work, words, ready, out, W, topk, s_l_r, s_o_r,
+                        s_w_r, chunk, CAP: tl.constexpr, SMALL: tl.constexpr,
+                        TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                        STAGES: tl.constexpr, OUT_BLOCK: tl.constexpr,
+                        WORD_TILE: tl.constexpr):
     """Two launches' second, after the estimate (``_estimate_kernel``: the thresholds, the
     counts zeroed): programs ``(part, row)``, the parts of a row next to each other in the
     grid, so that rows finish one after another and a row's select overlaps the later rows'
     reads. Each part of a row longer than ``CAP`` marks its ``chunk`` (``_mask_chunk``),
     lists its share (``_list_part``) and arrives; the last selects (``_select_row``). A
-    shorter row is selected whole by its part 0. ``PDL``: launched as the estimate's
-    programmatic dependent, a program waits for the thresholds."""
+    shorter row is selected whole by its part 0. The row's programs wait for its estimate
+    alone (its flag ``ready[row]``, set by the estimate, cleared by the selecting program), so
+    that, launched as the estimate's programmatic dependent, the first rows mark while later
+    rows are estimated (H200: 255 against 265 us at 1024 x 128K, 145 against 153 at 512)."""
     part = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
-    if PDL:
-        gdc_wait()
     src = logits + row * s_l_r
     bits = words + row * s_w_r
     list_keys, list_cols, _few, thresh, count = _work_row(work, row, CAP, SMALL)
     selects = part == 0
+    if (n > CAP) | selects:
+        _wait_ready(ready + row)  # the row's threshold and zeroed counts
     if n > CAP:
         _first, lo, hi = _chunk_range(start, end, part, chunk, BLOCK)
         if lo < hi:  # (a part past a short row's end has nothing to mark)
@@ -117,3 +119,4 @@ def _mark_select_kernel(logits, starts, ends, work, words, out, W, topk, s_l_r, 
     if selects:
         _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r, count, CAP,
                     SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE, True)
+        tl.store(ready + row, 0)  # for the next launch (every part of the row is past it)

@@ -196,12 +196,15 @@ def _threshold(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
 
 
 @triton.jit
-def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.constexpr,
-                     CAP: tl.constexpr, SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr,
-                     SMALL: tl.constexpr, PDL: tl.constexpr):
+def _estimate_kernel(logits, starts, ends, work, ready, W, topk, s_l_r,
+                     OVERSAMPLE: tl.constexpr, CAP: tl.constexpr, SAMPLE_RUNS: tl.constexpr,
+                     RUN: tl.constexpr, SMALL: tl.constexpr, PDL: tl.constexpr,
+                     READY: tl.constexpr):
     """Per row its threshold (``_threshold``) and its survivor count zeroed. Rows of no more
-    than ``CAP`` keys need no threshold. ``PDL``: the filter, launched as its programmatic
-    dependent, may start now (its programs wait for this kernel's results)."""
+    than ``CAP`` keys need no threshold. ``PDL``: the next launch, its programmatic
+    dependent, may start now (its programs wait for this kernel's results). ``READY``: then
+    the row's flag ``ready[row]`` set to 1 (release), for the programs that wait for this row
+    alone (``_wait_ready``)."""
     if PDL:
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
@@ -212,6 +215,18 @@ def _estimate_kernel(logits, starts, ends, work, W, topk, s_l_r, OVERSAMPLE: tl.
         t = _threshold(logits + row * s_l_r + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS,
                        RUN)
         tl.store(thresh, t)
+    if READY:
+        tl.debug_barrier()  # every thread's stores before the flag
+        tl.atomic_xchg(ready + row, 1, sem="release")
+
+
+@triton.jit
+def _wait_ready(flag):
+    """Spin until the estimate has set ``flag`` (acquire: its row's threshold and zeroed
+    counts are then visible). Safe only where every estimate program has started (a
+    programmatic dependent launches after all of them trigger) or ended (stream order)."""
+    while tl.atomic_add(flag, 0, sem="acquire") == 0:
+        pass
 
 
 @triton.jit
@@ -243,26 +258,60 @@ def _chunk_range(start, end, c, chunk, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _key_floor(t):
+    """The float32 ``f`` that the key threshold ``t`` is on the floats: a number's key
+    reaches ``t`` exactly where it is ``>= f`` (``-0`` and ``+0`` compare equal, as their keys
+    are; a ``t`` past ``+inf``'s key gives a NaN ``f``, which no number reaches; below
+    ``-inf``'s, ``-inf``, which all do). A NaN's key reaches every ``t``."""
+    f = tl.where(t < 0, t ^ 0x7FFFFFFF, t).to(tl.float32, bitcast=True)
+    return tl.where(t <= -2139095041, float("-inf"), f)  # -2139095041: -inf's key
+
+
+@triton.jit
+def _mark_block(src, dst, c0, f, first, hi, W, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    """Block ``c0`` of a row (``src``: its column 0): a bit a key, set where the key reaches
+    the threshold (the float ``f``: ``_key_floor``), stored as ``BLOCK / 32`` int32 words at
+    word ``c0 / 32`` of ``dst``; ``MASKED``: only columns in ``[first, hi)`` (a block at a
+    chunk's ends), else the whole block is in it. Returns the bits set a thread holds."""
+    cols = tl.multiple_of(c0, BLOCK) + tl.arange(0, BLOCK)
+    if MASKED:
+        # masked at the row's width, not the range's end: whole 16-byte vectors (the
+        # neighbours loaded are never kept)
+        x = tl.load(src + cols, mask=cols < W, other=0.0)
+        keep = ((x >= f) | (x != x)) & (cols >= first) & (cols < hi)
+    else:
+        x = tl.load(src + cols)
+        keep = (x >= f) | (x != x)
+    keep = tl.reshape(keep.to(tl.int32), (BLOCK // 32, 32))
+    tl.store(dst + c0 // 32 + tl.arange(0, BLOCK // 32),
+             tl.sum(keep << tl.arange(0, 32)[None, :], axis=1))
+    return keep
+
+
+@triton.jit
 def _mask_chunk(src, dst, start, end, c, chunk, t, W, BLOCK: tl.constexpr,
                 STAGES: tl.constexpr):
     """One streaming read: chunk ``c`` of a row (``src``: its column 0; ``_chunk_range``)
     records a bit a key, set where the key reaches ``t``, as int32 words (bit ``b`` of word
-    ``w``: column ``32 w + b``; zero outside ``[start, end)``). No scan, no atomic, no branch:
-    a block's keys become ``BLOCK / 32`` stored words, and the loads stay in flight
-    (``STAGES``). Returns the count of bits set (each thread counts its own keys; one sum at
-    the end)."""
+    ``w``: column ``32 w + b``; zero outside ``[start, end)``). No scan, no atomic, no branch
+    in the loop: a block's keys, compared as floats (``_key_floor``), become ``BLOCK / 32``
+    stored words, and the loads stay in flight (``STAGES``); only the chunk's first and last
+    blocks, where they pass its range, are masked. Returns the count of bits set (each thread
+    counts its own keys; one sum at the end)."""
     first, lo, hi = _chunk_range(start, end, c, chunk, BLOCK)
+    f = _key_floor(t)
     kept = tl.zeros((BLOCK // 32, 32), tl.int32)
-    for c0 in tl.range(lo, hi, BLOCK, num_stages=STAGES):
-        cols = tl.multiple_of(c0, BLOCK) + tl.arange(0, BLOCK)
-        # masked at the row's width, not the range's end: whole 16-byte vectors (the
-        # neighbours loaded are never kept)
-        x = tl.load(src + cols, mask=cols < W, other=0.0)
-        keep = tl.reshape(((cols >= first) & (cols < hi) & (_order_keys(x) >= t)).to(tl.int32),
-                          (BLOCK // 32, 32))
-        kept += keep
-        bits = keep << tl.arange(0, 32)[None, :]
-        tl.store(dst + c0 // 32 + tl.arange(0, BLOCK // 32), tl.sum(bits, axis=1))
+    blocks = tl.maximum(hi - lo + BLOCK - 1, 0) // BLOCK
+    head = (lo < first) & (blocks > 0)  # the row's first block begins before its start
+    tail = ((hi - lo) % BLOCK != 0) & (blocks > head.to(tl.int32))  # a partial last block
+    if head:
+        kept += _mark_block(src, dst, lo, f, first, hi, W, BLOCK, True)
+    inner_lo = lo + head.to(tl.int32) * BLOCK
+    inner_hi = lo + (blocks - tail.to(tl.int32)) * BLOCK
+    for c0 in tl.range(inner_lo, inner_hi, BLOCK, num_stages=STAGES):
+        kept += _mark_block(src, dst, c0, f, first, hi, W, BLOCK, False)
+    if tail:
+        kept += _mark_block(src, dst, lo + (blocks - 1) * BLOCK, f, first, hi, W, BLOCK, True)
     return tl.sum(tl.sum(kept, axis=1), axis=0)
 
 
