@@ -358,9 +358,7 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     # per row the parts arrived and the list's places taken (``_fused_kernel``; zeroed again
     # by the kernel, so that the launch can be repeated)
     sync = torch.zeros(R, 2, dtype=torch.int32, device=logits.device) if parts > 1 else words
-    cap_regs, tile = _capped(plan, R * parts, logits.device)
-    if not cap_regs and not interpreting():
-        cap_regs = uncapped(plan.fused_warps)
+    cap_regs, tile = _capped(plan, R * parts, logits.device, plan.fused_warps)
     tile = min(tile, 1024)  # a tile of 2048 spills in this kernel (ptxas allots 128 registers)
     args = (logits, row_starts, row_ends, work, words, sync, out, W, topk, logits.stride(0),
             out.stride(0), s_w_r, chunk, float(plan.oversample),
@@ -385,9 +383,7 @@ def _two_launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
     many = R > plan.many_rows_per_sm * num_sms(logits.device)
     warps = plan.two_warps if many else plan.fused_warps
-    cap_regs, tile = _capped(plan, R * parts, logits.device)
-    if not cap_regs and not interpreting():
-        cap_regs = uncapped(warps)
+    cap_regs, tile = _capped(plan, R * parts, logits.device, warps)
     args = (logits, row_starts, row_ends, work, words, ready, out, W, topk, logits.stride(0),
             out.stride(0), s_w_r, chunk, CANDIDATES, SMALL, min(tile, 1024), plan.select_bits,
             block, plan.fused_stages, min(1024, next_pow2(topk)), WORD_TILE)
@@ -409,13 +405,18 @@ def fused_parts(plan: TopkPlan, R: int, W: int, device: torch.device) -> tuple[i
     return triton.cdiv(max(W, 1), chunk), chunk
 
 
-def _capped(plan: TopkPlan, programs: int, device: torch.device) -> tuple[dict, int]:
+def _capped(plan: TopkPlan, programs: int, device: torch.device, warps: int = 0
+            ) -> tuple[dict, int]:
     """The selecting kernels' launch option and tile: where their programs outnumber the SMs
-    (and the plan caps), ``maxnreg`` and tiles of at most 1024 keys (no spill under the cap),
-    else neither. The interpreter takes no compiler option."""
-    if plan.select_maxnreg and not interpreting() and programs > num_sms(device):
+    (and the plan caps), ``maxnreg`` and tiles of at most 1024 keys (no spill under the cap);
+    else, for the one- and two-launch kernels (``warps`` a program), all the registers those
+    warps allow (``uncapped``); for the select of three launches (``warps`` 0), no option.
+    The interpreter takes no compiler option."""
+    if interpreting():
+        return {}, plan.select_tile
+    if plan.select_maxnreg and programs > num_sms(device):
         return {"maxnreg": plan.select_maxnreg}, min(plan.select_tile, 1024)
-    return {}, plan.select_tile
+    return (uncapped(warps) if warps else {}), plan.select_tile
 
 
 def survivors(work: torch.Tensor) -> torch.Tensor:

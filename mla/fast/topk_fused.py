@@ -28,6 +28,31 @@ from mla.fast.topk_kernels import (
 
 
 @triton.jit
+def _mark_share_arrive(src, bits, start, end, part, parts, chunk, t, W, list_keys, list_cols,
+                       fill, arrivals, CAP: tl.constexpr, TILE: tl.constexpr,
+                       BLOCK: tl.constexpr, STAGES: tl.constexpr, SHARE: tl.constexpr,
+                       ARRIVE: tl.constexpr):
+    """Part ``part`` of ``parts`` of a row longer than ``CAP`` (``src``: its column 0; ``bits``:
+    its bitmask): marks its ``chunk`` with the threshold ``t`` (``_mask_chunk``); ``SHARE``:
+    lists its marked keys in the row's list (``_list_part``, places counted in ``fill``);
+    ``ARRIVE``: then arrives by one atomic on ``arrivals``. Returns whether it selects the
+    row: it arrived last (``ARRIVE``), else it is part 0."""
+    _first, lo, hi = _chunk_range(start, end, part, chunk, BLOCK)
+    if lo < hi:  # (a part past a short row's end has nothing to mark)
+        marked = _mask_chunk(src, bits, start, end, part, chunk, t, W, BLOCK, STAGES)
+        tl.debug_barrier()  # the part's words stored by every thread before any reads
+        if SHARE:
+            _list_part(src + start, bits, start, lo, hi, marked, list_keys, list_cols, fill,
+                       CAP, TILE, 2 * TILE)
+            tl.debug_barrier()  # the share stored by every thread before it arrives
+    last = part == 0
+    if ARRIVE:
+        last = tl.atomic_add(arrivals, 1, sem="acq_rel") == parts - 1
+        tl.debug_barrier()  # every thread past the arrival before any reads the list or words
+    return last
+
+
+@triton.jit
 def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, s_o_r, s_w_r,
                   chunk, OVERSAMPLE: tl.constexpr, SAMPLE_RUNS: tl.constexpr,
                   RUN: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
@@ -56,19 +81,14 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
     selects = part == 0
     if n > CAP:
         _first, lo, hi = _chunk_range(start, end, part, chunk, BLOCK)
-        if lo < hi:  # (a part past a short row's end has nothing to mark)
+        t = tl.zeros((), tl.int32)
+        if lo < hi:  # (a part past a short row's end neither estimates nor marks)
             t = _threshold(src + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
-            marked = _mask_chunk(src, bits, start, end, part, chunk, t, W, BLOCK, STAGES)
-            tl.debug_barrier()  # the part's words stored by every thread before any reads
-            if PART_LISTS:
-                list_keys, list_cols, _few, _thresh, _count = _work_row(work, row, CAP, SMALL)
-                _list_part(src + start, bits, start, lo, hi, marked, list_keys, list_cols,
-                           sync + 2 * row + 1, CAP, TILE, 2 * TILE)
-                tl.debug_barrier()  # the share stored by every thread before it arrives
-        if SPLIT:
-            arrived = tl.atomic_add(sync + 2 * row, 1, sem="acq_rel")
-            selects = arrived == tl.num_programs(1) - 1
-            tl.debug_barrier()  # every thread past the arrival before any reads the words
+        list_keys, list_cols, _few, _thresh, _count = _work_row(work, row, CAP, SMALL)
+        selects = _mark_share_arrive(src, bits, start, end, part, tl.num_programs(1), chunk, t,
+                                     W, list_keys, list_cols, sync + 2 * row + 1,
+                                     sync + 2 * row, CAP, TILE, BLOCK, STAGES, PART_LISTS,
+                                     SPLIT)
     if selects:
         _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r,
                     sync + 2 * row + 1, CAP, SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE,
@@ -105,17 +125,9 @@ def _mark_select_kernel(logits, starts, ends, work, words, ready, out, W, topk, 
     if (n > CAP) | selects:
         _wait_ready(ready + row)  # the row's threshold and zeroed counts
     if n > CAP:
-        _first, lo, hi = _chunk_range(start, end, part, chunk, BLOCK)
-        if lo < hi:  # (a part past a short row's end has nothing to mark)
-            marked = _mask_chunk(src, bits, start, end, part, chunk, tl.load(thresh), W,
-                                 BLOCK, STAGES)
-            tl.debug_barrier()  # the part's words stored by every thread before any reads
-            _list_part(src + start, bits, start, lo, hi, marked, list_keys, list_cols, count,
-                       CAP, TILE, 2 * TILE)
-            tl.debug_barrier()  # the share stored by every thread before it arrives
-        arrived = tl.atomic_add(count + 1, 1, sem="acq_rel")
-        selects = arrived == tl.num_programs(0) - 1
-        tl.debug_barrier()  # every thread past the arrival before any reads the list
+        selects = _mark_share_arrive(src, bits, start, end, part, tl.num_programs(0), chunk,
+                                     tl.load(thresh), W, list_keys, list_cols, count, count + 1,
+                                     CAP, TILE, BLOCK, STAGES, True, True)
     if selects:
         _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r, count, CAP,
                     SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE, True)
