@@ -335,18 +335,18 @@ def test_topk_launches_repeated(route):
 
 
 def test_topk_route_for():
-    """``route="auto"``: two launches where a row fits one of their parts and the rows are more
-    than half the SMs (4 under the interpreter, the GPU's count on one) or where the rows are
+    """``route="auto"``: two launches where a row fits one of their parts and the rows
+    outnumber the SMs (4 under the interpreter, the GPU's count on one) or where the rows are
     more than two a SM, else one launch; a route named is taken at every shape."""
     sms = fast_topk.num_sms(torch.device(DEVICE))
     auto, dev = TopkPlan(), torch.device(DEVICE)
-    assert auto.route_for(sms // 2 + 1, 32768, dev) == "two"
-    assert auto.route_for(sms // 2, 32768, dev) == "one"
+    assert auto.route_for(sms + 1, 32768, dev) == "two"
+    assert auto.route_for(sms, 32768, dev) == "one"
     assert auto.route_for(4 * sms, CANDIDATES, dev) == "one"  # held whole: no estimate
     assert auto.route_for(2 * sms, 32769, dev) == "one"  # two parts of the second launch
     assert auto.route_for(2 * sms + 1, 32769, dev) == "two"  # many rows: two launches
     assert TopkPlan(many_rows_per_sm=4).route_for(4 * sms, 131072, dev) == "one"
-    assert TopkPlan(two_chunk=65536).route_for(sms, 65536, dev) == "two"
+    assert TopkPlan(two_chunk=65536).route_for(sms + 1, 65536, dev) == "two"
     for route in ("one", "two", "three"):
         assert TopkPlan(route=route).route_for(1, 131072, dev) == route
 

@@ -17,13 +17,19 @@ instructions a key per thread. ``tl.histogram`` lowers to a warp ballot per bit 
 index and a popcount per bin a thread owns: ~25 instructions a key at 2048 bins, ~3 at 256, so
 a histogram of every key cannot keep up with the memory; a compare can. Three steps:
 
-1. **estimate**: a stratified sample of the row (1024 evenly spaced runs of 8 keys, 8192 in
-   all: short runs, as neighbouring logits may be alike) gives, by bisection, a key that
-   about ``1.2 * topk`` (plus three standard deviations) of the row's keys reach: on random
-   rows of 128K keys, 2750-4000 survivors for ``topk = 2048``.
+1. **estimate**: a stratified sample of the row (evenly spaced runs of 8 keys: short runs,
+   as neighbouring logits may be alike; as many runs as put the ``topk``-th key at about
+   rank 128 of the sample, ``TopkPlan.sample_runs_for``: 1024 runs, 8192 keys, for rows of
+   128K and ``topk = 2048``, 256 runs for 32K) gives, by bisection, a key that about
+   ``1.1 * topk`` (plus three standard deviations) of the row's keys reach: on random rows,
+   about 3000 survivors (at most 3900 seen) for ``topk = 2048``.
 2. **filter**, the one read of the row: a bit a key, set where the key reaches the threshold,
-   stored as 32-bit words (no scan, no atomic, nothing the next block waits for: the read
-   streams at 2.9 TB/s on the H200, where listing the keys as it goes ran at 1.3).
+   stored as 32-bit words (no scan, no atomic, nothing the next block waits for). The keys
+   are compared as floats, with the threshold turned into the float it stands for
+   (``_key_floor``; a NaN always passes), and only a chunk's first and last blocks are
+   masked, so a key costs about eight instructions: on the H200 a program reads its row of
+   128K in 17.5 us (3.8 TB/s over 128 rows), against 21.4 us comparing integer keys, and
+   listing the keys as the read goes ran at 1.3 TB/s.
 3. **select**: the candidate list in one pass over the words (each word's set bits at the
    places after the words before it, by running counts of their popcounts, in column order),
    its keys gathered from the row straight into registers, then the exact ``topk`` best by
@@ -45,9 +51,10 @@ their keys before it arrives, the last to arrive selecting; more rows, a program
 where the rows are few (latency: every row's estimate, read and select in a chain).
 **Two launches** (the estimate a program a row, then ``_mark_select_kernel``: parts of
 ``two_chunk`` keys that mark, list their shares and the last selects, a row's parts next to
-each other in the grid so that rows finish one after another): best for rows of up to 32K
-keys from half the SMs up, and for many rows (more than two a SM, then at 4 warps a program:
-more programs a SM, one's select overlapping the others' reads). **Three launches**
+each other in the grid so that rows finish one after another, each waiting for its own row's
+estimate only): best for rows of up to 32K keys from more rows than SMs, and for many rows
+(more than two a SM, then at 4 warps a program: more programs a SM, one's select overlapping
+the others' reads). **Three launches**
 (``mla.fast.topk_kernels``): estimate and select a program a row, the filter ``R x C``
 one-warp programs; slower at every shape measured, kept as the alternative the tests and
 the benchmark hold the others against.
@@ -107,23 +114,25 @@ class TopkPlan:
 
     Route (``route``: ``"auto"``, ``"one"``, ``"two"``, ``"three"``; ``route_for``). On the
     H200 (k = 2048, random rows, CUDA graphs, L2 flushed,
-    ``benchmarks/results/topk_routes_replayed_2026-12-01.json``), ``"auto"``: 24.5 / 31 / 55
-    / 90 / 156 / 273 us at 1 / 32 / 128 / 256 / 512 / 1024 x 128K (29 / 36 / 43 / 47% of the
-    copy bandwidth from 128 rows); 35.6 / 50.6 / 284 at 128 / 256 / 2048 x 32K (one launch
-    37.8 / 57.9 / 365; three 42.8 / 63.6 / 385).
+    ``benchmarks/results/topk_routes_float_mark_2026-12-01.json``), ``"auto"``: 25.0 / 29.6 /
+    48.3 / 80.4 / 141.1 / 248.0 us at 1 / 32 / 128 / 256 / 512 / 1024 x 128K (33 / 39 / 45 /
+    51% of the copy bandwidth from 128 rows); 31.2 / 42.6 / 245 at 128 / 256 / 2048 x 32K
+    (one launch at 128 rows; at 256 and 2048 one launch 48.2 / 313, three 54.9 / 346).
     One launch: ``fused_block`` keys a step, ``fused_stages`` steps in flight,
     ``fused_warps``; a row longer than ``CANDIDATES``, when the rows are no more than the
     SMs, split over ``max(fused_min_parts, SMs // rows)`` programs (at most ``fused_parts``),
-    the last to arrive selecting (two parts against one: 55 against 57 us at 128 x 128K);
+    the last to arrive selecting (two parts against one: 45.6 against 47.4 us at 128 x 128K,
+    ``benchmarks/topk_timeline.py``);
     ``fused_part_lists``: each part lists its marked keys before it arrives (24.5 against 30
     us at 1 x 128K, 31 against 36.7 at 32 x 128K), else the last lists the whole bitmask.
     Two launches: parts of ``two_chunk`` keys (whole ``fused_block`` steps), ``fused_warps``,
-    or ``two_warps`` where the rows are more than ``many_rows_per_sm`` a SM (4 warps: 273
-    against 306 us at 1024 x 128K, 284 against 295 at 2048 x 32K; at 128 x 32K 8 warps, 35.9
-    against 44.6).
-    Estimate (all routes): ``sample_runs`` runs (2 to 1024) of ``sample_run`` keys (at most
-    ``CANDIDATES`` in all), ``oversample``
-    (the survivors aimed at, in ``topk``, before three standard deviations of the sample's);
+    or ``two_warps`` where the rows are more than ``many_rows_per_sm`` a SM (4 warps against
+    8, oversample 1.2: 255 against 286 us at 1024 x 128K, 282 against 290 at 2048 x 32K).
+    Estimate (all routes): runs of ``sample_run`` keys, as many as put the ``topk``-th key at
+    about rank ``sample_rank`` of the sample (``sample_runs_for``), at most ``sample_runs``
+    (2 to 1024; at most ``CANDIDATES`` keys in all); ``oversample`` (the survivors aimed at,
+    in ``topk``, before three standard deviations of the sample's: 1.1 against 1.2, 248.5
+    against 256.3 us at 1024 x 128K, 48.1 against 49.9 at 128 x 128K);
     ``estimate_warps`` (two and three launches).
     Three launches' streaming read: ``block`` keys a step, ``stages`` steps in flight,
     ``filter_warps``, ``programs_per_sm`` (the grid aims at that many programs per SM: a row is
@@ -139,8 +148,9 @@ class TopkPlan:
     starts while the estimate ends, its programs waiting for the thresholds: three launches
     1.0-1.4 us less at every shape measured (8K to 128K keys, 32 to 512 rows); the select
     launched so too was slower below 256 x 128K (its programs, resident early, crowd the
-    filter's), so it is not (``benchmarks/results/topk_pdl_2026-12-01.json``); two launches
-    about 1 us less at 128 x 128K and 2048 x 32K."""
+    filter's), so it is not (``benchmarks/results/topk_pdl_2026-12-01.json``); two launches:
+    each program waits for its row's estimate alone (a flag a row), so the first rows mark
+    while later rows are still estimated (255 against 265 us at 1024 x 128K)."""
     route: str = "auto"
     fused_block: int = 4096
     fused_stages: int = 3
@@ -221,12 +231,13 @@ class TopkPlan:
     def route_for(self, R: int, W: int, device: torch.device) -> str:
         """The route a call of ``R`` rows of ``W`` keys takes: ``route``, or for ``"auto"``
         two launches for rows longer than the list where they fit one part of them
-        (``W <= two_chunk``) and are more than half the SMs, or where they are many (more
-        than ``many_rows_per_sm`` a SM); else one launch."""
+        (``W <= two_chunk``) and outnumber the SMs (H200, 32K keys: 39.7 against 45.8 us at
+        192 rows; one launch 31.2 against 32.6 at 128, 29.6 against 30.5 at 80), or where
+        they are many (more than ``many_rows_per_sm`` a SM); else one launch."""
         if self.route != "auto":
             return self.route
         sms = num_sms(device)
-        if W > CANDIDATES and ((W <= self.two_chunk and R > sms // 2)
+        if W > CANDIDATES and ((W <= self.two_chunk and R > sms)
                                or R > self.many_rows_per_sm * sms):
             return "two"
         return "one"
