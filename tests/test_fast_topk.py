@@ -459,18 +459,24 @@ def test_topk_float_threshold_is_the_key_threshold():
     assert torch.equal(out.cpu().bool(), want)
 
 
+def _compiled_facts(module: str, *args: str) -> dict:
+    """The JSON a benchmark module prints after compiling for sm_90, run in a child process
+    without the interpreter (which cannot compile for a GPU)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=root,
+                          env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
 def test_one_launch_kernel_compiles_for_sm90():
     """The default one-launch kernel, a row a program and a row split over programs, and the
     two launches' second compile for the H200 without spills (in a child process
     without the interpreter, which cannot compile for a GPU; the three launches' kernels:
     ``tests/test_fast_indexer.py``)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "benchmarks.topk_sweep", "--sm90"], cwd=root,
-                          env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout)
+    found = _compiled_facts("benchmarks.topk_sweep", "--sm90")
     assert len(found) == 4  # a row a program, a row split, two launches at 8 and 4 warps
     for name, f in found.items():
         assert f["stack"] == 0 and f["local"] == 0 and not f["ptx_local"], f"{name} spills: {f}"
@@ -482,12 +488,6 @@ def test_streaming_read_costs_few_instructions_a_key():
     child process without the interpreter): its loop takes at most 16 SASS instructions a
     key a thread. Measured 13.25 under triton 3.6.0 and 12.94 under 3.7.1; comparing integer
     keys, as the read did before its float threshold (``_key_floor``), took 26.3."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "benchmarks.topk_mark_sass"], cwd=root,
-                          env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    facts = json.loads(done.stdout)
+    facts = _compiled_facts("benchmarks.topk_mark_sass")
     assert facts["keys_per_thread"] == 16 and facts["opcodes"].get("LDGSTS", 0) > 0, facts
     assert facts["per_key"] <= 16, f"the read's loop takes {facts['per_key']} a key: {facts}"
