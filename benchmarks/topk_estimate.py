@@ -24,7 +24,8 @@ from benchmarks.common import log, time_graph
 from benchmarks.topk_stream import _keys
 from mla.environment import environment
 from mla.fast.topk import CANDIDATES, TopkPlan
-from mla.fast.topk_kernels import _level, _sample, _threshold
+from mla.fast.topk_kernels import _sample, _threshold
+from mla.fast.topk_search import _level
 
 
 @triton.jit

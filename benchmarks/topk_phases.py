@@ -23,14 +23,8 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer
 
 from mla.fast.topk import CANDIDATES, WORD_TILE, TopkPlan
-from mla.fast.topk_kernels import (
-    _boundary,
-    _inverted,
-    _list_from_mask,
-    _order_keys,
-    _threshold,
-    _unsigned,
-)
+from mla.fast.topk_kernels import _list_from_mask, _order_keys, _threshold
+from mla.fast.topk_search import _boundary, _inverted, _unsigned
 
 PHASES = ["list", "gather", "bisection", "write", "estimate"]
 

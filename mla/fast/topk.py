@@ -20,28 +20,31 @@ a histogram of every key cannot keep up with the memory; a compare can. Three st
 1. **estimate**: a stratified sample of the row (evenly spaced runs of 8 keys: short runs,
    as neighbouring logits may be alike; as many runs as put the ``topk``-th key at about
    rank 128 of the sample, ``TopkPlan.sample_runs_for``: 1024 runs, 8192 keys, for rows of
-   128K and ``topk = 2048``, 256 runs for 32K) gives, by bisection, a key that about
-   ``1.1 * topk`` (plus three standard deviations) of the row's keys reach: on random rows,
-   about 3000 survivors (at most 3900 seen) for ``topk = 2048``.
+   128K and ``topk = 2048``, 256 runs for 32K) gives, by bisection (``_bisect``, stopping
+   anywhere within a slack of the rank), a key that about ``1.1 * topk`` (plus three
+   standard deviations) of the row's keys reach: on random rows, about 3000 survivors (at
+   most 3900 seen) for ``topk = 2048``.
 2. **filter**, the one read of the row: a bit a key, set where the key reaches the threshold,
    stored as 32-bit words (no scan, no atomic, nothing the next block waits for). The keys
    are compared as floats, with the threshold turned into the float it stands for
    (``_key_floor``; a NaN always passes), and only a chunk's first and last blocks are
-   masked, so a key costs about eight instructions: on the H200 a program reads its row of
+   masked, so a key costs about 13 SASS instructions a thread (26 comparing integer keys;
+   ``benchmarks/topk_mark_sass.py`` counts them): on the H200 a program reads its row of
    128K in 17.5 us (3.8 TB/s over 128 rows), against 21.4 us comparing integer keys, and
    listing the keys as the read goes ran at 1.3 TB/s.
 3. **select**: the candidate list in one pass over the words (each word's set bits at the
    places after the words before it, by running counts of their popcounts, in column order),
-   its keys gathered from the row straight into registers, then the exact ``topk`` best by
-   bisection: the boundary key's bits fixed from the top one a step, each step a compare and
-   a block-wide count of every held key (no histogram, no memory), until exactly ``topk``
-   keys reach it; when the boundary key is tied, a second bisection among its equals on the
-   inverted column takes the lowest columns. Up to ``CANDIDATES / 2`` items are held with
-   their columns; a longer list or row keeps only its keys and writes its columns in tiles.
-   A row of no more than ``CANDIDATES`` keys skips 1-2 and is selected whole.
+   its keys gathered from the row straight into registers, then the exact ``topk`` best by a
+   search that narrows a bracket around the boundary key, two interpolated probes a step,
+   each step a compare of every held key with both and one block-wide count (no histogram,
+   no memory; about 7 steps, ``mla.fast.topk_search``), until exactly ``topk`` keys reach
+   it; when the boundary key is tied, a second search among its equals on the inverted
+   column takes the lowest columns. Up to ``CANDIDATES / 2`` items are held with their
+   columns; a longer list or row keeps only its keys and writes its columns in tiles. A row
+   of no more than ``CANDIDATES`` keys skips 1-2 and is selected whole.
    ``benchmarks/topk_phases.py`` times the pieces: on the H200, a program of 128 selecting
-   from ~3300 candidates spends ~6 us on the list, ~5 on the gather, ~6 on the bisection
-   (about 20 steps) and ~2 on the write.
+   from ~3300 candidates spends ~6 us on the list, ~5 on the gather, ~4 on the search and ~2
+   on the write.
 
 Three routes run them (``TopkPlan.route``; ``"auto"`` picks one or two launches by shape,
 ``TopkPlan.route_for``). **One launch** (``mla.fast.topk_fused``): every program of a row
@@ -297,10 +300,12 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
              out: torch.Tensor, topk: int, plan: TopkPlan
              ) -> tuple[torch.Tensor, list[Callable[[], None]]]:
     """The scratch (``[R, work_columns(cap, SMALL)]`` int32, per row: ``_work_row``) and the
-    launches, in order, on checked arguments (``logits`` float32 with unit column stride): one
-    (``plan.one_launch``) or three (estimate, filter, select); ``top_k_per_row`` runs them, the
-    tests read the survivor counts, the benchmarks time each. A launch after the first of its
-    shapes and plan calls the compiled kernel directly (``mla.fast.launch``)."""
+    launches, in order, on checked arguments (``logits`` float32 with unit column stride), by
+    the route ``plan.route_for`` picks: one, two (estimate; mark and select, each row's parts
+    waiting for its flag in ``ready``) or three (estimate, filter, select);
+    ``top_k_per_row`` runs them, the tests read the survivor counts, the benchmarks time each.
+    A launch after the first of its shapes and plan calls the compiled kernel directly
+    (``mla.fast.launch``)."""
     R, W = logits.shape
     cap = CANDIDATES
     work = torch.empty(R, work_columns(cap, SMALL), dtype=torch.int32, device=logits.device)
@@ -317,7 +322,8 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     # two launches: per row a flag the estimate sets and the row's selecting program clears,
     # so that a row's parts wait for its threshold alone (zeroed here, cleared by each launch)
     row_ready = route == "two"
-    ready = torch.zeros(R if row_ready else 1, dtype=torch.int32, device=logits.device)
+    # three launches: no flags (stream order), ``work`` stands in for the unused pointer
+    ready = torch.zeros(R, dtype=torch.int32, device=logits.device) if row_ready else work
     est_args = (*rows, work, ready, W, topk, s_l_r, float(plan.oversample), cap,
                 plan.sample_runs_for(W, topk), plan.sample_run, SMALL, bool(pdl), row_ready)
 

@@ -2,8 +2,9 @@
 
 Keys: a float32's bits ``b`` map to an int32 ``k`` that orders as the floats do (``b`` for a
 positive float, ``b ^ 0x7FFFFFFF`` for a negative one; ``-0`` read as ``+0``, every NaN as
-``2^31 - 1``). Ties go to the lower column. The select of held keys bisects their unsigned
-patterns (``_unsigned``), then, for a tied boundary key, its equals' inverted columns; the scan
+``2^31 - 1``). Ties go to the lower column. The select of held keys searches their unsigned
+patterns (``_unsigned``), then, for a tied boundary key, its equals' inverted columns (the
+searches and the radix levels: ``mla.fast.topk_search``); the scan
 of a whole row (the threshold failed) runs radix levels on the non-negative int64
 ``(k + 2^31) << 31 | (0x7FFFFFFF - column)``, unique per row, so "the ``need`` best" is always
 one exact set, and its digits are plain bit fields.
@@ -14,6 +15,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from mla.fast.topk_search import (
+    _bisect,
+    _boundary,
+    _bucket,
+    _composite,
+    _digits,
+    _fix,
+    _inverted,
+    _level,
+    _place,
+    _unsigned,
+)
 
 WORK_PAD = tl.constexpr(16)  # the threshold and the count, padded: each list 64-byte aligned
 
@@ -55,113 +69,6 @@ def _work_row(work, row, CAP: tl.constexpr, SMALL: tl.constexpr):
     few = (base + 2 * CAP).to(tl.pointer_type(tl.int64))
     tail = base + 2 * CAP + 2 * SMALL
     return base, base + CAP, few, tail, tail + 1
-
-
-@triton.jit
-def _count_max_min(a0, a1, a2, b0, b1, b2):
-    return a0 + b0, tl.maximum(a1, b1), tl.minimum(a2, b2)
-
-
-@triton.jit
-def _bucket(h, need, BINS: tl.constexpr):
-    """The bucket ``d`` of histogram ``h`` that holds the ``need``-th best (from the top), the
-    count strictly above it and in it: one joint reduction of the reverse cumulative counts
-    (those of buckets at or below ``d`` reach ``need``; the largest of the others is the
-    count above ``d``, the smallest of those ``d``'s own plus it)."""
-    at_or_above = tl.cumsum(h, axis=0, reverse=True)
-    reach = at_or_above >= need
-    count, above, at_d = tl.reduce((reach.to(tl.int32), tl.where(reach, 0, at_or_above),
-                                    tl.where(reach, at_or_above, 2147483647)), 0,
-                                   _count_max_min)
-    return count - 1, above, at_d - above
-
-
-@triton.jit
-def _composite(k, col):
-    """``(key, 0x7FFFFFFF - column)`` as one non-negative int64 whose order is the selection's
-    order (unique per row)."""
-    return ((k.to(tl.int64) + 2147483648) << 31) | (0x7FFFFFFF - col.to(tl.int64))
-
-
-@triton.jit
-def _window(c, match, BITS: tl.constexpr):
-    """The level's digit place: the ``BITS`` bits that end at the highest bit in which the
-    matching ``c`` (non-negative) differ, the bits above it being common to all of them. That
-    bit is read off the float64 exponent of ``min ^ max``, which rounding can only raise by
-    one. Also returns the smallest matching ``c`` (its bits above the window are the
-    common ones)."""
-    cmin = tl.min(tl.where(match, c, 9223372036854775807), axis=0)
-    cmax = tl.max(tl.where(match, c, 0), axis=0)
-    return _place(cmin, cmax, BITS), cmin
-
-
-@triton.jit
-def _place(cmin, cmax, BITS: tl.constexpr):
-    x = cmin ^ cmax
-    top = (x.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1023  # -1023 when x == 0
-    return tl.maximum(top + 1 - BITS, 0)
-
-
-@triton.jit
-def _fix(cmin, shift, d, BITS: tl.constexpr):
-    """The boundary's prefix after a level (the bits above the window, digit ``d`` in it) and
-    the mask of the bits fixed so far."""
-    ones = tl.full((), -1, tl.int64)
-    above = tl.where(shift + BITS >= 63, 0, ones << tl.minimum(shift + BITS, 62))
-    return (cmin & above) | (d.to(tl.int64) << shift), ones << shift
-
-
-@triton.jit
-def _digits(c, shift, match, BITS: tl.constexpr):
-    """The histogram of the matching ``c``'s digits at ``shift``."""
-    return tl.histogram((c >> shift).to(tl.int32) & ((1 << BITS) - 1), 1 << BITS, mask=match)
-
-
-@triton.jit
-def _level(c, match, need, BITS: tl.constexpr):
-    """One radix level over the matching ``c``: the boundary's prefix and mask, the keys still
-    needed, the boundary bucket's count (when it equals the keys still needed, the selection
-    is every ``c`` at or above the prefix), and the window's place."""
-    shift, cmin = _window(c, match, BITS)
-    d, above, inside = _bucket(_digits(c, shift, match, BITS), need, 1 << BITS)
-    found, mask = _fix(cmin, shift, d, BITS)
-    return found, mask, need - above, inside, shift
-
-
-@triton.jit
-def _bisect(u, need, slack):
-    """Bisection for the ``need``-th largest of the nonzero ``u`` (uint32; 0 marks an empty
-    place; ``need`` at most their count): the least ``p`` whose bits from the top are fixed
-    one a step, keeping at least ``need`` items at or above it. Starts below the bits all
-    items share (their least and greatest) and stops once at most ``need + slack`` items
-    reach ``p``. Returns ``p`` and how many reach it: exactly ``need`` (with ``slack = 0``)
-    unless the ``need``-th is tied, then ``p`` is its value. No memory: a step is a compare
-    and a count of every held item (about 20 steps on a top-k's candidates; two bits a step,
-    three counts, ran slower on the H200)."""
-    reach = tl.sum((u != 0).to(tl.int32), axis=0)
-    lo = tl.min(tl.where(u != 0, u, 0xFFFFFFFF), axis=0)
-    hi = tl.max(u, axis=0)
-    # the highest bit in which the items differ (-1: all equal), read off the float64
-    # exponent (exact below 2^53); the bits above it are every item's
-    x = (lo ^ hi).to(tl.int64)
-    b = tl.maximum((x.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1023, -1)
-    p = (lo.to(tl.int64) & (-1 << (b + 1))).to(tl.uint32)
-    b = b.to(tl.int32)
-    while (b >= 0) & (reach > need + slack):
-        c = p | (tl.full((), 1, tl.uint32) << b.to(tl.uint32))
-        count = tl.sum((u >= c).to(tl.int32), axis=0)
-        if count >= need:
-            p = c
-            reach = count
-        b -= 1
-    return p, reach
-
-
-@triton.jit
-def _unsigned(k):
-    """int32 keys as uint32 patterns in the same order: never 0 (the least key, ``-inf``'s,
-    is ``0x007FFFFF``), so that 0 can mark an empty place."""
-    return (k ^ -2147483648).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -448,28 +355,6 @@ def _held_keys(src, list_keys, i, items, from_list):
                   mask=live, other=0)
     k = tl.where(from_list, raw, _order_keys(raw.to(tl.float32, bitcast=True)))
     return tl.where(live, _unsigned(k), 0)
-
-
-@triton.jit
-def _inverted(cols):
-    """``0x7FFFFFFF - column`` as uint32: larger for a lower column, never 0 (columns are
-    below ``2^31 - 1``)."""
-    return (0x7FFFFFFF - cols).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _boundary(u, cols, need):
-    """Where the ``need`` best of the held keys ``u`` (``_bisect``'s convention) end: the
-    key ``p`` and the least inverted column ``last`` taken among the items equal to ``p``
-    (1 when every item at or above ``p`` is taken). When the ``need``-th key is tied, a
-    second bisection among its equals, on the inverted column, takes the lowest columns
-    (``cols``: the items' columns, read only where equal to ``p``)."""
-    p, reach = _bisect(u, need, 0)
-    last = tl.full((), 1, tl.uint32)
-    if reach > need:
-        v = tl.where(u == p, _inverted(cols), 0)
-        last, _reach = _bisect(v, need - tl.sum((u > p).to(tl.int32), axis=0), 0)
-    return p, last
 
 
 @triton.jit

@@ -1,0 +1,103 @@
+"""The top-k's searches among held keys (``mla.fast.topk_search``), on their own: for every
+row, what ``_bracket_search`` and ``_bisect`` return must be a boundary of the ``need``
+largest nonzero patterns, read off a sort.
+
+A returned ``(a, reach)`` is right when ``reach`` items reach ``a``, and either exactly
+``need`` do (then they are the ``need`` largest, whatever ``a`` is) or the ``need``-th largest
+is tied and ``a`` is its value (more than ``need`` reach it, fewer than ``need`` pass it). The
+rows are the ones that make a search hard: keys spread over the whole 32-bit range, two far
+clusters (an interpolation aims between them), every key equal, a run of ties at the
+boundary, exponentially spread float keys, a few keys among empty places, the extremes 1 and
+``2^32 - 1``, ``need`` 1 and ``need`` every item.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from mla.fast.topk_search import _bisect, _bracket_search
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+N = 4096  # the select holds this many items with their columns
+
+
+@triton.jit
+def _search_rows(u_ptr, need_ptr, out_ptr, N: tl.constexpr, BRACKET: tl.constexpr):
+    row = tl.program_id(0)
+    u = tl.load(u_ptr + row * N + tl.arange(0, N)).to(tl.uint32, bitcast=True)
+    need = tl.load(need_ptr + row)
+    if BRACKET:
+        a, reach = _bracket_search(u, need)
+    else:
+        a, reach = _bisect(u, need, 0)
+    tl.store(out_ptr + 2 * row, a.to(tl.int64))
+    tl.store(out_ptr + 2 * row + 1, reach.to(tl.int64))
+
+
+def _float_patterns(x: torch.Tensor) -> torch.Tensor:
+    """float32 values as the order-keeping uint32 patterns of the top-k (non-negative floats
+    here: the sign bit set, the rest their bits), as int64."""
+    return x.float().view(torch.int32).to(torch.int64) + 2 ** 31
+
+
+def _rows() -> list[tuple[str, torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(7)
+    full = torch.randint(1, 2 ** 32, (N,), generator=g, dtype=torch.int64)
+    clusters = torch.cat([torch.randint(1, 1000, (N // 2,), generator=g),
+                          torch.randint(2 ** 32 - 1000, 2 ** 32, (N - N // 2,), generator=g)])
+    ties = torch.randint(1, 2 ** 20, (N,), generator=g, dtype=torch.int64)
+    ties[torch.randperm(N, generator=g)[:300]] = 2 ** 19  # a run of equals around the median
+    spread = _float_patterns(torch.empty(N).exponential_(generator=g) ** 8)
+    few = torch.zeros(N, dtype=torch.int64)
+    few[torch.randperm(N, generator=g)[:37]] = torch.randint(1, 2 ** 32, (37,), generator=g)
+    extremes = torch.where(torch.rand(N, generator=g) < 0.5, 1, 2 ** 32 - 1)
+    candidates = _float_patterns(torch.randn(N, generator=g).abs() + 2.0)  # alike a row's top
+    candidates[3300:] = 0  # ~3300 candidates, as the select sees
+    return [("full range", full, 2048), ("full range, need 1", full, 1),
+            ("full range, need all", full, N), ("two clusters", clusters, N // 2 + 1),
+            ("two clusters, inside one", clusters, 17), ("all equal", torch.full((N,), 5), 100),
+            ("ties at the boundary", ties, N // 2), ("exponential spread", spread, 2048),
+            ("a few among empties", few, 11), ("a few, need all", few, 37),
+            ("extremes", extremes, N // 2), ("candidates", candidates, 2048),
+            ("one item", torch.nn.functional.pad(torch.tensor([9]), (0, N - 1)), 1)]
+
+
+ROWS = _rows()
+
+
+def _check_boundary(name: str, u: torch.Tensor, need: int, a: int, reach: int) -> None:
+    live = u[u != 0]
+    vals = live.sort(descending=True).values
+    v = int(vals[need - 1])
+    assert int((live >= a).sum()) == reach, f"{name}: the count returned is not the count at a"
+    assert reach >= need, f"{name}: {reach} items reach a, fewer than need {need}"
+    if reach > need:
+        assert a == v and int((live > v).sum()) < need, (
+            f"{name}: {reach} > {need} reach a = {a}, but a is not the tied need-th {v}")
+
+
+@pytest.mark.parametrize("bracket", [True, False], ids=["bracket_search", "bisect"])
+def test_search_returns_the_boundary_of_the_need_largest(bracket):
+    u = torch.stack([r[1] for r in ROWS])
+    need = torch.tensor([r[2] for r in ROWS], dtype=torch.int32)
+    out = torch.zeros(len(ROWS), 2, dtype=torch.int64)
+    u32 = (u - (u >= 2 ** 31).long() * 2 ** 32).to(torch.int32)  # the same bits, as int32
+    got = out.to(DEVICE)
+    _search_rows[(len(ROWS),)](u32.to(DEVICE), need.to(DEVICE), got, N=N, BRACKET=bracket)
+    got = got.cpu()
+    for (name, row, k), (a, reach) in zip(ROWS, got.tolist()):
+        _check_boundary(name, row, k, a, reach)
+
+
+def test_check_boundary_rejects_a_wrong_answer():
+    """The check above fails a search that stops one pattern short or reports a wrong count."""
+    name, row, need = ROWS[0]
+    v = int(row.sort(descending=True).values[need - 1])
+    _check_boundary(name, row, need, v, need)  # the exact answer passes
+    for a, reach in [(v + 1, need - 1), (v - 10**6, int((row >= v - 10**6).sum())),
+                     (v, need + 1)]:
+        with pytest.raises(AssertionError):
+            _check_boundary(name, row, need, a, reach)
