@@ -6,10 +6,10 @@ latency, which a CUDA-graph time cannot split. A probe kernel runs the select ke
 (``mla.fast.topk_kernels``, the same ``@triton.jit`` functions) on a bitmask made on the host
 (keys at or above each row's ~3300th largest, as the estimate aims) and stamps ``globaltimer``
 between them: the candidate list's columns (``_list_from_mask``), its keys gathered into
-registers, the bisection (``_boundary``), the columns written; then the estimate
-(``_threshold``: the sample's load, its bisection). Prints the mean of each phase over the rows (one
-program each), warm and after an L2 flush (the kernel's code and data cold), at 8 and 16
-warps.
+registers, the search for the boundary (``_boundary``; named "bisection" in the results of
+2026-12-02 and before), the columns written; then the estimate (``_threshold``: the
+sample's load, its bisection). Prints the mean of each phase over the rows (one program
+each), warm and after an L2 flush (the kernel's code and data cold), at 8 and 16 warps.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mla.fast.topk import CANDIDATES, WORD_TILE, TopkPlan
 from mla.fast.topk_kernels import _list_from_mask, _order_keys, _threshold
 from mla.fast.topk_search import _boundary, _inverted, _unsigned
 
-PHASES = ["list", "gather", "bisection", "write", "estimate"]
+PHASES = ["list", "gather", "search", "write", "estimate"]
 
 
 @triton.jit
