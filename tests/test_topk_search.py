@@ -83,9 +83,8 @@ def _check_boundary(name: str, u: torch.Tensor, need: int, a: int, reach: int) -
 def test_search_returns_the_boundary_of_the_need_largest(bracket):
     u = torch.stack([r[1] for r in ROWS])
     need = torch.tensor([r[2] for r in ROWS], dtype=torch.int32)
-    out = torch.zeros(len(ROWS), 2, dtype=torch.int64)
     u32 = (u - (u >= 2 ** 31).long() * 2 ** 32).to(torch.int32)  # the same bits, as int32
-    got = out.to(DEVICE)
+    got = torch.zeros(len(ROWS), 2, dtype=torch.int64, device=DEVICE)
     _search_rows[(len(ROWS),)](u32.to(DEVICE), need.to(DEVICE), got, N=N, BRACKET=bracket)
     got = got.cpu()
     for (name, row, k), (a, reach) in zip(ROWS, got.tolist()):
