@@ -11,6 +11,13 @@ does not pass ``validate`` keeps checking the values of its arguments.
 import os
 import shutil
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # ``-n auto`` runs a worker process a core: one thread each (torch, OpenMP, BLAS), set
+    # before torch or numpy is imported, or each worker's thread pools would compete for
+    # every core (measured here, 2 cores: 2 workers of one thread 75 s, one process of two 107)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["MLA_FAST_VALIDATE"] = "1"

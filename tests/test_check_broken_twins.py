@@ -3,11 +3,17 @@ wrapped so that its result is off by 1% (outputs and lse scaled by 1.01; caches 
 whose checks are exact, off by one bit or one row). Every family's check must fail them, while
 the unwrapped kernels pass: the budgets are tight enough to catch a 1% bug.
 
-CPU, ``TRITON_INTERPRET=1`` (conftest), the ``quick`` cases in float16.
+CPU, ``TRITON_INTERPRET=1`` (conftest), the ``quick`` cases in float16. That the unwrapped
+kernels pass the same cases in the same context is tested once, by
+``tests/test_fast_small.py::test_gpu_check_quick_cases_run_here`` and
+``tests/test_fast_sparse.py::test_gpu_check_cases_run_here``. A kernel's results are computed
+once a process for each distinct input (``_memoized``): the twins of one kernel scale the same
+results, and through the interpreter each run of a kernel's cases takes up to half a minute.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import pytest
@@ -80,21 +86,68 @@ TWINS: dict[str, dict[str, Callable]] = {
 }
 
 
+# the kernels that return their results (a tuple of tensors) and write nothing they are given:
+# their results may be reused for the same inputs
+PURE = {"attention_with_lse", "mla_decode_paged", "merge_attn_states", "prefill_attention",
+        "chunked_prefill_attention", "sparse_mla_decode", "sparse_mla_prefill"}
+_RESULTS: dict[tuple, tuple] = {}
+
+
+def _digest(x: object) -> object:
+    """What identifies an argument: a tensor's dtype, shape, strides and bytes; else its repr."""
+    if isinstance(x, torch.Tensor):
+        raw = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return (str(x.dtype), tuple(x.shape), x.stride(), hashlib.sha256(raw).hexdigest())
+    if isinstance(x, (list, tuple)):
+        return tuple(_digest(v) for v in x)
+    return repr(x)
+
+
+def _memoized(name: str, f: Callable) -> Callable:
+    """``f`` computed once a process for each distinct input (what it raised, raised again);
+    the caller gets copies."""
+    def g(*args, **kwargs):  # type: ignore[no-untyped-def]
+        key = (name, _digest(args), _digest(sorted(kwargs.items())))
+        if key not in _RESULTS:
+            try:
+                _RESULTS[key] = ("returned", f(*args, **kwargs))
+            except Exception as e:  # noqa: BLE001 -- raised again below, to every caller
+                _RESULTS[key] = ("raised", e)
+        how, value = _RESULTS[key]
+        if how == "raised":
+            raise value
+        return tuple(t.clone() for t in value)
+    return g
+
+
 def test_every_family_has_a_twin():
     assert set(TWINS) == set(REGISTRY)
+    assert PURE <= set(TWINS)
 
 
-def test_the_unbroken_kernels_pass():
-    results = run_checks(CTX)
-    assert {r.kernel for r in results} == set(REGISTRY)
-    assert all(r.passed for r in results), [(r.kernel, r.case, r.metrics, r.error)
-                                            for r in results if not r.passed]
+def test_memoized_results_are_the_kernels():
+    """The reuse returns what the kernel returns, as copies, for equal inputs only."""
+    calls = []
+
+    def kernel(a, scale):
+        calls.append(1)
+        return a * scale, a.sum()
+
+    g = _memoized("kernel", kernel)
+    a = torch.arange(6.0)
+    first = g(a, 2.0)
+    again = g(a.clone(), 2.0)
+    assert len(calls) == 1 and torch.equal(first[0], again[0]) and first[0] is not again[0]
+    g(a, 3.0)
+    g(a + 1, 2.0)
+    assert len(calls) == 3
 
 
 @pytest.mark.parametrize("kernel,label", [(k, lab) for k, t in TWINS.items() for lab in t])
 def test_a_one_percent_bug_fails(kernel, label, monkeypatch):
     fast_name = REGISTRY[kernel][0]
-    broken = TWINS[kernel][label](getattr(fast, fast_name))
+    real = getattr(fast, fast_name)
+    broken = TWINS[kernel][label](_memoized(kernel, real) if kernel in PURE else real)
     monkeypatch.setattr(fast, fast_name, broken)
     results = run_checks(CTX, [kernel])
     assert results
