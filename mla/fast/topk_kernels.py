@@ -371,7 +371,7 @@ def _select_in_tiles(src, list_keys, list_cols, items, need, dst, from_list,
                      HOLD: tl.constexpr, TILE: tl.constexpr):
     """``_select_in_registers`` for up to ``HOLD`` items in memory (a row's keys, column
     ``i`` at place ``i``, or a list's, ``from_list``) too many to hold with their columns:
-    the keys are held for the bisections, then read again in tiles of ``TILE`` to write the
+    the keys are held for the searches, then read again in tiles of ``TILE`` to write the
     columns."""
     i = tl.arange(0, HOLD)
     u = _held_keys(src, list_keys, i, items, from_list)
