@@ -111,7 +111,7 @@ def _memoized(name: str, f: Callable) -> Callable:
         if key not in _RESULTS:
             try:
                 _RESULTS[key] = ("returned", f(*args, **kwargs))
-            except Exception as e:  # noqa: BLE001 -- raised again below, to every caller
+            except Exception as e:  # raised again below, to every caller
                 _RESULTS[key] = ("raised", e)
         how, value = _RESULTS[key]
         if how == "raised":
