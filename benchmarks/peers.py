@@ -38,9 +38,11 @@ import ast
 import hashlib
 import importlib
 import json
+import lzma
 import os
 import py_compile
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -63,6 +65,8 @@ COPIED_DIRS = ("vllm/third_party/flashmla/",)
 DCP_SOURCE = "vllm/v1/attention/ops/dcp.py"
 DCP_CLASS, DCP_KERNEL = "CorrectAttnCPOutKernel", "kernel"
 DCP_MODULE = "vllm/v1/attention/ops/dcp_correct_attn_out.py"
+# vLLM's CUDA kernels on torch's stable ABI, the top-k ones among them (``--topk``)
+TOPK_LIBRARY = "vllm/_C_stable_libtorch.abi3.so"
 PACKAGES = ("vllm", "vllm/third_party", "vllm/v1", "vllm/v1/attention", "vllm/v1/attention/ops")
 
 STUBS = {
@@ -180,6 +184,65 @@ def extract_vllm(wheel: Path, dest: Path) -> dict[str, str]:
     return written
 
 
+def elf_section(data: bytes, name: str) -> tuple[int, int] | None:
+    """``(offset, size)`` of the ELF64 file ``data``'s section ``name``, or ``None``."""
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise ValueError("not an ELF64 file")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    names_at, = struct.unpack_from("<Q", data, shoff + shstrndx * shentsize + 0x18)
+    for i in range(shnum):
+        h = shoff + i * shentsize
+        at = names_at + struct.unpack_from("<I", data, h)[0]
+        if data[at:data.index(b"\0", at)].decode() == name:
+            return struct.unpack_from("<QQ", data, h + 0x18)
+    return None
+
+
+FATBIN_MAGIC = 0xBA55ED50
+
+
+def keep_one_arch(buf: bytearray, start: int, end: int, arch: int) -> int:
+    """Zeroes, in the fat binaries of ``buf[start:end]`` (a ``.nv_fatbin`` section), the
+    payload of every cubin built for another SM than ``arch`` (90: the H100 and H200),
+    leaving every entry's header and the PTX as they are, so the CUDA runtime still finds
+    the ``arch`` cubins (and the PTX) and never reads the rest. Returns the bytes zeroed.
+    Layout: a fat binary is a 16-byte header (magic, version, header size, size of what
+    follows) and entries, each a header (kind 1 PTX or 2 cubin at byte 0, its header size at
+    4, its payload size at 8, its SM at 28) and its payload."""
+    zeroed, pos = 0, start
+    while pos + 16 <= end:
+        magic, _version, header, size = struct.unpack_from("<IHHQ", buf, pos)
+        if magic != FATBIN_MAGIC:
+            pos += 8  # the fat binaries are 8-byte aligned, padding between them
+            continue
+        p, stop = pos + header, pos + header + size
+        while p < stop:
+            kind, _v, entry_header, payload = struct.unpack_from("<HHIQ", buf, p)
+            sm, = struct.unpack_from("<I", buf, p + 28)
+            if kind == 2 and sm != arch:
+                buf[p + entry_header:p + entry_header + payload] = bytes(payload)
+                zeroed += payload
+            p += entry_header + payload
+        pos = stop
+    return zeroed
+
+
+def topk_library(wheel: Path, dest: Path, arch: int = 90) -> tuple[str, bytes]:
+    """vLLM's top-k kernels (``TOPK_LIBRARY``, 92 MB) for one SM, compressed by xz for
+    ``benchmarks.topk_peers``: the other SMs' cubins zeroed (``keep_one_arch``), 26 MB."""
+    with zipfile.ZipFile(wheel) as z:
+        buf = bytearray(z.read(TOPK_LIBRARY))
+    section = elf_section(bytes(buf), ".nv_fatbin")
+    if section is None:
+        raise SystemExit(f"{TOPK_LIBRARY} has no .nv_fatbin section")
+    zeroed = keep_one_arch(buf, section[0], section[0] + section[1], arch)
+    log(f"{TOPK_LIBRARY}: {len(buf) / 2**20:.0f} MiB, cubins of other SMs than {arch} "
+        f"zeroed ({zeroed / 2**20:.0f} MiB); compressing")
+    rel = TOPK_LIBRARY.replace(".abi3.so", f".sm{arch}.abi3.so.xz")
+    return rel, lzma.compress(bytes(buf), preset=6)
+
+
 def check_python(dest: Path, written: dict[str, str]) -> list[str]:
     """Compile every written .py; import the pure-Triton modules. Returns one line per
     module saying whether it imported (the FlashMLA interface needs a CUDA build of torch)."""
@@ -210,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="where to unpack (default: <repo>/peers)")
     p.add_argument("--cache", type=Path, default=DEFAULT_CACHE,
                    help=f"where downloaded wheels go (default: {DEFAULT_CACHE})")
+    p.add_argument("--topk", action="store_true",
+                   help="also vLLM's top-k kernels for sm_90, xz-compressed (26 MB), for "
+                        "benchmarks.topk_peers")
     args = p.parse_args(argv)
 
     wheel = args.wheel or download(VLLM, args.cache)
@@ -219,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.dest)  # a stale file from another version must not linger
     args.dest.mkdir(parents=True)
     written = extract_vllm(wheel, args.dest)
+    if args.topk:
+        rel, data = topk_library(wheel, args.dest)
+        (args.dest / rel).write_bytes(data)
+        written[rel] = hashlib.sha256(data).hexdigest()
     manifest = {"vllm_wheel": wheel.name,
                 "vllm_wheel_sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(),
                 "files": written}

@@ -1,0 +1,229 @@
+"""``python -m benchmarks.topk_peers --lib PATH --out DIR``: ``mla.fast.top_k_per_row`` beside
+vLLM's top-k kernels for the DeepSeek-V3.2 indexer, on one GPU, timed the same way.
+
+vLLM 0.33 selects an indexer row's ``k`` best with one of several CUDA kernels (its
+``vllm/model_executor/layers/indexer_topk.py``): ``cooperative_topk`` (the default up to 64
+rows, on sm_90 and later), ``persistent_topk`` (the default past 64 rows) and
+``top_k_per_row_decode`` (the older radix select, one block a row). They live in the
+wheel's ``vllm/_C_stable_libtorch.abi3.so`` (92 MB, built against torch's stable C ABI: it
+loads under the GPU machine's torch 2.11, not only the wheel's 2.14), registered as
+``torch.ops._C.<name>``. ``python -m benchmarks.peers --topk`` writes it for sm_90 alone,
+compressed (``peers/vllm/_C_stable_libtorch.sm90.abi3.so.xz``, 26 MB: small enough to travel
+to a GPU machine whose uploads are capped); ``--lib`` takes that file (the default) or the
+plain library. A compressed one is unpacked into a temporary directory first. Should an
+undefined symbol stop the load (a stable-ABI function newer than the installed torch), it is
+loaded with lazy binding instead (``dlopen(RTLD_LAZY | RTLD_GLOBAL)``), so that only a kernel
+whose wrapper calls such a function fails.
+
+Per shape (rows x keys, ``k = 2048``, random normal float32 logits, every row whole):
+CUDA-graph replays with the L2 flushed by a read before each (``benchmarks.common``), median
+ms, and the logits' bytes read against the copy bandwidth measured in the same run. Each
+peer's answer is checked before it is timed: indices in the row, none repeated, and the
+values they pick, sorted, equal to ``torch.topk``'s (any correct top-k picks the same values;
+which of tied keys it takes may differ, so the check does not compare indices). A peer that
+fails to load, refuses a shape or answers wrongly is recorded as such and not timed.
+
+Nothing here is imported by ``mla``: the peers are measured, never called by the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import json
+import lzma
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import capture, ceilings, log, time_replays
+from benchmarks.peers import TOPK_LIBRARY
+from mla.conformance.adapters import peers_dir
+from mla.environment import environment
+from mla.fast.topk import TopkPlan, launches
+
+TOPK = 2048
+SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
+          (512, 131072), (1024, 131072), (128, 32768), (256, 32768), (2048, 32768),
+          (128, 8192), (256, 8192)]
+WORKSPACE = 1 << 20  # bytes: vLLM's RADIX_TOPK_WORKSPACE_SIZE
+COOPERATIVE_MAX_ROWS = 64  # vLLM's AUTO_COOPERATIVE_MAX_ROWS
+RTLD_LAZY, RTLD_GLOBAL = 0x1, 0x100
+
+
+def load_vllm(lib: Path, scratch: Path) -> dict:
+    """Loads vLLM's library (``lib``: the .so or its .xz); what loaded and how."""
+    if lib.suffix == ".xz":
+        so = scratch / lib.name[:-3]
+        with lzma.open(lib) as src, open(so, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    else:
+        so = lib
+    try:
+        torch.ops.load_library(str(so))
+        how = "torch.ops.load_library"
+    except OSError as e:  # an undefined symbol under RTLD_NOW: bind lazily instead
+        libc = ctypes.CDLL(None)
+        libc.dlopen.restype = ctypes.c_void_p
+        libc.dlerror.restype = ctypes.c_char_p
+        if not libc.dlopen(str(so).encode(), RTLD_LAZY | RTLD_GLOBAL):
+            return {"loaded": False, "error": f"{e}; dlopen(RTLD_LAZY): {libc.dlerror()}"}
+        how = f"dlopen(RTLD_LAZY) after: {e}"
+    ops = {name: hasattr(torch.ops._C, name)
+           for name in ("persistent_topk", "cooperative_topk", "top_k_per_row_decode")}
+    return {"loaded": True, "how": how, "ops": ops, "bytes": so.stat().st_size}
+
+
+def peer_calls(x: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> dict:
+    """The peers' calls on ``x`` (``[R, W]``, rows of ``lengths``), each writing ``out``."""
+    R, W = x.shape
+    work = torch.zeros(WORKSPACE, dtype=torch.uint8, device=x.device)
+    calls = {
+        "vllm_persistent_topk": lambda: torch.ops._C.persistent_topk(
+            x, lengths, out, work, TOPK, W),
+        "vllm_top_k_per_row_decode": lambda: torch.ops._C.top_k_per_row_decode(
+            x, 1, lengths, out, R, x.stride(0), x.stride(1), TOPK),
+    }
+    if R <= COOPERATIVE_MAX_ROWS:
+        calls["vllm_cooperative_topk"] = lambda: torch.ops._C.cooperative_topk(
+            x, lengths, out, work, TOPK, W)
+    calls["_work"] = work  # kept alive while the graphs replay
+    return calls
+
+
+def check(x: torch.Tensor, idx: torch.Tensor, best: torch.Tensor) -> str | None:
+    """``None`` if ``idx`` (``[R, k]``) holds a correct top-k of every row of ``x``, else what
+    is wrong. ``best``: ``torch.topk``'s values, sorted down."""
+    R, W = x.shape
+    idx = idx.long()
+    if bool(((idx < 0) | (idx >= W)).any()):
+        return f"indices outside [0, {W}): {int(((idx < 0) | (idx >= W)).sum())}"
+    s = idx.sort(dim=1).values
+    if bool((s[:, 1:] == s[:, :-1]).any()):
+        return "an index repeated within a row"
+    picked = x.gather(1, idx).sort(dim=1, descending=True).values
+    wrong = (picked != best).any(dim=1)
+    if bool(wrong.any()):
+        return f"{int(wrong.sum())} of {R} rows pick other values than torch.topk"
+    return None
+
+
+def timed(fn, out: torch.Tensor, x: torch.Tensor, best: torch.Tensor, reps: int) -> dict:
+    """``fn`` checked on its first run, then its graph's replays timed and checked again."""
+    try:
+        out.fill_(-7)
+        torch.cuda.synchronize()
+        g = capture(fn)  # runs fn once outside the graph, then captures it
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a peer's refusal is a result
+        return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    wrong = check(x, out, best)
+    if wrong:
+        return {"wrong": wrong}
+    ms = time_replays(g, reps=reps, read_flush=True)
+    out.fill_(-7)
+    g.replay()
+    torch.cuda.synchronize()
+    wrong = check(x, out, best)
+    return {"ms": ms, **({"wrong_after_replay": wrong} if wrong else {})}
+
+
+def _pct(R: int, W: int, ms: float, copy_tbps: float) -> float:
+    return 100 * R * W * 4 / (ms * 1e-3) / (copy_tbps * 1e12)
+
+
+def run(vllm: dict, copy_tbps: float, reps: int, shapes: list[tuple[int, int]]) -> list[dict]:
+    rows = []
+    for R, W in shapes:
+        torch.manual_seed(R * 7 + W)
+        x = torch.randn(R, W, device="cuda")
+        lengths = torch.full((R,), W, dtype=torch.int32, device="cuda")
+        starts = torch.zeros(R, dtype=torch.int32, device="cuda")
+        best = torch.topk(x, TOPK, dim=1).values  # sorted down
+        out = torch.empty(R, TOPK, dtype=torch.int32, device="cuda")
+        _work, steps = launches(x, starts, lengths, out, TOPK, TopkPlan())
+        res = {"R": R, "L": W, "mla_route": TopkPlan().route_for(R, W, x.device)}
+        res["mla_fast"] = timed(functools.partial(_run_all, steps), out, x, best, reps)
+        vals = torch.empty(R, TOPK, device="cuda")
+        ids = torch.empty(R, TOPK, dtype=torch.int64, device="cuda")
+        res["torch_topk"] = _torch_topk(x, vals, ids, best, reps)
+        if vllm.get("loaded"):
+            peers = peer_calls(x, lengths, out)
+            for name, fn in peers.items():
+                if not name.startswith("_"):
+                    res[name] = timed(fn, out, x, best, reps)
+        for v in res.values():
+            if isinstance(v, dict) and "ms" in v:
+                v["pct_of_copy"] = _pct(R, W, v["ms"], copy_tbps)
+        log(json.dumps(res))
+        rows.append(res)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _run_all(steps) -> None:
+    for s in steps:
+        s()
+
+
+def _torch_topk(x, vals, ids, best, reps) -> dict:
+    """``torch.topk`` on the values (its ties are not the lower index: checked like a peer)."""
+    out = torch.empty(ids.shape, dtype=torch.int32, device=x.device)
+
+    def fn():
+        torch.topk(x, TOPK, dim=1, out=(vals, ids))
+        out.copy_(ids)
+    return timed(fn, out, x, best, reps)
+
+
+def table(res: dict) -> str:
+    names = ["mla_fast", "vllm_persistent_topk", "vllm_cooperative_topk",
+             "vllm_top_k_per_row_decode", "torch_topk"]
+    lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us (% of copy)",
+             "| rows x keys | " + " | ".join(names) + " |",
+             "|" + " --- |" * (len(names) + 1)]
+    for r in res["rows"]:
+        cells = []
+        for n in names:
+            v = r.get(n)
+            if v is None:
+                cells.append("")
+            elif "ms" in v:
+                cells.append(f"{v['ms'] * 1e3:.1f} ({v['pct_of_copy']:.0f}%)")
+            else:
+                cells.append(next(iter(v)))
+        lines.append(f"| {r['R']} x {r['L'] // 1024}K | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default = peers_dir() / TOPK_LIBRARY.replace(".abi3.so", ".sm90.abi3.so.xz")
+    p.add_argument("--lib", type=Path, default=default if default.is_file() else None,
+                   help="vLLM's _C_stable_libtorch.abi3.so, or it compressed by xz "
+                        f"(default: {default}, written by python -m benchmarks.peers --topk)")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--reps", type=int, default=30)
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        t0 = time.time()
+        vllm = load_vllm(args.lib, Path(scratch)) if args.lib else {"loaded": False,
+                                                                    "error": "no --lib"}
+        log(f"vLLM: {vllm} ({time.time() - t0:.1f} s)")
+        res = {"environment": environment(), "vllm": vllm, "ceilings": ceilings(),
+               "topk": TOPK, "method": "CUDA-graph replays, L2 flushed by a read, median"}
+        res["rows"] = run(vllm, res["ceilings"]["copy_TBps"], args.reps, SHAPES)
+    (args.out / "topk_peers.json").write_text(json.dumps(res, indent=1))
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
