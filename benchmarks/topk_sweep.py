@@ -337,7 +337,7 @@ def compiled_facts() -> list[dict]:
     """Registers, spilled bytes and shared memory of every kernel this run compiled (the
     launchers keep them), one row per kernel and plan."""
     rows, seen = [], set()
-    for name in ("_estimate", "_mask", "_select", "_fused"):
+    for name in ("_estimate", "_mask", "_select", "_fused", "_mark_select", "_held"):
         for (_dev, key), k in getattr(fast_topk, name).compiled.items():
             plan = key[0] if isinstance(key[0], TopkPlan) else key[0][0]
             row = {"kernel": name.strip("_"), "plan": _changed(plan),
@@ -350,14 +350,16 @@ def compiled_facts() -> list[dict]:
 
 
 def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
-    """The one-launch kernel (a row a program, a row split) and the two launches' second of
-    each plan compiled for sm_90 on any machine (no GPU; not under the interpreter), as
-    ``benchmarks.indexer_compile`` compiles the three launches and as ``mla.fast.topk``
-    launches them where their programs are no more than the SMs (``uncapped``): shared
-    memory, registers, spilled bytes (``tests/test_fast_topk.py`` asserts none)."""
+    """The one-launch kernel (a row a program, a row split), the two launches' second and the
+    kernel of rows held whole (with their columns, in tiles) of each plan compiled for sm_90
+    on any machine (no GPU; not under the interpreter), as ``benchmarks.indexer_compile``
+    compiles the three launches and as ``mla.fast.topk`` launches them where their programs
+    are no more than the SMs (``uncapped``): shared memory, registers, spilled bytes
+    (``tests/test_fast_topk.py`` asserts none)."""
     from benchmarks.indexer_compile import _KEYS, _compile
     from benchmarks.sm90_compile import facts
     from mla.fast.topk_fused import _fused_kernel, _mark_select_kernel
+    from mla.fast.topk_kernels import _held_kernel
 
     ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
     ptrs.update(words="i32", sync="i32", ready="i32")
@@ -381,6 +383,11 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
             found[_changed(plan) + f" two launches, {warps} warps"] = facts(
                 _compile(_mark_select_kernel, const, ptrs, dict(ints, chunk=plan.two_chunk),
                          warps, **fast_topk.uncapped(warps)))
+        for hold in (CANDIDATES // 2, CANDIDATES):  # rows held with their columns, in tiles
+            const = dict(CAP=CANDIDATES, HOLD=hold, TILE=min(plan.select_tile, 1024),
+                         OUT_BLOCK=1024)
+            found[_changed(plan) + f" held rows of {hold}"] = facts(
+                _compile(_held_kernel, const, ptrs, dict(ints, W=hold), plan.select_warps))
     return found
 
 

@@ -173,6 +173,25 @@ def test_topk_held_with_columns_or_in_tiles(route):
 
 
 @pytest.mark.parametrize("route", ROUTES)
+def test_topk_rows_held_whole_run_one_kernel(route):
+    """Logits no wider than the list: every route runs the held rows' kernel alone (one
+    launch), exact at widths held with their columns and in tiles, with ragged ranges and a
+    row of ``topk`` keys or fewer; one column wider, the route's own launches run."""
+    for width in (300, CANDIDATES // 2, CANDIDATES):
+        ends = [width, width, min(2048, width), width - 5]
+        logits, st, en = _rows(_gen(width), [0, 7, 0, 0], ends, width)
+        logits[3] = (logits[3] * 30).round() / 30  # a tied boundary
+        out = torch.empty(4, 2048, dtype=torch.int32, device=DEVICE)
+        _work, steps = launches(*_on((logits, st, en)), out, 2048, ROUTES[route])
+        assert len(steps) == 1
+        _check(logits, st, en, 2048, ROUTES[route])
+    logits, st, en = _full(torch.randn(1, CANDIDATES + 1, generator=_gen(60)))
+    out = torch.empty(1, 2048, dtype=torch.int32, device=DEVICE)
+    _work, steps = launches(*_on((logits, st, en)), out, 2048, ROUTES[route])
+    assert len(steps) == {"one": 1, "two": 2, "three": 3}[route]
+
+
+@pytest.mark.parametrize("route", ROUTES)
 def test_topk_row_order(route):
     """A row selected from its own columns comes in column order when held whole (a short
     row), as at most two runs in column order when scanned (the keys above the boundary
@@ -472,12 +491,13 @@ def _compiled_facts(module: str, *args: str) -> dict:
 
 
 def test_one_launch_kernel_compiles_for_sm90():
-    """The default one-launch kernel, a row a program and a row split over programs, and the
-    two launches' second compile for the H200 without spills (in a child process
-    without the interpreter, which cannot compile for a GPU; the three launches' kernels:
-    ``tests/test_fast_indexer.py``)."""
+    """The default one-launch kernel, a row a program and a row split over programs, the
+    two launches' second and the kernel of rows held whole compile for the H200 without
+    spills (in a child process without the interpreter, which cannot compile for a GPU; the
+    three launches' kernels: ``tests/test_fast_indexer.py``)."""
     found = _compiled_facts("benchmarks.topk_sweep", "--sm90")
-    assert len(found) == 4  # a row a program, a row split, two launches at 8 and 4 warps
+    # a row a program, a row split, two launches at 8 and 4 warps, rows held of 4096 and 8192
+    assert len(found) == 6, sorted(found)
     for name, f in found.items():
         assert f["stack"] == 0 and f["local"] == 0 and not f["ptx_local"], f"{name} spills: {f}"
         assert f["shared"] <= 232448, f"{name}: {f['shared']} B of shared memory"

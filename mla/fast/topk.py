@@ -41,7 +41,10 @@ a histogram of every key cannot keep up with the memory; a compare can. Three st
    it; when the boundary key is tied, a second search among its equals on the inverted
    column takes the lowest columns. Up to ``CANDIDATES / 2`` items are held with their
    columns; a longer list or row keeps only its keys and writes its columns in tiles. A row
-   of no more than ``CANDIDATES`` keys skips 1-2 and is selected whole.
+   of no more than ``CANDIDATES`` keys skips 1-2 and is selected whole; where the logits
+   are no wider than that, every route runs one kernel that holds only this path
+   (``_held_kernel``: on the H200 1 / 128 / 1024 x 8K 25.7 / 23.2 / 87 us against 32.8 /
+   27.6 / 109 through the general kernels).
    ``benchmarks/topk_phases.py`` times the pieces: on the H200, a program of 128 selecting
    from ~3300 candidates spends ~6 us on the list, ~5 on the gather, ~4 on the search and ~2
    on the write.
@@ -83,6 +86,7 @@ from mla.fast.launch import CompiledLauncher, int_spec, ptr_spec
 from mla.fast.topk_fused import _fused_kernel, _mark_select_kernel
 from mla.fast.topk_kernels import (
     _estimate_kernel,
+    _held_kernel,
     _mask_kernel,
     _select_kernel,
     count_column,
@@ -105,6 +109,7 @@ def uncapped(warps: int) -> dict:
 
 
 _estimate = CompiledLauncher(_estimate_kernel)
+_held = CompiledLauncher(_held_kernel)
 _mask = CompiledLauncher(_mask_kernel)
 _select = CompiledLauncher(_select_kernel)
 _fused = CompiledLauncher(_fused_kernel)
@@ -145,7 +150,8 @@ class TopkPlan:
     three launches 256 x 128K 103 against 108 us, 256 x 8K 43 against 51), ``select_tile`` keys a
     step where a select reads in tiles (a list or row past ``CANDIDATES / 2``, the scan; at
     most 1024 in the one-launch kernel), ``select_bits`` a radix level of the scan;
-    ``select_warps`` (three launches).
+    ``select_warps`` (three launches, and the rows held whole where the logits are no wider
+    than ``CANDIDATES``).
     ``pdl`` (two and three launches, on sm_90 or later): the second launch (two) or the filter
     (three) launched as the estimate's programmatic dependent (``launch_pdl``), so that it
     starts while the estimate ends, its programs waiting for the thresholds: three launches
@@ -315,6 +321,12 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     key = (plan, W, topk, int_spec(s_l_r), int_spec(s_o_r), row_starts.dtype, row_ends.dtype,
            *(ptr_spec(t) for t in (*rows, work, out)))
     out_block = min(1024, next_pow2(topk))
+    if W <= cap:  # every row held whole, whatever the route
+        hold = max(32, next_pow2(W))
+        args = (*rows, out, W, topk, s_l_r, s_o_r, cap, hold, min(plan.select_tile, 1024),
+                out_block)
+        return work, [lambda: _held((key, hold), (R, 1, 1), args,
+                                    num_warps=plan.select_warps)]
     route = plan.route_for(R, W, logits.device)
     if route == "one":
         return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]
