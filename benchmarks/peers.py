@@ -49,6 +49,8 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+from mla.conformance.adapters.vllm_topk import COMPRESSED, LIBRARY
+
 VLLM = "vllm==0.33.0"
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = Path.home() / ".cache" / "mla-peers"
@@ -65,8 +67,6 @@ COPIED_DIRS = ("vllm/third_party/flashmla/",)
 DCP_SOURCE = "vllm/v1/attention/ops/dcp.py"
 DCP_CLASS, DCP_KERNEL = "CorrectAttnCPOutKernel", "kernel"
 DCP_MODULE = "vllm/v1/attention/ops/dcp_correct_attn_out.py"
-# vLLM's CUDA kernels on torch's stable ABI, the top-k ones among them (``--topk``)
-TOPK_LIBRARY = "vllm/_C_stable_libtorch.abi3.so"
 PACKAGES = ("vllm", "vllm/third_party", "vllm/v1", "vllm/v1/attention", "vllm/v1/attention/ops")
 
 STUBS = {
@@ -228,19 +228,19 @@ def keep_one_arch(buf: bytearray, start: int, end: int, arch: int) -> int:
     return zeroed
 
 
-def topk_library(wheel: Path, dest: Path, arch: int = 90) -> tuple[str, bytes]:
-    """vLLM's top-k kernels (``TOPK_LIBRARY``, 92 MB) for one SM, compressed by xz for
-    ``benchmarks.topk_peers``: the other SMs' cubins zeroed (``keep_one_arch``), 26 MB."""
+def topk_library(wheel: Path) -> tuple[str, bytes]:
+    """vLLM's CUDA kernels on torch's stable ABI, the top-k ones among them (``LIBRARY`` of
+    ``mla.conformance.adapters.vllm_topk``, 92 MB), for sm_90 alone, compressed by xz
+    (``COMPRESSED``, 26 MB): the other SMs' cubins zeroed (``keep_one_arch``)."""
     with zipfile.ZipFile(wheel) as z:
-        buf = bytearray(z.read(TOPK_LIBRARY))
+        buf = bytearray(z.read(LIBRARY))
     section = elf_section(bytes(buf), ".nv_fatbin")
     if section is None:
-        raise SystemExit(f"{TOPK_LIBRARY} has no .nv_fatbin section")
-    zeroed = keep_one_arch(buf, section[0], section[0] + section[1], arch)
-    log(f"{TOPK_LIBRARY}: {len(buf) / 2**20:.0f} MiB, cubins of other SMs than {arch} "
-        f"zeroed ({zeroed / 2**20:.0f} MiB); compressing")
-    rel = TOPK_LIBRARY.replace(".abi3.so", f".sm{arch}.abi3.so.xz")
-    return rel, lzma.compress(bytes(buf), preset=6)
+        raise SystemExit(f"{LIBRARY} has no .nv_fatbin section")
+    zeroed = keep_one_arch(buf, section[0], section[0] + section[1], 90)
+    log(f"{LIBRARY}: {len(buf) / 2**20:.0f} MiB, cubins of other SMs than sm_90 zeroed "
+        f"({zeroed / 2**20:.0f} MiB); compressing")
+    return COMPRESSED, lzma.compress(bytes(buf), preset=6)
 
 
 def check_python(dest: Path, written: dict[str, str]) -> list[str]:
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args.dest.mkdir(parents=True)
     written = extract_vllm(wheel, args.dest)
     if args.topk:
-        rel, data = topk_library(wheel, args.dest)
+        rel, data = topk_library(wheel)
         (args.dest / rel).write_bytes(data)
         written[rel] = hashlib.sha256(data).hexdigest()
     manifest = {"vllm_wheel": wheel.name,

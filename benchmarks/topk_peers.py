@@ -1,19 +1,15 @@
-"""``python -m benchmarks.topk_peers --lib PATH --out DIR``: ``mla.fast.top_k_per_row`` beside
+"""``python -m benchmarks.topk_peers [--lib PATH] --out DIR``: ``mla.fast.top_k_per_row`` beside
 vLLM's top-k kernels for the DeepSeek-V3.2 indexer, on one GPU, timed the same way.
 
 vLLM 0.33 selects an indexer row's ``k`` best with one of several CUDA kernels (its
 ``vllm/model_executor/layers/indexer_topk.py``): ``cooperative_topk`` (the default up to 64
 rows, on sm_90 and later), ``persistent_topk`` (the default past 64 rows) and
-``top_k_per_row_decode`` (the older radix select, one block a row). They live in the
-wheel's ``vllm/_C_stable_libtorch.abi3.so`` (92 MB, built against torch's stable C ABI: it
-loads under the GPU machine's torch 2.11, not only the wheel's 2.14), registered as
-``torch.ops._C.<name>``. ``python -m benchmarks.peers --topk`` writes it for sm_90 alone,
-compressed (``peers/vllm/_C_stable_libtorch.sm90.abi3.so.xz``, 26 MB: small enough to travel
-to a GPU machine whose uploads are capped); ``--lib`` takes that file (the default) or the
-plain library. A compressed one is unpacked into a temporary directory first. Should an
-undefined symbol stop the load (a stable-ABI function newer than the installed torch), it is
-loaded with lazy binding instead (``dlopen(RTLD_LAZY | RTLD_GLOBAL)``), so that only a kernel
-whose wrapper calls such a function fails.
+``top_k_per_row_decode`` (the older radix select, one block a row), all in the wheel's
+``vllm/_C_stable_libtorch.abi3.so``. ``python -m benchmarks.peers --topk`` writes that
+library for sm_90 alone, compressed (26 MB: small enough to travel to a GPU machine whose
+uploads are capped); ``mla.conformance.adapters.vllm_topk.load_library`` loads it (``--lib``,
+else the peers directory's), the same library that adapter checks against the conformance
+catalogue.
 
 Per shape (rows x keys, ``k = 2048``, random normal float32 logits, every row whole):
 CUDA-graph replays with the L2 flushed by a read before each (``benchmarks.common``), median
@@ -23,27 +19,28 @@ values they pick, sorted, equal to ``torch.topk``'s (any correct top-k picks the
 which of tied keys it takes may differ, so the check does not compare indices). A peer that
 fails to load, refuses a shape or answers wrongly is recorded as such and not timed.
 
-Nothing here is imported by ``mla``: the peers are measured, never called by the package.
+Nothing here is imported by ``mla``: the peers are measured here, never called by
+``mla.fast``.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import json
-import lzma
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.common import capture, ceilings, log, time_replays
-from benchmarks.peers import TOPK_LIBRARY
-from mla.conformance.adapters import peers_dir
+from mla.conformance.adapters.vllm_topk import (
+    COOPERATIVE_MAX_ROWS,
+    WORKSPACE_BYTES,
+    load_library,
+)
+from mla.conformance.catalogue import Unsupported
 from mla.environment import environment
 from mla.fast.topk import TopkPlan, launches
 
@@ -51,38 +48,21 @@ TOPK = 2048
 SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
           (512, 131072), (1024, 131072), (128, 32768), (256, 32768), (2048, 32768),
           (128, 8192), (256, 8192)]
-WORKSPACE = 1 << 20  # bytes: vLLM's RADIX_TOPK_WORKSPACE_SIZE
-COOPERATIVE_MAX_ROWS = 64  # vLLM's AUTO_COOPERATIVE_MAX_ROWS
-RTLD_LAZY, RTLD_GLOBAL = 0x1, 0x100
 
 
-def load_vllm(lib: Path, scratch: Path) -> dict:
-    """Loads vLLM's library (``lib``: the .so or its .xz); what loaded and how."""
-    if lib.suffix == ".xz":
-        so = scratch / lib.name[:-3]
-        with lzma.open(lib) as src, open(so, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    else:
-        so = lib
+def load_vllm(lib: Path | None) -> dict:
+    """vLLM's library loaded (``mla.conformance.adapters.vllm_topk.load_library``: ``lib``,
+    else the peers directory's); what loaded and how, or why not."""
     try:
-        torch.ops.load_library(str(so))
-        how = "torch.ops.load_library"
-    except OSError as e:  # an undefined symbol under RTLD_NOW: bind lazily instead
-        libc = ctypes.CDLL(None)
-        libc.dlopen.restype = ctypes.c_void_p
-        libc.dlerror.restype = ctypes.c_char_p
-        if not libc.dlopen(str(so).encode(), RTLD_LAZY | RTLD_GLOBAL):
-            return {"loaded": False, "error": f"{e}; dlopen(RTLD_LAZY): {libc.dlerror()}"}
-        how = f"dlopen(RTLD_LAZY) after: {e}"
-    ops = {name: hasattr(torch.ops._C, name)
-           for name in ("persistent_topk", "cooperative_topk", "top_k_per_row_decode")}
-    return {"loaded": True, "how": how, "ops": ops, "bytes": so.stat().st_size}
+        return {"loaded": True, **load_library(lib)}
+    except Unsupported as e:
+        return {"loaded": False, "error": str(e)}
 
 
 def peer_calls(x: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> dict:
     """The peers' calls on ``x`` (``[R, W]``, rows of ``lengths``), each writing ``out``."""
     R, W = x.shape
-    work = torch.zeros(WORKSPACE, dtype=torch.uint8, device=x.device)
+    work = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=x.device)
     calls = {
         "vllm_persistent_topk": lambda: torch.ops._C.persistent_topk(
             x, lengths, out, work, TOPK, W),
@@ -203,22 +183,19 @@ def table(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default = peers_dir() / TOPK_LIBRARY.replace(".abi3.so", ".sm90.abi3.so.xz")
-    p.add_argument("--lib", type=Path, default=default if default.is_file() else None,
-                   help="vLLM's _C_stable_libtorch.abi3.so, or it compressed by xz "
-                        f"(default: {default}, written by python -m benchmarks.peers --topk)")
+    p.add_argument("--lib", type=Path, default=None,
+                   help="vLLM's _C_stable_libtorch.abi3.so, or it compressed by xz (default: "
+                        "the peers directory's, written by python -m benchmarks.peers --topk)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--reps", type=int, default=30)
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        t0 = time.time()
-        vllm = load_vllm(args.lib, Path(scratch)) if args.lib else {"loaded": False,
-                                                                    "error": "no --lib"}
-        log(f"vLLM: {vllm} ({time.time() - t0:.1f} s)")
-        res = {"environment": environment(), "vllm": vllm, "ceilings": ceilings(),
-               "topk": TOPK, "method": "CUDA-graph replays, L2 flushed by a read, median"}
-        res["rows"] = run(vllm, res["ceilings"]["copy_TBps"], args.reps, SHAPES)
+    t0 = time.time()
+    vllm = load_vllm(args.lib)
+    log(f"vLLM: {vllm} ({time.time() - t0:.1f} s)")
+    res = {"environment": environment(), "vllm": vllm, "ceilings": ceilings(),
+           "topk": TOPK, "method": "CUDA-graph replays, L2 flushed by a read, median"}
+    res["rows"] = run(vllm, res["ceilings"]["copy_TBps"], args.reps, SHAPES)
     (args.out / "topk_peers.json").write_text(json.dumps(res, indent=1))
     print(table(res))
     return 0
