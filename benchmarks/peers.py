@@ -49,8 +49,6 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-from mla.conformance.adapters.vllm_topk import COMPRESSED, LIBRARY
-
 VLLM = "vllm==0.33.0"
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = Path.home() / ".cache" / "mla-peers"
@@ -232,6 +230,8 @@ def topk_library(wheel: Path) -> tuple[str, bytes]:
     """vLLM's CUDA kernels on torch's stable ABI, the top-k ones among them (``LIBRARY`` of
     ``mla.conformance.adapters.vllm_topk``, 92 MB), for sm_90 alone, compressed by xz
     (``COMPRESSED``, 26 MB): the other SMs' cubins zeroed (``keep_one_arch``)."""
+    from mla.conformance.adapters.vllm_topk import COMPRESSED, LIBRARY  # imports torch
+
     with zipfile.ZipFile(wheel) as z:
         buf = bytearray(z.read(LIBRARY))
     section = elf_section(bytes(buf), ".nv_fatbin")

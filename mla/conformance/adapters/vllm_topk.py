@@ -27,7 +27,7 @@ threads' atomics come, ``benchmarks/NOTES.md``). Not yet run against the catalog
 ``benchmarks.topk_peers`` timed these kernels and checked their values on random rows
 (``benchmarks/results/topk_peers_2026-12-02.md``). ``prefill_indices`` and
 ``persistent_indices`` hold the calls, tested on the CPU with stand-ins for the kernels
-(``tests/test_conformance_targets.py``).
+(``tests/test_conformance_vllm_topk.py``).
 """
 
 from __future__ import annotations
