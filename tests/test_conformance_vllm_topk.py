@@ -107,3 +107,11 @@ def test_the_compressed_library_is_unpacked_once(tmp_path) -> None:
     stamp = so.stat().st_mtime_ns
     assert vllm_topk._unpacked(xz) == so and so.stat().st_mtime_ns == stamp
     assert vllm_topk._unpacked(so) == so  # a plain library is itself
+
+
+def test_a_library_that_cannot_be_unpacked_is_unsupported(tmp_path) -> None:
+    bad = tmp_path / "broken.abi3.so.xz"
+    bad.write_bytes(b"not xz data")
+    with pytest.raises(Unsupported, match="cannot unpack"):
+        vllm_topk.load_library(bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken.abi3.so.xz"]  # no leftover

@@ -67,8 +67,12 @@ def _unpacked(path: Path) -> Path:
     so = path.with_suffix("")
     if not so.is_file() or so.stat().st_mtime < path.stat().st_mtime:
         part = so.with_name(so.name + ".part")
-        with lzma.open(path) as src, open(part, "wb") as dst:
-            shutil.copyfileobj(src, dst)
+        try:
+            with lzma.open(path) as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
         part.replace(so)
     return so
 
@@ -89,7 +93,10 @@ def load_library(path: Path | None = None) -> dict:
     with _lock:
         key = str(Path(path).resolve())
         if key not in _loaded:
-            so = _unpacked(Path(path))
+            try:
+                so = _unpacked(Path(path))
+            except (OSError, EOFError, lzma.LZMAError) as e:  # read-only, truncated, not xz
+                raise Unsupported(f"{PEER}: cannot unpack {path} ({e})"[:500]) from e
             try:
                 torch.ops.load_library(str(so))
                 how = "torch.ops.load_library"
