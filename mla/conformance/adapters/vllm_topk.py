@@ -55,7 +55,7 @@ WORKSPACE_BYTES = 1 << 20  # vLLM's RADIX_TOPK_WORKSPACE_SIZE
 COOPERATIVE_MAX_ROWS = 64  # vLLM's AUTO_COOPERATIVE_MAX_ROWS: cooperative_topk up to this
 PERSISTENT_TOPK = (512, 1024, 2048)
 _RTLD_LAZY, _RTLD_GLOBAL = 0x1, 0x100
-_loaded: dict[str, object] = {}
+_loaded: dict[str, dict] = {}
 _lock = threading.Lock()
 
 
@@ -112,7 +112,7 @@ def load_library(path: Path | None = None) -> dict:
                 "top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk",
                 "cooperative_topk")}
             _loaded[key] = {"path": str(so), "how": how, "ops": ops}
-        return dict(_loaded[key])  # type: ignore[arg-type]
+        return dict(_loaded[key])
 
 
 def _ops() -> object:
@@ -138,7 +138,7 @@ def persistent_indices(ops: object, logits: torch.Tensor, row_ends: torch.Tensor
     """``ops.persistent_topk`` as vLLM's decode indexer calls it: each row read from column
     0 to its length, vLLM's 1 MiB workspace, ``max_seq_len`` the longest row (its host-side
     bound), an int32 ``[R, topk]`` output filled with ``-1`` first."""
-    R, W = logits.shape
+    R = logits.shape[0]
     out = torch.full((R, topk), -1, dtype=torch.int32, device=logits.device)
     lengths = row_ends.to(torch.int32).contiguous()
     longest = int(lengths.max()) if R else 0
