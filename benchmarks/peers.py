@@ -37,6 +37,7 @@ import argparse
 import ast
 import hashlib
 import importlib
+import io
 import json
 import lzma
 import os
@@ -45,6 +46,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import tarfile
 import textwrap
 import zipfile
 from pathlib import Path
@@ -243,6 +245,38 @@ def topk_library(wheel: Path) -> tuple[str, bytes]:
     return COMPRESSED, lzma.compress(bytes(buf), preset=6)
 
 
+def deepgemm_files(wheel: Path) -> dict[str, bytes]:
+    """DeepGEMM as vLLM 0.33.0 ships it (``vllm/third_party/deep_gemm``, 57 MB), for
+    ``mla.conformance.adapters.deepgemm``: its Python files as they are, its extension
+    compressed by xz (``.so.xz``, 29 -> 5 MB) and the headers its JIT compiles against as
+    ``include.tar.xz`` (28 -> 1 MB), which the adapter unpacks beside them."""
+    from mla.conformance.adapters.deepgemm import PACKAGE  # imports torch
+
+    root = PACKAGE.replace(".", "/") + "/"
+    out: dict[str, bytes] = {}
+    with zipfile.ZipFile(wheel) as z:
+        names = sorted(n for n in z.namelist() if n.startswith(root) and not n.endswith("/"))
+        if not names:
+            raise SystemExit(f"{wheel.name} has no {root}")
+        tar_buf = io.BytesIO()
+        with tarfile.open(fileobj=tar_buf, mode="w:xz", preset=6) as tar:
+            for n in names:
+                rel = n[len(root):]
+                data = z.read(n)
+                if rel.startswith("include/"):
+                    info = tarfile.TarInfo(rel[len("include/"):])
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                elif rel.endswith(".so"):
+                    out[n + ".xz"] = lzma.compress(data, preset=6)
+                elif rel.endswith(".py"):
+                    out[n] = data
+        out[root + "include.tar.xz"] = tar_buf.getvalue()
+    log(f"{root}: {len(names)} members -> {len(out)} files, "
+        f"{sum(map(len, out.values())) / 2**20:.1f} MiB")
+    return out
+
+
 def check_python(dest: Path, written: dict[str, str]) -> list[str]:
     """Compile every written .py; import the pure-Triton modules. Returns one line per
     module saying whether it imported (the FlashMLA interface needs a CUDA build of torch)."""
@@ -276,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", action="store_true",
                    help="also vLLM's top-k kernels for sm_90, xz-compressed (26 MB), for "
                         "benchmarks.topk_peers")
+    p.add_argument("--deepgemm", action="store_true",
+                   help="also DeepGEMM (vllm/third_party/deep_gemm: the indexer's logits "
+                        "kernels), its extension and headers xz-compressed (6 MB), for "
+                        "mla conform --target deepgemm")
     args = p.parse_args(argv)
 
     wheel = args.wheel or download(VLLM, args.cache)
@@ -289,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         rel, data = topk_library(wheel)
         (args.dest / rel).write_bytes(data)
         written[rel] = hashlib.sha256(data).hexdigest()
+    if args.deepgemm:
+        for rel, data in deepgemm_files(wheel).items():
+            (args.dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            (args.dest / rel).write_bytes(data)
+            written[rel] = hashlib.sha256(data).hexdigest()
     manifest = {"vllm_wheel": wheel.name,
                 "vllm_wheel_sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(),
                 "files": written}

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mla.conformance.adapters import vllm_topk
+from mla.conformance.adapters import unpacked, vllm_topk
 from mla.conformance.catalogue import Unsupported
 from mla.conformance.runner import run
 from mla.conformance.targets import load_target
@@ -102,11 +102,11 @@ def test_the_compressed_library_is_unpacked_once(tmp_path) -> None:
     data = os.urandom(1000) * 3
     xz = tmp_path / "lib.abi3.so.xz"
     xz.write_bytes(lzma.compress(data))
-    so = vllm_topk._unpacked(xz)
+    so = unpacked(xz)
     assert so == tmp_path / "lib.abi3.so" and so.read_bytes() == data
     stamp = so.stat().st_mtime_ns
-    assert vllm_topk._unpacked(xz) == so and so.stat().st_mtime_ns == stamp
-    assert vllm_topk._unpacked(so) == so  # a plain library is itself
+    assert unpacked(xz) == so and so.stat().st_mtime_ns == stamp
+    assert unpacked(so) == so  # a plain library is itself
 
 
 def test_a_library_that_cannot_be_unpacked_is_unsupported(tmp_path) -> None:

@@ -17,8 +17,11 @@ The peers come from ``python -m benchmarks.peers`` (vLLM 0.33.0's wheel, unpacke
 from __future__ import annotations
 
 import importlib
+import lzma
 import os
+import shutil
 import sys
+import tarfile
 from pathlib import Path
 from types import ModuleType
 
@@ -27,7 +30,7 @@ import torch
 from mla.conformance.catalogue import Unsupported
 
 __all__ = ["peers_dir", "import_peer", "require", "require_device", "require_dtype",
-           "triton_runs_on"]
+           "triton_runs_on", "unpacked", "unpacked_tree"]
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -35,6 +38,48 @@ REPO = Path(__file__).resolve().parents[3]
 def peers_dir() -> Path:
     """Where ``benchmarks.peers`` unpacked the peers: ``$MLA_PEERS`` or ``<repo>/peers``."""
     return Path(os.environ.get("MLA_PEERS") or REPO / "peers")
+
+
+def unpacked(path: Path) -> Path:
+    """The file ``path`` names: itself, or for an ``.xz`` the file unpacked beside it (once;
+    again when the ``.xz`` is newer). A partial file never stays: unpacking writes
+    ``NAME.part``, then renames it."""
+    if path.suffix != ".xz":
+        return path
+    out = path.with_suffix("")
+    if not out.is_file() or out.stat().st_mtime < path.stat().st_mtime:
+        part = out.with_name(out.name + ".part")
+        try:
+            with lzma.open(path) as src, open(part, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        part.replace(out)
+    return out
+
+
+def unpacked_tree(archive: Path) -> Path:
+    """The directory ``X`` that ``X.tar.xz`` holds, unpacked beside it once (again when the
+    archive is newer; written as ``X.part`` first, then renamed, so that a directory that
+    exists is whole). Members that would land outside it are refused (``tarfile``'s data
+    filter)."""
+    if not archive.name.endswith(".tar.xz"):
+        raise ValueError(f"archive must be a .tar.xz, got {archive.name!r}")
+    dest = archive.with_name(archive.name.removesuffix(".tar.xz"))
+    if dest.is_dir() and dest.stat().st_mtime >= archive.stat().st_mtime:
+        return dest
+    part = dest.with_name(dest.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    try:
+        with tarfile.open(archive, "r:xz") as tar:
+            tar.extractall(part, filter="data")
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+    shutil.rmtree(dest, ignore_errors=True)
+    part.replace(dest)
+    return dest
 
 
 def import_peer(module: str, what: str,

@@ -34,14 +34,19 @@ from __future__ import annotations
 
 import ctypes
 import lzma
-import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from mla.conformance.adapters import peers_dir, require, require_device, require_dtype
+from mla.conformance.adapters import (
+    peers_dir,
+    require,
+    require_device,
+    require_dtype,
+    unpacked,
+)
 from mla.conformance.catalogue import Unsupported
 
 __all__ = ["target", "top_k_per_row", "persistent_top_k_per_row", "prefill_indices",
@@ -57,24 +62,6 @@ PERSISTENT_TOPK = (512, 1024, 2048)
 _RTLD_LAZY, _RTLD_GLOBAL = 0x1, 0x100
 _loaded: dict[str, dict] = {}
 _lock = threading.Lock()
-
-
-def _unpacked(path: Path) -> Path:
-    """The library ``path`` names: itself, or for an ``.xz`` the file unpacked beside it
-    (once)."""
-    if path.suffix != ".xz":
-        return path
-    so = path.with_suffix("")
-    if not so.is_file() or so.stat().st_mtime < path.stat().st_mtime:
-        part = so.with_name(so.name + ".part")
-        try:
-            with lzma.open(path) as src, open(part, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        except BaseException:
-            part.unlink(missing_ok=True)
-            raise
-        part.replace(so)
-    return so
 
 
 def load_library(path: Path | None = None) -> dict:
@@ -94,7 +81,7 @@ def load_library(path: Path | None = None) -> dict:
         key = str(Path(path).resolve())
         if key not in _loaded:
             try:
-                so = _unpacked(Path(path))
+                so = unpacked(Path(path))
             except (OSError, EOFError, lzma.LZMAError) as e:  # read-only, truncated, not xz
                 raise Unsupported(f"{PEER}: cannot unpack {path} ({e})"[:500]) from e
             try:
