@@ -3,9 +3,10 @@
     mla.fast          this package's Triton kernels (needs triton; on the CPU, its interpreter),
                       run with their value checks on
     reference         mla.reference itself (passes every case by construction)
-    flashmla          FlashMLA, vLLM's Triton kernels and CUDA top-k, DeepGEMM, FlashInfer: the
+    flashmla          FlashMLA, vLLM's Triton and CUDA kernels, DeepGEMM, FlashInfer: the
     vllm-triton       adapters of mla.conformance.adapters (their peers are imported when a
     vllm-topk         case runs; missing ones make the rows "unsupported")
+    vllm-cache
     deepgemm
     flashinfer
     pkg.module        a module whose attributes named like mla.reference's kernels are the kernels
@@ -33,13 +34,15 @@ TARGETS = {
     "vllm-triton": "vLLM 0.33.0's Triton MLA decode, merge_attn_states and DCP correction",
     "vllm-topk": "vLLM 0.33.0's CUDA top_k_per_row_prefill (the indexer's top-k over row "
                  "ranges)",
+    "vllm-cache": "vLLM 0.33.0's CUDA cache kernels: concat_and_cache_mla (bf16, fp8_ds_mla), "
+                  "indexer_k_quant_and_cache, cp_gather_cache",
     "deepgemm": "DeepGEMM 2.8.1 from vLLM 0.33.0's wheel: the indexer's fp8_mqa_logits and "
                 "fp8_paged_mqa_logits",
     "flashinfer": "FlashInfer's BatchMLAPagedAttentionWrapper (paged decode), if importable",
 }
 
 _ADAPTERS = {"flashmla": "flashmla", "vllm-triton": "vllm_triton", "vllm-topk": "vllm_topk",
-             "deepgemm": "deepgemm", "flashinfer": "flashinfer"}
+             "vllm-cache": "vllm_cache", "deepgemm": "deepgemm", "flashinfer": "flashinfer"}
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 _EXPECTED = (f"expected one of {sorted(TARGETS)}, a module 'pkg.module' or "
              "'pkg.module:attr'")

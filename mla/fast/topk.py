@@ -305,16 +305,19 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
 def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
              out: torch.Tensor, topk: int, plan: TopkPlan
              ) -> tuple[torch.Tensor, list[Callable[[], None]]]:
-    """The scratch (``[R, work_columns(cap, SMALL)]`` int32, per row: ``_work_row``) and the
-    launches, in order, on checked arguments (``logits`` float32 with unit column stride), by
-    the route ``plan.route_for`` picks: one, two (estimate; mark and select, each row's parts
+    """The scratch (``[R, work_columns(cap, SMALL)]`` int32, per row: ``_work_row``; ``[R, 0]``
+    where the logits are no wider than the list) and the launches, in order, on checked
+    arguments (``logits`` float32 with unit column stride), by the route ``plan.route_for``
+    picks: one, two (estimate; mark and select, each row's parts
     waiting for its flag in ``ready``) or three (estimate, filter, select);
     ``top_k_per_row`` runs them, the tests read the survivor counts, the benchmarks time each.
     A launch after the first of its shapes and plan calls the compiled kernel directly
     (``mla.fast.launch``)."""
     R, W = logits.shape
     cap = CANDIDATES
-    work = torch.empty(R, work_columns(cap, SMALL), dtype=torch.int32, device=logits.device)
+    # rows held whole (every row where W <= cap) need no scratch: none is allocated
+    cols = work_columns(cap, SMALL) if W > cap else 0
+    work = torch.empty(R, cols, dtype=torch.int32, device=logits.device)
     rows = (logits, row_starts, row_ends)
     s_l_r, s_o_r = logits.stride(0), out.stride(0)
     # what fixes every compiled kernel's specialization but the plan (which keys its own)
@@ -451,5 +454,8 @@ def _capped(plan: TopkPlan, programs: int, device: torch.device, warps: int = 0
 def survivors(work: torch.Tensor) -> torch.Tensor:
     """The survivor count of each row after the streaming read (``launches``' scratch): more
     than ``topk`` and at most the list's length, the candidates were selected; otherwise the
-    row was scanned (rows of no more than the list's length are never filtered)."""
+    row was scanned. Rows of no more than the list's length are never filtered: where every
+    row is (no scratch), zeros."""
+    if work.shape[1] == 0:
+        return torch.zeros(work.shape[0], dtype=torch.int32, device=work.device)
     return work[:, count_column(CANDIDATES, SMALL)]

@@ -1,11 +1,8 @@
 """vLLM 0.33.0's CUDA top-k kernels for the DeepSeek-V3.2 indexer as a conformance target.
 
-They live in the wheel's ``vllm/_C_stable_libtorch.abi3.so``, built on torch's stable C ABI
-(it loads under a torch other than the wheel's 2.14: 2.11 on our H200), and register
-``torch.ops._C.top_k_per_row_prefill``, ``top_k_per_row_decode``, ``persistent_topk`` and
-``cooperative_topk``. ``python -m benchmarks.peers --topk`` writes the library for sm_90 alone,
-compressed (``<peers>/vllm/_C_stable_libtorch.sm90.abi3.so.xz``, 26 MB); ``load_library``
-unpacks it beside itself once and loads it (or the plain library, where that was unpacked).
+They live in the wheel's ``vllm/_C_stable_libtorch.abi3.so`` (``vllm_library.load_library``
+loads it) and register ``torch.ops._C.top_k_per_row_prefill``, ``top_k_per_row_decode``,
+``persistent_topk`` and ``cooperative_topk``.
 
 ``top_k_per_row`` (the target's kernel, ``mla.reference.top_k_per_row``'s signature) runs
 ``top_k_per_row_prefill(logits, row_starts, row_ends, indices, R, stride0, stride1, topk)``,
@@ -23,83 +20,32 @@ float32 with their strides, the workspace is vLLM's 1 MiB, and the output starts
 kernels return passes through unchanged, so a convention of theirs shows as failing cases
 that name it: whether indices count from the row's start or from column 0, and which of tied
 keys are taken (ours: the lower columns; their radix selects take them in the order their
-threads' atomics come, ``benchmarks/NOTES.md``). Not yet run against the catalogue on a GPU:
-``benchmarks.topk_peers`` timed these kernels and checked their values on random rows
-(``benchmarks/results/topk_peers_2026-12-02.md``). ``prefill_indices`` and
+threads' atomics come, ``benchmarks/NOTES.md``). On the H200 (2026-12-02,
+``benchmarks/results/conformance_vllm-topk_2026-12-02.md``) the prefill kernel passes three of
+the four top-k cases and fails ``ties_at_the_boundary``, the tie rule: it takes other columns
+among the keys tied at the boundary. ``benchmarks.topk_peers`` times these kernels and checks
+the values they pick. ``prefill_indices`` and
 ``persistent_indices`` hold the calls, tested on the CPU with stand-ins for the kernels
 (``tests/test_conformance_vllm_topk.py``).
 """
 
 from __future__ import annotations
 
-import ctypes
-import lzma
-import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from mla.conformance.adapters import (
-    peers_dir,
-    require,
-    require_device,
-    require_dtype,
-    unpacked,
-)
-from mla.conformance.catalogue import Unsupported
+from mla.conformance.adapters import require, require_device, require_dtype
+from mla.conformance.adapters.vllm_library import COMPRESSED, LIBRARY, load_library
 
 __all__ = ["target", "top_k_per_row", "persistent_top_k_per_row", "prefill_indices",
            "persistent_indices", "load_library", "LIBRARY", "COMPRESSED",
            "WORKSPACE_BYTES", "COOPERATIVE_MAX_ROWS"]
 
 PEER = "vLLM's top-k kernels (vllm/_C_stable_libtorch.abi3.so)"
-LIBRARY = "vllm/_C_stable_libtorch.abi3.so"
-COMPRESSED = "vllm/_C_stable_libtorch.sm90.abi3.so.xz"  # benchmarks.peers --topk
 WORKSPACE_BYTES = 1 << 20  # vLLM's RADIX_TOPK_WORKSPACE_SIZE
 COOPERATIVE_MAX_ROWS = 64  # vLLM's AUTO_COOPERATIVE_MAX_ROWS: cooperative_topk up to this
 PERSISTENT_TOPK = (512, 1024, 2048)
-_RTLD_LAZY, _RTLD_GLOBAL = 0x1, 0x100
-_loaded: dict[str, dict] = {}
-_lock = threading.Lock()
-
-
-def load_library(path: Path | None = None) -> dict:
-    """Loads vLLM's library once (``path``: the .so or its .xz; default: the peers
-    directory's, compressed or plain). Returns how: ``{"path", "how", "ops"}``; an undefined
-    symbol under the loader's immediate binding (a stable-ABI function newer than this torch)
-    falls back to lazy binding, so that only a kernel whose wrapper calls it fails.
-    ``Unsupported`` where there is no library or it cannot be loaded."""
-    if path is None:
-        root = peers_dir()
-        found = [root / p for p in (COMPRESSED, LIBRARY) if (root / p).is_file()]
-        if not found:
-            raise Unsupported(f"{PEER} is not unpacked in {root} (python -m benchmarks.peers "
-                              "--topk writes it)")
-        path = found[0]
-    with _lock:
-        key = str(Path(path).resolve())
-        if key not in _loaded:
-            try:
-                so = unpacked(Path(path))
-            except (OSError, EOFError, lzma.LZMAError) as e:  # read-only, truncated, not xz
-                raise Unsupported(f"{PEER}: cannot unpack {path} ({e})"[:500]) from e
-            try:
-                torch.ops.load_library(str(so))
-                how = "torch.ops.load_library"
-            except OSError as e:
-                libc = ctypes.CDLL(None)
-                libc.dlopen.restype = ctypes.c_void_p
-                libc.dlerror.restype = ctypes.c_char_p
-                if not libc.dlopen(str(so).encode(), _RTLD_LAZY | _RTLD_GLOBAL):
-                    raise Unsupported(f"{PEER} does not load from {so} ({e}; lazy binding: "
-                                      f"{libc.dlerror()})"[:500]) from e
-                how = f"dlopen(RTLD_LAZY) after: {e}"[:300]
-            ops = {n: hasattr(torch.ops._C, n) for n in (
-                "top_k_per_row_prefill", "top_k_per_row_decode", "persistent_topk",
-                "cooperative_topk")}
-            _loaded[key] = {"path": str(so), "how": how, "ops": ops}
-        return dict(_loaded[key])
 
 
 def _ops() -> object:
