@@ -79,6 +79,36 @@ def test_an_adapter_refusing_inputs_is_unsupported_with_its_reason():
     assert report.passed
 
 
+def test_a_cuda_error_left_pending_is_the_error_of_the_case_that_left_it(monkeypatch):
+    """A kernel whose launch the driver rejected returns normally; the runner's check after
+    each case on CUDA (a synchronize and a tiny launch) raises it within that case. Here the
+    tiny launch is made to fail after the ``heads_1`` case only; on the CPU nothing is
+    checked."""
+    from mla.conformance import runner
+
+    armed = {"on": False}
+
+    def decode(q, *args):
+        armed["on"] = q.shape[2] == 1
+        return ref.mla_decode_paged(q, *args)
+
+    def pending(device):
+        if armed["on"]:
+            armed["on"] = False
+            raise RuntimeError("the kernel returned, but left a CUDA error pending")
+
+    monkeypatch.setattr(runner, "surface_pending_error", pending)
+    report = run({"mla_decode_paged": decode}, kernels=["mla_decode_paged"], **F64)
+    bad = _failing(report)
+    assert [(r.case, r.status) for r in bad] == [("heads_1", "error")]
+    assert "left a CUDA error pending" in bad[0].detail
+
+
+def test_no_pending_error_check_on_the_cpu():
+    from mla.conformance.runner import surface_pending_error
+    assert surface_pending_error("cpu") is None
+
+
 def test_a_crash_is_an_error_row_and_the_run_goes_on():
     def crashes(q, *args):
         if q.shape[2] == 1:

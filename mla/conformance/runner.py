@@ -71,6 +71,7 @@ def run_case(kernel_fn: Callable | None, c: Case, setting: Setting) -> Row:
         if trial.refuses:
             return _run_refusal(kernel_fn, trial, row, t0)
         outputs = trial.invoke(kernel_fn)
+        surface_pending_error(setting.device)
     except Unsupported as e:
         row.detail = str(e) or "the target's adapter does not take these inputs"
         row.seconds = time.perf_counter() - t0
@@ -91,6 +92,21 @@ def run_case(kernel_fn: Callable | None, c: Case, setting: Setting) -> Row:
                                  trial.alternatives)
     row.seconds = time.perf_counter() - t0
     return row
+
+
+def surface_pending_error(device: torch.device | str) -> None:
+    """Raise, within the case that left it, a CUDA error a kernel left pending: a launch the
+    driver rejected (an empty grid, say) returns no error to a caller that does not ask, and
+    the next launch anywhere (the next case's) would report it. One synchronize and one tiny
+    launch, whose check reads the error slot. On the CPU, nothing."""
+    if torch.device(device).type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    try:
+        torch.zeros(1, device=device).add_(1)
+    except Exception as e:
+        raise RuntimeError(f"the kernel returned, but left a CUDA error pending (seen at the "
+                           f"next launch): {type(e).__name__}: {str(e).splitlines()[0]}") from e
 
 
 def _run_refusal(kernel_fn: Callable, trial: Trial, row: Row, t0: float) -> Row:
