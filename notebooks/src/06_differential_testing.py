@@ -276,10 +276,12 @@ print(broken.to_text())
 # %% [markdown]
 # ## Other people's kernels, on a GPU
 #
-# The same catalogue runs on FlashMLA, vLLM's Triton MLA decode and FlashInfer through adapters
+# The same catalogue runs on FlashMLA, vLLM's Triton MLA decode, vLLM's CUDA top-k and cache
+# kernels, DeepGEMM's indexer logits and FlashInfer through adapters
 # (`mla.conformance.adapters`) that only change layouts, never values, so a convention the peer
-# does not share shows up as a failing case that names it. On a GPU machine with the peers
-# unpacked (`python -m benchmarks.peers`):
+# does not share shows up as a failing case that names it (on the H200, vLLM's top-k fails the
+# tie rule; its cache writes and DeepGEMM's logits pass every case they take). On a GPU
+# machine with the peers unpacked (`python -m benchmarks.peers --topk --deepgemm`):
 #
 # ```bash
 # mla conform --target flashmla --out flashmla.md      # exit status 1 on any failure
