@@ -22,16 +22,21 @@ TOPK_CASES = ["k_2048_long_rows", "fewer_keys_than_k", "ties_at_the_boundary",
               "ragged_row_starts"]
 
 
-def _stand_in(absolute: bool = False) -> SimpleNamespace:
+def _stand_in(absolute: bool = False, shuffled_ties: bool = False) -> SimpleNamespace:
     """The two kernels in torch: each range's ``topk`` best, ties to the lower column (a
-    stable sort), indices from the range's start (``absolute``: from column 0), the rest of
-    ``out`` left as found."""
+    stable sort; ``shuffled_ties``: to columns in a random order), indices from the range's
+    start (``absolute``: from column 0), the rest of ``out`` left as found."""
     def prefill(logits, starts, ends, out, R, s0, s1, topk):
         assert out.dtype == torch.int32 and out.shape == (R, topk)
         assert (s0, s1) == logits.stride()
         for r in range(R):
             a, b = int(starts[r]), int(ends[r])
-            order = torch.sort(logits[r, a:b], descending=True, stable=True).indices
+            if shuffled_ties:
+                perm = torch.randperm(b - a, generator=torch.Generator().manual_seed(r))
+                order = perm[torch.sort(logits[r, a:b][perm], descending=True,
+                                        stable=True).indices]
+            else:
+                order = torch.sort(logits[r, a:b], descending=True, stable=True).indices
             k = min(topk, b - a)
             out[r, :k] = (order[:k] + (a if absolute else 0)).to(torch.int32)
 
@@ -77,6 +82,39 @@ def test_a_convention_passed_through_fails_its_case_and_is_named() -> None:
                       "ties_at_the_boundary": "pass", "ragged_row_starts": "fail"}, status
     bad = next(r for r in report.rows if r.case == "ragged_row_starts")
     assert "not relative to row_starts" in bad.convention, bad.convention
+
+
+def test_another_tie_rule_fails_the_ties_case_and_is_named() -> None:
+    """Tied keys taken in a random order: only the ties case fails, named as the same values
+    with other columns (not as ties toward the higher index)."""
+    from mla.conformance.cases.indexer import TIES_HIGH, TIES_OTHER
+
+    fn = partial(vllm_topk.prefill_indices, _stand_in(shuffled_ties=True))
+    report = run({"top_k_per_row": fn}, kernels=["top_k_per_row"],
+                 device="cpu", dtype=torch.float32)
+    status = {r.case: r.status for r in report.rows}
+    assert status == {"k_2048_long_rows": "pass", "fewer_keys_than_k": "pass",
+                      "ties_at_the_boundary": "fail", "ragged_row_starts": "pass"}, status
+    bad = next(r for r in report.rows if r.case == "ties_at_the_boundary")
+    assert TIES_OTHER in bad.convention and TIES_HIGH not in bad.convention, bad.convention
+
+
+def test_picking_other_values_is_not_called_another_tie_rule() -> None:
+    """A set off by one key's value (the boundary's next key instead of a tied one) names no
+    convention: the values differ."""
+    def off_by_one(logits, starts, ends, out, R, s0, s1, topk):
+        _stand_in().top_k_per_row_prefill(logits, starts, ends, out, R, s0, s1, topk)
+        for r in range(R):
+            a, b = int(starts[r]), int(ends[r])
+            if b - a > topk:
+                order = torch.sort(logits[r, a:b], descending=True, stable=True).indices
+                out[r, topk - 1] = order[-1]  # the row's worst key for its last pick
+
+    fn = partial(vllm_topk.prefill_indices, SimpleNamespace(top_k_per_row_prefill=off_by_one))
+    report = run({"top_k_per_row": fn}, kernels=["top_k_per_row"], cases=["k_2048_long_rows"],
+                 device="cpu", dtype=torch.float32)
+    assert [r.status for r in report.rows] == ["fail"]
+    assert not report.rows[0].convention, report.rows[0].convention
 
 
 def test_persistent_call_and_what_it_refuses(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -90,7 +90,8 @@ from mla.reference.indexer_logits import (
 from mla.reference.paged_cache import make_block_table
 
 __all__ = ["logits_budget_of", "logits_limit", "TOPK", "INVERTED_SCALE", "TOKEN_ROWS",
-           "SCALE_IGNORED", "NO_RELU", "NO_WEIGHTS", "CAUSAL_SHORT", "CAUSAL_IGNORED", "TIES_HIGH"]
+           "SCALE_IGNORED", "NO_RELU", "NO_WEIGHTS", "CAUSAL_SHORT", "CAUSAL_IGNORED", "TIES_HIGH",
+           "TIES_OTHER"]
 
 TOPK = 2048
 HEADS = 64  # DeepSeek-V3.2's index_n_heads
@@ -109,6 +110,8 @@ CAUSAL_SHORT = "causal rule off by one: query n sees keys 0..L-next_n+n-1 (one t
 CAUSAL_LONG = "causal rule off by one: query n sees keys 0..L-next_n+n+1 (one too many)"
 CAUSAL_IGNORED = "causal rule ignored (every query sees all L keys)"
 TIES_HIGH = "ties broken toward the higher index; the reference's go to the lower index"
+TIES_OTHER = ("the same values chosen, other columns among the keys tied at the boundary (the "
+              "reference takes the lowest)")
 ABSOLUTE = "indices are columns of the logits, not relative to row_starts (request-local)"
 
 
@@ -343,6 +346,24 @@ def as_sets(idx: object) -> object:
     return torch.where(s == big, -1, s).to(idx.dtype)
 
 
+def _picks_the_same_values(got: object, want: torch.Tensor, logits: torch.Tensor,
+                           starts: torch.Tensor, stop: torch.Tensor) -> bool:
+    """Whether ``got`` (sets, ``-1`` last) picks in each row as many distinct columns of its
+    range as ``want`` does, whose values, sorted, are ``want``'s."""
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return False
+    for r in range(want.shape[0]):
+        g, w = got[r][got[r] >= 0].long(), want[r][want[r] >= 0].long()
+        n = int(stop[r] - starts[r])
+        if g.numel() != w.numel() or g.unique().numel() != g.numel() or \
+                (g.numel() and (int(g.min()) < 0 or int(g.max()) >= n)):
+            return False
+        row = logits[r, int(starts[r]):int(stop[r])]
+        if not torch.equal(row[g].sort().values, row[w].sort().values):
+            return False
+    return True
+
+
 def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: bool = False,
                ties: bool = False) -> Trial:
     g = generator(setting, salt)
@@ -361,8 +382,19 @@ def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: b
     dev = setting.device
     args = (logits.to(dev), st.to(dev), en.to(dev), TOPK)
 
+    seen: dict[str, torch.Tensor] = {}
+
     def invoke(fn: Callable) -> Outputs:
-        return {"indices": as_sets(call_poisoned(fn, *args))}
+        seen["got"] = as_sets(call_poisoned(fn, *args))
+        return {"indices": seen["got"]}
+
+    def same_values() -> Outputs:
+        """The kernel's own sets where each row picks distinct columns of its range whose
+        values are the reference's (another tie rule), else something nothing matches."""
+        got = seen.get("got")
+        if _picks_the_same_values(got, want, logits, starts, stop):
+            return {"indices": got}
+        return {"indices": torch.full_like(as_sets(want), -2)}
 
     def high_ties() -> Outputs:
         flipped = top_k_per_row(logits.flip(1), width - en, width - st, TOPK).long()
@@ -371,7 +403,7 @@ def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: b
                                    .to(torch.int32))}
 
     want = top_k_per_row(logits, st, en, TOPK)
-    alts = {TIES_HIGH: high_ties}
+    alts = {TIES_HIGH: high_ties, TIES_OTHER: same_values}
     if offsets:
         alts[ABSOLUTE] = lambda: {"indices": as_sets(torch.where(
             want >= 0, want + st[:, None], -1).to(torch.int32))}
