@@ -12,6 +12,8 @@ from mla.conformance.cases.indexer import (
     CAUSAL_IGNORED,
     CAUSAL_SHORT,
     INVERTED_SCALE,
+    NAN_LOW,
+    NEG_ZERO_LOW,
     NO_RELU,
     NO_WEIGHTS,
     SCALE_IGNORED,
@@ -132,6 +134,18 @@ def _absolute(logits, row_starts, row_ends, topk):
     return torch.where(idx >= 0, idx + row_starts[:, None], -1).to(torch.int32)
 
 
+def _nan_low(logits, row_starts, row_ends, topk):
+    cols = torch.arange(logits.shape[1])[None, :]
+    inside = (cols >= row_starts[:, None]) & (cols < row_ends[:, None])
+    return ref.top_k_per_row(torch.where(torch.isnan(logits) & inside, float("-inf"), logits),
+                             row_starts, row_ends, topk)
+
+
+def _neg_zero_low(logits, row_starts, row_ends, topk):
+    return ref.top_k_per_row(torch.where((logits == 0) & torch.signbit(logits), -1e-30, logits),
+                             row_starts, row_ends, topk)
+
+
 # twin -> (kernel, the topics that fail: all their cases and nothing else, the words the
 # failing rows' convention line holds)
 TWINS = {
@@ -146,7 +160,10 @@ TWINS = {
     _paged_causal_ignored: ("fp8_paged_mqa_logits", {"causal", "empty"}, CAUSAL_IGNORED),
     _ragged_scale_ignored: ("fp8_mqa_logits", None, SCALE_IGNORED),
     _ragged_causal_short: ("fp8_mqa_logits", None, CAUSAL_SHORT),
-    _ties_to_higher: ("top_k_per_row", {"ties"}, TIES_HIGH),
+    _ties_to_higher: ("top_k_per_row", {"ties", "specials"}, TIES_HIGH),
+    _nan_low: ("top_k_per_row", {"specials"}, NAN_LOW),
+    # the ties case's rounding makes zeros of both signs too
+    _neg_zero_low: ("top_k_per_row", {"ties", "specials"}, NEG_ZERO_LOW),
     _absolute: ("top_k_per_row", {"offsets"}, "not relative to row_starts"),
 }
 

@@ -91,7 +91,7 @@ from mla.reference.paged_cache import make_block_table
 
 __all__ = ["logits_budget_of", "logits_limit", "TOPK", "INVERTED_SCALE", "TOKEN_ROWS",
            "SCALE_IGNORED", "NO_RELU", "NO_WEIGHTS", "CAUSAL_SHORT", "CAUSAL_IGNORED", "TIES_HIGH",
-           "TIES_OTHER"]
+           "TIES_OTHER", "NAN_LOW", "NEG_ZERO_LOW"]
 
 TOPK = 2048
 HEADS = 64  # DeepSeek-V3.2's index_n_heads
@@ -113,6 +113,8 @@ TIES_HIGH = "ties broken toward the higher index; the reference's go to the lowe
 TIES_OTHER = ("the same values chosen, other columns among the keys tied at the boundary (the "
               "reference takes the lowest)")
 ABSOLUTE = "indices are columns of the logits, not relative to row_starts (request-local)"
+NAN_LOW = "NaN ranked below every number (never chosen); the reference ranks it above +inf"
+NEG_ZERO_LOW = "-0 ranked below +0; the reference has them equal (ties to the lower index)"
 
 
 def logits_budget_of(heads: int, device: torch.device | str) -> float:
@@ -349,7 +351,8 @@ def as_sets(idx: object) -> object:
 def _picks_the_same_values(got: object, want: torch.Tensor, logits: torch.Tensor,
                            starts: torch.Tensor, stop: torch.Tensor) -> bool:
     """Whether ``got`` (sets, ``-1`` last) picks in each row as many distinct columns of its
-    range as ``want`` does, whose values, sorted, are ``want``'s."""
+    range as ``want`` does, whose values, sorted, are ``want``'s (NaN matching NaN, ``-0``
+    matching ``+0``)."""
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return False
     for r in range(want.shape[0]):
@@ -359,13 +362,35 @@ def _picks_the_same_values(got: object, want: torch.Tensor, logits: torch.Tensor
                 (g.numel() and (int(g.min()) < 0 or int(g.max()) >= n)):
             return False
         row = logits[r, int(starts[r]):int(stop[r])]
-        if not torch.equal(row[g].sort().values, row[w].sort().values):
+        a, b = row[g].sort().values, row[w].sort().values  # NaN last in both
+        if not torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True):
             return False
     return True
 
 
+def _specials(logits: torch.Tensor, ends: tuple[int, ...], g: torch.Generator
+              ) -> torch.Tensor:
+    """Rows (from column 0 to ``ends``) whose ``TOPK``-th place falls among zeros of both
+    signs: each row's values shifted to put it at 0, rounded to multiples of 1/40, the zeros
+    given random signs; then NaN at 4 columns, ``+inf`` at 3 and ``-inf`` at 5% of them."""
+    out = logits.clone()
+    for r, n in enumerate(ends):
+        cols = torch.randperm(n, generator=g)
+        plain = cols[7 + n // 20:]  # the numbers: the TOPK - 7 th of them is the boundary
+        row = logits[r, :n]
+        q = row[plain].sort(descending=True).values[min(TOPK - 7, plain.numel()) - 1]
+        v = ((row - q) * 40).round() / 40
+        sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+        v = torch.where(v == 0, torch.copysign(torch.zeros(()), sign), v)
+        v[cols[:4]] = float("nan")
+        v[cols[4:7]] = float("inf")
+        v[cols[7:7 + n // 20]] = float("-inf")
+        out[r, :n] = v
+    return out
+
+
 def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: bool = False,
-               ties: bool = False) -> Trial:
+               ties: bool = False, specials: bool = False) -> Trial:
     g = generator(setting, salt)
     width = max(ends) + (97 if offsets else 5)
     R = len(ends)
@@ -375,6 +400,8 @@ def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: b
     logits = torch.randn(R, width, generator=g)
     if ties:  # a few hundred distinct values: the 2048th place sits inside a run of equals
         logits = (logits * 40).round() / 40
+    if specials:  # (rows from column 0)
+        logits = _specials(logits, ends, g)
     cols = torch.arange(width)[None, :]
     logits = logits.masked_fill((cols < starts[:, None]) | (cols >= stop[:, None]),
                                 float("nan"))
@@ -404,6 +431,15 @@ def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: b
 
     want = top_k_per_row(logits, st, en, TOPK)
     alts = {TIES_HIGH: high_ties, TIES_OTHER: same_values}
+    if specials:
+        def recomputed(x: torch.Tensor) -> Outputs:
+            return {"indices": as_sets(top_k_per_row(x, st, en, TOPK))}
+
+        inside = (cols >= starts[:, None]) & (cols < stop[:, None])
+        alts[NAN_LOW] = lambda: recomputed(torch.where(torch.isnan(logits) & inside,
+                                                       float("-inf"), logits))
+        alts[NEG_ZERO_LOW] = lambda: recomputed(torch.where(
+            (logits == 0) & torch.signbit(logits), -1e-30, logits))
     if offsets:
         alts[ABSOLUTE] = lambda: {"indices": as_sets(torch.where(
             want >= 0, want + st[:, None], -1).to(torch.int32))}
@@ -474,6 +510,10 @@ _reg(_T, "fewer_keys_than_k", "short",
 _reg(_T, "ties_at_the_boundary", "ties",
      "Logits with many equal values around the 2048th place: ties go to the lower index.",
      lambda s: topk_trial(s, (3000, 2600, 4100), 932, ties=True))
+_reg(_T, "nan_infinities_signed_zeros", "specials",
+     "NaN ranks above +inf (always chosen), -inf below every number, -0 equals +0: the "
+     "2048th place falls among zeros of both signs, which go to the lower columns.",
+     lambda s: topk_trial(s, (3000, 2600, 4100), 934, specials=True))
 _reg(_T, "ragged_row_starts", "offsets",
      "Rows starting past column 0 (prefill): indices are relative to the row's start; NaN "
      "outside [start, end) is never read.",
