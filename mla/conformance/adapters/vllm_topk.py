@@ -21,12 +21,12 @@ kernels return passes through unchanged, so a convention of theirs shows as fail
 that name it: whether indices count from the row's start or from column 0, and which of tied
 keys are taken (ours: the lower columns; their radix selects take them in the order their
 threads' atomics come, ``benchmarks/NOTES.md``). On the H200 (2026-12-02,
-``benchmarks/results/conformance_vllm-topk_2026-12-02.md``) the prefill kernel passes three of
-the four top-k cases and fails ``ties_at_the_boundary``, the tie rule: it takes other columns
-among the keys tied at the boundary. ``benchmarks.topk_peers`` times these kernels and checks
-the values they pick. ``prefill_indices`` and
-``persistent_indices`` hold the calls, tested on the CPU with stand-ins for the kernels
-(``tests/test_conformance_vllm_topk.py``).
+``benchmarks/results/conformance_topk_cases_*_2026-12-02.md``) both kernels fail
+``ties_at_the_boundary`` and ``nan_infinities_signed_zeros`` only by their tie rule (other
+columns among the keys tied at the boundary; NaN and signed zeros rank as ours) and pass the
+others they take. ``benchmarks.topk_peers`` times these kernels and checks the values they
+pick. ``prefill_indices`` and ``persistent_indices`` hold the calls, tested on the CPU with
+stand-ins for the kernels (``tests/test_conformance_vllm_topk.py``).
 """
 
 from __future__ import annotations
