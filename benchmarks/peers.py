@@ -1,5 +1,5 @@
-"""``python -m benchmarks.peers [--wheel PATH] [--dest peers]``: other people's
-MLA kernels, unpacked for ``mla conform`` without installing vLLM.
+"""``python -m benchmarks.peers [--wheel PATH] [--dest peers] [--topk] [--deepgemm]``: other
+people's MLA kernels, unpacked for ``mla conform`` without installing vLLM.
 
 The ``vllm==0.33.0`` wheel (about 330 MB) holds FlashMLA's compiled extension and its Python
 interface and vLLM's Triton MLA kernels. This script takes only those out of it (about 4 MB)
@@ -22,6 +22,13 @@ subsystems; the script copies the kernel's source (``CorrectAttnCPOutKernel.kern
 ``@triton.jit`` function) verbatim into a module of its own; the adapter launches it as
 ``CorrectAttnCPOutKernel.__call__`` does (``mla.conformance.adapters.vllm_triton``).
 ``MANIFEST.json`` records the wheel and every written file's sha256.
+
+``--topk`` adds vLLM's CUDA kernels on torch's stable ABI (``vllm/_C_stable_libtorch.abi3.so``:
+the indexer's top-k and the paged caches' writes and gathers, for ``mla conform --target
+vllm-topk`` / ``vllm-cache`` and ``benchmarks.topk_peers``), for sm_90 alone and compressed
+(26 MB); ``--deepgemm`` adds DeepGEMM as vLLM ships it (``vllm/third_party/deep_gemm``: the
+indexer's logits kernels, for ``--target deepgemm`` and ``benchmarks.indexer_peers``), its
+extension and headers compressed (6 MB).
 
 FlashInfer is not unpacked here: ``flashinfer-python`` 0.7.2.post1 unpacks to 685 MiB (its
 CUDA sources, which it compiles with nvcc at the first ``plan``), and it needs packages of its
