@@ -13,6 +13,7 @@ from mla.conformance.cases.indexer import (
     CAUSAL_SHORT,
     INVERTED_SCALE,
     NAN_LOW,
+    NAN_ZERO,
     NEG_ZERO_LOW,
     NO_RELU,
     NO_WEIGHTS,
@@ -116,6 +117,16 @@ def _ragged_scale_ignored(q, kv, weights, ks, ke):
     return ref.fp8_mqa_logits(q, (kv[0], torch.ones_like(kv[1])), weights, ks, ke)
 
 
+def _paged_nan_to_zero(*args):
+    out = ref.fp8_paged_mqa_logits(*args)
+    return torch.where(torch.isnan(out), 0.0, out)
+
+
+def _ragged_nan_to_zero(*args):
+    out = ref.fp8_mqa_logits(*args)
+    return torch.where(torch.isnan(out), 0.0, out)
+
+
 def _ragged_causal_short(q, kv, weights, ks, ke):
     return ref.fp8_mqa_logits(q, kv, weights, ks, torch.maximum(ke - 1, ks))
 
@@ -158,6 +169,8 @@ TWINS = {
     _paged_no_weights: ("fp8_paged_mqa_logits", None, NO_WEIGHTS),
     _paged_causal_short: ("fp8_paged_mqa_logits", None, CAUSAL_SHORT),
     _paged_causal_ignored: ("fp8_paged_mqa_logits", {"causal", "empty"}, CAUSAL_IGNORED),
+    _paged_nan_to_zero: ("fp8_paged_mqa_logits", {"nan_input"}, NAN_ZERO),
+    _ragged_nan_to_zero: ("fp8_mqa_logits", {"nan_input"}, NAN_ZERO),
     _ragged_scale_ignored: ("fp8_mqa_logits", None, SCALE_IGNORED),
     _ragged_causal_short: ("fp8_mqa_logits", None, CAUSAL_SHORT),
     _ties_to_higher: ("top_k_per_row", {"ties", "specials"}, TIES_HIGH),

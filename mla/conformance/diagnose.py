@@ -3,8 +3,10 @@
 ``measure`` gives one error per output (conventions §11: relative Frobenius error for
 ``*_rel``, max absolute error for ``*_abs``, the number of unequal elements for
 ``mismatches``); NaN, a misplaced infinity, a wrong shape or a wrong dtype is an infinite
-error. ``describe`` says where a failing output is wrong: the worst element's index, where
-NaN or infinities appeared that the reference does not have, and one line naming a known
+error, except NaN exactly where the reference has NaN (a NaN input it propagates: the error
+is then over the other elements; NaN missing there is an infinite error too). ``describe``
+says where a failing output is wrong: the worst element's index, where NaN or infinities
+appeared that the reference does not have (or are missing), and one line naming a known
 convention difference when one explains the output (base-2 lse, ``-inf`` for a query with no
 key, an output left unwritten, or a case's own alternatives: a ``1/sqrt(576)`` scale, the
 causal mask off by one, ...).
@@ -56,6 +58,12 @@ def measure(quantity: str, got: object, want: torch.Tensor) -> float:
     assert isinstance(got, torch.Tensor)
     if quantity == "mismatches":
         return _mismatches(got, want)
+    nan = torch.isnan(want.detach().cpu())
+    if nan.any():  # the reference propagates a NaN input: NaN there and only there
+        got_nan = torch.isnan(got.detach().cpu())
+        if not torch.equal(got_nan, nan):
+            return math.inf
+        got, want = got.detach().cpu().masked_fill(got_nan, 0.0), want.cpu().masked_fill(nan, 0.0)
     if quantity.endswith("_rel"):
         return rel_err(got, want)
     if quantity.endswith("_abs"):
@@ -92,6 +100,11 @@ def _one_output(name: str, got: object, want: torch.Tensor, quantity: str) -> li
     nan = torch.isnan(g) & ~torch.isnan(w)
     if nan.any():
         lines.append(f"{name}: NaN at {_where(nan)}")
+    gone = torch.isnan(w) & ~torch.isnan(g)
+    if gone.any():
+        i = tuple(gone.nonzero()[0].tolist())
+        lines.append(f"{name}: reference has NaN (a NaN input propagated) at {_where(gone)}; "
+                     f"got {g[i].item()} at {i}")
     inf = torch.isinf(g) & ~(torch.isinf(w) & (torch.sign(g) == torch.sign(w)))
     if inf.any():
         lines.append(f"{name}: unexpected inf at {_where(inf)}")

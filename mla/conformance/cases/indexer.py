@@ -91,10 +91,11 @@ from mla.reference.paged_cache import make_block_table
 
 __all__ = ["logits_budget_of", "logits_limit", "TOPK", "INVERTED_SCALE", "TOKEN_ROWS",
            "SCALE_IGNORED", "NO_RELU", "NO_WEIGHTS", "CAUSAL_SHORT", "CAUSAL_IGNORED", "TIES_HIGH",
-           "TIES_OTHER", "NAN_LOW", "NEG_ZERO_LOW"]
+           "TIES_OTHER", "NAN_LOW", "NEG_ZERO_LOW", "NAN_ZERO"]
 
 TOPK = 2048
 HEADS = 64  # DeepSeek-V3.2's index_n_heads
+NAN_CODE, NAN_DIM = 0x7F, 5  # an e4m3fn NaN, placed at one dimension of a key
 U32 = 2.0 ** -24
 Outputs = dict[str, torch.Tensor]
 
@@ -113,6 +114,8 @@ TIES_HIGH = "ties broken toward the higher index; the reference's go to the lowe
 TIES_OTHER = ("the same values chosen, other columns among the keys tied at the boundary (the "
               "reference takes the lowest)")
 ABSOLUTE = "indices are columns of the logits, not relative to row_starts (request-local)"
+NAN_ZERO = ("a NaN key's logits 0 (ReLU as max(x, 0) drops NaN); the reference propagates "
+            "the NaN")
 NAN_LOW = "NaN ranked below every number (never chosen); the reference ranks it above +inf"
 NEG_ZERO_LOW = "-0 ranked below +0; the reference has them equal (ties to the lower index)"
 
@@ -228,6 +231,7 @@ class LogitsSpec:
     page: int = 64
     heads: int = HEADS
     unused_entry: str = "nan_page"  # unused block-table entries: a page of NaN, or "-1"
+    nan_key: bool = False  # the first request's first key holds a NaN code (0x7F)
 
 
 def _fp8_q(g: torch.Generator, rows: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,6 +268,8 @@ def _paged_inputs(spec: LogitsSpec, g: torch.Generator) -> tuple[torch.Tensor, .
         indexer_k_quant_and_cache(_bf16_keys(g, n), cache,
                                   table[b].long()[pos // spec.page] * spec.page
                                   + pos % spec.page)
+    if spec.nan_key:  # token 0 of request 0, seen by all its queries
+        cache[int(table[0, 0])].view(-1)[NAN_DIM] = NAN_CODE
     if spec.unused_entry == "nan_page":
         table = torch.where(table < 0, nb - 1, table)
     q8, w = _fp8_q(g, len(lens) * spec.next_n, spec.heads)
@@ -299,16 +305,26 @@ def paged_trial(setting: Setting, spec: LogitsSpec, salt: int) -> Trial:
             CAUSAL_LONG: lambda: variant(shift=1)}
     if nn > 1:
         alts[CAUSAL_IGNORED] = lambda: variant(causal=False)
+    if spec.nan_key:
+        alts[NAN_ZERO] = lambda: _nan_to_zero(expected)
     expected = fp8_paged_mqa_logits(q8, cache, w.double(), lens, table, width)
     mag = fp8_paged_mqa_logits(q8, cache, w.double().abs(), lens, table, width)
     return Trial(invoke, {"logits": expected}, {"logits": "logits_rel"}, alts,
                  limits={"logits": logits_limit(spec.heads, dev, expected, mag)})
 
 
-def ragged_trial(setting: Setting, lens: tuple[int, ...], queries: int, salt: int) -> Trial:
-    """Requests of ``lens`` keys, flat; each asks with its last ``queries`` positions."""
+def _nan_to_zero(want: torch.Tensor) -> Outputs:
+    return {"logits": torch.where(torch.isnan(want), 0.0, want)}
+
+
+def ragged_trial(setting: Setting, lens: tuple[int, ...], queries: int, salt: int,
+                 nan_key: bool = False) -> Trial:
+    """Requests of ``lens`` keys, flat; each asks with its last ``queries`` positions;
+    ``nan_key``: the last request's first key holds a NaN code (seen by all its queries)."""
     g = generator(setting, salt)
     codes, scale = quantize_indexer_k(_bf16_keys(g, sum(lens)))
+    if nan_key:
+        codes[sum(lens) - lens[-1], NAN_DIM] = NAN_CODE
     ks, ke, first = [], [], 0
     for n in lens:
         for p in range(max(0, n - queries), n):
@@ -330,6 +346,8 @@ def ragged_trial(setting: Setting, lens: tuple[int, ...], queries: int, salt: in
 
     alts = {SCALE_IGNORED: lambda: variant(k_scale=False), NO_RELU: lambda: variant(relu=False),
             NO_WEIGHTS: lambda: variant(weights=False), CAUSAL_SHORT: lambda: variant(shift=-1)}
+    if nan_key:
+        alts[NAN_ZERO] = lambda: _nan_to_zero(expected)
     expected = fp8_mqa_logits(q8, (codes8, scale), w.double(), ks_t, ke_t)
     mag = fp8_mqa_logits(q8, (codes8, scale), w.double().abs(), ks_t, ke_t)
     return Trial(invoke, {"logits": expected}, {"logits": "logits_rel"}, alts,
@@ -430,7 +448,7 @@ def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: b
                                    .to(torch.int32))}
 
     want = top_k_per_row(logits, st, en, TOPK)
-    alts = {TIES_HIGH: high_ties, TIES_OTHER: same_values}
+    alts = {TIES_HIGH: high_ties}
     if specials:
         def recomputed(x: torch.Tensor) -> Outputs:
             return {"indices": as_sets(top_k_per_row(x, st, en, TOPK))}
@@ -443,6 +461,7 @@ def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: b
     if offsets:
         alts[ABSOLUTE] = lambda: {"indices": as_sets(torch.where(
             want >= 0, want + st[:, None], -1).to(torch.int32))}
+    alts[TIES_OTHER] = same_values  # last: the more specific rules above are named first
     return Trial(invoke, {"indices": as_sets(want)}, {"indices": "mismatches"}, alts)
 
 
@@ -493,6 +512,10 @@ _reg(_P, "unused_entries_minus_one", "nan",
      "Unused block-table entries hold -1 (vLLM's padding): only the length's pages are read.",
      lambda s: paged_trial(s, LogitsSpec((1, 65, 130), unused_entry="-1"), 916))
 
+_reg(_P, "nan_key_propagates", "nan_input",
+     "A NaN e4m3 code in a key within the lengths: its logit is NaN for every query that sees "
+     "it, never 0 or -inf; the other logits as usual.",
+     lambda s: paged_trial(s, LogitsSpec((5, 64, 70), nan_key=True), 917))
 _reg(_R, "ragged_requests", "ragged",
      "Three requests in one flat key array: each query sees its own request's keys up to its "
      "position, -inf elsewhere.",
@@ -500,6 +523,10 @@ _reg(_R, "ragged_requests", "ragged",
 _reg(_R, "chunk_of_a_long_request", "ragged",
      "The last 16 queries of a long request and a short one: rows of different lengths.",
      lambda s: ragged_trial(s, (long_length(s.small), 3), queries=16, salt=921))
+_reg(_R, "nan_key_propagates", "nan_input",
+     "A NaN e4m3 code in the last request's first key: NaN for each of its queries, the other "
+     "logits as usual.",
+     lambda s: ragged_trial(s, (17, 40), queries=8, salt=922, nan_key=True))
 
 _reg(_T, "k_2048_long_rows", "topk",
      "Rows longer than 2048 keys: the 2048 best columns of each row's range, request-local.",
