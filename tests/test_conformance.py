@@ -98,7 +98,9 @@ def test_a_cuda_error_left_pending_is_the_error_of_the_case_that_left_it(monkeyp
             raise RuntimeError("the kernel returned, but left a CUDA error pending")
 
     monkeypatch.setattr(runner, "surface_pending_error", pending)
-    report = run({"mla_decode_paged": decode}, kernels=["mla_decode_paged"], **F64)
+    report = run({"mla_decode_paged": decode}, kernels=["mla_decode_paged"],
+                 cases=["heads_1", "causal_s_q_2", "empty_request"], **F64)
+    assert len(report.rows) == 3
     bad = _failing(report)
     assert [(r.case, r.status) for r in bad] == [("heads_1", "error")]
     assert "left a CUDA error pending" in bad[0].detail
