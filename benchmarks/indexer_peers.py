@@ -40,6 +40,7 @@ from mla.conformance.adapters import deepgemm
 from mla.conformance.catalogue import Unsupported
 from mla.environment import environment
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits
+from mla.reference.indexer_logits import decode_row_ends
 
 DECODE = [(B, 1, L) for L in (8192, 32768, 131072) for B in (1, 32, 128)] + \
     [(B, 2, 32768) for B in (1, 32, 128)]
@@ -55,6 +56,18 @@ def _ms(fn) -> float:
     return time_graph(fn, reps=30, read_flush=True)
 
 
+def _timed(row: dict, flops: int, fp8_tflops: float, **fns) -> dict:
+    """``row`` with each of ``fns`` timed (``_ms``): ms, TFLOP/s and % of the fp8 rate; then
+    logged."""
+    for name, fn in fns.items():
+        ms = _ms(fn)
+        tf = flops / (ms * 1e-3) / 1e12
+        row[name] = {"ms": ms, "TFLOPs": tf, "pct_fp8": 100 * tf / fp8_tflops}
+    log(json.dumps(row))
+    torch.cuda.empty_cache()
+    return row
+
+
 def _agreement(ours: torch.Tensor, theirs: torch.Tensor, mag: torch.Tensor) -> float:
     """``logits_err`` of DeepGEMM's logits against ours where ours are finite."""
     keep = torch.isfinite(ours)
@@ -67,8 +80,7 @@ def decode(dg: object, fp8_tflops: float) -> list[dict]:
     for B, next_n, L in DECODE:
         q8, cache, w, lens, table = paged_inputs(B, next_n, L)
         flops = 2 * B * next_n * H * D * L
-        per_row = (lens.view(B, 1) - next_n + 1
-                   + torch.arange(next_n, device="cuda", dtype=torch.int32)).contiguous()
+        per_row = decode_row_ends(lens, next_n).view(B, next_n)
         meta = dg.get_paged_mqa_logits_metadata(  # type: ignore[attr-defined]
             per_row, cache.shape[1], sms // (2 if next_n == 4 else 1))
         cache4 = cache.view(cache.shape[0], cache.shape[1], 1, -1)
@@ -84,13 +96,7 @@ def decode(dg: object, fp8_tflops: float) -> list[dict]:
             mag = fp8_paged_mqa_logits(q8, cache, w.abs(), lens, table, L)
             row["agreement_err"] = _agreement(mine, deepgemm.paged_logits(
                 dg, q8, cache, w, lens, table, L, sms), mag)
-        for name, fn in (("mla_fast", ours), ("deepgemm", theirs)):
-            ms = _ms(fn)
-            tf = flops / (ms * 1e-3) / 1e12
-            row[name] = {"ms": ms, "TFLOPs": tf, "pct_fp8": 100 * tf / fp8_tflops}
-        rows.append(row)
-        log(json.dumps(row))
-        torch.cuda.empty_cache()
+        rows.append(_timed(row, flops, fp8_tflops, mla_fast=ours, deepgemm=theirs))
     return rows
 
 
@@ -111,13 +117,7 @@ def prefill(dg: object, fp8_tflops: float) -> list[dict]:
                      "N": kv[0].shape[0],
                      "agreement_err": _agreement(fp8_mqa_logits(*sl),
                                                  deepgemm.ragged_logits(dg, *sl), mag)}
-        for label, fn in (("mla_fast", ours), ("deepgemm", theirs)):
-            ms = _ms(fn)
-            tf = flops / (ms * 1e-3) / 1e12
-            row[label] = {"ms": ms, "TFLOPs": tf, "pct_fp8": 100 * tf / fp8_tflops}
-        rows.append(row)
-        log(json.dumps(row))
-        torch.cuda.empty_cache()
+        rows.append(_timed(row, flops, fp8_tflops, mla_fast=ours, deepgemm=theirs))
     return rows
 
 

@@ -55,6 +55,7 @@ from mla.conformance.adapters import (
     unpacked_tree,
 )
 from mla.conformance.catalogue import Unsupported
+from mla.reference.indexer_logits import decode_row_ends
 
 __all__ = ["target", "fp8_mqa_logits", "fp8_paged_mqa_logits", "ragged_logits",
            "paged_logits", "load", "PACKAGE", "HEADS", "NEXT_N", "PAGES"]
@@ -127,9 +128,7 @@ def paged_logits(dg: object, q: torch.Tensor, kv_cache: torch.Tensor, weights: t
     ``[B, next_n]``, the scheduler's metadata for ``num_sms`` SMs), columns past each row's
     length set to ``-inf``: float32 ``[B * next_n, max_model_len]``."""
     B, next_n = q.shape[0], q.shape[1]
-    lens = context_lens.to(torch.int32).reshape(B, 1)
-    rows = (lens - next_n + 1 + torch.arange(next_n, device=q.device, dtype=torch.int32)
-            ).clamp_min(0).contiguous()
+    rows = decode_row_ends(context_lens, next_n).view(B, next_n)
     page = kv_cache.shape[1]
     slots = num_sms // (2 if next_n == 4 else 1)
     meta = dg.get_paged_mqa_logits_metadata(rows, page, slots)  # type: ignore[attr-defined]
