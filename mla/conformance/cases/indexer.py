@@ -13,7 +13,9 @@ Kernel names and signatures are ``mla.reference``'s (conventions §10, "Indexer 
   context_lens [B], block_tables, max_model_len)`` -> ``[B·next_n, max_model_len]``: query
   ``n`` sees keys ``0 .. L - next_n + n``, ``-inf`` elsewhere (DeepGEMM's ``clean_logits``);
   ``logits = k_scale · Σ_h w_h · ReLU(q_h · k_code)``. Rows past each length and unused
-  block-table entries hold NaN (e4m3 code and scale), so a read past a length shows.
+  block-table entries hold NaN (e4m3 code and scale), so a read past a length shows; in the
+  ``nan_input`` cases a key within the lengths holds a NaN code, and its logits must be NaN
+  (exactly there: the measure takes NaN where the reference has it, and only there).
   DeepGEMM's ``schedule_metadata`` is the adapter's business.
 - ``fp8_mqa_logits(q [S, H, 128] e4m3, (k_codes [N, 128], k_scale [N]), weights [S, H],
   cu_seqlen_ks [S], cu_seqlen_ke [S])`` -> ``[S, N]``: the ragged prefill form.
@@ -21,7 +23,9 @@ Kernel names and signatures are ``mla.reference``'s (conventions §10, "Indexer 
   the ``min(topk, end - start)`` best columns of ``[start, end)`` as ``j - start``, ties to the
   lower index, ``-1`` after. Columns outside the range hold NaN (never read). The order within
   a row is free (the sparse attention sums over the set): both sides are compared as sets,
-  each row sorted ascending with its ``-1`` last. topk = 2048 as DeepSeek-V3.2.
+  each row sorted ascending with its ``-1`` last. topk = 2048 as DeepSeek-V3.2. One case puts
+  NaN (above every number), ``±inf`` and zeros of both signs (equal) at the boundary. A kernel
+  that picks the right values but other columns among tied keys is named as such.
 
 **The logits' measure and budget** (``Trial.limits``: no table entry exists for these
 kernels). The error is measured against the logits' *magnitude*, not the logits themselves:
