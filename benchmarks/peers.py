@@ -237,9 +237,9 @@ def keep_one_arch(buf: bytearray, start: int, end: int, arch: int) -> int:
 
 def topk_library(wheel: Path) -> tuple[str, bytes]:
     """vLLM's CUDA kernels on torch's stable ABI, the top-k ones among them (``LIBRARY`` of
-    ``mla.conformance.adapters.vllm_topk``, 92 MB), for sm_90 alone, compressed by xz
+    ``mla.conformance.adapters.vllm_library``, 92 MB), for sm_90 alone, compressed by xz
     (``COMPRESSED``, 26 MB): the other SMs' cubins zeroed (``keep_one_arch``)."""
-    from mla.conformance.adapters.vllm_topk import COMPRESSED, LIBRARY  # imports torch
+    from mla.conformance.adapters.vllm_library import COMPRESSED, LIBRARY  # imports torch
 
     with zipfile.ZipFile(wheel) as z:
         buf = bytearray(z.read(LIBRARY))

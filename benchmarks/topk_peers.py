@@ -7,7 +7,7 @@ rows, on sm_90 and later), ``persistent_topk`` (the default past 64 rows) and
 ``top_k_per_row_decode`` (the older radix select, one block a row), all in the wheel's
 ``vllm/_C_stable_libtorch.abi3.so``. ``python -m benchmarks.peers --topk`` writes that
 library for sm_90 alone, compressed (26 MB: small enough to travel to a GPU machine whose
-uploads are capped); ``mla.conformance.adapters.vllm_topk.load_library`` loads it (``--lib``,
+uploads are capped); ``mla.conformance.adapters.vllm_library.load_library`` loads it (``--lib``,
 else the peers directory's), the same library that adapter checks against the conformance
 catalogue.
 
@@ -35,11 +35,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import capture, ceilings, log, time_replays
-from mla.conformance.adapters.vllm_topk import (
-    COOPERATIVE_MAX_ROWS,
-    WORKSPACE_BYTES,
-    load_library,
-)
+from mla.conformance.adapters.vllm_library import load_library
+from mla.conformance.adapters.vllm_topk import COOPERATIVE_MAX_ROWS, WORKSPACE_BYTES
 from mla.conformance.catalogue import Unsupported
 from mla.environment import environment
 from mla.fast.topk import TopkPlan, launches
@@ -51,7 +48,7 @@ SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
 
 
 def load_vllm(lib: Path | None) -> dict:
-    """vLLM's library loaded (``mla.conformance.adapters.vllm_topk.load_library``: ``lib``,
+    """vLLM's library loaded (``mla.conformance.adapters.vllm_library.load_library``: ``lib``,
     else the peers directory's); what loaded and how, or why not."""
     try:
         return {"loaded": True, **load_library(lib)}
