@@ -74,14 +74,15 @@ def paged(next_n: int = 1, plan: indexer_logits.LogitsPlan | None = None):
                     plan.num_warps)
 
 
-def ragged(plan: indexer_logits.LogitsPlan = indexer_logits.RAGGED_PLAN):
+def ragged(plan: indexer_logits.LogitsPlan = indexer_logits.RAGGED_PLAN,
+           compressed: bool = False):
     return _compile(
         indexer_logits._ragged_kernel,
         dict(BLOCK_Q=plan.queries, HP=64, D=128, BLOCK_N=plan.block_n, TILES=8,
-             NAN_CODES=False, STAGES=plan.stages),
+             NAN_CODES=False, STAGES=plan.stages, COMPRESSED=compressed),
         dict(_LOGITS_PTRS, codes_f8="fp8e4nv", k_scale_ptr="fp32", ks="i32", ke="i32"),
-        dict(S=4096, H=64, N=_KEYS, chunk=8 * plan.block_n, s_q_t=64 * 128, s_q_h=128,
-             s_w_t=64, s_c_n=128), plan.num_warps)
+        dict(S=4096, H=64, N=_KEYS, M=2048 if compressed else _KEYS, chunk=8 * plan.block_n,
+             s_q_t=64 * 128, s_q_h=128, s_w_t=64, s_c_n=128), plan.num_warps)
 
 
 def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
@@ -115,6 +116,7 @@ def cache_write():
 def all_facts() -> dict[str, dict]:
     """``facts`` of every kernel as ``mla.fast`` launches it by default."""
     kernels = {"paged next_n=1": paged(1), "paged next_n=2": paged(2), "ragged": ragged(),
+               "ragged compressed": ragged(indexer_logits.RAGGED_COMPRESSED_PLAN, True),
                "cache write": cache_write(), **topk_kernels()}
     return {name: facts(k) for name, k in kernels.items()}
 

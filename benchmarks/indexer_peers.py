@@ -10,7 +10,9 @@ scattered pages of 64):
 - decode, ``fp8_paged_mqa_logits``: B in {1, 32, 128} requests of L in {8K, 32K, 128K} keys,
   ``next_n`` 1 (and 2 at 32K). DeepGEMM's scheduler metadata is computed once, outside the
   timing, as vLLM computes it once a batch.
-- prefill, ``fp8_mqa_logits``: ``benchmarks.indexer``'s three ragged shapes.
+- prefill, ``fp8_mqa_logits``: ``benchmarks.indexer``'s three ragged shapes, ``mla.fast``
+  both with full rows ``[S, N]`` (the default) and with rows compressed to the longest
+  (``max_seqlen_k``), as DeepGEMM writes them.
 
 Each is a CUDA graph of one call, replayed with the L2 flushed by a read before each (median
 ms; ``benchmarks.common.time_graph``); TFLOP/s over the (query, key) pairs computed, against
@@ -111,13 +113,19 @@ def prefill(dg: object, fp8_tflops: float) -> list[dict]:
             return dg.fp8_fp4_mqa_logits((q8, None), kv, w, ks, ke, longest)  # type: ignore[attr-defined]
 
         ours = functools.partial(fp8_mqa_logits, q8, kv, w, ks, ke)
+        compressed = functools.partial(fp8_mqa_logits, q8, kv, w, ks, ke, longest)
         sl = (q8[-8:], kv, w[-8:], ks[-8:], ke[-8:])
         mag = fp8_mqa_logits(sl[0], kv, sl[2].abs(), *sl[3:])
+        mag_c = fp8_mqa_logits(sl[0], kv, sl[2].abs(), *sl[3:], longest)
         row: dict = {"kernel": "fp8_mqa_logits", "shape": name, "S": len(ks),
-                     "N": kv[0].shape[0],
+                     "N": kv[0].shape[0], "max_seqlen_k": longest,
                      "agreement_err": _agreement(fp8_mqa_logits(*sl),
-                                                 deepgemm.ragged_logits(dg, *sl), mag)}
-        rows.append(_timed(row, flops, fp8_tflops, mla_fast=ours, deepgemm=theirs))
+                                                 deepgemm.ragged_logits(dg, *sl), mag),
+                     "agreement_err_compressed": _agreement(
+                         fp8_mqa_logits(*sl, longest),
+                         deepgemm.ragged_logits(dg, *sl, longest), mag_c)}
+        rows.append(_timed(row, flops, fp8_tflops, mla_fast=ours,
+                           mla_fast_compressed=compressed, deepgemm=theirs))
     return rows
 
 
@@ -125,14 +133,16 @@ def markdown(res: dict) -> str:
     copy = res["ceilings"]["copy_TBps"]
     lines = [f"fp8 matmul {res['fp8_TFLOPs']:.0f} TFLOP/s, copy {copy:.2f} TB/s; ms (TFLOP/s, "
              "% of the fp8 rate)", "",
-             "| kernel | shape | mla.fast | DeepGEMM | agreement |",
-             "| --- | --- | --- | --- | --- |"]
+             "| kernel | shape | mla.fast | mla.fast, rows compressed | DeepGEMM (compressed) | "
+             "agreement |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for r in res.get("decode", []) + res.get("prefill", []):
         shape = r.get("shape") or f"B {r['B']}, next_n {r['next_n']}, L {r['L'] // 1024}K"
-        cells = [f"{r[k]['ms']:.3f} ({r[k]['TFLOPs']:.0f}, {r[k]['pct_fp8']:.0f}%)"
-                 for k in ("mla_fast", "deepgemm")]
-        agree = f"{r['agreement_err']:.1e}" if "agreement_err" in r else ""
-        lines.append(f"| {r['kernel']} | {shape} | {cells[0]} | {cells[1]} | {agree} |")
+        cells = [f"{r[k]['ms']:.3f} ({r[k]['TFLOPs']:.0f}, {r[k]['pct_fp8']:.0f}%)" if k in r
+                 else "" for k in ("mla_fast", "mla_fast_compressed", "deepgemm")]
+        agree = " / ".join(f"{r[k]:.1e}" for k in ("agreement_err", "agreement_err_compressed")
+                           if k in r)
+        lines.append(f"| {r['kernel']} | {shape} | {' | '.join(cells)} | {agree} |")
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ from mla.conformance import CATALOGUE, KERNELS, run
 from mla.conformance.cases.indexer import (
     CAUSAL_IGNORED,
     CAUSAL_SHORT,
+    FULL_ROWS,
     INVERTED_SCALE,
     NAN_LOW,
     NAN_ZERO,
@@ -113,8 +114,8 @@ def _paged_causal_ignored(q, kv_cache, weights, context_lens, block_tables, max_
     return torch.stack(rows, dim=1).flatten(0, 1)
 
 
-def _ragged_scale_ignored(q, kv, weights, ks, ke):
-    return ref.fp8_mqa_logits(q, (kv[0], torch.ones_like(kv[1])), weights, ks, ke)
+def _ragged_scale_ignored(q, kv, weights, ks, ke, max_seqlen_k=0):
+    return ref.fp8_mqa_logits(q, (kv[0], torch.ones_like(kv[1])), weights, ks, ke, max_seqlen_k)
 
 
 def _paged_nan_to_zero(*args):
@@ -122,13 +123,17 @@ def _paged_nan_to_zero(*args):
     return torch.where(torch.isnan(out), 0.0, out)
 
 
-def _ragged_nan_to_zero(*args):
-    out = ref.fp8_mqa_logits(*args)
+def _ragged_nan_to_zero(*args, **kw):
+    out = ref.fp8_mqa_logits(*args, **kw)
     return torch.where(torch.isnan(out), 0.0, out)
 
 
-def _ragged_causal_short(q, kv, weights, ks, ke):
-    return ref.fp8_mqa_logits(q, kv, weights, ks, torch.maximum(ke - 1, ks))
+def _ragged_causal_short(q, kv, weights, ks, ke, max_seqlen_k=0):
+    return ref.fp8_mqa_logits(q, kv, weights, ks, torch.maximum(ke - 1, ks), max_seqlen_k)
+
+
+def _ragged_full_rows(q, kv, weights, ks, ke, max_seqlen_k=0):
+    return ref.fp8_mqa_logits(q, kv, weights, ks, ke)
 
 
 # ---- broken twins of the top-k ----------------------------------------------------------------
@@ -173,6 +178,7 @@ TWINS = {
     _ragged_nan_to_zero: ("fp8_mqa_logits", {"nan_input"}, NAN_ZERO),
     _ragged_scale_ignored: ("fp8_mqa_logits", None, SCALE_IGNORED),
     _ragged_causal_short: ("fp8_mqa_logits", None, CAUSAL_SHORT),
+    _ragged_full_rows: ("fp8_mqa_logits", {"compressed"}, FULL_ROWS),
     _ties_to_higher: ("top_k_per_row", {"ties", "specials"}, TIES_HIGH),
     _nan_low: ("top_k_per_row", {"specials"}, NAN_LOW),
     # the ties case's rounding makes zeros of both signs too

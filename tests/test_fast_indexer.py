@@ -24,7 +24,9 @@ import torch
 
 import mla.reference as ref
 from mla.compare import logits_err, poison_like
+from mla.conformance.cases.indexer import as_sets
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_k_quant_and_cache
+from mla.fast import top_k_per_row as fast_top_k_per_row
 from mla.fast.indexer_logits import LogitsPlan, logits_budget
 from mla.reference.paged_cache import make_block_table
 
@@ -243,6 +245,57 @@ def test_ragged_logits(lens: list[int], queries: int, heads: int):
     _check_logits(got, _ragged_want(args))
 
 
+@pytest.mark.parametrize("lens,queries,extra", [
+    ([1, 17, 70], 8, 0),        # as wide as the longest row
+    ([1, 17, 70], 8, 37),       # wider: -inf after each row, columns past the last key
+    ([200, 3], 5, 11),          # a row over several tiles; compressed rows past the keys
+])
+def test_ragged_logits_compressed(lens: list[int], queries: int, extra: int):
+    """``max_seqlen_k``: column ``j`` of row ``t`` holds key ``ks[t] + j`` (the reference's
+    ``compressed_rows`` of its full rows), ``-inf`` from ``ke - ks`` on, including columns
+    whose key would lie past the last one; the top-k over them with starts 0 and ends
+    ``ke - ks`` is the top-k over the full rows, fast and reference alike."""
+    args = _ragged(_gen(sum(lens) + extra), lens, queries)
+    q8, kv, w, ks, ke = args
+    m = int((ke - ks).max()) + extra
+    logits, mag, heads = _ragged_want(args)
+    want = (ref.compressed_rows(logits, ks, ke, m), ref.compressed_rows(mag, ks, ke, m), heads)
+    assert torch.equal(want[0], ref.fp8_mqa_logits(q8, kv, w.double(), ks, ke, m))
+    got = fp8_mqa_logits(*_on(DEVICE, args), m, validate=True)
+    assert got.shape == (len(ks), m)
+    _check_logits(got, want)
+    if extra:  # (ks + j past the keys: no chunk of the key array holds them)
+        assert torch.isneginf(got[:, int((ke - ks).max()):].cpu()).all()
+    k = 4
+    zero = torch.zeros_like(ks)
+    full = ref.top_k_per_row(logits, ks, ke, k)
+    assert torch.equal(ref.top_k_per_row(want[0], zero, ke - ks, k), full)
+    fast_full = fast_top_k_per_row(fp8_mqa_logits(*_on(DEVICE, args)), *_on(DEVICE, (ks, ke)),
+                                   k).cpu()
+    fast_compressed = fast_top_k_per_row(got, *_on(DEVICE, (zero, ke - ks)), k).cpu()
+    assert torch.equal(as_sets(fast_compressed), as_sets(fast_full))
+
+
+def test_ragged_logits_compressed_refuse_bad_input():
+    """A row longer than ``max_seqlen_k`` (validated), a negative or non-int width: errors
+    that name the argument, in the reference and the fast path; unvalidated, a row keeps its
+    first ``max_seqlen_k`` keys."""
+    args = _ragged(_gen(19), [9, 4], 9)
+    q8, kv, w, ks, ke = args
+    for fn in (ref.fp8_mqa_logits, lambda *a: fp8_mqa_logits(*a, validate=True)):
+        with pytest.raises(ValueError, match="max_seqlen_k must hold every query's keys"):
+            fn(*_on(DEVICE, args), 8)
+        for bad in (-1, True, 2.0):
+            with pytest.raises(ValueError, match="max_seqlen_k must be a non-negative int"):
+                fn(*_on(DEVICE, args), bad)
+    got = fp8_mqa_logits(*_on(DEVICE, args), 8, validate=False).cpu()
+    full = ref.fp8_mqa_logits(q8, kv, w.double(), ks, ke)
+    clipped = ref.compressed_rows(full, ks, torch.minimum(ke, ks + 8), 8)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(clipped))
+    none = fp8_mqa_logits(*_on(DEVICE, (q8, (kv[0][:0], kv[1][:0]), w, ks * 0, ke * 0)), 3)
+    assert none.shape == (len(ks), 3) and torch.isneginf(none).all()
+
+
 def _paged(g: torch.Generator, lens: list[int], next_n: int, page: int, heads: int = 64,
            minus_one: bool = False):
     """The cache holds each request's keys at shuffled pages; every other byte is 0xFF (NaN);
@@ -390,7 +443,7 @@ def test_kernels_compile_for_sm90():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout)
-    assert len(found) == 7  # 4 indexer kernels, 3 of the top-k
+    assert len(found) == 8  # 5 indexer kernels (ragged full and compressed), 3 of the top-k
     for name, f in found.items():
         assert f["stack"] == 0 and f["local"] == 0 and not f["ptx_local"], f"{name} spills"
         assert f["shared"] <= 232448, f"{name}: {f['shared']} B of shared memory"

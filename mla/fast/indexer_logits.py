@@ -34,10 +34,14 @@ from mla.fast.common import TRITON_VERSION, interpreting, next_pow2, should_vali
 from mla.fast.indexer_logits_paged import PAGED_PLAN, fp8_paged_mqa_logits
 from mla.fast.indexer_logits_tile import LogitsPlan, split_keys, tile_logits
 from mla.reference.indexer_cache import INDEX_DIM
-from mla.reference.indexer_logits import check_ragged_logits_args, check_ragged_logits_ranges
+from mla.reference.indexer_logits import (
+    check_max_seqlen_k,
+    check_ragged_logits_args,
+    check_ragged_logits_ranges,
+)
 
-__all__ = ["LogitsPlan", "PAGED_PLAN", "RAGGED_PLAN", "fp8_mqa_logits", "fp8_paged_mqa_logits",
-           "logits_budget"]
+__all__ = ["LogitsPlan", "PAGED_PLAN", "RAGGED_COMPRESSED_PLAN", "RAGGED_PLAN", "fp8_mqa_logits",
+           "fp8_paged_mqa_logits", "logits_budget"]
 
 U32 = 2.0 ** -24
 
@@ -46,6 +50,9 @@ U32 = 2.0 ** -24
 # stages, and programs for twice the SMs of at most 16 tiles each
 RAGGED_PLAN = LogitsPlan(num_warps=4 if TRITON_VERSION < (3, 7) else 8, stages=2,
                          programs_per_sm=2, max_tiles=16)
+# compressed rows (``max_seqlen_k``): 8 warps under every Triton (at 4, 3.6's sm_90 build
+# spills 48 bytes; at 8 it takes 164 registers)
+RAGGED_COMPRESSED_PLAN = LogitsPlan(num_warps=8, stages=2, programs_per_sm=2, max_tiles=16)
 
 
 # Under the interpreter the dot is a float32 matmul of exact products: in logits_err's measure
@@ -66,13 +73,28 @@ def logits_budget(device: torch.device | str, heads: int = 64) -> float:
 
 
 @triton.jit
+def _written(cols, lo, end, N, q_ok, COMPRESSED: tl.constexpr):
+    """``[BLOCK_N, BLOCK_Q]``: where key ``cols`` has a column in query ``t``'s row: from
+    ``lo[t]`` to ``end[t]`` (``COMPRESSED``), else every key of a live query."""
+    if COMPRESSED:
+        inside = (cols[:, None] < end[None, :]) & (cols[:, None] >= lo[None, :])
+    else:
+        inside = (cols < N)[:, None] & q_ok[None, :]
+    return inside
+
+
+@triton.jit
 def _ragged_kernel(
     q, w, codes_f8, k_scale_ptr, ks, ke, out,
-    S, H, N, chunk,
+    S, H, N, M, chunk,
     s_q_t, s_q_h, s_w_t, s_c_n,
     BLOCK_Q: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES: tl.constexpr, NAN_CODES: tl.constexpr, STAGES: tl.constexpr,
+    COMPRESSED: tl.constexpr,
 ):
+    """Programs ``(query tile, key chunk)``: rows of ``M`` columns, key ``n`` of query ``t`` at
+    column ``n`` (``M = N``) or, ``COMPRESSED``, at ``n - ks[t]`` (only keys ``[ks[t], ks[t] +
+    M)``; the last chunk's programs also write ``-inf`` where ``ks[t] + j`` passes the keys)."""
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_Q
     col0 = tl.program_id(1).to(tl.int64) * chunk
     r = tl.arange(0, BLOCK_Q * HP)
@@ -90,7 +112,14 @@ def _ragged_kernel(
     hi = tl.load(ke + tq, mask=q_ok, other=0).to(tl.int64)
     lo_any = tl.min(tl.where(q_ok, lo, N), axis=0)
     hi_any = tl.max(tl.where(q_ok, hi, 0), axis=0)
-    out_rows = out + tq * N
+    out_rows = out + tq * M
+    if COMPRESSED:
+        # key n of query t at column n - ks[t], for the keys [ks[t], min(ks[t] + M, N))
+        write_at = out_rows - lo
+        write_end = tl.where(q_ok, tl.minimum(lo + M, N), lo)
+    else:
+        write_at = out_rows
+        write_end = hi  # (unused)
     # the tiles that hold keys some query sees (pipelined), -inf on either side of them
     first = tl.minimum(tl.maximum(lo_any - col0, 0) // BLOCK_N, TILES)
     last = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(hi_any - col0, 0), BLOCK_N), TILES), first)
@@ -103,26 +132,43 @@ def _ragged_kernel(
         s = tile_logits(codes, k_scale, q_t, w_r, BLOCK_Q, HP, BLOCK_N, NAN_CODES)
         seen = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
         s = tl.where(seen, s, float("-inf"))
-        store_ok = (cols < N)[:, None] & q_ok[None, :]
-        tl.store(out_rows[None, :] + cols[:, None], s, mask=store_ok)
+        tl.store(write_at[None, :] + cols[:, None], s,
+                 mask=_written(cols, lo, write_end, N, q_ok, COMPRESSED))
     for i in range(0, TILES):
         if (i < first) | (i >= last):
             cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
-            store_ok = (cols < N)[:, None] & q_ok[None, :]
-            tl.store(out_rows[None, :] + cols[:, None],
-                     tl.full((BLOCK_N, BLOCK_Q), float("-inf"), tl.float32), mask=store_ok)
+            tl.store(write_at[None, :] + cols[:, None],
+                     tl.full((BLOCK_N, BLOCK_Q), float("-inf"), tl.float32),
+                     mask=_written(cols, lo, write_end, N, q_ok, COMPRESSED))
+    if COMPRESSED:
+        if tl.program_id(1) == tl.num_programs(1) - 1:
+            # compressed columns past the last key (ks[t] + j >= N): no chunk holds them
+            lo_most = tl.max(tl.where(q_ok, lo, 0), axis=0)
+            j_first = tl.maximum(N - lo_most, 0) // BLOCK_N * BLOCK_N
+            for j0 in range(j_first, M, BLOCK_N):
+                j = j0 + tl.arange(0, BLOCK_N)
+                past = (j[:, None] >= N - lo[None, :]) & (j < M)[:, None] & q_ok[None, :]
+                tl.store(out_rows[None, :] + j[:, None],
+                         tl.full((BLOCK_N, BLOCK_Q), float("-inf"), tl.float32), mask=past)
 
 
 def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                    weights: torch.Tensor, cu_seqlen_ks: torch.Tensor,
-                   cu_seqlen_ke: torch.Tensor, *, validate: bool | None = None,
-                   plan: LogitsPlan | None = None) -> torch.Tensor:
+                   cu_seqlen_ke: torch.Tensor, max_seqlen_k: int = 0, *,
+                   validate: bool | None = None, plan: LogitsPlan | None = None
+                   ) -> torch.Tensor:
     """Ragged prefill logits float32 ``[S, N]``, as the reference: ``q [S, H, 128]`` e4m3,
     ``kv = (k_codes [N, 128] e4m3, k_scale [N] float32)``, ``weights [S, H]``; query ``t``
-    sees ``[ks[t], ke[t])``. ``validate``: check ``ks``/``ke`` within ``[0, N]`` on the host;
-    unvalidated, keys outside are never read (the range is clipped). ``plan``: the tiling
-    (``RAGGED_PLAN``; fewer queries a program when the heads pass 64)."""
+    sees ``[ks[t], ke[t])``. ``max_seqlen_k > 0``: rows compressed to ``[S, max_seqlen_k]``
+    (column ``j``: key ``ks[t] + j``, ``-inf`` from ``ke[t] - ks[t]`` on;
+    ``mla.reference.compressed_rows``), the rest of the keys neither read nor written.
+    ``validate``: check ``ks``/``ke`` within ``[0, N]`` and, compressed, ``ke - ks <=
+    max_seqlen_k`` on the host; unvalidated, keys outside are never read (the range is
+    clipped) and a compressed row keeps its first ``max_seqlen_k`` keys. ``plan``: the tiling
+    (``RAGGED_PLAN``, compressed ``RAGGED_COMPRESSED_PLAN``; fewer queries a program when the
+    heads pass 64)."""
     q, codes, scale = check_ragged_logits_args(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke)
+    check_max_seqlen_k(max_seqlen_k)
     if q.stride(-1) != 1:
         raise ValueError(f"q's last dim must be contiguous, got strides {list(q.stride())}")
     if codes.stride(-1) != 1:
@@ -130,15 +176,18 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                          f"{list(codes.stride())}")
     S, H, _ = q.shape
     N = codes.shape[0]
+    M = max_seqlen_k or N
     if weights.stride(-1) != 1:
         weights = weights.contiguous()
     if should_validate(validate, q):
-        check_ragged_logits_ranges(cu_seqlen_ks, cu_seqlen_ke, N)
-    out = torch.empty(S, N, dtype=torch.float32, device=q.device)
+        check_ragged_logits_ranges(cu_seqlen_ks, cu_seqlen_ke, N, max_seqlen_k)
+    out = torch.empty(S, M, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out
+    if N == 0:  # (compressed rows of no keys)
+        return out.fill_(float("-inf"))
     scale = scale.float().contiguous()
-    plan = plan or RAGGED_PLAN
+    plan = plan or (RAGGED_COMPRESSED_PLAN if max_seqlen_k else RAGGED_PLAN)
     hp = max(16, next_pow2(H))
     block_q = max(1, min(plan.queries, 256 // hp))
     rows = triton.cdiv(S, block_q)
@@ -147,9 +196,10 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
     ks = cu_seqlen_ks.clamp(0, N)
     ke = cu_seqlen_ke.clamp(0, N)
     _ragged_kernel[(rows, splits)](
-        q, weights, codes.view(torch.float8_e4m3fn), scale, ks, ke, out, S, H, N,
+        q, weights, codes.view(torch.float8_e4m3fn), scale, ks, ke, out, S, H, N, M,
         tiles * plan.block_n, q.stride(0), q.stride(1), weights.stride(0), codes.stride(0),
         BLOCK_Q=block_q, HP=hp, D=INDEX_DIM, BLOCK_N=plan.block_n,
-        TILES=tiles, NAN_CODES=interpreting(), STAGES=plan.stages, num_warps=plan.num_warps,
+        TILES=tiles, NAN_CODES=interpreting(), STAGES=plan.stages,
+        COMPRESSED=max_seqlen_k > 0, num_warps=plan.num_warps,
     )
     return out

@@ -62,6 +62,7 @@ from mla.reference.indexer_cache import (
     read_indexer_k_cache,
 )
 from mla.reference.indexer_logits import (
+    compressed_rows,
     decode_row_ends,
     fp8_mqa_logits,
     fp8_paged_mqa_logits,
@@ -109,9 +110,9 @@ __all__ = [
     "sparse_index_mask", "sparse_masked_dense_forward", "sparse_mla_decode",
     "sparse_mla_prefill", "sparse_prefill_forward",
     # the indexer's fp8 key cache, logits and top-k
-    "decode_row_ends", "dequantize_indexer_k", "fp8_mqa_logits", "fp8_paged_mqa_logits",
-    "gather_indexer_k_cache", "indexer_k_quant_and_cache", "quantize_indexer_k",
-    "quantize_indexer_q", "read_indexer_k_cache", "top_k_per_row",
+    "compressed_rows", "decode_row_ends", "dequantize_indexer_k", "fp8_mqa_logits",
+    "fp8_paged_mqa_logits", "gather_indexer_k_cache", "indexer_k_quant_and_cache",
+    "quantize_indexer_k", "quantize_indexer_q", "read_indexer_k_cache", "top_k_per_row",
     # decode context parallelism: rank programs, run by run_simulated or on a process group
     "DCPChunkPlan", "DCPSharding", "cp_lse_ag_out_rs", "dcp_chunked_prefill_forward_rank",
     "dcp_chunked_prefill_rank", "dcp_decode_forward_rank", "dcp_decode_rank",

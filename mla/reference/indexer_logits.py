@@ -16,7 +16,8 @@ weights and with a scale that is not a power of two.
 
 - ``fp8_mqa_logits`` (prefill, ragged): query ``t`` sees the keys ``[ks[t], ke[t])`` of one
   flat key array; a request's query at position ``p`` has ``ks`` = its first key's row and
-  ``ke = ks + p + 1``.
+  ``ke = ks + p + 1``. Rows ``[S, N]``, or compressed to ``[S, max_seqlen_k]`` (column ``j``:
+  key ``ks[t] + j``), as DeepGEMM's ``max_seqlen_k`` and vLLM's prefill indexer use them.
 - ``fp8_paged_mqa_logits`` (decode over the paged cache of ``mla.reference.indexer_cache``):
   request ``b`` has ``L = context_lens[b]`` keys, the ``next_n`` new tokens included; query
   ``n`` of ``next_n`` sees keys ``0 .. L - next_n + n`` (FlashMLA's causal rule); output
@@ -37,8 +38,8 @@ from mla.reference.indexer_cache import INDEX_DIM, INDEX_K_BYTES, read_indexer_k
 from mla.validation import acc_dtype, check_float, check_index, check_same_device, check_tensor
 
 __all__ = ["quantize_indexer_q", "fp8_mqa_logits", "fp8_paged_mqa_logits", "decode_row_ends",
-           "top_k_per_row", "check_logits_q", "check_ragged_logits_args",
-           "check_ragged_logits_ranges", "check_paged_logits_args"]
+           "top_k_per_row", "compressed_rows", "check_logits_q", "check_ragged_logits_args",
+           "check_ragged_logits_ranges", "check_max_seqlen_k", "check_paged_logits_args"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 _CHUNK_ELEMENTS = 1 << 24
@@ -90,14 +91,20 @@ def check_ragged_logits_args(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tens
 
 
 def check_ragged_logits_ranges(cu_seqlen_ks: torch.Tensor, cu_seqlen_ke: torch.Tensor,
-                               n_keys: int) -> None:
-    """Every query's key range within ``[0, n_keys]``: two reductions, one transfer."""
+                               n_keys: int, max_seqlen_k: int = 0) -> None:
+    """Every query's key range within ``[0, n_keys]`` and, for compressed rows
+    (``max_seqlen_k > 0``), no longer than ``max_seqlen_k``: three reductions, one
+    transfer."""
     if cu_seqlen_ks.numel() == 0:
         return
-    lo, hi = torch.stack([cu_seqlen_ks.long().min(), cu_seqlen_ke.long().max()]).tolist()
+    ks, ke = cu_seqlen_ks.long(), cu_seqlen_ke.long()
+    lo, hi, span = torch.stack([ks.min(), ke.max(), (ke - ks).max()]).tolist()
     if lo < 0 or hi > n_keys:
         raise ValueError(f"cu_seqlen_ks / cu_seqlen_ke must lie in [0, {n_keys}] (the keys), "
                          f"got ks >= {lo}, ke <= {hi}")
+    if max_seqlen_k and span > max_seqlen_k:
+        raise ValueError(f"max_seqlen_k must hold every query's keys (ke - ks), got "
+                         f"max_seqlen_k = {max_seqlen_k} for a query of {span} keys")
 
 
 def check_paged_logits_args(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
@@ -147,16 +154,48 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, codes: torch.Tensor, scale: 
 
 def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                    weights: torch.Tensor, cu_seqlen_ks: torch.Tensor,
-                   cu_seqlen_ke: torch.Tensor) -> torch.Tensor:
+                   cu_seqlen_ke: torch.Tensor, max_seqlen_k: int = 0) -> torch.Tensor:
     """Ragged prefill logits ``[S, N]``: ``q [S, H, 128]`` e4m3, ``kv = (k_codes [N, 128]
-    e4m3, k_scale [N] float32)``, ``weights [S, H]``; query ``t`` sees ``[ks[t], ke[t])``."""
+    e4m3, k_scale [N] float32)``, ``weights [S, H]``; query ``t`` sees ``[ks[t], ke[t])``.
+
+    ``max_seqlen_k > 0``: the rows compressed as DeepGEMM's ``max_seqlen_k`` asks
+    (``compressed_rows``): ``[S, max_seqlen_k]``, column ``j`` of row ``t`` the logit of key
+    ``ks[t] + j``, ``-inf`` from ``ke[t] - ks[t]`` on; every row's range must fit
+    (``ke - ks <= max_seqlen_k``). ``top_k_per_row`` over them with starts 0 and ends
+    ``ke - ks`` gives the same request-local indices as over the full rows with ``ks``,
+    ``ke``."""
     q, codes, scale = check_ragged_logits_args(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke)
     N = codes.shape[0]
-    check_ragged_logits_ranges(cu_seqlen_ks, cu_seqlen_ke, N)
+    check_max_seqlen_k(max_seqlen_k)
+    check_ragged_logits_ranges(cu_seqlen_ks, cu_seqlen_ke, N, max_seqlen_k)
     ks, ke = cu_seqlen_ks.long(), cu_seqlen_ke.long()
     out = _logits(q, weights, codes.view(torch.float8_e4m3fn), scale)
     cols = torch.arange(N, device=q.device)[None, :]
-    return out.masked_fill((cols < ks[:, None]) | (cols >= ke[:, None]), float("-inf"))
+    out = out.masked_fill((cols < ks[:, None]) | (cols >= ke[:, None]), float("-inf"))
+    return compressed_rows(out, ks, ke, max_seqlen_k) if max_seqlen_k else out
+
+
+def check_max_seqlen_k(max_seqlen_k: int) -> None:
+    """``max_seqlen_k``: a non-negative int (0: full rows)."""
+    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
+        raise ValueError(f"max_seqlen_k must be a non-negative int (0: full rows), got "
+                         f"{max_seqlen_k!r}")
+
+
+def compressed_rows(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, width: int
+                    ) -> torch.Tensor:
+    """Ragged logits ``[S, N]`` (row ``t`` seeing columns ``[ks[t], ke[t])``) compressed to
+    ``[S, width]``: column ``j`` of row ``t`` is column ``ks[t] + j`` for ``j < ke[t] -
+    ks[t]``, ``-inf`` after (keys past ``width`` are dropped: the callers check they are
+    none)."""
+    S, N = logits.shape
+    j = torch.arange(width, device=logits.device)[None, :]
+    cols = ks.long()[:, None] + j
+    live = (j < (ke.long() - ks.long())[:, None]) & (cols < N)
+    got = logits.gather(1, cols.clamp(0, max(N - 1, 0))) if N else \
+        torch.zeros(S, width, dtype=logits.dtype, device=logits.device)
+    return torch.where(live, got, torch.full((), float("-inf"), dtype=logits.dtype,
+                                             device=logits.device))
 
 
 def decode_row_ends(context_lens: torch.Tensor, next_n: int) -> torch.Tensor:

@@ -16,7 +16,8 @@ indexer``), called as vLLM's indexer calls them on sm_90 (its
   takes no q scale), ``max_seqlen_k`` the longest row. DeepGEMM returns each row *compressed*:
   row ``i`` holds keys ``[ks[i], ke[i])`` from column 0 and leaves the rest undefined; the
   adapter puts them back at columns ``ks[i] ..`` of an ``[S, N]`` array of ``-inf`` (a move of
-  values, never a change of one).
+  values, never a change of one). Asked for compressed rows (the reference's
+  ``max_seqlen_k``), it passes that width and sets the undefined columns to ``-inf``.
 - ``fp8_paged_mqa_logits`` -> ``get_paged_mqa_logits_metadata(context_lens, page, slots)``
   then ``fp8_fp4_paged_mqa_logits((q, None), kv_cache [blocks, page, 1, 132], weights,
   context_lens, block_table, metadata, max_model_len)``. As vLLM, ``context_lens`` is
@@ -55,7 +56,11 @@ from mla.conformance.adapters import (
     unpacked_tree,
 )
 from mla.conformance.catalogue import Unsupported
-from mla.reference.indexer_logits import decode_row_ends
+from mla.reference.indexer_logits import (
+    check_max_seqlen_k,
+    check_ragged_logits_ranges,
+    decode_row_ends,
+)
 
 __all__ = ["target", "fp8_mqa_logits", "fp8_paged_mqa_logits", "ragged_logits",
            "paged_logits", "load", "PACKAGE", "HEADS", "NEXT_N", "PAGES"]
@@ -101,23 +106,28 @@ def _checked(q: torch.Tensor, weights: torch.Tensor, **tensors: torch.Tensor) ->
 
 def ragged_logits(dg: object, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                   weights: torch.Tensor, cu_seqlen_ks: torch.Tensor,
-                  cu_seqlen_ke: torch.Tensor) -> torch.Tensor:
-    """``dg.fp8_fp4_mqa_logits`` as vLLM's prefill indexer calls it, its compressed rows put
-    back at their columns: float32 ``[S, N]``, ``-inf`` outside each row's ``[ks, ke)``."""
+                  cu_seqlen_ke: torch.Tensor, max_seqlen_k: int = 0) -> torch.Tensor:
+    """``dg.fp8_fp4_mqa_logits`` as vLLM's prefill indexer calls it: its compressed rows put
+    back at their columns, float32 ``[S, N]`` with ``-inf`` outside each row's ``[ks, ke)``;
+    or, ``max_seqlen_k > 0``, kept compressed ``[S, max_seqlen_k]`` with ``-inf`` from
+    ``ke - ks`` on (DeepGEMM leaves those columns undefined)."""
     codes, scale = kv
     S, N = q.shape[0], codes.shape[0]
     ks = cu_seqlen_ks.to(torch.int32).contiguous()
     ke = cu_seqlen_ke.to(torch.int32).contiguous()
     span = (ke - ks).clamp_min(0)
     longest = int(span.max()) if S else 0
+    width = max_seqlen_k or max(longest, 1)
     got = dg.fp8_fp4_mqa_logits((q, None), (codes, scale.float().reshape(N)),  # type: ignore[attr-defined]
-                                weights, ks, ke, max(longest, 1))
-    out = torch.full((S, N), float("-inf"), dtype=torch.float32, device=q.device)
-    j = torch.arange(max(longest, 1), device=q.device)
+                                weights, ks, ke, width)
+    j = torch.arange(width, device=q.device)
     inside = j[None, :] < span[:, None]
+    if max_seqlen_k:
+        return torch.where(inside, got[:, :width].float(), float("-inf"))
+    out = torch.full((S, N), float("-inf"), dtype=torch.float32, device=q.device)
     rows = torch.arange(S, device=q.device)[:, None].expand_as(inside)
     cols = (ks[:, None].long() + j[None, :])[inside]
-    out[rows[inside], cols] = got[:, :j.numel()][inside].float()
+    out[rows[inside], cols] = got[:, :width][inside].float()
     return out
 
 
@@ -143,11 +153,15 @@ def paged_logits(dg: object, q: torch.Tensor, kv_cache: torch.Tensor, weights: t
 
 def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                    weights: torch.Tensor, cu_seqlen_ks: torch.Tensor,
-                   cu_seqlen_ke: torch.Tensor) -> torch.Tensor:
-    """DeepGEMM's ``fp8_fp4_mqa_logits`` with ``mla.reference.fp8_mqa_logits``' signature."""
+                   cu_seqlen_ke: torch.Tensor, max_seqlen_k: int = 0) -> torch.Tensor:
+    """DeepGEMM's ``fp8_fp4_mqa_logits`` with ``mla.reference.fp8_mqa_logits``' signature
+    (``max_seqlen_k``: DeepGEMM's own compressed rows, checked to hold every row as the
+    reference checks them)."""
     _checked(q, weights, k_codes=kv[0], k_scale=kv[1])
     require_dtype(PEER, (torch.float8_e4m3fn,), k_codes=kv[0])
-    return ragged_logits(load(), q, kv, weights, cu_seqlen_ks, cu_seqlen_ke)
+    check_max_seqlen_k(max_seqlen_k)
+    check_ragged_logits_ranges(cu_seqlen_ks, cu_seqlen_ke, kv[0].shape[0], max_seqlen_k)
+    return ragged_logits(load(), q, kv, weights, cu_seqlen_ks, cu_seqlen_ke, max_seqlen_k)
 
 
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,

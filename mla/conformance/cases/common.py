@@ -14,7 +14,7 @@ from mla.config import PRESETS
 from mla.conformance.catalogue import Unsupported
 
 __all__ = ["D", "DV", "DEFAULT_SCALE", "DEEPSEEK_SCALE", "YARN_SCALE", "call_poisoned",
-           "call_v4", "draw_sink", "long_length", "sink_alternatives"]
+           "call_v4", "draw_sink", "long_length", "sink_alternatives", "takes_keyword"]
 
 D, DV = 576, 512  # DeepSeek-V2/V3/V3.2: latent 512 + rope 64 per key row; V is the latent
 # Cases outside the "scale" topic pass D ** -0.5, a kernel's usual default: a kernel that
@@ -36,7 +36,7 @@ def call_poisoned(fn: Callable, *args: object, **kwargs: object) -> object:
         return fn(*args, **kwargs)
 
 
-def _takes(fn: Callable, keyword: str) -> bool:
+def takes_keyword(fn: Callable, keyword: str) -> bool:
     """Whether ``fn`` accepts ``keyword`` (a ``**kwargs`` parameter takes any); a callable
     whose signature cannot be read is given the benefit of the doubt."""
     try:
@@ -51,7 +51,7 @@ def call_v4(fn: Callable, *args: object, model1: bool = False, **kwargs: object)
     """``call_poisoned`` for DeepSeek-V4's inputs (conventions §14): "unsupported", not an
     error, when ``fn`` takes no keyword a case passes (``attn_sink``, ``extra_k_cache``, ...)
     or, with ``model1``, refuses the MODEL1 cache with a ``ValueError`` naming it."""
-    missing = [k for k in kwargs if not _takes(fn, k)]
+    missing = [k for k in kwargs if not takes_keyword(fn, k)]
     if missing:
         raise Unsupported(f"the kernel takes no {', '.join(missing)}")
     try:

@@ -18,7 +18,10 @@ Kernel names and signatures are ``mla.reference``'s (conventions §10, "Indexer 
   (exactly there: the measure takes NaN where the reference has it, and only there).
   DeepGEMM's ``schedule_metadata`` is the adapter's business.
 - ``fp8_mqa_logits(q [S, H, 128] e4m3, (k_codes [N, 128], k_scale [N]), weights [S, H],
-  cu_seqlen_ks [S], cu_seqlen_ke [S])`` -> ``[S, N]``: the ragged prefill form.
+  cu_seqlen_ks [S], cu_seqlen_ke [S], max_seqlen_k=0)`` -> ``[S, N]``: the ragged prefill
+  form; with ``max_seqlen_k > 0`` (one case) the rows compressed to ``[S, max_seqlen_k]``,
+  column ``j`` holding key ``ks + j``, ``-inf`` from ``ke - ks`` on, as DeepGEMM's
+  ``max_seqlen_k`` and vLLM's prefill indexer use them.
 - ``top_k_per_row(logits [R, W], row_starts [R], row_ends [R], topk)`` -> int32 ``[R, topk]``:
   the ``min(topk, end - start)`` best columns of ``[start, end)`` as ``j - start``, ties to the
   lower index, ``-1`` after. Columns outside the range hold NaN (never read). The order within
@@ -74,9 +77,9 @@ from collections.abc import Callable
 import torch
 
 from mla.compare import fp8_mma_logits_budget, poison_like
-from mla.conformance.cases.common import call_poisoned, long_length
+from mla.conformance.cases.common import call_poisoned, long_length, takes_keyword
 from mla.conformance.cases.paged_cache import WRAP_MINUS_ONE, scattered_slots
-from mla.conformance.catalogue import Setting, Trial, case, generator
+from mla.conformance.catalogue import Setting, Trial, Unsupported, case, generator
 from mla.reference.indexer_cache import (
     INDEX_DIM,
     INDEX_K_BYTES,
@@ -85,6 +88,7 @@ from mla.reference.indexer_cache import (
     read_indexer_k_cache,
 )
 from mla.reference.indexer_logits import (
+    compressed_rows,
     decode_row_ends,
     fp8_mqa_logits,
     fp8_paged_mqa_logits,
@@ -95,7 +99,7 @@ from mla.reference.paged_cache import make_block_table
 
 __all__ = ["logits_budget_of", "logits_limit", "TOPK", "INVERTED_SCALE", "TOKEN_ROWS",
            "SCALE_IGNORED", "NO_RELU", "NO_WEIGHTS", "CAUSAL_SHORT", "CAUSAL_IGNORED", "TIES_HIGH",
-           "TIES_OTHER", "NAN_LOW", "NEG_ZERO_LOW", "NAN_ZERO"]
+           "TIES_OTHER", "NAN_LOW", "NEG_ZERO_LOW", "NAN_ZERO", "FULL_ROWS"]
 
 TOPK = 2048
 HEADS = 64  # DeepSeek-V3.2's index_n_heads
@@ -108,6 +112,7 @@ INVERTED_SCALE = ("scales stored as 1/scale (the quantizer's multiplier; the pag
 TOKEN_ROWS = ("132-byte token rows (each token's values, then its scale) instead of a page's "
               "values of all its tokens, then their scales")
 UNROUNDED = "scale max(amax, 1e-4)/448 not rounded up to a power of two (scale_fmt ue8m0)"
+FULL_ROWS = "full rows [S, N] where max_seqlen_k asks for rows compressed to [S, max_seqlen_k]"
 SCALE_IGNORED = "k scale ignored (logits of the e4m3 codes)"
 NO_RELU = "ReLU missing (negative head dots summed)"
 NO_WEIGHTS = "per-head weights not applied (a plain sum over heads)"
@@ -322,9 +327,11 @@ def _nan_to_zero(want: torch.Tensor) -> Outputs:
 
 
 def ragged_trial(setting: Setting, lens: tuple[int, ...], queries: int, salt: int,
-                 nan_key: bool = False) -> Trial:
+                 nan_key: bool = False, compressed: int | None = None) -> Trial:
     """Requests of ``lens`` keys, flat; each asks with its last ``queries`` positions;
-    ``nan_key``: the last request's first key holds a NaN code (seen by all its queries)."""
+    ``nan_key``: the last request's first key holds a NaN code (seen by all its queries);
+    ``compressed``: rows compressed to ``max_seqlen_k`` = the longest row plus this many
+    columns (a kernel that takes no ``max_seqlen_k`` is unsupported)."""
     g = generator(setting, salt)
     codes, scale = quantize_indexer_k(_bf16_keys(g, sum(lens)))
     if nan_key:
@@ -340,20 +347,30 @@ def ragged_trial(setting: Setting, lens: tuple[int, ...], queries: int, salt: in
     codes8 = codes.view(torch.float8_e4m3fn)
     dev = setting.device
     args = (q8.to(dev), (codes8.to(dev), scale.to(dev)), w.to(dev), ks_t.to(dev), ke_t.to(dev))
+    width = {} if compressed is None else \
+        {"max_seqlen_k": int((ke_t - ks_t).max()) + compressed}
 
     def invoke(fn: Callable) -> Outputs:
-        return {"logits": call_poisoned(fn, *args)}
+        if width and not takes_keyword(fn, "max_seqlen_k"):
+            raise Unsupported("the kernel takes no max_seqlen_k (compressed rows)")
+        return {"logits": call_poisoned(fn, *args, **width)}
+
+    def rows(full: torch.Tensor) -> torch.Tensor:
+        return compressed_rows(full, ks_t, ke_t, width["max_seqlen_k"]) if width else full
 
     def variant(shift: int = 0, **kw: bool) -> Outputs:
-        return {"logits": _variant(q8, w, codes, scale, ke_t.long() + shift, first,
-                                   starts=ks_t.long(), **kw)}
+        return {"logits": rows(_variant(q8, w, codes, scale, ke_t.long() + shift, first,
+                                        starts=ks_t.long(), **kw))}
 
     alts = {SCALE_IGNORED: lambda: variant(k_scale=False), NO_RELU: lambda: variant(relu=False),
             NO_WEIGHTS: lambda: variant(weights=False), CAUSAL_SHORT: lambda: variant(shift=-1)}
     if nan_key:
         alts[NAN_ZERO] = lambda: _nan_to_zero(expected)
-    expected = fp8_mqa_logits(q8, (codes8, scale), w.double(), ks_t, ke_t)
-    mag = fp8_mqa_logits(q8, (codes8, scale), w.double().abs(), ks_t, ke_t)
+    if width:
+        alts[FULL_ROWS] = lambda: {"logits": fp8_mqa_logits(q8, (codes8, scale), w.double(),
+                                                           ks_t, ke_t)}
+    expected = fp8_mqa_logits(q8, (codes8, scale), w.double(), ks_t, ke_t, **width)
+    mag = fp8_mqa_logits(q8, (codes8, scale), w.double().abs(), ks_t, ke_t, **width)
     return Trial(invoke, {"logits": expected}, {"logits": "logits_rel"}, alts,
                  limits={"logits": logits_limit(HEADS, dev, expected, mag)})
 
@@ -527,6 +544,10 @@ _reg(_R, "ragged_requests", "ragged",
 _reg(_R, "chunk_of_a_long_request", "ragged",
      "The last 16 queries of a long request and a short one: rows of different lengths.",
      lambda s: ragged_trial(s, (long_length(s.small), 3), queries=16, salt=921))
+_reg(_R, "compressed_rows", "compressed",
+     "max_seqlen_k: each row compressed to the longest row plus 5 columns, column j holding "
+     "key ks + j, -inf from ke - ks on (also where ks + j passes the last key).",
+     lambda s: ragged_trial(s, (1, 17, 70), queries=8, salt=923, compressed=5))
 _reg(_R, "nan_key_propagates", "nan_input",
      "A NaN e4m3 code in the last request's first key: NaN for each of its queries, the other "
      "logits as usual.",
