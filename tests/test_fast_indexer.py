@@ -276,6 +276,23 @@ def test_ragged_logits_compressed(lens: list[int], queries: int, extra: int):
     assert torch.equal(as_sets(fast_compressed), as_sets(fast_full))
 
 
+def test_ragged_logits_rows_that_see_no_key():
+    """Queries whose range is empty (``ke == ks``, and ``ke < ks``, which the checks allow):
+    rows of ``-inf``, full or compressed, the other rows as the reference's."""
+    args = _ragged(_gen(20), [12, 30], 6)
+    q8, kv, w, ks, ke = args
+    ke = ke.clone()
+    ke[0], ke[7] = ks[0], ks[7] - 3
+    args = (q8, kv, w, ks, ke)
+    logits, mag, heads = _ragged_want(args)
+    for m in (0, int((ke - ks).max()) + 2):
+        want = (logits, mag, heads) if not m else (
+            ref.compressed_rows(logits, ks, ke, m), ref.compressed_rows(mag, ks, ke, m), heads)
+        got = fp8_mqa_logits(*_on(DEVICE, args), m)
+        _check_logits(got, want)
+        assert torch.isneginf(got[[0, 7]].cpu()).all()
+
+
 def test_ragged_logits_compressed_refuse_bad_input():
     """A row longer than ``max_seqlen_k`` (validated), a negative or non-int width: errors
     that name the argument, in the reference and the fast path; unvalidated, a row keeps its
