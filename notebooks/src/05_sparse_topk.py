@@ -31,6 +31,8 @@ from mla import MLAWeights, get_config
 from mla.compare import TOLERANCES, assert_close, logits_err, rel_err
 from mla.reference import (
     cache_rows,
+    compressed_rows,
+    fp8_mqa_logits,
     fp8_paged_mqa_logits,
     make_block_table,
     merge_attn_states,
@@ -464,3 +466,54 @@ for g in (1.0, 64.0):
     without = recall(fp8_logits(q_g, w_g, k_g), best, 64)
     print(f"{g:12.0f} | {with_h:18.3f} | {without:.3f}")
     assert min(with_h, without) > 0.9
+
+
+# %% [markdown]
+# ## Prefill logits: full rows or compressed rows
+#
+# At prefill the indexer scores the new tokens of several requests at once, against one flat
+# array of their keys: query `t` sees keys `[ks[t], ke[t])` of it, its own request's up to its
+# position. Full rows, `[S, N]`, hold `-inf` for every other request's keys. vLLM keeps each
+# row *compressed* instead, from its first key (DeepGEMM's `max_seqlen_k`): `[S, longest]`,
+# column `j` of row `t` the key `ks[t] + j`. Both forms come from `fp8_mqa_logits`; the top-k
+# over compressed rows, from column 0 to `ke - ks`, names the same request-local keys.
+
+# %%
+lens_p = [40, 25, 60]  # three requests, every position asking
+ks_l, ke_l, first = [], [], 0
+for n in lens_p:
+    ks_l += [first] * n
+    ke_l += [first + p + 1 for p in range(n)]
+    first += n
+ks_p, ke_p = torch.tensor(ks_l, dtype=torch.int32), torch.tensor(ke_l, dtype=torch.int32)
+g = torch.Generator().manual_seed(8)
+codes_p, scale_p = quantize_indexer_k(torch.randn(first, 128, generator=g))
+q_p, w_p = quantize_indexer_q(torch.randn(first, 4, 128, generator=g, dtype=torch.float64),
+                              torch.randn(first, 4, generator=g, dtype=torch.float64))
+inputs = (q_p, (codes_p.view(torch.float8_e4m3fn), scale_p), w_p.float(), ks_p, ke_p)
+longest = max(lens_p)
+full = fast.fp8_mqa_logits(*(tuple(x.to(DEVICE) for x in a) if isinstance(a, tuple)
+                             else a.to(DEVICE) for a in inputs)).cpu()
+packed = fast.fp8_mqa_logits(*(tuple(x.to(DEVICE) for x in a) if isinstance(a, tuple)
+                               else a.to(DEVICE) for a in inputs), longest).cpu()
+want = fp8_mqa_logits(*inputs[:2], w_p, ks_p, ke_p, longest)  # float64 reference
+mag = fp8_mqa_logits(*inputs[:2], w_p.abs(), ks_p, ke_p, longest)
+assert torch.equal(torch.isneginf(packed), torch.isneginf(want))
+assert logits_err(packed, want, mag) <= fast.indexer_logits.logits_budget(DEVICE, heads=4)
+assert torch.equal(packed, compressed_rows(full, ks_p, ke_p, longest))
+k_p = 8
+zero = torch.zeros_like(ks_p)
+from_full = top_k_per_row(full.double(), ks_p, ke_p, k_p)
+from_packed = top_k_per_row(packed.double(), zero, ke_p - ks_p, k_p)
+assert torch.equal(from_full, from_packed)
+print(f"full rows {tuple(full.shape)}: {full.numel() * 4} bytes; compressed "
+      f"{tuple(packed.shape)}: {packed.numel() * 4} bytes; the same top-{k_p} in every row")
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw=dict(width_ratios=[2, 1]))
+for ax, m, name in ((ax1, full, "full rows [S, N]"), (ax2, packed, "compressed [S, longest]")):
+    ax.imshow(torch.isfinite(m), aspect="auto", cmap="Greys", interpolation="nearest")
+    ax.set_title(f"{name}: dark where a key is seen")
+    ax.set_xlabel("column (keys)")
+    ax.set_ylabel("query row (tokens of 3 requests)")
+save(fig, "prefill_logits_full_or_compressed")
+
