@@ -72,12 +72,18 @@ def test_prefill_call_passes_the_catalogue_with_a_faithful_stand_in() -> None:
     assert [r.status for r in report.rows] == ["pass"] * 5, report.to_text()
 
 
-def test_a_convention_passed_through_fails_its_case_and_is_named() -> None:
-    """Indices counted from column 0 fail only the ragged-starts case, which names it."""
-    fn = partial(vllm_topk.prefill_indices, _stand_in(absolute=True))
+def _prefill_report(**convention: bool):
+    """The top-k cases on the prefill call over a stand-in with ``convention``; the report and
+    each case's status."""
+    fn = partial(vllm_topk.prefill_indices, _stand_in(**convention))
     report = run({"top_k_per_row": fn}, kernels=["top_k_per_row"],
                  device="cpu", dtype=torch.float32)
-    status = {r.case: r.status for r in report.rows}
+    return report, {r.case: r.status for r in report.rows}
+
+
+def test_a_convention_passed_through_fails_its_case_and_is_named() -> None:
+    """Indices counted from column 0 fail only the ragged-starts case, which names it."""
+    report, status = _prefill_report(absolute=True)
     assert status == {"k_2048_long_rows": "pass", "fewer_keys_than_k": "pass",
                       "ties_at_the_boundary": "pass", "nan_infinities_signed_zeros": "pass",
                       "ragged_row_starts": "fail"}, status
@@ -90,10 +96,7 @@ def test_another_tie_rule_fails_the_ties_case_and_is_named() -> None:
     as the same values with other columns (not as ties toward the higher index)."""
     from mla.conformance.cases.indexer import TIES_HIGH, TIES_OTHER
 
-    fn = partial(vllm_topk.prefill_indices, _stand_in(shuffled_ties=True))
-    report = run({"top_k_per_row": fn}, kernels=["top_k_per_row"],
-                 device="cpu", dtype=torch.float32)
-    status = {r.case: r.status for r in report.rows}
+    report, status = _prefill_report(shuffled_ties=True)
     assert status == {"k_2048_long_rows": "pass", "fewer_keys_than_k": "pass",
                       "ties_at_the_boundary": "fail", "nan_infinities_signed_zeros": "fail",
                       "ragged_row_starts": "pass"}, status
