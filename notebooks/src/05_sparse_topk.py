@@ -492,10 +492,10 @@ q_p, w_p = quantize_indexer_q(torch.randn(first, 4, 128, generator=g, dtype=torc
                               torch.randn(first, 4, generator=g, dtype=torch.float64))
 inputs = (q_p, (codes_p.view(torch.float8_e4m3fn), scale_p), w_p.float(), ks_p, ke_p)
 longest = max(lens_p)
-full = fast.fp8_mqa_logits(*(tuple(x.to(DEVICE) for x in a) if isinstance(a, tuple)
-                             else a.to(DEVICE) for a in inputs)).cpu()
-packed = fast.fp8_mqa_logits(*(tuple(x.to(DEVICE) for x in a) if isinstance(a, tuple)
-                               else a.to(DEVICE) for a in inputs), longest).cpu()
+on_device = [tuple(x.to(DEVICE) for x in a) if isinstance(a, tuple) else a.to(DEVICE)
+             for a in inputs]
+full = fast.fp8_mqa_logits(*on_device).cpu()
+packed = fast.fp8_mqa_logits(*on_device, longest).cpu()
 want = fp8_mqa_logits(*inputs[:2], w_p, ks_p, ke_p, longest)  # float64 reference
 mag = fp8_mqa_logits(*inputs[:2], w_p.abs(), ks_p, ke_p, longest)
 assert torch.equal(torch.isneginf(packed), torch.isneginf(want))
