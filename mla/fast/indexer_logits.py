@@ -25,6 +25,8 @@ one's dot), the others are written ``-inf`` without reading the cache.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -50,9 +52,9 @@ U32 = 2.0 ** -24
 # stages, and programs for twice the SMs of at most 16 tiles each
 RAGGED_PLAN = LogitsPlan(num_warps=4 if TRITON_VERSION < (3, 7) else 8, stages=2,
                          programs_per_sm=2, max_tiles=16)
-# compressed rows (``max_seqlen_k``): 8 warps under every Triton (at 4, 3.6's sm_90 build
-# spills 48 bytes; at 8 it takes 164 registers)
-RAGGED_COMPRESSED_PLAN = LogitsPlan(num_warps=8, stages=2, programs_per_sm=2, max_tiles=16)
+# compressed rows (``max_seqlen_k``): two queries a program (at four, 3.6's sm_90 build at 4
+# warps spills 16 bytes: each key's place in its row is one more value a key and query)
+RAGGED_COMPRESSED_PLAN = dataclasses.replace(RAGGED_PLAN, queries=2)
 
 
 # Under the interpreter the dot is a float32 matmul of exact products: in logits_err's measure
@@ -73,14 +75,20 @@ def logits_budget(device: torch.device | str, heads: int = 64) -> float:
 
 
 @triton.jit
-def _written(cols, lo, end, N, q_ok, COMPRESSED: tl.constexpr):
-    """``[BLOCK_N, BLOCK_Q]``: where key ``cols`` has a column in query ``t``'s row: from
-    ``lo[t]`` to ``end[t]`` (``COMPRESSED``), else every key of a live query."""
+def _seen_written(cols, lo, hi, span, N, q_ok, COMPRESSED: tl.constexpr):
+    """``[BLOCK_N, BLOCK_Q]``: where query ``t`` sees key ``cols`` (``[lo[t], hi[t])``) and
+    where the key has a column in ``t``'s row: every key of a live query, or (``COMPRESSED``)
+    keys ``[lo[t], lo[t] + span)``; compressed, ``hi`` is the count seen (``max(ke - ks,
+    0)``), it and ``span`` uint32, ``lo`` int32, and both are one unsigned compare of the key's
+    place after ``lo[t]`` (keys < 2^30)."""
     if COMPRESSED:
-        inside = (cols[:, None] < end[None, :]) & (cols[:, None] >= lo[None, :])
+        at = (cols.to(tl.int32)[:, None] - lo[None, :]).to(tl.uint32)
+        seen = at < hi[None, :]
+        written = at < span
     else:
-        inside = (cols < N)[:, None] & q_ok[None, :]
-    return inside
+        seen = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
+        written = (cols < N)[:, None] & q_ok[None, :]
+    return seen, written
 
 
 @triton.jit
@@ -94,9 +102,29 @@ def _ragged_kernel(
 ):
     """Programs ``(query tile, key chunk)``: rows of ``M`` columns, key ``n`` of query ``t`` at
     column ``n`` (``M = N``) or, ``COMPRESSED``, at ``n - ks[t]`` (only keys ``[ks[t], ks[t] +
-    M)``; the last chunk's programs also write ``-inf`` where ``ks[t] + j`` passes the keys)."""
+    M)``; the chunks then cover ``N + M`` keys, so that the columns whose key would lie past
+    the last are written ``-inf`` as any other, and a program whose chunk holds no column of
+    its rows returns at once)."""
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_Q
     col0 = tl.program_id(1).to(tl.int64) * chunk
+    tq = t0 + tl.arange(0, BLOCK_Q)
+    q_ok = tq < S
+    if COMPRESSED:
+        # int32 (fewer registers); a row past S starts 2^30 keys before 0 and sees none, so
+        # that no key of it is seen or written (``_seen_written``)
+        lo = tl.load(ks + tq, mask=q_ok, other=-(1 << 30))
+        hi = tl.load(ke + tq, mask=q_ok, other=-(1 << 30))
+    else:
+        lo = tl.load(ks + tq, mask=q_ok, other=0).to(tl.int64)
+        hi = tl.load(ke + tq, mask=q_ok, other=0).to(tl.int64)
+    lo_any = tl.min(tl.where(q_ok, lo, N), axis=0)
+    hi_any = tl.max(tl.where(q_ok, hi, 0), axis=0)
+    if COMPRESSED:
+        # the chunk holds no column of these rows (columns [ks, ks + M), keys past N
+        # included: the chunks run over N + M keys): nothing to compute or write
+        lo_most = tl.max(tl.where(q_ok, lo, 0), axis=0)
+        if (col0 >= lo_most + M) | (col0 + chunk <= lo_any):
+            return
     r = tl.arange(0, BLOCK_Q * HP)
     t = t0 + r // HP
     h = r % HP
@@ -106,20 +134,17 @@ def _ragged_kernel(
                      mask=row_ok[:, None], other=0.0)
     q_t = tl.trans(q_rows)
     w_r = tl.load(w + t * s_w_t + h, mask=row_ok, other=0.0).to(tl.float32)
-    tq = t0 + tl.arange(0, BLOCK_Q)
-    q_ok = tq < S
-    lo = tl.load(ks + tq, mask=q_ok, other=0).to(tl.int64)
-    hi = tl.load(ke + tq, mask=q_ok, other=0).to(tl.int64)
-    lo_any = tl.min(tl.where(q_ok, lo, N), axis=0)
-    hi_any = tl.max(tl.where(q_ok, hi, 0), axis=0)
     out_rows = out + tq * M
     if COMPRESSED:
-        # key n of query t at column n - ks[t], for the keys [ks[t], min(ks[t] + M, N))
+        # key n of query t at column n - ks[t], for the keys [ks[t], ks[t] + M) (-inf past
+        # N: the chunks run over N + M keys)
         write_at = out_rows - lo
-        write_end = tl.where(q_ok, tl.minimum(lo + M, N), lo)
+        span = M.to(tl.uint32)
+        vis = tl.maximum(hi - lo, 0).to(tl.uint32)
     else:
         write_at = out_rows
-        write_end = hi  # (unused)
+        span = hi  # (unused)
+        vis = hi
     # the tiles that hold keys some query sees (pipelined), -inf on either side of them
     first = tl.minimum(tl.maximum(lo_any - col0, 0) // BLOCK_N, TILES)
     last = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(hi_any - col0, 0), BLOCK_N), TILES), first)
@@ -130,26 +155,15 @@ def _ragged_kernel(
                         other=0.0)
         k_scale = tl.load(k_scale_ptr + cols, mask=ok, other=float("nan"))
         s = tile_logits(codes, k_scale, q_t, w_r, BLOCK_Q, HP, BLOCK_N, NAN_CODES)
-        seen = (cols[:, None] >= lo[None, :]) & (cols[:, None] < hi[None, :])
+        seen, written = _seen_written(cols, lo, vis, span, N, q_ok, COMPRESSED)
         s = tl.where(seen, s, float("-inf"))
-        tl.store(write_at[None, :] + cols[:, None], s,
-                 mask=_written(cols, lo, write_end, N, q_ok, COMPRESSED))
+        tl.store(write_at[None, :] + cols[:, None], s, mask=written)
     for i in range(0, TILES):
         if (i < first) | (i >= last):
             cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            _seen, written = _seen_written(cols, lo, vis, span, N, q_ok, COMPRESSED)
             tl.store(write_at[None, :] + cols[:, None],
-                     tl.full((BLOCK_N, BLOCK_Q), float("-inf"), tl.float32),
-                     mask=_written(cols, lo, write_end, N, q_ok, COMPRESSED))
-    if COMPRESSED:
-        if tl.program_id(1) == tl.num_programs(1) - 1:
-            # compressed columns past the last key (ks[t] + j >= N): no chunk holds them
-            lo_most = tl.max(tl.where(q_ok, lo, 0), axis=0)
-            j_first = tl.maximum(N - lo_most, 0) // BLOCK_N * BLOCK_N
-            for j0 in range(j_first, M, BLOCK_N):
-                j = j0 + tl.arange(0, BLOCK_N)
-                past = (j[:, None] >= N - lo[None, :]) & (j < M)[:, None] & q_ok[None, :]
-                tl.store(out_rows[None, :] + j[:, None],
-                         tl.full((BLOCK_N, BLOCK_Q), float("-inf"), tl.float32), mask=past)
+                     tl.full((BLOCK_N, BLOCK_Q), float("-inf"), tl.float32), mask=written)
 
 
 def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
@@ -191,8 +205,9 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
     hp = max(16, next_pow2(H))
     block_q = max(1, min(plan.queries, 256 // hp))
     rows = triton.cdiv(S, block_q)
-    tiles, splits = split_keys(N, rows, plan.block_n, q.device, plan.programs_per_sm,
-                               plan.max_tiles)
+    # compressed, the chunks run over N + M keys (the columns past the last key: -inf)
+    tiles, splits = split_keys(N + (M if max_seqlen_k else 0), rows, plan.block_n, q.device,
+                               plan.programs_per_sm, plan.max_tiles)
     ks = cu_seqlen_ks.clamp(0, N)
     ke = cu_seqlen_ke.clamp(0, N)
     _ragged_kernel[(rows, splits)](
