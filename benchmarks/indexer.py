@@ -161,11 +161,21 @@ def ragged_inputs(requests: list[int], queries: int, seed: int = 0):
     return q8, (codes, scale), w, ks_t, ke_t
 
 
+# ragged prefill shapes (name, request lengths, queries a request: its last positions): one
+# long request, and batches of short ones where most (query, key) pairs are other requests'
+PREFILL_SHAPES = (
+    ("4096 queries of a 32K request", [32768], 4096),
+    ("2048 queries of a 64K request", [65536], 2048),
+    ("8 requests of 2048, every query", [2048] * 8, 2048),
+    ("64 requests of 1000, every query", [1000] * 64, 1000),
+    ("16 requests of 40-4000, every query", [100, 4000, 250, 1800, 3000, 64, 900, 2200, 513,
+                                             1500, 3700, 40, 2600, 1100, 777, 3333], 4000),
+)
+
+
 def bench_prefill(fp8_tflops: float) -> list[dict]:
     rows = []
-    for name, requests, queries in (("4096 queries of a 32K request", [32768], 4096),
-                                    ("2048 queries of a 64K request", [65536], 2048),
-                                    ("8 requests of 2048, every query", [2048] * 8, 2048)):
+    for name, requests, queries in PREFILL_SHAPES:
         q8, kv, w, ks, ke = ragged_inputs(requests, queries)
         ms = _bench(functools.partial(fp8_mqa_logits, q8, kv, w, ks, ke))
         pairs = int((ke - ks).long().sum())

@@ -10,9 +10,10 @@ scattered pages of 64):
 - decode, ``fp8_paged_mqa_logits``: B in {1, 32, 128} requests of L in {8K, 32K, 128K} keys,
   ``next_n`` 1 (and 2 at 32K). DeepGEMM's scheduler metadata is computed once, outside the
   timing, as vLLM computes it once a batch.
-- prefill, ``fp8_mqa_logits``: ``benchmarks.indexer``'s three ragged shapes, ``mla.fast``
-  both with full rows ``[S, N]`` (the default) and with rows compressed to the longest
-  (``max_seqlen_k``), as DeepGEMM writes them.
+- prefill, ``fp8_mqa_logits``: ``benchmarks.indexer``'s ragged shapes (``PREFILL_SHAPES``:
+  one long request, batches of short ones), ``mla.fast`` both with full rows ``[S, N]`` (the
+  default) and with rows compressed to the longest (``max_seqlen_k``), as DeepGEMM writes
+  them.
 
 Each is a CUDA graph of one call, replayed with the L2 flushed by a read before each (median
 ms; ``benchmarks.common.time_graph``); TFLOP/s over the (query, key) pairs computed, against
@@ -36,7 +37,14 @@ import os
 import torch
 
 from benchmarks.common import ceilings, log, report_heading, time_graph
-from benchmarks.indexer import D, H, fp8_matmul_tflops, paged_inputs, ragged_inputs
+from benchmarks.indexer import (
+    PREFILL_SHAPES,
+    D,
+    H,
+    fp8_matmul_tflops,
+    paged_inputs,
+    ragged_inputs,
+)
 from mla.compare import logits_err
 from mla.conformance.adapters import deepgemm
 from mla.conformance.catalogue import Unsupported
@@ -47,9 +55,6 @@ from mla.reference.indexer_logits import decode_row_ends
 DECODE = [(B, 1, L) for L in (8192, 32768, 131072) for B in (1, 32, 128)] + \
     [(B, 2, 32768) for B in (1, 32, 128)]
 TITLE = "Indexer logits: mla.fast beside DeepGEMM (python -m benchmarks.indexer_peers)"
-PREFILL = (("4096 queries of a 32K request", [32768], 4096),
-           ("2048 queries of a 64K request", [65536], 2048),
-           ("8 requests of 2048, every query", [2048] * 8, 2048))
 
 
 def _ms(fn) -> float:
@@ -104,7 +109,7 @@ def decode(dg: object, fp8_tflops: float) -> list[dict]:
 
 def prefill(dg: object, fp8_tflops: float) -> list[dict]:
     rows = []
-    for name, requests, queries in PREFILL:
+    for name, requests, queries in PREFILL_SHAPES:
         q8, kv, w, ks, ke = ragged_inputs(requests, queries)
         longest = int((ke - ks).max())
         flops = 2 * int((ke - ks).long().sum()) * H * D
