@@ -82,7 +82,7 @@ def ragged(plan: indexer_logits.LogitsPlan = indexer_logits.RAGGED_PLAN,
              NAN_CODES=False, STAGES=plan.stages, COMPRESSED=compressed),
         dict(_LOGITS_PTRS, codes_f8="fp8e4nv", k_scale_ptr="fp32", ks="i32", ke="i32"),
         dict(S=4096, H=64, N=_KEYS, M=2048 if compressed else _KEYS, chunk=8 * plan.block_n,
-             s_q_t=64 * 128, s_q_h=128, s_w_t=64, s_c_n=128), plan.num_warps)
+             splits=4, s_q_t=64 * 128, s_q_h=128, s_w_t=64, s_c_n=128), plan.num_warps)
 
 
 def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:

@@ -381,7 +381,8 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                      OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
         for warps in (plan.fused_warps, plan.two_warps):  # fewer rows, many rows
             found[_changed(plan) + f" two launches, {warps} warps"] = facts(
-                _compile(_mark_select_kernel, const, ptrs, dict(ints, chunk=plan.two_chunk),
+                _compile(_mark_select_kernel, const, ptrs,
+                         dict(ints, chunk=plan.two_chunk, parts=4),
                          warps, **fast_topk.uncapped(warps)))
         for hold in (CANDIDATES // 2, CANDIDATES):  # rows held with their columns, in tiles
             const = dict(CAP=CANDIDATES, HOLD=hold, TILE=min(plan.select_tile, 1024),

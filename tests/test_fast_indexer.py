@@ -249,6 +249,7 @@ def test_ragged_logits(lens: list[int], queries: int, heads: int):
     ([1, 17, 70], 8, 0),        # as wide as the longest row
     ([1, 17, 70], 8, 37),       # wider: -inf after each row, columns past the last key
     ([200, 3], 5, 11),          # a row over several tiles; compressed rows past the keys
+    ([3, 1, 4, 1, 5, 9, 2, 6], 9, 2),  # every query of short requests: tiles across requests
 ])
 def test_ragged_logits_compressed(lens: list[int], queries: int, extra: int):
     """``max_seqlen_k``: column ``j`` of row ``t`` holds key ``ks[t] + j`` (the reference's
@@ -274,6 +275,20 @@ def test_ragged_logits_compressed(lens: list[int], queries: int, extra: int):
                                    k).cpu()
     fast_compressed = fast_top_k_per_row(got, *_on(DEVICE, (zero, ke - ks)), k).cpu()
     assert torch.equal(as_sets(fast_compressed), as_sets(fast_full))
+
+
+def test_ragged_logits_one_tile_a_program():
+    """Programs of one tile of 16 keys: most hold no key their queries see (past the
+    diagonal, or another request's keys) and only write ``-inf``, loading no queries; full
+    rows and compressed rows, tiles across requests among them."""
+    plan = LogitsPlan(block_n=16, queries=2, stages=1, max_tiles=1)
+    args = _ragged(_gen(33), [40, 3, 25, 1], 40)
+    q8, kv, w, ks, ke = args
+    logits, mag, heads = _ragged_want(args)
+    _check_logits(fp8_mqa_logits(*_on(DEVICE, args), plan=plan), (logits, mag, heads))
+    m = int((ke - ks).max()) + 5
+    want = (ref.compressed_rows(logits, ks, ke, m), ref.compressed_rows(mag, ks, ke, m), heads)
+    _check_logits(fp8_mqa_logits(*_on(DEVICE, args), m, plan=plan), want)
 
 
 def test_ragged_logits_rows_that_see_no_key():
@@ -305,6 +320,8 @@ def test_ragged_logits_compressed_refuse_bad_input():
         for bad in (-1, True, 2.0):
             with pytest.raises(ValueError, match="max_seqlen_k must be a non-negative int"):
                 fn(*_on(DEVICE, args), bad)
+    with pytest.raises(ValueError, match="max_seqlen_k plus the keys must be below 2\\^30"):
+        fp8_mqa_logits(*_on(DEVICE, args), (1 << 30) - 10)  # (before allocating the rows)
     got = fp8_mqa_logits(*_on(DEVICE, args), 8, validate=False).cpu()
     full = ref.fp8_mqa_logits(q8, kv, w.double(), ks, ke)
     clipped = ref.compressed_rows(full, ks, torch.minimum(ke, ks + 8), 8)

@@ -353,6 +353,32 @@ def test_topk_launches_repeated(route):
         assert torch.equal(as_sets(out.cpu()), want)
 
 
+@pytest.mark.parametrize("route", ["one", "two", "three"])
+def test_topk_grids_put_the_rows_on_x(monkeypatch: pytest.MonkeyPatch, route: str):
+    """CUDA takes at most 65535 programs on a grid's y and z (2^31 - 1 on x), and a prefill of
+    64K tokens is 64K rows: every launch of every route puts the rows on x, its y and z not
+    growing with the rows (launches recorded, not run)."""
+    grids: dict[int, list[tuple[str, tuple[int, ...]]]] = {}
+    rows = 0
+
+    def recorder(name: str):
+        def launch(key, grid, args, **options) -> None:
+            grids.setdefault(rows, []).append((name, tuple(grid)))
+        return launch
+
+    for name in ("_estimate", "_mask", "_select", "_fused", "_mark_select", "_held"):
+        monkeypatch.setattr(fast_topk, name, recorder(name))
+    for rows in (7, 9):
+        logits = torch.randn(rows, 9000, device=DEVICE)
+        starts = torch.zeros(rows, dtype=torch.int32, device=DEVICE)
+        fast_topk.top_k_per_row(logits, starts, starts + 9000, 2048,
+                                plan=TopkPlan(route=route, two_chunk=2048))
+    assert [n for n, _ in grids[7]] == [n for n, _ in grids[9]] and grids[7]
+    for (name, seven), (_, nine) in zip(grids[7], grids[9]):
+        assert seven[0] < nine[0] and seven[1] >= nine[1] and seven[2] >= nine[2], (
+            name, seven, nine)
+
+
 def test_topk_route_for():
     """``route="auto"``: two launches where a row fits one of their parts and the rows
     outnumber the SMs (4 under the interpreter, the GPU's count on one) or where the rows are

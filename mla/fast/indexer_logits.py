@@ -20,7 +20,8 @@ derivation: conventions §11.
 
 At prefill a program covers ``TILES`` consecutive tiles of keys: those holding keys its
 queries see run in a software-pipelined loop (the next tile's loads in flight during this
-one's dot), the others are written ``-inf`` without reading the cache.
+one's dot), the others are written ``-inf`` without reading the cache (and a program none of
+whose tiles holds such keys loads no queries either).
 """
 
 from __future__ import annotations
@@ -94,50 +95,46 @@ def _seen_written(cols, lo, hi, span, N, q_ok, COMPRESSED: tl.constexpr):
 @triton.jit
 def _ragged_kernel(
     q, w, codes_f8, k_scale_ptr, ks, ke, out,
-    S, H, N, M, chunk,
+    S, H, N, M, chunk, splits,
     s_q_t, s_q_h, s_w_t, s_c_n,
     BLOCK_Q: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     TILES: tl.constexpr, NAN_CODES: tl.constexpr, STAGES: tl.constexpr,
     COMPRESSED: tl.constexpr,
 ):
     """Programs ``(query tile, key chunk)``: rows of ``M`` columns, key ``n`` of query ``t`` at
-    column ``n`` (``M = N``) or, ``COMPRESSED``, at ``n - ks[t]`` (only keys ``[ks[t], ks[t] +
-    M)``; the chunks then cover ``N + M`` keys, so that the columns whose key would lie past
-    the last are written ``-inf`` as any other, and a program whose chunk holds no column of
-    its rows returns at once)."""
+    column ``n`` (``M = N``: ``chunk`` keys from ``chunk`` times the program's second index)
+    or, ``COMPRESSED``, at ``n - ks[t]`` (only keys ``[ks[t], ks[t] + M)``: a tile's queries
+    share a start unless the tile crosses requests, so the second index is a query slot of
+    the tile and one of ``splits`` chunks of ``M`` keys from that query's start, for the
+    queries of that start; the slots whose start an earlier slot has return at once, and the
+    columns whose key would lie past the last are written ``-inf`` as any other)."""
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_Q
-    col0 = tl.program_id(1).to(tl.int64) * chunk
     tq = t0 + tl.arange(0, BLOCK_Q)
     q_ok = tq < S
     if COMPRESSED:
-        # int32 (fewer registers); a row past S starts 2^30 keys before 0 and sees none, so
-        # that no key of it is seen or written (``_seen_written``)
+        # int32 (fewer registers); a row this program does not write starts 2^30 keys before
+        # 0, so that no key of it is seen or written (``_seen_written``)
         lo = tl.load(ks + tq, mask=q_ok, other=-(1 << 30))
         hi = tl.load(ke + tq, mask=q_ok, other=-(1 << 30))
+        slot = tl.program_id(1) // splits
+        in_tile = tl.arange(0, BLOCK_Q)
+        lead = tl.sum(tl.where(in_tile == slot, lo, 0), axis=0)
+        taken = tl.sum(((in_tile < slot) & (lo == lead) & q_ok).to(tl.int32), axis=0)
+        if (t0 + slot >= S) | (taken > 0):
+            return
+        q_ok = q_ok & (lo == lead)
+        lo = tl.where(q_ok, lo, -(1 << 30))
+        hi = tl.where(q_ok, hi, -(1 << 30))
+        col0 = lead.to(tl.int64) + (tl.program_id(1) % splits).to(tl.int64) * chunk
     else:
         lo = tl.load(ks + tq, mask=q_ok, other=0).to(tl.int64)
         hi = tl.load(ke + tq, mask=q_ok, other=0).to(tl.int64)
+        col0 = tl.program_id(1).to(tl.int64) * chunk
     lo_any = tl.min(tl.where(q_ok, lo, N), axis=0)
     hi_any = tl.max(tl.where(q_ok, hi, 0), axis=0)
-    if COMPRESSED:
-        # the chunk holds no column of these rows (columns [ks, ks + M), keys past N
-        # included: the chunks run over N + M keys): nothing to compute or write
-        lo_most = tl.max(tl.where(q_ok, lo, 0), axis=0)
-        if (col0 >= lo_most + M) | (col0 + chunk <= lo_any):
-            return
-    r = tl.arange(0, BLOCK_Q * HP)
-    t = t0 + r // HP
-    h = r % HP
-    row_ok = (t < S) & (h < H)
-    d = tl.arange(0, D)
-    q_rows = tl.load(q + t[:, None] * s_q_t + h[:, None] * s_q_h + d[None, :],
-                     mask=row_ok[:, None], other=0.0)
-    q_t = tl.trans(q_rows)
-    w_r = tl.load(w + t * s_w_t + h, mask=row_ok, other=0.0).to(tl.float32)
     out_rows = out + tq * M
     if COMPRESSED:
-        # key n of query t at column n - ks[t], for the keys [ks[t], ks[t] + M) (-inf past
-        # N: the chunks run over N + M keys)
+        # key n of query t at column n - ks[t], for the keys [ks[t], ks[t] + M) (-inf past N)
         write_at = out_rows - lo
         span = M.to(tl.uint32)
         vis = tl.maximum(hi - lo, 0).to(tl.uint32)
@@ -145,19 +142,31 @@ def _ragged_kernel(
         write_at = out_rows
         span = hi  # (unused)
         vis = hi
-    # the tiles that hold keys some query sees (pipelined), -inf on either side of them
+    # the tiles that hold keys some query sees (pipelined), -inf on either side of them; a
+    # chunk with none (past the queries' positions, or outside their request) writes -inf
+    # without loading the queries
     first = tl.minimum(tl.maximum(lo_any - col0, 0) // BLOCK_N, TILES)
     last = tl.maximum(tl.minimum(tl.cdiv(tl.maximum(hi_any - col0, 0), BLOCK_N), TILES), first)
-    for i in tl.range(first, last, num_stages=STAGES):
-        cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = (cols >= lo_any) & (cols < hi_any)
-        codes = tl.load(codes_f8 + cols[:, None] * s_c_n + d[None, :], mask=ok[:, None],
-                        other=0.0)
-        k_scale = tl.load(k_scale_ptr + cols, mask=ok, other=float("nan"))
-        s = tile_logits(codes, k_scale, q_t, w_r, BLOCK_Q, HP, BLOCK_N, NAN_CODES)
-        seen, written = _seen_written(cols, lo, vis, span, N, q_ok, COMPRESSED)
-        s = tl.where(seen, s, float("-inf"))
-        tl.store(write_at[None, :] + cols[:, None], s, mask=written)
+    if last > first:
+        r = tl.arange(0, BLOCK_Q * HP)
+        t = t0 + r // HP
+        h = r % HP
+        row_ok = (t < S) & (h < H)
+        d = tl.arange(0, D)
+        q_rows = tl.load(q + t[:, None] * s_q_t + h[:, None] * s_q_h + d[None, :],
+                         mask=row_ok[:, None], other=0.0)
+        q_t = tl.trans(q_rows)
+        w_r = tl.load(w + t * s_w_t + h, mask=row_ok, other=0.0).to(tl.float32)
+        for i in tl.range(first, last, num_stages=STAGES):
+            cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = (cols >= lo_any) & (cols < hi_any)
+            codes = tl.load(codes_f8 + cols[:, None] * s_c_n + d[None, :], mask=ok[:, None],
+                            other=0.0)
+            k_scale = tl.load(k_scale_ptr + cols, mask=ok, other=float("nan"))
+            s = tile_logits(codes, k_scale, q_t, w_r, BLOCK_Q, HP, BLOCK_N, NAN_CODES)
+            seen, written = _seen_written(cols, lo, vis, span, N, q_ok, COMPRESSED)
+            s = tl.where(seen, s, float("-inf"))
+            tl.store(write_at[None, :] + cols[:, None], s, mask=written)
     for i in range(0, TILES):
         if (i < first) | (i >= last):
             cols = col0 + i * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -175,7 +184,8 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
     ``kv = (k_codes [N, 128] e4m3, k_scale [N] float32)``, ``weights [S, H]``; query ``t``
     sees ``[ks[t], ke[t])``. ``max_seqlen_k > 0``: rows compressed to ``[S, max_seqlen_k]``
     (column ``j``: key ``ks[t] + j``, ``-inf`` from ``ke[t] - ks[t]`` on;
-    ``mla.reference.compressed_rows``), the rest of the keys neither read nor written.
+    ``mla.reference.compressed_rows``; here ``N + max_seqlen_k < 2^30``), the rest of the keys
+    neither read nor written.
     ``validate``: check ``ks``/``ke`` within ``[0, N]`` and, compressed, ``ke - ks <=
     max_seqlen_k`` on the host; unvalidated, keys outside are never read (the range is
     clipped) and a compressed row keeps its first ``max_seqlen_k`` keys. ``plan``: the tiling
@@ -191,6 +201,10 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
     S, H, _ = q.shape
     N = codes.shape[0]
     M = max_seqlen_k or N
+    if max_seqlen_k and N + M >= 1 << 30:
+        raise ValueError(f"max_seqlen_k plus the keys must be below 2^30 here (the kernel's "
+                         f"columns are int32 places after a row's start), got max_seqlen_k="
+                         f"{max_seqlen_k} with {N} keys")
     if weights.stride(-1) != 1:
         weights = weights.contiguous()
     if should_validate(validate, q):
@@ -205,14 +219,16 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
     hp = max(16, next_pow2(H))
     block_q = max(1, min(plan.queries, 256 // hp))
     rows = triton.cdiv(S, block_q)
-    # compressed, the chunks run over N + M keys (the columns past the last key: -inf)
-    tiles, splits = split_keys(N + (M if max_seqlen_k else 0), rows, plan.block_n, q.device,
-                               plan.programs_per_sm, plan.max_tiles)
+    # compressed, each query slot of a tile runs over the M keys from its start (the columns
+    # past the last key: -inf)
+    tiles, splits = split_keys(M, rows, plan.block_n, q.device, plan.programs_per_sm,
+                               plan.max_tiles)
     ks = cu_seqlen_ks.clamp(0, N)
     ke = cu_seqlen_ke.clamp(0, N)
-    _ragged_kernel[(rows, splits)](
+    _ragged_kernel[(rows, splits * (block_q if max_seqlen_k else 1))](
         q, weights, codes.view(torch.float8_e4m3fn), scale, ks, ke, out, S, H, N, M,
-        tiles * plan.block_n, q.stride(0), q.stride(1), weights.stride(0), codes.stride(0),
+        tiles * plan.block_n, splits, q.stride(0), q.stride(1), weights.stride(0),
+        codes.stride(0),
         BLOCK_Q=block_q, HP=hp, D=INDEX_DIM, BLOCK_N=plan.block_n,
         TILES=tiles, NAN_CODES=interpreting(), STAGES=plan.stages,
         COMPRESSED=max_seqlen_k > 0, num_warps=plan.num_warps,

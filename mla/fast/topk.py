@@ -417,10 +417,11 @@ def _two_launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     warps = plan.two_warps if many else plan.fused_warps
     cap_regs, tile = _capped(plan, R * parts, logits.device, warps)
     args = (logits, row_starts, row_ends, work, words, ready, out, W, topk, logits.stride(0),
-            out.stride(0), s_w_r, chunk, CANDIDATES, SMALL, min(tile, 1024), plan.select_bits,
-            block, plan.fused_stages, min(1024, next_pow2(topk)), WORD_TILE)
-    key = (key, chunk, warps, ptr_spec(words), ptr_spec(ready), *cap_regs.items())
-    return lambda: _mark_select(key, (parts, R, 1), args, num_warps=warps, **pdl, **cap_regs)
+            out.stride(0), s_w_r, chunk, parts, CANDIDATES, SMALL, min(tile, 1024),
+            plan.select_bits, block, plan.fused_stages, min(1024, next_pow2(topk)), WORD_TILE)
+    key = (key, chunk, parts, warps, ptr_spec(words), ptr_spec(ready), *cap_regs.items())
+    return lambda: _mark_select(key, (parts * R, 1, 1), args, num_warps=warps, **pdl,
+                                **cap_regs)
 
 
 def fused_parts(plan: TopkPlan, R: int, W: int, device: torch.device) -> tuple[int, int]:

@@ -102,21 +102,22 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
 
 @triton.jit
 def _mark_select_kernel(logits, starts, ends, work, words, ready, out, W, topk, s_l_r, s_o_r,
-                        s_w_r, chunk, CAP: tl.constexpr, SMALL: tl.constexpr,
+                        s_w_r, chunk, parts, CAP: tl.constexpr, SMALL: tl.constexpr,
                         TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
                         STAGES: tl.constexpr, OUT_BLOCK: tl.constexpr,
                         WORD_TILE: tl.constexpr):
     """Two launches' second, after the estimate (``_estimate_kernel``: the thresholds, the
-    counts zeroed): programs ``(part, row)``, the parts of a row next to each other in the
-    grid, so that rows finish one after another and a row's select overlaps the later rows'
-    reads. Each part of a row longer than ``CAP`` marks its ``chunk`` (``_mask_chunk``),
-    lists its share (``_list_part``) and arrives; the last selects (``_select_row``). A
-    shorter row is selected whole by its part 0. The row's programs wait for its estimate
-    alone (its flag ``ready[row]``, set by the estimate, cleared by the selecting program), so
-    that, launched as the estimate's programmatic dependent, the first rows mark while later
-    rows are estimated (H200: 255 against 265 us at 1024 x 128K, 145 against 153 at 512)."""
-    part = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
+    counts zeroed): program ``row · parts + part`` (a grid of one dimension: rows past 65535
+    fit), the parts of a row next to each other in the grid, so that rows finish one after
+    another and a row's select overlaps the later rows' reads. Each part of a row longer than
+    ``CAP`` marks its ``chunk`` (``_mask_chunk``), lists its share (``_list_part``) and
+    arrives; the last selects (``_select_row``). A shorter row is selected whole by its part
+    0. The row's programs wait for its estimate alone (its flag ``ready[row]``, set by the
+    estimate, cleared by the selecting program), so that, launched as the estimate's
+    programmatic dependent, the first rows mark while later rows are estimated (H200: 255
+    against 265 us at 1024 x 128K, 145 against 153 at 512)."""
+    part = tl.program_id(0) % parts
+    row = (tl.program_id(0) // parts).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     src = logits + row * s_l_r
     bits = words + row * s_w_r
@@ -125,7 +126,7 @@ def _mark_select_kernel(logits, starts, ends, work, words, ready, out, W, topk, 
     if (n > CAP) | selects:
         _wait_ready(ready + row)  # the row's threshold and zeroed counts
     if n > CAP:
-        selects = _mark_share_arrive(src, bits, start, end, part, tl.num_programs(0), chunk,
+        selects = _mark_share_arrive(src, bits, start, end, part, parts, chunk,
                                      tl.load(thresh), W, list_keys, list_cols, count, count + 1,
                                      CAP, TILE, BLOCK, STAGES, True, True)
     if selects:
