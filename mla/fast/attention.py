@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from mla.fast.common import LOG2E, capability, ensure_allocator, interpreting
+from mla.fast.launch import check_grid
 from mla.reference.attention import attention_with_lse as _reference_attention
 from mla.reference.attention import default_positions
 from mla.validation import check_float, check_index, check_same_device, check_same_dtype
@@ -63,6 +64,7 @@ _CONFIGS_16BIT = (AttnConfig(), AttnConfig(block_m=64, block_n=32, num_warps=8, 
 _CONFIGS_FLOAT32 = (AttnConfig(block_m=64, block_n=32, num_warps=4, num_stages=2),
                     AttnConfig(block_m=32, block_n=32, num_warps=4, num_stages=1),
                     AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=1))
+_MAX_ROWS = 2**31 - 1  # q and k rows (one request's count is int32 in the kernel)
 # an SM90 block may use 227 KB of shared memory; the kernel needs about 1 KB beyond its tiles
 _SHARED_MEMORY_BYTES = 227 * 1024 - 4096
 
@@ -328,7 +330,9 @@ def flash_attention_with_lse(
     (``[Tk, Nk, Da]``, ``[Tk, Nk, Db]``; any strides, so a ``k_pe`` broadcast over heads by
     ``expand`` costs nothing), ``v [Tk, Nk, Dv]``. Request ``b`` owns query rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key rows likewise; ``max_seqlen_q`` (a host int,
-    an upper bound is fine) sizes the grid. Positions, if given, are per row ``[Tq]``/``[Tk]``.
+    an upper bound is fine; taken as at most ``Tq``) sizes the grid. Positions, if given, are
+    per row ``[Tq]``/``[Tk]``. ``Tq`` and ``Tk`` must be below 2^31, and the grid (query blocks,
+    heads ``N`` and requests ``B`` each at most 65535) below 2^31 programs (``ValueError``).
     Returns ``o [Tq, N, Dv]`` and ``lse [N, Tq]`` float32. Reads no device value on the host.
     """
     check_float("q_a", q_a, ndim=3)
@@ -358,18 +362,29 @@ def flash_attention_with_lse(
     check_same_device(q_a=q_a, q_b=q_b, k_a=k_a, k_b=k_b, v=v, cu_seqlens_q=cu_seqlens_q,
                       cu_seqlens_k=cu_seqlens_k, q_positions=q_positions,
                       k_positions=k_positions)
+    for name, rows in (("q_a", Tq), ("k_a", Tk)):
+        if rows > _MAX_ROWS:  # no request can be longer than all rows together
+            raise ValueError(f"{name} must have at most {_MAX_ROWS} rows (2^31 - 1: the kernel "
+                             f"counts a request's rows in 32 bits), got {rows}")
     Dv = v.shape[2]
     Db = 0 if q_b is None else q_b.shape[2]
+    empty = Tq == 0 or N == 0 or B <= 0 or max_seqlen_q <= 0
+    if not empty:
+        if config is None:
+            config = (_INTERPRETER_CONFIG if q_a.device.type == "cpu" else
+                      pick_config(q_a.dtype, _block(Da) + (_block(Db) if Db else 0),
+                                  _block(Dv)))
+        # no request has more rows than q: a loose bound costs no more programs than that
+        grid = (triton.cdiv(min(max_seqlen_q, Tq), config.block_m), N, B)
+        check_grid("flash_attention_with_lse (grid: query blocks of max_seqlen_q, heads, "
+                   "requests)", grid)
     out = torch.empty((Tq, N, Dv), dtype=q_a.dtype, device=q_a.device)
     lse = torch.empty((N, Tq), dtype=torch.float32, device=q_a.device)
-    if Tq == 0 or N == 0 or B <= 0 or max_seqlen_q <= 0:
+    if empty:
         if Tq:
             out.zero_()
             lse.fill_(float("-inf"))
         return out, lse
-    if config is None:
-        config = (_INTERPRETER_CONFIG if q_a.device.type == "cpu" else
-                  pick_config(q_a.dtype, _block(Da) + (_block(Db) if Db else 0), _block(Dv)))
     qb_t = q_a if q_b is None else q_b
     kb_t = k_a if k_b is None else k_b
     use_tma = _tma_ok(q_a, qb_t, k_a, kb_t, v)
@@ -377,7 +392,6 @@ def flash_attention_with_lse(
         ensure_allocator()
     pos_q = cu_seqlens_q if q_positions is None else q_positions
     pos_k = cu_seqlens_k if k_positions is None else k_positions
-    grid = (triton.cdiv(max_seqlen_q, config.block_m), N, B)
     _attn_fwd_kernel[grid](
         q_a, qb_t, k_a, kb_t, v, out, lse, pos_q, pos_k, cu_seqlens_q, cu_seqlens_k,
         softmax_scale * LOG2E, N // Nk,

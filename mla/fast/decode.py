@@ -59,13 +59,18 @@ from mla.fast.common import (
     should_validate,
 )
 from mla.fast.decode_combine import combine_kernel, sink_factor
-from mla.fast.launch import CompiledLauncher
+from mla.fast.launch import CompiledLauncher, check_grid
 from mla.fast.softmax import load_2d, softmax_pv
 from mla.reference.decode import check_paged_decode_shapes, check_paged_decode_values
 from mla.reference.sink import check_attn_sink
 from mla.validation import check_scale
 
 __all__ = ["DecodePlan", "plan_decode", "mla_decode_paged"]
+
+
+# the longest cache a block table may address (its blocks x the block size): the kernels count
+# key positions in int32, with room for a tile and a split past the last one
+MAX_TABLE_TOKENS = 2**31 - 2**16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,11 +234,14 @@ def _decode_kernel(
     row_ok = rows < ROWS
     t = rows // N
     h = rows % N
+    # addresses in int64: s_q·N·D passes 2^31 while q still fits in memory
+    t64 = t.to(tl.int64)
+    h64 = h.to(tl.int64)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_dr = tl.arange(0, BLOCK_DR)
     dv_mask = offs_dv < DV
 
-    q_row = Q + b.to(tl.int64) * stride_qb + t * stride_qt + h * stride_qh
+    q_row = Q + b.to(tl.int64) * stride_qb + t64 * stride_qt + h64 * stride_qh
     q_nope = load_2d(q_row[:, None] + offs_dv[None, :], row_ok, dv_mask, True, BLOCK_DV != DV)
     if HAS_PE:
         q_pe = load_2d(q_row[:, None] + DV + offs_dr[None, :], row_ok, offs_dr < DR, True,
@@ -303,10 +311,10 @@ def _decode_kernel(
             o = o * sink_factor(lse, seen, SINK, h, row_ok)[:, None]
         o = tl.where(bad, float("nan"), o)
         lse = tl.where(bad, float("nan"), tl.where(seen, lse, float("inf")))
-        o_ptr = O + b.to(tl.int64) * stride_ob + t * stride_ot + h * stride_oh
+        o_ptr = O + b.to(tl.int64) * stride_ob + t64 * stride_ot + h64 * stride_oh
         tl.store(o_ptr[:, None] + offs_dv[None, :], o.to(O.dtype.element_ty),
                  mask=row_ok[:, None] & dv_mask[None, :])
-        tl.store(LSE + b.to(tl.int64) * stride_lb + h * stride_lh + t, lse, mask=row_ok)
+        tl.store(LSE + b.to(tl.int64) * stride_lb + h64 * stride_lh + t64, lse, mask=row_ok)
 
 
 def _tma_ok(kv_cache: torch.Tensor, DV: int, DR: int) -> bool:
@@ -398,6 +406,11 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     """The argument checks that read host metadata, then the launch: once per key."""
     check_paged_decode_shapes(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                               head_dim_v)
+    capacity = block_table.shape[1] * kv_cache.shape[1]
+    if capacity > MAX_TABLE_TOKENS:
+        raise ValueError(f"block_table's capacity must be at most {MAX_TABLE_TOKENS} tokens "
+                         f"(2^31 - 2^16: the kernels count key positions in int32), got "
+                         f"{block_table.shape[1]} blocks x {kv_cache.shape[1]} = {capacity}")
     check_kernel_input(q)
     check_attn_sink(attn_sink, q.shape[2], q.device)
     if plan is not None and not isinstance(plan, DecodePlan):
@@ -411,6 +424,12 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     if plan is None:
         plan = plan_decode(B, s_q, N, D, DV, block_table.shape[1], block_size, q.dtype,
                            num_sms(q.device))
+    rows = s_q * N
+    split = plan.num_splits > 1
+    grid = (triton.cdiv(rows, plan.block_m), plan.num_splits, B)
+    check_grid("mla_decode_paged (grid: row groups of s_q x heads, splits, requests)", grid)
+    if split:
+        check_grid("mla_decode_paged (combine grid: s_q x heads, requests)", (rows, B, 1))
     # the kernels need unit stride along the head dim (vectorized rows); copy only if not
     copy = (q.stride(3) != 1, kv_cache.stride(2) != 1, block_table.stride(1) != 1)
     q = q.contiguous() if copy[0] else q
@@ -418,8 +437,6 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     block_table = block_table.contiguous() if copy[2] else block_table
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    rows = s_q * N
-    split = plan.num_splits > 1
     has_sink = attn_sink is not None
     ints = (q.stride(0), q.stride(1), q.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
@@ -428,7 +445,7 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     block_dv = max(16, next_pow2(DV))
     common = dict(
         out_shape=out_shape, lse_shape=lse_shape,
-        grid=(triton.cdiv(rows, plan.block_m), plan.num_splits, B), copy=copy,
+        grid=grid, copy=copy,
         part_size=(-(-B * plan.num_splits * rows * DV // 4) * 4 + B * plan.num_splits * rows)
         if split else 0,
         part_lse=-(-B * plan.num_splits * rows * DV // 4) * 4,

@@ -39,8 +39,8 @@ def combine_kernel(
     ROWS: tl.constexpr = S_Q * N
     r = tl.program_id(0)
     b = tl.program_id(1)
-    t = r // N
-    h = r % N
+    t = (r // N).to(tl.int64)  # int64 addresses, as the decode kernel's
+    h = (r % N).to(tl.int64)
     first = b.to(tl.int64) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
     lses = tl.load(LSEP + (first + offs_s) * ROWS + r, mask=offs_s < num_splits,

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from mla.fast.common import should_validate
+from mla.fast.launch import check_grid
 from mla.fast.paged_cache import check_slot_range
 from mla.reference.fp8 import (
     D_NOPE,
@@ -106,6 +107,7 @@ def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     if T == 0:
         return
+    check_grid("concat_and_cache_fp8_ds_mla (grid: tokens)", (T,))
     if should_validate(validate, kv_cache):
         check_slot_range(slot_mapping, n_slots)
     if k_pe.dtype != torch.bfloat16:

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from mla.fast.common import should_validate
+from mla.fast.launch import check_grid
 from mla.fast.paged_cache import check_slot_range
 from mla.reference.indexer_cache import INDEX_DIM, INDEX_K_BYTES
 from mla.validation import check_float, check_index, check_same_device, check_tensor
@@ -112,12 +113,14 @@ def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor,
     nb, bs, _ = kv_cache.shape
     if T == 0:
         return
+    grid = (triton.cdiv(T, BLOCK_T),)
+    check_grid("indexer_k_quant_and_cache (grid: tiles of tokens)", grid)
     if should_validate(validate, kv_cache):
         check_slot_range(slot_mapping, nb * bs)
     if k.dtype == torch.float64:
         k = k.float()  # rounded as the reference rounds it (the interpreter's cast truncates)
     u8 = kv_cache.view(torch.uint8)
-    _indexer_k_cache_kernel[(triton.cdiv(T, BLOCK_T),)](
+    _indexer_k_cache_kernel[grid](
         k, u8, u8.view(-1).view(torch.float32), slot_mapping, T, nb * bs, bs, *k.stride(),
         D=INDEX_DIM, BLOCK_T=BLOCK_T, num_warps=4,
     )

@@ -36,6 +36,7 @@ from mla.compare import fp8_mma_logits_budget
 from mla.fast.common import TRITON_VERSION, interpreting, next_pow2, should_validate
 from mla.fast.indexer_logits_paged import PAGED_PLAN, fp8_paged_mqa_logits
 from mla.fast.indexer_logits_tile import LogitsPlan, split_keys, tile_logits
+from mla.fast.launch import check_grid
 from mla.reference.indexer_cache import INDEX_DIM
 from mla.reference.indexer_logits import (
     check_max_seqlen_k,
@@ -223,9 +224,11 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
     # past the last key: -inf)
     tiles, splits = split_keys(M, rows, plan.block_n, q.device, plan.programs_per_sm,
                                plan.max_tiles)
+    grid = (rows, splits * (block_q if max_seqlen_k else 1))
+    check_grid("fp8_mqa_logits (grid: query tiles, key splits)", grid)
     ks = cu_seqlen_ks.clamp(0, N)
     ke = cu_seqlen_ke.clamp(0, N)
-    _ragged_kernel[(rows, splits * (block_q if max_seqlen_k else 1))](
+    _ragged_kernel[grid](
         q, weights, codes.view(torch.float8_e4m3fn), scale, ks, ke, out, S, H, N, M,
         tiles * plan.block_n, splits, q.stride(0), q.stride(1), weights.stride(0),
         codes.stride(0),

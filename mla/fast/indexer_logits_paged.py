@@ -46,6 +46,7 @@ from mla.fast.common import (
     should_validate,
 )
 from mla.fast.indexer_logits_tile import LogitsPlan, split_keys, split_waves, tile_logits
+from mla.fast.launch import check_grid
 from mla.reference.indexer_cache import INDEX_DIM
 from mla.reference.indexer_logits import check_paged_logits_args
 from mla.validation import check_tensor
@@ -246,6 +247,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
         block_tables = block_tables.contiguous()
     kernel, grid, args, sizes = launch_plan(plan or paged_plan(next_n), q, kv_cache, weights,
                                             context_lens, block_tables, out)
+    check_grid("fp8_paged_mqa_logits (grid: requests, key splits)", grid)
     kernel[grid](*args, **sizes)
     return out
 

@@ -25,6 +25,9 @@ A caller's key must determine Triton's specialization of every non-constexpr arg
 ``int_spec`` gives an integer's class under Triton 3.6's rule and ``ptr_spec`` a pointer's,
 for callers whose integers do not all follow from the shapes in their key
 (``tests/test_fast_decode.py`` checks both against Triton's own specializer).
+
+``check_grid`` is the launch sites' guard against grids no GPU runs (a ``ValueError`` before
+launching, instead of a CUDA error, or no launch at all).
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from triton import knobs
 
 from mla.fast.common import interpreting
 
-__all__ = ["CompiledLauncher", "int_spec", "ptr_spec"]
+__all__ = ["CompiledLauncher", "check_grid", "int_spec", "ptr_spec"]
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_GRID_YZ_MAX = 65535  # CUDA's gridDim.y and gridDim.z
 _HOOK_CHAIN = getattr(knobs, "HookChain", ())  # Triton 3.6's hook container
 
 
@@ -55,6 +59,33 @@ def int_spec(x: int) -> int:
 def ptr_spec(t: torch.Tensor) -> bool:
     """A pointer argument's specialization: 16-byte aligned or not."""
     return t.data_ptr() % 16 == 0
+
+
+def check_grid(name: str, grid: tuple[int, ...]) -> None:
+    """Raise ``ValueError`` where the launch grid ``grid`` (1 to 3 dims) of ``name`` (the
+    function or kernel, for the message) would not run as asked; nothing otherwise.
+
+    Two limits. CUDA's: grid y and z at most 65535, x at most 2^31 - 1 (a larger grid is
+    refused at launch with a ``RuntimeError`` "invalid argument" that names no size).
+    Triton's: its launcher computes ``gridX * gridY * gridZ`` in a C ``int`` and launches only
+    if that is positive, so a grid of 2^31 programs or more (the product wrapped modulo 2^32)
+    is silently not launched at all, the outputs left as allocated; the programs must number
+    less than 2^31. A few integer compares, cheap enough for every launch; sites that keep
+    their grid with their launch check it once, when they build it."""
+    x = grid[0]
+    y = grid[1] if len(grid) > 1 else 1
+    z = grid[2] if len(grid) > 2 else 1
+    if x * y * z <= _I32_MAX and y <= _GRID_YZ_MAX and z <= _GRID_YZ_MAX and x <= _I32_MAX:
+        return
+    for axis, n, limit in (("x", x, _I32_MAX), ("y", y, _GRID_YZ_MAX), ("z", z, _GRID_YZ_MAX)):
+        if n > limit:
+            raise ValueError(f"{name}: launch grid {tuple(grid)} has {n} programs along "
+                             f"{axis}, above CUDA's limit of {limit} for grid {axis} (the "
+                             f"inputs are too large for one launch)")
+    raise ValueError(f"{name}: launch grid {tuple(grid)} has {x * y * z} programs in all, "
+                     f"above Triton's limit of {_I32_MAX} (2^31 - 1: its launcher multiplies "
+                     f"the grid in a 32-bit int and would silently launch nothing; the inputs "
+                     f"are too large for one launch)")
 
 
 def _hooked() -> bool:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.fast.launch import check_grid
 from mla.validation import check_float, check_same_device, check_same_dtype
 
 __all__ = ["merge_attn_states"]
@@ -37,9 +38,9 @@ def _merge_kernel(
 ):
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < T * N
-    # int64: T·N·D passes 2^31 elements at serving sizes
+    # int64: T·N·D passes 2^31 elements at serving sizes, and T·N itself can
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < tl.cast(T, tl.int64) * N
     t = (rows // N).to(tl.int64)
     n = (rows % N).to(tl.int64)
 
@@ -96,12 +97,14 @@ def _launch(prefix_output: torch.Tensor, prefix_lse: torch.Tensor, suffix_output
             suffix_lse: torch.Tensor, block_r: int, block_d: int, num_warps: int
             ) -> tuple[torch.Tensor, torch.Tensor]:
     T, N, D = prefix_output.shape
+    grid = (triton.cdiv(T * N, block_r), max(triton.cdiv(D, block_d), 1))
+    if T * N:
+        check_grid("merge_attn_states (grid: blocks of T x N rows, blocks of D columns)", grid)
     out = torch.empty((T, N, D), dtype=prefix_output.dtype, device=prefix_output.device)
     out_lse = torch.empty((N, T), dtype=prefix_lse.dtype, device=prefix_lse.device)
     if T * N == 0:
         return out, out_lse
     acc = tl.float64 if prefix_output.dtype == torch.float64 else tl.float32
-    grid = (triton.cdiv(T * N, block_r), max(triton.cdiv(D, block_d), 1))
     _merge_kernel[grid](
         prefix_output, prefix_lse, suffix_output, suffix_lse, out, out_lse,
         T, N, D,

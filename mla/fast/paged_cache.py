@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from mla.fast.common import should_validate
+from mla.fast.launch import check_grid
 from mla.validation import (
     check_float,
     check_index,
@@ -95,6 +96,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     n_slots = kv_cache.shape[0] * kv_cache.shape[1]
     if T == 0:
         return
+    check_grid("concat_and_cache_mla (grid: tokens)", (T,))
     if should_validate(validate, kv_cache):
         check_slot_range(slot_mapping, n_slots)
     R = D - Lkv
@@ -113,7 +115,7 @@ def _gather_cache_kernel(
     s_src_b, s_src_s, s_src_d, s_dst_t, s_dst_d, s_bt_b, s_bt_p,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # int64: b · the table's row stride can pass 2^31
     tile = tl.program_id(1)
     row0 = tl.load(cu_seq_lens + b).to(tl.int64)
     n = tl.load(cu_seq_lens + b + 1).to(tl.int64) - row0
@@ -166,6 +168,7 @@ def gather_cache_known(src_cache: torch.Tensor, dst: torch.Tensor, block_table: 
     block_t = 32
     if batch_size and max_len > 0:
         grid = (batch_size, triton.cdiv(max_len, block_t))
+        check_grid("gather_cache (grid: requests, tiles of 32 rows of the longest)", grid)
         _gather_cache_kernel[grid](
             src_cache, dst, block_table, cu_seq_lens, seq_starts,
             D, src_cache.shape[1], src_cache.shape[0],

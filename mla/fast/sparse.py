@@ -96,7 +96,7 @@ from mla.fast.common import (
     num_sms,
     should_validate,
 )
-from mla.fast.launch import CompiledLauncher
+from mla.fast.launch import CompiledLauncher, check_grid
 from mla.fast.sparse_index import convert_req_index_to_global_index
 from mla.fast.sparse_kernels import DS_MLA, MODEL1, PLAIN, combine_kernel, sparse_kernel
 from mla.fast.sparse_plan import SparsePlan, plan_sparse
@@ -326,15 +326,19 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
                 "ieee" if q.dtype == torch.float32 else "tf32")
         ptr_map = tuple(slot[s] for s in _TRITON_SLOTS)
         options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
+    grid, combine_grid = (Q * groups, plan.num_splits, 1), (Q * N, 1, 1)
+    name = "sparse_mla_prefill" if has_maxl else "sparse_mla_decode"
+    check_grid(f"{name} (grid: queries x head groups, splits)", grid)
     combine_args: tuple = ()
     if split:
+        check_grid(f"{name} (combine grid: queries x heads)", combine_grid)
         combine_args = (plan.num_splits, *out_s, *lse_s, *m_s, N, S, DV, block_dv,
                         max(2, next_pow2(plan.num_splits)), flags["has_sink"], has_maxl)
-    return _Launch(out_shapes, (Q * groups, plan.num_splits, 1), sm90_route,
+    return _Launch(out_shapes, grid, sm90_route,
                    sm90_route and ws, tuple(jit),
                    direct, ptr_map, o_size + 2 * l_size if split else 0, o_size,
                    o_size + l_size, ints, tail, options,
-                   tuple(slot[s] for s in _COMBINE_SLOTS), combine_args, (Q * N, 1, 1))
+                   tuple(slot[s] for s in _COMBINE_SLOTS), combine_args, combine_grid)
 
 
 def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,

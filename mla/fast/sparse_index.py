@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mla.fast.common import should_validate
+from mla.fast.launch import check_grid
 from mla.reference.sparse import check_index_conversion_shapes, check_index_conversion_values
 
 __all__ = ["convert_req_index_to_global_index"]
@@ -72,17 +73,19 @@ def convert_req_index_to_global_index(
         prefill_workspace_starts)
     T = req_id.shape[0]
     topk = token_indices.shape[1]
+    block_n = min(triton.next_power_of_2(max(topk, 1)), 512)
+    grid = (T, triton.cdiv(topk, block_n))
+    check_grid("convert_req_index_to_global_index (grid: tokens, top-k tiles of 512)", grid)
     out = torch.empty((T, topk), dtype=torch.int32, device=token_indices.device)
     if T == 0 or topk == 0:
         return out
     if should_validate(validate, token_indices):
         check_index_conversion_values(req_id, block_table, prefill_workspace_request_ids,
                                       prefill_workspace_starts)
-    block_n = min(triton.next_power_of_2(topk), 512)
     ws_req = prefill_workspace_request_ids if has_workspace else req_id
     ws_starts = prefill_workspace_starts if has_workspace else req_id
     num_prefills = prefill_workspace_starts.shape[0] if has_workspace else 0
-    _convert_kernel[(T, triton.cdiv(topk, block_n))](
+    _convert_kernel[grid](
         req_id, block_table, token_indices, out, ws_req, ws_starts,
         topk, block_table.shape[0], block_table.shape[1], num_prefills,
         *block_table.stride(), *token_indices.stride(),

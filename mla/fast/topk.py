@@ -82,7 +82,7 @@ import torch
 import triton
 
 from mla.fast.common import capability, interpreting, next_pow2, num_sms, should_validate
-from mla.fast.launch import CompiledLauncher, int_spec, ptr_spec
+from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
 from mla.fast.topk_fused import _fused_kernel, _mark_select_kernel
 from mla.fast.topk_kernels import (
     _estimate_kernel,
@@ -99,6 +99,9 @@ __all__ = ["CANDIDATES", "TopkPlan", "launches", "sample_columns", "survivors", 
 CANDIDATES = 8192  # a row's candidate list, and the longest row selected directly
 SMALL = 1024  # the scan compacts a boundary bucket this small and finishes it in registers
 WORD_TILE = 4096  # the select lists a bitmask's words 4096 at a time (128K keys)
+MAX_TOPK = 2**31 - 1025  # the output's tiles of 1024 step past it without wrapping int32
+MAX_COLUMNS = 2**31 - 1  # logits' columns, int32 in the kernels
+_GRID_NAME = "top_k_per_row (grid: rows [x parts of a row])"
 
 
 def uncapped(warps: int) -> dict:
@@ -270,7 +273,8 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     ``logits [R, W]`` float32 (other float dtypes are read as float32, exactly);
     ``validate``: check the ranges within ``[0, W]`` on the host (a sync); ``None``: only when
     no CUDA graph is being captured. Unvalidated, a range is clipped to the row. ``plan``:
-    the kernels' route and tiling (``TopkPlan()`` by default).
+    the kernels' route and tiling (``TopkPlan()`` by default). ``topk`` at most ``MAX_TOPK``
+    and ``W`` at most ``MAX_COLUMNS`` (the kernels' int32 columns), else ``ValueError``.
     """
     check_float("logits", logits, ndim=2)
     R, W = logits.shape
@@ -279,6 +283,14 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     check_same_device(logits=logits, row_starts=row_starts, row_ends=row_ends)
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
+    # the kernels' column loops and places are int32: a wider row, or a topk within a tile of
+    # 2^31, would leave keys unseen or loop forever
+    if topk > MAX_TOPK:
+        raise ValueError(f"topk must be at most {MAX_TOPK} (2^31 - 1025: the output is written "
+                         f"in int32-indexed tiles of 1024), got {topk}")
+    if W > MAX_COLUMNS:
+        raise ValueError(f"logits must have at most {MAX_COLUMNS} columns (2^31 - 1: the "
+                         f"kernels' columns are int32), got {W}")
     if plan is not None and not isinstance(plan, TopkPlan):
         raise TypeError(f"plan must be a TopkPlan, got {type(plan).__name__}")
     plan = plan or TopkPlan()
@@ -326,6 +338,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     out_block = min(1024, next_pow2(topk))
     if W <= cap:  # every row held whole, whatever the route
         hold = max(32, next_pow2(W))
+        check_grid(_GRID_NAME, (R, 1, 1))
         args = (*rows, out, W, topk, s_l_r, s_o_r, cap, hold, min(plan.select_tile, 1024),
                 out_block)
         return work, [lambda: _held((key, hold), (R, 1, 1), args,
@@ -352,6 +365,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     chunks = max(1, triton.cdiv(plan.programs_per_sm * num_sms(logits.device), R))
     chunk = plan.block * max(1, triton.cdiv(triton.cdiv(W, chunks), plan.block))
     chunks = max(1, triton.cdiv(W, chunk))
+    check_grid(_GRID_NAME, (R, chunks, 1))  # the estimate's and select's (R, 1, 1) within it
     # per row the bitmask's words (columns rounded up to whole blocks)
     s_w_r = triton.cdiv(W, plan.block) * plan.block // 32
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
@@ -385,6 +399,7 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
     R, W = logits.shape
     cap, block = CANDIDATES, plan.fused_block
     parts, chunk = fused_parts(plan, R, W, logits.device)
+    check_grid(_GRID_NAME, (R, parts, 1))
     s_w_r = triton.cdiv(W, block) * block // 32 if W > cap else 1
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
     # per row the parts arrived and the list's places taken (``_fused_kernel``; zeroed again
@@ -411,6 +426,7 @@ def _two_launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     block = plan.fused_block
     chunk = block * triton.cdiv(min(plan.two_chunk, max(W, 1)), block)
     parts = triton.cdiv(max(W, 1), chunk)
+    check_grid(_GRID_NAME, (parts * R, 1, 1))  # the estimate's (R, 1, 1) within it
     s_w_r = triton.cdiv(W, block) * block // 32 if W > CANDIDATES else 1
     words = torch.empty(R, s_w_r, dtype=torch.int32, device=logits.device)
     many = R > plan.many_rows_per_sm * num_sms(logits.device)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from mla.fast.common import check_kernel_input, next_pow2
 from mla.fast.dcp.threads import KERNEL_LOCK
+from mla.fast.launch import check_grid
 from mla.reference.dcp.comm import Communicator
 from mla.reference.dcp.sharding import head_slice
 from mla.validation import check_float, check_same_device
@@ -51,13 +52,13 @@ def _correct_kernel(
     ``BLOCK_D`` columns. ``SCALED`` is a fresh ``[N, T, D]`` float32 buffer, ``LSE`` ``[T, N]``."""
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < T * N
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # int64: T·N can pass 2^31
+    row_ok = rows < tl.cast(T, tl.int64) * N
     t = (rows // N).to(tl.int64)  # int64: T·N·D passes 2^31 at serving sizes
     n = (rows % N).to(tl.int64)
 
     w = tl.arange(0, BLOCK_W)
-    lses = tl.load(LSES + w[:, None] * sl_w + (t * sl_t + n * sl_n)[None, :],
+    lses = tl.load(LSES + w.to(tl.int64)[:, None] * sl_w + (t * sl_t + n * sl_n)[None, :],
                    mask=(w < W)[:, None] & row_ok[None, :], other=float("-inf"))
     lses = lses.to(tl.float32)
     poisoned = tl.max((lses != lses).to(tl.int32), 0) > 0  # a NaN lse on some rank
@@ -70,7 +71,7 @@ def _correct_kernel(
     lse = tl.where(seen, m_use + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
     lse = tl.where(poisoned, float("nan"), lse)
 
-    mine = tl.load(LSES + rank * sl_w + t * sl_t + n * sl_n, mask=row_ok,
+    mine = tl.load(LSES + tl.cast(rank, tl.int64) * sl_w + t * sl_t + n * sl_n, mask=row_ok,
                    other=float("-inf")).to(tl.float32)
     mine_ok = (tl.abs(mine) != float("inf")) & (mine == mine)
     factor = tl.where(mine_ok, tl.exp(mine - lse), 0.0)  # a NaN lse makes it NaN
@@ -111,12 +112,14 @@ def correct_attn_out(cp_attn_out: torch.Tensor, lses: torch.Tensor, rank: int
     W = lses.shape[0]
     if W == 0 or not 0 <= rank < W:
         raise ValueError(f"rank must lie in [0, {W}) (lses holds {W} ranks), got {rank}")
+    block_r, block_d = _config(D)
+    # at least one column program: it writes the lse even when D = 0
+    grid = (triton.cdiv(Tq * N, block_r), max(1, triton.cdiv(D, block_d)))
+    if Tq * N:
+        check_grid("correct_attn_out (grid: blocks of T x N rows, blocks of D columns)", grid)
     scaled = torch.empty(N, Tq, D, dtype=torch.float32, device=cp_attn_out.device)
     lse = torch.empty(Tq, N, dtype=torch.float32, device=cp_attn_out.device)
     if Tq * N:
-        block_r, block_d = _config(D)
-        # at least one column program: it writes the lse even when D = 0
-        grid = (triton.cdiv(Tq * N, block_r), max(1, triton.cdiv(D, block_d)))
         with KERNEL_LOCK:
             _correct_kernel[grid](
                 cp_attn_out, lses, scaled, lse, Tq, N, D, rank,

@@ -26,6 +26,8 @@ from typing import Any
 import triton
 from triton.errors import TritonError
 
+from mla.fast.launch import check_grid
+
 __all__ = ["launch", "launch_compiled", "usable"]
 
 _why_not = ""  # why the Gluon kernels cannot be used with this Triton ("" while not known)
@@ -56,7 +58,9 @@ def usable() -> bool:
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> bool:
     """``kernel[grid](*args, **kwargs)``; False, with the one warning, when Triton cannot build
     or load it (a ``TritonError``: compilation, ptxas or resources; raised before anything
-    runs, so the outputs are untouched and the caller runs its Triton kernel instead)."""
+    runs, so the outputs are untouched and the caller runs its Triton kernel instead).
+    A grid no GPU runs raises ``ValueError`` (``mla.fast.launch.check_grid``)."""
+    check_grid(getattr(kernel, "__name__", str(kernel)), grid)
     try:
         kernel[grid](*args, **kwargs)
     except TritonError as e:
