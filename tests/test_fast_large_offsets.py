@@ -123,17 +123,18 @@ def test_dcp_correction_rank_offsets_past_2_31():
 
 
 def test_gather_cache_table_row_stride_past_2_31():
-    """``gather_cache`` with a block table whose second row starts 2^31 entries after its
-    first (a strided view of an 8.6 GB table): ``b · stride`` passes 2^31."""
+    """``gather_cache`` with a block table whose rows lie 2^30 entries apart (a strided view of
+    an 8.6 GB table; a stride of 2^31 or more would reach the kernel as an int64): request 2's
+    ``b · stride`` is 2^31."""
     _need(10)
     page, D = 16, 576
-    store = torch.zeros(I32 + 4, dtype=torch.int32, device="cuda")
-    table = store.as_strided((2, 4), (I32, 1))
+    store = torch.zeros(2 * 2**30 + 4, dtype=torch.int32, device="cuda")
+    table = store.as_strided((3, 4), (2**30, 1))
     table[0] = torch.tensor([3, 1, 0, 0], dtype=torch.int32)
-    table[1] = torch.tensor([2, 4, 0, 0], dtype=torch.int32)
+    table[2] = torch.tensor([2, 4, 0, 0], dtype=torch.int32)
     src = torch.randn(5, page, D, device="cuda", dtype=torch.bfloat16)
-    cu = torch.tensor([0, 20, 45], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 20, 20, 45], dtype=torch.int32, device="cuda")  # request 1 empty
     dst = torch.full((45, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-    got = gather_cache(src, dst, table, cu, 2)
+    got = gather_cache(src, dst, table, cu, 3)
     want = torch.cat([src[[3, 1]].reshape(-1, D)[:20], src[[2, 4]].reshape(-1, D)[:25]])
     assert torch.equal(got, want)
