@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU-machine session: correctness grid, then the benchmark (with the plan sweep).
 # Usage (repo root, on the GPU machine):
-#   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|sanitize]...
+#   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|suite|sanitize]...
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -26,6 +26,9 @@ for step in "${steps[@]}"; do
              | tee "$OUT/routes.log" ;;
     bench-nosweep) timeout 200 python -m benchmarks.run --out-dir "$OUT" 2>&1 \
              | tee "$OUT/bench.log" ;;
+    # the README's test command on the GPU machine (no interpreter): which modules fail there
+    suite) timeout 560 python -m pytest -q -n 8 --dist loadfile -p no:cacheprovider -rfE \
+             2>&1 | tail -80 | tee "$OUT/suite.log" ;;
     sanitize) timeout 400 compute-sanitizer --tool memcheck --print-limit 20 \
                 python -m mla.check --quick --out "$OUT/sanitize_check.json" 2>&1 \
                 | tee "$OUT/sanitize.log" ;;
