@@ -18,11 +18,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 import mla.fast as fast
 from mla.check.runner import REGISTRY, Ctx, run_checks  # runner registers every family
 
 CTX = Ctx(device=torch.device("cpu"), dtype=torch.float16, quick=True)
+pytestmark = needs_interpreter
 
 
 def _scaled_outputs(*which: int) -> Callable:

@@ -5,13 +5,13 @@ tolerance (and a missing device), and the subcommands print what they promise.""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from importlib.util import find_spec
 
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 from mla import get_config, kv_cache_comparison
 from mla.cli import main
@@ -24,9 +24,6 @@ from mla.reference.front import mla_front
 
 PATHS = [spec.path for spec in ROWS]
 FAST = [p for p in PATHS if p.startswith("fast ")]
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-needs_interpreter = pytest.mark.skipif(not INTERPRETING or find_spec("triton") is None,
-                                       reason="the fast rows need triton and its interpreter")
 
 
 

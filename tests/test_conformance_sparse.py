@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 import mla.conformance.cases  # noqa: F401  (the families register on import)
 import mla.reference as ref
@@ -247,6 +248,7 @@ def test_twins_leave_every_other_kernel_passing():
         assert any(r.status == "fail" for r in report.rows if r.kernel == k), k
 
 
+@needs_interpreter
 def test_fast_passes_a_few_sparse_cases_under_the_interpreter():
     import mla.fast as fast
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 import mla.reference as ref
 from mla.conformance import KERNELS, Case, Row, Setting, Trial, Unsupported, cases_of, run
@@ -186,6 +187,7 @@ def test_reference_passes_every_v4_case_in_float64():
     assert {r.status for r in report.rows} == {"pass"}
 
 
+@needs_interpreter
 def test_mla_fast_passes_the_v4_cases_its_kernels_take():
     """mla.fast passes every DeepSeek-V4 case of the topics its kernels take (the sparse ones
     take all three); a case of a topic a kernel does not take yet reads "unsupported" with its

@@ -15,18 +15,18 @@ the simulated ranks' threads take turns at the interpreter):
 - the forwards from hidden states and the chunked prefill against the single-rank references;
 - ``reorg_kvcache`` equals the reference's, row for row, with its errors.
 
-CPU tensors throughout: on a GPU machine without the interpreter the module is skipped (on
-GPUs the fast DCP path is checked over NCCL by ``torchrun --nproc-per-node 2 -m
-mla.fast.dcp.check``, against the same float64 references).
+CPU tensors throughout (``needs_interpreter``: skipped on a GPU machine, where the fast DCP
+path is checked over NCCL by ``torchrun --nproc-per-node 2 -m mla.fast.dcp.check`` against the
+same float64 references).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 import mla.fast
 from mla import MLAWeights, get_config
@@ -45,9 +45,7 @@ from mla.reference import (
 from mla.reference import dcp as rdcp
 from mla.reference.dcp import run_simulated
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-    reason="CPU inputs: the fast path takes them under Triton's interpreter only")
+pytestmark = needs_interpreter
 
 N, LKV, R, P, V, BS = 8, 32, 8, 16, 16, 16
 SCALE = (P + R) ** -0.5

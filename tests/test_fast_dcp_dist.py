@@ -17,6 +17,7 @@ import functools
 
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 from mla import MLAWeights, get_config
 from mla.check.dcp import run_all, run_process_group
@@ -33,9 +34,10 @@ from mla.reference import (
 from mla.reference import dcp as rdcp
 from mla.reference.dcp import Communicator, run_simulated
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available()
-                                or not torch.distributed.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available")
+pytestmark = [needs_interpreter,
+              pytest.mark.skipif(not torch.distributed.is_available()
+                                 or not torch.distributed.is_gloo_available(),
+                                 reason="torch.distributed with gloo is not available")]
 
 N, LKV, R, P, V, BS = 8, 32, 8, 16, 16, 4  # 8 heads: divisible by 2 and 4
 SCALE = (P + R) ** -0.5

@@ -10,16 +10,15 @@ silently launch nothing), and the test would fail on the missing ``ValueError``,
 in the interpreter.
 
 The inputs are CPU and ``meta`` tensors, which the fast path takes only under Triton's
-interpreter (set by ``tests/conftest.py`` where there is no GPU): on a GPU machine without it
-the module is skipped, its guards being host code that the CPU run covers.
+interpreter (``needs_interpreter``: skipped on a GPU machine; the guards are host code, the
+same on both).
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 from mla.fast import (
     attention,
@@ -45,9 +44,7 @@ Z_LIMIT = "above CUDA's limit of 65535 for grid z"
 X_LIMIT = "above CUDA's limit of 2147483647 for grid x"
 PRODUCT_LIMIT = "above Triton's limit of 2147483647"
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-    reason="CPU and meta inputs: the fast path takes them under Triton's interpreter only")
+pytestmark = needs_interpreter
 
 
 class NoLaunch:
