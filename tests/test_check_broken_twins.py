@@ -64,6 +64,26 @@ def _flipped_fp8_bit(f: Callable) -> Callable:
     return g
 
 
+def _flipped_index_key_bit(f: Callable) -> Callable:
+    """The indexer key cache write (``[num_blocks, block_size, 132]`` bytes: per page the
+    tokens' 128 e4m3 values, then their float32 scales) with the lowest bit of the first
+    written token's first value byte flipped."""
+    def g(k, kv_cache, slot_mapping, *args, **kwargs):  # type: ignore[no-untyped-def]
+        f(k, kv_cache, slot_mapping, *args, **kwargs)
+        slot = int(slot_mapping[slot_mapping >= 0][0])
+        bs = kv_cache.shape[1]
+        kv_cache.view(kv_cache.shape[0], -1)[slot // bs, (slot % bs) * 128] ^= 1
+    return g
+
+
+def _scaled_dcp_out(f: Callable) -> Callable:
+    """``cp_lse_ag_out_rs``: its output (alone, or first with the lse) x 1.01."""
+    def g(*args, **kwargs):  # type: ignore[no-untyped-def]
+        res = f(*args, **kwargs)
+        return (res[0] * 1.01, res[1]) if isinstance(res, tuple) else res * 1.01
+    return g
+
+
 def _index_off_by_one(f: Callable) -> Callable:
     def g(*args, **kwargs):  # type: ignore[no-untyped-def]
         out = f(*args, **kwargs)
@@ -85,6 +105,11 @@ TWINS: dict[str, dict[str, Callable]] = {
     "gather_cache": {"rows": _scaled_return},
     "concat_and_cache_fp8_ds_mla": {"cache": _flipped_fp8_bit},
     "convert_req_index_to_global_index": {"index": _index_off_by_one},
+    "cp_lse_ag_out_rs": {"out": _scaled_dcp_out},
+    "indexer_k_quant_and_cache": {"cache": _flipped_index_key_bit},
+    "fp8_mqa_logits": {"logits": _scaled_return},
+    "fp8_paged_mqa_logits": {"logits": _scaled_return},
+    "top_k_per_row": {"index": _index_off_by_one},
 }
 
 
