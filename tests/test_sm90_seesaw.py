@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 pytest.importorskip("triton.experimental.gluon")
 
@@ -101,9 +102,7 @@ def test_each_group_computes_whole_tiles_of_logits(args):
     assert f["tma"] > 0 and f["cp_async_16"] == f["cp_async_other"] == 0, f
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="CPU tensors run only under the interpreter (on a GPU machine the "
-                           "kernels run compiled; there the GPU check covers the route)")
+@needs_interpreter
 def test_seesaw_plan_off_hopper_runs_the_triton_kernel():
     # the plan field only selects among sm_90 kernels: on the CPU (the interpreter) the call
     # takes the Triton route and matches the reference
