@@ -31,7 +31,8 @@ _LOGITS_PTRS = dict(q="fp8e4nv", w="fp32", out="fp32")
 def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int, **options
              ) -> triton.compiler.CompiledKernel:
     """``fn`` specialized as a launch specializes it: pointers 16-byte aligned, integers that
-    are multiples of 16 marked so (Triton's rule); ``options``: more compiler options."""
+    are multiples of 16 marked so, integers equal to 1 made constants unless the kernel says
+    ``do_not_specialize`` (Triton's rule); ``options``: more compiler options."""
     sig, attrs, constexprs = {}, {}, {}
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         if param.is_constexpr:
@@ -44,7 +45,10 @@ def _compile(fn, const: dict, ptrs: dict, ints: dict, num_warps: int, **options
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"
-            if ints[name] % 16 == 0:
+            if ints[name] == 1 and not param.do_not_specialize:  # a launch makes it constant
+                sig[name] = "constexpr"
+                constexprs[name] = 1
+            elif ints[name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps, **options})

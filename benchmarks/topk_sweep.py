@@ -380,10 +380,11 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                      BITS=plan.select_bits, BLOCK=plan.fused_block, STAGES=plan.fused_stages,
                      OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
         for warps in (plan.fused_warps, plan.two_warps):  # fewer rows, many rows
-            found[_changed(plan) + f" two launches, {warps} warps"] = facts(
-                _compile(_mark_select_kernel, const, ptrs,
-                         dict(ints, chunk=plan.two_chunk, parts=4),
-                         warps, **fast_topk.uncapped(warps)))
+            for parts in (4, 1):  # rows of 128K, rows of at most two_chunk keys
+                found[_changed(plan) + f" two launches, {warps} warps, {parts} parts"] = facts(
+                    _compile(_mark_select_kernel, const, ptrs,
+                             dict(ints, chunk=plan.two_chunk, parts=parts),
+                             warps, **fast_topk.uncapped(warps)))
         for hold in (CANDIDATES // 2, CANDIDATES):  # rows held with their columns, in tiles
             const = dict(CAP=CANDIDATES, HOLD=hold, TILE=min(plan.select_tile, 1024),
                          OUT_BLOCK=1024)

@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 import mla.fast as fast
 from mla.check import runner
@@ -138,6 +139,7 @@ def test_kernel_sources_hash_every_fast_module(tmp_path):
     assert set(kernel_sources(fake)) == {"mla/fast/a.py", "mla/fast/sm90/b.py"}
 
 
+@needs_interpreter
 def test_command_writes_json_and_markdown(tmp_path, scratch_registry, capsys):
     b = ERROR_BUDGETS[("mla_decode_paged", "float16", "out_rel")]
     _fake("mla_decode_paged", [Case("one", lambda: {"out_rel": b / 3, "mismatches": 0.0})])

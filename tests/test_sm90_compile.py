@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 pytest.importorskip("triton.experimental.gluon")
 
@@ -212,6 +213,7 @@ def _decode_inputs():
     return q, kv, bt, torch.tensor([37, 20], dtype=torch.int32)
 
 
+@needs_interpreter
 def test_gluon_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch,
                                                                         gluon_state):
     """The first 64-row call routed to a Gluon kernel that does not compile warns once

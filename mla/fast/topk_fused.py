@@ -100,7 +100,10 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
                 tl.store(sync + 2 * row + tl.arange(0, 2), tl.zeros((2,), tl.int32))
 
 
-@triton.jit
+# ``parts`` never specialized: a launch with one part a row (rows of 8K-32K keys) would make it
+# the constant 1, and Triton then compiles the mark's loads as 4-byte copies, not 16-byte ones
+# (``benchmarks.topk_sweep --sm90``; 2048 x 32K took 267 us against 236 with 16-byte copies)
+@triton.jit(do_not_specialize=["parts"])
 def _mark_select_kernel(logits, starts, ends, work, words, ready, out, W, topk, s_l_r, s_o_r,
                         s_w_r, chunk, parts, CAP: tl.constexpr, SMALL: tl.constexpr,
                         TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
