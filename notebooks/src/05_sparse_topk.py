@@ -475,8 +475,10 @@ for g in (1.0, 64.0):
 # array of their keys: query `t` sees keys `[ks[t], ke[t])` of it, its own request's up to its
 # position. Full rows, `[S, N]`, hold `-inf` for every other request's keys. vLLM keeps each
 # row *compressed* instead, from its first key (DeepGEMM's `max_seqlen_k`): `[S, longest]`,
-# column `j` of row `t` the key `ks[t] + j`. Both forms come from `fp8_mqa_logits`; the top-k
-# over compressed rows, from column 0 to `ke - ks`, names the same request-local keys.
+# column `j` of row `t` the key `ks[t] + j`. Both forms come from `fp8_mqa_logits`, each within the
+# logits budget of the float64 reference (not always bit for bit alike: the kernels tile the
+# keys differently); the top-k over compressed rows, from column 0 to `ke - ks`, names the
+# same request-local keys.
 
 # %%
 lens_p = [40, 25, 60]  # three requests, every position asking
@@ -498,9 +500,13 @@ full = fast.fp8_mqa_logits(*on_device).cpu()
 packed = fast.fp8_mqa_logits(*on_device, longest).cpu()
 want = fp8_mqa_logits(*inputs[:2], w_p, ks_p, ke_p, longest)  # float64 reference
 mag = fp8_mqa_logits(*inputs[:2], w_p.abs(), ks_p, ke_p, longest)
-assert torch.equal(torch.isneginf(packed), torch.isneginf(want))
-assert logits_err(packed, want, mag) <= fast.indexer_logits.logits_budget(DEVICE, heads=4)
-assert torch.equal(packed, compressed_rows(full, ks_p, ke_p, longest))
+budget = fast.indexer_logits.logits_budget(DEVICE, heads=4)
+# the two forms tile the keys differently, so their float32 sums may differ in the last bit:
+# each is checked against the float64 reference, within the budget
+from_rows = compressed_rows(full, ks_p, ke_p, longest)
+for form in (packed, from_rows):
+    assert torch.equal(torch.isneginf(form), torch.isneginf(want))
+    assert logits_err(form, want, mag) <= budget
 k_p = 8
 zero = torch.zeros_like(ks_p)
 from_full = top_k_per_row(full.double(), ks_p, ke_p, k_p)
