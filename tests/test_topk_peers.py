@@ -1,6 +1,7 @@
 """The parts of the top-k peer benchmark that decide what it reports, on the CPU: the check
 that accepts a peer's answer (``benchmarks.topk_peers.check``) and the trimming of vLLM's
-library to one GPU's cubins (``benchmarks.peers.keep_one_arch``, ``elf_section``)."""
+library to one GPU's cubins (``benchmarks.peers.keep_one_arch``, ``elf_section``); and the
+``--plan`` option of the routes benchmark (``benchmarks.topk_routes``)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,17 @@ def test_elf_section_finds_a_section_of_a_real_file():
     assert elf_section(data, ".nv_fatbin") is None
     with pytest.raises(ValueError, match="ELF64"):
         elf_section(b"not an elf file at all", ".text")
+
+
+def test_topk_routes_plan_option_types_each_field_and_names_unknown_ones():
+    from benchmarks.topk_routes import _plan
+    from mla.fast.topk import TopkPlan
+
+    name, plan = _plan("w16=route=one,fused_warps=16,fused_part_lists=false,oversample=1.2")
+    assert name == "w16" and plan == TopkPlan(route="one", fused_warps=16,
+                                              fused_part_lists=False, oversample=1.2)
+    assert _plan("same=") == ("same", TopkPlan())
+    with pytest.raises(SystemExit, match="no field 'warps'"):
+        _plan("bad=warps=16")
+    with pytest.raises(ValueError, match="power of two"):
+        _plan("bad=fused_warps=12")
