@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - a variant that fails is recorded
                 rows.append({"R": R, "L": W, "variant": v, "error": repr(e)[:400]})
             log(str(rows[-1]))
+            _write(args.out, {"copy_TBps": copy, "rows": rows, "partial": True})
     # adversarial sets at one shape: ties at the boundary, signed zeros and NaN
     checks = []
     R, W = 64, args.keys
@@ -340,9 +341,13 @@ def main(argv: list[str] | None = None) -> int:
             log(str(checks[-1]))
     res = {"what": __doc__.split("\n")[0], "environment": environment(), "copy_TBps": copy,
            "k": TOPK, "rows": rows, "checks": checks}
-    with open(os.path.join(args.out, "topk_held_radix.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    _write(args.out, res)
     return 0
+
+
+def _write(out: str, res: dict) -> None:
+    with open(os.path.join(out, "topk_held_radix.json"), "w") as f:
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
