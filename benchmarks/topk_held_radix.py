@@ -76,7 +76,7 @@ def _keys(x):
 def _held_radix_kernel(logits, out, scratch, stamps, R, N, s_l_r, s_o_r, topk,
                        G: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
                        RELOAD: tl.constexpr, TILE: tl.constexpr, EVEN: tl.constexpr,
-                       STAMP: tl.constexpr):
+                       STAMP: tl.constexpr, EXCHANGE_ONLY: tl.constexpr):
     pid = tl.program_id(0)
     groups = tl.num_programs(0) // G
     grp = pid // G
@@ -121,7 +121,10 @@ def _held_radix_kernel(logits, out, scratch, stamps, R, N, s_l_r, s_o_r, topk,
             hi = (tl.full((), 0xFFFFFFFF, tl.uint32) << (shift + 7)) << 1
             d = ((u >> shift) & 255).to(tl.int32)
             match = valid & ((u & hi) == pa)
-            h = tl.histogram(d, 256, mask=match)
+            if EXCHANGE_ONLY:  # (timing) a histogram of no key: the rounds' other costs
+                h = (bins == 0).to(tl.int32)
+            else:
+                h = tl.histogram(d, 256, mask=match)
             hp = sc + rnd * 256 + bins
             tl.atomic_add(hp, h, mask=h > 0, sem="relaxed")
             _arrive_and_wait(cnt + rnd, G)
@@ -141,7 +144,9 @@ def _held_radix_kernel(logits, out, scratch, stamps, R, N, s_l_r, s_o_r, topk,
         # exact (``done``): the keys at or above ``pa`` are the ``topk``; else ``pa`` is the
         # boundary key, those above it taken and ``need`` of its ties, lowest columns first
         prefix = pa
-        if RELOAD:
+        if EXCHANGE_ONLY:
+            pass
+        elif RELOAD:
             # counts from the held keys, then the columns written tile by tile from the
             # chunk read again (from the L2): fewer registers live across the rounds' end
             gt = tl.where(done != 0, u >= prefix, u > prefix) & valid
@@ -200,7 +205,8 @@ class HeldRadix:
     """The probe's launch for ``x [R, N]`` float32 (full rows, ``N <= G * CHUNK``)."""
 
     def __init__(self, x: torch.Tensor, out: torch.Tensor, topk: int, G: int, warps: int,
-                 maxnreg: int | None, prefetch: bool, reload: bool = False):
+                 maxnreg: int | None, prefetch: bool, reload: bool = False,
+                 exchange_only: bool = False):
         R, N = x.shape
         self.chunk = triton.next_power_of_2(-(-N // G))
         self.scratch = torch.zeros(R, SCRATCH.value, dtype=torch.int32, device=x.device)
@@ -208,7 +214,8 @@ class HeldRadix:
         self.args = (x, out, self.scratch, self.stamps, R, N, x.stride(0), out.stride(0), topk)
         self.meta = dict(G=G, CHUNK=self.chunk, PREFETCH=prefetch, RELOAD=reload,
                          TILE=min(2048, self.chunk), EVEN=G * self.chunk == N,
-                         STAMP=False, num_warps=warps, launch_cooperative_grid=True)
+                         STAMP=False, EXCHANGE_ONLY=exchange_only, num_warps=warps,
+                         launch_cooperative_grid=True)
         if maxnreg:
             self.meta["maxnreg"] = maxnreg
         k = _held_radix_kernel.warmup(*self.args, grid=(G,), **self.meta)
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", type=int, nargs="*", default=[128, 512],
                    help="rows at which each variant also runs once stamping its phases")
     p.add_argument("--variants", nargs="*", default=["8:8:128:0", "8:8:128:1"],
-                   help="G:warps:maxnreg:prefetch[:reload] ...")
+                   help="G:warps:maxnreg:prefetch[:reload[:exchange_only]] ...")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     copy = ceilings()["copy_TBps"]
@@ -293,10 +300,11 @@ def main(argv: list[str] | None = None) -> int:
                      "same_set": bool(torch.equal(_sets(runs[-1][2]), want))})
         log(str(rows[-1]))
         for v in args.variants:
-            G, warps, nreg, pf, rl = (int(t) for t in (v + ":0").split(":")[:5])
+            G, warps, nreg, pf, rl, xo = (int(t) for t in (v + ":0:0").split(":")[:6])
             out = torch.full((R, TOPK), -7, dtype=torch.int32, device="cuda")
             try:
-                probe = HeldRadix(x, out, TOPK, G, warps, nreg or None, bool(pf), bool(rl))
+                probe = HeldRadix(x, out, TOPK, G, warps, nreg or None, bool(pf), bool(rl),
+                                  bool(xo))
                 g = capture(probe)
                 times = [time_replays(g, reps=20, read_flush=True) for _ in range(3)]
                 out.fill_(-7)
@@ -330,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
         from mla.reference.indexer_logits import top_k_per_row as ref
         want = _sets(ref(x.double().cpu(), st.cpu(), en.cpu(), TOPK).cuda())
         for v in args.variants:
-            G, warps, nreg, pf, rl = (int(t) for t in (v + ":0").split(":")[:5])
+            G, warps, nreg, pf, rl, xo = (int(t) for t in (v + ":0:0").split(":")[:6])
+            if xo:
+                continue
             out = torch.full((R, TOPK), -7, dtype=torch.int32, device="cuda")
-            probe = HeldRadix(x, out, TOPK, G, warps, nreg or None, bool(pf), bool(rl))
+            probe = HeldRadix(x, out, TOPK, G, warps, nreg or None, bool(pf), bool(rl),
+                                  bool(xo))
             probe()
             probe()  # twice: the scratch zeroed by the first
             torch.cuda.synchronize()
