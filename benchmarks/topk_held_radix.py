@@ -206,7 +206,7 @@ class HeldRadix:
 
     def __init__(self, x: torch.Tensor, out: torch.Tensor, topk: int, G: int, warps: int,
                  maxnreg: int | None, prefetch: bool, reload: bool = False,
-                 exchange_only: bool = False):
+                 exchange_only: bool = False, max_per_sm: int = 0):
         R, N = x.shape
         self.chunk = triton.next_power_of_2(-(-N // G))
         self.scratch = torch.zeros(R, SCRATCH.value, dtype=torch.int32, device=x.device)
@@ -225,8 +225,8 @@ class HeldRadix:
         per_sm = min(65536 // (-(-self.regs // 8) * 8 * 32 * warps), 2048 // (32 * warps))
         if k.metadata.shared:
             per_sm = min(per_sm, props.shared_memory_per_multiprocessor // k.metadata.shared)
-        self.per_sm = per_sm
-        self.groups = min(R, props.multi_processor_count * per_sm // G)
+        self.per_sm = min(per_sm, max_per_sm) if max_per_sm else per_sm
+        self.groups = min(R, props.multi_processor_count * self.per_sm // G)
         self.G = G
 
     def __call__(self) -> None:
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--phases", type=int, nargs="*", default=[128, 512],
                    help="rows at which each variant also runs once stamping its phases")
     p.add_argument("--variants", nargs="*", default=["8:8:128:0", "8:8:128:1"],
-                   help="G:warps:maxnreg:prefetch[:reload[:exchange_only]] ...")
+                   help="G:warps:maxnreg:prefetch[:reload[:exchange_only[:max_per_sm]]] ...")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     copy = ceilings()["copy_TBps"]
@@ -300,11 +300,11 @@ def main(argv: list[str] | None = None) -> int:
                      "same_set": bool(torch.equal(_sets(runs[-1][2]), want))})
         log(str(rows[-1]))
         for v in args.variants:
-            G, warps, nreg, pf, rl, xo = (int(t) for t in (v + ":0:0").split(":")[:6])
+            G, warps, nreg, pf, rl, xo, cap = (int(t) for t in (v + ":0:0:0").split(":")[:7])
             out = torch.full((R, TOPK), -7, dtype=torch.int32, device="cuda")
             try:
                 probe = HeldRadix(x, out, TOPK, G, warps, nreg or None, bool(pf), bool(rl),
-                                  bool(xo))
+                                  bool(xo), cap)
                 g = capture(probe)
                 times = [time_replays(g, reps=20, read_flush=True) for _ in range(3)]
                 out.fill_(-7)
