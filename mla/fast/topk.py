@@ -13,9 +13,13 @@ as at most two runs in column order (the keys above the boundary's radix bucket,
 bucket's chosen ones); the set never depends on it.
 
 **Why this shape.** Reading 128K float32 logits a row at the copy bandwidth leaves about 30
-instructions a key per thread. ``tl.histogram`` lowers to a warp ballot per bit of the bin
-index and a popcount per bin a thread owns: ~25 instructions a key at 2048 bins, ~3 at 256, so
-a histogram of every key cannot keep up with the memory; a compare can. Three steps:
+instructions a key per thread. A ``tl.histogram`` of every key cannot keep up with the memory;
+a compare can. Measured on the H200 (``benchmarks/topk_held_radix.py``, NOTES 2026-12-03): a
+masked 256-bin ``tl.histogram`` of 16K held keys a program, 64 a thread, two programs a SM,
+took ~13 us, about 0.2 us per key a thread, whatever the mask kept. Reading those keys takes
+2-4 us. That is also why the radix select of vLLM's ``persistent_topk`` (a row held by a group
+of programs, histogram rounds merged in global memory) is not used here: rebuilt in Triton
+it took 290 us at 128 x 128K against 48. Three steps:
 
 1. **estimate**: a stratified sample of the row (evenly spaced runs of 8 keys: short runs,
    as neighbouring logits may be alike; as many runs as put the ``topk``-th key at about
