@@ -64,12 +64,25 @@ def _stamp_after(dep):
 
 @triton.jit
 def _keys(x):
-    """uint32 keys ordered as the floats ``x``: NaN above every number, ``-0`` as ``+0``."""
+    """uint32 keys ordered as the floats ``x``, NaN above every number, ``-0`` as ``+0``: the
+    order of ``mla.fast.topk_kernels._order_keys`` then ``topk_search._unsigned``, computed
+    here without their ``-0`` select before the sign test (with it, ptxas spilled 16 B at 128
+    registers in this kernel)."""
     b = x.to(tl.int32, bitcast=True)
     key = b ^ ((b >> 31) & 0x7FFFFFFF)  # signed, ordered as the floats
     u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
     u = tl.where(x == 0.0, 0x80000000, u)
     return tl.where(x != x, 0xFFFFFFFF, u)
+
+
+@triton.jit
+def _ties_before(sc, cnt, m, n_eq, G: tl.constexpr):
+    """The boundary key's equals held by the members before ``m`` (each member stores its
+    count ``n_eq``, then the group waits for all of them)."""
+    tl.store(sc + 4 * 256 + 8 + m, n_eq)
+    _arrive_and_wait(cnt + 4, G)
+    gm = tl.arange(0, 64)
+    return tl.sum(tl.load(sc + 4 * 256 + 8 + gm, mask=gm < m, other=0, volatile=True), 0)
 
 
 @triton.jit
@@ -141,8 +154,9 @@ def _held_radix_kernel(logits, out, scratch, stamps, R, N, s_l_r, s_o_r, topk,
             if STAMP:
                 tl.store(at + 2 + rnd, _stamp_after(need))
             rnd += 1
-        # exact (``done``): the keys at or above ``pa`` are the ``topk``; else ``pa`` is the
-        # boundary key, those above it taken and ``need`` of its ties, lowest columns first
+        # exact (``done``): the keys at or above ``prefix`` are the ``topk``; else ``prefix``
+        # is the boundary key, those above it taken and ``need`` of its ties, lowest columns
+        # first
         prefix = pa
         if EXCHANGE_ONLY:
             pass
@@ -155,11 +169,7 @@ def _held_radix_kernel(logits, out, scratch, stamps, R, N, s_l_r, s_o_r, topk,
             n_eq = 0
             if done == 0:
                 n_eq = tl.sum((valid & (u == prefix)).to(tl.int32), 0)
-                tl.store(sc + 4 * 256 + 8 + m, n_eq)
-                _arrive_and_wait(cnt + 4, G)
-                gm = tl.arange(0, 64)
-                before = tl.sum(tl.load(sc + 4 * 256 + 8 + gm, mask=gm < m, other=0,
-                                        volatile=True), 0)
+                before = _ties_before(sc, cnt, m, n_eq, G)
             n_tie = tl.minimum(tl.maximum(need - before, 0), n_eq)
             base = tl.atomic_add(cnt + 5, n_gt + n_tie, sem="relaxed")
             run = base
@@ -180,11 +190,7 @@ def _held_radix_kernel(logits, out, scratch, stamps, R, N, s_l_r, s_o_r, topk,
                 sel = valid & (u >= prefix)
             else:
                 eq = valid & (u == prefix)
-                tl.store(sc + 4 * 256 + 8 + m, tl.sum(eq.to(tl.int32), 0))
-                _arrive_and_wait(cnt + 4, G)
-                gm = tl.arange(0, 64)
-                before = tl.sum(tl.load(sc + 4 * 256 + 8 + gm, mask=gm < m, other=0,
-                                        volatile=True), 0)
+                before = _ties_before(sc, cnt, m, tl.sum(eq.to(tl.int32), 0), G)
                 rank = before + tl.cumsum(eq.to(tl.int32), 0) - 1
                 sel = (valid & (u > prefix)) | (eq & (rank < need))
             s = sel.to(tl.int32)
@@ -208,6 +214,8 @@ class HeldRadix:
                  maxnreg: int | None, prefetch: bool, reload: bool = False,
                  exchange_only: bool = False, max_per_sm: int = 0):
         R, N = x.shape
+        if not 1 <= G <= 64:  # the tied counts' places a row
+            raise ValueError(f"G must be in [1, 64], got {G}")
         self.chunk = triton.next_power_of_2(-(-N // G))
         self.scratch = torch.zeros(R, SCRATCH.value, dtype=torch.int32, device=x.device)
         self.stamps = torch.zeros(1, dtype=torch.int64, device=x.device)
@@ -237,6 +245,10 @@ class HeldRadix:
         row taken, the row's start, its chunk loaded, each round's end, its end (ns, from the
         first start); the means by wave."""
         progs = self.groups * self.G
+        R = self.args[4]
+        if -(-R // self.groups) > 64:  # the stamps' places a program
+            raise ValueError(f"phases stamp at most 64 rows a group, got {R} rows over "
+                             f"{self.groups} groups")
         stamps = torch.zeros(progs * 64 * 8, dtype=torch.int64, device=self.stamps.device)
         args = list(self.args)
         args[3] = stamps
