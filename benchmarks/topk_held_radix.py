@@ -38,8 +38,10 @@ from triton.language.extra.cuda import globaltimer
 
 from benchmarks.common import capture, ceilings, log, time_replays
 from benchmarks.topk_sweep import TOPK, _full, _pct, replayed
+from mla.conformance.cases.indexer import as_sets
 from mla.environment import environment
 from mla.fast.topk import TopkPlan
+from mla.reference.indexer_logits import top_k_per_row
 
 SCRATCH = tl.constexpr(4 * 256 + 8 + 64)  # per row: four rounds' histograms, counters, tied counts
 
@@ -280,8 +282,12 @@ class HeldRadix:
         return {"waves": waves}
 
 
-def _sets(out: torch.Tensor) -> torch.Tensor:
-    return out.sort(dim=1).values
+def _variant(v: str) -> dict:
+    """``G:warps:maxnreg:prefetch[:reload[:exchange_only[:max_per_sm]]]`` -> ``HeldRadix``'s
+    keyword arguments (the fields left out 0)."""
+    G, warps, nreg, pf, rl, xo, cap = (int(t) for t in (v + ":0:0:0").split(":")[:7])
+    return dict(G=G, warps=warps, maxnreg=nreg or None, prefetch=bool(pf), reload=bool(rl),
+                exchange_only=bool(xo), max_per_sm=cap)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keys", type=int, default=131072)
     p.add_argument("--phases", type=int, nargs="*", default=[128, 512],
                    help="rows at which each variant also runs once stamping its phases")
-    p.add_argument("--variants", nargs="*", default=["8:8:128:0", "8:8:128:1"],
+    p.add_argument("--variants", nargs="*", default=["8:8:128:1:1", "8:8:128:1:0", "16:8:128:1:1"],
                    help="G:warps:maxnreg:prefetch[:reload[:exchange_only[:max_per_sm]]] ...")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -304,19 +310,17 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(R + W)
         x = torch.randn(R, W, device="cuda")
         st, en = _full(R, W)
-        want = _sets(torch.topk(x, TOPK, dim=1).indices.int())
+        want = as_sets(torch.topk(x, TOPK, dim=1).indices.int())
         runs = [replayed(x, st, en, TopkPlan(), reps=20) for _ in range(3)]
         ms = statistics.median(r[0] for r in runs)
         rows.append({"R": R, "L": W, "variant": "mla.fast auto", "us": ms * 1e3,
                      "pct_copy": _pct(R, W, ms, copy),
-                     "same_set": bool(torch.equal(_sets(runs[-1][2]), want))})
+                     "same_set": bool(torch.equal(as_sets(runs[-1][2]), want))})
         log(str(rows[-1]))
         for v in args.variants:
-            G, warps, nreg, pf, rl, xo, cap = (int(t) for t in (v + ":0:0:0").split(":")[:7])
             out = torch.full((R, TOPK), -7, dtype=torch.int32, device="cuda")
             try:
-                probe = HeldRadix(x, out, TOPK, G, warps, nreg or None, bool(pf), bool(rl),
-                                  bool(xo), cap)
+                probe = HeldRadix(x, out, TOPK, **_variant(v))
                 g = capture(probe)
                 times = [time_replays(g, reps=20, read_flush=True) for _ in range(3)]
                 out.fill_(-7)
@@ -325,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                 ms = statistics.median(times)
                 rows.append({"R": R, "L": W, "variant": v, "us": ms * 1e3,
                              "pct_copy": _pct(R, W, ms, copy),
-                             "same_set": bool(torch.equal(_sets(out), want)),
+                             "same_set": bool(torch.equal(as_sets(out), want)),
                              "regs": probe.regs, "spills": probe.spills,
                              "programs_per_sm": probe.per_sm, "groups": probe.groups})
                 if R in args.phases:
@@ -347,20 +351,17 @@ def main(argv: list[str] | None = None) -> int:
             x[:, 1::97] = -0.0
             x[:, 5::40001] = float("nan")
         st, en = _full(R, W)
-        from mla.reference.indexer_logits import top_k_per_row as ref
-        want = _sets(ref(x.double().cpu(), st.cpu(), en.cpu(), TOPK).cuda())
+        want = as_sets(top_k_per_row(x.double().cpu(), st.cpu(), en.cpu(), TOPK))
         for v in args.variants:
-            G, warps, nreg, pf, rl, xo = (int(t) for t in (v + ":0:0").split(":")[:6])
-            if xo:
+            if _variant(v)["exchange_only"]:  # selects nothing
                 continue
             out = torch.full((R, TOPK), -7, dtype=torch.int32, device="cuda")
-            probe = HeldRadix(x, out, TOPK, G, warps, nreg or None, bool(pf), bool(rl),
-                                  bool(xo))
+            probe = HeldRadix(x, out, TOPK, **_variant(v))
             probe()
             probe()  # twice: the scratch zeroed by the first
             torch.cuda.synchronize()
             checks.append({"set": name, "variant": v,
-                           "same_set": bool(torch.equal(_sets(out), want))})
+                           "same_set": bool(torch.equal(as_sets(out), want))})
             log(str(checks[-1]))
     res = {"what": __doc__.split("\n")[0], "environment": environment(), "copy_TBps": copy,
            "k": TOPK, "rows": rows, "checks": checks}
