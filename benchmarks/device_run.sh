@@ -1,5 +1,5 @@
 #!/bin/bash
-# One GPU-machine session: correctness grid, then the benchmark (with the plan sweep).
+# The GPU machine's steps: correctness grid, then the benchmark (with the plan sweep).
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|suite|sanitize]...
 set -o pipefail

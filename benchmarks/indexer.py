@@ -18,7 +18,7 @@ measured in the same run (``python -m benchmarks.indexer --out DIR``).
 - Errors: the logits against the float64 reference in ``mla.compare.logits_err``'s measure
   (the error over the magnitude ``k_scale · Σ_h |w_h| · ReLU(q_h · k)``) on a slice of each
   shape, and over 20 seeds on small shapes, beside the budget
-  (``mla.fast.indexer_logits.logits_budget``) and the error of the FP8 MMA's accumulator
+  (``mla.fast.indexer.logits.logits_budget``) and the error of the FP8 MMA's accumulator
   emulated on the same inputs (``benchmarks.fp8_mma``, "model").
 - ``--sweep``: a few ``LogitsPlan`` tilings and pipeline depths of both logits kernels on two
   decode shapes and one prefill shape, each compared with the default plan's logits.
@@ -46,7 +46,7 @@ from mla.compare import logits_err, rel_err
 from mla.conformance.cases.indexer import as_sets
 from mla.environment import environment
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits, top_k_per_row
-from mla.fast.indexer_logits import LogitsPlan, logits_budget
+from mla.fast.indexer.logits import LogitsPlan, logits_budget
 
 H, D, PAGE, TOPK = 64, 128, 64, 2048
 GiB = 1 << 30
@@ -404,7 +404,7 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.indexer",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "indexer"))
     p.add_argument("--only", nargs="*", choices=("errors", "decode", "prefill", "topk"))
     p.add_argument("--sweep", action="store_true", help="time LogitsPlan alternatives")
     args = p.parse_args(argv)

@@ -1,7 +1,7 @@
 """``python -m benchmarks.indexer_compile``: compile the indexer's Triton kernels for sm_90
 without a GPU.
 
-The interpreter runs ``mla.fast.indexer_cache``, ``indexer_logits`` and ``topk`` on a CPU but
+The interpreter runs ``mla.fast.indexer.cache``, ``indexer_logits`` and ``topk`` on a CPU but
 says nothing of whether they compile for the H200 (a ``tl.constexpr`` reassigned inside a
 ``tl.static_range`` runs interpreted and does not compile), nor what they compile to. Triton
 compiles them ahead of time for a named target with the ``ptxas`` it ships; this prints, per
@@ -21,7 +21,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from benchmarks.sm90_compile import SMEM_LIMIT, facts
-from mla.fast import indexer_cache, indexer_logits, indexer_logits_paged, topk
+from mla.fast import topk
+from mla.fast.indexer import cache as indexer_cache
+from mla.fast.indexer import logits as indexer_logits
+from mla.fast.indexer import logits_paged as indexer_logits_paged
 
 TARGET = GPUTarget("cuda", 90, 32)
 _KEYS = 131072

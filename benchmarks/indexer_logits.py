@@ -12,8 +12,8 @@ every route stays the reference's.
   (``rel_to_default``), TFLOP/s against the fp8 matmul rate and against the roofline
   ``min(fp8 rate, FLOPs/bytes · copy bandwidth)``, both measured in the same run. The
   variants: the previous kernel (per-key gathers, two stages, programs for twice the SMs),
-  pointer page tiles, the tensor-descriptor kernel at other depths and program lengths, and
-  the one-wave persistent grid of ``benchmarks/indexer_logits_balanced.py``.
+  pointer page tiles, and the tensor-descriptor kernel at other depths and program lengths
+  (a one-wave persistent grid was measured and rejected: ``benchmarks/notes/indexer.md``).
 
 Time: the median of CUDA graph replays of one call (``benchmarks.common.time_graph``, L2
 flushed before each: the GPU's time, whatever the host's launch costs) and, beside it, the
@@ -35,12 +35,11 @@ import triton.testing
 import mla.reference as ref
 from benchmarks.common import ceilings, log, report_heading, time_graph
 from benchmarks.indexer import fp8_matmul_tflops, paged_inputs
-from benchmarks.indexer_logits_balanced import balanced_paged_logits
 from mla.compare import logits_err, poison_like, rel_err
 from mla.environment import environment
 from mla.fast import fp8_paged_mqa_logits
-from mla.fast.indexer_logits import logits_budget
-from mla.fast.indexer_logits_paged import (
+from mla.fast.indexer.logits import logits_budget
+from mla.fast.indexer.logits_paged import (
     _RESIDENT,
     PAGED_PLAN,
     WIDE_PAGED_PLAN,
@@ -48,7 +47,7 @@ from mla.fast.indexer_logits_paged import (
     paged_loads,
     paged_plan,
 )
-from mla.fast.indexer_logits_tile import LogitsPlan
+from mla.fast.indexer.logits_tile import LogitsPlan
 
 H, D, PAGE = 64, 128, 64
 
@@ -91,10 +90,6 @@ VARIANTS = {  # name: (plan, how it runs)
                                                           programs_per_sm=8), _library),
     "gather, 2 stages, 2 programs a SM (the first kernel)": (
         LogitsPlan(paged_loads="gather", stages=2, programs_per_sm=2), _library),
-    "balanced one-wave grid (tma)": (dataclasses.replace(_SPREAD, paged_loads="tma"),
-                                     balanced_paged_logits),
-    "balanced one-wave grid (page)": (dataclasses.replace(_SPREAD, paged_loads="page"),
-                                      balanced_paged_logits),
 }
 
 SHAPES = [(1, 1, 8192), (1, 1, 131072), (1, 2, 131072), (32, 1, 32768), (32, 2, 32768),
@@ -347,7 +342,7 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.indexer_logits",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "indexer"))
     p.add_argument("--variants", nargs="*", choices=list(VARIANTS), default=list(VARIANTS))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -24,7 +24,7 @@ target shapes.
    default arguments (``mla_decode_paged(q, cache, block_table, lens, scale, causal)``).
 
 Writes ``decode_<date>.json``, ``.md`` and ``.png`` (achieved fraction of the ceilings) into
-``--out-dir`` (default ``benchmarks/results``); progress goes to stderr.
+``--out-dir`` (default ``benchmarks/results/decode``); progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -313,7 +313,8 @@ def plot(res: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--out-dir",
+                   default=os.path.join(os.path.dirname(__file__), "results", "decode"))
     p.add_argument("--sweep", action="store_true", help="time a few launch plans per shape")
     p.add_argument("--shapes", nargs="*", help="substrings of the shape names to run")
     p.add_argument("--seed", type=int, default=0)

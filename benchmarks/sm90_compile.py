@@ -143,7 +143,7 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
     """``sparse_kernel`` for sm_90 as ``mla.fast.sparse`` launches it: a ``[Q, N, 576]``
     query, top-k 2048, a cache of 576-element rows or ``fp8_ds_mla`` 656-byte rows, or
     (``MODEL1``) a ``[Q, N, 512]`` query over MODEL1 pages of 64 tokens; ``MODEL1_KERNEL``
-    names the plan's MODEL1 kernel (``mla.fast.sparse_plan.MODEL1_KERNELS``)."""
+    names the plan's MODEL1 kernel (``mla.fast.sparse.plan.MODEL1_KERNELS``)."""
     dt = _DTYPES[dtype]
     if FP8 and dt != "bf16":
         raise ValueError("fp8_ds_mla takes a bf16 query")

@@ -114,7 +114,7 @@ def markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.small", description=__doc__.split(
         "\n")[0])
-    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results", "small"))
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

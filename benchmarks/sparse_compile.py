@@ -21,8 +21,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mla.fast import sparse_kernels
-from mla.fast.sparse_kernels import DS_MLA, MODEL1, PLAIN
+from mla.fast.sparse import kernels as sparse_kernels
+from mla.fast.sparse.kernels import DS_MLA, MODEL1, PLAIN
 
 _V4 = {"HAS_TOPK_LEN": True, "HAS_EXTRA": True, "HAS_TOPK_LEN2": True, "HAS_SINK": True,
        "CHECK_RANGE": True}

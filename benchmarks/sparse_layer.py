@@ -34,9 +34,9 @@ from benchmarks.common import log, time_graph
 from mla.config import get_config
 from mla.environment import environment
 from mla.fast import fp8_paged_mqa_logits, sparse_mla_decode, top_k_per_row
-from mla.fast import sparse_model as fast_sparse
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
-from mla.fast.indexer_cache import indexer_k_quant_and_cache
+from mla.fast.indexer.cache import indexer_k_quant_and_cache
+from mla.fast.sparse import model as fast_sparse
 from mla.reference import sparse_model as ref_sparse
 from mla.reference.indexer import IndexerWeights
 from mla.reference.sparse_model import project_output

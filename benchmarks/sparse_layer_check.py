@@ -31,7 +31,7 @@ from benchmarks.layer_stages import (
 )
 from mla.compare import TOLERANCES, budget, logits_err
 from mla.config import MLAConfig, get_config
-from mla.fast.indexer_logits import logits_budget
+from mla.fast.indexer.logits import logits_budget
 from mla.reference.decode import absorb_q
 from mla.reference.fp8 import concat_and_cache_fp8_ds_mla as ref_fp8_write
 from mla.reference.fp8 import gather_and_upconvert_fp8_ds_mla
@@ -57,7 +57,7 @@ def build_sparse(config: MLAConfig, dtype: torch.dtype, device: str, context_len
     """Weights and indexer weights in ``dtype``, poisoned caches (the latent's bf16 or
     fp8_ds_mla, the fp8 index keys) holding each request's context written by the fast
     path, a scattered block table, and the new tokens' hidden states."""
-    from mla.fast.sparse_model import _front_and_index
+    from mla.fast.sparse.model import _front_and_index
 
     w = MLAWeights.random(config, seed=seed, dtype=dtype, device=device)
     iw = IndexerWeights.random(config, seed=seed + 1, dtype=dtype, device=device)
@@ -194,8 +194,8 @@ def sparse_decode_check(config: MLAConfig, dtype: torch.dtype, device: str, lens
                         s_q: int, block_size: int = 64, fp8_kv: bool = False, seed: int = 0,
                         decode: Callable | None = None) -> list[Stage]:
     """One sparse decode step of ``s_q`` tokens per request after ``lens`` cached tokens.
-    ``decode`` replaces ``mla.fast.sparse_model.sparse_decode_layer`` (broken twins)."""
-    from mla.fast.sparse_model import sparse_decode_layer
+    ``decode`` replaces ``mla.fast.sparse.model.sparse_decode_layer`` (broken twins)."""
+    from mla.fast.sparse.model import sparse_decode_layer
 
     decode = sparse_decode_layer if decode is None else decode
     layer = f"sparse decode {config.name} {str(dtype)[6:]} {'fp8' if fp8_kv else 'bf16'}kv"
@@ -243,7 +243,7 @@ def sparse_prefill_check(config: MLAConfig, dtype: torch.dtype, device: str,
                          fp8_kv: bool = False, seed: int = 0,
                          prefill: Callable | None = None) -> list[Stage]:
     """One sparse prefill of ``new_lens`` tokens after ``context_lens`` cached ones."""
-    from mla.fast.sparse_model import sparse_prefill_layer
+    from mla.fast.sparse.model import sparse_prefill_layer
 
     prefill = sparse_prefill_layer if prefill is None else prefill
     layer = f"sparse prefill {config.name} {str(dtype)[6:]} {'fp8' if fp8_kv else 'bf16'}kv"

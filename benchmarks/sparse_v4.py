@@ -32,7 +32,7 @@ The MODEL1 rows also time, in graphs, the Triton kernel with the default split c
 ``num_stages`` 1): the evidence behind ``plan_sparse``'s choices.
 
 ``python -m benchmarks.sparse_v4 --out DIR`` times the MODEL1 rows with every Gluon MODEL1
-kernel a plan can name (``SparsePlan.model1_kernel``, ``mla.fast.sparse_plan.MODEL1_KERNELS``)
+kernel a plan can name (``SparsePlan.model1_kernel``, ``mla.fast.sparse.plan.MODEL1_KERNELS``)
 beside the default plan and FlashMLA, each variant's error against the reference too.
 """
 
@@ -48,7 +48,7 @@ from benchmarks.common import log, time_graph
 from mla.compare import rel_err
 from mla.fast.common import num_sms
 from mla.fast.sparse import plan_sparse, sparse_mla_decode, sparse_mla_prefill
-from mla.fast.sparse_plan import MODEL1_KERNELS
+from mla.fast.sparse.plan import MODEL1_KERNELS
 from mla.reference.fp8 import FP8_DS_MLA_BYTES
 from mla.reference.fp8_model1 import fp8_model1_cache, fp8_model1_page_bytes
 

@@ -358,8 +358,8 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
     (``tests/test_fast_topk.py`` asserts none)."""
     from benchmarks.indexer_compile import _KEYS, _compile
     from benchmarks.sm90_compile import facts
-    from mla.fast.topk_fused import _fused_kernel, _mark_select_kernel
-    from mla.fast.topk_kernels import _held_kernel
+    from mla.fast.topk.fused import _fused_kernel, _mark_select_kernel
+    from mla.fast.topk.kernels import _held_kernel
 
     ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
     ptrs.update(words="i32", sync="i32", ready="i32")
@@ -426,7 +426,7 @@ def table(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.topk_sweep",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "topk"))
     p.add_argument("--only", nargs="*", choices=("check", "time", "sweep"))
     p.add_argument("--sm90", action="store_true",
                    help="only compile the default one-launch kernel (a row a program, a row "

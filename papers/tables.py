@@ -240,7 +240,7 @@ def _render_conformance(data: dict) -> list[str]:
 
 def render_benchmarks(results_dir: Path = RESULTS) -> str:
     """Tables of every ``*.json`` under ``results_dir``, or a note that there are none yet."""
-    files = sorted(results_dir.glob("*.json")) if results_dir.is_dir() else []
+    files = sorted(results_dir.rglob("*.json")) if results_dir.is_dir() else []
     if not files:
         return ("No GPU benchmark results are committed yet. On the H200, "
                 "`python -m benchmarks.run` writes them to `benchmarks/results/`; then "

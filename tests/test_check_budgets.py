@@ -25,19 +25,19 @@ LOW, HIGH = 1.5, 3.0
 MIN_SEEDS = 10
 COMMANDS = {
     ("cuda", "bfloat16"): "on a GPU, in parts that fit a time limit: PYTHONPATH=. python -m "
-                          "mla.check --seed 0 --seeds 5 --out benchmarks/results/"
+                          "mla.check --seed 0 --seeds 5 --out benchmarks/results/checks/"
                           "error_budget_gpu_bfloat16_s0.json, then --seed 5 ... _s5.json",
     ("cpu", "float16"): "TRITON_INTERPRET=1 python -m mla.check --device cpu --dtype float16 "
-                        "--seeds 30 --out benchmarks/results/error_budget_cpu_float16.json",
+                        "--seeds 30 --out benchmarks/results/checks/error_budget_cpu_float16.json",
     ("cpu", "float32"): "TRITON_INTERPRET=1 python -m mla.check --device cpu --dtype float32 "
-                        "--seeds 30 --out benchmarks/results/error_budget_cpu_float32.json",
+                        "--seeds 30 --out benchmarks/results/checks/error_budget_cpu_float32.json",
 }
 
 
 def _measurements() -> tuple[dict[str, float], dict[tuple[str, str], set[int]]]:
     worst: dict[str, float] = {}
     seeds: dict[tuple[str, str], set[int]] = {}
-    for path in sorted(RESULTS.glob("error_budget_*.json")):
+    for path in sorted((RESULTS / "checks").glob("error_budget_*.json")):
         rec = json.loads(path.read_text())
         key = (rec["device"].split(":")[0], rec["dtype"])
         seeds.setdefault(key, set()).update(rec["seeds"])
@@ -78,7 +78,7 @@ def test_the_fp8_logits_budget_is_about_twice_the_worst_measured_error():
     """DeepSeek-V3.2's 64 heads: the H200's worst ``logits_err`` over the benchmark's seeds and
     shapes, and that of the emulated FP8 MMA on the same inputs, each between 1/3 and 2/3 of
     the budget."""
-    runs = sorted(RESULTS.glob("indexer_errors_*.json"))
+    runs = sorted((RESULTS / "indexer").glob("indexer_errors_*.json"))
     assert runs, ("no indexer logits measurement: run PYTHONPATH=. python -m benchmarks.indexer "
                   "--only errors prefill --out DIR on a GPU, commit DIR/indexer_<date>.json as "
                   "benchmarks/results/indexer_errors_<date>.json")

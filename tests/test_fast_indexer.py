@@ -27,7 +27,7 @@ from mla.compare import logits_err, poison_like
 from mla.conformance.cases.indexer import as_sets
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits, indexer_k_quant_and_cache
 from mla.fast import top_k_per_row as fast_top_k_per_row
-from mla.fast.indexer_logits import LogitsPlan, logits_budget
+from mla.fast.indexer.logits import LogitsPlan, logits_budget
 from mla.reference.paged_cache import make_block_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""The paged decode logits' routes (``mla.fast.indexer_logits_paged``): tensor-descriptor
+"""The paged decode logits' routes (``mla.fast.indexer.logits_paged``): tensor-descriptor
 (TMA) page tiles, pointer page tiles and per-key gathers, each against the float64 reference
 on caches poisoned with NaN bytes, with ``-1`` and out-of-cache table entries, lengths off the
 tiles, rows split over many programs; and the argument checks that the fast path shares with
@@ -18,9 +18,9 @@ import torch
 import mla.reference as ref
 from mla.compare import logits_err, poison_like
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits
-from mla.fast.indexer_logits import logits_budget
-from mla.fast.indexer_logits_paged import PAGED_PLAN, paged_loads
-from mla.fast.indexer_logits_tile import PROGRAM_COST_TILES, LogitsPlan, split_keys, split_waves
+from mla.fast.indexer.logits import logits_budget
+from mla.fast.indexer.logits_paged import PAGED_PLAN, paged_loads
+from mla.fast.indexer.logits_tile import PROGRAM_COST_TILES, LogitsPlan, split_keys, split_waves
 from mla.reference.paged_cache import make_block_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

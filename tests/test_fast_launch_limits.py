@@ -35,7 +35,7 @@ from mla.fast import (
 )
 from mla.fast import sm90 as sm90_package
 from mla.fast.dcp import correction
-from mla.fast.indexer_logits_tile import LogitsPlan
+from mla.fast.indexer.logits_tile import LogitsPlan
 from mla.fast.launch import check_grid
 
 I32 = torch.int32

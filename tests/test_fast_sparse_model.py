@@ -1,4 +1,4 @@
-"""The fast sparse layers (``mla.fast.sparse_model``) against the float64 reference, stage by
+"""The fast sparse layers (``mla.fast.sparse.model``) against the float64 reference, stage by
 stage (``benchmarks.sparse_layer_check``), on the bf16 and the fp8_ds_mla latent caches.
 
 DeepSeek-V3.2's head dims (576-wide rows, 128-wide index keys, hidden 7168, q latent 1536)
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla.fast.sparse_model as fast_sparse
+import mla.fast.sparse.model as fast_sparse
 from benchmarks.layer_stages import assert_stages
 from benchmarks.sparse_layer_check import (
     build_sparse,

@@ -32,7 +32,7 @@ from mla.fast.topk import (
     survivors,
     top_k_per_row,
 )
-from mla.fast.topk_kernels import _key_floor
+from mla.fast.topk.kernels import _key_floor
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LONG = CANDIDATES + 3000  # a row longer than the candidate list: estimated, then filtered
@@ -536,10 +536,10 @@ def test_one_launch_kernel_compiles_for_sm90():
 
 
 def test_streaming_read_costs_few_instructions_a_key():
-    """The top-k's one read of a row, compiled for sm_90 (``benchmarks.topk_mark_sass``, in a
+    """The top-k's one read of a row, compiled for sm_90 (``benchmarks.probes.topk_mark_sass``, in a
     child process without the interpreter): its loop takes at most 16 SASS instructions a
     key a thread. Measured 13.25 under triton 3.6.0 and 12.94 under 3.7.1; comparing integer
     keys, as the read did before its float threshold (``_key_floor``), took 26.3."""
-    facts = _compiled_facts("benchmarks.topk_mark_sass")
+    facts = _compiled_facts("benchmarks.probes.topk_mark_sass")
     assert facts["keys_per_thread"] == 16 and facts["opcodes"].get("LDGSTS", 0) > 0, facts
     assert facts["per_key"] <= 16, f"the read's loop takes {facts['per_key']} a key: {facts}"

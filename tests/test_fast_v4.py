@@ -21,7 +21,7 @@ from _nan_rule import assert_nan_rule
 from mla import compare
 from mla.compare import assert_close, budget, rel_err
 from mla.fast import SparsePlan, sparse_mla_decode, sparse_mla_prefill
-from mla.fast.sparse_plan import MODEL1_KERNELS
+from mla.fast.sparse.plan import MODEL1_KERNELS
 from mla.reference.fp8_model1 import (
     fp8_model1_cache,
     fp8_model1_page_bytes,
@@ -428,7 +428,7 @@ def test_sm90_kernel_takes_model1_the_second_scope_and_sinks(num_splits, num_sta
     match the reference within the bf16 budget, with one staging buffer and with two; so do
     rows of 512 in q's dtype (decode with a second scope, prefill)."""
     import mla.fast.sparse as fast_sparse
-    from mla.fast.sparse_kernels import MODEL1, PLAIN
+    from mla.fast.sparse.kernels import MODEL1, PLAIN
 
     g = _gen(16)
     c1, u1 = model1_cache(4, 64, g)
@@ -473,7 +473,7 @@ def test_sm90_model1_kernels(kernel, N, num_splits):
     splits, against the float64 reference; then without value checks a length past top-k and
     a slot past the cache make exactly their queries NaN (the same compiled kernel)."""
     import mla.fast.sparse as fast_sparse
-    from mla.fast.sparse_kernels import MODEL1
+    from mla.fast.sparse.kernels import MODEL1
 
     g = _gen(17 + N)
     c1, u1 = model1_cache(6, 64, g)
@@ -547,7 +547,7 @@ def test_sm90_model1_dequantization_is_bit_exact(N, num_splits):
     ``_exact_pages`` (subnormal products are left out: they would test the tensor cores'
     P · V, not the dequantization); a NaN code in a query's row makes a NaN query."""
     import mla.fast.sparse as fast_sparse
-    from mla.fast.sparse_kernels import MODEL1
+    from mla.fast.sparse.kernels import MODEL1
 
     B, bs = 8, 64
     pages, rows = _exact_pages(_gen(29), B=B, bs=bs)
@@ -581,7 +581,7 @@ import json, sys
 import torch
 from benchmarks.sparse_compile import _usage, compile_plan
 from mla.fast.sparse import plan_sparse
-from mla.fast.sparse_kernels import MODEL1, PLAIN
+from mla.fast.sparse.kernels import MODEL1, PLAIN
 out = []
 for fmt, N, D in json.loads(sys.argv[1]):
     p = plan_sparse(8, N, 512, torch.bfloat16, fmt != PLAIN, 132, model1=fmt == MODEL1)
@@ -604,7 +604,7 @@ def test_default_triton_plans_of_v4_calls_fit_an_sm():
     import sys
     from pathlib import Path
 
-    from mla.fast.sparse_kernels import MODEL1, PLAIN
+    from mla.fast.sparse.kernels import MODEL1, PLAIN
 
     pytest.importorskip("triton.backends.nvidia")
     root = Path(__file__).resolve().parents[1]

@@ -1,8 +1,8 @@
 """No kernel edit goes unchecked on the GPU.
 
 The Gluon sm_90 kernels cannot run in CI (Triton's interpreter does not run Gluon), so the
-last committed GPU check, ``benchmarks/results/gpu_check.json`` (written by ``PYTHONPATH=.
-python -m mla.check --out benchmarks/results/gpu_check.json`` on a GPU), records the sha256
+last committed GPU check, ``benchmarks/results/checks/gpu_check.json`` (written by ``PYTHONPATH=.
+python -m mla.check --out benchmarks/results/checks/gpu_check.json`` on a GPU), records the sha256
 of every source under ``mla/fast/`` it ran. This test fails when a source in the tree differs
 from the one that check ran (edited, added or removed), when that check did not pass, when it
 did not run the full bf16 case set on CUDA, or when the cases registered under ``mla/check/``
@@ -21,9 +21,10 @@ import torch
 import mla.check.runner  # noqa: F401  (the kernel families register their cases on import)
 from mla.check.registry import REGISTRY, Ctx, kernel_sources
 
-RECORD = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "gpu_check.json"
-RERUN = ("re-run `PYTHONPATH=. python -m mla.check --out benchmarks/results/gpu_check.json` "
-         "on a GPU and commit the result")
+RECORD = (Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "checks"
+          / "gpu_check.json")
+RERUN = ("re-run `PYTHONPATH=. python -m mla.check --out "
+         "benchmarks/results/checks/gpu_check.json` on a GPU and commit the result")
 
 
 @pytest.fixture(scope="module")

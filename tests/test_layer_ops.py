@@ -20,7 +20,7 @@ import torch
 
 import mla.fast.dcp as fdcp
 import mla.fast.model as fast_model
-import mla.fast.sparse_model as fast_sparse
+import mla.fast.sparse.model as fast_sparse
 from benchmarks.layer_check import build_dense
 from benchmarks.sparse_layer_check import build_sparse
 from mla.config import get_config

@@ -1,4 +1,4 @@
-"""The top-k's searches among held keys (``mla.fast.topk_search``), on their own: for every
+"""The top-k's searches among held keys (``mla.fast.topk.search``), on their own: for every
 row, what ``_bracket_search`` and ``_bisect`` return must be a boundary of the ``need``
 largest nonzero patterns, read off a sort.
 
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.topk_search import _bisect, _bracket_search
+from mla.fast.topk.search import _bisect, _bracket_search
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N = 4096  # the select holds this many items with their columns

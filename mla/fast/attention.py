@@ -9,7 +9,7 @@ Same contract as ``mla.reference.attention.attention_with_lse`` (conventions §5
 ``j <= i + Skv - Sq``) unless positions are given; a query with no visible key gets ``o = 0``,
 ``lse = -inf``.
 
-Routes (``pick_route``), measured on the H200 in benchmarks/results/prefill_routes.md:
+Routes (``pick_route``), measured on the H200 in benchmarks/results/prefill/prefill_routes.md:
 - ``"cudnn"``: ``torch.ops.aten._scaled_dot_product_cudnn_attention`` with
   ``compute_log_sumexp=True``. bf16/fp16 on CUDA, ``Nk = N``, no explicit positions, and
   ``Sq = Skv`` when causal (cuDNN's causal mask is top-left aligned, which equals ours only

@@ -39,7 +39,7 @@ __all__ = ["chunked_prefill_attention", "varlen_route"]
 
 def varlen_route(device: torch.device, dtype: torch.dtype, causal: bool) -> str:
     """How a ragged batch's attention runs, from the H200 measurements in
-    benchmarks/results/prefill_routes.md (8 requests of 1 to 4096 tokens; 6 requests of 1 to
+    benchmarks/results/prefill/prefill_routes.md (8 requests of 1 to 4096 tokens; 6 requests of 1 to
     2000 queries over 4096-token context chunks):
 
     - causal (the new tokens among themselves): a cuDNN call per request, 341 TFLOP/s against

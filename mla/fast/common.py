@@ -86,8 +86,8 @@ def validation_enabled() -> bool:
 
 
 def set_validation(enabled: bool) -> None:
-    """Turn the value checks of every ``validate=None`` call on or off (a test run, a debug
-    session); an explicit ``validate=True/False`` still decides for its own call."""
+    """Turn the value checks of every ``validate=None`` call on or off (a test run, a debugging
+    process); an explicit ``validate=True/False`` still decides for its own call."""
     global _validate_by_default
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")

@@ -86,7 +86,7 @@ def _merge_kernel(
 def _config(D: int, itemsize: int) -> tuple[int, int, int]:
     """``(BLOCK_R, BLOCK_D, num_warps)``: about 8 KB of each input per program.
 
-    Measured on the H200 (benchmarks/results/prefill_routes.md, merge table).
+    Measured on the H200 (benchmarks/results/prefill/prefill_routes.md, merge table).
     """
     block_d = min(triton.next_power_of_2(max(D, 1)), 512)
     block_r = max(1, 4096 // (block_d * max(itemsize, 2) // 2))

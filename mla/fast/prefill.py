@@ -8,8 +8,8 @@ Same contract as ``mla.reference.prefill.prefill_attention`` (conventions §3):
 QK 192 / V 128 for DeepSeek. The attention goes by ``mla.fast.attention.pick_route``:
 - cuDNN (``torch.ops.aten._scaled_dot_product_cudnn_attention`` with its LSE) for bf16/fp16
   on CUDA without explicit positions, ``Sq = Skv`` when causal: the fastest route measured on
-  the H200 (benchmarks/results/prefill_routes.md). It needs whole ``q`` and ``k`` tensors, so
-  ``q_nope ‖ q_pe`` and ``k_nope ‖ k_pe`` are concatenated (one copy each).
+  the H200 (benchmarks/results/prefill/prefill_routes.md). It needs whole ``q`` and ``k``
+  tensors, so ``q_nope ‖ q_pe`` and ``k_nope ‖ k_pe`` are concatenated (one copy each).
 - our Triton kernel otherwise on CUDA (explicit positions, ``Sq != Skv`` causal, fp32): it
   reads ``q_pe`` and a head-broadcast view of ``k_pe`` directly, nothing concatenated.
 - on the CPU (and for float64): the reference's math, ``mla.reference.prefill``.

@@ -10,8 +10,9 @@ conventions §4 (DeepSeek-V2 appendix, "weight absorption"). ``W_UK`` folds into
 
 One KV "head" of width ``Lkv + R`` serves all ``N`` query heads, and V is the first ``Lkv``
 columns of K. The logits are the same numbers as the compute-friendly path's,
-``q_nope · (kv_c W_UK) = (q_nope W_UKᵀ) · kv_c``, so the softmax scale stays ``1/sqrt(P+R)``
-although the dot runs over ``Lkv + R`` dims. (Using ``1/sqrt(Lkv+R)`` is the classic bug.)
+``q_nope · (kv_c W_UK) = (q_nope W_UKᵀ) · kv_c``, so the softmax scale stays the
+compute-friendly path's, ``MLAConfig.softmax_scale``: ``1/sqrt(P+R)``, times ``mscale²`` under
+YaRN, although the dot runs over ``Lkv + R`` dims. (Using ``1/sqrt(Lkv+R)`` is the classic bug.)
 
 ``mla_decode_paged`` is the kernel-level form over the paged cache, with FlashMLA's conventions
 (``flash_mla_with_kvcache``): ``q [B, s_q, N, Lkv+R]``, ``lse [B, N, s_q]``, and with ``causal``

@@ -21,7 +21,7 @@ Hadamard-rotated keys are quantized into that cache (``indexer_k_quant_and_cache
 with its scale folded into the weights (``quantize_indexer_q``), and the logits come from
 ``fp8_paged_mqa_logits`` at decode and from the requests' keys gathered for ``fp8_mqa_logits``
 at prefill, then ``top_k_per_row``; it selects the keys of the official code's fp8 indexer
-(``use_fp8_indexer=True`` on a float index cache). ``mla.fast.sparse_model`` mirrors this path.
+(``use_fp8_indexer=True`` on a float index cache). ``mla.fast.sparse.model`` mirrors this path.
 
 With ``kv_cache`` of dtype uint8 the cache is ``fp8_ds_mla``: prefill dequantizes each request
 into a workspace and reads it through the workspace variant of the index conversion (vLLM's
@@ -140,7 +140,7 @@ def check_sparse_caches(weights: MLAWeights, indexer_weights: IndexerWeights,
 @dataclass(frozen=True)
 class SparseOps:
     """What a sparse layer step calls, with the reference's signatures; the defaults are the
-    reference's own. ``mla.fast.sparse_model`` runs the same orchestration with its kernels.
+    reference's own. ``mla.fast.sparse.model`` runs the same orchestration with its kernels.
 
     ``check_caches``: the cache layouts the path reads (``check_sparse_caches``' arguments);
     ``validate``: the orchestration's own host value checks (``cache_seqlens >= 0``), off on a

@@ -242,10 +242,11 @@ print(f"top-64 over 33 tokens vs dense MLA: rel err "
 # its own reference (`tests/ref.py`) computes the natural log. This package returns the
 # natural log everywhere, and its conformance run on an H200 found FlashMLA's
 # `flash_mla_sparse_fwd` (the build in the vLLM 0.33.0 wheel) returning the natural log too
-# (`benchmarks/results/conformance_flashmla_2026-11-30.md`, case `lse_natural_log`). Below,
-# each query's selected keys split in two halves, each half attended on its own and the two
-# merged: with natural logs the merge equals attending to all of them; with base-2 logs read
-# as natural it does not; converting (`lse = lse_2 · ln 2`) first repairs it.
+# (`benchmarks/results/conformance/conformance_flashmla_2026-11-30.md`, case
+# `lse_natural_log`). Below, each query's selected keys split in two halves, each half
+# attended on its own and the two merged: with natural logs the merge equals attending to all
+# of them; with base-2 logs read as natural it does not; converting (`lse = lse_2 · ln 2`)
+# first repairs it.
 
 # %%
 s_q, heads, d, dv, s_kv, topk = 6, 4, 40, 32, 50, 16
@@ -369,7 +370,7 @@ assert 0 < rel_err(out_fp8, out_exact) < 2.0 ** -4
 # which changes no dot product but spreads a large coordinate over all 128 before the
 # quantizer picks its scale. Below, that path runs on this package's fast kernels
 # (`mla.fast`, Triton's interpreter on a CPU; the kernels' cache bytes equal the reference's
-# and their logits lie within `mla.fast.indexer_logits.logits_budget`, checked here), for the
+# and their logits lie within `mla.fast.indexer.logits.logits_budget`, checked here), for the
 # last 8 tokens of a 1024-token request (a decode step with `next_n = 8`), with DeepSeek-V3.2's
 # indexer widths (64 heads of 128). Its keys get 4 outlier coordinates, 16 times the others,
 # as real activations have. *Recall@k* is the share of the float64 top-k that the FP8 path's
@@ -407,7 +408,7 @@ def fp8_logits(q_i: torch.Tensor, w_q: torch.Tensor, k_i: torch.Tensor) -> torch
     want = fp8_paged_mqa_logits(*(a.cpu() for a in args[:2]), wq.double(), *args[3:], L)
     mag = fp8_paged_mqa_logits(*(a.cpu() for a in args[:2]), wq.double().abs(), *args[3:], L)
     err = logits_err(got, want, mag)  # measured against the magnitude (|weights|): §11
-    assert err <= fast.indexer_logits.logits_budget(DEVICE), f"fast logits: {err:.2e}"
+    assert err <= fast.indexer.logits.logits_budget(DEVICE), f"fast logits: {err:.2e}"
     return got
 
 
@@ -500,7 +501,7 @@ full = fast.fp8_mqa_logits(*on_device).cpu()
 packed = fast.fp8_mqa_logits(*on_device, longest).cpu()
 want = fp8_mqa_logits(*inputs[:2], w_p, ks_p, ke_p, longest)  # float64 reference
 mag = fp8_mqa_logits(*inputs[:2], w_p.abs(), ks_p, ke_p, longest)
-budget = fast.indexer_logits.logits_budget(DEVICE, heads=4)
+budget = fast.indexer.logits.logits_budget(DEVICE, heads=4)
 # the two forms tile the keys differently, so their float32 sums may differ in the last bit:
 # each is checked against the float64 reference, within the budget
 from_rows = compressed_rows(full, ks_p, ke_p, longest)

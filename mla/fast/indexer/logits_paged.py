@@ -45,7 +45,7 @@ from mla.fast.common import (
     num_sms,
     should_validate,
 )
-from mla.fast.indexer_logits_tile import LogitsPlan, split_keys, split_waves, tile_logits
+from mla.fast.indexer.logits_tile import LogitsPlan, split_keys, split_waves, tile_logits
 from mla.fast.launch import check_grid
 from mla.reference.indexer_cache import INDEX_DIM
 from mla.reference.indexer_logits import check_paged_logits_args

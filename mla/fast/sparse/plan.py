@@ -15,8 +15,9 @@ __all__ = ["MODEL1_KERNELS", "SparsePlan", "plan_sparse"]
 # "warp_specialized" (``mla.fast.sm90.sparse_ws``: a producer warp group gathers and
 # dequantizes into two K buffers while two consumer groups run the dots) and "staged"
 # (``mla.fast.sm90.sparse``, the coupled kernel: cp.async into a staging buffer, dequantized
-# by all 8 warps at the top of each tile, then the dots; 1.10-1.30x slower at B=64 on the
-# H200, benchmarks/NOTES.md)
+# by all 8 warps at the top of each tile, then the dots; at B=64 on the H200 1.16-1.36x the
+# warp-specialized kernel's time at 64 heads, 1.25-1.43x at 128,
+# benchmarks/results/sparse/sparse_v4_ws_2026-12-01.md)
 MODEL1_KERNELS = ("warp_specialized", "staged")
 
 

@@ -17,7 +17,7 @@ How it is fast (docs/kernels.md):
   for the logits. The dims need not be powers of two (masked), e.g. the tiny preset's 32 + 8.
 - Split-KV (Flash-Decoding): each request's keys are cut into ``num_splits`` equal runs of
   whole tiles, one program each, writing a partial ``(o, lse)``; a second small kernel merges
-  them (conventions §6; ``mla.fast.decode_combine``). ``num_splits`` comes from host-known shapes
+  them (conventions §6; ``mla.fast.decode.combine``). ``num_splits`` comes from host-known shapes
   only (batch, head groups, the block table's capacity, the SM count), never from device
   values, so a call never synchronizes and can be captured in a CUDA graph. With one split the
   first kernel writes the result directly.
@@ -58,7 +58,7 @@ from mla.fast.common import (
     num_sms,
     should_validate,
 )
-from mla.fast.decode_combine import combine_kernel, sink_factor
+from mla.fast.decode.combine import combine_kernel, sink_factor
 from mla.fast.launch import CompiledLauncher, check_grid
 from mla.fast.softmax import load_2d, softmax_pv
 from mla.reference.decode import check_paged_decode_shapes, check_paged_decode_values

@@ -33,8 +33,8 @@ import torch
 
 from mla.fast.common import should_validate
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
-from mla.fast.indexer_cache import indexer_k_quant_and_cache
-from mla.fast.indexer_logits import fp8_mqa_logits, fp8_paged_mqa_logits
+from mla.fast.indexer.cache import indexer_k_quant_and_cache
+from mla.fast.indexer.logits import fp8_mqa_logits, fp8_paged_mqa_logits
 from mla.fast.model import token_slots
 from mla.fast.paged_cache import concat_and_cache_mla
 from mla.fast.sparse import (

@@ -1,4 +1,4 @@
-"""Order statistics of a top-k's keys (``mla.fast.topk_kernels`` runs them): the radix levels
+"""Order statistics of a top-k's keys (``mla.fast.topk.kernels`` runs them): the radix levels
 of a scanned row's composites, and the searches among keys held in registers.
 
 Two searches find the ``need``-th largest of held uint32 patterns (``_unsigned``; 0 marks an
@@ -9,7 +9,7 @@ interpolated probes a step, their counts in one block-wide sum (about 7 steps on
 candidates); the exact select uses it. On the H200 the bracket search in the select took the
 top-k 1-4% faster than the bisection (2048 x 32K 235 us against 245, 256 x 128K 78.6 against
 80.1, 1024 x 128K 245.6 against 247.9) and in the estimate 1-4% slower, where the slack lets
-the bisection stop early (``benchmarks/results/topk_bisect_interpolated_2026-12-02.json``).
+the bisection stop early (``benchmarks/results/topk/topk_bisect_interpolated_2026-12-02.json``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The lightning indexer's logits in Triton: ``fp8_mqa_logits`` (ragged prefill, here) and
-``fp8_paged_mqa_logits`` (paged decode, ``next_n >= 1`` causal: ``indexer_logits_paged``).
+``fp8_paged_mqa_logits`` (paged decode, ``next_n >= 1`` causal: ``logits_paged``).
 
 Same contract as ``mla.reference.indexer_logits`` (conventions §10, "Indexer logits and
 top-k"): ``logits[t, s] = k_scale[s] · Σ_h w[t, h] · ReLU(q[t, h] · k_code[s])`` with ``q`` in
@@ -7,7 +7,7 @@ e4m3 (its scale folded into ``w``), ``-inf`` where query ``t`` may not see key `
 The argument checks are the reference's own (``check_ragged_logits_args``,
 ``check_paged_logits_args``) plus the layouts the kernels address.
 
-**One tile** (``indexer_logits_tile``): ``BLOCK_N`` keys against the heads of the queries that
+**One tile** (``logits_tile``): ``BLOCK_N`` keys against the heads of the queries that
 share them (``next_n`` of one request at decode, ``BLOCK_Q`` consecutive rows at prefill), one
 e4m3 ``tl.dot`` with the keys as the MMA's M, then ReLU, the weights, the sum over heads and
 the key's scale in float32 registers. ``LogitsPlan`` sets the sizes.
@@ -34,8 +34,8 @@ import triton.language as tl
 
 from mla.compare import fp8_mma_logits_budget
 from mla.fast.common import TRITON_VERSION, interpreting, next_pow2, should_validate
-from mla.fast.indexer_logits_paged import PAGED_PLAN, fp8_paged_mqa_logits
-from mla.fast.indexer_logits_tile import LogitsPlan, split_keys, tile_logits
+from mla.fast.indexer.logits_paged import PAGED_PLAN, fp8_paged_mqa_logits
+from mla.fast.indexer.logits_tile import LogitsPlan, split_keys, tile_logits
 from mla.fast.launch import check_grid
 from mla.reference.indexer_cache import INDEX_DIM
 from mla.reference.indexer_logits import (

@@ -14,12 +14,11 @@ bucket's chosen ones); the set never depends on it.
 
 **Why this shape.** Reading 128K float32 logits a row at the copy bandwidth leaves about 30
 instructions a key per thread. A ``tl.histogram`` of every key cannot keep up with the memory;
-a compare can. Measured on the H200 (``benchmarks/topk_held_radix.py``, NOTES 2026-12-03): a
-masked 256-bin ``tl.histogram`` of 16K held keys a program, 64 a thread, two programs a SM,
-took ~13 us, about 0.2 us per key a thread, whatever the mask kept. Reading those keys takes
-2-4 us. That is also why the radix select of vLLM's ``persistent_topk`` (a row held by a group
-of programs, histogram rounds merged in global memory) is not used here: rebuilt in Triton
-it took 290 us at 128 x 128K against 48. Three steps:
+a compare can: on the H200 a masked 256-bin ``tl.histogram`` of a program's held keys costs
+several times what reading them does. That is also why the radix select of vLLM's
+``persistent_topk`` (a row held by a group of programs, histogram rounds merged in global
+memory) is not used here: rebuilt in Triton it was several times slower (the measurements:
+``benchmarks/notes/topk.md``). Three steps:
 
 1. **estimate**: a stratified sample of the row (evenly spaced runs of 8 keys: short runs,
    as neighbouring logits may be alike; as many runs as put the ``topk``-th key at about
@@ -33,28 +32,23 @@ it took 290 us at 128 x 128K against 48. Three steps:
    are compared as floats, with the threshold turned into the float it stands for
    (``_key_floor``; a NaN always passes), and only a chunk's first and last blocks are
    masked, so a key costs about 13 SASS instructions a thread (26 comparing integer keys;
-   ``benchmarks/topk_mark_sass.py`` counts them): on the H200 a program reads its row of
-   128K in 17.5 us (3.8 TB/s over 128 rows), against 21.4 us comparing integer keys, and
-   listing the keys as the read goes ran at 1.3 TB/s.
+   ``benchmarks/probes/topk_mark_sass.py`` counts them), and listing the keys as the read
+   goes ran at a third of the copy bandwidth.
 3. **select**: the candidate list in one pass over the words (each word's set bits at the
    places after the words before it, by running counts of their popcounts, in column order),
    its keys gathered from the row straight into registers, then the exact ``topk`` best by a
    search that narrows a bracket around the boundary key, two interpolated probes a step,
    each step a compare of every held key with both and one block-wide count (no histogram,
-   no memory; about 7 steps, ``mla.fast.topk_search``), until exactly ``topk`` keys reach
+   no memory; about 7 steps, ``mla.fast.topk.search``), until exactly ``topk`` keys reach
    it; when the boundary key is tied, a second search among its equals on the inverted
    column takes the lowest columns. Up to ``CANDIDATES / 2`` items are held with their
    columns; a longer list or row keeps only its keys and writes its columns in tiles. A row
    of no more than ``CANDIDATES`` keys skips 1-2 and is selected whole; where the logits
    are no wider than that, every route runs one kernel that holds only this path
-   (``_held_kernel``: on the H200 1 / 128 / 1024 x 8K 25.7 / 23.2 / 87 us against 32.8 /
-   27.6 / 109 through the general kernels).
-   ``benchmarks/topk_phases.py`` times the pieces: on the H200, a program of 128 selecting
-   from ~3300 candidates spends ~6 us on the list, ~5 on the gather, ~4 on the search and ~2
-   on the write.
+   (``_held_kernel``: faster than the general kernels at every measured row count).
 
 Three routes run them (``TopkPlan.route``; ``"auto"`` picks one or two launches by shape,
-``TopkPlan.route_for``). **One launch** (``mla.fast.topk_fused``): every program of a row
+``TopkPlan.route_for``). **One launch** (``mla.fast.topk.fused``): every program of a row
 estimates the threshold and marks its part of the row; rows no more than the SMs are split in
 at least two parts (``TopkPlan.fused_min_parts``), each part listing its own marked keys with
 their keys before it arrives, the last to arrive selecting; more rows, a program a row. Best
@@ -65,7 +59,7 @@ each other in the grid so that rows finish one after another, each waiting for i
 estimate only): best for rows of up to 32K keys from more rows than SMs, and for many rows
 (more than two a SM, then at 4 warps a program: more programs a SM, one's select overlapping
 the others' reads). **Three launches**
-(``mla.fast.topk_kernels``): estimate and select a program a row, the filter ``R x C``
+(``mla.fast.topk.kernels``): estimate and select a program a row, the filter ``R x C``
 one-warp programs; slower at every shape measured, kept as the alternative the tests and
 the benchmark hold the others against.
 
@@ -87,8 +81,8 @@ import triton
 
 from mla.fast.common import capability, interpreting, next_pow2, num_sms, should_validate
 from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
-from mla.fast.topk_fused import _fused_kernel, _mark_select_kernel
-from mla.fast.topk_kernels import (
+from mla.fast.topk.fused import _fused_kernel, _mark_select_kernel
+from mla.fast.topk.kernels import (
     _estimate_kernel,
     _held_kernel,
     _mask_kernel,
@@ -125,48 +119,43 @@ _mark_select = CompiledLauncher(_mark_select_kernel)
 
 @dataclasses.dataclass(frozen=True)
 class TopkPlan:
-    """How the kernels run (``benchmarks/topk_sweep.py`` times the alternatives).
+    """How the kernels run. ``benchmarks/topk_sweep.py`` and ``benchmarks/topk_routes.py`` time
+    the alternatives; the defaults are the fastest measured on the H200 (the current numbers:
+    ``benchmarks/results/README.md``; each choice's measurement: ``benchmarks/notes/topk.md``).
 
-    Route (``route``: ``"auto"``, ``"one"``, ``"two"``, ``"three"``; ``route_for``). On the
-    H200 (k = 2048, random rows, CUDA graphs, L2 flushed,
-    ``benchmarks/results/topk_routes_float_mark_2026-12-01.json``), ``"auto"``: 25.0 / 29.6 /
-    48.3 / 80.4 / 141.1 / 248.0 us at 1 / 32 / 128 / 256 / 512 / 1024 x 128K (33 / 39 / 45 /
-    51% of the copy bandwidth from 128 rows); 31.2 / 42.6 / 245 at 128 / 256 / 2048 x 32K
-    (one launch at 128 rows; at 256 and 2048 one launch 48.2 / 313, three 54.9 / 346).
-    One launch: ``fused_block`` keys a step, ``fused_stages`` steps in flight,
+    Route (``route``: ``"auto"``, ``"one"``, ``"two"``, ``"three"``; ``route_for``): ``"auto"``
+    takes one launch where the rows are few and two launches where they outnumber the SMs or
+    are short. One launch: ``fused_block`` keys a step, ``fused_stages`` steps in flight,
     ``fused_warps``; a row longer than ``CANDIDATES``, when the rows are no more than the
     SMs, split over ``max(fused_min_parts, SMs // rows)`` programs (at most ``fused_parts``),
-    the last to arrive selecting (two parts against one: 45.6 against 47.4 us at 128 x 128K,
-    ``benchmarks/topk_timeline.py``);
-    ``fused_part_lists``: each part lists its marked keys before it arrives (24.5 against 30
-    us at 1 x 128K, 31 against 36.7 at 32 x 128K), else the last lists the whole bitmask.
+    the last to arrive selecting (two parts were faster than one at 128 x 128K);
+    ``fused_part_lists``: each part lists its marked keys before it arrives (faster at 1 to
+    32 rows of 128K), else the last lists the whole bitmask.
     Two launches: parts of ``two_chunk`` keys (whole ``fused_block`` steps), ``fused_warps``,
-    or ``two_warps`` where the rows are more than ``many_rows_per_sm`` a SM (4 warps against
-    8, oversample 1.2: 255 against 286 us at 1024 x 128K, 282 against 290 at 2048 x 32K).
+    or ``two_warps`` where the rows are more than ``many_rows_per_sm`` a SM (4 warps: more
+    programs a SM, one's select overlapping the others' reads).
     Estimate (all routes): runs of ``sample_run`` keys, as many as put the ``topk``-th key at
     about rank ``sample_rank`` of the sample (``sample_runs_for``), at most ``sample_runs``
     (2 to 1024; at most ``CANDIDATES`` keys in all); ``oversample`` (the survivors aimed at,
-    in ``topk``, before three standard deviations of the sample's: 1.1 against 1.2, 248.5
-    against 256.3 us at 1024 x 128K, 48.1 against 49.9 at 128 x 128K);
+    in ``topk``, before three standard deviations of the sample's: 1.1 left fewer survivors
+    to select than 1.2 and was faster);
     ``estimate_warps`` (two and three launches).
     Three launches' streaming read: ``block`` keys a step, ``stages`` steps in flight,
     ``filter_warps``, ``programs_per_sm`` (the grid aims at that many programs per SM: a row is
     cut into that many chunks over the rows).
     Select (all routes): ``select_maxnreg`` (where the selecting kernel's programs outnumber
-    the SMs, the registers a thread capped and tiles of at most 1024 keys, two programs a SM:
-    three launches 256 x 128K 103 against 108 us, 256 x 8K 43 against 51), ``select_tile`` keys a
+    the SMs, the registers a thread capped and tiles of at most 1024 keys, two programs a
+    SM), ``select_tile`` keys a
     step where a select reads in tiles (a list or row past ``CANDIDATES / 2``, the scan; at
     most 1024 in the one-launch kernel), ``select_bits`` a radix level of the scan;
     ``select_warps`` (three launches, and the rows held whole where the logits are no wider
     than ``CANDIDATES``).
     ``pdl`` (two and three launches, on sm_90 or later): the second launch (two) or the filter
     (three) launched as the estimate's programmatic dependent (``launch_pdl``), so that it
-    starts while the estimate ends, its programs waiting for the thresholds: three launches
-    1.0-1.4 us less at every shape measured (8K to 128K keys, 32 to 512 rows); the select
-    launched so too was slower below 256 x 128K (its programs, resident early, crowd the
-    filter's), so it is not (``benchmarks/results/topk_pdl_2026-12-01.json``); two launches:
-    each program waits for its row's estimate alone (a flag a row), so the first rows mark
-    while later rows are still estimated (255 against 265 us at 1024 x 128K)."""
+    starts while the estimate ends, its programs waiting for the thresholds; the select
+    launched so too was slower at fewer rows (its programs, resident early, crowd the
+    filter's), so it is not; two launches: each program waits for its row's estimate alone
+    (a flag a row), so the first rows mark while later rows are still estimated."""
     route: str = "auto"
     fused_block: int = 4096
     fused_stages: int = 3

@@ -4,7 +4,7 @@ Keys: a float32's bits ``b`` map to an int32 ``k`` that orders as the floats do 
 positive float, ``b ^ 0x7FFFFFFF`` for a negative one; ``-0`` read as ``+0``, every NaN as
 ``2^31 - 1``). Ties go to the lower column. The select of held keys searches their unsigned
 patterns (``_unsigned``), then, for a tied boundary key, its equals' inverted columns (the
-searches and the radix levels: ``mla.fast.topk_search``); the scan
+searches and the radix levels: ``mla.fast.topk.search``); the scan
 of a whole row (the threshold failed) runs radix levels on the non-negative int64
 ``(k + 2^31) << 31 | (0x7FFFFFFF - column)``, unique per row, so "the ``need`` best" is always
 one exact set, and its digits are plain bit fields.
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from mla.fast.topk_search import (
+from mla.fast.topk.search import (
     _bisect,
     _boundary,
     _bucket,

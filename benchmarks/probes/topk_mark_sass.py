@@ -1,7 +1,7 @@
-"""``python -m benchmarks.topk_mark_sass``: what the top-k's streaming read costs a key, read off
-the compiled sm_90 code (no GPU needed).
+"""``python -m benchmarks.probes.topk_mark_sass``: what the top-k's streaming read costs a
+key, read off the compiled sm_90 code (no GPU needed).
 
-``mla.fast.topk_kernels._mask_chunk`` (the one read of a row that marks the keys reaching the
+``mla.fast.topk.kernels._mask_chunk`` (the one read of a row that marks the keys reaching the
 threshold) is compiled alone for the H200, as the one-launch kernel runs it by default
 (``fused_block`` keys a step, ``fused_stages`` in flight, ``fused_warps``), through a probe
 kernel that marks one chunk and stores the count. Its SASS (Triton's bundled ``cuobjdump``) is
@@ -25,7 +25,7 @@ from triton.tools.disasm import get_sass
 
 from benchmarks.indexer_compile import _compile
 from mla.fast.topk import TopkPlan
-from mla.fast.topk_kernels import _mask_chunk
+from mla.fast.topk.kernels import _mask_chunk
 
 _KEYS = 131072
 
@@ -59,7 +59,7 @@ def loop_facts(sass: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.topk_mark_sass",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probes.topk_mark_sass",
                                 description=__doc__.split("\n")[0])
     p.parse_args(argv)
     plan = TopkPlan()

@@ -1,7 +1,7 @@
 """The one-launch kernel of ``mla.fast.top_k_per_row``: the programs of a row estimate its
 threshold, each marks its part of the row in the row's bitmask in one read, and the last of
 them selects among the marked keys (the plan, the route and the semantics: ``mla.fast.topk``;
-the shared pieces: ``mla.fast.topk_kernels``).
+the shared pieces: ``mla.fast.topk.kernels``).
 
 Against the three launches it saves two kernels' start and drain and the threshold's round
 trip through memory. A program holds a candidate list in registers for the select, so few are
@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mla.fast.topk_kernels import (
+from mla.fast.topk.kernels import (
     _chunk_range,
     _list_part,
     _mask_chunk,

@@ -30,7 +30,7 @@ How (docs/kernels.md, "Sparse"):
   values as they are; the dequantized tile goes straight into the dots in q's dtype. The cache
   is read through uint8, float32 and bfloat16 views of the same bytes (656 = 4 · 164).
 - MODEL1 pages (DeepSeek-V4): the page is found by the block stride, the token's 576-byte
-  data row and its 7 UE8M0 scale bytes inside it (``mla.fast.sparse_kernels``); the row is
+  data row and its 7 UE8M0 scale bytes inside it (``mla.fast.sparse.kernels``); the row is
   read as 8 tiles of 64 (7 scaled e4m3 tiles, then the bf16 rope tile) into one 512-wide K
   that is also V.
 - A second KV scope (``extra_k_cache``): the kernel walks the second list after the first,
@@ -51,7 +51,7 @@ How (docs/kernels.md, "Sparse"):
   the plan's ``model1_kernel`` picks it or (the default) the warp-specialized kernel of
   ``mla.fast.sm90.sparse_ws``.
 
-``convert_req_index_to_global_index`` (``mla.fast.sparse_index``, re-exported here): the
+``convert_req_index_to_global_index`` (``mla.fast.sparse.index``, re-exported here): the
 indexer's request-local top-k positions to the cache slots these kernels read.
 
 Host: a call's key (every tensor's shape, strides, dtype, device and address modulo 16; the
@@ -97,9 +97,9 @@ from mla.fast.common import (
     should_validate,
 )
 from mla.fast.launch import CompiledLauncher, check_grid
-from mla.fast.sparse_index import convert_req_index_to_global_index
-from mla.fast.sparse_kernels import DS_MLA, MODEL1, PLAIN, combine_kernel, sparse_kernel
-from mla.fast.sparse_plan import SparsePlan, plan_sparse
+from mla.fast.sparse.index import convert_req_index_to_global_index
+from mla.fast.sparse.kernels import DS_MLA, MODEL1, PLAIN, combine_kernel, sparse_kernel
+from mla.fast.sparse.plan import SparsePlan, plan_sparse
 from mla.reference.fp8 import D_NOPE, FP8_DS_MLA_BYTES, ROPE_OFFSET
 from mla.reference.fp8_model1 import FP8_MODEL1_BYTES, fp8_model1_pages
 from mla.reference.sparse import (
