@@ -1,1 +1,1 @@
-"""GPU benchmarks of the fast kernels: ``python -m benchmarks.run`` (see benchmarks/NOTES.md)."""
+"""GPU benchmarks of the fast kernels: ``python -m benchmarks.run`` (see benchmarks/README.md)."""

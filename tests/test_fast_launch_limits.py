@@ -20,19 +20,11 @@ import pytest
 import torch
 from _interpreter import needs_interpreter
 
-from mla.fast import (
-    attention,
-    decode,
-    fp8,
-    indexer_cache,
-    indexer_logits,
-    indexer_logits_paged,
-    merge,
-    paged_cache,
-    sparse,
-    sparse_index,
-    topk,
-)
+from mla.fast import attention, decode, fp8, merge, paged_cache, sparse, topk
+from mla.fast.indexer import cache as indexer_cache
+from mla.fast.indexer import logits as indexer_logits
+from mla.fast.indexer import logits_paged as indexer_logits_paged
+from mla.fast.sparse import index as sparse_index
 from mla.fast import sm90 as sm90_package
 from mla.fast.dcp import correction
 from mla.fast.indexer.logits_tile import LogitsPlan

@@ -76,7 +76,7 @@ def _facts() -> dict[str, dict]:
 def test_fits_one_program_per_sm_without_spills(args):
     # q 64 KB + two stages of 72 KB + two P tiles of 8 KB; the rope columns of q are in
     # registers. Two warp groups of 128 threads: 255 registers each at most; the wgmma
-    # descriptors of the logits once made ptxas spill 488-576 bytes (benchmarks/NOTES.md)
+    # descriptors of the logits once made ptxas spill 488-576 bytes (benchmarks/notes/decode.md)
     f = _facts()[_id(args)]
     assert f["shared"] <= SMEM_LIMIT, f"{f['shared']} B of shared memory"
     assert f["reg"] <= 255 and f["stack"] == 0 and f["local"] == 0, f

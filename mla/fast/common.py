@@ -74,7 +74,8 @@ def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tenso
 def ensure_allocator() -> None:
     """In-kernel tensor descriptors live in a small global scratch that Triton asks its
     allocator for at launch; install a torch one unless the caller installed their own.
-    (Descriptors built on the host instead cost far more launch overhead: benchmarks/NOTES.md.)
+    (Descriptors built on the host instead cost far more launch overhead:
+    benchmarks/notes/indexer.md.)
     Called before every such launch (the allocator is a context variable), so kept cheap."""
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_torch_scratch)

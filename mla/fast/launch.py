@@ -3,7 +3,7 @@
 ``kernel[grid](*args)`` binds the arguments, specializes every one of them (dtype and 16-byte
 alignment of each pointer; each integer's width, ``== 1`` and ``% 16``), builds a cache key
 string from the options and looks the compiled kernel up: tens of microseconds of Python per
-launch, more than a small decode kernel runs (benchmarks/NOTES.md, host time). The caller
+launch, more than a small decode kernel runs (benchmarks/notes/decode.md, host time). The caller
 already knows whether anything of that can have changed: it keys its own cache on the shapes,
 strides, dtypes, devices and pointer alignments of its arguments, which determine every
 integer argument and every specialization. So the first launch of a key goes through the JIT

@@ -20,7 +20,7 @@ float32 with their strides, the workspace is vLLM's 1 MiB, and the output starts
 kernels return passes through unchanged, so a convention of theirs shows as failing cases
 that name it: whether indices count from the row's start or from column 0, and which of tied
 keys are taken (ours: the lower columns; their radix selects take them in the order their
-threads' atomics come, ``benchmarks/NOTES.md``). On the H200 (2026-12-02,
+threads' atomics come, ``benchmarks/notes/topk.md``). On the H200 (2026-12-02,
 ``benchmarks/results/conformance_topk_cases_*_2026-12-02.md``) both kernels fail
 ``ties_at_the_boundary`` and ``nan_infinities_signed_zeros`` only by their tie rule (other
 columns among the keys tied at the boundary; NaN and signed zeros rank as ours) and pass the

@@ -95,7 +95,7 @@ class DecodePlan:
 def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v: int,
                 max_blocks: int, block_size: int, dtype: torch.dtype,
                 num_sms: int) -> DecodePlan:
-    """The default plan, from shapes alone (benchmarks/NOTES.md has the measurements).
+    """The default plan, from shapes alone (benchmarks/notes/decode.md has the measurements).
 
     - ``s_q · N <= 32`` rows (memory-bound, e.g. 16 heads): 16-row programs, 4 warps,
       pointer loads (``cp.async``): small enough in registers and shared memory that two
@@ -267,7 +267,7 @@ def _decode_kernel(
 
     # The tail (at most a tile plus the causal diagonal) goes in 16-key steps through masked
     # pointer loads: a 64-row masked gather needs enough address registers to make the whole
-    # kernel spill, while 16 rows do not (ptxas for sm_90; benchmarks/NOTES.md, v1).
+    # kernel spill, while 16 rows do not (ptxas for sm_90; benchmarks/notes/decode.md, v1).
     TAIL_N: tl.constexpr = 16
     bt_row = BT + b.to(tl.int64) * stride_btb
     if USE_TMA:  # descriptors over the cache as [num_blocks · block_size, D] rows

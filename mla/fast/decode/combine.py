@@ -3,7 +3,7 @@
 
 - ``combine_kernel``: its own launch, grid ``(s_q · N, B)``, one program per query row (a
   merge by the last split program of each head group, one launch instead of two, measured
-  slower on the H200 at every shape: benchmarks/NOTES.md);
+  slower on the H200 at every shape: benchmarks/notes/decode.md);
 - ``sink_factor``: ``exp(lse) / (exp(lse) + exp(sink))`` per row.
 
 Partials: ``o [B, splits, rows, DV]`` float32 and ``lse [B, splits, rows]``, ``-inf`` for a

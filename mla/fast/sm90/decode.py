@@ -2,7 +2,7 @@
 
 The Triton kernel of ``mla.fast.decode`` loses a third of the tensor-core work at 128 heads:
 Triton lays a dot that feeds another dot out with all warps along M, so with 64 query rows and
-two warp groups both groups compute the same 64 × 64 logits (benchmarks/NOTES.md). Gluon lets
+two warp groups both groups compute the same 64 × 64 logits (benchmarks/notes/decode.md). Gluon lets
 the kernel choose its layouts, so here the work is split as FlashMLA splits it
 (docs/kernels.md):
 
@@ -269,7 +269,7 @@ def decode_kernel(
 
     # each tile's page is looked up a tile ahead of its TMA issue, so that the issue never
     # waits for a block-table load (the same idea for the sparse kernel's indices paid off
-    # on the GPU: benchmarks/NOTES.md)
+    # on the GPU: benchmarks/notes/decode.md)
     nxt_row, nxt_out = page_row(bt_row, t_lo + 1, t_hi, num_blocks, PAGE_SIZE, BN)
     for i in range(t_lo, t_hi):
         it = i - t_lo

@@ -3,7 +3,7 @@
 The kernel of ``mla.fast.sm90.decode`` splits every 64-key tile between its two warp groups
 (the logits by keys, the output by columns), so the groups meet at every tile (shared P, the
 cross-group max, CTA barriers) and a softmax never runs under a matrix product
-(benchmarks/NOTES.md). Here, as FlashMLA schedules its dense decode (docs/kernels.md), the
+(benchmarks/notes/decode.md). Here, as FlashMLA schedules its dense decode (docs/kernels.md), the
 groups are two warp-specialized partitions that each own whole tiles:
 
 - keys come in pairs of 64-key tiles, ``K0`` (stage 0) and ``K1`` (stage 1). Group 0 computes

@@ -1,9 +1,9 @@
 """Sparse top-k MLA for Hopper (sm_90) in Gluon: the 64-head programs of ``mla.fast.sparse``.
 
 The Triton kernel of ``mla.fast.sparse`` pays twice at 64 heads per program: Triton makes both
-warp groups compute the same 64 × 64 logits (the dot feeds a dot, benchmarks/NOTES.md), and the
-gathered rows are loaded and, for ``fp8_ds_mla``, dequantized in registers in series with the
-dots. Here, as in ``mla.fast.sm90.decode``:
+warp groups compute the same 64 × 64 logits (the dot feeds a dot, benchmarks/notes/sparse.md),
+and the gathered rows are loaded and, for ``fp8_ds_mla``, dequantized in registers in series
+with the dots. Here, as in ``mla.fast.sm90.decode``:
 
 - one program = one query (decode: one ``(b, t)``; prefill: one token), 64 of its heads as the
   M of the dots, one run of its top-k list in tiles of 64 entries; 8 warps = two warp groups;

@@ -3,7 +3,7 @@ gathers and dequantizes while two consumer warp groups run the dots.
 
 The coupled kernel of ``mla.fast.sm90.sparse`` runs four phases of about the same length in
 series per 64-entry tile (wait for the staged bytes, dequantize them into K, ``S = q · Kᵀ``,
-softmax and ``P · V``; benchmarks/NOTES.md). FlashMLA's MODEL1 decode gives the gathers and
+softmax and ``P · V``; benchmarks/notes/sparse.md). FlashMLA's MODEL1 decode gives the gathers and
 the dequantization their own warp group; so does this kernel, for the same 64-head programs
 and the same results:
 
@@ -194,7 +194,7 @@ def _consumer(Q, qi64, stride_qq, stride_qh, q_nope, k_buf, p_smem, ready, free,
         _, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
         bad = bad | bad2
     # out through q's buffer (no dot reads it after the loop's last barrier): 16-byte stores
-    # (measured 3-10% faster at N=128, benchmarks/NOTES.md)
+    # (measured 3-10% faster at N=128, benchmarks/notes/sparse.md)
     epilogue(acc, m_i, l_i, bad, qi.to(gl.int64), g, split, SINK, O, LSE, MAXL, OP, LSEP,
              MAXP, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
              num_splits, N, S, HAS_SINK, HAS_MAXL, SPLIT, s_layout, o_layout, q_nope)
@@ -261,7 +261,7 @@ def _producer(k_buf, raw, ready, free, t_lo, t_hi, tiles1, idx1, idx2, n1, n2, K
 
 
 # tiles past the next one whose rows are prefetched into the L2 (1: measured faster than 2 at
-# six of the eight B=64 shapes, benchmarks/NOTES.md)
+# six of the eight B=64 shapes, benchmarks/notes/sparse.md)
 _PREFETCH = gl.constexpr(1)
 # [64, 8] addresses a tile: 8 bytes of each row's 576, at most 82 apart, so one in every line
 # of 128 the row touches; 4 a thread of the producer's 128 (the scale bytes are loaded into

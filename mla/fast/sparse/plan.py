@@ -55,14 +55,14 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
       of 16, one stage, else the tiles overflow the 227 KB of shared memory.
     - Warps: 8, except 16-head programs over a 16-bit cache (4): the fewest warps that
       compile without spills (fp8 with 4 warps spills: ``python -m benchmarks.sparse_compile``
-      reads it off ptxas without a GPU; benchmarks/NOTES.md). So one 64-head program per SM,
+      reads it off ptxas without a GPU; benchmarks/notes/sparse.md). So one 64-head program per SM,
       two of the 16-head bf16 ones.
     - MODEL1 (``model1``) under 64 heads: 16-head programs with tiles of 32 (the 8-tile rows
       of 64 gathered rows need 246 KB of shared memory at 16 heads and 262 KB at 32; tiles of
       32 at 16 heads: 131 KB, no spill; 64-head programs go to the Gluon kernel).
     - MODEL1 at 64 heads: the warp-specialized Gluon kernel (``model1_kernel``'s default;
       at B=64 on the H200, N=128, 1.05-1.14x FlashMLA's time where the coupled one takes
-      1.52-1.66x: benchmarks/NOTES.md, "MODEL1 decode"); one
+      1.52-1.66x: benchmarks/notes/sparse.md, "MODEL1 decode"); one
       stage, for a plan that names the coupled kernel (its single staging buffer, measured
       faster than two).
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
@@ -80,7 +80,7 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
         block_n = 32
     if model1 and block_m == 64:
         # the Gluon kernel's one staging buffer: measured faster than two (copies two tiles
-        # ahead) at all eight B=64 shapes on the H200 (benchmarks/NOTES.md)
+        # ahead) at all eight B=64 shapes on the H200 (benchmarks/notes/sparse.md)
         num_stages = 1
     if dtype == torch.float32:
         num_warps = 8
