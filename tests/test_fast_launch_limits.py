@@ -21,14 +21,14 @@ import torch
 from _interpreter import needs_interpreter
 
 from mla.fast import attention, decode, fp8, merge, paged_cache, sparse, topk
+from mla.fast import sm90 as sm90_package
+from mla.fast.dcp import correction
 from mla.fast.indexer import cache as indexer_cache
 from mla.fast.indexer import logits as indexer_logits
 from mla.fast.indexer import logits_paged as indexer_logits_paged
-from mla.fast.sparse import index as sparse_index
-from mla.fast import sm90 as sm90_package
-from mla.fast.dcp import correction
 from mla.fast.indexer.logits_tile import LogitsPlan
 from mla.fast.launch import check_grid
+from mla.fast.sparse import index as sparse_index
 
 I32 = torch.int32
 Y_LIMIT = "above CUDA's limit of 65535 for grid y"
