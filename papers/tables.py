@@ -12,8 +12,13 @@ and is regenerated from its source of truth:
   from the presets by ``mla.kv_cache_comparison``;
 - ``kv_cache``: the MLA cache per token and per 128K-token context for each preset, from
   ``MLAConfig`` (and the 656-byte ``fp8_ds_mla`` row of ``mla.reference.fp8``);
-- ``benchmarks``: the GPU results committed under ``benchmarks/results/*.json``
-  (written on the H200 by ``python -m benchmarks.run``), or a note saying there are none.
+- ``equivalence``: ``mla.check`` on the GPU, per kernel (``checks/gpu_check.json``);
+- ``peers``: the kernels beside FlashMLA, DeepGEMM and vLLM, the rows ``PEERS`` selects from
+  the committed results under ``benchmarks/results/<topic>/``;
+- ``conformance``: the conformance matrix as counts, from the reports ``CONFORMANCE`` lists.
+
+A results file that is missing or unreadable, or lacks a selected shape, is named under its
+table (``Not shown: ...``), never a crash.
 
 Run from the repository root:
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -37,37 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "papers" / "derivation.md"
 RESULTS = ROOT / "benchmarks" / "results"
 REGENERATE = "python -m papers.tables --write"
-
-# which command writes which results file (by name prefix), run on the GPU machine
-PRODUCERS = {
-    "decode_sweep": "python -m benchmarks.run --sweep",
-    "decode_triton": "python -m benchmarks.run (Triton kernels only, before the sm_90 kernels)",
-    "host_overhead": "python -m benchmarks.host_overhead --out <file>",
-    "check_decode": "python -m mla.check --kernel mla_decode_paged --out <file>",
-    "check_sm90": ("python -m mla.check --kernel mla_decode_paged --kernel sparse_mla_decode "
-                   "--kernel sparse_mla_prefill --out <file>"),
-    "decode_n128_rerun": "python -m benchmarks.run --shapes N128 (final code, default plans)",
-    "decode_": "python -m benchmarks.run",
-    "prefill_routes": "python -m benchmarks.prefill_routes",
-    "dcp_nccl": "torchrun --nproc-per-node 2 -m mla.check.dcp --check --out <file>",
-    "check": "python -m mla.check --out <file>",
-    "sanitize_check": "compute-sanitizer --tool memcheck python -m mla.check --quick --out <file>",
-    "sparse_triton": "python -m benchmarks.run --only sparse (Triton kernels only, before sm_90)",
-    "sparse_": "python -m benchmarks.run --only sparse",
-    "small_": "python -m benchmarks.small",
-    "prefill_check": "python -m mla.check --kernel prefill_attention --out <file>",
-    "gpu_check": "python -m mla.check --out <file>",
-    "error_budget_cpu": ("TRITON_INTERPRET=1 python -m mla.check --device cpu --dtype "
-                         "<float16|float32> --seeds 30 --out <file>"),
-    "error_budget_gpu": "python -m mla.check --seed <s> --seeds <n> --out <file>",
-    "conformance_mla_fast_refusal": ("mla conform --target mla.fast --cases "
-                                     "topk_length_past_topk --json <file>"),
-    "conformance_flashmla_refusal": ("mla conform --target flashmla --cases "
-                                     "topk_length_past_topk --json <file>"),
-    "conformance_peers_manifest": "python -m benchmarks.peers (the unpacked peers' sha256)",
-    "conformance_": "mla conform --target <target> --json <file> (python -m "
-                    "benchmarks.conformance_matrix run for all targets at once)",
-}
+LINK = "../benchmarks/results"  # the results as the paper links them
 
 TABLE1_PRESETS = ("deepseek-v2", "deepseek-v2-lite", "deepseek-v3")
 CACHE_PRESETS = ("tiny", "deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "deepseek-v3.2")
@@ -135,141 +111,284 @@ def render_kv_cache() -> str:
     return "\n".join(_table(header, rows) + ["", note])
 
 
-def _fmt(x: object) -> str:
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, float):
-        return f"{x:.3g}"
-    return str(x)
+# --- GPU results: the files under benchmarks/results/<topic>/ ---------------------------------
+
+def _load(results: Path, rel: str) -> tuple[object, str]:
+    """``(data, "")`` of the JSON file ``results/rel``, or ``(None, why)`` if it cannot be read."""
+    path = results / rel
+    if not path.is_file():
+        return None, "missing"
+    try:
+        return json.loads(path.read_text()), ""
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, f"not readable as JSON ({type(e).__name__})"
 
 
-def _render_decode(data: dict) -> list[str]:
-    """``python -m benchmarks.run``'s results: ceilings, then each shape's default and best."""
-    ceil = data["ceilings"]
-    lines = [f"Ceilings measured in the same run: copy {ceil['copy_TBps']:.2f} TB/s, "
-             f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.", ""]
-    rows = []
-    for entry in data["decode"]:
-        s = entry["shape"]
-        for label in ("default", "best"):
-            r = entry[label]
-            if label == "best" and r == entry["default"]:
-                continue
-            unit = {"memory": "TB/s", "compute": "TFLOP/s", "latency": "µs"}[s["bound"]]
-            rows.append([s["name"], label, f"{r['us']:.1f}", f"{r['us_graph']:.1f}",
-                         f"{r['TBps']:.2f}", f"{r['TFLOPs']:.0f}",
-                         f"{100 * r['frac_bw']:.0f}%", f"{100 * r['frac_flops']:.0f}%",
-                         f"{'≤' if unit == 'µs' else '≥'} {s['target']:g} {unit}"])
-    return lines + _table(["shape", "plan", "µs eager", "µs graph", "TB/s", "TFLOP/s",
-                           "% copy BW", "% matmul", "target"], rows)
+def _link(rel: str) -> str:
+    """A result file as the paper links it (relative to ``papers/``)."""
+    return f"[`{Path(rel).name}`]({LINK}/{rel})"
 
 
-def _scalar(v: object) -> bool:
-    return isinstance(v, (str, int, float, bool))
+def _run(data: dict) -> str:
+    """``H200, 2026-11-30`` from a file's ``environment`` (``2× H200`` for a run on two)."""
+    env = data.get("environment", {})
+    gpu = str(env.get("gpu", "?")).replace("NVIDIA ", "")
+    gpus = env.get("gpus", 1)
+    return f"{f'{gpus}× ' if gpus != 1 else ''}{gpu}, {str(env.get('date', '?'))[:10]}"
 
 
-def _cell(v: object) -> str:
-    """A scalar, or a small dict of scalars (e.g. a check's ``metrics``) as ``k v, k v``."""
-    if isinstance(v, dict):
-        return ", ".join(f"{k} {_fmt(x)}" for k, x in v.items() if _scalar(x))
-    return "" if v is None else _fmt(v)
+def _us(x: float) -> str:
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.1f}"
 
 
-def _render_generic(data: object) -> list[str]:
-    """Any other results file: each list of records becomes a table of its scalar fields
-    (and of its small dicts of scalars); columns that are empty in every record are dropped."""
-    lines: list[str] = []
-    items = list(data.items()) if isinstance(data, dict) else [("results", data)]
-    for key, value in items:
-        if key == "environment" or not isinstance(value, list):
-            continue
-        records = [v for v in value if isinstance(v, dict)]
-        columns: list[str] = []
-        for rec in records:
-            columns += [k for k, v in rec.items() if k not in columns and (
-                _scalar(v) or (isinstance(v, dict) and any(_scalar(x) for x in v.values())))]
-        columns = [c for c in columns if any(_cell(rec.get(c)) for rec in records)][:10]
-        if not records or not columns:
-            continue
-        lines += [f"`{key}`:", ""]
-        lines += _table(columns, [[_cell(rec.get(c)) for c in columns] for rec in records])
-        lines.append("")
-    return lines
+def _pct(frac: float, of: str) -> str:
+    return f"{100 * frac:.0f}% {of}"
 
 
-def _metadata(data: object, skip: tuple[str, ...] = ()) -> list[str]:
-    """The run's environment (``environment`` or the top-level scalars) and small summaries."""
-    if not isinstance(data, dict):
-        return []
-    env = data.get("environment")
-    if not isinstance(env, dict):
-        env = {k: v for k, v in data.items() if isinstance(v, (str, int, float, bool))}
-    lines = []
-    if env:
-        lines.append(", ".join(f"{k} {_fmt(v)}" for k, v in env.items()) + ".")
-    for key, value in data.items():
-        if key not in ("environment", *skip) and isinstance(value, dict) and value and all(
-                isinstance(v, (str, int, float, bool)) for v in value.values()):
-            lines.append(f"`{key}`: " + ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
-                         + ".")
-    return lines + [""] if lines else []
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def producer(path: Path) -> str:
-    """The command that writes ``path`` (by its name's prefix)."""
-    for prefix, command in PRODUCERS.items():
-        if path.name.startswith(prefix):
-            return command.replace("<file>", f"benchmarks/results/{path.name}")
-    return "the script named in the file's companion .md"
+# Each reader turns one results file into ``{key: row}`` (the key is the shape, or the kernel
+# and shape where one file holds several kernels), a row being ``(kernel, shape, ours µs,
+# share of a ceiling, peer, peer µs, timing)``; peer and peer µs are ``"", None`` where the file
+# measures no peer. "graph": CUDA-graph replays of both kernels, the same inputs, one run.
+
+def _decode_peers(data: dict) -> dict[str, tuple]:
+    """``python -m benchmarks.run`` with the peers: the default plan beside each, graph times."""
+    out = {}
+    for e in data["decode"]:
+        s, ours = e["shape"], e["default"]
+        peers = {n: p["us_graph"] for n, p in e.get("peers", {}).items() if _finite(p["us_graph"])}
+        peer = min(peers, key=peers.get) if peers else ""
+        share = {"memory": _pct(ours["frac_bw"], "copy"),
+                 "compute": _pct(ours["frac_flops"], "matmul")}.get(s["bound"], "")
+        out[s["name"]] = ("`mla_decode_paged`", s["name"], ours["us_graph"], share, peer,
+                          peers.get(peer), "graph")
+    return out
 
 
-def _render_conformance(data: dict) -> list[str]:
-    """A conformance report: its counts and the rows that failed or raised (every row is in
-    the report's companion .md)."""
-    c = data["counts"]
-    lines = [f"Target `{data['target']}` on {data['device']} ({data['dtype']}): "
-             + ", ".join(f"{v} {k}" for k, v in c.items()) + ".", ""]
-    bad = [r for r in data["rows"] if r["status"] in ("fail", "error")]
-    if bad:
-        lines += _table(["kernel/case", "status", "errors", "convention"],
-                        [[f"{r['kernel']}/{r['case']}", r["status"],
-                          ", ".join(f"{k} {_fmt(v)}" for k, v in r["errors"].items()),
-                          r.get("convention", "")[:120]] for r in bad])
-    return lines
+def _direct_sparse(data: dict) -> dict[str, tuple]:
+    """``python -m benchmarks.direct_call --kinds sparse``: kernel against FlashMLA's kernel."""
+    return {e["name"]: ("`sparse_mla_prefill`" if e["shape"]["prefill"] else "`sparse_mla_decode`",
+                        e["name"], e["kernel_us"], "", "FlashMLA", e["FlashMLA"]["kernel_us"],
+                        "graph")
+            for e in data["shapes"]}
 
 
-def render_benchmarks(results_dir: Path = RESULTS) -> str:
-    """Tables of every ``*.json`` under ``results_dir``, or a note that there are none yet."""
-    files = sorted(results_dir.rglob("*.json")) if results_dir.is_dir() else []
-    if not files:
-        return ("No GPU benchmark results are committed yet. On the H200, "
-                "`python -m benchmarks.run` writes them to `benchmarks/results/`; then "
-                f"`{REGENERATE}` puts them here.")
-    out = ["From the files in `benchmarks/results/`, each written on the GPU machine by the "
-           f"command named under it; `{REGENERATE}` rebuilds this section from them."]
-    for path in files:
-        out += ["", f"**`{path.name}`** (`{producer(path)}`)", ""]
+def _sparse_v4(data: dict) -> dict[str, tuple]:
+    """``python -m benchmarks.sparse --v4``: the MODEL1 decode beside FlashMLA's."""
+    matmul = data["ceilings"]["matmul_TFLOPs"]
+    return {e["shape"]["name"]: ("`sparse_mla_decode` (V4)", e["shape"]["name"], e["ours_graph_us"],
+                                 _pct(e["TFLOPs"] / matmul, "matmul"), "FlashMLA",
+                                 e["flashmla_graph_us"], "graph")
+            for e in data["v4"] if "TFLOPs" in e}
+
+
+def _indexer_peers(data: dict) -> dict[str, tuple]:
+    """``python -m benchmarks.indexer_peers``: ours beside DeepGEMM; DeepGEMM writes the ragged
+    logits compressed to the longest row, so ours is timed compressed too where it was."""
+    out = {}
+    for e in data["decode"]:
+        name = f"B {e['B']}, next_n {e['next_n']}, L {e['L'] // 1024}K"
+        out[name] = (f"`{e['kernel']}`", name, 1000 * e["mla_fast"]["ms"],
+                     _pct(e["mla_fast"]["pct_fp8"] / 100, "fp8"), "DeepGEMM",
+                     1000 * e["deepgemm"]["ms"], "graph")
+    for e in data["prefill"]:
+        ours = e.get("mla_fast_compressed", e["mla_fast"])
+        shape = e["shape"] + (", rows compressed" if "mla_fast_compressed" in e else "")
+        out[e["shape"]] = (f"`{e['kernel']}`", shape, 1000 * ours["ms"],
+                           _pct(ours["pct_fp8"] / 100, "fp8"), "DeepGEMM",
+                           1000 * e["deepgemm"]["ms"], "graph")
+    return out
+
+
+def _topk_peers(data: dict) -> dict[str, tuple]:
+    """``python -m benchmarks.topk_peers``: ``top_k_per_row`` beside vLLM's fastest kernel."""
+    out = {}
+    for e in data["rows"]:
+        peers = {n: e[n]["ms"] for n in e if n.startswith("vllm_") and isinstance(e[n], dict)
+                 and _finite(e[n].get("ms"))}
+        peer = min(peers, key=peers.get) if peers else ""
+        shape = f"{e['R']} x {e['L'] // 1024}K, k {data['topk']}"
+        out[shape] = (
+            "`top_k_per_row`", shape, 1000 * e["mla_fast"]["ms"],
+            _pct(e["mla_fast"]["pct_of_copy"] / 100, "copy"),
+            f"vLLM `{peer[5:]}`" if peer else "", 1000 * peers[peer] if peer else None, "graph")
+    return out
+
+
+def _dcp(data: dict) -> dict[str, tuple]:
+    """``python -m benchmarks.dcp_scaling``: a dense layer's decode step on 2 GPUs beside 1."""
+    ms = {(r["L"], r["B"], r["W"]): r["layer_ms"] for r in data["rows"]}
+    return {f"L {L // 1024}K, B {B}": ("DCP decode layer, W = 2", f"L {L // 1024}K, B {B}",
+                                       1000 * ms[L, B, 2], "", "W = 1", 1000 * ms[L, B, 1],
+                                       "graph")
+            for L, B, W in ms if W == 2 and (L, B, 1) in ms}
+
+
+def _small(data: dict) -> dict[str, tuple]:
+    """``python -m benchmarks.small``: the memory-bound helpers against the copy ceiling."""
+    return {f"{r['kernel']} {r['shape']}": (f"`{r['kernel']}`", r["shape"], 1000 * r["ms"],
+                                             _pct(r["frac_copy"], "copy"), "", None, "do_bench")
+            for r in data["results"]}
+
+
+def _merge(data: dict) -> dict[str, tuple]:
+    """``python -m benchmarks.prefill_routes``: the merge's default launch against copy."""
+    m = data["merge"]
+    shape = "T {}, N {}, D {}".format(*m["shape"])
+    return {shape: ("`merge_attn_states`", shape, 1000 * m["default_ms"],
+                    _pct(m["default_frac_copy"], "copy"), "", None, "do_bench")}
+
+
+# (file under benchmarks/results/, its reader, the keys of the rows shown): section 12.4
+PEERS = [
+    ("decode/decode_peers_2026-11-30.json", _decode_peers,
+     ["N16 B64 L16384", "N128 B128 L8192 s_q1", "N128 B1 L4096 latency"]),
+    ("decode/direct_call_sparse_2026-11-30.json", _direct_sparse,
+     ["sparse decode fp8 B=64 N=128 topk=2048",
+      "sparse prefill s_q=4096 s_kv=32768 N=128 topk=2048"]),
+    ("sparse/sparse_v4_kernels_2026-12-01.json", _sparse_v4,
+     ["MODEL1 decode B64 N64 topk2048", "MODEL1 decode B64 N128 topk2048"]),
+    ("indexer/indexer_peers_compressed_v2_2026-12-02.json", _indexer_peers,
+     ["B 128, next_n 1, L 128K", "4096 queries of a 32K request",
+      "8 requests of 2048, every query"]),
+    ("topk/topk_peers_2026-12-02.json", _topk_peers,
+     ["1 x 128K, k 2048", "1024 x 128K, k 2048", "256 x 8K, k 2048"]),
+    ("dcp/dcp_scaling_2xH200_2026-11-30.json", _dcp, ["L 512K, B 64"]),
+    ("prefill/prefill_routes.json", _merge, ["T 16384, N 128, D 512"]),
+    ("small/small_2026-11-30.json", _small, ["concat_and_cache_mla T=65536 page=64"]),
+]
+
+# (caption, file): the figures shown under the table, where the file exists
+FIGURES = [
+    ("`mla_decode_paged`: share of the ceilings, and time beside FlashMLA and vLLM",
+     "decode/decode_peers_2026-11-30.png"),
+    ("Decode context parallelism: a step on 1 and 2 GPUs", "dcp/dcp_scaling_2xH200_2026-11-30.png"),
+]
+
+
+def _problems(lines: list[str], problems: list[str]) -> list[str]:
+    return lines + ["", "Not shown: " + "; ".join(problems) + "."] if problems else lines
+
+
+def render_peers(results: Path = RESULTS, selection: list | None = None,
+                 figures: list | None = None) -> str:
+    """Section 12.4: the rows ``PEERS`` selects, read from ``results``; a file that is missing
+    or unreadable, or a shape it lacks, is named under the table."""
+    rows, problems = [], []
+    for rel, reader, keys in PEERS if selection is None else selection:
+        data, why = _load(results, rel)
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            out.append(f"not readable as JSON: {type(e).__name__}")
+            found = reader(data) if data is not None else {}
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+            found, why = {}, f"unexpected layout ({type(e).__name__}: {e})"
+        if why:
+            problems.append(f"`{rel}` ({why})")
             continue
-        # benchmarks.run's file: a "decode" list of shapes (the indexer's has a "decode" too)
-        decode = (isinstance(data, dict) and "ceilings" in data
-                  and isinstance(data.get("decode"), list)
-                  and all(isinstance(e, dict) and "shape" in e for e in data["decode"]))
-        conformance = isinstance(data, dict) and {"target", "counts", "rows"} <= set(data)
-        out += _metadata(data, skip=("ceilings",) if decode else ())
-        body = (_render_decode(data) if decode else _render_conformance(data) if conformance
-                else _render_generic(data))
-        while body and not body[-1]:
-            body.pop()
-        out += body or ["(no tables: the file holds no lists of records)"]
-    return "\n".join(out).rstrip()
+        for key in keys:
+            if key not in found:
+                problems.append(f"`{rel}` has no shape `{key}`")
+                continue
+            kernel, shape, ours, share, peer, peer_us, timing = found[key]
+            ratio = f"{ours / peer_us:.2f}" if peer_us else ""
+            rows.append([kernel, shape, _us(ours), share or "—", peer or "—",
+                         _us(peer_us) if peer_us else "", ratio, timing, _run(data), _link(rel)])
+    lines = _table(["kernel", "shape", "ours µs", "share of a ceiling", "beside", "its µs",
+                    "ours / it", "timing", "GPU, date", "source"], rows)
+    for caption, rel in FIGURES if figures is None else figures:
+        if (results / rel).is_file():
+            lines += ["", f"![{caption}]({LINK}/{rel})"]
+        else:
+            problems.append(f"figure `{rel}` (missing)")
+    return "\n".join(_problems(lines, problems))
+
+
+# (target, the cases run, file): the rows of section 12.5
+CONFORMANCE = [
+    ("`mla.fast`", "catalogue", "conformance/conformance_mla_fast_2026-12-02.json"),
+    ("`mla.fast`", "indexer and top-k cases",
+     "conformance/conformance_mla_fast_indexer_v2_2026-12-02.json"),
+    ("FlashMLA", "catalogue", "conformance/conformance_flashmla_2026-12-02.json"),
+    ("DeepGEMM", "catalogue", "conformance/conformance_deepgemm_compressed_2026-12-02.json"),
+    ("vLLM cache kernels", "catalogue", "conformance/conformance_vllm-cache_2026-12-02.json"),
+    ("vLLM top-k", "catalogue", "conformance/conformance_vllm-topk_2026-12-02.json"),
+    ("vLLM top-k", "top-k cases", "conformance/conformance_topk_cases_vllm-topk_2026-12-02.json"),
+    ("vLLM persistent top-k", "top-k cases",
+     "conformance/conformance_topk_cases_vllm_persistent_topk_2026-12-02.json"),
+    ("vLLM Triton", "catalogue", "conformance/conformance_vllm-triton_2026-11-30.json"),
+    ("FlashInfer", "catalogue", "conformance/conformance_flashinfer_2026-11-30.json"),
+]
+STATUSES = ("pass", "fail", "error", "unsupported")
+
+
+def _failures(rows: list[dict]) -> str:
+    """The cases that failed or raised, by kernel: ``kernel/case`` for one, ``kernel ×n``."""
+    by_kernel: dict[str, list[str]] = {}
+    for r in rows:
+        if r["status"] in ("fail", "error"):
+            by_kernel.setdefault(r["kernel"], []).append(
+                r["case"] + (" (error)" if r["status"] == "error" else ""))
+    return ", ".join(f"`{k}/{c[0]}`" if len(c) == 1 else f"`{k}` ×{len(c)}"
+                     for k, c in by_kernel.items())
+
+
+def render_conformance(results: Path = RESULTS, selection: list | None = None) -> str:
+    """Section 12.5: each report's counts (recounted from its rows) and what fails."""
+    rows, problems = [], []
+    for target, cases, rel in CONFORMANCE if selection is None else selection:
+        data, why = _load(results, rel)
+        try:
+            counts = {s: 0 for s in STATUSES} if data is not None else {}
+            for r in data["rows"] if data is not None else []:
+                counts[r["status"]] += 1
+            failing = _failures(data["rows"]) if data is not None else ""
+        except (KeyError, TypeError, AttributeError) as e:
+            why = f"unexpected layout ({type(e).__name__}: {e})"
+        if why:
+            problems.append(f"`{rel}` ({why})")
+            continue
+        rows.append([target, f"{cases} ({sum(counts.values())})",
+                     *(counts[s] for s in STATUSES), failing or "—", _run(data), _link(rel)])
+    lines = _table(["target", "cases run", *STATUSES, "what fails", "GPU, date", "source"], rows)
+    return "\n".join(_problems(lines, problems))
+
+
+def render_equivalence(results: Path = RESULTS, rel: str = "checks/gpu_check.json") -> str:
+    """Section 12.3: ``mla.check`` on the GPU, per kernel: cases, passed, and the case nearest
+    its error budget (the largest error / budget over the case's metrics; exact where every
+    budget is 0)."""
+    data, why = _load(results, rel)
+    try:
+        records = data["results"] if data is not None else []
+        per: dict[str, list] = {}
+        for r in records:
+            k = per.setdefault(r["kernel"], [0, 0, None])
+            k[0] += 1
+            k[1] += bool(r["passed"])
+            for metric, value in r["metrics"].items():
+                limit = r["limits"].get(metric)
+                if limit and (k[2] is None or value / limit > k[2][0]):
+                    k[2] = (value / limit, metric.split("[")[0], value, limit)
+    except (KeyError, TypeError, AttributeError, ZeroDivisionError) as e:
+        data, why = None, f"unexpected layout ({type(e).__name__}: {e})"
+    if data is None:
+        return f"Not shown: `{rel}` ({why})."
+    rows = [[f"`{k}`", n, ok, "exact (every byte or index)" if w is None else
+             f"{w[1]} {w[2]:.1e} of {w[3]:.1e} ({100 * w[0]:.0f}%)"]
+            for k, (n, ok, w) in per.items()]
+    total, passed = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    head = (f"`python -m mla.check` on {_run(data)} ({data.get('dtype', '?')} inputs, every "
+            f"output against the float64 reference): {passed} of {total} cases pass "
+            f"({_link(rel)}).")
+    return "\n".join([head, ""] + _table(["kernel", "cases", "pass",
+                                          "nearest its budget: error of budget"], rows))
 
 
 SECTIONS = {"table1": render_table1, "kv_cache": render_kv_cache,
-            "benchmarks": render_benchmarks}
+            "equivalence": render_equivalence, "peers": render_peers,
+            "conformance": render_conformance}
 
 
 def sections() -> dict[str, str]:

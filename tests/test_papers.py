@@ -46,7 +46,7 @@ TEXT = PAPER.read_text()
 
 # --- the generated tables ------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["table1", "kv_cache"])
+@pytest.mark.parametrize("name", list(tables.SECTIONS))
 def test_generated_section_equals_what_the_package_computes(name: str):
     committed = tables.extract_section(TEXT, name)
     assert committed == tables.SECTIONS[name](), (
@@ -111,40 +111,194 @@ def test_missing_markers_raise():
         tables.replace_sections("text", {"table1": "x"})
 
 
-# --- benchmark results ---------------------------------------------------------------------
+# --- the GPU results: sections 12.3 to 12.5, from benchmarks/results/<topic>/ ---------------
 
-def test_benchmarks_without_results_say_how_to_make_them(tmp_path: Path):
-    note = tables.render_benchmarks(tmp_path / "absent")
-    assert "python -m benchmarks.run" in note and tables.REGENERATE in note
-
-
-def test_benchmarks_render_the_decode_format_and_others(tmp_path: Path):
-    shape = {"name": "N16 B2 L100", "bound": "memory", "target": 3.2}
-    default = {"us": 10.0, "us_graph": 9.0, "TBps": 2.5, "TFLOPs": 40.0, "frac_bw": 0.6,
-               "frac_flops": 0.06}
-    best = dict(default, us=8.0, TBps=3.3)
-    (tmp_path / "decode_x.json").write_text(json.dumps({
-        "environment": {"gpu": "GPU-X", "torch": "t", "triton": "tr", "date": "d"},
-        "ceilings": {"copy_TBps": 4.2, "matmul_TFLOPs": 700.0},
-        "decode": [{"shape": shape, "default": default, "best": best}]}))
-    (tmp_path / "other.json").write_text(json.dumps({"gpu": "GPU-Y", "passed": True,
-                                                     "cases": [{"case": "a", "err": 1e-3}]}))
-    (tmp_path / "broken.json").write_text("{")
-    out = tables.render_benchmarks(tmp_path)
-    assert "GPU-X" in out and "N16 B2 L100" in out and "3.30" in out and "4.20 TB/s" in out
-    assert out.count("| N16 B2 L100 |") == 2  # default and best
-    assert "GPU-Y" in out and "| a | 0.001 |" in out
-    assert "not readable as JSON" in out
-    assert "python -m benchmarks.run" in out  # decode_*.json's producer
+RESULT_SECTIONS = ("equivalence", "peers", "conformance")
+LINKS = re.compile(r"\]\(([^)\s]+)\)")
 
 
-def test_committed_benchmark_results_render_and_the_paper_names_only_existing_files():
-    rendered = tables.render_benchmarks()
-    for path in sorted(tables.RESULTS.rglob("*.json")):
-        assert path.name in rendered
-    committed = tables.extract_section(TEXT, "benchmarks")
-    for name in re.findall(r"\*\*`([^`]+\.json)`\*\*", committed):
-        assert any(tables.RESULTS.rglob(name)), f"the paper shows {name}, which is gone"
+def test_every_link_in_the_paper_resolves():
+    links = [u for u in LINKS.findall(TEXT) if not re.match(r"[a-z]+:", u)]
+    assert len(links) > 20
+    for url in links:
+        assert (PAPERS / url.split("#")[0]).resolve().exists(), f"the paper links {url}: gone"
+
+
+@pytest.mark.parametrize("name", RESULT_SECTIONS)
+def test_result_sections_cite_only_committed_files_and_miss_none(name: str):
+    committed = tables.extract_section(TEXT, name)
+    assert "Not shown" not in committed, "a selected file or shape is missing"
+    cited = [u for u in LINKS.findall(committed)]
+    assert cited and all(u.startswith(tables.LINK + "/") for u in cited)
+    for url in cited:
+        assert (PAPERS / url).resolve().is_file(), url
+
+
+def test_the_peers_table_has_a_row_per_selected_shape_and_every_figure():
+    body = tables.extract_section(TEXT, "peers")
+    rows = [ln for ln in body.splitlines() if ln.startswith("| ")][2:]
+    assert len(rows) == sum(len(keys) for _, _, keys in tables.PEERS) >= 12
+    for rel, _, _ in tables.PEERS:
+        assert f"({tables.LINK}/{rel})" in body
+    for _, rel in tables.FIGURES:
+        assert f"]({tables.LINK}/{rel})" in body
+
+
+def test_the_peers_ratios_are_the_ones_the_files_state():
+    """Our ratio, recomputed from the times read, equals the ratio each producer wrote."""
+    stated = {}
+    data = json.loads((tables.RESULTS / "decode/decode_peers_2026-11-30.json").read_text())
+    for e in data["decode"]:
+        stated[e["shape"]["name"]] = e["peers"]["FlashMLA"]["ours_over_peer_graph"]
+    data = json.loads((tables.RESULTS / "sparse/sparse_v4_kernels_2026-12-01.json").read_text())
+    stated |= {e["shape"]["name"]: e["ratio"] for e in data["v4"]}
+    data = json.loads((tables.RESULTS / "decode/direct_call_sparse_2026-11-30.json").read_text())
+    stated |= {e["name"]: e["ratios"]["kernel / FlashMLA kernel"] for e in data["shapes"]}
+    checked = 0
+    for line in tables.extract_section(TEXT, "peers").splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) > 6 and cells[1] in stated:
+            assert float(cells[6]) == pytest.approx(stated[cells[1]], abs=0.006), cells[1]
+            checked += 1
+    assert checked >= 7
+
+
+def test_the_conformance_counts_are_the_reports_own():
+    body = tables.extract_section(TEXT, "conformance")
+    for target, _, rel in tables.CONFORMANCE:
+        report = json.loads((tables.RESULTS / rel).read_text())
+        line = next(ln for ln in body.splitlines() if f"/{rel})" in ln)
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == target
+        assert [int(c) for c in cells[2:6]] == [report["counts"][s] for s in tables.STATUSES]
+
+
+def _env(gpu: str = "NVIDIA GPU-X", **more) -> dict:
+    return {"environment": {"gpu": gpu, "date": "2030-01-02T03:04:05+00:00", **more}}
+
+
+def _write(root: Path, rel: str, data: object) -> None:
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text(data if isinstance(data, str) else json.dumps(data))
+
+
+def _decode_file() -> dict:
+    """Two shapes: FlashMLA the only finite peer of the first, "Other" the faster of the second."""
+    return {**_env(), "ceilings": {"copy_TBps": 4.0, "matmul_TFLOPs": 700.0}, "decode": [
+        {"shape": {"name": "S1", "bound": "memory"},
+         "default": {"us_graph": 200.0, "frac_bw": 0.5, "frac_flops": 0.1},
+         "peers": {"FlashMLA": {"us_graph": 250.0}, "vLLM Triton": {"us_graph": math.nan}}},
+        {"shape": {"name": "S2", "bound": "compute"},
+         "default": {"us_graph": 1500.0, "frac_bw": 0.3, "frac_flops": 0.87},
+         "peers": {"FlashMLA": {"us_graph": 1200.0}, "Other": {"us_graph": 1000.0}}}]}
+
+
+def test_peers_render_a_synthetic_results_folder(tmp_path: Path):
+    _write(tmp_path, "decode/d.json", _decode_file())
+    _write(tmp_path, "topk/t.json", {**_env(), "topk": 64, "rows": [
+        {"R": 4, "L": 2048, "mla_fast": {"ms": 0.01, "pct_of_copy": 25.0},
+         "torch_topk": {"ms": 0.001}, "vllm_a": {"ms": 0.02}, "vllm_b": {"ms": 0.005}}]})
+    _write(tmp_path, "dcp/p.json", {**_env(gpus=2), "rows": [
+        {"L": 131072, "B": 8, "W": 1, "layer_ms": 2.0},
+        {"L": 131072, "B": 8, "W": 2, "layer_ms": 1.2}]})
+    _write(tmp_path, "small/s.json", {**_env(), "results": [
+        {"kernel": "k1", "shape": "T=4", "ms": 0.05, "frac_copy": 0.4},
+        {"kernel": "k2", "shape": "T=4", "ms": 0.07, "frac_copy": 0.3}]})
+    _write(tmp_path, "decode/fig.png", "not really a png")
+    out = tables.render_peers(
+        tmp_path, selection=[("decode/d.json", tables._decode_peers, ["S2", "S1"]),
+                             ("topk/t.json", tables._topk_peers, ["4 x 2K, k 64"]),
+                             ("dcp/p.json", tables._dcp, ["L 128K, B 8"]),
+                             ("small/s.json", tables._small, ["k2 T=4"])],
+        figures=[("A figure", "decode/fig.png")])
+    link = f"{tables.LINK}/"
+    run = "GPU-X, 2030-01-02"
+    expected = [
+        # the second shape first, as selected; its fastest peer is "Other": 1500 / 1000
+        f"| `mla_decode_paged` | S2 | 1,500 | 87% matmul | Other | 1,000 | 1.50 | graph | {run} "
+        f"| [`d.json`]({link}decode/d.json) |",
+        # vLLM Triton's NaN graph time is no peer: FlashMLA, 200 / 250
+        f"| `mla_decode_paged` | S1 | 200.0 | 50% copy | FlashMLA | 250.0 | 0.80 | graph | {run} "
+        f"| [`d.json`]({link}decode/d.json) |",
+        # torch.topk is faster but no peer; vllm_b, 10 µs / 5 µs
+        f"| `top_k_per_row` | 4 x 2K, k 64 | 10.0 | 25% copy | vLLM `b` | 5.0 | 2.00 | graph "
+        f"| {run} | [`t.json`]({link}topk/t.json) |",
+        f"| DCP decode layer, W = 2 | L 128K, B 8 | 1,200 | — | W = 1 | 2,000 | 0.60 | graph "
+        f"| 2× {run} | [`p.json`]({link}dcp/p.json) |",
+        f"| `k2` | T=4 | 70.0 | 30% copy | — |  |  | do_bench | {run} "
+        f"| [`s.json`]({link}small/s.json) |",
+    ]
+    lines = out.splitlines()
+    assert lines[2:2 + len(expected)] == expected
+    assert f"![A figure]({link}decode/fig.png)" in out and "Not shown" not in out
+
+
+def test_missing_or_unreadable_results_are_named_not_fatal(tmp_path: Path):
+    _write(tmp_path, "decode/d.json", _decode_file())
+    _write(tmp_path, "decode/broken.json", "{")
+    _write(tmp_path, "decode/odd.json", {"decode": [{"shape": {}}]})
+    _write(tmp_path, "decode/list.json", [1, 2])
+    (tmp_path / "decode/binary.json").write_bytes(b"\xff\xfe\x00")
+    selection = [(rel, tables._decode_peers, ["S1"]) for rel in (
+        "decode/absent.json", "decode/broken.json", "decode/odd.json", "decode/list.json",
+        "decode/binary.json")]
+    selection.append(("decode/d.json", tables._decode_peers, ["S1", "S9"]))
+    out = tables.render_peers(tmp_path, selection=selection,
+                              figures=[("gone", "decode/gone.png")])
+    assert out.count("| `mla_decode_paged` | S1 |") == 1
+    notes = out.split("Not shown: ", 1)[1]
+    for expected in ["`decode/absent.json` (missing)", "`decode/broken.json` (not readable",
+                     "`decode/odd.json` (unexpected layout (KeyError", "`decode/list.json` "
+                     "(unexpected layout (TypeError", "`decode/binary.json` (not readable",
+                     "`decode/d.json` has no shape `S9`", "figure `decode/gone.png` (missing)"]:
+        assert expected in notes, expected
+    assert "gone.png)" not in out.split("Not shown")[0]
+    # the other two sections: an empty folder is named, never a crash
+    assert "`conformance/x.json` (missing)" in tables.render_conformance(
+        tmp_path, selection=[("t", "cases", "conformance/x.json")])
+    assert "Not shown: `checks/gpu_check.json` (missing)" in tables.render_equivalence(tmp_path)
+    _write(tmp_path, "checks/gpu_check.json", {"results": [{"kernel": "k"}]})
+    assert "unexpected layout (KeyError" in tables.render_equivalence(tmp_path)
+
+
+def test_conformance_counts_are_recounted_from_the_rows(tmp_path: Path):
+    statuses = [("k1", "c1", "pass"), ("k1", "c2", "pass"), ("k1", "c3", "fail"),
+                ("k2", "c1", "fail"), ("k2", "c2", "fail"), ("k3", "c9", "error"),
+                ("k4", "c1", "unsupported")]
+    _write(tmp_path, "conformance/r.json", {**_env(), "target": "x", "rows": [
+        {"kernel": k, "case": c, "status": s} for k, c, s in statuses]})
+    _write(tmp_path, "conformance/ok.json", {**_env(), "rows": [
+        {"kernel": "k", "case": "c", "status": "pass"}]})
+    out = tables.render_conformance(tmp_path, selection=[
+        ("Peer X", "catalogue", "conformance/r.json"), ("Ours", "a few", "conformance/ok.json")])
+    link = f"{tables.LINK}/conformance"
+    assert out.splitlines()[2:] == [
+        "| Peer X | catalogue (7) | 2 | 3 | 1 | 1 | `k1/c3`, `k2` ×2, `k3/c9 (error)` "
+        f"| GPU-X, 2030-01-02 | [`r.json`]({link}/r.json) |",
+        f"| Ours | a few (1) | 1 | 0 | 0 | 0 | — | GPU-X, 2030-01-02 "
+        f"| [`ok.json`]({link}/ok.json) |"]
+
+
+def test_equivalence_names_the_case_nearest_each_budget(tmp_path: Path):
+    _write(tmp_path, "checks/c.json", {**_env(), "dtype": "bfloat16", "results": [
+        {"kernel": "k1", "passed": True, "metrics": {"out_rel": 1e-3, "lse_abs": 1e-5},
+         "limits": {"out_rel": 4e-3, "lse_abs": 1e-4}},
+        {"kernel": "k1", "passed": False, "metrics": {"out_rel[out]": 3e-3, "extra": 9.0},
+         "limits": {"out_rel[out]": 4e-3}},
+        {"kernel": "k2", "passed": True, "metrics": {"mismatches[idx]": 0.0},
+         "limits": {"mismatches[idx]": 0.0}}]})
+    out = tables.render_equivalence(tmp_path, "checks/c.json")
+    assert out.splitlines()[0].startswith(
+        "`python -m mla.check` on GPU-X, 2030-01-02 (bfloat16 inputs, every output against "
+        "the float64 reference): 2 of 3 cases pass")
+    # k1: the second case, 3e-3 / 4e-3 = 75% (the unbudgeted "extra" is not a ratio)
+    assert out.splitlines()[-2:] == ["| `k1` | 2 | 1 | out_rel 3.0e-03 of 4.0e-03 (75%) |",
+                                     "| `k2` | 1 | 1 | exact (every byte or index) |"]
+
+
+def test_the_paper_names_no_sessions_and_no_device_time():
+    for word in ("session", "device time"):
+        assert word not in TEXT.lower(), word
 
 
 # --- equations and the functions that implement them --------------------------------------
