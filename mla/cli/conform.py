@@ -5,7 +5,9 @@
                 [--kernels K ...] [--cases C ...] [--device D] [--dtype T] [--seed N]
                 [--out report.md] [--json report.json]
 
-One progress line per case on stderr while it runs, the table on stdout at the end. Exit
+One progress line per case on stderr while it runs, the table on stdout at the end (the cases
+of kernels the target lacks as one line, the JSON report with a row each). A module given as
+``pkg.module`` is found from the working directory first, as ``python -m`` finds it. Exit
 statuses: 0 no case failed or raised (unsupported ones allowed), 1 a case failed or raised,
 2 bad arguments (an unknown target, kernel or case included), 3 the device is not available.
 """
@@ -16,6 +18,10 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mla.conformance.report import Row
 
 __all__ = ["add_conform_parser"]
 
@@ -74,23 +80,39 @@ def _conform(args: argparse.Namespace) -> int:
                               f"TRITON_INTERPRET must be 1, it is "
                               f"{os.environ['TRITON_INTERPRET']!r}")
 
-    from mla.conformance.catalogue import cases_of
-    from mla.conformance.runner import run
+    from mla.conformance.catalogue import KERNELS, cases_of
+    from mla.conformance.runner import kernels_of, run
     from mla.conformance.targets import load_target
 
+    unknown = sorted(set(args.kernels or ()) - set(KERNELS))
+    if unknown:
+        args.parser.error(f"argument --kernels: unknown kernels {unknown}; expected some of "
+                          f"{', '.join(KERNELS)}")
+    try:
+        selected = list(cases_of(args.kernels, args.cases))
+    except ValueError as e:
+        args.parser.error(f"argument --cases: {e}")
+    if not selected:
+        topics = sorted({c.topic for c in cases_of(args.kernels)})
+        args.parser.error(f"argument --cases: {args.cases} select no case of --kernels "
+                          f"{args.kernels}; the topics of those kernels: {', '.join(topics)}")
     try:
         name, target = load_target(args.target, args.kernels)
-        total = sum(1 for _ in cases_of(args.kernels, args.cases))
     except (ValueError, TypeError) as e:
         args.parser.error(str(e))
+    has = kernels_of(target)
+    # the cases of kernels the target lacks are not run: no progress line, one line at the end
+    total = sum(1 for c in selected if c.kernel in has)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     done = 0
 
-    def progress(row: object) -> None:
+    def progress(row: Row) -> None:
         nonlocal done
+        if row.kernel not in has:
+            return
         done += 1
-        print(f"[{done}/{total}] {row.status:<11} {row.kernel}/{row.case}"  # type: ignore[attr-defined]
-              f"  ({row.seconds:.1f} s)", file=sys.stderr, flush=True)  # type: ignore[attr-defined]
+        print(f"[{done}/{total}] {row.status:<11} {row.kernel}/{row.case}  "
+              f"({row.seconds:.1f} s)", file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     report = run(target, kernels=args.kernels, device=device, dtype=dtype, cases=args.cases,

@@ -15,6 +15,7 @@ names with the reference's signature and conventions (docs/conventions.md §12).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -136,13 +137,29 @@ def cases_of(kernels: list[str] | None = None, names: list[str] | None = None) -
                  | {c.topic for c in CATALOGUE.values()})
         unknown = sorted(wanted - known)
         if unknown:
-            raise ValueError(f"unknown cases {unknown} (give kernel/name, a name or a topic)")
+            raise ValueError(_unknown_cases(unknown, kernels))
     for key, c in CATALOGUE.items():
         if kernels and c.kernel not in kernels:
             continue
         if wanted and not wanted & {key, c.name, c.topic}:
             continue
         yield c
+
+
+def _unknown_cases(unknown: list[str], kernels: list[str] | None) -> str:
+    """The error for ``unknown`` case names: the values given, what is expected (the topics,
+    of ``kernels`` when given, and the names close to each unknown one)."""
+    of = [c for c in CATALOGUE.values() if not kernels or c.kernel in kernels]
+    topics = sorted({c.topic for c in of})
+    keys = [f"{c.kernel}/{c.name}" for c in of]
+    names = sorted({c.name for c in of})
+    close = sorted({m for u in unknown
+                    for m in difflib.get_close_matches(u, [*topics, *names, *keys], n=3)})
+    scope = f" of {', '.join(kernels)}" if kernels else ""
+    return (f"unknown cases {unknown}: expected kernel/name, a case name or a topic; "
+            + (f"did you mean {', '.join(close)}? " if close else "")
+            + f"the topics{scope}: {', '.join(topics)} "
+            f"({len(of)} cases: mla.conformance.CATALOGUE lists them by kernel/name)")
 
 
 def generator(setting: Setting, salt: int) -> torch.Generator:

@@ -5,11 +5,13 @@
 ``mismatches``); NaN, a misplaced infinity, a wrong shape or a wrong dtype is an infinite
 error, except NaN exactly where the reference has NaN (a NaN input it propagates: the error
 is then over the other elements; NaN missing there is an infinite error too). ``describe``
-says where a failing output is wrong: the worst element's index, where NaN or infinities
-appeared that the reference does not have (or are missing), and one line naming a known
-convention difference when one explains the output (base-2 lse, ``-inf`` for a query with no
-key, an output left unwritten, or a case's own alternatives: a ``1/sqrt(576)`` scale, the
-causal mask off by one, ...).
+says where a failing output is wrong: the worst element's index (for NaN or a misplaced
+infinity, the first such element), where NaN or infinities appeared that the reference does
+not have (or are missing, or have the other sign: "-inf where the reference has +inf"), and
+``explain`` gives one line naming a known convention difference when one explains the output
+(base-2 lse, ``-inf`` for a query with no key, an output left unwritten or a NaN read, in the
+kernel's own terms, or a case's own alternatives: a ``1/sqrt(576)`` scale, the causal mask off
+by one, ...).
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def _where(mask: torch.Tensor, limit: int = 4) -> str:
     for d in range(mask.dim()):
         hit = sorted(set(idx[:, d].tolist()))
         if 0 < len(hit) < mask.shape[d]:
-            span = (f"{hit[0]}..{hit[-1]}" if hit == list(range(hit[0], hit[-1] + 1))
+            span = (str(hit[0]) if len(hit) == 1
+                    else f"{hit[0]}..{hit[-1]}" if hit == list(range(hit[0], hit[-1] + 1))
                     else ",".join(map(str, hit[:8])) + ("..." if len(hit) > 8 else ""))
             parts.append(f"dim {d} only at {span}")
     return "; ".join(parts)
@@ -104,22 +107,54 @@ def _one_output(name: str, got: object, want: torch.Tensor, quantity: str) -> li
     if gone.any():
         i = tuple(gone.nonzero()[0].tolist())
         lines.append(f"{name}: reference has NaN (a NaN input propagated) at {_where(gone)}; "
-                     f"got {g[i].item()} at {i}")
-    inf = torch.isinf(g) & ~(torch.isinf(w) & (torch.sign(g) == torch.sign(w)))
-    if inf.any():
-        lines.append(f"{name}: unexpected inf at {_where(inf)}")
-    lost = torch.isinf(w) & ~(torch.isinf(g) & (torch.sign(g) == torch.sign(w)))
-    if lost.any():
-        i = tuple(lost.nonzero()[0].tolist())
-        lines.append(f"{name}: reference has {w[i].item()} at {_where(lost)}; got "
-                     f"{g[i].item()} at {i}")
-    ok = torch.isfinite(g) & torch.isfinite(w)
-    if ok.any():
-        err = torch.where(ok, (g - w).abs(), 0.0)
-        i = tuple(int(v) for v in torch.unravel_index(err.argmax(), err.shape))
-        lines.append(f"{name}: worst element {i}: got {g[i].item():.6g}, reference "
-                     f"{w[i].item():.6g}")
+                     f"got {_num(g[i].item())} at {i}")
+    for sign in (1.0, -1.0):  # an infinity of the other sign: the message says which
+        flipped = torch.isinf(g) & (torch.sign(g) == sign) & torch.isinf(w) & (torch.sign(w)
+                                                                              == -sign)
+        if flipped.any():
+            lines.append(f"{name}: {_inf(sign)} where the reference has {_inf(-sign)} at "
+                         f"{_where(flipped)}")
+        extra = torch.isinf(g) & (torch.sign(g) == sign) & ~torch.isinf(w)
+        if extra.any():
+            i = tuple(extra.nonzero()[0].tolist())
+            lines.append(f"{name}: unexpected {_inf(sign)} at {_where(extra)}; the reference "
+                         f"has {_num(w[i].item())} at {i}")
+        lost = torch.isinf(w) & (torch.sign(w) == sign) & ~torch.isinf(g)
+        if lost.any():
+            i = tuple(lost.nonzero()[0].tolist())
+            lines.append(f"{name}: reference has {_inf(sign)} at {_where(lost)}; got "
+                         f"{_num(g[i].item())} at {i}")
+    lines += _worst(name, g, w)
     return lines
+
+
+def _inf(sign: float) -> str:
+    return "+inf" if sign > 0 else "-inf"
+
+
+def _num(x: float) -> str:
+    """``x`` as the report writes it: 6 digits, infinities with their sign."""
+    return _inf(x) if math.isinf(x) else f"{x:.6g}"
+
+
+def _worst(name: str, g: torch.Tensor, w: torch.Tensor) -> list[str]:
+    """The worst element: where a non-finite value differs from the reference (NaN, or an
+    infinity the reference lacks or has with the other sign), the first such element, with
+    the largest finite difference beside it when there is one; else the largest finite
+    difference. Nothing when every element is equal."""
+    same = (g == w) | (torch.isnan(g) & torch.isnan(w))
+    odd = ~same & ~(torch.isfinite(g) & torch.isfinite(w))
+    ok = torch.isfinite(g) & torch.isfinite(w)
+    err = torch.where(ok, (g - w).abs(), 0.0)
+    j = tuple(int(v) for v in torch.unravel_index(err.argmax(), err.shape)) if ok.any() else ()
+    finite = (f"got {_num(g[j].item())}, reference {_num(w[j].item())}"
+              if ok.any() and err[j] > 0 else "")
+    if odd.any():
+        i = tuple(odd.nonzero()[0].tolist())
+        return [f"{name}: worst element {i}, the first non-finite mismatch: got "
+                f"{_num(g[i].item())}, reference {_num(w[i].item())}"
+                + (f"; the largest finite difference at {j}: {finite}" if finite else "")]
+    return [f"{name}: worst element {j}: {finite}"] if finite else []
 
 
 def describe(outputs: Mapping[str, object], expected: Outputs,
@@ -169,10 +204,25 @@ def _generic(expected: Outputs) -> dict[str, Callable[[], Outputs]]:
     return alts
 
 
+# where a NaN the reference lacks can come from, besides an unwritten (poisoned) output, by
+# kernel: what the kernel reads that holds NaN or has weight 0
+_NAN_READ = {
+    "merge_attn_states": "a side with no keys (lse = -inf or +inf, weight 0) was read: its "
+                         "output must be dropped, not multiplied by 0 (0 · NaN = NaN)",
+    "cp_lse_ag_out_rs": "a rank with no keys (lse = -inf or +inf, weight 0) was read: its "
+                        "output must be dropped, not multiplied by 0 (0 · NaN = NaN)",
+    "attention_with_lse": "a query that sees no key computed as 0/0 (its out must be 0, its "
+                          "lse -inf)",
+}
+_NAN_READ_DEFAULT = ("read from an unused cache row or block-table entry (they hold NaN or "
+                     "poison)")
+
+
 def explain(outputs: Mapping[str, object], expected: Outputs, quantities: Mapping[str, str],
-            limits: Mapping[str, float], alternatives: Mapping[str, Callable[[], Outputs]]
-            ) -> str:
-    """The known convention difference that explains ``outputs``, or ""."""
+            limits: Mapping[str, float], alternatives: Mapping[str, Callable[[], Outputs]],
+            kernel: str | None = None) -> str:
+    """The known convention difference that explains ``outputs``, or "". ``kernel`` (the
+    case's) names, for NaN where the reference has values, what that kernel may have read."""
     candidates = {**alternatives, **_generic(expected)}
     for why, make in candidates.items():
         try:
@@ -189,6 +239,6 @@ def explain(outputs: Mapping[str, object], expected: Outputs, quantities: Mappin
             nan = torch.isnan(g) & ~torch.isnan(want.cpu())
             if nan.any():
                 return (f"{name} holds NaN where the reference has values: left unwritten "
-                        "(outputs are poisoned with NaN before the call) or read from an "
-                        "unused cache row or block-table entry (they hold NaN or poison)")
+                        "(outputs are poisoned with NaN before the call) or "
+                        + _NAN_READ.get(kernel or "", _NAN_READ_DEFAULT))
     return ""

@@ -18,7 +18,7 @@ import torch
 from mla.compare import budget
 from mla.conformance.catalogue import KERNELS, Case, Setting, Trial, Unsupported, cases_of
 from mla.conformance.diagnose import describe, explain, measure
-from mla.conformance.report import Report, Row
+from mla.conformance.report import Report, Row, missing_kernel_detail
 from mla.environment import environment
 
 __all__ = ["run", "run_case", "kernels_of", "FLOAT64_BUDGET", "limit"]
@@ -59,7 +59,7 @@ def run_case(kernel_fn: Callable | None, c: Case, setting: Setting) -> Row:
     """One case on one kernel (``None``: the target lacks it)."""
     row = Row(c.kernel, c.name, c.topic, c.doc, "unsupported")
     if kernel_fn is None:
-        row.detail = f"the target has no {c.kernel}"
+        row.detail = missing_kernel_detail(c.kernel)
         return row
     t0 = time.perf_counter()
     try:
@@ -89,7 +89,7 @@ def run_case(kernel_fn: Callable | None, c: Case, setting: Setting) -> Row:
         wrong = {n: w for n, w in trial.expected.items() if not row.errors[n] <= row.limits[n]}
         row.detail = "; ".join(describe(outputs, wrong, trial.quantities))[:1500]
         row.convention = explain(outputs, trial.expected, trial.quantities, row.limits,
-                                 trial.alternatives)
+                                 trial.alternatives, kernel=c.kernel)
     row.seconds = time.perf_counter() - t0
     return row
 

@@ -12,13 +12,19 @@
     pkg.module        a module whose attributes named like mla.reference's kernels are the kernels
     pkg.module:attr   a mapping or object holding kernels, or one function: the kernel named in
                       ``kernels`` (exactly one), else the kernel its ``__name__`` names
+
+A user's module is found as ``python -m`` finds it: from the working directory first, then
+``sys.path`` (the ``mla`` console script, unlike ``python -m mla``, does not put the working
+directory on ``sys.path``; it is put first for the import of the target's module only).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 
 from mla.conformance.catalogue import KERNELS
@@ -48,11 +54,27 @@ _EXPECTED = (f"expected one of {sorted(TARGETS)}, a module 'pkg.module' or "
              "'pkg.module:attr'")
 
 
-def _import(spec: str, module: str) -> object:
+def _import(spec: str, module: str, from_cwd: bool = False) -> object:
+    """``import module``; with ``from_cwd``, the working directory first on ``sys.path`` for
+    this import only (where it is not on it already: ``python -m`` puts it there, a console
+    script does not)."""
+    cwd = os.getcwd()
+    added = from_cwd and not any(isinstance(p, str) and os.path.abspath(p or os.curdir) == cwd
+                                 for p in sys.path)
+    if added:
+        sys.path.insert(0, cwd)
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ValueError(f"target {spec!r}: cannot import {module!r} ({e}); {_EXPECTED}") from e
+        where = f", searched from the working directory {cwd} and sys.path" if from_cwd else ""
+        raise ValueError(f"target {spec!r}: cannot import {module!r} ({e}{where}); "
+                         f"{_EXPECTED}") from e
+    finally:
+        if added:
+            for i, p in enumerate(sys.path):  # the entry added, wherever the import moved it
+                if p is cwd:
+                    del sys.path[i]
+                    break
 
 
 def _named(spec: str) -> object:
@@ -108,7 +130,7 @@ def load_target(spec: str, kernels: list[str] | None = None) -> tuple[str, objec
     module, sep, attr = spec.partition(":")
     if not _DOTTED.match(module) or (sep and not _DOTTED.match(attr)):
         raise ValueError(f"target {spec!r} is not a name; {_EXPECTED}")
-    obj = _import(spec, module)
+    obj = _import(spec, module, from_cwd=True)
     if sep:
         for part in attr.split("."):
             if not hasattr(obj, part):
