@@ -44,7 +44,7 @@ CURRENT = [
      "sparse/sparse_v4_kernels_2026-12-01.md"),
     ("the MODEL1 Gluon kernels side by side", "sparse/sparse_v4_ws_2026-12-01.md"),
     ("`fp8_paged_mqa_logits` plans", "indexer/indexer_logits_2026-11-30.md"),
-    ("indexer logits beside DeepGEMM", "indexer/indexer_peers_compressed_v2_2026-12-02.md"),
+    ("indexer logits beside DeepGEMM", "indexer/indexer_peers_v3_2026-12-02.md"),
     ("`top_k_per_row` on the H200", "topk/topk_parts_unspecialized_2026-12-02.md"),
     ("`top_k_per_row` beside vLLM's top-k kernels", "topk/topk_peers_2026-12-02.md"),
     ("prefill attention by route", "prefill/prefill_routes.md"),
