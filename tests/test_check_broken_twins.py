@@ -3,12 +3,12 @@ wrapped so that its result is off by 1% (outputs and lse scaled by 1.01; caches 
 whose checks are exact, off by one bit or one row). Every family's check must fail them, while
 the unwrapped kernels pass: the budgets are tight enough to catch a 1% bug.
 
-CPU, ``TRITON_INTERPRET=1`` (conftest), the ``quick`` cases in float16. That the unwrapped
-kernels pass the same cases in the same context is tested once, by
-``tests/test_fast_small.py::test_gpu_check_quick_cases_run_here`` and
-``tests/test_fast_sparse.py::test_gpu_check_cases_run_here``. A kernel's results are computed
-once a process for each distinct input (``_memoized``): the twins of one kernel scale the same
-results, and through the interpreter each run of a kernel's cases takes up to half a minute.
+CPU, ``TRITON_INTERPRET=1`` (conftest), the ``quick`` cases in float16. First every kernel
+passes its cases unwrapped (``test_the_kernel_passes_its_quick_cases``: the GPU check's own
+code, run by CI), then each twin fails them. A kernel's results are computed once a process for
+each distinct input (``_memoized``): the unwrapped run and the twins of one kernel read the
+same results, and through the interpreter each run of a kernel's cases takes up to half a
+minute.
 """
 
 from __future__ import annotations
@@ -168,6 +168,20 @@ def test_memoized_results_are_the_kernels():
     g(a, 3.0)
     g(a + 1, 2.0)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("kernel", list(TWINS))
+def test_the_kernel_passes_its_quick_cases(kernel, monkeypatch):
+    """``python -m mla.check``'s quick cases of ``kernel`` pass on the kernel itself (its
+    results kept for the twins below, which scale them)."""
+    fast_name = REGISTRY[kernel][0]
+    real = getattr(fast, fast_name)
+    if kernel in PURE:
+        monkeypatch.setattr(fast, fast_name, _memoized(kernel, real))
+    results = run_checks(CTX, [kernel])
+    assert results and {r.kernel for r in results} == {kernel}
+    assert all(r.passed for r in results), [(r.case, r.metrics, r.error) for r in results
+                                            if not r.passed]
 
 
 @pytest.mark.parametrize("kernel,label", [(k, lab) for k, t in TWINS.items() for lab in t])

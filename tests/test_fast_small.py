@@ -560,20 +560,6 @@ def test_chunked_prefill_matches_reference(mcc, dtype, route, monkeypatch):
 
 # ------------------------------------------------------------------- the GPU check's own code
 
-def test_gpu_check_quick_cases_run_here():
-    """``python -m mla.check``'s quick cases of every non-sparse kernel pass here too (the
-    sparse ones run in test_fast_sparse), so the GPU check's own code is exercised by CI."""
-    from mla.check import runner as check
-
-    kernels = [k for k in check.REGISTRY
-               if not k.startswith("sparse_") and k != "convert_req_index_to_global_index"]
-    ctx = check.Ctx(device=torch.device(DEVICE), dtype=torch.float16, quick=True)
-    results = check.run_checks(ctx, kernels)
-    assert {r.kernel for r in results} == set(kernels)
-    assert all(r.passed for r in results), [(r.case, r.metrics, r.error) for r in results
-                                            if not r.passed]
-
-
 def test_gpu_check_fails_a_missing_kernel(monkeypatch):
     """A registered kernel whose fast function is missing is a failure, not a skip."""
     from mla.check import runner as check

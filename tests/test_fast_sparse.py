@@ -351,15 +351,3 @@ def test_poison_like_cache_is_unread(poisoned_alloc):
     out2, lse2 = sparse_mla_decode(q, filled.view(cache.shape), idx, 0.1, True)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
     assert not torch.isnan(out).any()
-
-
-def test_gpu_check_cases_run_here():
-    """``python -m mla.check``'s sparse cases (the ``quick`` set) pass here too, so the GPU
-    check's own code is exercised by CI."""
-    from mla.check import runner as check
-
-    ctx = check.Ctx(device=torch.device(DEVICE), dtype=torch.float16, quick=True)
-    results = check.run_checks(ctx, ["convert_req_index_to_global_index", "sparse_mla_decode",
-                                     "sparse_mla_prefill"])
-    assert len(results) >= 4
-    assert all(r.passed for r in results), [(r.case, r.metrics, r.error) for r in results]
