@@ -206,11 +206,11 @@ def _generic(expected: Outputs) -> dict[str, Callable[[], Outputs]]:
 
 # where a NaN the reference lacks can come from, besides an unwritten (poisoned) output, by
 # kernel: what the kernel reads that holds NaN or has weight 0
+_EMPTY_PART_READ = ("a {} with no keys (lse = -inf or +inf, weight 0) was read: its output "
+                    "must be dropped, not multiplied by 0 (0 · NaN = NaN)")
 _NAN_READ = {
-    "merge_attn_states": "a side with no keys (lse = -inf or +inf, weight 0) was read: its "
-                         "output must be dropped, not multiplied by 0 (0 · NaN = NaN)",
-    "cp_lse_ag_out_rs": "a rank with no keys (lse = -inf or +inf, weight 0) was read: its "
-                        "output must be dropped, not multiplied by 0 (0 · NaN = NaN)",
+    "merge_attn_states": _EMPTY_PART_READ.format("side"),
+    "cp_lse_ag_out_rs": _EMPTY_PART_READ.format("rank"),
     "attention_with_lse": "a query that sees no key computed as 0/0 (its out must be 0, its "
                           "lse -inf)",
 }

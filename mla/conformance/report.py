@@ -141,5 +141,5 @@ def _error(quantity: str, value: float) -> str:
     ``out_rel``, "abs ..." for ``lse_abs``, "3 mismatches" for ``mismatches``."""
     if quantity == "mismatches":
         return f"{int(value)} mismatches" if math.isfinite(value) else f"{value} mismatches"
-    kind = quantity.rsplit("_", 1)[-1] if "_" in quantity else quantity
+    kind = quantity.rsplit("_", 1)[-1]
     return f"{kind} {value:.2e}" if kind else f"{value:.2e}"
