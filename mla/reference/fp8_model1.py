@@ -39,7 +39,8 @@ from mla.validation import check_float, check_positive_int, check_tensor
 
 __all__ = [
     "FP8_MODEL1_BYTES", "dequantize_fp8_model1", "fp8_model1_cache", "fp8_model1_page_bytes",
-    "fp8_model1_pages", "fp8_model1_rows", "quantize_fp8_model1",
+    "fp8_model1_pages", "fp8_model1_rows", "quantize_fp8_model1", "round_fp8_model1",
+    "ue8m0_exponent",
 ]
 
 D_QK = 512  # a token's row: nope ‖ rope
@@ -63,20 +64,43 @@ def fp8_model1_page_bytes(block_size: int) -> int:
     return -(-FP8_MODEL1_BYTES * block_size // PAGE_ALIGN) * PAGE_ALIGN
 
 
-def _ue8m0_scales(nope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+SCALE_FLOORS = ("flashmla", "vllm")
+
+
+def _check_scale_floor(scale_floor: str) -> None:
+    if scale_floor not in SCALE_FLOORS:
+        raise ValueError(f"scale_floor must be one of {SCALE_FLOORS}, got {scale_floor!r}")
+
+
+def ue8m0_exponent(amax: torch.Tensor, scale_floor: str = "flashmla") -> torch.Tensor:
+    """``ceil(log2(s))`` of a tile's scale ``s`` (float32 ``amax`` in, float32 out).
+
+    ``scale_floor="flashmla"``: ``s = max(amax / 448, 1e-4)`` (FlashMLA's ``tests/quant.py``
+    and vLLM's CuTe compressor); ``"vllm"``: ``s = max(amax, 1e-4) / 448`` (vLLM 0.33's
+    Triton cache writers, and its compiled window-cache insert by their comment). They differ
+    only for tiles with ``amax < 0.0448``."""
+    _check_scale_floor(scale_floor)
+    if scale_floor == "flashmla":
+        return torch.log2((amax / FP8_MAX).clamp_min(SCALE_FLOOR)).ceil()
+    return torch.log2(amax.clamp_min(SCALE_FLOOR) / FP8_MAX).ceil()
+
+
+def _ue8m0_scales(nope: torch.Tensor, scale_floor: str = "flashmla"
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``nope [..., 448]`` float32 -> (scales float32 ``[..., 7]``, their UE8M0 bytes)."""
     amax = nope.unflatten(-1, (NUM_TILES, TILE)).abs().amax(dim=-1)
-    exponent = torch.log2((amax / FP8_MAX).clamp_min(SCALE_FLOOR)).ceil()
+    exponent = ue8m0_exponent(amax, scale_floor)
     finite = torch.isfinite(exponent)
     scale = torch.where(finite, torch.pow(2.0, exponent), float("nan"))
     code = torch.where(finite, exponent + UE8M0_BIAS, UE8M0_NAN).to(torch.uint8)
     return scale, code
 
 
-def quantize_fp8_model1(k_cache: torch.Tensor) -> torch.Tensor:
+def quantize_fp8_model1(k_cache: torch.Tensor, *, scale_floor: str = "flashmla") -> torch.Tensor:
     """``k_cache [num_blocks, block_size, 512]`` (any float dtype) -> ``uint8 [num_blocks,
-    fp8_model1_page_bytes(block_size)]`` pages."""
+    fp8_model1_page_bytes(block_size)]`` pages. ``scale_floor``: see ``ue8m0_exponent``."""
     check_float("k_cache", k_cache, ndim=3)
+    _check_scale_floor(scale_floor)
     num_blocks, bs, d = k_cache.shape
     if d != D_QK:
         raise ValueError(f"k_cache must have shape [num_blocks, block_size, {D_QK}] "
@@ -84,7 +108,7 @@ def quantize_fp8_model1(k_cache: torch.Tensor) -> torch.Tensor:
     if bs == 0:
         raise ValueError(f"k_cache must have block_size >= 1, got shape {list(k_cache.shape)}")
     nope = k_cache[..., :D_NOPE].float()
-    scale, code = _ue8m0_scales(nope)
+    scale, code = _ue8m0_scales(nope, scale_floor)
     e4m3 = (nope.unflatten(-1, (NUM_TILES, TILE)) / scale[..., None]).flatten(-2)
     data = torch.cat([
         e4m3.to(torch.float8_e4m3fn).view(torch.uint8),
@@ -163,6 +187,24 @@ def fp8_model1_rows(pages: torch.Tensor, block_size: int, slots: torch.Tensor) -
     scale_cols = (DATA_BYTES * block_size + offset * SCALE_BYTES
                   + torch.arange(NUM_TILES, device=pages.device))
     return _decode(pages[block, data_cols], pages[block, scale_cols])
+
+
+def round_fp8_model1(k: torch.Tensor, *, scale_floor: str = "flashmla") -> torch.Tensor:
+    """The values a MODEL1 cache gives back for rows ``k [..., 512]``: quantize, dequantize.
+
+    bf16 ``[..., 512]``, equal to ``dequantize_fp8_model1(quantize_fp8_model1(k))`` row by
+    row, without building pages."""
+    check_float("k", k)
+    _check_scale_floor(scale_floor)
+    if k.dim() < 1 or k.shape[-1] != D_QK:
+        raise ValueError(f"k must have shape [..., {D_QK}] ({D_NOPE} nope + {D_ROPE} rope), "
+                         f"got {list(k.shape)}")
+    nope = k[..., :D_NOPE].float()
+    scale, _ = _ue8m0_scales(nope, scale_floor)
+    tiles = nope.unflatten(-1, (NUM_TILES, TILE)) / scale[..., None]
+    e4m3 = tiles.to(torch.float8_e4m3fn).float() * scale[..., None]
+    return torch.cat([e4m3.flatten(-2).to(torch.bfloat16), k[..., D_NOPE:].to(torch.bfloat16)],
+                     dim=-1)
 
 
 def dequantize_fp8_model1(pages: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -24,27 +24,32 @@ import torch
 from mla.config import MLAConfig
 from mla.validation import acc_dtype, check_float, check_index
 
-__all__ = ["rope_frequencies", "apply_rope"]
+__all__ = ["rope_frequencies", "apply_rope", "yarn_frequencies"]
 
 
 def _correction_dim(num_rotations: float, dim: int, base: float, seq_len: int) -> float:
     return dim * math.log(seq_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
 
-def rope_frequencies(config: MLAConfig) -> torch.Tensor:
-    """``[R/2]`` float64 angular frequencies, YaRN-blended when the config says so."""
-    dim, base = config.qk_rope_head_dim, config.rope_theta
+def yarn_frequencies(dim: int, base: float, factor: float, original_seq_len: int,
+                     beta_fast: float, beta_slow: float) -> torch.Tensor:
+    """``[dim/2]`` float64 frequencies ``base^(-2i/dim)``, YaRN-blended when ``factor > 1``."""
     freqs = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    if config.yarn_active:
-        low = max(math.floor(_correction_dim(config.beta_fast, dim, base,
-                                             config.original_seq_len)), 0)
-        high = min(math.ceil(_correction_dim(config.beta_slow, dim, base,
-                                             config.original_seq_len)), dim - 1)
+    if factor > 1.0:
+        low = max(math.floor(_correction_dim(beta_fast, dim, base, original_seq_len)), 0)
+        high = min(math.ceil(_correction_dim(beta_slow, dim, base, original_seq_len)), dim - 1)
         if low == high:
             high += 0.001  # avoid a zero-width ramp, as the released code does
         ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-        freqs = freqs / config.rope_factor * ramp + freqs * (1 - ramp)
+        freqs = freqs / factor * ramp + freqs * (1 - ramp)
     return freqs
+
+
+def rope_frequencies(config: MLAConfig) -> torch.Tensor:
+    """``[R/2]`` float64 angular frequencies, YaRN-blended when the config says so."""
+    return yarn_frequencies(config.qk_rope_head_dim, config.rope_theta,
+                            config.rope_factor if config.yarn_active else 1.0,
+                            config.original_seq_len, config.beta_fast, config.beta_slow)
 
 
 @functools.lru_cache(maxsize=64)

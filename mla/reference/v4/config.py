@@ -1,0 +1,178 @@
+"""DeepSeek-V4's attention hyper-parameters, its layer kinds, and the presets.
+
+DeepSeek-V4's attention is not MLA with absorbed weights: every layer is multi-query attention
+over one 512-wide latent row (448 "nope" values and 64 RoPE values) that is both the key and the
+value, with no ``kv_b`` up-projection. A layer is of one of three kinds, by its compression
+ratio ``r``:
+
+    r = 1     window only (SWA)   a query at position p sees the raw tokens [max(p-W+1, 0), p]
+    r = 4     C4A (CSA)           ... and the indexer's top-k of the compressed entries j with
+                                  j < (p+1) // 4
+    r = 128   C128A (HCA)         ... and every compressed entry j < (p+1) // 128
+
+The multi-token-prediction (MTP) layers are window-only. Names and defaults follow vLLM 0.33's
+``DeepseekV4Attention`` (``vllm/models/deepseek_v4/attention.py``): ``compress_ratio =
+max(1, compress_rates[layer_type])``, and 1 for the MTP layers.
+
+Where the numbers come from (none of DeepSeek-V4-Flash's values are in vLLM's wheel):
+
+- ``deepseek-v4-pro``: the widths vLLM 0.33 hard-codes for its AMD single-kernel decode
+  (``vllm/models/deepseek_v4/amd/mono/dims.py``: hidden 7168, 128 heads, q rank 1536, 16
+  output groups, output rank 1024, window 128, index top-k 1024, eps 1e-6). Its layer list
+  (61 layers: two of ratio 128, then 4 and 128 alternating, as Hugging Face transformers'
+  ``DeepseekV4Config`` describes Pro's default) is not in the wheel: check it against the
+  checkpoint.
+- ``deepseek-v4``: DeepSeek-V4-Flash's widths as NVIDIA NeMo's ``DeepseekV4Config`` states them
+  (hidden 4096, 64 heads, q rank 1024, 8 groups, output rank 1024, window 128, indexer 64 heads
+  of 128 and top-k 512, 43 layers, ``compress_rope_theta`` 160000); its layer kinds as the
+  model card gives them: layers 0 and 1 window-only, then ratio 4 on even and 128 on odd
+  layers.
+- The YaRN factor of the compressed layers' RoPE (16 over an original 65536 positions, for
+  the 1M-token context) is this package's assumption, not a published number: take
+  ``rope_factor`` and ``original_max_position`` from the checkpoint's ``config.json``.
+- ``tiny-v4``: one layer of each kind, DeepSeek-V4's rows (512 = 448 + 64, the indexer's 128)
+  so that every cache layout applies, narrow elsewhere (4 heads in 2 groups, hidden 64) and a
+  window of 8 and top-k of 3, so that sequences of tens of tokens reach every case: a window
+  that slides, several compressed entries, a top-k smaller than the visible entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["V4Config", "V4_PRESETS", "get_v4_config", "LAYER_KINDS"]
+
+# compression ratio -> the name vLLM and the papers give the layer kind
+LAYER_KINDS = {1: "SWA", 4: "C4A", 128: "C128A"}
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"V4Config.{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class V4Config:
+    """One DeepSeek-V4 model's attention hyper-parameters.
+
+    ``compress_ratios[i]`` is layer ``i``'s ratio (1, 4 or 128); the ``num_mtp_layers`` MTP
+    layers come after and are window-only. ``q_head_norm`` is V4's weightless per-head RMSNorm
+    of the query (DeepSeek-V4.1 drops it).
+    """
+
+    name: str
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int
+    o_lora_rank: int
+    o_groups: int
+    sliding_window: int
+    compress_ratios: tuple[int, ...]
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_factor: float = 16.0
+    original_max_position: int = 65536
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    num_mtp_layers: int = 1
+    q_head_norm: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("hidden_size", "num_heads", "q_lora_rank", "o_lora_rank", "o_groups",
+                      "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
+                      "head_dim", "rope_head_dim", "original_max_position"):
+            _positive(field, getattr(self, field))
+        if isinstance(self.num_mtp_layers, bool) or not isinstance(self.num_mtp_layers, int) \
+                or self.num_mtp_layers < 0:
+            raise ValueError(
+                f"V4Config.num_mtp_layers must be an int >= 0, got {self.num_mtp_layers!r}")
+        if not isinstance(self.compress_ratios, tuple) or not self.compress_ratios:
+            raise ValueError("V4Config.compress_ratios must be a non-empty tuple, got "
+                             f"{self.compress_ratios!r}")
+        bad = [r for r in self.compress_ratios if r not in LAYER_KINDS]
+        if bad:
+            raise ValueError(f"V4Config.compress_ratios: each ratio must be one of "
+                             f"{sorted(LAYER_KINDS)}, got {bad[0]!r}")
+        if self.num_heads % self.o_groups:
+            raise ValueError(f"V4Config.num_heads ({self.num_heads}) must be a multiple of "
+                             f"o_groups ({self.o_groups})")
+        if self.rope_head_dim % 2 or self.rope_head_dim > self.head_dim:
+            raise ValueError(f"V4Config.rope_head_dim must be even and <= head_dim "
+                             f"({self.head_dim}), got {self.rope_head_dim}")
+        if self.index_head_dim < self.rope_head_dim:
+            raise ValueError(f"V4Config.index_head_dim must be >= rope_head_dim "
+                             f"({self.rope_head_dim}), got {self.index_head_dim}")
+        if self.rope_factor < 1.0:
+            raise ValueError(f"V4Config.rope_factor must be >= 1, got {self.rope_factor}")
+
+    # --- derived -----------------------------------------------------------------------------
+    @property
+    def nope_head_dim(self) -> int:
+        return self.head_dim - self.rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """``head_dim^-0.5`` over the whole 512-wide row (no YaRN mscale: it is 1 in V4)."""
+        return self.head_dim ** -0.5
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.compress_ratios)
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.o_groups
+
+    def layer_ratio(self, layer: int) -> int:
+        """Layer ``layer``'s compression ratio; the MTP layers (``num_layers`` on) are 1."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not (
+                0 <= layer < self.num_layers + self.num_mtp_layers):
+            raise ValueError(f"layer must be an int in [0, {self.num_layers + self.num_mtp_layers})"
+                             f", got {layer!r}")
+        return self.compress_ratios[layer] if layer < self.num_layers else 1
+
+    def compressor_overlap(self, ratio: int) -> bool:
+        """Ratio 4 pools two overlapping blocks (``coff = 2``); ratio 128 one block."""
+        return ratio == 4
+
+    def replace(self, **changes: object) -> V4Config:
+        return dataclasses.replace(self, **changes)
+
+
+def _flash_ratios(num_layers: int) -> tuple[int, ...]:
+    return tuple(1 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(num_layers))
+
+
+def _pro_ratios(num_layers: int) -> tuple[int, ...]:
+    return tuple(128 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(num_layers))
+
+
+V4_PRESETS: dict[str, V4Config] = {
+    "deepseek-v4": V4Config(
+        name="deepseek-v4", hidden_size=4096, num_heads=64, q_lora_rank=1024, o_lora_rank=1024,
+        o_groups=8, sliding_window=128, compress_ratios=_flash_ratios(43), index_topk=512),
+    "deepseek-v4-pro": V4Config(
+        name="deepseek-v4-pro", hidden_size=7168, num_heads=128, q_lora_rank=1536,
+        o_lora_rank=1024, o_groups=16, sliding_window=128, compress_ratios=_pro_ratios(61),
+        index_topk=1024),
+    "tiny-v4": V4Config(
+        name="tiny-v4", hidden_size=64, num_heads=4, q_lora_rank=32, o_lora_rank=16, o_groups=2,
+        sliding_window=8, compress_ratios=(1, 4, 128), index_n_heads=4, index_topk=3,
+        rope_factor=4.0, original_max_position=256),
+}
+
+
+def get_v4_config(name: str) -> V4Config:
+    """A preset by name (``deepseek-v4``, ``deepseek-v4-pro``, ``tiny-v4``)."""
+    try:
+        return V4_PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown DeepSeek-V4 preset {name!r}; known: {sorted(V4_PRESETS)}") from None
