@@ -1,0 +1,360 @@
+"""DeepSeek-V4's KV compressor: every ``r`` tokens, one softmax-pooled, normed, rotated entry.
+
+A layer of ratio ``r`` in {4, 128} (and, for ``r = 4``, the indexer, with ``d = 128``) owns a
+compressor of width ``d``. With ``coff = 2`` when ``r = 4`` ("overlap"), else 1, and the
+checkpoint's ``wkv``, ``wgate`` ``[coff·d, hidden]``, ``ape`` ``[r, coff·d]``, ``norm`` ``[d]``,
+per token ``x_p`` at position ``p``:
+
+    kv_p    = x_p @ wkv^T                                   [coff·d]
+    s_p     = x_p @ wgate^T + ape[p mod r]                  [coff·d]
+
+An entry is emitted at every position ``p`` with ``(p + 1) mod r = 0``: entry ``j = p // r``
+pools the window ``W_j`` of the ``coff·r`` positions ``[p - coff·r + 1, p]``. Window slot ``i``
+(position ``q = p - coff·r + 1 + i``) reads the channel slice ``[c·d, (c+1)·d)`` with
+``c = i // r``: with overlap the previous block's 4 tokens read ``[0, d)`` and the entry's own
+block ``[d, 2d)``; without, the block reads ``[0, d)``. Positions ``q < 0`` are masked (score
+``-inf``, kv 0, and never read: their values cannot leak). Per channel ``e``:
+
+    a_{q,e} = exp(s_{q,e}) / Σ_{q' ∈ W_j, q' >= 0} exp(s_{q',e})
+    c_j     = Σ_{q ∈ W_j, q >= 0} a_q ⊙ kv_q                 [d]
+    n_j     = RMSNorm(c_j; norm, rms_norm_eps)
+    entry_j = RoPE_gptj(n_j, position j·r)                   the last 64 dims, the layer's rope
+
+The entry's own block is never masked (its first position is ``j·r >= 0``), so no window is
+empty; entry 0 of an overlapping compressor pools its own 4 tokens only. A request of ``T``
+tokens has ``T // r`` entries (``compress``: stateless, from the whole history).
+
+The serving form (``CompressorState``, ``compressor_step``) keeps, per request, the last
+``coff·r`` tokens' ``kv`` and ``s`` (``ape`` added) and emits the entries whose window closes
+inside the new tokens; any split of a sequence into steps gives ``compress``'s entries.
+
+Storage (``round_compressed_entries``), as the cache holds an entry:
+
+- ``d = 512`` (FlashMLA's MODEL1 row): nope = ``bf16(n)[0:448]``, then e4m3 with one UE8M0
+  scale per 64 values; rope = ``bf16`` of the rotation of the unrounded ``n[448:512]``. The
+  scale's floor is ``floor="cute"``, ``2^ceil(log2(max(amax/448, 1e-4)))``: what CUDA runs for
+  ``d = 512`` (the CuTe-DSL kernels; FlashMLA's ``quantize_k_cache`` and
+  ``mla.reference.fp8_model1`` use it too), or ``floor="triton"``,
+  ``2^ceil(log2(max(amax, 1e-4)/448))`` (the Triton kernel other platforms run). They differ
+  only for tiles with ``amax < 0.0448``.
+- ``d = 128`` (the indexer's 132-byte key cache): ``bf16`` of the rotated entry, then e4m3 with
+  one scale per entry ``2^ceil(log2(max(amax, 1e-4)/448))`` (``quantize_indexer_k``).
+
+Everything here is float64 (bf16 weights are exact in it); vLLM computes the GEMMs with fp32
+output, the pooling, norm and rotation in fp32.
+
+Follows vLLM 0.33: ``vllm/models/deepseek_v4/compressor.py`` (``DeepseekCompressor``),
+``common/ops/save_partial_states.py`` (the state: kv and score + ape),
+``common/ops/fused_compress_quant_cache.py`` (the Triton compress, norm, rope and store kernels),
+``nvidia/ops/sparse_attn_compress_cutedsl.py`` (the CUDA ``d = 512`` kernels),
+``attention.py`` (the fp32 ``fused_wkv_wgate`` GEMM) and ``nvidia/model.py`` (checkpoint names).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mla.reference.fp8 import FP8_MAX, SCALE_FLOOR
+from mla.reference.fp8_model1 import D_NOPE as MODEL1_D_NOPE
+from mla.reference.fp8_model1 import D_QK as MODEL1_D_QK
+from mla.reference.fp8_model1 import TILE as MODEL1_TILE
+from mla.reference.fp8_model1 import dequantize_fp8_model1, quantize_fp8_model1
+from mla.reference.front import rms_norm
+from mla.reference.indexer_cache import INDEX_DIM, quantize_indexer_k
+from mla.reference.v4.config import V4Config
+from mla.reference.v4.rope import rope_gptj
+from mla.validation import check_float, check_positive_int, check_tensor
+
+__all__ = ["CompressorWeights", "CompressorState", "COMPRESS_RATIOS", "compressor_kv_score",
+           "compress_pool", "compress", "compressor_init_state", "compressor_step",
+           "round_compressed_entries", "compressed_entries_model1_pages",
+           "quantize_compressed_indexer_entries"]
+
+COMPRESS_RATIOS = (4, 128)
+_FLOORS = ("cute", "triton")
+_F64 = torch.float64
+
+
+def _check_ratio(ratio: object) -> int:
+    if isinstance(ratio, bool) or ratio not in COMPRESS_RATIOS:
+        raise ValueError(f"ratio must be one of {COMPRESS_RATIOS}, got {ratio!r}")
+    return int(ratio)  # type: ignore[call-overload]
+
+
+def _coff(ratio: int) -> int:
+    return 2 if ratio == 4 else 1
+
+
+@dataclass(frozen=True)
+class CompressorWeights:
+    """One compressor's parameters, named as the checkpoint names them
+    (``layers.N.attn.compressor.*``, ``layers.N.attn.indexer.compressor.*``): ``wkv`` and
+    ``wgate`` ``[coff·d, hidden]``, ``ape`` ``[r, coff·d]``, ``norm`` ``[d]``. The ratio is
+    ``ape``'s row count and ``coff = 2`` exactly when it is 4."""
+
+    wkv: torch.Tensor
+    wgate: torch.Tensor
+    ape: torch.Tensor
+    norm: torch.Tensor
+
+    def __post_init__(self) -> None:
+        check_float("norm", self.norm, ndim=1)
+        check_float("ape", self.ape, ndim=2)
+        ratio = _check_ratio(self.ape.shape[0])
+        d = self.norm.shape[0]
+        width = _coff(ratio) * d
+        check_float("ape", self.ape, shape=[ratio, width])
+        check_float("wkv", self.wkv, shape=[width, None])
+        check_float("wgate", self.wgate, shape=[width, self.wkv.shape[1]])
+
+    @property
+    def ratio(self) -> int:
+        return self.ape.shape[0]
+
+    @property
+    def coff(self) -> int:
+        return _coff(self.ratio)
+
+    @property
+    def head_dim(self) -> int:
+        return self.norm.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.wkv.shape[1]
+
+    @staticmethod
+    def random(hidden_size: int, head_dim: int, ratio: int, *, seed: int = 0,
+               dtype: torch.dtype = _F64) -> CompressorWeights:
+        """Seeded random weights: projections of unit-variance outputs, ``ape`` of scale 1 (so
+        that the softmax is neither flat nor one-hot), ``norm`` around 1."""
+        check_positive_int("hidden_size", hidden_size)
+        check_positive_int("head_dim", head_dim)
+        width = _coff(_check_ratio(ratio)) * head_dim
+        g = torch.Generator().manual_seed(seed)
+
+        def draw(*shape: int, scale: float) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g, dtype=_F64) * scale).to(dtype)
+
+        return CompressorWeights(
+            wkv=draw(width, hidden_size, scale=hidden_size ** -0.5),
+            wgate=draw(width, hidden_size, scale=hidden_size ** -0.5),
+            ape=draw(ratio, width, scale=1.0),
+            norm=(1.0 + 0.1 * torch.randn(head_dim, generator=g, dtype=_F64)).to(dtype))
+
+
+def compressor_kv_score(x: torch.Tensor, weights: CompressorWeights, positions: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, hidden]`` at ``positions [T]`` -> float64 ``(kv, score)``, each ``[T, coff·d]``:
+    ``kv = x @ wkv^T``, ``score = x @ wgate^T + ape[positions mod r]``."""
+    check_float("x", x, shape=[None, weights.hidden_size])
+    check_tensor("positions", positions, shape=[x.shape[0]], dtype=(torch.int32, torch.int64),
+                 device=x.device)
+    if positions.numel() and int(positions.min()) < 0:
+        raise ValueError(f"positions must be >= 0, got minimum {int(positions.min())}")
+    xw = x.to(_F64)
+    kv = xw @ weights.wkv.to(device=x.device, dtype=_F64).T
+    score = xw @ weights.wgate.to(device=x.device, dtype=_F64).T
+    ape = weights.ape.to(device=x.device, dtype=_F64)
+    return kv, score + ape[positions.long() % weights.ratio]
+
+
+def _pool_windows(kv: torch.Tensor, score: torch.Tensor, first: int, ends: torch.Tensor,
+                  ratio: int, coff: int) -> torch.Tensor:
+    """Pool the windows closing at positions ``ends [n]``; ``kv``, ``score`` ``[L, coff·d]``
+    hold positions ``first .. first + L - 1`` (every window position >= 0 among them)."""
+    d = kv.shape[1] // coff
+    W = coff * ratio
+    slot = torch.arange(W, device=kv.device)
+    pos = ends[:, None] - W + 1 + slot[None, :]  # [n, W]
+    valid = pos >= 0
+    rows = (pos - first).clamp_min(0)
+    cols = (slot // ratio)[:, None] * d + torch.arange(d, device=kv.device)[None, :]  # [W, d]
+    take_kv = kv[rows[:, :, None], cols[None, :, :]]  # [n, W, d]
+    take_s = score[rows[:, :, None], cols[None, :, :]]
+    # masked slots are replaced, not multiplied, so that nothing stored there is read
+    s = torch.where(valid[:, :, None], take_s, float("-inf"))
+    v = torch.where(valid[:, :, None], take_kv, 0.0)
+    return (torch.softmax(s, dim=1) * v).sum(dim=1)
+
+
+def _check_kv_score(kv: torch.Tensor, score: torch.Tensor, coff: int) -> None:
+    check_float("kv", kv, ndim=2)
+    check_float("score", score, shape=list(kv.shape), device=kv.device)
+    if kv.shape[1] % coff or kv.shape[1] == 0:
+        raise ValueError(f"kv's width must be a positive multiple of coff={coff} (coff·d), "
+                         f"got shape {list(kv.shape)}")
+
+
+def compress_pool(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bool
+                  ) -> torch.Tensor:
+    """The pooled entries ``c [T // r, d]`` (float64) of one request's tokens at positions
+    ``0 .. T-1``: ``kv``, ``score [T, coff·d]`` (``score`` with ``ape`` added), ``coff = 2``
+    with ``overlap``. ``overlap`` must be ``ratio == 4``, as DeepSeek-V4 builds it."""
+    ratio = _check_ratio(ratio)
+    if not isinstance(overlap, bool) or overlap != (ratio == 4):
+        raise ValueError(f"overlap must be {ratio == 4} for ratio {ratio} (DeepSeek-V4 "
+                         f"overlaps exactly the ratio-4 compressors), got {overlap!r}")
+    coff = 2 if overlap else 1
+    _check_kv_score(kv, score, coff)
+    n = kv.shape[0] // ratio
+    ends = torch.arange(n, device=kv.device) * ratio + ratio - 1
+    return _pool_windows(kv.to(_F64), score.to(_F64), 0, ends, ratio, coff)
+
+
+def _finish(pooled: torch.Tensor, entry_ids: torch.Tensor, weights: CompressorWeights,
+            config: V4Config) -> torch.Tensor:
+    """RMSNorm, then RoPE at the block's first position ``j·r``."""
+    normed = rms_norm(pooled, weights.norm.to(device=pooled.device, dtype=_F64),
+                      config.rms_norm_eps)
+    if normed.shape[0] == 0:
+        return normed
+    return rope_gptj(normed, entry_ids * weights.ratio, config, weights.ratio)
+
+
+def _check_width(weights: CompressorWeights, config: V4Config) -> None:
+    if weights.head_dim < config.rope_head_dim:
+        raise ValueError(f"weights.norm must have at least rope_head_dim="
+                         f"{config.rope_head_dim} entries, got {weights.head_dim}")
+
+
+def compress(x: torch.Tensor, weights: CompressorWeights, config: V4Config) -> torch.Tensor:
+    """The compressed entries ``[T // r, d]`` (float64, not rounded for storage) of one
+    request's hidden states ``x [T, hidden]`` at positions ``0 .. T-1``."""
+    _check_width(weights, config)
+    check_float("x", x, shape=[None, weights.hidden_size])
+    positions = torch.arange(x.shape[0], device=x.device)
+    kv, score = compressor_kv_score(x, weights, positions)
+    pooled = compress_pool(kv, score, weights.ratio, weights.ratio == 4)
+    return _finish(pooled, torch.arange(pooled.shape[0], device=x.device), weights, config)
+
+
+# ---- the serving form: a state of the last coff·r tokens ----------------------------------
+
+
+@dataclass(frozen=True)
+class CompressorState:
+    """One request's compressor state: ``length`` tokens seen; ``kv`` and ``score`` ``[coff·r,
+    coff·d]`` float64 hold positions ``length - coff·r .. length - 1`` (``score`` with ``ape``
+    added), as vLLM's state cache (a sliding window of ``coff·r`` tokens) does. Rows of
+    positions < 0 are never read, whatever they hold."""
+
+    kv: torch.Tensor
+    score: torch.Tensor
+    length: int
+
+
+def compressor_init_state(weights: CompressorWeights, *, fill: float = float("nan"),
+                          device: torch.device | str = "cpu") -> CompressorState:
+    """The state of a request with no tokens; its rows hold ``fill`` (NaN by default: a
+    position < 0 must never be read)."""
+    W, width = weights.coff * weights.ratio, weights.coff * weights.head_dim
+    rows = torch.full((W, width), float(fill), dtype=_F64, device=device)
+    return CompressorState(kv=rows, score=rows.clone(), length=0)
+
+
+def compressor_step(state: CompressorState, x: torch.Tensor, weights: CompressorWeights,
+                    config: V4Config) -> tuple[torch.Tensor, CompressorState]:
+    """Feed the next ``x [n, hidden]`` tokens (positions ``length .. length + n - 1``) ->
+    ``(entries [m, d], new state)``: the ``m`` entries whose window closes among them (ids
+    ``(length // r) ..``), float64, as ``compress`` gives them."""
+    _check_width(weights, config)
+    if not isinstance(state, CompressorState):
+        raise TypeError(f"state must be a CompressorState, got {type(state).__name__}")
+    W, width = weights.coff * weights.ratio, weights.coff * weights.head_dim
+    check_tensor("state.kv", state.kv, shape=[W, width], dtype=_F64)
+    check_tensor("state.score", state.score, shape=[W, width], dtype=_F64,
+                 device=state.kv.device)
+    if isinstance(state.length, bool) or not isinstance(state.length, int) or state.length < 0:
+        raise ValueError(f"state.length must be an int >= 0, got {state.length!r}")
+    check_float("x", x, shape=[None, weights.hidden_size], device=state.kv.device)
+    L, n, r = state.length, x.shape[0], weights.ratio
+    kv_new, score_new = compressor_kv_score(x, weights, torch.arange(L, L + n, device=x.device))
+    kv = torch.cat([state.kv, kv_new])  # positions L - W .. L + n - 1
+    score = torch.cat([state.score, score_new])
+    first_id, last_id = L // r, (L + n) // r  # entries whose last position lies in [L, L+n)
+    ids = torch.arange(first_id, last_id, device=x.device)
+    pooled = _pool_windows(kv, score, L - W, ids * r + r - 1, r, weights.coff)
+    entries = _finish(pooled, ids, weights, config)
+    return entries, CompressorState(kv=kv[-W:].clone(), score=score[-W:].clone(), length=L + n)
+
+
+# ---- storage rounding ---------------------------------------------------------------------
+
+
+def _check_floor(floor: object) -> str:
+    if floor not in _FLOORS:
+        raise ValueError(f"floor must be one of {_FLOORS}, got {floor!r}")
+    return str(floor)
+
+
+def _check_entries(entries: torch.Tensor) -> torch.Tensor:
+    check_float("entries", entries, ndim=2)
+    if entries.shape[1] not in (MODEL1_D_QK, INDEX_DIM):
+        raise ValueError(f"entries must have shape [n, {MODEL1_D_QK}] (the attention's "
+                         f"compressor) or [n, {INDEX_DIM}] (the indexer's), got "
+                         f"{list(entries.shape)}")
+    return entries
+
+
+def compressed_entries_model1_pages(entries: torch.Tensor, block_size: int = 1
+                                    ) -> torch.Tensor:
+    """The MODEL1 pages (``mla.reference.fp8_model1``) of ``entries [n, 512]``, ``n`` a multiple
+    of ``block_size``, as the CUDA compressor writes them: the nope values rounded to bf16
+    before the e4m3 tiles (``quantize_fp8_model1`` quantizes what it is given), the rope values
+    rounded once, to bf16. The CuTe floor (``max(amax/448, 1e-4)``)."""
+    _check_entries(entries)
+    check_positive_int("block_size", block_size)
+    n = entries.shape[0]
+    if entries.shape[1] != MODEL1_D_QK or n % block_size or n == 0:
+        raise ValueError(f"entries must have shape [n, {MODEL1_D_QK}] with n a positive "
+                         f"multiple of block_size={block_size}, got {list(entries.shape)}")
+    # nope: bf16, then (exactly, in float32) the tiles; rope: one rounding, to bf16
+    rows = torch.cat([entries[:, :MODEL1_D_NOPE].to(torch.bfloat16).to(_F64),
+                      entries[:, MODEL1_D_NOPE:].to(_F64)], dim=1)
+    return quantize_fp8_model1(rows.view(n // block_size, block_size, MODEL1_D_QK))
+
+
+def quantize_compressed_indexer_entries(entries: torch.Tensor
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``entries [n, 128]`` (the indexer compressor's) -> ``(codes uint8 [n, 128], scales
+    float32 [n])`` as the indexer key cache holds them: ``quantize_indexer_k`` (ue8m0) of the
+    bf16-rounded entries."""
+    _check_entries(entries)
+    if entries.shape[1] != INDEX_DIM:
+        raise ValueError(f"entries must have shape [n, {INDEX_DIM}], got {list(entries.shape)}")
+    return quantize_indexer_k(entries.to(torch.bfloat16), scale_fmt="ue8m0")
+
+
+def _model1_triton(entries: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel's rounding of ``[n, 512]``: scale ``2^ceil(log2(max(amax, 1e-4)/448))``
+    per 64 nope values (NaN-free input; a NaN makes its tile NaN)."""
+    nope = entries[:, :MODEL1_D_NOPE].to(torch.bfloat16).float()
+    tiles = nope.unflatten(-1, (MODEL1_D_NOPE // MODEL1_TILE, MODEL1_TILE))
+    amax = tiles.abs().amax(dim=-1, keepdim=True)
+    scale = torch.pow(2.0, torch.log2(amax.clamp_min(SCALE_FLOOR) / FP8_MAX).ceil())
+    codes = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    nope_out = (codes.to(_F64) * scale.to(_F64)).flatten(-2)
+    rope = entries[:, MODEL1_D_NOPE:].to(torch.bfloat16).to(_F64)
+    return torch.cat([nope_out, rope], dim=1)
+
+
+def round_compressed_entries(entries: torch.Tensor, *, floor: str = "cute") -> torch.Tensor:
+    """The float64 values the cache holds for ``entries``: ``[n, 512]`` (MODEL1: e4m3 nope
+    tiles of 64 with UE8M0 scales, bf16 rope; ``floor`` picks the scale's floor, module doc)
+    or ``[n, 128]`` (the indexer's e4m3 with one power-of-two scale per entry; ``floor`` does
+    not apply)."""
+    _check_entries(entries)
+    floor = _check_floor(floor)
+    n = entries.shape[0]
+    if entries.shape[1] == INDEX_DIM:
+        codes, scale = quantize_compressed_indexer_entries(entries)
+        return codes.view(torch.float8_e4m3fn).to(_F64) * scale.to(_F64)[:, None]
+    if n == 0:
+        return entries.to(_F64).clone()
+    if floor == "triton":
+        return _model1_triton(entries)
+    pages = compressed_entries_model1_pages(entries, block_size=n)
+    return dequantize_fp8_model1(pages, n)[0].to(_F64)
