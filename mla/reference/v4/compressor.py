@@ -32,11 +32,11 @@ Storage (``round_compressed_entries``), as the cache holds an entry:
 
 - ``d = 512`` (FlashMLA's MODEL1 row): nope = ``bf16(n)[0:448]``, then e4m3 with one UE8M0
   scale per 64 values; rope = ``bf16`` of the rotation of the unrounded ``n[448:512]``. The
-  scale's floor is ``floor="cute"``, ``2^ceil(log2(max(amax/448, 1e-4)))``: what CUDA runs for
-  ``d = 512`` (the CuTe-DSL kernels; FlashMLA's ``quantize_k_cache`` and
-  ``mla.reference.fp8_model1`` use it too), or ``floor="triton"``,
-  ``2^ceil(log2(max(amax, 1e-4)/448))`` (the Triton kernel other platforms run). They differ
-  only for tiles with ``amax < 0.0448``.
+  scale's floor is ``scale_floor="flashmla"`` (the default), ``2^ceil(log2(max(amax/448,
+  1e-4)))``: what vLLM runs on CUDA (an H100/H200) for ``d = 512``, its CuTe-DSL kernels, and
+  FlashMLA's ``quantize_k_cache``; or ``"vllm"``, ``2^ceil(log2(max(amax, 1e-4)/448))``, vLLM's
+  Triton kernel (ROCm and other platforms). They differ only for tiles with ``amax < 0.0448``
+  (``mla.reference.fp8_model1.ue8m0_exponent``).
 - ``d = 128`` (the indexer's 132-byte key cache): ``bf16`` of the rotated entry, then e4m3 with
   one scale per entry ``2^ceil(log2(max(amax, 1e-4)/448))`` (``quantize_indexer_k``).
 
@@ -56,11 +56,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mla.reference.fp8 import FP8_MAX, SCALE_FLOOR
 from mla.reference.fp8_model1 import D_NOPE as MODEL1_D_NOPE
 from mla.reference.fp8_model1 import D_QK as MODEL1_D_QK
-from mla.reference.fp8_model1 import TILE as MODEL1_TILE
-from mla.reference.fp8_model1 import dequantize_fp8_model1, quantize_fp8_model1
+from mla.reference.fp8_model1 import quantize_fp8_model1, round_fp8_model1
 from mla.reference.front import rms_norm
 from mla.reference.indexer_cache import INDEX_DIM, quantize_indexer_k
 from mla.reference.v4.config import V4Config
@@ -73,7 +71,6 @@ __all__ = ["CompressorWeights", "CompressorState", "COMPRESS_RATIOS", "compresso
            "quantize_compressed_indexer_entries"]
 
 COMPRESS_RATIOS = (4, 128)
-_FLOORS = ("cute", "triton")
 _F64 = torch.float64
 
 
@@ -284,12 +281,6 @@ def compressor_step(state: CompressorState, x: torch.Tensor, weights: Compressor
 # ---- storage rounding ---------------------------------------------------------------------
 
 
-def _check_floor(floor: object) -> str:
-    if floor not in _FLOORS:
-        raise ValueError(f"floor must be one of {_FLOORS}, got {floor!r}")
-    return str(floor)
-
-
 def _check_entries(entries: torch.Tensor) -> torch.Tensor:
     check_float("entries", entries, ndim=2)
     if entries.shape[1] not in (MODEL1_D_QK, INDEX_DIM):
@@ -299,22 +290,28 @@ def _check_entries(entries: torch.Tensor) -> torch.Tensor:
     return entries
 
 
-def compressed_entries_model1_pages(entries: torch.Tensor, block_size: int = 1
-                                    ) -> torch.Tensor:
-    """The MODEL1 pages (``mla.reference.fp8_model1``) of ``entries [n, 512]``, ``n`` a multiple
-    of ``block_size``, as the CUDA compressor writes them: the nope values rounded to bf16
-    before the e4m3 tiles (``quantize_fp8_model1`` quantizes what it is given), the rope values
-    rounded once, to bf16. The CuTe floor (``max(amax/448, 1e-4)``)."""
+def _model1_rows(entries: torch.Tensor) -> torch.Tensor:
+    """float64 rows whose MODEL1 quantization is the compressor's: the nope half rounded to
+    bf16 first (the kernels quantize ``bf16(n)``), the rope half as is (rounded once, to bf16,
+    by the quantizer)."""
+    return torch.cat([entries[:, :MODEL1_D_NOPE].to(torch.bfloat16).to(_F64),
+                      entries[:, MODEL1_D_NOPE:].to(_F64)], dim=1)
+
+
+def compressed_entries_model1_pages(entries: torch.Tensor, block_size: int = 1, *,
+                                    scale_floor: str = "flashmla") -> torch.Tensor:
+    """The MODEL1 pages (``mla.reference.fp8_model1``) of ``entries [n, 512]``, ``n`` a positive
+    multiple of ``block_size``, as the compressor writes them (``quantize_fp8_model1`` of
+    ``bf16(nope) ‖ rope``). ``scale_floor``: ``"flashmla"`` (CUDA's CuTe kernels) or ``"vllm"``
+    (the Triton kernel), see the module doc."""
     _check_entries(entries)
     check_positive_int("block_size", block_size)
     n = entries.shape[0]
     if entries.shape[1] != MODEL1_D_QK or n % block_size or n == 0:
         raise ValueError(f"entries must have shape [n, {MODEL1_D_QK}] with n a positive "
                          f"multiple of block_size={block_size}, got {list(entries.shape)}")
-    # nope: bf16, then (exactly, in float32) the tiles; rope: one rounding, to bf16
-    rows = torch.cat([entries[:, :MODEL1_D_NOPE].to(torch.bfloat16).to(_F64),
-                      entries[:, MODEL1_D_NOPE:].to(_F64)], dim=1)
-    return quantize_fp8_model1(rows.view(n // block_size, block_size, MODEL1_D_QK))
+    rows = _model1_rows(entries).view(n // block_size, block_size, MODEL1_D_QK)
+    return quantize_fp8_model1(rows, scale_floor=scale_floor)
 
 
 def quantize_compressed_indexer_entries(entries: torch.Tensor
@@ -328,33 +325,16 @@ def quantize_compressed_indexer_entries(entries: torch.Tensor
     return quantize_indexer_k(entries.to(torch.bfloat16), scale_fmt="ue8m0")
 
 
-def _model1_triton(entries: torch.Tensor) -> torch.Tensor:
-    """The Triton kernel's rounding of ``[n, 512]``: scale ``2^ceil(log2(max(amax, 1e-4)/448))``
-    per 64 nope values (NaN-free input; a NaN makes its tile NaN)."""
-    nope = entries[:, :MODEL1_D_NOPE].to(torch.bfloat16).float()
-    tiles = nope.unflatten(-1, (MODEL1_D_NOPE // MODEL1_TILE, MODEL1_TILE))
-    amax = tiles.abs().amax(dim=-1, keepdim=True)
-    scale = torch.pow(2.0, torch.log2(amax.clamp_min(SCALE_FLOOR) / FP8_MAX).ceil())
-    codes = (tiles / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    nope_out = (codes.to(_F64) * scale.to(_F64)).flatten(-2)
-    rope = entries[:, MODEL1_D_NOPE:].to(torch.bfloat16).to(_F64)
-    return torch.cat([nope_out, rope], dim=1)
-
-
-def round_compressed_entries(entries: torch.Tensor, *, floor: str = "cute") -> torch.Tensor:
+def round_compressed_entries(entries: torch.Tensor, *, scale_floor: str = "flashmla"
+                             ) -> torch.Tensor:
     """The float64 values the cache holds for ``entries``: ``[n, 512]`` (MODEL1: e4m3 nope
-    tiles of 64 with UE8M0 scales, bf16 rope; ``floor`` picks the scale's floor, module doc)
-    or ``[n, 128]`` (the indexer's e4m3 with one power-of-two scale per entry; ``floor`` does
-    not apply)."""
+    tiles of 64 with UE8M0 scales, bf16 rope; ``scale_floor`` as in
+    ``compressed_entries_model1_pages``) or ``[n, 128]`` (the indexer's e4m3 with one
+    power-of-two scale per entry; ``scale_floor`` does not apply). A NaN makes its whole tile
+    NaN for ``d = 512`` (``round_fp8_model1``), only itself for ``d = 128`` (that amax ignores
+    NaN)."""
     _check_entries(entries)
-    floor = _check_floor(floor)
-    n = entries.shape[0]
     if entries.shape[1] == INDEX_DIM:
         codes, scale = quantize_compressed_indexer_entries(entries)
         return codes.view(torch.float8_e4m3fn).to(_F64) * scale.to(_F64)[:, None]
-    if n == 0:
-        return entries.to(_F64).clone()
-    if floor == "triton":
-        return _model1_triton(entries)
-    pages = compressed_entries_model1_pages(entries, block_size=n)
-    return dequantize_fp8_model1(pages, n)[0].to(_F64)
+    return round_fp8_model1(_model1_rows(entries), scale_floor=scale_floor).to(_F64)
