@@ -40,7 +40,7 @@ from mla.validation import check_float, check_positive_int, check_tensor
 __all__ = [
     "FP8_MODEL1_BYTES", "dequantize_fp8_model1", "fp8_model1_cache", "fp8_model1_page_bytes",
     "fp8_model1_pages", "fp8_model1_rows", "quantize_fp8_model1", "round_fp8_model1",
-    "ue8m0_exponent",
+    "ue8m0_exponent", "write_fp8_model1",
 ]
 
 D_QK = 512  # a token's row: nope ‖ rope
@@ -205,6 +205,34 @@ def round_fp8_model1(k: torch.Tensor, *, scale_floor: str = "flashmla") -> torch
     e4m3 = tiles.to(torch.float8_e4m3fn).float() * scale[..., None]
     return torch.cat([e4m3.flatten(-2).to(torch.bfloat16), k[..., D_NOPE:].to(torch.bfloat16)],
                      dim=-1)
+
+
+def write_fp8_model1(pages: torch.Tensor, block_size: int, slots: torch.Tensor,
+                     rows: torch.Tensor, *, scale_floor: str = "flashmla") -> None:
+    """Quantize ``rows [n, 512]`` into ``pages`` at global ``slots [n]`` (``block ·
+    block_size + offset``), in place: each token's 576 data bytes and 8 scale bytes, as a
+    cache writer does (``scale_floor``: see ``ue8m0_exponent``)."""
+    pages = _check_pages(pages, block_size)
+    check_float("rows", rows, ndim=2)
+    if rows.shape[1] != D_QK:
+        raise ValueError(f"rows must have shape [n, {D_QK}], got {list(rows.shape)}")
+    if slots.shape != (rows.shape[0],):
+        raise ValueError(f"slots must have shape [{rows.shape[0]}] (one per row), got "
+                         f"{list(slots.shape)}")
+    if rows.shape[0] == 0:
+        return
+    slots = slots.long().to(pages.device)
+    if int(slots.min()) < 0 or int(slots.max()) >= pages.shape[0] * block_size:
+        raise ValueError(f"slots must lie in [0, {pages.shape[0] * block_size}), got range "
+                         f"[{int(slots.min())}, {int(slots.max())}]")
+    one = quantize_fp8_model1(rows[:, None, :], scale_floor=scale_floor)  # pages of 1 token
+    block = torch.div(slots, block_size, rounding_mode="floor")[:, None]
+    offset = (slots % block_size)[:, None]
+    data_cols = offset * DATA_BYTES + torch.arange(DATA_BYTES, device=pages.device)
+    scale_cols = (DATA_BYTES * block_size + offset * SCALE_BYTES
+                  + torch.arange(SCALE_BYTES, device=pages.device))
+    pages[block, data_cols] = one[:, :DATA_BYTES]
+    pages[block, scale_cols] = one[:, DATA_BYTES:FP8_MODEL1_BYTES]
 
 
 def dequantize_fp8_model1(pages: torch.Tensor, block_size: int) -> torch.Tensor:
