@@ -1,4 +1,4 @@
-"""``python -m benchmarks.peers [--wheel PATH] [--dest peers] [--topk] [--deepgemm]``: other
+"""``python -m benchmarks.peers [--wheel PATH] [--dest peers] [--topk] [--deepgemm] [--v41]``: other
 people's MLA kernels, unpacked for ``mla conform`` without installing vLLM.
 
 The ``vllm==0.33.0`` wheel (about 330 MB) holds FlashMLA's compiled extension and its Python
@@ -29,6 +29,12 @@ vllm-topk`` / ``vllm-cache`` and ``benchmarks.topk_peers``), for sm_90 alone and
 (26 MB); ``--deepgemm`` adds DeepGEMM as vLLM ships it (``vllm/third_party/deep_gemm``: the
 indexer's logits kernels, for ``--target deepgemm`` and ``benchmarks.indexer_peers``), its
 extension and headers compressed (6 MB).
+
+``--v41`` adds DeepSeek-V4.1's cache codecs as vLLM 0.33 writes and reads them (for
+``benchmarks.v41_codecs``): the ``@triton.jit`` functions ``V41_KERNELS`` names, copied
+verbatim by their source lines from three modules whose imports reach most of vLLM
+(``fused_compress_quant_cache.py``, ``cache_utils.py``, ``fused_indexer_q.py``), into one module
+``V41_MODULE`` that imports only ``vllm.triton_utils`` (the stub below).
 
 FlashInfer is not unpacked here: ``flashinfer-python`` 0.7.2.post1 unpacks to 685 MiB (its
 CUDA sources, which it compiles with nvcc at the first ``plan``), and it needs packages of its
@@ -75,6 +81,21 @@ DCP_SOURCE = "vllm/v1/attention/ops/dcp.py"
 DCP_CLASS, DCP_KERNEL = "CorrectAttnCPOutKernel", "kernel"
 DCP_MODULE = "vllm/v1/attention/ops/dcp_correct_attn_out.py"
 PACKAGES = ("vllm", "vllm/third_party", "vllm/v1", "vllm/v1/attention", "vllm/v1/attention/ops")
+
+# --v41: DeepSeek-V4.1's MXFP8 (528 B) and NVFP4 (288 B) writers and readers, by source file
+V41_OPS = "vllm/models/deepseek_v41/common/ops/"
+V41_KERNELS = {
+    V41_OPS + "fused_compress_quant_cache.py": (
+        "_rope_quant_insert_mxfp8_kernel", "_rope_quant_insert_nvfp4_kernel"),
+    V41_OPS + "cache_utils.py": (
+        "_quantize_and_insert_k_mxfp8_kernel", "_dequantize_and_gather_k_mxfp8_kernel",
+        "_dequantize_and_gather_k_nvfp4_kernel"),
+    # the e2m1 pair conversion the NVFP4 writer calls (inline PTX, sm_100 and later)
+    "vllm/models/deepseek_v4/common/ops/fused_indexer_q.py": ("_fp32x2_to_fp4x2",),
+}
+V41_MODULE = V41_OPS + "v41_codec_kernels.py"
+V41_PACKAGES = ("vllm/models", "vllm/models/deepseek_v41", "vllm/models/deepseek_v41/common",
+                V41_OPS.rstrip("/"))
 
 STUBS = {
     "vllm/platforms.py": '''\
@@ -156,6 +177,52 @@ def dcp_kernel_source(dcp_py: str) -> str:
             f"vLLM launches it with grid (num_tokens, num_heads, 1) and these keyword "
             f"constants:\nHEAD_DIM, N_ROUNDED (= the number of ranks), IS_BASE_E.\n"
             f'"""\n\nfrom vllm.triton_utils import tl, triton\n\n\n@triton.jit\n{body}\n')
+
+
+def v41_kernels_source(sources: dict[str, str]) -> str:
+    """The module written to ``V41_MODULE``: each function ``V41_KERNELS`` names, with its
+    decorator, copied verbatim from its file's source (``sources``: path -> text)."""
+    parts = []
+    for path, names in V41_KERNELS.items():
+        tree = ast.parse(sources[path])
+        lines = sources[path].splitlines()
+        found = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for name in names:
+            fn = found.get(name)
+            if fn is None:
+                raise SystemExit(f"{path} has no function {name}: the wheel's layout changed; "
+                                 "update benchmarks/peers.py")
+            decorators = [ast.unparse(d) for d in fn.decorator_list]
+            if not any(d.startswith("triton.jit") for d in decorators):
+                raise SystemExit(f"{path}: {name} is decorated {decorators}, expected "
+                                 "triton.jit")
+            first = min(d.lineno for d in fn.decorator_list)
+            parts.append(f"# {path}, lines {first}-{fn.end_lineno}\n"
+                         + "\n".join(lines[first - 1:fn.end_lineno]))
+    names = ", ".join(n for ns in V41_KERNELS.values() for n in ns)
+    return (f'"""DeepSeek-V4.1 cache codecs of vLLM 0.33.0, copied verbatim by '
+            f'benchmarks/peers.py --v41:\n{names}.\n"""\n\n'
+            "from vllm.triton_utils import tl, triton\n\n\n" + "\n\n\n".join(parts) + "\n")
+
+
+def extract_v41(wheel: Path, dest: Path) -> dict[str, str]:
+    """Write ``V41_MODULE`` and its packages' ``__init__.py`` into ``dest`` (the stubs come
+    from ``extract_vllm``); returns {relative path: sha256}."""
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        missing = [m for m in V41_KERNELS if m not in names]
+        if missing:
+            raise SystemExit(f"{wheel.name} lacks {missing}")
+        sources = {m: z.read(m).decode() for m in V41_KERNELS}
+    written = {}
+    for rel, data in [(V41_MODULE, v41_kernels_source(sources).encode()),
+                      *[(f"{pkg}/__init__.py", b"") for pkg in V41_PACKAGES]]:
+        path = dest / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            path.write_bytes(data)
+        written[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return written
 
 
 def extract_vllm(wheel: Path, dest: Path) -> dict[str, str]:
@@ -295,7 +362,8 @@ def check_python(dest: Path, written: dict[str, str]) -> list[str]:
     for mod in ("vllm.v1.attention.ops.triton_decode_attention",
                 "vllm.v1.attention.ops.triton_merge_attn_states",
                 "vllm.v1.attention.ops.dcp_correct_attn_out",
-                "vllm.third_party.flashmla.flash_mla_interface"):
+                "vllm.third_party.flashmla.flash_mla_interface",
+                *([V41_MODULE[:-3].replace("/", ".")] if V41_MODULE in written else [])):
         try:
             importlib.import_module(mod)
         except Exception as e:  # noqa: BLE001 (reported, e.g. the .so without CUDA)
@@ -321,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also DeepGEMM (vllm/third_party/deep_gemm: the indexer's logits "
                         "kernels), its extension and headers xz-compressed (6 MB), for "
                         "mla conform --target deepgemm")
+    p.add_argument("--v41", action="store_true",
+                   help="also DeepSeek-V4.1's cache codec kernels (MXFP8 528 B, NVFP4 288 B), "
+                        "copied into one module, for benchmarks.v41_codecs")
     args = p.parse_args(argv)
 
     wheel = args.wheel or download(VLLM, args.cache)
@@ -330,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.dest)  # a stale file from another version must not linger
     args.dest.mkdir(parents=True)
     written = extract_vllm(wheel, args.dest)
+    if args.v41:
+        written.update(extract_v41(wheel, args.dest))
     if args.topk:
         rel, data = topk_library(wheel)
         (args.dest / rel).write_bytes(data)
