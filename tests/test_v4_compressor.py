@@ -317,3 +317,25 @@ def test_bad_input():
         round_compressed_entries(torch.zeros(2, 512, dtype=F64), scale_floor="cute")
     with pytest.raises(ValueError, match="block_size"):
         compressed_entries_model1_pages(torch.zeros(3, 512, dtype=F64), 2)
+
+
+# ---- a layer's compressor ---------------------------------------------------------------------
+
+def test_a_layers_compressed_cache_entries():
+    from mla.reference.v4.compressor import compressed_cache_entries, compressor_weights_of
+    from mla.reference.v4.weights import V4LayerWeights
+    lw = V4LayerWeights.random(CONFIG, 128, seed=12)
+    w = compressor_weights_of(lw)
+    assert w.ratio == 128 and w.head_dim == 512 and torch.equal(w.ape, lw["compressor.ape"])
+    x = _x(260)
+    exact = compress(x, w, CONFIG)
+    assert torch.equal(compressed_cache_entries(x, lw, "float64"), exact)
+    assert torch.equal(compressed_cache_entries(x, lw, "bfloat16"),
+                       exact.to(torch.bfloat16).to(F64))
+    assert torch.equal(compressed_cache_entries(x, lw), round_compressed_entries(exact))
+    assert compressor_weights_of(V4LayerWeights.random(CONFIG, 4),
+                                 "indexer.compressor.").norm.shape == (128,)
+    with pytest.raises(ValueError, match="compressor"):
+        compressor_weights_of(V4LayerWeights.random(CONFIG, 1))
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        compressed_cache_entries(x, lw, "fp8")

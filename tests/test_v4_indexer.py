@@ -253,3 +253,22 @@ def test_bad_input():
         v4_indexer_weights(x, W, CONFIG, s[:, :2])
     with pytest.raises(ValueError, match="k_scale"):
         v4_indexer_logits(q, w, k, ks[:1], pos)
+
+
+def test_a_layers_indexer():
+    from mla.reference.front import rms_norm
+    from mla.reference.v4.indexer import indexer_topk_for_layer, indexer_weights_of
+    from mla.reference.v4.weights import V4LayerWeights
+    lw = V4LayerWeights.random(CONFIG, 4, seed=13)
+    iw = indexer_weights_of(lw)
+    assert torch.equal(iw.wq_b, lw["indexer.wq_b.weight"]) and iw.compressor.ratio == 4
+    x, _ = _inputs(30, seed=9)
+    q_latent = rms_norm(x @ lw["wq_a.weight"].T, lw["q_norm.weight"], CONFIG.rms_norm_eps)
+    pos = torch.arange(30)
+    for dtype, quantize in (("float64", False), ("bfloat16", True), ("fp8_ds_mla", True)):
+        assert torch.equal(indexer_topk_for_layer(x, q_latent, lw, dtype),
+                           v4_indexer_topk(x, q_latent, pos, iw, CONFIG, quantize=quantize))
+    with pytest.raises(ValueError, match="ratio"):
+        indexer_weights_of(V4LayerWeights.random(CONFIG, 128))
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        indexer_topk_for_layer(x, q_latent, lw, "fp8")

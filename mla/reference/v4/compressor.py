@@ -63,14 +63,17 @@ from mla.reference.front import rms_norm
 from mla.reference.indexer_cache import INDEX_DIM, quantize_indexer_k
 from mla.reference.v4.config import V4Config
 from mla.reference.v4.rope import rope_gptj
+from mla.reference.v4.weights import V4LayerWeights
 from mla.validation import check_float, check_positive_int, check_tensor
 
 __all__ = ["CompressorWeights", "CompressorState", "COMPRESS_RATIOS", "compressor_kv_score",
            "compress_pool", "compress", "compressor_init_state", "compressor_step",
            "round_compressed_entries", "compressed_entries_model1_pages",
-           "quantize_compressed_indexer_entries"]
+           "quantize_compressed_indexer_entries", "compressor_weights_of",
+           "compressed_cache_entries"]
 
 COMPRESS_RATIOS = (4, 128)
+_KV_CACHE_DTYPES = ("float64", "bfloat16", "fp8_ds_mla")  # the layer's (mla.reference.v4.layer)
 _F64 = torch.float64
 
 
@@ -338,3 +341,39 @@ def round_compressed_entries(entries: torch.Tensor, *, scale_floor: str = "flash
         codes, scale = quantize_compressed_indexer_entries(entries)
         return codes.view(torch.float8_e4m3fn).to(_F64) * scale.to(_F64)[:, None]
     return round_fp8_model1(_model1_rows(entries), scale_floor=scale_floor).to(_F64)
+
+
+# ---- a layer's compressor -------------------------------------------------------------------
+
+
+def compressor_weights_of(weights: V4LayerWeights, prefix: str = "compressor."
+                          ) -> CompressorWeights:
+    """The compressor under ``prefix`` of a layer's checkpoint tensors (``"compressor."``, or
+    ``"indexer.compressor."`` for the indexer's)."""
+    if not isinstance(weights, V4LayerWeights):
+        raise TypeError(f"weights must be a V4LayerWeights, got {type(weights).__name__}")
+    t = weights.sub(prefix)
+    missing = [n for n in ("wkv.weight", "wgate.weight", "ape", "norm.weight") if n not in t]
+    if missing:
+        raise ValueError(f"weights has no {prefix}{missing[0]} (a layer of ratio "
+                         f"{weights.ratio}: only ratios 4 and 128 have a compressor)")
+    return CompressorWeights(wkv=t["wkv.weight"], wgate=t["wgate.weight"], ape=t["ape"],
+                             norm=t["norm.weight"])
+
+
+def compressed_cache_entries(x: torch.Tensor, weights: V4LayerWeights,
+                             kv_cache_dtype: str = "fp8_ds_mla", *,
+                             scale_floor: str = "flashmla") -> torch.Tensor:
+    """A layer's compressed entries ``[T // r, 512]`` (float64) for one request's ``x [T,
+    hidden]`` (positions ``0 .. T-1``), as a cache of ``kv_cache_dtype`` holds them:
+    ``"float64"`` exact, ``"bfloat16"`` the entry in bf16 (vLLM's full-row cache),
+    ``"fp8_ds_mla"`` MODEL1 (``round_compressed_entries`` with ``scale_floor``)."""
+    if kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got "
+                         f"{kv_cache_dtype!r}")
+    entries = compress(x, compressor_weights_of(weights), weights.config)
+    if kv_cache_dtype == "float64":
+        return entries
+    if kv_cache_dtype == "bfloat16":
+        return entries.to(torch.bfloat16).to(_F64)
+    return round_compressed_entries(entries, scale_floor=scale_floor)

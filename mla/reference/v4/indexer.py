@@ -52,14 +52,17 @@ from mla.reference.indexer_logits import fp8_mqa_logits, top_k_per_row
 from mla.reference.v4.compressor import (
     CompressorWeights,
     compress,
+    compressor_weights_of,
     quantize_compressed_indexer_entries,
 )
 from mla.reference.v4.config import V4Config
 from mla.reference.v4.rope import rope_gptj
+from mla.reference.v4.weights import V4LayerWeights
 from mla.validation import check_float, check_index, check_same_device, check_tensor
 
 __all__ = ["IndexerV4Weights", "v4_indexer_q", "v4_indexer_weights", "v4_indexer_k",
-           "v4_indexer_logits", "v4_indexer_topk", "v4_visible_entries"]
+           "v4_indexer_logits", "v4_indexer_topk", "v4_visible_entries", "indexer_weights_of",
+           "indexer_topk_for_layer"]
 
 INDEXER_RATIO = 4  # only C4A layers have an indexer
 _F64 = torch.float64
@@ -262,3 +265,30 @@ def v4_indexer_topk(x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor,
     logits = v4_indexer_logits(q, w, k, k_scale, positions, ratio)
     starts = torch.zeros(T, dtype=torch.int64, device=x.device)
     return top_k_per_row(logits, starts, n_visible, topk)
+
+
+def indexer_weights_of(weights: V4LayerWeights) -> IndexerV4Weights:
+    """The indexer of a ratio-4 layer's checkpoint tensors (``indexer.*``)."""
+    if not isinstance(weights, V4LayerWeights):
+        raise TypeError(f"weights must be a V4LayerWeights, got {type(weights).__name__}")
+    if weights.ratio != INDEXER_RATIO:
+        raise ValueError(f"weights must be a ratio-{INDEXER_RATIO} layer's (only C4A layers "
+                         f"have an indexer), got ratio {weights.ratio}")
+    return IndexerV4Weights(wq_b=weights["indexer.wq_b.weight"],
+                            weights_proj=weights["indexer.weights_proj.weight"],
+                            compressor=compressor_weights_of(weights, "indexer.compressor."))
+
+
+def indexer_topk_for_layer(x: torch.Tensor, q_latent: torch.Tensor, weights: V4LayerWeights,
+                           kv_cache_dtype: str = "fp8_ds_mla") -> torch.Tensor:
+    """``v4_indexer_topk`` of a ratio-4 layer for one request: ``x [T, hidden]`` and its normed
+    query latents ``q_latent [T, q_lora_rank]`` at positions ``0 .. T-1``. The indexer's fp8
+    roundings are vLLM's whatever the attention cache holds, except with ``kv_cache_dtype =
+    "float64"`` (every rounding off: ``quantize=False``)."""
+    if kv_cache_dtype not in ("float64", "bfloat16", "fp8_ds_mla"):
+        raise ValueError(f"kv_cache_dtype must be one of ('float64', 'bfloat16', 'fp8_ds_mla')"
+                         f", got {kv_cache_dtype!r}")
+    check_float("x", x, ndim=2)
+    positions = torch.arange(x.shape[0], device=x.device)
+    return v4_indexer_topk(x, q_latent, positions, indexer_weights_of(weights), weights.config,
+                           quantize=kv_cache_dtype != "float64")
