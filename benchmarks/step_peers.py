@@ -56,7 +56,8 @@ decode, the top-k fp8_ds_mla rows of each new token (656 B each) or, prefill, ea
 fp8_ds_mla rows once; FLOPs: the projections, the attention over top-k rows (576 + 512 a pair
 and head) and the indexer logits counted at half (e4m3 runs at twice the bf16 rate on sm_90).
 Each row also holds the relative difference of the two sides' outputs (top-k ties may pick
-other keys) and, decode, of ours against ``mla.fast.sparse_decode_forward``.
+other keys; vLLM's writer quantizes the new index keys from bf16, ours from float32) and of
+ours against ``mla.fast``'s own layer call.
 
 Targets, reported and not asserted: ours <= 1.00x the peers' composition at every shape, ours
 within 2x of the floor at B >= 32, eager within 1.5x of the graph replay.
@@ -108,7 +109,8 @@ from mla.weights import MLAWeights
 
 __all__ = ["DECODE", "PREFILL", "QUICK_DECODE", "QUICK_PREFILL", "STAGES", "parse_args",
            "floor_us", "step_cost", "weight_bytes", "make_row", "markdown", "short_table",
-           "load_peers", "bench_decode", "bench_prefill", "main"]
+           "load_peers", "decode_inputs", "prefill_inputs", "bench_decode", "bench_prefill",
+           "main"]
 
 FP8_DS_MLA_ROW = 656  # bytes of one fp8_ds_mla token
 WORKSPACE_BYTES = 1 << 20  # vLLM's RADIX_TOPK_WORKSPACE_SIZE
@@ -208,8 +210,8 @@ def make_row(step: str, shape: dict, timings: dict, peer_of: dict[str, str], cos
            "eager_over_graph": _ratio(timings.get("eager_us"), ours),
            "peers_eager_us": timings.get("peers_eager_us"), "cost": dict(cost),
            "stages": stages}
-    for k in ("ours_model_us", "rel_diff_ours_vs_peers", "rel_diff_ours_vs_model",
-              "peers_error", "cache_GB"):
+    for k in ("ours_model_us", "ours_model_error", "rel_diff_ours_vs_peers",
+              "rel_diff_ours_vs_model", "peers_error", "peer_stage_errors", "cache_GB"):
         if k in timings:
             row[k] = timings[k]
     return row
@@ -407,6 +409,12 @@ def _peer_cache_writes(vllm: dict, device: torch.device) -> StageFn | None:
     return cache_writes
 
 
+def _arity(op: object, default: int) -> int:
+    """How many arguments a torch op's schema takes (``default`` where it has none)."""
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    return default if schema is None else len(schema.arguments)
+
+
 def _ours_conversion(st: State) -> State:
     ws = {} if "ws_starts" not in st else {"prefill_workspace_request_ids": st["req32"],
                                            "prefill_workspace_starts": st["ws_starts"]}
@@ -456,16 +464,18 @@ def _decode_stages(w: MLAWeights, iw: IndexerWeights, peers: dict, st: State
     if dg is not None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         rows2d = st["rows2d"]
-        meta = dg.get_paged_mqa_logits_metadata(rows2d, BLOCK, sms // (2 if n == 4 else 1))
         ik4 = st["ik"].view(st["ik"].shape[0], BLOCK, 1, INDEX_K_BYTES)
+        meta: list[torch.Tensor] = []  # the schedule, computed at the first (eager) call
 
         def dg_logits(s: State) -> State:
+            if not meta:
+                meta.append(dg.get_paged_mqa_logits_metadata(rows2d, BLOCK,
+                                                             sms // (2 if n == 4 else 1)))
             q = s["q_fp8"].view(B, n, *s["q_fp8"].shape[1:])
             return {"logits": dg.fp8_fp4_paged_mqa_logits((q, None), ik4, s["w_q"], rows2d,
-                                                          s["bt32"], meta, width)}
+                                                          s["bt32"], meta[0], width)}
         theirs["indexer_logits"] = dg_logits
         peer_of["indexer_logits"] = "DeepGEMM fp8_fp4_paged_mqa_logits"
-        st["_dg_meta"] = meta  # kept alive with the state
     vllm = peers.get("vllm", {})
     R = B * n
     kernel = "cooperative_topk" if R <= COOPERATIVE_MAX_ROWS else "persistent_topk"
@@ -579,10 +589,13 @@ def _prefill_stages(w: MLAWeights, iw: IndexerWeights, peers: dict, st: State
         theirs["top_k"], peer_of["top_k"] = vllm_top_k, "vLLM top_k_per_row_prefill"
     if "cp_gather_and_upconvert_fp8_kv_cache" in vllm:
         op_ws = vllm["cp_gather_and_upconvert_fp8_kv_cache"]
+        # (src_cache, dst, block_table, workspace_starts, batch_size, then optional tensors:
+        # seq_starts, and in 0.33 host_cache, host_row_ids, device_row_ids), passed as None
+        ws_optional = (None,) * (_arity(op_ws, 9) - 5)
 
         def vllm_latent_gather(s: State) -> State:
             ws = torch.empty(n_keys, cfg.latent_dim, dtype=torch.bfloat16, device=dev)
-            op_ws(s["kv"], ws, s["bt32"], s["ws_starts"], 1, None, None, None, None)
+            op_ws(s["kv"], ws, s["bt32"], s["ws_starts"], 1, *ws_optional)
             return {"workspace": ws}
         theirs["latent_gather"] = vllm_latent_gather
         peer_of["latent_gather"] = "vLLM cp_gather_and_upconvert_fp8_kv_cache"
@@ -643,16 +656,45 @@ def _tb() -> str:
     return traceback.format_exc()[-4000:]
 
 
-def _time_sides(ours: list, theirs: list, inputs: State, reps: int, runs: int,
-                with_peers: bool, timings: dict) -> tuple[State, State | None]:
+def _run_peers(ours: list[tuple[str, StageFn]], theirs: list[tuple[str, StageFn]],
+               inputs: State, peer_of: dict[str, str], timings: dict
+               ) -> tuple[list[tuple[str, StageFn]], State]:
+    """The peers' step run once, stage by stage (their JIT compiles, FlashMLA fills its
+    schedule): a peer stage that raises is replaced by ours, its ``peer_of`` set to
+    ``"ours"`` and its traceback kept in ``timings["peer_stage_errors"]``."""
+    ours_fn = dict(ours)
+    kept: list[tuple[str, StageFn]] = []
+    st = dict(inputs)
+    for name, fn in theirs:
+        try:
+            st.update(fn(st))
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 (recorded: ours runs in its place)
+            if fn is ours_fn[name]:
+                raise
+            timings.setdefault("peer_stage_errors", {})[name] = _tb()
+            log(f"  peer stage {name} failed, ours in its place: "
+                + timings["peer_stage_errors"][name].strip().splitlines()[-1])
+            torch.cuda.synchronize()
+            fn = ours_fn[name]
+            peer_of[name] = "ours"
+            st.update(fn(st))
+        kept.append((name, fn))
+    return kept, st
+
+
+def _time_sides(ours: list[tuple[str, StageFn]], theirs: list[tuple[str, StageFn]],
+                inputs: State, reps: int, runs: int, peer_of: dict[str, str], timings: dict
+                ) -> tuple[State, State | None]:
     """Both sides run once (compiles, JIT, FlashMLA's schedule), then each stage and each
-    whole step timed as graphs; the peers' whole step eagerly too. Fills ``timings``."""
+    whole step timed as graphs; the peers' whole step eagerly too. Fills ``timings`` (and
+    ``peer_of`` where a peer stage fails)."""
+    with_peers = any(v != "ours" and not v.startswith("torch") for v in peer_of.values())
     st_ours = _run(ours, inputs)
     st_peers = None
     if with_peers:
         try:
-            st_peers = _run(theirs, inputs)
-            torch.cuda.synchronize()
+            theirs, st_peers = _run_peers(ours, theirs, inputs, peer_of, timings)
             timings["rel_diff_ours_vs_peers"] = _rel(st_ours["out"], st_peers["out"])
         except Exception:  # noqa: BLE001 (recorded: ours is still timed)
             timings["peers_error"] = _tb()
@@ -691,14 +733,14 @@ def _weights(device: str = "cuda") -> tuple[MLAWeights, IndexerWeights]:
             IndexerWeights.random(cfg, seed=1, dtype=torch.bfloat16, device=device))
 
 
-def bench_decode(B: int, L: int, next_n: int, w: MLAWeights, iw: IndexerWeights, peers: dict,
-                 ceil: dict, reps: int, runs: int, seed: int = 0) -> dict:
-    """One decode shape's row (``make_row``)."""
-    cfg, dev = w.config, torch.device("cuda")
-    shape = {"B": B, "L": L, "next_n": next_n}
+def decode_inputs(cfg: MLAConfig, B: int, L: int, next_n: int, device: str = "cuda",
+                  seed: int = 0) -> State:
+    """A decode shape's inputs and per-step metadata: ``B`` requests of ``L`` cached tokens
+    (caches of ``B · ceil((L + next_n) / 64)`` scrambled pages), ``next_n`` new tokens each."""
+    dev = torch.device(device)
     per_req = -(-(L + next_n) // BLOCK)
     num_pages = B * per_req
-    kv, ik = _caches(num_pages, "cuda", seed)
+    kv, ik = _caches(num_pages, device, seed)
     perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
     bt32 = perm.view(B, per_req).to(torch.int32).to(dev)
     cache_seqlens = torch.full((B,), L, dtype=torch.int32, device=dev)
@@ -710,18 +752,58 @@ def bench_decode(B: int, L: int, next_n: int, w: MLAWeights, iw: IndexerWeights,
     req = torch.arange(B, device=dev).repeat_interleave(next_n)
     seq_lens = (cache_seqlens + next_n).to(torch.int32)
     row_ends = decode_row_ends(seq_lens, next_n)
-    inputs: State = {
+    return {
         "B": B, "L": L, "next_n": next_n, "T": T, "width": per_req * BLOCK,
+        "hidden3": hidden, "cache_seqlens": cache_seqlens,
         "hidden": hidden.reshape(T, -1), "positions": positions, "kv": kv, "ik": ik,
         "bt32": bt32, "req32": req.to(torch.int32),
         "slots": token_slots(bt32, req, positions, BLOCK, validate=False),
         "seq_lens": seq_lens, "row_ends": row_ends,
         "row_starts": torch.zeros(T, dtype=torch.int32, device=dev),
         "rows2d": row_ends.view(B, next_n).contiguous()}
+
+
+def prefill_inputs(cfg: MLAConfig, chunk: int, context: int, device: str = "cuda",
+                   seed: int = 0) -> State:
+    """A prefill shape's inputs and per-step metadata: one request, ``chunk`` new tokens after
+    ``context`` cached ones; the gathers' offsets, row ranges and workspace starts."""
+    dev = torch.device(device)
+    n_keys = context + chunk
+    per_req = -(-n_keys // BLOCK)
+    kv, ik = _caches(per_req, device, seed)
+    perm = torch.randperm(per_req, generator=torch.Generator().manual_seed(seed))
+    bt32 = perm.view(1, per_req).to(torch.int32).to(dev)
+    g = torch.Generator(device=dev).manual_seed(seed + 1)
+    hidden = torch.randn(chunk, cfg.hidden_size, device=dev, dtype=torch.bfloat16, generator=g)
+    positions = context + torch.arange(chunk, device=dev)
+    req = torch.zeros(chunk, dtype=torch.long, device=dev)
+    all_pos = torch.arange(n_keys, device=dev)
+    all_slots = token_slots(bt32, torch.zeros_like(all_pos), all_pos, BLOCK, validate=False)
+    values_at, scale_at = _byte_offsets(all_slots, BLOCK)
+    ks = torch.zeros(chunk, dtype=torch.int32, device=dev)  # the request's keys start at 0
+    ke = (positions + 1).to(torch.int32)
+    return {
+        "T": chunk, "context": context, "n_keys": n_keys, "max_seqlen_k": n_keys,
+        "hidden": hidden, "positions": positions, "kv": kv, "ik": ik, "bt32": bt32,
+        "req32": req.to(torch.int32),
+        "slots": token_slots(bt32, req, positions, BLOCK, validate=False),
+        "key_values_at": values_at, "key_scale_at": scale_at, "ws_slots": all_slots,
+        "ks": ks, "ke": ke, "row_lens": (ke - ks).contiguous(),
+        "cu_keys": torch.tensor([0, n_keys], dtype=torch.int32, device=dev),
+        "ws_starts": torch.zeros(1, dtype=torch.int32, device=dev)}
+
+
+def bench_decode(B: int, L: int, next_n: int, w: MLAWeights, iw: IndexerWeights, peers: dict,
+                 ceil: dict, reps: int, runs: int, seed: int = 0) -> dict:
+    """One decode shape's row (``make_row``)."""
+    cfg = w.config
+    shape = {"B": B, "L": L, "next_n": next_n}
+    inputs = decode_inputs(cfg, B, L, next_n, "cuda", seed)
+    kv, ik, bt32 = inputs["kv"], inputs["ik"], inputs["bt32"]
+    hidden, cache_seqlens = inputs["hidden3"], inputs["cache_seqlens"]
     timings: dict = {"cache_GB": (kv.numel() + ik.numel()) / 1e9}
     ours, theirs, peer_of = _decode_stages(w, iw, peers, inputs)
-    with_peers = any(v != "ours" and not v.startswith("torch") for v in peer_of.values())
-    st_ours, _ = _time_sides(ours, theirs, inputs, reps, runs, with_peers, timings)
+    st_ours, _ = _time_sides(ours, theirs, inputs, reps, runs, peer_of, timings)
 
     def model() -> torch.Tensor:
         return fast_sparse.sparse_decode_forward(w, iw, hidden, kv, ik, bt32, cache_seqlens,
@@ -740,39 +822,19 @@ def bench_decode(B: int, L: int, next_n: int, w: MLAWeights, iw: IndexerWeights,
 def bench_prefill(chunk: int, context: int, w: MLAWeights, iw: IndexerWeights, peers: dict,
                   ceil: dict, reps: int, runs: int, seed: int = 0) -> dict:
     """One prefill shape's row: one request, ``chunk`` new tokens after ``context`` cached."""
-    cfg, dev = w.config, torch.device("cuda")
+    cfg = w.config
     shape = {"chunk": chunk, "context": context, "requests": 1}
-    n_keys = context + chunk
-    per_req = -(-n_keys // BLOCK)
-    kv, ik = _caches(per_req, "cuda", seed)
-    perm = torch.randperm(per_req, generator=torch.Generator().manual_seed(seed))
-    bt32 = perm.view(1, per_req).to(torch.int32).to(dev)
-    g = torch.Generator(device=dev).manual_seed(seed + 1)
-    hidden = torch.randn(chunk, cfg.hidden_size, device=dev, dtype=torch.bfloat16, generator=g)
-    positions = context + torch.arange(chunk, device=dev)
-    req = torch.zeros(chunk, dtype=torch.long, device=dev)
-    all_pos = torch.arange(n_keys, device=dev)
-    all_slots = token_slots(bt32, torch.zeros_like(all_pos), all_pos, BLOCK, validate=False)
-    values_at, scale_at = _byte_offsets(all_slots, BLOCK)
-    ks = torch.zeros(chunk, dtype=torch.int32, device=dev)  # the request's keys start at 0
-    ke = (positions + 1).to(torch.int32)
-    inputs: State = {
-        "T": chunk, "n_keys": n_keys, "max_seqlen_k": n_keys, "hidden": hidden,
-        "positions": positions, "kv": kv, "ik": ik, "bt32": bt32,
-        "req32": req.to(torch.int32),
-        "slots": token_slots(bt32, req, positions, BLOCK, validate=False),
-        "key_values_at": values_at, "key_scale_at": scale_at, "ws_slots": all_slots,
-        "ks": ks, "ke": ke, "row_lens": (ke - ks).contiguous(),
-        "cu_keys": torch.tensor([0, n_keys], dtype=torch.int32, device=dev),
-        "ws_starts": torch.zeros(1, dtype=torch.int32, device=dev)}
+    inputs = prefill_inputs(cfg, chunk, context, "cuda", seed)
+    kv, ik = inputs["kv"], inputs["ik"]
     timings: dict = {"cache_GB": (kv.numel() + ik.numel()) / 1e9}
     ours, theirs, peer_of = _prefill_stages(w, iw, peers, inputs)
-    with_peers = any(v != "ours" and not v.startswith("torch") for v in peer_of.values())
-    _time_sides(ours, theirs, inputs, reps, runs, with_peers, timings)
-    qsl = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
+    st_ours, _ = _time_sides(ours, theirs, inputs, reps, runs, peer_of, timings)
+    qsl = torch.tensor([0, chunk], dtype=torch.int32, device=kv.device)
 
     def model() -> torch.Tensor:
-        return fast_sparse.sparse_prefill_forward(w, iw, hidden, qsl, [context], kv, ik, bt32)
+        return fast_sparse.sparse_prefill_forward(w, iw, inputs["hidden"], qsl, [context], kv,
+                                                  ik, inputs["bt32"])
+    timings["rel_diff_ours_vs_model"] = _rel(st_ours["out"], model())
     timings["eager_us"] = _eager_us(model, max(2, runs // 3))
     return make_row("prefill", shape, timings, peer_of, step_cost(cfg, "prefill", shape), ceil)
 
