@@ -40,7 +40,7 @@ IDS = [s.stem for s in SOURCES]
 
 EXPECTED = ["01_mha_to_mla", "02_prefill_or_decode", "03_chunked_context",
             "04_decode_context_parallel", "05_sparse_topk", "06_differential_testing",
-            "07_deepseek_v4"]
+            "07_deepseek_v4", "08_v3_2_to_v4"]
 
 
 def test_there_are_notebooks():
