@@ -145,19 +145,23 @@ def test_cache_rounding() -> None:
         v4_cache_round(k, "fp16")
 
 
-# a ragged batch: a short request, one past the window, one past several pages of 64
-LENS = (5, 23, 70)
-STEPS = ((3, 10, 40), (1, 1, 1), (0, 11, 28), (1, 1, 1))  # prefill chunks, MTP-free decodes
+# a ragged batch: a short request, one past the window, one past a page of 64, and one past two
+# ratio-128 entries (completed inside a prefill chunk, 127 and 255, and read by decodes)
+LENS = (5, 23, 70, 260)
+STEPS = ((3, 10, 40, 130), (1, 1, 1, 1), (1, 1, 1, 1), (0, 11, 28, 124), (1, 1, 1, 1),
+         (1, 1, 1, 1))
 
 
 def _serve(w: V4LayerWeights, xs: list[torch.Tensor], steps: tuple[tuple[int, ...], ...],
            path: str, kv_cache_dtype: str) -> list[torch.Tensor]:
-    cache = V4Cache.empty(w, len(xs), 80, kv_cache_dtype=kv_cache_dtype, seed=11)
+    cache = V4Cache.empty(w, len(xs), 300, kv_cache_dtype=kv_cache_dtype, seed=11)
     pos = [0] * len(xs)
     outs: list[list[torch.Tensor]] = [[] for _ in xs]
     for step in steps:
         new = [x[p:p + n] for x, p, n in zip(xs, pos, step)]
-        for b, o in enumerate(v4_layer_step(new, cache, path=path)):
+        # chunks of many tokens are prefills (vLLM's rule: a decode has <= 1 + MTP tokens)
+        chunk = path if max(step) <= 2 else "prefill"
+        for b, o in enumerate(v4_layer_step(new, cache, path=chunk)):
             outs[b].append(o)
         pos = [p + n for p, n in zip(pos, step)]
     return [torch.cat(o) for o in outs]
@@ -165,7 +169,7 @@ def _serve(w: V4LayerWeights, xs: list[torch.Tensor], steps: tuple[tuple[int, ..
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_CACHE_DTYPES)
 @pytest.mark.parametrize("path", ["decode", "prefill"])
-@pytest.mark.parametrize("ratio", [1])
+@pytest.mark.parametrize("ratio", [1, 4, 128])
 def test_serving_equals_definition(ratio: int, path: str, kv_cache_dtype: str) -> None:
     w = V4LayerWeights.random(TINY, ratio, seed=ratio)
     xs = [_x(L, seed=20 + i) for i, L in enumerate(LENS)]
@@ -178,11 +182,14 @@ def test_serving_equals_definition(ratio: int, path: str, kv_cache_dtype: str) -
         assert err <= SERVING_RTOL, err
 
 
-def test_mtp_decode_rows_have_their_own_windows() -> None:
-    """s_q = 2 decode steps (MTP): each token its own row, its own window."""
-    w = V4LayerWeights.random(TINY, 1, seed=31)
-    x = _x(16, seed=32)
-    served = _serve(w, [x], ((10,), (2,), (2,), (2,)), "decode", "fp8_ds_mla")[0]
+@pytest.mark.parametrize("ratio", [1, 4, 128])
+def test_mtp_decode_rows_have_their_own_windows(ratio: int) -> None:
+    """s_q = 2 decode steps (MTP): each token its own row, its own window and compressed
+    entries: a pair can complete an entry at its second token (positions 11, 15; 255)."""
+    w = V4LayerWeights.random(TINY, ratio, seed=31)
+    first = 254 if ratio == 128 else 10
+    x = _x(first + 6, seed=32)
+    served = _serve(w, [x], ((first,), (2,), (2,), (2,)), "decode", "fp8_ds_mla")[0]
     want = v4_layer_definition(x, w, kv_cache_dtype="fp8_ds_mla").out
     assert (served - want).abs().max() <= SERVING_RTOL * want.abs().max()
 
