@@ -77,8 +77,9 @@ def ue8m0_exponent(amax: torch.Tensor, scale_floor: str = "flashmla") -> torch.T
 
     ``scale_floor="flashmla"``: ``s = max(amax / 448, 1e-4)`` (FlashMLA's ``tests/quant.py``
     and vLLM's CuTe compressor); ``"vllm"``: ``s = max(amax, 1e-4) / 448`` (vLLM 0.33's
-    Triton cache writers, and its compiled window-cache insert by their comment). They differ
-    only for tiles with ``amax < 0.0448``."""
+    Triton cache writers, and its compiled window-cache insert by their comment). The scales
+    differ only below ``amax = 448·2^-14 ≈ 0.027``: from there to ``0.0448`` both round up to
+    the floor's ``2^-13``."""
     _check_scale_floor(scale_floor)
     if scale_floor == "flashmla":
         return torch.log2((amax / FP8_MAX).clamp_min(SCALE_FLOOR)).ceil()

@@ -35,8 +35,8 @@ Storage (``round_compressed_entries``), as the cache holds an entry:
   scale's floor is ``scale_floor="flashmla"`` (the default), ``2^ceil(log2(max(amax/448,
   1e-4)))``: what vLLM runs on CUDA (an H100/H200) for ``d = 512``, its CuTe-DSL kernels, and
   FlashMLA's ``quantize_k_cache``; or ``"vllm"``, ``2^ceil(log2(max(amax, 1e-4)/448))``, vLLM's
-  Triton kernel (ROCm and other platforms). They differ only for tiles with ``amax < 0.0448``
-  (``mla.reference.fp8_model1.ue8m0_exponent``).
+  Triton kernel (ROCm and other platforms). Their scales differ only for tiles with ``amax <=
+  448·2^-14 ≈ 0.027`` (``mla.reference.fp8_model1.ue8m0_exponent``).
 - ``d = 128`` (the indexer's 132-byte key cache): ``bf16`` of the rotated entry, then e4m3 with
   one scale per entry ``2^ceil(log2(max(amax, 1e-4)/448))`` (``quantize_indexer_k``).
 
