@@ -271,3 +271,57 @@ def test_bad_input() -> None:
         dequantize_fp8_v41(torch.zeros(2, 528))
     with pytest.raises(TypeError, match="dtype must be"):
         dequantize_nvfp4_v41(torch.zeros(2, 288, dtype=torch.uint8), dtype=torch.int8)
+
+
+# ---- conformance cases --------------------------------------------------------------------
+
+def _run_cases(fns: dict) -> dict[str, str]:
+    from mla.conformance.cases.v41_codecs import CASES, v41_case
+    from mla.conformance.catalogue import Setting
+    from mla.conformance.runner import run_case
+
+    setting = Setting(torch.device("cpu"), torch.float32, seed=0, small=True)
+    return {f"{c[0]}/{c[1]}": run_case(fns.get(c[0]), v41_case(*c), setting).status
+            for c in CASES}
+
+
+REFERENCE_FNS = {"quantize_fp8_v41": quantize_fp8_v41, "dequantize_fp8_v41": dequantize_fp8_v41,
+                 "quantize_nvfp4_v41": quantize_nvfp4_v41,
+                 "dequantize_nvfp4_v41": dequantize_nvfp4_v41}
+
+
+def test_conformance_cases_pass_on_the_reference() -> None:
+    from mla.conformance.cases import v41_codecs
+
+    status = _run_cases(REFERENCE_FNS)
+    assert len(status) == 14 and set(status.values()) == {"pass"}, status
+    if v41_codecs.registered():  # the catalogue knows the names: the cases are in it
+        from mla.conformance import CATALOGUE
+        assert set(status) <= set(CATALOGUE)
+
+
+def _nibbles_swapped(k: torch.Tensor) -> torch.Tensor:
+    rec = quantize_nvfp4_v41(k)
+    return torch.cat([(rec[..., :256] >> 4) | (rec[..., :256] << 4), rec[..., 256:]], dim=-1)
+
+
+def _nan_as_448(k: torch.Tensor) -> torch.Tensor:
+    """What vLLM's kernels write for a NaN: +448 (0x7E)."""
+    rec = quantize_fp8_v41(k)
+    rec[..., :512] = torch.where(rec[..., :512] == 0x7F, 0x7E, rec[..., :512])
+    return rec
+
+
+@pytest.mark.parametrize("kernel, twin, failing", [
+    ("quantize_fp8_v41", lambda k: quantize_fp8_v41(k, floor_on="scale"),
+     {"random", "floors", "zeros", "nonfinite"}),  # blocks with amax < 0.0448
+    ("quantize_fp8_v41", _nan_as_448, {"nonfinite"}),
+    ("quantize_nvfp4_v41", _nibbles_swapped, {"random", "floors", "ties", "zeros", "nonfinite"}),
+    ("dequantize_fp8_v41", lambda r: dequantize_fp8_v41(r).nan_to_num(), {"nonfinite"}),
+])
+def test_conformance_broken_twins_fail(kernel: str, twin, failing: set[str]) -> None:
+    status = _run_cases({**REFERENCE_FNS, kernel: twin})
+    failed = {key.split("/")[1] for key, s in status.items()
+              if s != "pass" and key.startswith(kernel + "/")}
+    assert failed == failing, status
+    assert all(s == "pass" for key, s in status.items() if not key.startswith(kernel + "/"))

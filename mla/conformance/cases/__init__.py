@@ -13,7 +13,8 @@ from mla.conformance.cases import (
     paged_cache,
     sparse_decode,
     sparse_prefill,
+    v41_codecs,
 )
 
 CASE_FAMILIES = (attention, dcp, decode, deepseek_v4, fp8, indexer, indices, merge, paged_cache,
-                 sparse_decode, sparse_prefill)
+                 sparse_decode, sparse_prefill, v41_codecs)
