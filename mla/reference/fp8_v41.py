@@ -21,7 +21,8 @@ per block of 32, in float32 as vLLM's ``_rope_quant_insert_mxfp8_kernel``
 The floor sits on ``amax`` (``floor_on="amax"``, the default): a block with ``amax < 1e-4``
 gets ``e = ceil(log2(1e-4 / 448)) = -22``. FlashMLA's ``tests/quant.py`` and its CuTe
 compressor floor the scale instead, ``max(amax / 448, 1e-4)`` (``floor_on="scale"``: ``e >=
--13``): the two differ for blocks with ``amax < 448e-4 ≈ 0.0448`` only. Dividing by a power of
+-13``): the two scales differ for blocks with ``amax <= 448 · 2^-14 ≈ 0.0273`` only (between
+that and 0.0448 both give 2^-13). Dividing by a power of
 two is exact, so the one rounding is e4m3's: ``|x − deq| <= max(2^-4 |x|, 2^-10 · 2^e)``
 (half an ulp, normal and subnormal), ``|x · 2^-e| <= 448`` so nothing saturates, and the
 dequantized value ``e4m3 · 2^e`` is a bfloat16 number.
