@@ -43,6 +43,12 @@ from mla.reference.fp8_model1 import (
     fp8_model1_pages,
     quantize_fp8_model1,
 )
+from mla.reference.fp8_v41 import (
+    dequantize_fp8_v41,
+    dequantize_nvfp4_v41,
+    quantize_fp8_v41,
+    quantize_nvfp4_v41,
+)
 from mla.reference.front import Front, mla_front, rms_norm
 from mla.reference.indexer import (
     IndexerQK,
@@ -121,4 +127,6 @@ __all__ = [
     # DeepSeek-V4: attention sinks and the MODEL1 fp8 cache
     "apply_attn_sink", "dequantize_fp8_model1", "fp8_model1_cache", "fp8_model1_page_bytes",
     "fp8_model1_pages", "quantize_fp8_model1",
+    # DeepSeek-V4.1's caches: 528-byte MXFP8 and 288-byte NVFP4 records
+    "dequantize_fp8_v41", "dequantize_nvfp4_v41", "quantize_fp8_v41", "quantize_nvfp4_v41",
 ]
