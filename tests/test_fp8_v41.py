@@ -60,7 +60,7 @@ def test_fp8_hand_built_record() -> None:
     assert got.dtype == torch.uint8 and list(got.shape) == [2, 528]
     assert torch.equal(got, want)
     # FlashMLA's floor puts the zero token's scale at 2^-13 (byte 114), nothing else changes
-    other = quantize_fp8_v41(k, floor_on="scale")
+    other = quantize_fp8_v41(k, scale_floor="flashmla")
     assert torch.equal(other[0], want[0]) and (other[1, 512:] == 114).all()
     deq = dequantize_fp8_v41(got, dtype=F64)
     assert torch.equal(deq, k.double()) and torch.signbit(deq[1, 5])
@@ -69,7 +69,7 @@ def test_fp8_hand_built_record() -> None:
 @pytest.mark.parametrize("twin", ["scale floor", "scales first", "blocks reversed"])
 def test_fp8_hand_built_twins_fail(twin: str) -> None:
     k, want = _fp8_hand_built()
-    got = quantize_fp8_v41(k, floor_on="scale") if twin == "scale floor" else quantize_fp8_v41(k)
+    got = quantize_fp8_v41(k, scale_floor="flashmla") if twin == "scale floor" else quantize_fp8_v41(k)
     if twin == "scales first":
         got = torch.cat([got[:, 512:], got[:, :512]], dim=-1)
     if twin == "blocks reversed":
@@ -261,8 +261,8 @@ def test_bad_input() -> None:
             quant(torch.zeros(2, 512, dtype=torch.int32))
         with pytest.raises(TypeError, match="k must be a torch.Tensor"):
             quant([0.0] * 512)
-    with pytest.raises(ValueError, match="floor_on"):
-        quantize_fp8_v41(torch.zeros(1, 512), floor_on="amax/448")
+    with pytest.raises(ValueError, match="scale_floor"):
+        quantize_fp8_v41(torch.zeros(1, 512), scale_floor="amax/448")
     with pytest.raises(ValueError, match=r"records must have shape \[\.\.\., 528\]"):
         dequantize_fp8_v41(torch.zeros(2, 584, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"records must have shape \[\.\.\., 288\]"):
@@ -313,7 +313,7 @@ def _nan_as_448(k: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kernel, twin, failing", [
-    ("quantize_fp8_v41", lambda k: quantize_fp8_v41(k, floor_on="scale"),
+    ("quantize_fp8_v41", lambda k: quantize_fp8_v41(k, scale_floor="flashmla"),
      {"random", "floors", "zeros", "nonfinite"}),  # blocks with amax < 0.0448
     ("quantize_fp8_v41", _nan_as_448, {"nonfinite"}),
     ("quantize_nvfp4_v41", _nibbles_swapped, {"random", "floors", "ties", "zeros", "nonfinite"}),

@@ -18,9 +18,9 @@ per block of 32, in float32 as vLLM's ``_rope_quant_insert_mxfp8_kernel``
     e    = ceil(log2(amax · f32(1/448)))       the product rounded to float32, log2 exact
     q    = e4m3_rne(clamp(x · 2^-e, ±448))     byte = clamp(e + 127, 0, 255)
 
-The floor sits on ``amax`` (``floor_on="amax"``, the default): a block with ``amax < 1e-4``
+The floor sits on ``amax`` (``scale_floor="vllm"``, the default): a block with ``amax < 1e-4``
 gets ``e = ceil(log2(1e-4 / 448)) = -22``. FlashMLA's ``tests/quant.py`` and its CuTe
-compressor floor the scale instead, ``max(amax / 448, 1e-4)`` (``floor_on="scale"``: ``e >=
+compressor floor the scale instead, ``max(amax / 448, 1e-4)`` (``scale_floor="flashmla"``: ``e >=
 -13``): the two scales differ for blocks with ``amax <= 448 · 2^-14 ≈ 0.0273`` only (between
 that and 0.0448 both give 2^-13). Dividing by a power of
 two is exact, so the one rounding is e4m3's: ``|x − deq| <= max(2^-4 |x|, 2^-10 · 2^e)``
@@ -93,7 +93,7 @@ NVFP4_V41_BYTES = NVFP4_CODE_BYTES + NVFP4_BLOCKS  # 288
 E2M1_MAX = 6.0
 E4M3_MIN_SUBNORMAL = 2.0 ** -9  # the NVFP4 scale's lower clamp
 E4M3_NAN = 0x7F  # the NaN the kernels' conversions write (positive)
-FLOORS = ("amax", "scale")  # floor_on: vLLM's Triton kernels, FlashMLA's tests/quant.py
+FLOORS = ("vllm", "flashmla")  # scale_floor: vLLM's Triton kernels, FlashMLA's tests/quant.py
 
 # e2m1 magnitudes by code 0..7; code | 8 is the negative
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -141,17 +141,19 @@ def _ceil_log2(s: torch.Tensor) -> torch.Tensor:
     return (e - (m == 0.5).to(e.dtype)).long()
 
 
-def quantize_fp8_v41(k: torch.Tensor, *, floor_on: str = "amax") -> torch.Tensor:
+def quantize_fp8_v41(k: torch.Tensor, *, scale_floor: str = "vllm") -> torch.Tensor:
     """``k [..., 512]`` (any float dtype; rounded to float32) -> ``uint8 [..., 528]`` MXFP8
-    records (see the module doc). ``floor_on="amax"``: vLLM's Triton kernels' floor
-    ``max(amax, 1e-4) / 448``; ``"scale"``: FlashMLA's ``max(amax / 448, 1e-4)``."""
-    if floor_on not in FLOORS:
-        raise ValueError(f"floor_on must be one of {FLOORS} (floor amax at 1e-4, vLLM's Triton "
-                         f"kernels; or amax / 448, FlashMLA's tests/quant.py), got {floor_on!r}")
+    records (see the module doc). ``scale_floor="vllm"``: vLLM's Triton kernels' floor
+    ``max(amax, 1e-4) · (1/448)``; ``"flashmla"``: FlashMLA's ``max(amax / 448, 1e-4)`` (the
+    names of ``mla.reference.fp8_model1.ue8m0_exponent``)."""
+    if scale_floor not in FLOORS:
+        raise ValueError(f"scale_floor must be one of {FLOORS} (floor amax at 1e-4, vLLM's "
+                         f"Triton kernels; or amax / 448, FlashMLA's tests/quant.py), got "
+                         f"{scale_floor!r}")
     x = _check_k(k)
     blocks = x.unflatten(-1, (FP8_BLOCKS, FP8_BLOCK))
     amax = _nan_ignoring_amax(blocks)
-    if floor_on == "amax":
+    if scale_floor == "vllm":
         s = torch.maximum(amax, _f32(SCALE_FLOOR)) * _f32(1.0 / FP8_MAX)
     else:
         s = torch.maximum(amax / _f32(FP8_MAX), _f32(SCALE_FLOOR))

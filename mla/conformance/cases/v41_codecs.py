@@ -108,7 +108,7 @@ def _alternatives(spec: V41Spec, k: torch.Tensor, rec: torch.Tensor
             "records": torch.cat([rec[:, n:], rec[:, :n]], dim=1)}}
     if spec.codec == "fp8":
         alts["the floor on amax/448 (FlashMLA's tests/quant.py), not on amax"] = lambda: {
-            "records": quantize_fp8_v41(k, floor_on="scale")}
+            "records": quantize_fp8_v41(k, scale_floor="flashmla")}
     else:
         alts["dim 2i in the high nibble, 2i+1 in the low"] = lambda: {
             "records": torch.cat([(rec[:, :n] >> 4) | (rec[:, :n] << 4), rec[:, n:]], dim=1)}
