@@ -1,5 +1,5 @@
-"""``python -m benchmarks.peers [--wheel PATH] [--dest peers] [--topk] [--deepgemm] [--v41]``: other
-people's MLA kernels, unpacked for ``mla conform`` without installing vLLM.
+"""``python -m benchmarks.peers [--wheel PATH] [--dest peers] [--topk] [--deepgemm] [--v4]
+[--v41]``: other people's MLA kernels, unpacked for ``mla conform`` without installing vLLM.
 
 The ``vllm==0.33.0`` wheel (about 330 MB) holds FlashMLA's compiled extension and its Python
 interface and vLLM's Triton MLA kernels. This script takes only those out of it (about 4 MB)
@@ -29,6 +29,13 @@ vllm-topk`` / ``vllm-cache`` and ``benchmarks.topk_peers``), for sm_90 alone and
 (26 MB); ``--deepgemm`` adds DeepGEMM as vLLM ships it (``vllm/third_party/deep_gemm``: the
 indexer's logits kernels, for ``--target deepgemm`` and ``benchmarks.indexer_peers``), its
 extension and headers compressed (6 MB).
+
+``--v4`` adds DeepSeek-V4's compressor and indexer-q Triton kernels as vLLM 0.33 runs them off
+CUDA's CuTe-DSL paths (for ``benchmarks.v4_peers_check``): the ``@triton.jit`` functions
+``V4_KERNELS`` names (two are ``kernel`` methods of launcher classes, written under the names
+``V4_RENAMES`` gives), copied verbatim by their source lines from ``save_partial_states.py``,
+``fused_compress_quant_cache.py``, ``fused_indexer_q.py`` and ``v1/attention/ops/common.py``
+into one module ``V4_MODULE`` that imports only ``vllm.triton_utils``.
 
 ``--v41`` adds DeepSeek-V4.1's cache codecs as vLLM 0.33 writes and reads them (for
 ``benchmarks.v41_codecs``): the ``@triton.jit`` functions ``V41_KERNELS`` names, copied
@@ -96,6 +103,24 @@ V41_KERNELS = {
 V41_MODULE = V41_OPS + "v41_codec_kernels.py"
 V41_PACKAGES = ("vllm/models", "vllm/models/deepseek_v41", "vllm/models/deepseek_v41/common",
                 V41_OPS.rstrip("/"))
+
+# --v4: DeepSeek-V4's compressor (state save; compress, norm, rope, quantize, store) and the
+# indexer's q rope + FP8 quantize, by source file; "Class.kernel" names a launcher's method
+V4_OPS = "vllm/models/deepseek_v4/common/ops/"
+V4_KERNELS = {
+    V4_OPS + "save_partial_states.py": ("SavePartialStatesKernel.kernel",),
+    V4_OPS + "fused_compress_quant_cache.py": (
+        "_fused_kv_compress_norm_rope_insert_sparse_attn",
+        "_fused_kv_compress_norm_rope_insert_indexer_attn"),
+    V4_OPS + "fused_indexer_q.py": ("_get_cos_sin", "FusedIndexerQRopeQuantTritonKernel.kernel"),
+    # the MX scale packing the indexer compressor calls where MX_SCALE (sm_100 and later)
+    "vllm/v1/attention/ops/common.py": ("pack_ue8m0_x4",),
+}
+V4_RENAMES = {"SavePartialStatesKernel.kernel": "save_partial_states_kernel",
+              "FusedIndexerQRopeQuantTritonKernel.kernel": "fused_indexer_q_rope_quant_kernel"}
+V4_MODULE = V4_OPS + "v4_kernels.py"
+V4_PACKAGES = ("vllm/models", "vllm/models/deepseek_v4", "vllm/models/deepseek_v4/common",
+               V4_OPS.rstrip("/"))
 
 STUBS = {
     "vllm/platforms.py": '''\
@@ -203,6 +228,72 @@ def v41_kernels_source(sources: dict[str, str]) -> str:
     return (f'"""DeepSeek-V4.1 cache codecs of vLLM 0.33.0, copied verbatim by '
             f'benchmarks/peers.py --v41:\n{names}.\n"""\n\n'
             "from vllm.triton_utils import tl, triton\n\n\n" + "\n\n\n".join(parts) + "\n")
+
+
+def _jit_function(tree: ast.Module, path: str, name: str) -> ast.FunctionDef:
+    """The ``@triton.jit`` function ``name`` (``"f"`` at module level or ``"Class.f"``) of
+    ``path``'s syntax tree."""
+    body = tree.body
+    *outer, leaf = name.split(".")
+    for cls_name in outer:
+        cls = next((n for n in body if isinstance(n, ast.ClassDef) and n.name == cls_name),
+                   None)
+        if cls is None:
+            raise SystemExit(f"{path} has no class {cls_name}: the wheel's layout changed; "
+                             "update benchmarks/peers.py")
+        body = cls.body
+    fn = next((n for n in body if isinstance(n, ast.FunctionDef) and n.name == leaf), None)
+    if fn is None:
+        raise SystemExit(f"{path} has no function {name}: the wheel's layout changed; "
+                         "update benchmarks/peers.py")
+    decorators = [ast.unparse(d) for d in fn.decorator_list]
+    if not any(d.startswith("triton.jit") for d in decorators):
+        raise SystemExit(f"{path}: {name} is decorated {decorators}, expected triton.jit")
+    return fn
+
+
+def v4_kernels_source(sources: dict[str, str]) -> str:
+    """The module written to ``V4_MODULE``: each function ``V4_KERNELS`` names, with its
+    ``triton.jit`` decorator (a method's ``staticmethod`` dropped, its body dedented and
+    renamed as ``V4_RENAMES`` says), copied verbatim from its file's source (``sources``:
+    path -> text)."""
+    parts = []
+    for path, names in V4_KERNELS.items():
+        tree = ast.parse(sources[path])
+        lines = sources[path].splitlines()
+        for name in names:
+            fn = _jit_function(tree, path, name)
+            jit = [d for d in fn.decorator_list if ast.unparse(d).startswith("triton.jit")]
+            first = min(d.lineno for d in jit)
+            text = textwrap.dedent("\n".join(lines[first - 1:fn.end_lineno]))
+            if name in V4_RENAMES:
+                text = text.replace(f"def {fn.name}(", f"def {V4_RENAMES[name]}(", 1)
+            parts.append(f"# {path}, lines {first}-{fn.end_lineno}"
+                         + (f" ({name})" if name in V4_RENAMES else "") + "\n" + text)
+    names = ", ".join(V4_RENAMES.get(n, n) for ns in V4_KERNELS.values() for n in ns)
+    return (f'"""DeepSeek-V4 compressor and indexer-q Triton kernels of vLLM 0.33.0, copied '
+            f'verbatim by benchmarks/peers.py --v4:\n{names}.\n"""\n\n'
+            "from vllm.triton_utils import tl, triton\n\n\n" + "\n\n\n".join(parts) + "\n")
+
+
+def extract_v4(wheel: Path, dest: Path) -> dict[str, str]:
+    """Write ``V4_MODULE`` and its packages' ``__init__.py`` into ``dest`` (the stubs come
+    from ``extract_vllm``); returns {relative path: sha256}."""
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        missing = [m for m in V4_KERNELS if m not in names]
+        if missing:
+            raise SystemExit(f"{wheel.name} lacks {missing}")
+        sources = {m: z.read(m).decode() for m in V4_KERNELS}
+    written = {}
+    for rel, data in [(V4_MODULE, v4_kernels_source(sources).encode()),
+                      *[(f"{pkg}/__init__.py", b"") for pkg in V4_PACKAGES]]:
+        path = dest / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            path.write_bytes(data)
+        written[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return written
 
 
 def extract_v41(wheel: Path, dest: Path) -> dict[str, str]:
@@ -363,7 +454,8 @@ def check_python(dest: Path, written: dict[str, str]) -> list[str]:
                 "vllm.v1.attention.ops.triton_merge_attn_states",
                 "vllm.v1.attention.ops.dcp_correct_attn_out",
                 "vllm.third_party.flashmla.flash_mla_interface",
-                *([V41_MODULE[:-3].replace("/", ".")] if V41_MODULE in written else [])):
+                *([V41_MODULE[:-3].replace("/", ".")] if V41_MODULE in written else []),
+                *([V4_MODULE[:-3].replace("/", ".")] if V4_MODULE in written else [])):
         try:
             importlib.import_module(mod)
         except Exception as e:  # noqa: BLE001 (reported, e.g. the .so without CUDA)
@@ -389,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also DeepGEMM (vllm/third_party/deep_gemm: the indexer's logits "
                         "kernels), its extension and headers xz-compressed (6 MB), for "
                         "mla conform --target deepgemm")
+    p.add_argument("--v4", action="store_true",
+                   help="also DeepSeek-V4's compressor and indexer-q Triton kernels, copied "
+                        "into one module, for benchmarks.v4_peers_check")
     p.add_argument("--v41", action="store_true",
                    help="also DeepSeek-V4.1's cache codec kernels (MXFP8 528 B, NVFP4 288 B), "
                         "copied into one module, for benchmarks.v41_codecs")
@@ -401,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.dest)  # a stale file from another version must not linger
     args.dest.mkdir(parents=True)
     written = extract_vllm(wheel, args.dest)
+    if args.v4:
+        written.update(extract_v4(wheel, args.dest))
     if args.v41:
         written.update(extract_v41(wheel, args.dest))
     if args.topk:
