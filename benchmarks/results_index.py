@@ -54,6 +54,8 @@ CURRENT = [
      "layers/step_peers_2026-12-06.md"),
     ("V4.1 cache codecs against vLLM's Triton writers (H100)",
      "checks/v41_codecs_2026-12-06.json"),
+    ("V4 compressors and indexer q: vLLM's Triton kernels against the reference (H100)",
+     "checks/v4_peers_check_2026-12-06.json"),
     ("DCP on 2 GPUs", "dcp/dcp_scaling_2xH200_2026-11-30.md"),
     ("`mla.fast` on the conformance catalogue", "conformance/conformance_mla_fast_2026-12-02.md"),
     ("FlashMLA on the conformance catalogue", "conformance/conformance_flashmla_2026-12-02.md"),
