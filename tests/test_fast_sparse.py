@@ -238,6 +238,27 @@ def test_decode_fp8_layouts(poisoned_alloc):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+def test_decode_fp8_block_padded_cache_is_read_in_place(poisoned_alloc):
+    """FlashMLA's ``quantize_k_cache`` form, ``[nb, bs + 1, 656]`` allocated and sliced to
+    ``bs``: the kernel reads the rows in place (no copy of the cache), with the same result as
+    the contiguous cache; without validation a slot past the cache still gives NaN."""
+    from mla.fast.sparse import _decode_scope
+
+    q, cache, idx = decode_inputs(2, 2, 2, 576, 3, 16, 37, torch.float16, seed=35, fp8=True)
+    padded = torch.full((3, 17, 656), 0xFF, dtype=torch.uint8, device=DEVICE)
+    padded[:, :16] = cache
+    sliced = padded[:, :16]
+    scope, _ = _decode_scope("kv_cache", sliced, idx, None, True)
+    assert scope.kv.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr()
+    out, lse = check_decode(q, sliced, idx, 576 ** -0.5, True)
+    out2, lse2 = sparse_mla_decode(q, cache, idx, 576 ** -0.5, True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    bad = idx.clone()
+    bad[1, 0, :2] = 3 * 16  # one past the last slot: inside the padded allocation
+    out3, _ = sparse_mla_decode(q, sliced, bad, 576 ** -0.5, True, validate=False)
+    assert torch.isnan(out3[1, 0]).all() and torch.equal(out3[0], out2[0])
+
+
 def test_decode_out_of_range_indices(poisoned_alloc):
     """Indices outside ``[-1, num_slots)``: rejected when validating (as the reference); without
     validation the queries that use one get NaN out and lse (the kernel never reads outside

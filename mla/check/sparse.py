@@ -104,10 +104,16 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
 
     def run(salt: int, B: int, s_q: int, N: int, topk: int, n_slots: int, fp8: bool,
             lens: list[int] | None = None, plan: Any = None, dtype: torch.dtype | None = None,
-            all_invalid: int | None = None, logit_scale: float = 1.0) -> Metrics:
+            all_invalid: int | None = None, logit_scale: float = 1.0,
+            padded: bool = False) -> Metrics:
         dt = dtype or ctx.dtype
         q, cache, idx = decode_inputs(gen(ctx, salt), B, s_q, N, topk, n_slots, fp8, dt,
                                       ctx.device, logit_scale=logit_scale)
+        if padded:  # FlashMLA's quantize_k_cache form: [nb, bs + 1, 656] sliced to bs
+            alloc = torch.full((cache.shape[0], cache.shape[1] + 1, cache.shape[2]), 0xFF,
+                               dtype=cache.dtype, device=cache.device)
+            alloc[:, :-1] = cache
+            cache = alloc[:, :-1]
         if all_invalid is not None:
             idx[all_invalid] = -1
         tl_ = None if lens is None else torch.tensor(lens, dtype=torch.int32, device=ctx.device)
@@ -155,6 +161,10 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
                               SparsePlan(16, 64, 5, 4, 2)]):
         yield case(f"fp8 cache B=3 N=128 topk=2048 lens 2048,7,1500 forced {plan}", 540 + j,
                    3, 1, 128, 2048, 20000, True, [2048, 7, 1500], plan)
+    yield case("fp8 block-padded cache [nb, 65, 656] B=4 N=128 topk=2048 lens 2048,7,0,900",
+               545, 4, 1, 128, 2048, 20000, True, [2048, 7, 0, 900], padded=True)
+    yield case("fp8 block-padded cache B=3 N=128 topk=2048 forced Triton", 546, 3, 1, 128,
+               2048, 20000, True, plan=SparsePlan(64, 64, 3, 8, 2, sm90=False), padded=True)
     if ctx.device.type == "cuda":
         yield Case("fp8 cuda graph capture + replay, no sync", lambda: _graph_case(ctx))
 

@@ -230,11 +230,42 @@ def _decode_scope(name: str, kv_cache: torch.Tensor, indices: torch.Tensor,
         return _Scope(views, p, idx_view(indices), lens is not None, n_slots, page_size=bs,
                       page_stride=p.stride(0) if nb > 1 else 0), MODEL1
 
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        return t.view(torch.uint8).reshape(n_slots, FP8_DS_MLA_BYTES).contiguous()
+    padded = _padded_rows(kv_cache, bs)
+    if padded is None:  # rows one after another, or a layout read only through a copy
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return t.view(torch.uint8).reshape(n_slots, FP8_DS_MLA_BYTES).contiguous()
+        n_rows = n_slots
+    else:
+        # block b's rows start ``pitch`` rows apart (FlashMLA's ``[nb, bs + 1, 656]`` sliced to
+        # ``bs``): read the rows in place, slot s at row s + (s // bs)·(pitch − bs)
+        pitch, n_rows = padded
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return torch.as_strided(t.view(torch.uint8), (n_rows, FP8_DS_MLA_BYTES),
+                                    (FP8_DS_MLA_BYTES, 1))
+
+        def idx_view(t: torch.Tensor, _flat: View = idx_view) -> torch.Tensor:
+            i = _flat(t)
+            return torch.where(i >= 0, i + torch.div(i, bs, rounding_mode="floor")
+                               * (pitch - bs), i)
     views = (rows, lambda t: rows(t).view(torch.float32), lambda t: rows(t).view(torch.bfloat16),
              idx_view, _contiguous_view)
-    return _Scope(views, rows(kv_cache), idx_view(indices), lens is not None, n_slots), DS_MLA
+    return _Scope(views, rows(kv_cache), idx_view(indices), lens is not None, n_rows), DS_MLA
+
+
+def _padded_rows(kv_cache: torch.Tensor, bs: int) -> tuple[int, int] | None:
+    """``(pitch, rows)`` when an ``fp8_ds_mla`` cache's blocks are ``pitch > bs`` whole rows
+    apart (its rows then lie in place as ``rows`` rows of 656 bytes, the last block's padding
+    left out); ``None`` when its rows are contiguous or not in whole rows."""
+    st = kv_cache.stride()
+    nb = kv_cache.shape[0]
+    if (nb < 2 or st[-1] != 1 or st[1] != FP8_DS_MLA_BYTES or st[0] % FP8_DS_MLA_BYTES
+            or (kv_cache.dim() == 4 and kv_cache.shape[2] != 1)):
+        return None
+    pitch = st[0] // FP8_DS_MLA_BYTES
+    if pitch <= bs:
+        return None
+    return pitch, (nb - 1) * pitch + bs
 
 
 def _contiguous_view(t: torch.Tensor) -> torch.Tensor:
