@@ -19,9 +19,10 @@ power-of-two scale per entry). The entry's slot is ``block_table[b, j // bs] · 
 The rows of request ``b`` are ``kv[row_offsets[b] + (q - history_start[b])]`` for positions
 ``history_start[b] <= q < L_b``: the whole history (``history_start = 0``), or only the last
 ``coff·r - 1`` positions before the new tokens and the new ones (a state of the last tokens,
-as vLLM keeps; ``mla.fast.v4.layer`` keeps ``coff·r``). A window position below
-``history_start[b]`` is never read, so it must be below 0 as well: ``validate`` checks
-``history_start[b] <= max(0, L_b - n_b - coff·r + 1)``.
+as vLLM keeps; ``mla.fast.v4.layer`` keeps ``coff·r``; ``history_start`` may be negative, rows
+of positions below 0 are never read). A window position below ``history_start[b]`` is never
+read, so it must be below 0 as well: ``validate`` checks ``history_start[b] <= max(0, L_b - n_b
+- coff·r + 1)``.
 
 Arithmetic: the pooling (an online softmax over the window, read from its last block back so
 that the running maximum starts finite), the norm and the rotation are float32 (the reference's
@@ -245,9 +246,9 @@ def _validate(seq_lens: torch.Tensor, num_new: torch.Tensor, history_start: torc
                          f"{max_new})] per request")
     start = L - n
     need = (start - coff * ratio + 1).clamp_min(0)
-    if bool(((h < 0) | (h > need)).any()):
-        raise ValueError("history_start must lie in [0, max(0, seq_lens - num_new - coff·r + "
-                         "1)] (every window position >= 0 held)")
+    if bool((h > need).any()):
+        raise ValueError("history_start must be at most max(0, seq_lens - num_new - coff·r + "
+                         "1) (every window position >= 0 held)")
     if bool(((r0 < 0) | (r0 + L - h > n_rows)).any()):
         raise ValueError(f"row_offsets: request rows must lie in kv's {n_rows} rows")
     last = L // ratio  # entries of the request after the step
