@@ -23,14 +23,12 @@ from mla.fast import (
     sparse_mla_prefill,
     top_k_per_row,
 )
+from mla.fast.sparse.front import absorb_query, output_projection, sparse_front
 from mla.fast.sparse.model import _rotate
-from mla.reference.decode import absorb_q
 from mla.reference.fp8 import dequantize_fp8_ds_mla
-from mla.reference.front import mla_front
-from mla.reference.indexer import IndexerWeights, indexer_qk, q_latent
+from mla.reference.indexer import IndexerWeights
 from mla.reference.indexer_cache import INDEX_K_BYTES
 from mla.reference.indexer_logits import quantize_indexer_q
-from mla.reference.sparse_model import project_output
 from mla.weights import MLAWeights
 
 FP8_DS_MLA_ROW = 656  # bytes of one fp8_ds_mla token
@@ -105,16 +103,17 @@ def peers_manifest() -> dict | str:
 def _front(w: MLAWeights, iw: IndexerWeights) -> StageFn:
     """Both sides' front: the projections, norms, RoPE, the indexer's rotated query (e4m3,
     its scale in the weights) and key, the absorbed query. ``k_rot_bf16``: the key as vLLM's
-    writer takes it (the model's dtype), computed here so that neither side pays the cast."""
+    writer takes it (the model's dtype), computed here so that neither side pays the cast.
+    ``mla.fast``'s front (``mla.fast.sparse.front``: the reference's arithmetic, the weights'
+    layouts prepared once) on both sides."""
     cfg = w.config
 
     def front(st: State) -> State:
         h = st["hidden"]
-        f = mla_front(w, h, st["positions"])
-        qk = indexer_qk(iw, h, q_latent(w, h), st["positions"], use_fp8=False)
+        f, qk = sparse_front(w, iw, h, st["positions"])
         k_rot = _rotate(qk.k_index)
         q_fp8, w_q = quantize_indexer_q(_rotate(qk.q_index), qk.weights)
-        q = torch.cat([absorb_q(f.q_nope, w.W_UK), f.q_pe], dim=-1)  # [T, N, 576]
+        q = torch.cat([absorb_query(w, f.q_nope), f.q_pe], dim=-1)  # [T, N, 576]
         return {"kv_c": f.kv_c, "k_pe": f.k_pe, "k_rot": k_rot,
                 "k_rot_bf16": k_rot.to(torch.bfloat16), "q_fp8": q_fp8, "w_q": w_q,
                 "q": q.view(q.shape[0], cfg.num_heads, cfg.latent_dim)}
@@ -123,7 +122,7 @@ def _front(w: MLAWeights, iw: IndexerWeights) -> StageFn:
 
 def _output(w: MLAWeights) -> StageFn:
     def output(st: State) -> State:
-        return {"out": project_output(w, st["o_lat"])}
+        return {"out": output_projection(w, st["o_lat"])}
     return output
 
 

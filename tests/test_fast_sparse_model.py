@@ -20,8 +20,10 @@ from benchmarks.sparse_layer_check import (
     sparse_decode_check,
     sparse_prefill_check,
 )
-from mla.compare import rel_err
+from mla.compare import assert_close, rel_err
 from mla.config import get_config
+from mla.reference.indexer import IndexerWeights
+from mla.weights import MLAWeights
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -161,3 +163,33 @@ def test_sparse_decode_step_is_capturable():
     torch.cuda.synchronize()
     # cuBLAS may pick other GEMM algorithms under capture: equal to about one bf16 rounding
     assert rel_err(out, ref) < 2.0 ** -8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_front_is_the_reference_front_bit_for_bit(dtype):
+    """``mla.fast.sparse.front``: the reference's front and indexer query side with the weights
+    prepared once, bit for bit; the absorbed query and output projection within one rounding;
+    an in-place weight update is seen (the prepared copies are made again)."""
+    from mla.fast.sparse.front import absorb_query, output_projection, sparse_front
+    from mla.reference.sparse_model import project_output, reference_absorb, reference_front
+
+    cfg = CFG
+    w = MLAWeights.random(cfg, seed=3, dtype=dtype)
+    iw = IndexerWeights.random(cfg, seed=4, dtype=dtype)
+    h = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
+    pos = torch.tensor([0, 1, 5, 9, 130, 131, 4000])
+    for _ in range(2):  # the second call uses the prepared weights
+        f, qk = sparse_front(w, iw, h, pos)
+        rf, rqk = reference_front(w, iw, h, pos)
+        for a, b in zip((*f, *qk), (*rf, *rqk)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    tol = 2.0 ** -7 if dtype == torch.bfloat16 else 1e-6
+    assert_close(absorb_query(w, f.q_nope), reference_absorb(w, f.q_nope), tol)
+    o_lat = torch.randn(7, cfg.num_heads, cfg.kv_lora_rank).to(dtype)
+    assert_close(output_projection(w, o_lat), project_output(w, o_lat), tol)
+    with torch.no_grad():
+        iw.wq_b.mul_(2.0)
+        w.kv_b_proj.mul_(2.0)
+    _, qk2 = sparse_front(w, iw, h, pos)
+    assert torch.equal(qk2.q_index, reference_front(w, iw, h, pos)[1].q_index)
+    assert_close(absorb_query(w, f.q_nope), reference_absorb(w, f.q_nope), tol)

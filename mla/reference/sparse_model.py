@@ -137,17 +137,41 @@ def check_sparse_caches(weights: MLAWeights, indexer_weights: IndexerWeights,
                          "by the fp8 indexer: use_fp8_indexer must be True or None, got False")
 
 
+def reference_front(weights: MLAWeights, indexer_weights: IndexerWeights,
+                    hidden: torch.Tensor, positions: torch.Tensor) -> tuple[Front, IndexerQK]:
+    """The front and the indexer's float query side: ``mla_front`` and ``indexer_qk``."""
+    f = mla_front(weights, hidden, positions)
+    return f, indexer_qk(indexer_weights, hidden, q_latent(weights, hidden), positions,
+                         use_fp8=False)
+
+
+def reference_absorb(weights: MLAWeights, q_nope: torch.Tensor) -> torch.Tensor:
+    """``q_nope [S, N, P]`` -> ``[S, N, Lkv]`` (``absorb_q``)."""
+    return absorb_q(q_nope, weights.W_UK)
+
+
+def project_output(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
+    """``o_lat [..., N, Lkv]`` -> ``(o_lat · W_UV).flatten(-2) · W_O`` ``[..., H]``."""
+    o = torch.einsum("...nl,lnv->...nv", o_lat, weights.W_UV)
+    return o.flatten(-2) @ weights.W_O
+
+
 @dataclass(frozen=True)
 class SparseOps:
     """What a sparse layer step calls, with the reference's signatures; the defaults are the
     reference's own. ``mla.fast.sparse.model`` runs the same orchestration with its kernels.
 
     ``check_caches``: the cache layouts the path reads (``check_sparse_caches``' arguments);
-    ``validate``: the orchestration's own host value checks (``cache_seqlens >= 0``), off on a
+    ``front``: the projections, norms and RoPE (``reference_front``), ``absorb`` and
+    ``project`` the absorbed query and the output projection; ``validate``: the
+    orchestration's own host value checks (``cache_seqlens >= 0``), off on a
     path that must not read the device. A float index key cache is the reference's alone: its
     scores and top-k are the reference's ``index_scores``/``select_topk``, whatever the ops.
     """
 
+    front: Callable[..., tuple[Front, IndexerQK]] = reference_front
+    absorb: Callable[[MLAWeights, torch.Tensor], torch.Tensor] = reference_absorb
+    project: Callable[[MLAWeights, torch.Tensor], torch.Tensor] = project_output
     check_caches: Callable[..., None] = check_sparse_caches
     slot_mapping: Callable[..., torch.Tensor] = slot_mapping_from_block_table
     cache_write: Callable[..., None] = concat_and_cache_mla
@@ -197,16 +221,17 @@ def front_and_index(ops: SparseOps, weights: MLAWeights, indexer_weights: Indexe
     quantized into the cache (``indexer_k_quant_and_cache``), and the returned ``q_index`` is
     e4m3 with its scale folded into ``weights`` (``quantize_indexer_q``).
     """
-    f = mla_front(weights, hidden, positions)
     write = ops.fp8_cache_write if is_byte_cache(kv_cache) else ops.cache_write
-    write(f.kv_c, f.k_pe, kv_cache, slots)
-    q_c = q_latent(weights, hidden)
     if not is_byte_cache(index_k_cache):
-        qk = indexer_qk(indexer_weights, hidden, q_c, positions, bool(use_fp8_indexer))
+        f = mla_front(weights, hidden, positions)
+        write(f.kv_c, f.k_pe, kv_cache, slots)
+        qk = indexer_qk(indexer_weights, hidden, q_latent(weights, hidden), positions,
+                        bool(use_fp8_indexer))
         d_index = index_k_cache.shape[2]
         index_k_cache.view(-1, d_index)[slots] = qk.k_index.to(index_k_cache.dtype)
         return f, qk
-    qk = indexer_qk(indexer_weights, hidden, q_c, positions, use_fp8=False)
+    f, qk = ops.front(weights, indexer_weights, hidden, positions)
+    write(f.kv_c, f.k_pe, kv_cache, slots)
     k_rot = ops.rotate(qk.k_index)
     ops.index_cache_write(k_rot, index_k_cache, slots)
     q_fp8, w_q = quantize_indexer_q(ops.rotate(qk.q_index), qk.weights)
@@ -226,12 +251,6 @@ def _select_float(qk: IndexerQK, index_k_cache: torch.Tensor, block_table: torch
                               positions[rows], torch.arange(seq_len, device=req.device))
         local[rows] = select_topk(scores, topk)
     return local
-
-
-def project_output(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
-    """``o_lat [..., N, Lkv]`` -> ``(o_lat · W_UV).flatten(-2) · W_O`` ``[..., H]``."""
-    o = torch.einsum("...nl,lnv->...nv", o_lat, weights.W_UV)
-    return o.flatten(-2) @ weights.W_O
 
 
 def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: IndexerWeights,
@@ -267,7 +286,7 @@ def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: Ind
         local = ops.top_k(logits, ks, ke, topk)
     else:
         local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
-    q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)  # [T, N, Lkv+R]
+    q = torch.cat([ops.absorb(weights, f.q_nope), f.q_pe], dim=-1)  # [T, N, Lkv+R]
     req32, table32 = req.to(torch.int32), block_table.to(torch.int32)
     if is_byte_cache(kv_cache):
         # fp8_ds_mla: each request's rows dequantized into a workspace, read by workspace rows
@@ -285,7 +304,7 @@ def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: Ind
     return SparseTrace(front=f, index_k=qk.k_index, q_index=qk.q_index,
                        index_weights=qk.weights, logits=logits, row_starts=ks, row_ends=ke,
                        local=local, slots=slots, q=q, o_lat=o_lat, lse=lse,
-                       out=project_output(weights, o_lat))
+                       out=ops.project(weights, o_lat))
 
 
 def run_sparse_decode(ops: SparseOps, weights: MLAWeights, indexer_weights: IndexerWeights,
@@ -323,14 +342,14 @@ def run_sparse_decode(ops: SparseOps, weights: MLAWeights, indexer_weights: Inde
     else:
         local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
     slots = ops.convert(req.to(torch.int32), table32, local, bs)
-    q = torch.cat([absorb_q(f.q_nope, weights.W_UK), f.q_pe], dim=-1)
+    q = torch.cat([ops.absorb(weights, f.q_nope), f.q_pe], dim=-1)
     q = q.view(B, s_q, c.num_heads, c.latent_dim)
     o_lat, lse = ops.decode(q, kv_cache, slots.view(B, s_q, -1), c.softmax_scale,
                             is_byte_cache(kv_cache), head_dim_v=c.kv_lora_rank)
     return SparseTrace(front=f, index_k=qk.k_index, q_index=qk.q_index,
                        index_weights=qk.weights, logits=logits, row_starts=starts,
                        row_ends=ends, local=local, slots=slots, q=q, o_lat=o_lat, lse=lse,
-                       out=project_output(weights, o_lat))
+                       out=ops.project(weights, o_lat))
 
 
 def sparse_prefill_forward(

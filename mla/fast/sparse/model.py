@@ -5,7 +5,8 @@ The orchestration is the reference's (``mla.reference.sparse_model.run_sparse_de
 ``run_sparse_prefill``, its path for an fp8 index cache, conventions §10), run with the fast
 kernels in its ``SparseOps`` where they exist:
 
-    front              mla.reference.front.mla_front, indexer_qk    plain torch: GEMMs, norms
+    front              mla.fast.sparse.front: the reference's GEMMs, norms and RoPE, the
+                       weights' float32 and bmm layouts prepared once
     latent cache       mla.fast.concat_and_cache_mla / concat_and_cache_fp8_ds_mla
     index key cache    Hadamard rotation (a GEMM), mla.fast.indexer_k_quant_and_cache
     indexer q          Hadamard rotation, quantize_indexer_q (e4m3, scale into the weights)
@@ -17,7 +18,8 @@ kernels in its ``SparseOps`` where they exist:
     attention          mla.fast.sparse_mla_decode (bf16 or fp8_ds_mla cache)
                        mla.fast.sparse_mla_prefill (bf16 cache; fp8_ds_mla: the requests'
                        rows dequantized into a workspace by the reference's torch gather)
-    projection         o_lat · W_UV, · W_O: cuBLAS GEMMs
+    absorbed q         q_nope · W_UK^T: one bmm over the heads
+    projection         o_lat · W_UV (one bmm), · W_O: cuBLAS GEMMs
 
 ``sparse_decode_layer`` and ``sparse_prefill_layer`` return every stage (``SparseTrace``) for a
 stage-by-stage check.
@@ -42,6 +44,7 @@ from mla.fast.sparse import (
     sparse_mla_decode,
     sparse_mla_prefill,
 )
+from mla.fast.sparse.front import absorb_query, output_projection, sparse_front
 from mla.fast.topk import top_k_per_row
 from mla.reference.front import Front
 from mla.reference.indexer import IndexerWeights, _hadamard
@@ -92,6 +95,9 @@ def fast_sparse_ops(validate: bool) -> SparseOps:
         return functools.partial(kernel, validate=validate)
 
     return SparseOps(
+        front=sparse_front,
+        absorb=absorb_query,
+        project=output_projection,
         check_caches=_fast_check_caches,
         slot_mapping=checked(token_slots),
         cache_write=checked(concat_and_cache_mla),
