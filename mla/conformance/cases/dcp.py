@@ -17,7 +17,8 @@ the same ranks. Every case but "return_lse" calls with ``return_lse=True``, so t
 to its budget too. The correction has no budget of its own: it does the merge's arithmetic, an
 exp-weighted sum in float32 of ``W`` partials and one rounding to the output dtype, so its
 trials are held to ``merge_attn_states``' budgets. Only the "empty_*" and "all_empty" topics
-have ranks without keys, only the "nan" topic a NaN lse.
+and the case "nan_lse_beside_empty_ranks" have ranks without keys, only the "nan" topic a NaN
+lse.
 """
 
 from __future__ import annotations
@@ -262,3 +263,8 @@ _register("nan_lse_is_not_empty", "nan",
           "A NaN lse from one rank makes that (token, head)'s out and lse NaN, never a rank "
           "dropped as if it had no keys (conventions §13).",
           lambda s: DcpSpec(4, 8, nan=True), 650)
+_register("nan_lse_beside_empty_ranks", "nan",
+          "A NaN lse from one rank on tokens no other rank holds a key of (+inf and -inf mixed): "
+          "the NaN stays, out and lse NaN, never the empty query's out 0 and lse -inf "
+          "(conventions §13).",
+          lambda s: DcpSpec(4, 12, all_empty=0.5, markers=(INF, -INF), nan=True), 651)

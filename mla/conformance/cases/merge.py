@@ -11,7 +11,7 @@ it with NaN, so a kernel that reads it shows); both sides empty give ``out = 0``
 Outputs are in the setting's dtype, the lse float32 (float64 in float64 settings: the
 reference keeps the lse dtype it is given), and the reference runs in float64 on exactly those
 values. Only the "empty_*" and "both_empty" topics hold infinite lse, only the "nan" topic a
-NaN lse.
+NaN lse; only the "underflowed_side_*" cases infinite or NaN outputs on a present side.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from collections.abc import Callable
 import torch
 
 from mla.conformance.cases.common import DV, call_poisoned
-from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
+from mla.conformance.catalogue import Setting, Trial, case, generator, spec_cases
 from mla.reference.merge import merge_attn_states
 
-__all__ = ["MergeSpec", "merge_trial", "lse_dtype", "nan_split", "LN2"]
+__all__ = ["MergeSpec", "merge_trial", "merge_underflow_trial", "lse_dtype", "nan_split", "LN2"]
 
 KERNEL = "merge_attn_states"
 LN2 = math.log(2.0)
@@ -183,6 +183,44 @@ def merge_trial(setting: Setting, spec: MergeSpec, salt: int) -> Trial:
                  {why: split(make) for why, make in alts.items()})
 
 
+# a side this far below the other weighs exp(-gap) = 0 in float64 (and in float32)
+UNDERFLOW = 800.0
+GARBAGE = {"inf": INF, "-inf": -INF, "nan": float("nan")}
+
+
+def merge_underflow_trial(setting: Setting, spec: MergeSpec, salt: int,
+                          garbage: str = "inf") -> Trial:
+    """``merge_trial``'s inputs (``spec.gap`` at least ``UNDERFLOW``) with the output of every
+    present side whose weight ``exp(lse - m)`` underflows to 0 set to ``garbage`` ("inf",
+    "-inf" or "nan"): the side adds exactly nothing (the reference drops a zero weight), where
+    ``0 · inf`` or ``0 · NaN`` would make the row NaN."""
+    if spec.gap < UNDERFLOW or spec.nan:
+        raise ValueError(f"an underflow trial needs gap >= {UNDERFLOW} and no NaN lse, got "
+                         f"gap {spec.gap}, nan {spec.nan}")
+    o_p, lse_p, o_s, lse_s = _inputs(spec, generator(setting, salt))
+    lse_p, lse_s = lse_p.to(lse_dtype(setting)).double(), lse_s.to(lse_dtype(setting)).double()
+    present = torch.isfinite(lse_p) & torch.isfinite(lse_s)
+    low_p = present & (lse_p < lse_s - UNDERFLOW)  # [N, T]
+    low_s = present & (lse_s < lse_p - UNDERFLOW)
+    o_p[low_p.transpose(0, 1)] = GARBAGE[garbage]
+    o_s[low_s.transpose(0, 1)] = GARBAGE[garbage]
+    o_p, o_s = o_p.to(setting.dtype), o_s.to(setting.dtype)
+    lse_p, lse_s = lse_p.to(lse_dtype(setting)), lse_s.to(lse_dtype(setting))
+    exact = tuple(t.double() for t in (o_p, lse_p, o_s, lse_s))
+    args = tuple(t.to(setting.device) for t in (o_p, lse_p, o_s, lse_s))
+    expected = _ref(*exact)
+    alts = _alternatives(*exact, expected)
+    alts[f"a side whose weight underflowed to 0 multiplied by its output (0 · {garbage} = NaN) "
+         "instead of dropped: a zero weight must add nothing"] = (
+        lambda: _nan_at(expected, low_p | low_s, lse=False))
+
+    def invoke(fn: Callable) -> Outputs:
+        out, lse = call_poisoned(fn, *args)
+        return {"out": out, "lse": lse}
+
+    return Trial(invoke, expected, {"out": "out_rel", "lse": "lse_abs"}, alts)
+
+
 _register = spec_cases(KERNEL, merge_trial)
 
 def _tokens(setting: Setting, small: int, full: int) -> int:
@@ -250,3 +288,12 @@ _register("nan_lse_is_not_empty", "nan",
           "A NaN lse on one side of a quarter of the rows gives a NaN row, never the other side "
           "passed through as if the NaN meant 'no keys' (conventions §13).",
           lambda s: MergeSpec(_tokens(s, 8, 64), nan=True), 440)
+# ---- a weight that underflows to 0 -----------------------------------------------------------
+for _i, _garbage in enumerate(("inf", "nan")):
+    case(KERNEL, "numerics", name=f"underflowed_side_holds_{_garbage}",
+         doc=f"One side's lse 2000 below the other's (its weight exp(-2000) is 0 even in "
+             f"float64) and its output {_garbage}: the side adds nothing (not 0 · {_garbage} = "
+             f"NaN), the other passes through.")(
+        lambda s, g=_garbage, i=_i: merge_underflow_trial(
+            s, MergeSpec(_tokens(s, 8, 64), gap=2000.0),
+            450 + i, garbage=g))
