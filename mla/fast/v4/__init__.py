@@ -9,5 +9,9 @@
 
 from mla.fast.v4.common import v4_cos_sin_cache
 from mla.fast.v4.compressor import v4_compress_store
+from mla.fast.v4.front import v4_q_rope_kv_insert
+from mla.fast.v4.indexer import v4_indexer_q_prep, v4_indexer_topk_paged
+from mla.fast.v4.layer import V4FastCache, V4FastTrace, v4_layer_step
 
-__all__ = ["v4_compress_store", "v4_cos_sin_cache"]
+__all__ = ["V4FastCache", "V4FastTrace", "v4_compress_store", "v4_cos_sin_cache",
+           "v4_indexer_q_prep", "v4_indexer_topk_paged", "v4_layer_step", "v4_q_rope_kv_insert"]
