@@ -99,6 +99,8 @@ from mla.reference.sparse_model import (
     sparse_masked_dense_forward,
     sparse_prefill_forward,
 )
+from mla.reference.v4.kernels import v4_compress, v4_indexer_q
+from mla.reference.v4.scopes import v4_scope_indices
 
 __all__ = [
     "ChunkPlan", "Front", "absorb_q", "absorbed_attention", "apply_rope", "attention_with_lse",
@@ -129,4 +131,6 @@ __all__ = [
     "fp8_model1_pages", "quantize_fp8_model1",
     # DeepSeek-V4.1's caches: 528-byte MXFP8 and 288-byte NVFP4 records
     "dequantize_fp8_v41", "dequantize_nvfp4_v41", "quantize_fp8_v41", "quantize_nvfp4_v41",
+    # DeepSeek-V4's layer kernels: the compressor, the indexer's q, the scopes' indices
+    "v4_compress", "v4_indexer_q", "v4_scope_indices",
 ]

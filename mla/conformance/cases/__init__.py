@@ -6,6 +6,7 @@ from mla.conformance.cases import (
     dcp,
     decode,
     deepseek_v4,
+    deepseek_v4_layer,
     fp8,
     indexer,
     indices,
@@ -16,5 +17,5 @@ from mla.conformance.cases import (
     v41_codecs,
 )
 
-CASE_FAMILIES = (attention, dcp, decode, deepseek_v4, fp8, indexer, indices, merge, paged_cache,
-                 sparse_decode, sparse_prefill, v41_codecs)
+CASE_FAMILIES = (attention, dcp, decode, deepseek_v4, deepseek_v4_layer, fp8, indexer, indices,
+                 merge, paged_cache, sparse_decode, sparse_prefill, v41_codecs)
