@@ -3,13 +3,19 @@
     mla conform --target {mla.fast, reference, flashmla, vllm-triton, flashinfer,
                           pkg.module, pkg.module:attr}
                 [--kernels K ...] [--cases C ...] [--device D] [--dtype T] [--seed N]
-                [--out report.md] [--json report.json]
+                [--out report.md] [--json report.json] [--fuzz 300s | --fuzz 200]
+                [--fuzz-db PATH]
 
 One progress line per case on stderr while it runs, the table on stdout at the end (the cases
 of kernels the target lacks as one line, the JSON report with a row each). A module given as
 ``pkg.module`` is found from the working directory first, as ``python -m`` finds it. Exit
 statuses: 0 no case failed or raised (unsupported ones allowed), 1 a case failed or raised,
 2 bad arguments (an unknown target, kernel or case included), 3 the device is not available.
+
+``--fuzz 300s`` (seconds) or ``--fuzz 200`` (examples per kernel) searches the kernels' inputs
+with hypothesis instead of running the named cases (``mla.conformance.fuzz``): each failure is
+shrunk to a minimal spec and printed with a snippet that reproduces it; ``--fuzz-db`` (default
+``$MLA_FUZZ_DB`` or ``.hypothesis/mla-fuzz``) keeps the failures, which a re-run tries first.
 """
 
 from __future__ import annotations
@@ -56,7 +62,26 @@ def add_conform_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", metavar="PATH", help="also write the report as markdown")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--fuzz", metavar="N|Ns", type=_fuzz_budget,
+                   help="search the inputs with hypothesis instead of the cases: N examples "
+                        "per kernel, or Ns seconds in all (e.g. 300s)")
+    p.add_argument("--fuzz-db", metavar="PATH",
+                   help="the fuzz's example database (default: $MLA_FUZZ_DB, else "
+                        ".hypothesis/mla-fuzz)")
     p.set_defaults(run=_conform, parser=p)
+
+
+def _fuzz_budget(text: str) -> tuple[str, float]:
+    """``"300s"`` -> ("seconds", 300.0), ``"200"`` -> ("examples", 200)."""
+    seconds = text.endswith("s")
+    try:
+        value = float(text[:-1]) if seconds else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of examples (200) or of seconds (300s), got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive budget, got {text!r}")
+    return ("seconds" if seconds else "examples", value)
 
 
 def _conform(args: argparse.Namespace) -> int:
@@ -100,6 +125,9 @@ def _conform(args: argparse.Namespace) -> int:
         name, target = load_target(args.target, args.kernels)
     except (ValueError, TypeError) as e:
         args.parser.error(str(e))
+    if args.fuzz:
+        return _fuzz(args, name, target, device, getattr(torch, args.dtype) if args.dtype
+                     else None)
     has = kernels_of(target)
     # the cases of kernels the target lacks are not run: no progress line, one line at the end
     total = sum(1 for c in selected if c.kernel in has)
@@ -129,3 +157,42 @@ def _conform(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(report.to_json())
     return 1 if any(r.status in ("fail", "error") for r in report.rows) else 0
+
+
+def _fuzz(args: argparse.Namespace, name: str, target: object, device: object,
+          dtype: object) -> int:
+    """``--fuzz``: the search, its report on stdout (and ``--out`` / ``--json``)."""
+    from mla.conformance.fuzz import FUZZED, fuzz
+    from mla.conformance.runner import kernels_of
+
+    if args.cases:
+        args.parser.error("--fuzz draws its own inputs: it takes no --cases")
+    kernels = args.kernels or [k for k in FUZZED if k in kernels_of(target)]
+    other = [k for k in kernels if k not in FUZZED]
+    if other or not kernels:
+        args.parser.error(f"--fuzz: no strategy for {other or 'the target'}; fuzzed kernels: "
+                          f"{', '.join(FUZZED)}")
+    kind, value = args.fuzz
+    t0 = time.perf_counter()
+
+    def progress(run: object) -> None:
+        print(f"fuzzed {run.kernel}: {run.examples} examples, "  # type: ignore[attr-defined]
+              f"{'a failure' if run.failure else 'no failure'}"  # type: ignore[attr-defined]
+              f" ({run.seconds:.1f} s)", file=sys.stderr, flush=True)  # type: ignore[attr-defined]
+
+    report = fuzz(target, kernels, seed=args.seed, device=device, dtype=dtype,
+                  database=args.fuzz_db, name=name, progress=progress,
+                  **{kind: value})
+    print(f"mla conform --fuzz: target {name}, {', '.join(report.dtypes)} on {report.device}, "
+          f"seed {args.seed}, {time.perf_counter() - t0:.1f} s, database {report.database}")
+    print()
+    print(report.to_text())
+    for f in report.failures:
+        print(f"\n# reproduce {f.kernel}:\n{f.snippet}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(report.to_markdown())
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(report.to_json())
+    return 0 if report.passed else 1

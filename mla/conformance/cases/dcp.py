@@ -31,7 +31,7 @@ import torch
 from mla.compare import budget, rel_err
 from mla.conformance.cases.common import DV, call_poisoned
 from mla.conformance.cases.merge import LN2, NAN_QUANTITIES, lse_dtype, nan_split
-from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
+from mla.conformance.catalogue import Setting, Trial, case, generator, spec_cases
 from mla.reference.dcp.comm import Communicator, run_simulated
 from mla.reference.dcp.decode import cp_lse_ag_out_rs
 
@@ -263,8 +263,26 @@ _register("nan_lse_is_not_empty", "nan",
           "A NaN lse from one rank makes that (token, head)'s out and lse NaN, never a rank "
           "dropped as if it had no keys (conventions §13).",
           lambda s: DcpSpec(4, 8, nan=True), 650)
-_register("nan_lse_beside_empty_ranks", "nan",
-          "A NaN lse from one rank on tokens no other rank holds a key of (+inf and -inf mixed): "
-          "the NaN stays, out and lse NaN, never the empty query's out 0 and lse -inf "
-          "(conventions §13).",
-          lambda s: DcpSpec(4, 12, all_empty=0.5, markers=(INF, -INF), nan=True), 651)
+def _nan_beside_empty_trial(setting: Setting) -> Trial:
+    """``nan_lse_beside_empty_ranks``: ``dcp_trial``, and the answer of a kernel whose max
+    ignores NaN, so that a NaN beside ranks without keys finds no rank with keys."""
+    spec, salt = DcpSpec(4, 12, all_empty=0.5, markers=(INF, -INF), nan=True), 651
+    trial = dcp_trial(setting, spec, salt)
+    outs, lses = _inputs(spec, generator(setting, salt))
+    outs64 = outs.to(setting.dtype).double()
+    lses64 = lses.to(lse_dtype(setting)).double()
+    nan_rows = torch.isnan(lses64).any(dim=0)
+    alone = nan_rows & (torch.isinf(lses64) | torch.isnan(lses64)).all(dim=0)  # [T, N]
+    lost = torch.where(alone[None], -INF, lses64)
+    trial.alternatives = {
+        "a NaN lse lost where every other rank is empty (a max that ignores NaN finds no rank "
+        "with keys: out 0, lse -inf); NaN must stay NaN": lambda: nan_split(
+            _ref(outs64, lost), nan_rows, lse_rows_first=True),
+        **trial.alternatives}
+    return trial
+
+
+case(KERNEL, "nan", name="nan_lse_beside_empty_ranks",
+     doc="A NaN lse from one rank on tokens no other rank holds a key of (+inf and -inf "
+         "mixed): the NaN stays, out and lse NaN, never the empty query's out 0 and lse -inf "
+         "(conventions §13).")(_nan_beside_empty_trial)

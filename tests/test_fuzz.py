@@ -1,0 +1,177 @@
+"""``mla.conformance.fuzz`` finds broken kernels, shrinks what it finds and keeps it.
+
+Broken twins of the reference (each with one convention changed, as in
+``test_conformance_merge.py`` and ``test_conformance_sparse.py``) are found within a few dozen
+examples and shrunk to a spec of one request, one head; the diagnosis names the convention;
+the snippet rebuilds the inputs and reproduces the failure; the example database replays the
+failure first on the next run. The reference passes; inputs an adapter refuses are skipped.
+One short run of ``mla.fast``'s merge under Triton's interpreter, and its 1% twin.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _interpreter import needs_interpreter
+
+import mla.reference as ref
+from mla.conformance import KERNELS, Unsupported
+from mla.conformance.cases.common import DEFAULT_SCALE
+from mla.conformance.diagnose import LOG2E
+from mla.conformance.fuzz import FUZZED, fuzz
+
+REFERENCE = {k: getattr(ref, k) for k in KERNELS}
+INF = float("inf")
+
+
+@pytest.fixture
+def db(tmp_path):
+    return str(tmp_path / "fuzz-db")
+
+
+# ---- broken twins of the reference ----------------------------------------------------------
+
+def decode_scale_ignored(q, kv, table, lens, scale, causal=False, dv=512, **kw):
+    return ref.mla_decode_paged(q, kv, table, lens, q.shape[-1] ** -0.5, causal, dv, **kw)
+
+
+def sparse_minus_one_reads_slot_0(q, kv, idx, *rest, **kw):
+    return ref.sparse_mla_decode(q, kv, torch.where(idx == -1, 0, idx), *rest, **kw)
+
+
+def prefill_lse_log2(*args, **kw):
+    out, max_logits, lse = ref.sparse_mla_prefill(*args, **kw)
+    return out, max_logits, lse * LOG2E
+
+
+def merge_reads_empty_side(o_p, lse_p, o_s, lse_s):
+    """An empty side's weight 0 times its output (0 · NaN = NaN)."""
+    out, lse = ref.merge_attn_states(o_p, lse_p, o_s, lse_s)
+    for o, side in ((o_p, lse_p), (o_s, lse_s)):
+        one_empty = torch.isinf(side) & ~(torch.isinf(lse_p) & torch.isinf(lse_s))
+        out = out + 0 * torch.where(one_empty.transpose(0, 1)[..., None], o, 0.0)
+    return out, lse
+
+
+def merge_times_zero(o_p, lse_p, o_s, lse_s):
+    """Present sides weighed ``w · o`` even where ``w`` underflowed to 0 (0 · inf = NaN)."""
+    out, lse = ref.merge_attn_states(o_p, lse_p, o_s, lse_s)
+    m = torch.maximum(lse_p, lse_s).double()
+    for o, side in ((o_p, lse_p), (o_s, lse_s)):
+        zero = torch.isfinite(side) & (torch.exp(side.double() - m) == 0)
+        out = out + 0 * torch.where(zero.transpose(0, 1)[..., None], o, 0.0)
+    return out, lse
+
+
+def dcp_nan_lost_beside_empty(out, lse, comm, return_lse=False):
+    """A NaN lse taken as "no keys" where every other rank is empty (a NaN-ignoring max)."""
+    lses = comm.all_gather(lse[None].double(), dim=0)
+    alone = torch.isnan(lses).any(0) & (torch.isinf(lses) | torch.isnan(lses)).all(0)
+    mine = torch.where(alone, -INF, lse.double()).to(lse.dtype)
+    return ref.cp_lse_ag_out_rs(out, mine, comm, return_lse=return_lse)
+
+
+TWINS = [
+    # kernel, twin, examples, what the shrunk spec has, the convention named (a prefix)
+    ("mla_decode_paged", decode_scale_ignored, 40,
+     lambda s: s.scale != DEFAULT_SCALE and len(s.lens) == 1 and s.heads == 1 and s.s_q == 1,
+     "softmax scale 1/sqrt(576) used instead of the scale passed"),
+    ("sparse_mla_decode", sparse_minus_one_reads_slot_0, 40,
+     lambda s: s.batch == 1 and s.s_q == 1 and s.heads == 1 and s.extra is None,
+     "-1 entries read slot 0"),
+    ("sparse_mla_prefill", prefill_lse_log2, 20,
+     lambda s: s.s_q == 1 and s.heads == 1 and not s.sentinels, "lse in base 2"),
+    ("merge_attn_states", merge_reads_empty_side, 40,
+     lambda s: s.tokens == 1 and s.heads == 1, "the empty side's output is read"),
+    ("merge_attn_states", merge_times_zero, 40,
+     lambda s: s.tokens == 1 and s.heads == 1 and s.gap == 2000.0,
+     "a side whose weight underflowed to 0 multiplied by its output"),
+    ("cp_lse_ag_out_rs", dcp_nan_lost_beside_empty, 60,
+     lambda s: s.nan and s.tokens <= 2, "a NaN lse read as 'no keys'"),
+]
+
+
+@pytest.mark.parametrize("kernel, twin, examples, small, convention", TWINS,
+                         ids=[t[1].__name__ for t in TWINS])
+def test_the_fuzz_finds_a_twin_and_shrinks_it(kernel, twin, examples, small, convention, db):
+    report = fuzz({kernel: twin}, kernel, examples=examples, database=db, dtype=torch.float64)
+    assert not report.passed
+    (failure,) = report.failures
+    assert failure.kernel == kernel and failure.status == "fail"
+    assert small(failure.spec), failure.spec
+    assert failure.convention.startswith(convention), (failure.convention, failure.detail)
+    assert "shrunk to" in report.to_text()
+    md, js = report.to_markdown(), report.to_json()
+    assert failure.snippet.splitlines()[0] in md and '"passed": false' in js
+    # the snippet rebuilds the inputs, calls the kernel and fails as the search did
+    with pytest.raises(AssertionError):
+        exec(compile(failure.snippet, "<snippet>", "exec"), {"KERNEL": twin})
+    # the reference passes on the same snippet
+    exec(compile(failure.snippet, "<snippet>", "exec"), {"KERNEL": REFERENCE[kernel]})
+
+
+def test_the_reference_passes(db):
+    report = fuzz(REFERENCE, None, examples=12, database=db,
+                  dtype=(torch.float32, torch.bfloat16, torch.float64))
+    assert report.passed, report.to_text()
+    assert [r.kernel for r in report.runs] == list(FUZZED)
+    assert all(r.examples >= 12 and not r.unsupported for r in report.runs)
+
+
+def test_a_named_target_and_a_time_bound(db):
+    report = fuzz("reference", "merge_attn_states", seconds=1.0, database=db)
+    assert report.passed and report.runs[0].examples > 0
+    assert report.runs[0].seconds < 10
+
+
+def test_inputs_the_adapter_refuses_are_skipped(db):
+    def page_64_only(q, kv, *args, **kw):
+        if kv.shape[1] != 64:
+            raise Unsupported("page 64 only")
+        return ref.mla_decode_paged(q, kv, *args, **kw)
+
+    report = fuzz({"mla_decode_paged": page_64_only}, "mla_decode_paged", examples=30,
+                  database=db, dtype=torch.float64)
+    (run,) = report.runs
+    assert report.passed, report.to_text()
+    assert run.unsupported > 0 and run.examples > run.unsupported
+
+
+def test_the_database_replays_a_failure_first(db):
+    first = fuzz({"merge_attn_states": merge_times_zero}, "merge_attn_states", examples=40,
+                 database=db, dtype=torch.float64)
+    (failure,) = first.failures
+    shapes = []
+
+    def recording(o_p, *args):
+        shapes.append(tuple(o_p.shape))
+        return merge_times_zero(o_p, *args)
+
+    again = fuzz({"merge_attn_states": recording}, "merge_attn_states", examples=40,
+                 database=db, dtype=torch.float64)
+    spec = failure.spec
+    assert shapes[0] == (spec.tokens, spec.heads, spec.d)
+    assert again.failures[0].spec == spec
+
+
+def test_a_kernel_without_a_strategy_is_refused():
+    with pytest.raises(ValueError, match="no fuzz strategy"):
+        fuzz(REFERENCE, "gather_cache", examples=1)
+
+
+@needs_interpreter
+def test_mla_fast_merge_passes_and_its_one_percent_twin_is_found(db):
+    import mla.fast as fast
+
+    def off(*args):
+        out, lse = fast.merge_attn_states(*args)
+        return out * 1.01, lse
+
+    report = fuzz("mla.fast", "merge_attn_states", examples=8, database=db)
+    assert report.passed, report.to_text()
+    twin = fuzz({"merge_attn_states": off}, "merge_attn_states", examples=10, database=db)
+    (failure,) = twin.failures
+    assert failure.spec.tokens <= 1 and failure.errors["out"] > 5e-3
+    assert not math.isnan(failure.errors["out"])
