@@ -1,0 +1,316 @@
+"""``PYTHONPATH=. python -m benchmarks.v4_layer --out-dir DIR [--quick]``: DeepSeek-V4's layer on
+the fast path (``mla.fast.v4``) against the reference, stage by stage, and its decode step timed.
+
+(a) Checks, DeepSeek-V4-Flash's widths (``deepseek-v4``: hidden 4096, 64 heads, window 128,
+top-k 512), bf16 activations, each layer kind (ratio 1, 4, 128), a ragged batch prefilled in
+one step then decoded (``s_q = 1``, then ``s_q = 2``), each step's trace against
+``v4_layer_definition`` (float64, ``fp8_ds_mla``) of each request's whole history, fed the fast
+path's top-k (so that both attend the same keys):
+
+- ``q_latent``, ``kv``, ``q``: bf16 values of float32 (here) and float64 (there) arithmetic:
+  each element equal or one bf16 step apart (``<= 2^-7`` relative), the norm error ``<= 2^-8``;
+- the window cache: bytes equal to the MODEL1 quantization (``"vllm"`` floor) of the fast
+  path's own ``kv`` after the rope (exact: integer roundings);
+- the compressed cache (``d = 512``) and the indexer's keys (``d = 128``) read back: within one
+  e4m3 step (``2^-3`` relative, the projections' float32 vs float64 can flip a rounding) for
+  >= 99 % of the values;
+- the indexer's top-k: recall of the reference's sets (the reference indexer on the same
+  history; near-ties may swap) >= 0.95 per step;
+- ``attn``: relative (Frobenius) error ``<= 1e-2``: bf16 q and probabilities in the kernel
+  (``~2^-8`` each, averaged over the keys), identical keys up to the flips above;
+- ``out``: relative error ``<= 2e-2`` (three more bf16 roundings and two GEMMs in bf16).
+
+(b) Timing of one decode step (``s_q = 1``) of a ratio-4 and a ratio-128 layer, ``B`` in {1, 32,
+128} requests of ``L`` in {8K, 32K} tokens, CUDA graphs where they capture (else eager,
+marked): the fast path, and the same step with its attention and indexer (logits, top-k) and
+front (q norm, rope, window key store) replaced by the reference's torch functions on CUDA
+(``mla.reference.sparse.sparse_mla_decode``, ``fp8_paged_mqa_logits``, ``top_k_per_row``,
+``write_fp8_model1``); the projections and the compressor are shared. Each shape in
+try/except. Writes ``DIR/v4_layer_<date>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import date
+
+import torch
+
+from benchmarks.common import ceilings, log, report_heading, time_graph
+
+RATIOS = (1, 4, 128)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _ulp_frac(a: torch.Tensor, b: torch.Tensor, rel: float) -> float:
+    a, b = a.double(), b.double()
+    return float(((a - b).abs() <= rel * b.abs() + 1e-12).float().mean())
+
+
+def check_kind(ratio: int, lens: list[int], quick: bool) -> dict:
+    from mla.fast.v4 import V4FastCache, v4_layer_step
+    from mla.reference.fp8_model1 import fp8_model1_rows, write_fp8_model1
+    from mla.reference.indexer_cache import read_indexer_k_cache
+    from mla.reference.v4 import V4LayerWeights, get_v4_config, rope_gptj, v4_layer_definition
+    from mla.reference.v4.compressor import (
+        compress,
+        compressor_weights_of,
+        quantize_compressed_indexer_entries,
+    )
+    from mla.reference.v4.indexer import indexer_topk_for_layer
+    c = get_v4_config("deepseek-v4")
+    dev = torch.device("cuda")
+    # bf16 weights (what the fast path multiplies by), held in float64 by the reference
+    w64 = V4LayerWeights.random(c, ratio, seed=ratio).to(dtype=torch.bfloat16).to(
+        dtype=torch.float64, device=dev)
+    B = len(lens)
+    fc = V4FastCache.empty(w64, B, max(lens) + 8, dtype=torch.bfloat16, device=dev)
+    g = torch.Generator(device=dev).manual_seed(ratio)
+    hist = [torch.zeros(0, c.hidden_size, dtype=torch.float64, device=dev) for _ in lens]
+    steps = [("prefill", lens), ("decode", [1] * B), ("decode", [2] * B)]
+    res: dict = {"ratio": ratio, "lens": lens, "steps": []}
+    for path, st in steps:
+        xs = [torch.randn(n, c.hidden_size, generator=g, device=dev, dtype=torch.float64)
+              .bfloat16().double() for n in st]
+        outs, tr = v4_layer_step([x.bfloat16() for x in xs], fc, path=path, trace=True)
+        torch.cuda.synchronize()
+        row: dict = {"path": path, "new": st}
+        offs = [0]
+        for n in st:
+            offs.append(offs[-1] + n)
+        m: dict[str, list[float]] = {}
+        for b, x in enumerate(xs):
+            hist[b] = torch.cat([hist[b], x])
+            L = hist[b].shape[0]
+            sl = slice(offs[b], offs[b + 1])
+            n = st[b]
+            full_tk = None
+            if ratio == 4:
+                full_tk = torch.full((L, c.index_topk), -1, dtype=torch.int32, device=dev)
+                full_tk[L - n:] = tr.topk[sl]
+            ref = v4_layer_definition(hist[b], w64, topk=full_tk)
+            new = slice(L - n, L)
+            for name, fa, rb in (("q_latent", tr.q_latent[sl], ref.q_latent[new]),
+                                 ("kv", tr.kv[sl], ref.kv[new]), ("q", tr.q[sl], ref.q[new])):
+                m.setdefault(f"{name}_rel", []).append(_rel(fa, rb))
+                m.setdefault(f"{name}_ulp_frac", []).append(_ulp_frac(fa, rb, 2 ** -7))
+            m.setdefault("attn_rel", []).append(_rel(tr.attn[sl], ref.attn[new]))
+            m.setdefault("out_rel", []).append(_rel(outs[b], ref.out[new]))
+            # the window cache: the MODEL1 bytes of the fast path's own kv
+            pos = tr.positions[sl]
+            slots = fc.window_table[b].long()[pos // 64] * 64 + pos % 64
+            got = fp8_model1_rows(fc.window_pages, 64, slots)
+            one = torch.zeros(n, fc.window_pages.shape[1], dtype=torch.uint8, device=dev)
+            k = rope_gptj(tr.kv[sl].double(), pos, c, ratio).bfloat16()
+            write_fp8_model1(one, 64, torch.arange(n, device=dev) * 64, k, scale_floor="vllm")
+            want = fp8_model1_rows(one, 64, torch.arange(n, device=dev) * 64)
+            m.setdefault("window_rows_equal", []).append(float(torch.equal(got, want)))
+            if ratio > 1:
+                nc = L // ratio
+                if nc:
+                    bs = fc.compressed_block
+                    ids = torch.arange(nc, device=dev)
+                    cs = fc.compressed_table[b].long()[ids // bs] * bs + ids % bs
+                    got = fp8_model1_rows(fc.compressed_pages, bs, cs)
+                    m.setdefault("compressed_within_e4m3_step", []).append(
+                        _ulp_frac(got, ref.k_compressed, 2 ** -3))
+                    if ratio == 4:
+                        ent = compress(hist[b], compressor_weights_of(w64, "indexer.compressor."),
+                                       c)
+                        rc, rs = quantize_compressed_indexer_entries(ent)
+                        codes, scale = read_indexer_k_cache(fc.index_cache, cs)
+                        m.setdefault("indexer_keys_within_e4m3_step", []).append(_ulp_frac(
+                            codes.double() * scale.double()[:, None],
+                            rc.view(torch.float8_e4m3fn).double() * rs.double()[:, None],
+                            2 ** -3))
+            if ratio == 4:
+                rtk = indexer_topk_for_layer(hist[b], ref.q_latent, w64)[new]
+                hit = tot = 0
+                for ft, rt in zip(tr.topk[sl].tolist(), rtk.tolist()):
+                    rs_ = {i for i in rt if i >= 0}
+                    hit += len(rs_ & {i for i in ft if i >= 0})
+                    tot += len(rs_)
+                m.setdefault("topk_recall", []).append(hit / max(tot, 1))
+            del ref
+            torch.cuda.empty_cache()
+        worst = {k: (max(v) if k.endswith("_rel") else min(v)) for k, v in m.items()}
+        budgets = {"q_latent_rel": 2 ** -8, "kv_rel": 2 ** -8, "q_rel": 2 ** -8,
+                   "attn_rel": 1e-2, "out_rel": 2e-2}
+        ok = all(worst[k] <= v for k, v in budgets.items())
+        ok &= all(worst[k] >= 0.99 for k in worst if k.endswith(("_frac", "_step")))
+        ok &= worst["window_rows_equal"] == 1.0
+        ok &= worst.get("topk_recall", 1.0) >= 0.95
+        row.update(worst=worst, passed=bool(ok))
+        res["steps"].append(row)
+        log(f"check r={ratio} {path} {st}: {'PASS' if ok else 'FAIL'} {worst}")
+    return res
+
+
+@contextmanager
+def torch_composition():
+    """The fast step with its attention, indexer and front replaced by the reference's torch
+    functions (module doc)."""
+    import mla.fast.v4.layer as layer
+    from mla.fast.v4.common import rope_torch
+    from mla.reference import sparse as ref_sparse
+    from mla.reference.fp8_model1 import fp8_model1_pages, write_fp8_model1
+    from mla.reference.indexer_logits import fp8_paged_mqa_logits, top_k_per_row
+    saved = {n: getattr(layer, n) for n in ("sparse_mla_decode", "v4_indexer_topk_paged",
+                                            "v4_q_rope_kv_insert")}
+
+    def decode(*a, validate=None, plan=None, **k):  # noqa: ANN001, ANN202, ARG001
+        return ref_sparse.sparse_mla_decode(*a, **k)
+
+    def topk(codes, weights, k_cache, tables, visible, max_entries, n, *, fill=False,  # noqa
+             validate=None):
+        logits = fp8_paged_mqa_logits(codes[:, None], k_cache, weights, visible, tables,
+                                      max_entries)
+        return top_k_per_row(logits, torch.zeros_like(visible), visible, n)
+
+    def front(q, kv, positions, cos_sin, window_cache, slot_mapping, *, rms_norm_eps,  # noqa
+              head_norm=True, padded_heads=None, out_dtype=torch.bfloat16, validate=None):
+        qf = q.float()
+        if head_norm:
+            qf = qf * torch.rsqrt(qf.pow(2).mean(-1, keepdim=True) + rms_norm_eps)
+        k = rope_torch(kv.float(), positions, cos_sin).bfloat16()
+        bs = window_cache.shape[1]
+        write_fp8_model1(fp8_model1_pages(window_cache), bs, slot_mapping, k,
+                         scale_floor="vllm")
+        return rope_torch(qf, positions, cos_sin).to(out_dtype)
+
+    layer.sparse_mla_decode, layer.v4_indexer_topk_paged = decode, topk
+    layer.v4_q_rope_kv_insert = front
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(layer, n, f)
+
+
+@functools.lru_cache(maxsize=2)
+def _weights(ratio: int):  # noqa: ANN202
+    from mla.reference.v4 import V4LayerWeights, get_v4_config
+    return V4LayerWeights.random(get_v4_config("deepseek-v4"), ratio, seed=1,
+                                 dtype=torch.bfloat16)
+
+
+def time_step(ratio: int, B: int, L: int) -> dict:
+    from mla.fast.v4 import V4FastCache, v4_layer_step
+    from mla.reference.v4 import get_v4_config
+    c = get_v4_config("deepseek-v4")
+    dev = torch.device("cuda")
+    w = _weights(ratio)
+    fc = V4FastCache.empty(w, B, L + 1, dtype=torch.bfloat16, device=dev)
+    for comp in (fc.compressor, fc.index_compressor):
+        if comp is not None:
+            comp.kv.zero_()
+            comp.score.zero_()
+    x = [torch.randn(1, c.hidden_size, device=dev, dtype=torch.bfloat16) for _ in range(B)]
+
+    def step() -> None:
+        fc.lengths[:] = [L] * B
+        v4_layer_step(x, fc, path="decode")
+
+    out: dict = {"ratio": ratio, "B": B, "L": L}
+    for name, ctx in (("fast", None), ("torch", torch_composition)):
+        try:
+            if ctx is None:
+                out[f"{name}_ms"], out[f"{name}_graph"] = _time(step)
+            else:
+                with ctx():
+                    out[f"{name}_ms"], out[f"{name}_graph"] = _time(step)
+        except Exception as e:  # noqa: BLE001
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
+        torch.cuda.empty_cache()
+    log(f"time r={ratio} B={B} L={L}: {out}")
+    return out
+
+
+def _time(fn) -> tuple[float, bool]:  # noqa: ANN001
+    try:
+        return time_graph(fn, reps=20), True
+    except Exception:  # noqa: BLE001
+        torch.cuda.synchronize()
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[len(times) // 2], False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check the fast DeepSeek-V4 layer stage by stage and time its decode step."""
+    import argparse
+
+    from mla.check.registry import environment
+    p = argparse.ArgumentParser(prog="python -m benchmarks.v4_layer", description=main.__doc__)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--quick", action="store_true", help="one ragged batch, B <= 32, L = 8K")
+    a = p.parse_args(argv)
+    os.makedirs(a.out_dir, exist_ok=True)
+    res = {"environment": environment(), "ceilings": ceilings(), "checks": [], "timings": []}
+    batches = [[2305, 700, 1]] if a.quick else [[2305, 700, 1], [130, 4, 3, 129]]
+    for ratio in RATIOS:
+        for lens in batches:
+            try:
+                res["checks"].append(check_kind(ratio, lens, a.quick))
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                res["checks"].append({"ratio": ratio, "lens": lens,
+                                      "error": f"{type(e).__name__}: {e}"[:300]})
+            torch.cuda.empty_cache()
+    for ratio in (4, 128):
+        for B in ((1, 32) if a.quick else (1, 32, 128)):
+            for L in ((8192,) if a.quick else (8192, 32768)):
+                try:
+                    res["timings"].append(time_step(ratio, B, L))
+                except Exception as e:  # noqa: BLE001
+                    res["timings"].append({"ratio": ratio, "B": B, "L": L,
+                                           "error": f"{type(e).__name__}: {e}"[:300]})
+                torch.cuda.empty_cache()
+    stem = os.path.join(a.out_dir, f"v4_layer_{date.today().isoformat()}")
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    lines = report_heading("DeepSeek-V4 layer on mla.fast.v4", res)
+    lines += ["## Stage checks (worst over requests; budgets in benchmarks/v4_layer.py)", "",
+              "| ratio | lens | step | pass | worst |", "|---|---|---|---|---|"]
+    for ck in res["checks"]:
+        if "error" in ck:
+            lines.append(f"| {ck['ratio']} | {ck['lens']} | - | ERROR | {ck['error']} |")
+            continue
+        for s in ck["steps"]:
+            worst = ", ".join(f"{k} {v:.3g}" for k, v in s["worst"].items())
+            lines.append(f"| {ck['ratio']} | {ck['lens']} | {s['path']} {s['new'][0]} | "
+                         f"{s['passed']} | {worst} |")
+    lines += ["", "## Decode step (s_q = 1), ms", "",
+              "| ratio | B | L | fast | graph | torch composition | graph |",
+              "|---|---|---|---|---|---|---|"]
+    for t in res["timings"]:
+        def cell(k: str, t: dict = t) -> str:
+            return (f"{t[k + '_ms']:.3f}" if k + "_ms" in t
+                    else t.get(k + "_error", t.get("error", "?"))[:60])
+        lines.append(f"| {t['ratio']} | {t['B']} | {t['L']} | {cell('fast')} | "
+                     f"{t.get('fast_graph', '-')} | {cell('torch')} | "
+                     f"{t.get('torch_graph', '-')} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    log(f"wrote {stem}.json and .md")
+    failed = [s for ck in res["checks"] for s in ck.get("steps", []) if not s["passed"]]
+    return 1 if failed or any("error" in ck for ck in res["checks"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
