@@ -139,7 +139,7 @@ def check_kind(ratio: int, lens: list[int], quick: bool) -> dict:
                     rs_ = {i for i in rt if i >= 0}
                     hit += len(rs_ & {i for i in ft if i >= 0})
                     tot += len(rs_)
-                m.setdefault("topk_recall", []).append(hit / max(tot, 1))
+                m.setdefault("topk_recall", []).append(hit / tot if tot else 1.0)
             del ref
             torch.cuda.empty_cache()
         worst = {k: (max(v) if k.endswith("_rel") else min(v)) for k, v in m.items()}
