@@ -7,6 +7,7 @@
     vllm-triton       adapters of mla.conformance.adapters (their peers are imported when a
     vllm-topk         case runs; missing ones make the rows "unsupported")
     vllm-cache
+    vllm-v4
     deepgemm
     flashinfer
     pkg.module        a module whose attributes named like mla.reference's kernels are the kernels
@@ -42,13 +43,16 @@ TARGETS = {
                  "ranges)",
     "vllm-cache": "vLLM 0.33.0's CUDA cache kernels: concat_and_cache_mla (bf16, fp8_ds_mla), "
                   "indexer_k_quant_and_cache, cp_gather_cache",
+    "vllm-v4": "vLLM 0.33.0's DeepSeek-V4 Triton kernels: the compressor (state save, then "
+               "compress, norm, RoPE, quantize and store; d = 512 and 128) and the indexer's q",
     "deepgemm": "DeepGEMM 2.8.1 from vLLM 0.33.0's wheel: the indexer's fp8_mqa_logits and "
                 "fp8_paged_mqa_logits",
     "flashinfer": "FlashInfer's BatchMLAPagedAttentionWrapper (paged decode), if importable",
 }
 
 _ADAPTERS = {"flashmla": "flashmla", "vllm-triton": "vllm_triton", "vllm-topk": "vllm_topk",
-             "vllm-cache": "vllm_cache", "deepgemm": "deepgemm", "flashinfer": "flashinfer"}
+             "vllm-cache": "vllm_cache", "vllm-v4": "vllm_v4", "deepgemm": "deepgemm",
+             "flashinfer": "flashinfer"}
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 _EXPECTED = (f"expected one of {sorted(TARGETS)}, a module 'pkg.module' or "
              "'pkg.module:attr'")
