@@ -40,7 +40,12 @@ from mla.fast.v4.front import v4_q_rope_kv_insert
 from mla.fast.v4.indexer import v4_indexer_q_prep, v4_indexer_topk_paged
 from mla.reference.fp8_model1 import fp8_model1_cache, fp8_model1_page_bytes, fp8_model1_rows
 from mla.reference.indexer_cache import INDEX_K_BYTES
-from mla.reference.v4.serving import COMPRESSED_PAGE_TOKENS, PREFILL_PAD, WINDOW_PAGE
+from mla.reference.v4.serving import (
+    COMPRESSED_PAGE_TOKENS,
+    PREFILL_PAD,
+    WINDOW_PAGE,
+    scrambled_page_table,
+)
 from mla.reference.v4.weights import V4LayerWeights
 from mla.validation import check_float, check_positive_int
 
@@ -48,13 +53,6 @@ __all__ = ["V4FastCache", "V4FastTrace", "v4_layer_step"]
 
 D = 512
 INDEX_PAGE = COMPRESSED_PAGE_TOKENS // 4  # the indexer's key cache: the ratio-4 pages
-
-
-def _scrambled_table(batch: int, pages_each: int, seed: int) -> torch.Tensor:
-    """The reference's page tables (``serving._scrambled_table``): the same draw."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randperm(batch * pages_each, generator=gen).to(torch.int32).view(
-        batch, pages_each)
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -127,14 +125,14 @@ class V4FastCache:
                                           else dtype)
                                   for n, t in weights.tensors.items()})
         pages_each = max(1, -(-capacity // WINDOW_PAGE))
-        window_table = _scrambled_table(batch, pages_each, seed).to(device)
+        window_table = scrambled_page_table(batch, pages_each, seed).to(device)
         window_pages = torch.zeros(batch * pages_each, fp8_model1_page_bytes(WINDOW_PAGE),
                                    dtype=torch.uint8, device=device)
         comp_pages = comp_table = index_cache = comp = icomp = None
         if r > 1:
             bs = COMPRESSED_PAGE_TOKENS // r
             each = max(1, -(-max(1, capacity // r) // bs))
-            comp_table = _scrambled_table(batch, each, seed + 1).to(device)
+            comp_table = scrambled_page_table(batch, each, seed + 1).to(device)
             comp_pages = torch.zeros(batch * each, fp8_model1_page_bytes(bs), dtype=torch.uint8,
                                      device=device)
             comp = _Compressor.of(w.sub("compressor."), batch, device)

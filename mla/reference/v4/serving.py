@@ -59,8 +59,8 @@ from mla.reference.v4.layer import (
 from mla.reference.v4.weights import V4LayerWeights
 from mla.validation import check_float, check_positive_int
 
-__all__ = ["V4Cache", "v4_layer_step", "WINDOW_PAGE", "COMPRESSED_PAGE_TOKENS",
-           "window_indices", "compressed_ids"]
+__all__ = ["V4Cache", "v4_layer_step", "scrambled_page_table", "WINDOW_PAGE",
+           "COMPRESSED_PAGE_TOKENS", "window_indices", "compressed_ids"]
 
 WINDOW_PAGE = 64             # tokens a window-cache page (sparse_swa.py)
 COMPRESSED_PAGE_TOKENS = 256  # tokens a compressed-cache page covers: 256 / r entries
@@ -68,7 +68,9 @@ PREFILL_PAD = 128            # combined indices are padded to a multiple of this
 D = 512
 
 
-def _scrambled_table(batch: int, pages_each: int, seed: int) -> torch.Tensor:
+def scrambled_page_table(batch: int, pages_each: int, seed: int) -> torch.Tensor:
+    """int32 ``[batch, pages_each]``: every page of a pool of ``batch · pages_each`` given out
+    once, in a seeded random order (as a block allocator hands them out)."""
     gen = torch.Generator().manual_seed(seed)
     perm = torch.randperm(batch * pages_each, generator=gen).to(torch.int32)
     return perm.view(batch, pages_each)
@@ -87,7 +89,7 @@ class _PagedRows:
     def empty(cls, kv_cache_dtype: str, page: int, batch: int, capacity: int, seed: int
               ) -> _PagedRows:
         pages_each = max(1, -(-capacity // page))
-        table = _scrambled_table(batch, pages_each, seed)
+        table = scrambled_page_table(batch, pages_each, seed)
         n = batch * pages_each
         if kv_cache_dtype == "fp8_ds_mla":
             storage = torch.zeros(n, fp8_model1_page_bytes(page), dtype=torch.uint8)
