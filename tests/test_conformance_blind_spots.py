@@ -82,7 +82,8 @@ def test_a_dcp_losing_a_nan_beside_empty_ranks_fails_the_new_case_only():
     rows, bad = _split(report)
     assert bad == {"nan_lse_beside_empty_ranks"}, report.to_text()
     row = rows["nan_lse_beside_empty_ranks"]
-    assert row.convention.startswith("a NaN lse lost where every other rank is empty"), (
+    assert row.convention.startswith("a NaN lse read as 'no keys' where every other rank is "
+                                  "empty"), (
         row.convention, row.detail)
     assert rows["nan_lse_is_not_empty"].status == "pass"  # the blind spot: the old case passes
 

@@ -187,7 +187,12 @@ def _float32_out_limit(outs: torch.Tensor, lses: torch.Tensor, expected: Outputs
 
 def dcp_trial(setting: Setting, spec: DcpSpec, salt: int) -> Trial:
     """A trial of ``spec``: inputs in the setting's dtypes, the reference on upcast copies."""
-    outs, lses = _inputs(spec, generator(setting, salt))
+    return _trial_of(setting, spec, *_inputs(spec, generator(setting, salt)))
+
+
+def _trial_of(setting: Setting, spec: DcpSpec, outs: torch.Tensor, lses: torch.Tensor
+              ) -> Trial:
+    """The trial of the float64 inputs ``outs [W, T, N, D]``, ``lses [W, T, N]``."""
     outs, lses = outs.to(setting.dtype), lses.to(lse_dtype(setting))
     outs64, lses64 = outs.double(), lses.double()  # the kernel's inputs, exactly
     dev_outs, dev_lses = outs.to(setting.device), lses.to(setting.device)
@@ -264,20 +269,24 @@ _register("nan_lse_is_not_empty", "nan",
           "dropped as if it had no keys (conventions §13).",
           lambda s: DcpSpec(4, 8, nan=True), 650)
 def _nan_beside_empty_trial(setting: Setting) -> Trial:
-    """``nan_lse_beside_empty_ranks``: ``dcp_trial``, and the answer of a kernel whose max
-    ignores NaN, so that a NaN beside ranks without keys finds no rank with keys."""
-    spec, salt = DcpSpec(4, 12, all_empty=0.5, markers=(INF, -INF), nan=True), 651
-    trial = dcp_trial(setting, spec, salt)
-    outs, lses = _inputs(spec, generator(setting, salt))
+    """``nan_lse_beside_empty_ranks``: tokens no rank holds a key of, each of their heads with
+    a NaN lse on one rank (so that no query is empty on every rank but one holding NaN); and
+    the answer of a kernel whose max ignores NaN, which finds no rank with keys there."""
+    spec = DcpSpec(4, 12, all_empty=0.5, markers=(INF, -INF), nan=True)
+    g = generator(setting, 651)
+    outs, lses = _inputs(dataclasses.replace(spec, nan=False), g)
+    W, T, N = lses.shape
+    alone = torch.isinf(lses).all(dim=0)  # [T, N]
+    rank = torch.randint(W, (T, N), generator=g)
+    lses[rank[alone], alone] = float("nan")
+    trial = _trial_of(setting, spec, outs, lses)
     outs64 = outs.to(setting.dtype).double()
     lses64 = lses.to(lse_dtype(setting)).double()
-    nan_rows = torch.isnan(lses64).any(dim=0)
-    alone = nan_rows & (torch.isinf(lses64) | torch.isnan(lses64)).all(dim=0)  # [T, N]
     lost = torch.where(alone[None], -INF, lses64)
     trial.alternatives = {
-        "a NaN lse lost where every other rank is empty (a max that ignores NaN finds no rank "
-        "with keys: out 0, lse -inf); NaN must stay NaN": lambda: nan_split(
-            _ref(outs64, lost), nan_rows, lse_rows_first=True),
+        "a NaN lse read as 'no keys' where every other rank is empty (a max that ignores NaN "
+        "finds no rank with keys: out 0, lse -inf); NaN must stay NaN": lambda: nan_split(
+            _ref(outs64, lost), alone, lse_rows_first=True),
         **trial.alternatives}
     return trial
 
