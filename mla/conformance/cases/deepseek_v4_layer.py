@@ -1,7 +1,18 @@
 """Cases of DeepSeek-V4's layer kernels (conventions §15): the compressor's cache records
 (``v4_compress``), the indexer's q (``v4_indexer_q``) and the scopes' indices
 (``v4_scope_indices``), with the kernel-level contracts of ``mla.reference.v4.kernels`` and
-``mla.reference.v4.scopes``.
+``mla.reference.v4.scopes`` (their module docs say every rule):
+
+    v4_compress(kv, score, state_kv, state_score, positions, norm_weight, cos_sin, ratio,
+                rms_norm_eps) -> uint8 [m, 584] (d = 512, MODEL1) | [m, 132] (d = 128)
+    v4_indexer_q(q, weights, positions, cos_sin, softmax_scale, head_scale)
+                -> (q_fp8 uint8 [T, H, 128], weights_out float32 [T, H])
+    v4_scope_indices(positions, token_to_req, seq_lens, window_table, compressed_table, topk,
+                     ratio, window, path) -> decode: (indices, lengths, extra_indices,
+                     extra_lengths); prefill: (indices, lengths), int32
+
+Inputs have fixed dtypes whatever the setting's (``kv``, ``score``, the state and ``cos_sin``
+float32; ``q``, the weights and ``norm_weight`` bf16), as the serving path hands them over.
 
 ``v4_compress``: one request's tokens at positions ``0 .. L-1`` fed in the case's steps (one
 prefill, uneven chunks, or token by token); each call gets the new tokens' fp32 ``kv`` and
