@@ -3,22 +3,32 @@ the fast path (``mla.fast.v4``) against the reference, stage by stage, and its d
 
 (a) Checks, DeepSeek-V4-Flash's widths (``deepseek-v4``: hidden 4096, 64 heads, window 128,
 top-k 512), bf16 activations, each layer kind (ratio 1, 4, 128), a ragged batch prefilled in
-one step then decoded (``s_q = 1``, then ``s_q = 2``), each step's trace against
-``v4_layer_definition`` (float64, ``fp8_ds_mla``) of each request's whole history, fed the fast
-path's top-k (so that both attend the same keys):
+one step then decoded (``s_q = 1``, then ``s_q = 2``). Each stage is held to the reference
+applied to the fast path's own inputs of that stage (so that a stage's error is its own), and
+the whole step to ``v4_layer_definition`` (float64, ``fp8_ds_mla``) of each request's whole
+history, fed the fast path's top-k (so that both attend the same keys):
 
 - ``q_latent``, ``kv``, ``q``: bf16 values of float32 (here) and float64 (there) arithmetic:
-  each element equal or one bf16 step apart (``<= 2^-7`` relative), the norm error ``<= 2^-8``;
-- the window cache: bytes equal to the MODEL1 quantization (``"vllm"`` floor) of the fast
-  path's own ``kv`` after the rope (exact: integer roundings);
+  >= 99 % of the elements equal or one bf16 step apart (``<= 2^-7`` relative), the norm error
+  ``<= 2^-8``;
+- the window cache: the nope bytes equal to the MODEL1 quantization (``"vllm"`` floor) of the
+  fast path's own ``kv`` (exact: integer roundings of the same bf16 values), the RoPE values
+  within one bf16 step (a float32 against a float64 rotation) for >= 99.9 %;
 - the compressed cache (``d = 512``) and the indexer's keys (``d = 128``) read back: within one
   e4m3 step (``2^-3`` relative, the projections' float32 vs float64 can flip a rounding) for
   >= 99 % of the values;
 - the indexer's top-k: recall of the reference's sets (the reference indexer on the same
   history; near-ties may swap) >= 0.95 per step;
-- ``attn``: relative (Frobenius) error ``<= 1e-2``: bf16 q and probabilities in the kernel
-  (``~2^-8`` each, averaged over the keys), identical keys up to the flips above;
-- ``out``: relative error ``<= 2e-2`` (three more bf16 roundings and two GEMMs in bf16).
+- ``attn_own``: the attention against ``attend_with_sink`` (float64) over the keys the fast
+  caches hold, the fast query and the fast top-k: relative (Frobenius) ``<= 8e-3`` (bf16 q,
+  bf16 probabilities and a bf16 output, ``~2^-9`` each, measured about 3e-3);
+- ``out_own``: the output projection against the reference's (``v4_output_projection``) on the
+  fast attention output: ``<= 8e-3`` (three bf16 roundings and two bf16 GEMMs);
+- ``attn``, ``out`` against the definition: ``<= 3e-2``. Not tighter, and why: a key's nope
+  value that differs from the definition's by one bf16 step (the projection's float32 sum)
+  lands on the neighbouring e4m3 code about once in 16 (``2^-8 / 2^-4``), an error of up to
+  ``2^-4`` of that value, so the attention output moves by about ``sqrt(1/16) · 2^-4 / 2 ≈
+  1.6e-2`` relative (measured 1.2-1.6e-2). The stage checks above are the tight ones.
 
 (b) Timing of one decode step (``s_q = 1``) of a ratio-4 and a ratio-128 layer, ``B`` in {1, 32,
 128} requests of ``L`` in {8K, 32K} tokens, CUDA graphs where they capture (else eager,
@@ -56,7 +66,10 @@ def _ulp_frac(a: torch.Tensor, b: torch.Tensor, rel: float) -> float:
     return float(((a - b).abs() <= rel * b.abs() + 1e-12).float().mean())
 
 
-def check_kind(ratio: int, lens: list[int], quick: bool) -> dict:
+def check_kind(ratio: int, lens: list[int], quick: bool, *, device: str = "cuda",
+               preset: str = "deepseek-v4", dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The stage checks of one layer kind on one ragged batch (module doc, (a)); ``device``,
+    ``preset`` and ``dtype`` let the CPU run them under Triton's interpreter (float32)."""
     from mla.fast.v4 import V4FastCache, v4_layer_step
     from mla.reference.fp8_model1 import fp8_model1_rows, write_fp8_model1
     from mla.reference.indexer_cache import read_indexer_k_cache
@@ -67,13 +80,19 @@ def check_kind(ratio: int, lens: list[int], quick: bool) -> dict:
         quantize_compressed_indexer_entries,
     )
     from mla.reference.v4.indexer import indexer_topk_for_layer
-    c = get_v4_config("deepseek-v4")
-    dev = torch.device("cuda")
+    from mla.reference.v4.layer import (
+        attend_with_sink,
+        compressed_mask,
+        v4_output_projection,
+        window_mask,
+    )
+    c = get_v4_config(preset)
+    dev = torch.device(device)
     # bf16 weights (what the fast path multiplies by), held in float64 by the reference
     w64 = V4LayerWeights.random(c, ratio, seed=ratio).to(dtype=torch.bfloat16).to(
         dtype=torch.float64, device=dev)
     B = len(lens)
-    fc = V4FastCache.empty(w64, B, max(lens) + 8, dtype=torch.bfloat16, device=dev)
+    fc = V4FastCache.empty(w64, B, max(lens) + 8, dtype=dtype, device=dev)
     g = torch.Generator(device=dev).manual_seed(ratio)
     hist = [torch.zeros(0, c.hidden_size, dtype=torch.float64, device=dev) for _ in lens]
     steps = [("prefill", lens), ("decode", [1] * B), ("decode", [2] * B)]
@@ -81,8 +100,9 @@ def check_kind(ratio: int, lens: list[int], quick: bool) -> dict:
     for path, st in steps:
         xs = [torch.randn(n, c.hidden_size, generator=g, device=dev, dtype=torch.float64)
               .bfloat16().double() for n in st]
-        outs, tr = v4_layer_step([x.bfloat16() for x in xs], fc, path=path, trace=True)
-        torch.cuda.synchronize()
+        outs, tr = v4_layer_step([x.to(dtype) for x in xs], fc, path=path, trace=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         row: dict = {"path": path, "new": st}
         offs = [0]
         for n in st:
@@ -105,17 +125,37 @@ def check_kind(ratio: int, lens: list[int], quick: bool) -> dict:
                 m.setdefault(f"{name}_ulp_frac", []).append(_ulp_frac(fa, rb, 2 ** -7))
             m.setdefault("attn_rel", []).append(_rel(tr.attn[sl], ref.attn[new]))
             m.setdefault("out_rel", []).append(_rel(outs[b], ref.out[new]))
-            # the window cache: the MODEL1 bytes of the fast path's own kv
             pos = tr.positions[sl]
+            # the attention over the fast caches' own keys, the fast q and top-k
+            win_slots = fc.window_table[b].long()[torch.arange(L, device=dev) // 64] * 64 \
+                + torch.arange(L, device=dev) % 64
+            keys = [fp8_model1_rows(fc.window_pages, 64, win_slots).double()]
+            nc = L // ratio if ratio > 1 else 0
+            if nc:
+                bs = fc.compressed_block
+                ids = torch.arange(nc, device=dev)
+                keys.append(fp8_model1_rows(fc.compressed_pages, bs, fc.compressed_table[b].long()
+                                            [ids // bs] * bs + ids % bs).double())
+            mask = torch.cat([window_mask(pos, torch.arange(L, device=dev), c.sliding_window),
+                              compressed_mask(pos, nc, ratio, tr.topk[sl] if ratio == 4
+                                              else None)], dim=1)
+            own, _ = attend_with_sink(tr.q[sl].double(), torch.cat(keys), mask,
+                                      w64["attn_sink"].float(), c.softmax_scale)
+            m.setdefault("attn_own_rel", []).append(_rel(tr.attn[sl], own))
+            own_out = v4_output_projection(tr.attn[sl].double(), pos, w64, "fp8_ds_mla")[2]
+            m.setdefault("out_own_rel", []).append(_rel(outs[b], own_out))
+            # the window cache: the MODEL1 bytes of the fast path's own kv
             slots = fc.window_table[b].long()[pos // 64] * 64 + pos % 64
             got = fp8_model1_rows(fc.window_pages, 64, slots)
             one = torch.zeros(n, fc.window_pages.shape[1], dtype=torch.uint8, device=dev)
             k = rope_gptj(tr.kv[sl].double(), pos, c, ratio).bfloat16()
             write_fp8_model1(one, 64, torch.arange(n, device=dev) * 64, k, scale_floor="vllm")
             want = fp8_model1_rows(one, 64, torch.arange(n, device=dev) * 64)
-            m.setdefault("window_rows_equal", []).append(float(torch.equal(got, want)))
+            m.setdefault("window_nope_equal", []).append(
+                float(torch.equal(got[:, :448], want[:, :448])))
+            m.setdefault("window_rope_ulp_frac", []).append(
+                _ulp_frac(got[:, 448:], want[:, 448:], 2 ** -7))
             if ratio > 1:
-                nc = L // ratio
                 if nc:
                     bs = fc.compressed_block
                     ids = torch.arange(nc, device=dev)
@@ -141,13 +181,15 @@ def check_kind(ratio: int, lens: list[int], quick: bool) -> dict:
                     tot += len(rs_)
                 m.setdefault("topk_recall", []).append(hit / tot if tot else 1.0)
             del ref
-            torch.cuda.empty_cache()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         worst = {k: (max(v) if k.endswith("_rel") else min(v)) for k, v in m.items()}
         budgets = {"q_latent_rel": 2 ** -8, "kv_rel": 2 ** -8, "q_rel": 2 ** -8,
-                   "attn_rel": 1e-2, "out_rel": 2e-2}
+                   "attn_own_rel": 8e-3, "out_own_rel": 8e-3, "attn_rel": 3e-2,
+                   "out_rel": 3e-2}
         ok = all(worst[k] <= v for k, v in budgets.items())
         ok &= all(worst[k] >= 0.99 for k in worst if k.endswith(("_frac", "_step")))
-        ok &= worst["window_rows_equal"] == 1.0
+        ok &= worst["window_nope_equal"] == 1.0 and worst["window_rope_ulp_frac"] >= 0.999
         ok &= worst.get("topk_recall", 1.0) >= 0.95
         row.update(worst=worst, passed=bool(ok))
         res["steps"].append(row)

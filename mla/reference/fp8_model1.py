@@ -212,8 +212,17 @@ def write_fp8_model1(pages: torch.Tensor, block_size: int, slots: torch.Tensor,
                      rows: torch.Tensor, *, scale_floor: str = "flashmla") -> None:
     """Quantize ``rows [n, 512]`` into ``pages`` at global ``slots [n]`` (``block ·
     block_size + offset``), in place: each token's 576 data bytes and 8 scale bytes, as a
-    cache writer does (``scale_floor``: see ``ue8m0_exponent``)."""
-    pages = _check_pages(pages, block_size)
+    cache writer does (``scale_floor``: see ``ue8m0_exponent``). ``pages``: whole pages, or
+    the ``[num_blocks, 584 · block_size]`` view ``fp8_model1_pages`` gives."""
+    check_tensor("pages", pages, ndim=2, dtype=_BYTE_DTYPES)
+    if pages.shape[1] not in (FP8_MODEL1_BYTES * block_size, fp8_model1_page_bytes(block_size)):
+        raise ValueError(f"pages must have shape [num_blocks, {fp8_model1_page_bytes(block_size)}]"
+                         f" or [num_blocks, {FP8_MODEL1_BYTES * block_size}] (block_size="
+                         f"{block_size}), got {list(pages.shape)}")
+    if pages.stride(1) != 1:
+        raise ValueError(f"pages must have unit stride in its last dim, got strides "
+                         f"{pages.stride()}")
+    pages = pages.view(torch.uint8)
     check_float("rows", rows, ndim=2)
     if rows.shape[1] != D_QK:
         raise ValueError(f"rows must have shape [n, {D_QK}], got {list(rows.shape)}")
