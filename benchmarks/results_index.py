@@ -34,7 +34,7 @@ TOPICS = {
 
 # (kernel or question, topic/file): the result that stands today
 CURRENT = [
-    ("GPU check of every kernel source (bf16, H200)", "checks/gpu_check.md"),
+    ("GPU check of every kernel source (bf16, H100)", "checks/gpu_check.md"),
     ("`mla_decode_paged` on the target shapes", "decode/decode_2026-11-30.md"),
     ("`mla_decode_paged` beside FlashMLA and vLLM", "decode/decode_peers_2026-11-30.md"),
     ("a direct call against its kernel (decode)", "decode/direct_call_2026-11-30.md"),
@@ -56,6 +56,12 @@ CURRENT = [
      "checks/v41_codecs_2026-12-06.json"),
     ("V4 compressors and indexer q: vLLM's Triton kernels against the reference (H100)",
      "checks/v4_peers_check_2026-12-06.json"),
+    ("DeepSeek-V4's layer on mla.fast.v4: stage checks and the decode step (H100)",
+     "layers/v4_layer_2026-12-06.md"),
+    ("vLLM's V4 Triton kernels on the conformance catalogue (H100)",
+     "conformance/conformance_vllm-v4_2026-12-06.md"),
+    ("the V3.2 step with the front's weights prepared once (H100, quick shapes)",
+     "layers/step_peers_prepared_front_2026-12-06.md"),
     ("DCP on 2 GPUs", "dcp/dcp_scaling_2xH200_2026-11-30.md"),
     ("`mla.fast` on the conformance catalogue", "conformance/conformance_mla_fast_2026-12-02.md"),
     ("FlashMLA on the conformance catalogue", "conformance/conformance_flashmla_2026-12-02.md"),

@@ -8,9 +8,12 @@ applied to the fast path's own inputs of that stage (so that a stage's error is 
 the whole step to ``v4_layer_definition`` (float64, ``fp8_ds_mla``) of each request's whole
 history, fed the fast path's top-k (so that both attend the same keys):
 
-- ``q_latent``, ``kv``, ``q``: bf16 values of float32 (here) and float64 (there) arithmetic:
-  >= 99 % of the elements equal or one bf16 step apart (``<= 2^-7`` relative), the norm error
-  ``<= 2^-8``;
+- ``q_latent``, ``kv``: bf16 results of the same bf16 inputs, float32 (here) against float64
+  (there) sums: >= 99 % of the elements equal or one bf16 step apart (``<= 2^-7`` relative),
+  relative (Frobenius) ``<= 6e-3`` (one bf16 rounding each side, measured about 3e-3 on an
+  H100); ``q``: ``q_latent``'s difference carried through ``wq_b`` and one more rounding,
+  ``<= 8e-3`` (measured 4e-3; elementwise it is not held to one step: the GEMM's cancellation
+  makes small elements' relative differences large);
 - the window cache: the nope bytes equal to the MODEL1 quantization (``"vllm"`` floor) of the
   fast path's own ``kv`` (exact: integer roundings of the same bf16 values), the RoPE values
   within one bf16 step (a float32 against a float64 rotation) for >= 99.9 %;
@@ -20,10 +23,10 @@ history, fed the fast path's top-k (so that both attend the same keys):
 - the indexer's top-k: recall of the reference's sets (the reference indexer on the same
   history; near-ties may swap) >= 0.95 per step;
 - ``attn_own``: the attention against ``attend_with_sink`` (float64) over the keys the fast
-  caches hold, the fast query and the fast top-k: relative (Frobenius) ``<= 8e-3`` (bf16 q,
-  bf16 probabilities and a bf16 output, ``~2^-9`` each, measured about 3e-3);
+  caches hold, the fast query and the fast top-k: relative (Frobenius) ``<= 5e-3`` (bf16
+  probabilities in the kernel and a bf16 output; measured 2.0-2.1e-3 on an H100);
 - ``out_own``: the output projection against the reference's (``v4_output_projection``) on the
-  fast attention output: ``<= 8e-3`` (three bf16 roundings and two bf16 GEMMs);
+  fast attention output: ``<= 2e-3`` (bf16 GEMMs and roundings; measured 0.7-0.9e-3);
 - ``attn``, ``out`` against the definition: ``<= 3e-2``. Not tighter, and why: a key's nope
   value that differs from the definition's by one bf16 step (the projection's float32 sum)
   lands on the neighbouring e4m3 code about once in 16 (``2^-8 / 2^-4``), an error of up to
@@ -184,11 +187,12 @@ def check_kind(ratio: int, lens: list[int], quick: bool, *, device: str = "cuda"
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         worst = {k: (max(v) if k.endswith("_rel") else min(v)) for k, v in m.items()}
-        budgets = {"q_latent_rel": 2 ** -8, "kv_rel": 2 ** -8, "q_rel": 2 ** -8,
-                   "attn_own_rel": 8e-3, "out_own_rel": 8e-3, "attn_rel": 3e-2,
+        budgets = {"q_latent_rel": 6e-3, "kv_rel": 6e-3, "q_rel": 8e-3,
+                   "attn_own_rel": 5e-3, "out_own_rel": 2e-3, "attn_rel": 3e-2,
                    "out_rel": 3e-2}
         ok = all(worst[k] <= v for k, v in budgets.items())
-        ok &= all(worst[k] >= 0.99 for k in worst if k.endswith(("_frac", "_step")))
+        ok &= all(worst[k] >= 0.99 for k in worst if k.endswith(("_frac", "_step"))
+                  and not k.startswith("q_ulp"))
         ok &= worst["window_nope_equal"] == 1.0 and worst["window_rope_ulp_frac"] >= 0.999
         ok &= worst.get("topk_recall", 1.0) >= 0.95
         row.update(worst=worst, passed=bool(ok))
