@@ -487,7 +487,8 @@ def _measured_ceilings() -> list[tuple[float, float]]:
             ceil = data.get("ceilings")
         except (json.JSONDecodeError, AttributeError):
             continue
-        gpu = str(data.get("gpu", data.get("device", "")))
+        env = data.get("environment") if isinstance(data.get("environment"), dict) else {}
+        gpu = str(data.get("gpu", data.get("device", env.get("gpu", ""))))
         if gpu and "H200" not in gpu:
             continue
         if ceil:
