@@ -69,6 +69,7 @@ import sys
 import tarfile
 import textwrap
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 VLLM = "vllm==0.33.0"
@@ -276,44 +277,37 @@ def v4_kernels_source(sources: dict[str, str]) -> str:
             "from vllm.triton_utils import tl, triton\n\n\n" + "\n\n\n".join(parts) + "\n")
 
 
-def extract_v4(wheel: Path, dest: Path) -> dict[str, str]:
-    """Write ``V4_MODULE`` and its packages' ``__init__.py`` into ``dest`` (the stubs come
-    from ``extract_vllm``); returns {relative path: sha256}."""
+def _extract_kernels(wheel: Path, dest: Path, kernels: dict, module: str, packages: tuple,
+                     source: Callable[[dict[str, str]], str]) -> dict[str, str]:
+    """Write ``module`` (``source`` of the wheel's ``kernels`` files) and its packages'
+    ``__init__.py`` into ``dest`` (the stubs come from ``extract_vllm``); returns
+    {relative path: sha256}."""
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        missing = [m for m in V4_KERNELS if m not in names]
+        missing = [m for m in kernels if m not in names]
         if missing:
             raise SystemExit(f"{wheel.name} lacks {missing}")
-        sources = {m: z.read(m).decode() for m in V4_KERNELS}
+        sources = {m: z.read(m).decode() for m in kernels}
     written = {}
-    for rel, data in [(V4_MODULE, v4_kernels_source(sources).encode()),
-                      *[(f"{pkg}/__init__.py", b"") for pkg in V4_PACKAGES]]:
+    for rel, data in [(module, source(sources).encode()),
+                      *[(f"{pkg}/__init__.py", b"") for pkg in packages]]:
         path = dest / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists():
             path.write_bytes(data)
         written[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
     return written
+
+
+def extract_v4(wheel: Path, dest: Path) -> dict[str, str]:
+    """DeepSeek-V4's kernels into ``V4_MODULE`` (``_extract_kernels``)."""
+    return _extract_kernels(wheel, dest, V4_KERNELS, V4_MODULE, V4_PACKAGES, v4_kernels_source)
 
 
 def extract_v41(wheel: Path, dest: Path) -> dict[str, str]:
-    """Write ``V41_MODULE`` and its packages' ``__init__.py`` into ``dest`` (the stubs come
-    from ``extract_vllm``); returns {relative path: sha256}."""
-    with zipfile.ZipFile(wheel) as z:
-        names = set(z.namelist())
-        missing = [m for m in V41_KERNELS if m not in names]
-        if missing:
-            raise SystemExit(f"{wheel.name} lacks {missing}")
-        sources = {m: z.read(m).decode() for m in V41_KERNELS}
-    written = {}
-    for rel, data in [(V41_MODULE, v41_kernels_source(sources).encode()),
-                      *[(f"{pkg}/__init__.py", b"") for pkg in V41_PACKAGES]]:
-        path = dest / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not path.exists():
-            path.write_bytes(data)
-        written[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return written
+    """DeepSeek-V4.1's codec kernels into ``V41_MODULE`` (``_extract_kernels``)."""
+    return _extract_kernels(wheel, dest, V41_KERNELS, V41_MODULE, V41_PACKAGES,
+                            v41_kernels_source)
 
 
 def extract_vllm(wheel: Path, dest: Path) -> dict[str, str]:

@@ -28,7 +28,7 @@ from mla.validation import (
 )
 from mla.weights import MLAWeights
 
-__all__ = ["Front", "rms_norm", "mla_front"]
+__all__ = ["Front", "rms_norm", "mla_front", "front_and_latent"]
 
 
 class Front(NamedTuple):
@@ -49,12 +49,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def mla_front(weights: MLAWeights, hidden: torch.Tensor,
               positions: torch.Tensor) -> Front:
     """``hidden [S, H]`` at absolute ``positions [S]`` -> ``Front(q_nope, q_pe, kv_c, k_pe)``."""
+    return front_and_latent(weights, hidden, positions)[0]
+
+
+def front_and_latent(weights: MLAWeights, hidden: torch.Tensor, positions: torch.Tensor
+                     ) -> tuple[Front, torch.Tensor | None]:
+    """``mla_front`` and the normed q latent it computed on the way (``q_c = RMSNorm(h @
+    W_DQ)``, the indexer's input; ``None`` for a model without one)."""
     c = weights.config
     check_float("hidden", hidden, shape=[None, c.hidden_size])
     check_index("positions", positions, shape=[hidden.shape[0]])
     check_same_device(hidden=hidden, positions=positions, weights=weights.kv_b_proj)
     check_same_dtype(hidden=hidden, weights=weights.kv_b_proj)
     S, N = hidden.shape[0], c.num_heads
+    q_c = None
     if weights.q_proj is not None:
         q = hidden @ weights.q_proj.T
     else:
@@ -65,9 +73,10 @@ def mla_front(weights: MLAWeights, hidden: torch.Tensor,
     kv = hidden @ weights.kv_a_proj_with_mqa.T
     kv_c, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
     kv_c = rms_norm(kv_c, weights.kv_a_layernorm, c.rms_norm_eps)
-    return Front(
+    front = Front(
         q_nope=q_nope.contiguous(),
         q_pe=apply_rope(q_pe, positions, c),
         kv_c=kv_c.contiguous(),
         k_pe=apply_rope(k_pe, positions, c),
     )
+    return front, q_c
