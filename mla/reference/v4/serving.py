@@ -56,15 +56,22 @@ from mla.reference.v4.layer import (
     v4_output_projection,
     v4_query_and_key,
 )
+from mla.reference.v4.scopes import (
+    COMPRESSED_PAGE_TOKENS,
+    PREFILL_PAD,
+    WINDOW_PAGE,
+    compressed_local_ids,
+    decode_scope_indices,
+    paged_slots,
+    prefill_combined_indices,
+    window_local_ids,
+)
 from mla.reference.v4.weights import V4LayerWeights
 from mla.validation import check_float, check_positive_int
 
 __all__ = ["V4Cache", "v4_layer_step", "scrambled_page_table", "WINDOW_PAGE",
-           "COMPRESSED_PAGE_TOKENS", "window_indices", "compressed_ids"]
+           "COMPRESSED_PAGE_TOKENS", "PREFILL_PAD", "window_indices", "compressed_ids"]
 
-WINDOW_PAGE = 64             # tokens a window-cache page (sparse_swa.py)
-COMPRESSED_PAGE_TOKENS = 256  # tokens a compressed-cache page covers: 256 / r entries
-PREFILL_PAD = 128            # combined indices are padded to a multiple of this
 D = 512
 
 
@@ -100,13 +107,7 @@ class _PagedRows:
 
     def slots(self, b: int, ids: torch.Tensor) -> torch.Tensor:
         """Global slots of request ``b``'s local ids (``-1`` stays ``-1``), int32."""
-        ids = ids.long()
-        if ids.numel() and int(ids.max()) >= self.table.shape[1] * self.page:
-            raise ValueError(f"request {b} has no page for id {int(ids.max())} (capacity "
-                             f"{self.table.shape[1] * self.page})")
-        safe = ids.clamp(min=0)
-        slot = self.table[b].long()[safe // self.page] * self.page + safe % self.page
-        return torch.where(ids < 0, -1, slot).to(torch.int32)
+        return paged_slots(ids, self.table[b], self.page)
 
     def write(self, b: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
         slots = self.slots(b, ids).long()
@@ -164,55 +165,39 @@ class V4Cache:
 def window_indices(cache: _PagedRows, b: int, positions: torch.Tensor, window: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scope 1 of request ``b``'s tokens at ``positions [n]``: slots ``[n, W]`` (-1 padded)
-    and lengths ``[n]``."""
-    start = (positions - window + 1).clamp(min=0)
-    local = start[:, None] + torch.arange(window)[None, :]
-    local = torch.where(local <= positions[:, None], local, -1)
-    return cache.slots(b, local), (positions - start + 1).to(torch.int32)
+    and lengths ``[n]`` (``scopes.window_local_ids`` through the request's pages)."""
+    local, length = window_local_ids(positions, window)
+    return cache.slots(b, local), length
 
 
-def compressed_ids(positions: torch.Tensor, ratio: int, topk: torch.Tensor | None
-                   ) -> torch.Tensor:
-    """Scope 2's local entry ids of the tokens at ``positions [n]``, valid first, -1 padded:
-    the top-k ids (ratio 4) or every visible entry ``j < (p + 1) // r`` (ratio 128)."""
-    if ratio == 4:
-        if topk is None:
-            raise ValueError("a ratio-4 layer needs the indexer's topk ids")
-        ids = topk.long()
-        order = torch.argsort((ids < 0).to(torch.int8), dim=1, stable=True)
-        return ids.gather(1, order)
-    width = max(1, int(((positions.max() + 1) // ratio).item()) if positions.numel() else 1)
-    ids = torch.arange(width)[None, :].expand(positions.shape[0], width)
-    return torch.where(ids < ((positions + 1) // ratio)[:, None], ids, -1)
+compressed_ids = compressed_local_ids  # scope 2's local entry ids (``mla.reference.v4.scopes``)
+
+
+def _batch(positions: list[torch.Tensor], topk: list[torch.Tensor | None]
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The step's tokens flattened: positions, their requests and (ratio 4) their top-k."""
+    token_to_req = torch.cat([torch.full((p.shape[0],), b, dtype=torch.int32)
+                              for b, p in enumerate(positions)])
+    tk = None if any(t is None for t in topk) else torch.cat(topk)  # type: ignore[arg-type]
+    return torch.cat(positions), token_to_req, tk
 
 
 def _decode_attention(q: list[torch.Tensor], positions: list[torch.Tensor],
                       topk: list[torch.Tensor | None], cache: V4Cache) -> list[torch.Tensor]:
     c, r = cache.weights.config, cache.weights.ratio
-    win, win_len, ext, ext_len = [], [], [], []
-    for b, p in enumerate(positions):
-        slots, length = window_indices(cache.window, b, p, c.sliding_window)
-        win.append(slots)
-        win_len.append(length)
-        if r > 1:
-            assert cache.compressed is not None
-            ids = compressed_ids(p, r, topk[b])
-            ext.append(cache.compressed.slots(b, ids))
-            ext_len.append((ids >= 0).sum(1).to(torch.int32))
-    q_all = torch.cat(q)[:, None]  # [T_d, 1, H, d]: each token its own row
+    pos, token_to_req, tk = _batch(positions, topk)
+    comp = cache.compressed
+    idx, lens, extra, extra_lens = decode_scope_indices(
+        pos, token_to_req, cache.window.table, None if comp is None else comp.table, tk, r,
+        c.sliding_window)
     kwargs = {}
-    if r > 1:
-        assert cache.compressed is not None
-        width = max(e.shape[1] for e in ext)
-        ext_idx = torch.cat([torch.nn.functional.pad(e, (0, width - e.shape[1]), value=-1)
-                             for e in ext])
-        kwargs = dict(extra_k_cache=cache.compressed.kernel_view(),
-                      extra_indices_in_kvcache=ext_idx[:, None],
-                      extra_topk_length=torch.cat(ext_len))
+    if comp is not None:
+        kwargs = dict(extra_k_cache=comp.kernel_view(), extra_indices_in_kvcache=extra[:, None],
+                      extra_topk_length=extra_lens)
     out, _ = sparse_mla_decode(
-        q_all, cache.window.kernel_view(), torch.cat(win)[:, None], c.softmax_scale,
-        cache.kv_cache_dtype == "fp8_ds_mla", torch.cat(win_len), head_dim_v=D,
-        attn_sink=cache.weights["attn_sink"].float(), **kwargs)
+        torch.cat(q)[:, None], cache.window.kernel_view(), idx[:, None], c.softmax_scale,
+        cache.kv_cache_dtype == "fp8_ds_mla", lens, head_dim_v=D,
+        attn_sink=cache.weights["attn_sink"].float(), **kwargs)  # each token its own row
     return list(out[:, 0].split([p.shape[0] for p in positions]))
 
 
@@ -228,30 +213,16 @@ def _prefill_attention(q: list[torch.Tensor], positions: list[torch.Tensor],
     N = max(n_comp)
     M = N + max(gather)
     workspace = torch.zeros(B * M, D, dtype=torch.float64)
-    rows = []
     for b in range(B):
         if n_comp[b]:
             assert cache.compressed is not None
             slots = cache.compressed.slots(b, torch.arange(n_comp[b]))
             workspace[M * b:M * b + n_comp[b]] = cache.compressed.read(slots)
-        g = lens[b] - gather[b]
-        slots = cache.window.slots(b, torch.arange(g, lens[b]))
+        slots = cache.window.slots(b, torch.arange(lens[b] - gather[b], lens[b]))
         workspace[M * b + N:M * b + N + gather[b]] = cache.window.read(slots)
-        p = positions[b]
-        comp = (compressed_ids(p, r, topk[b]) if r > 1
-                else torch.full((p.shape[0], 0), -1, dtype=torch.long))
-        comp = torch.where(comp >= 0, M * b + comp, -1)
-        start = (p - W + 1).clamp(min=0)
-        local = start[:, None] + torch.arange(W)[None, :]
-        swa = torch.where(local <= p[:, None], M * b + N + (local - g), -1)
-        row = torch.cat([comp, swa], dim=1)
-        order = torch.argsort((row < 0).to(torch.int8), dim=1, stable=True)
-        rows.append(row.gather(1, order))
-    width = max(x.shape[1] for x in rows)
-    width = -(-width // PREFILL_PAD) * PREFILL_PAD
-    indices = torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1)
-                         for x in rows]).to(torch.int32)
-    length = (indices >= 0).sum(1).to(torch.int32)
+    pos, token_to_req, tk = _batch(positions, topk)
+    indices, length = prefill_combined_indices(pos, token_to_req,
+                                               torch.tensor(lens, dtype=torch.int32), tk, r, W)
     out, _, _ = sparse_mla_prefill(torch.cat(q), workspace, indices, c.softmax_scale, d_v=D,
                                    topk_length=length,
                                    attn_sink=cache.weights["attn_sink"].float())
