@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from _blind_spot_twins import dcp_nan_lost_beside_empty, merge_times_zero
 from _interpreter import needs_interpreter
 
 import mla.reference as ref
@@ -55,22 +56,6 @@ def merge_reads_empty_side(o_p, lse_p, o_s, lse_s):
     return out, lse
 
 
-def merge_times_zero(o_p, lse_p, o_s, lse_s):
-    """Present sides weighed ``w · o`` even where ``w`` underflowed to 0 (0 · inf = NaN)."""
-    out, lse = ref.merge_attn_states(o_p, lse_p, o_s, lse_s)
-    m = torch.maximum(lse_p, lse_s).double()
-    for o, side in ((o_p, lse_p), (o_s, lse_s)):
-        zero = torch.isfinite(side) & (torch.exp(side.double() - m) == 0)
-        out = out + 0 * torch.where(zero.transpose(0, 1)[..., None], o, 0.0)
-    return out, lse
-
-
-def dcp_nan_lost_beside_empty(out, lse, comm, return_lse=False):
-    """A NaN lse taken as "no keys" where every other rank is empty (a NaN-ignoring max)."""
-    lses = comm.all_gather(lse[None].double(), dim=0)
-    alone = torch.isnan(lses).any(0) & (torch.isinf(lses) | torch.isnan(lses)).all(0)
-    mine = torch.where(alone, -INF, lse.double()).to(lse.dtype)
-    return ref.cp_lse_ag_out_rs(out, mine, comm, return_lse=return_lse)
 
 
 TWINS = [
