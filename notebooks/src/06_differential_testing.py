@@ -274,6 +274,39 @@ print(f"\n({time.perf_counter() - t0:.1f} s)")
 print(broken.to_text())
 
 # %% [markdown]
+# ## Past the catalogue: a fuzz run that finds and shrinks a planted bug
+#
+# A catalogue holds the corners its authors thought of. `mla.conformance.fuzz` searches a
+# kernel's whole input space with hypothesis (odd head counts, ragged lengths with 0, 1 and
+# page edges, `-1` anywhere, sinks, NaN in unused rows, sharp and flat softmaxes), judges every
+# example with the catalogue's budgets and diagnosis, and shrinks a failure to a minimal input,
+# printed as a runnable snippet. Here the planted bug: a sparse decode that reads a `-1` entry
+# as slot 0 instead of dropping it. (`mla conform --target T --kernels K --fuzz 300s` is the
+# same from the shell; failures are kept in an example database, so the next run tries them
+# first.)
+
+# %%
+import tempfile
+
+from mla.conformance import KERNELS
+from mla.conformance.fuzz import fuzz
+
+
+def decode_reads_minus_one(q, kv_cache, indices, *args, **kwargs):
+    """sparse_mla_decode with the planted bug: -1 entries read slot 0."""
+    return mla.reference.sparse_mla_decode(q, kv_cache, indices.clamp(min=0), *args, **kwargs)
+
+
+planted = {k: getattr(mla.reference, k) for k in KERNELS}
+planted["sparse_mla_decode"] = decode_reads_minus_one
+t0 = time.perf_counter()
+with tempfile.TemporaryDirectory() as db:
+    report = fuzz(planted, "sparse_mla_decode", examples=40, dtype=torch.float64, database=db)
+print(f"{report.failures[0].convention}  ({time.perf_counter() - t0:.1f} s)\n")
+print(report.failures[0].snippet)
+assert not report.passed and "-1" in report.failures[0].convention
+
+# %% [markdown]
 # ## Other people's kernels, on a GPU
 #
 # The same catalogue runs on FlashMLA, vLLM's Triton MLA decode, vLLM's CUDA top-k and cache
