@@ -4,6 +4,7 @@
     mla config        a preset's shapes, derived sizes and DeepSeek-V2's Table 1 comparison
     mla plan          the chunked-prefill chunk plan for some context lengths
     mla conform       the conformance catalogue on a kernel target (exit statuses: its doc)
+    mla bench         a kernel target timed on named DeepSeek shapes (mla.bench; its doc)
 
 ``main(argv)`` returns the exit status, so tests can call it directly. Exit statuses:
 
@@ -24,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from mla.cli.bench import add_bench_parser
 from mla.cli.conform import add_conform_parser
 from mla.config import PRESETS, get_config, kv_cache_comparison
 
@@ -229,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(sub)
     _add_plan(sub)
     add_conform_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,0 +1,112 @@
+"""How ``mla bench`` times a call, and the ceilings it compares with (CUDA only).
+
+- ``time_call``: the call captured in a CUDA graph (run once on a side stream first, which
+  compiles and allocates), then the median of ``reps`` replays, each between two CUDA events,
+  after five dropped ones: the way a serving engine launches decode. Before each replay,
+  outside the timed span, the L2 is flushed by reading a 256 MB buffer (a read leaves no dirty
+  lines for the timed kernel to write back), unless ``flush=False`` ("warm": the previous
+  replay's lines stay). A call that cannot be captured (a host synchronisation, a host-side
+  allocation it needs) is timed eagerly the same way and marked ``"eager"`` with the reason.
+- ``ceilings``: what this GPU reaches in the same run: a device-to-device copy of 1 GiB
+  (bytes read + written, GB/s) and an 8192³ bf16 matmul (TFLOP/s), each the median of
+  event-timed calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["Timing", "ceilings", "time_call"]
+
+FLUSH_BYTES = 256 << 20
+DROPPED = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """A median time in µs; ``method`` ``"graph"`` or ``"eager"`` (``why``: the capture's
+    error), ``l2`` ``"flushed"`` or ``"warm"``, over ``reps`` runs."""
+
+    us: float
+    method: str
+    l2: str
+    reps: int
+    why: str = ""
+
+
+def _median_ms(run: Callable[[], object], reps: int, before: Callable[[], object] | None
+               ) -> float:
+    times = []
+    for _ in range(reps + DROPPED):
+        if before is not None:
+            before()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[DROPPED:])
+
+
+def _capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` run once on a side stream, then captured; returns the graph and the captured
+    call's outputs (kept alive with the graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+def time_call(fn: Callable[[], object], reps: int = 50, flush: bool = True,
+              graph: bool = True) -> Timing:
+    """The median time of ``fn()`` (see the module doc); ``graph=False`` times it eagerly."""
+    buf = torch.ones(FLUSH_BYTES, dtype=torch.int8, device="cuda") if flush else None
+
+    def before() -> None:
+        buf.sum(dtype=torch.int64)  # type: ignore[union-attr]
+
+    l2 = "flushed" if flush else "warm"
+    why = "eager asked for"
+    if graph:
+        try:
+            g, out = _capture(fn)
+        except Exception as e:  # noqa: BLE001 (any capture failure: time it eagerly)
+            torch.cuda.synchronize()
+            why = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        else:
+            ms = _median_ms(g.replay, reps, before if flush else None)
+            del g, out
+            return Timing(ms * 1e3, "graph", l2, reps)
+    fn()
+    torch.cuda.synchronize()
+    ms = _median_ms(fn, reps, before if flush else None)
+    return Timing(ms * 1e3, "eager", l2, reps, why)
+
+
+def ceilings(reps: int = 20) -> dict[str, float]:
+    """``{"copy_GBps": ..., "matmul_TFLOPs": ...}`` measured now on the current CUDA device."""
+    n = 1 << 30
+    x = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    copy_ms = _median_ms(lambda: y.copy_(x), reps, None)
+    del x, y
+    m = 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    mm_ms = _median_ms(lambda: a @ b, reps, None)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"copy_GBps": 2 * n / (copy_ms * 1e-3) / 1e9,
+            "matmul_TFLOPs": 2 * m ** 3 / (mm_ms * 1e-3) / 1e12}
