@@ -95,18 +95,24 @@ def time_call(fn: Callable[[], object], reps: int = 50, flush: bool = True,
     return Timing(ms * 1e3, "eager", l2, reps, why)
 
 
+def _copy_ms(n: int, reps: int) -> float:
+    x = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    return _median_ms(lambda: y.copy_(x), reps, None)
+
+
+def _matmul_ms(m: int, reps: int) -> float:
+    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
+    return _median_ms(lambda: a @ b, reps, None)
+
+
 def ceilings(reps: int = 20) -> dict[str, float]:
     """``{"copy_GBps": ..., "matmul_TFLOPs": ...}`` measured now on the current CUDA device."""
     n = 1 << 30
-    x = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    y = torch.empty_like(x)
-    copy_ms = _median_ms(lambda: y.copy_(x), reps, None)
-    del x, y
+    copy_ms = _copy_ms(n, reps)
     m = 8192
-    a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    mm_ms = _median_ms(lambda: a @ b, reps, None)
-    del a, b
+    mm_ms = _matmul_ms(m, reps)
     torch.cuda.empty_cache()
     return {"copy_GBps": 2 * n / (copy_ms * 1e-3) / 1e9,
             "matmul_TFLOPs": 2 * m ** 3 / (mm_ms * 1e-3) / 1e12}
