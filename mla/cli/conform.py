@@ -4,7 +4,7 @@
                           pkg.module, pkg.module:attr}
                 [--kernels K ...] [--cases C ...] [--device D] [--dtype T] [--seed N]
                 [--out report.md] [--json report.json] [--fuzz 300s | --fuzz 200]
-                [--fuzz-db PATH]
+                [--fuzz-db PATH] [--properties all | P ...]
 
 One progress line per case on stderr while it runs, the table on stdout at the end (the cases
 of kernels the target lacks as one line, the JSON report with a row each). A module given as
@@ -16,6 +16,9 @@ statuses: 0 no case failed or raised (unsupported ones allowed), 1 a case failed
 with hypothesis instead of running the named cases (``mla.conformance.fuzz``): each failure is
 shrunk to a minimal spec and printed with a snippet that reproduces it; ``--fuzz-db`` (default
 ``$MLA_FUZZ_DB`` or ``.hypothesis/mla-fuzz``) keeps the failures, which a re-run tries first.
+``--properties all`` (or some of ``batch_invariance page_placement batch_permutation``) also
+checks, on every decode example, that the outputs keep their bits when the batch or the pages
+change (``mla.conformance.properties``).
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ def add_conform_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fuzz-db", metavar="PATH",
                    help="the fuzz's example database (default: $MLA_FUZZ_DB, else "
                         ".hypothesis/mla-fuzz)")
+    p.add_argument("--properties", nargs="+", metavar="P",
+                   help="with --fuzz: also check these metamorphic properties of the decodes, "
+                        "bit for bit ('all', or batch_invariance, page_placement, "
+                        "batch_permutation)")
     p.set_defaults(run=_conform, parser=p)
 
 
@@ -128,6 +135,8 @@ def _conform(args: argparse.Namespace) -> int:
     if args.fuzz:
         return _fuzz(args, name, target, device, getattr(torch, args.dtype) if args.dtype
                      else None)
+    if args.properties:
+        args.parser.error("--properties is checked by the fuzz: add --fuzz N or --fuzz Ns")
     has = kernels_of(target)
     # the cases of kernels the target lacks are not run: no progress line, one line at the end
     total = sum(1 for c in selected if c.kernel in has)
@@ -172,6 +181,13 @@ def _fuzz(args: argparse.Namespace, name: str, target: object, device: object,
     if other or not kernels:
         args.parser.error(f"--fuzz: no strategy for {other or 'the target'}; fuzzed kernels: "
                           f"{', '.join(FUZZED)}")
+    props = None
+    if args.properties:
+        from mla.conformance.properties import properties_of
+        try:
+            props = properties_of(args.properties)
+        except ValueError as e:
+            args.parser.error(f"--properties: {e}")
     kind, value = args.fuzz
     t0 = time.perf_counter()
 
@@ -182,7 +198,7 @@ def _fuzz(args: argparse.Namespace, name: str, target: object, device: object,
 
     report = fuzz(target, kernels, seed=args.seed, device=device, dtype=dtype,
                   database=args.fuzz_db, name=name, progress=progress,
-                  **{kind: value})
+                  properties=props, **{kind: value})
     print(f"mla conform --fuzz: target {name}, {', '.join(report.dtypes)} on {report.device}, "
           f"seed {args.seed}, {time.perf_counter() - t0:.1f} s, database {report.database}")
     print()

@@ -14,7 +14,14 @@ replays first. Inputs the target's adapter refuses (``Unsupported``) are skipped
     report = fuzz(my_kernels, "sparse_mla_decode", seconds=60)
     assert report.passed, report.to_markdown()
 
-``mla conform --target T --kernels K --fuzz 300s`` (or ``--fuzz 200``, examples) runs it.
+``properties`` (names of ``mla.conformance.properties.PROPERTIES``, or ``"all"``) checks
+metamorphic properties beside the budgets on every example of ``mla_decode_paged`` and
+``sparse_mla_decode``: batch invariance, page placement and batch permutation, bit for bit. A
+property that fails is shrunk and reported as a budget failure is, its ``convention`` saying
+which (``"not batch invariant: ..."``); ``budgets=False`` checks the properties alone.
+
+``mla conform --target T --kernels K --fuzz 300s`` (or ``--fuzz 200``, examples) runs it;
+``--properties all`` adds the properties.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from hypothesis import HealthCheck, Phase, Verbosity, find, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import NoSuchExample
 
-from mla.conformance.catalogue import Case, Setting, Trial
+from mla.conformance.catalogue import Case, Setting, Trial, Unsupported
 from mla.conformance.fuzz_strategies import FUZZED, Example, examples_of, trial_of
+from mla.conformance.properties import PROPERTY_KERNELS, check, properties_of
 from mla.conformance.runner import kernels_of, run_case
 from mla.environment import environment
 
@@ -65,6 +73,7 @@ class Failure:
     detail: str
     convention: str
     snippet: str
+    property_name: str = ""  # the metamorphic property broken ("" for a budget failure)
 
     @property
     def spec(self) -> object:
@@ -160,6 +169,7 @@ class FuzzReport:
                                 "errors": {k: _num(v) for k, v in f.errors.items()},
                                 "limits": {k: _num(v) for k, v in f.limits.items()},
                                 "detail": f.detail, "convention": f.convention,
+                                "property": f.property_name,
                                 "snippet": f.snippet}
             return d
         return json.dumps({"target": self.target, "device": self.device, "dtypes": self.dtypes,
@@ -176,10 +186,12 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def snippet(example: Example, device: torch.device | str, target: str | None = None) -> str:
+def snippet(example: Example, device: torch.device | str, target: str | None = None,
+            prop: str = "") -> str:
     """Python source that rebuilds ``example``'s inputs from its seed and spec, calls the
-    kernel and judges it; ``target`` (a spec ``mla conform --target`` takes) loads the kernel,
-    else the source reads it from the name ``KERNEL``."""
+    kernel and judges it (``prop``: checks that property instead of the budgets); ``target``
+    (a spec ``mla conform --target`` takes) loads the kernel, else the source reads it from
+    the name ``KERNEL``."""
     module, _, build = example.trial.partition(":")
     spec_cls = type(example.spec).__name__
     opts = "".join(f", {k}={v!r}" for k, v in example.options)
@@ -200,10 +212,18 @@ def snippet(example: Example, device: torch.device | str, target: str | None = N
              f"torch.{_dtype(example.dtype)}, seed={example.seed}, small=True)",
              f"trial = {build}(setting, spec, 0{opts})  # the inputs and the float64 reference",
              load,
-             "outputs = trial.invoke(kernel)  # the kernel on those inputs",
-             f"row = judge({example.kernel!r}, kernel, trial, setting)  # held to the budgets",
-             "print(row.status, row.errors, row.convention or row.detail)",
-             "assert row.status == 'pass', (row.convention, row.detail)", ""]
+             "outputs = trial.invoke(kernel)  # the kernel on those inputs"]
+    if prop:
+        lines[4:4] = ["from mla.conformance.properties import check"]
+        lines += [f"result = check({prop!r}, {example.kernel!r}, kernel, trial, spec, "
+                  f"{example.seed})  # the property, bit for bit",
+                  "print(result)",
+                  "assert result.passed, (result.convention, result.where)", ""]
+    else:
+        lines += [f"row = judge({example.kernel!r}, kernel, trial, setting)  # held to the "
+                  "budgets",
+                  "print(row.status, row.errors, row.convention or row.detail)",
+                  "assert row.status == 'pass', (row.convention, row.detail)", ""]
     return "\n".join(lines)
 
 
@@ -218,7 +238,8 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
          dtype: torch.dtype | Sequence[torch.dtype] | None = None,
          database: str | os.PathLike | None = None, name: str | None = None,
          small: bool | None = None,
-         progress: Callable[[KernelRun], None] | None = None) -> FuzzReport:
+         progress: Callable[[KernelRun], None] | None = None,
+         properties: str | Sequence[str] | None = None, budgets: bool = True) -> FuzzReport:
     """Search ``kernel``'s inputs (one name, several, or ``None``: every fuzzed kernel the
     target has) on ``target`` (a mapping or module, as ``run`` takes, or a target spec
     ``mla conform --target`` takes) for a failure, and shrink it.
@@ -228,7 +249,9 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
     100 examples. ``dtype`` (one or several to draw from) defaults to bfloat16 on CUDA and
     float32 on the CPU; ``small`` (default: on the CPU) keeps shapes small enough for
     Triton's interpreter. ``seed`` seeds the search; the same seed and database give the same
-    run.
+    run. ``properties`` (``"all"`` or names of ``mla.conformance.properties.PROPERTIES``;
+    default none) are checked beside the budgets on the kernels that have them
+    (``PROPERTY_KERNELS``: the decodes); ``budgets=False`` checks the properties alone.
     """
     label = name
     if isinstance(target, str):
@@ -260,6 +283,9 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
         raise ValueError(f"no fuzz strategy for {unknown}; fuzzed kernels: {list(FUZZED)}")
     if examples is None and seconds is None:
         examples = 100
+    props = properties_of(properties)
+    if not budgets and not props:
+        raise ValueError("budgets=False checks the properties alone: name some")
     if examples is not None and examples < 1:
         raise ValueError(f"examples must be positive, got {examples}")
     small = dev.type == "cpu" if small is None else small
@@ -271,8 +297,13 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
         if k not in fns:
             runs.append(KernelRun(k, missing=True))
             continue
+        mine = props if k in PROPERTY_KERNELS else ()
+        if not budgets and not mine:
+            continue
         run = _search(k, fns[k], examples_of(k, dtypes, small), dev, examples, share, seed, db,
-                      f"{label}/{k}", target_spec)
+                      f"{label}/{k}" + "".join(f"+{p}" for p in mine) + ("" if budgets else
+                                                                         "-budgets"),
+                      target_spec, mine, budgets)
         runs.append(run)
         if progress:
             progress(run)
@@ -284,13 +315,39 @@ class _Invalid(Exception):  # noqa: N818
     """A drawn spec its trial refuses to build (a bug of a strategy, not of the kernel)."""
 
 
+def _verdict(kernel: str, fn: Callable, example: Example, trial: Trial,
+             device: torch.device, props: tuple[str, ...], budgets: bool
+             ) -> tuple[str, dict | None]:
+    """``("pass" | "unsupported" | "fail" | "error", what a Failure holds)``: the budgets
+    (``judge``), then each property."""
+    if budgets:
+        row = judge(kernel, fn, trial, example.setting(device))
+        if row.status == "unsupported":
+            return "unsupported", None
+        if row.status in ("fail", "error"):
+            return row.status, {"errors": dict(row.errors), "limits": dict(row.limits),
+                                "detail": row.detail, "convention": row.convention}
+    for prop in props:
+        try:
+            result = check(prop, kernel, fn, trial, example.spec, example.seed)
+        except Unsupported:
+            return "unsupported", None
+        if not result.passed:
+            return "fail", {"errors": {prop: result.ulps}, "limits": {prop: 0.0},
+                            "detail": f"the worst difference: {result.ulps:g} ulps, at "
+                                      f"{result.where}", "convention": result.convention,
+                            "property": prop}
+    return "pass", None
+
+
 def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
             examples: int | None, seconds: float | None, seed: int,
-            db: DirectoryBasedExampleDatabase, key: str, target_spec: str | None) -> KernelRun:
+            db: DirectoryBasedExampleDatabase, key: str, target_spec: str | None,
+            props: tuple[str, ...] = (), budgets: bool = True) -> KernelRun:
     run = KernelRun(kernel)
     t0 = time.perf_counter()
     deadline = math.inf if seconds is None else t0 + seconds
-    found: list[object] = []
+    found: list[tuple[str, dict]] = []
 
     def fails(example: Example) -> bool:
         if found == [] and time.perf_counter() > deadline:
@@ -299,11 +356,11 @@ def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
             trial = trial_of(example, device)
         except Exception as e:
             raise _Invalid(f"{example!r}: {type(e).__name__}: {e}") from e
-        row = judge(kernel, fn, trial, example.setting(device))
+        status, what = _verdict(kernel, fn, example, trial, device, props, budgets)
         run.examples += 1
-        run.unsupported += row.status == "unsupported"
-        if row.status in ("fail", "error"):
-            found[:] = [row]
+        run.unsupported += status == "unsupported"
+        if status in ("fail", "error"):
+            found[:] = [(status, what)]  # type: ignore[list-item]
             return True
         return False
 
@@ -325,12 +382,15 @@ def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
             left -= max(run.examples - before, 1)
             rounds += 1
             continue
-        row = judge(kernel, fn, trial_of(example, device), example.setting(device))
-        if row.status not in ("fail", "error"):  # flaky: keep the last failing row
-            row = found[0]  # type: ignore[assignment]
-        run.failure = Failure(kernel, example, row.status, dict(row.errors), dict(row.limits),
-                              row.detail, row.convention,
-                              snippet(example, device, target_spec))
+        status, what = _verdict(kernel, fn, example, trial_of(example, device), device, props,
+                                budgets)
+        if status not in ("fail", "error"):  # flaky: keep the last failing verdict
+            status, what = found[0]
+        assert what is not None
+        prop = what.get("property", "")
+        run.failure = Failure(kernel, example, status, what["errors"], what["limits"],
+                              what["detail"], what["convention"],
+                              snippet(example, device, target_spec, prop), prop)
         break
     run.seconds = time.perf_counter() - t0
     return run
