@@ -37,6 +37,22 @@ def check_attn_sink(attn_sink: torch.Tensor | None, num_heads: int,
         raise ValueError(f"attn_sink is on {attn_sink.device} but q is on {device}")
 
 
+_VECTOR = 64  # elements: a multiple of every CPU vector width torch uses
+
+
+def _sigmoid_by_whole_vectors(x: torch.Tensor) -> torch.Tensor:
+    """``torch.sigmoid`` with every element computed in the vectorized body: on the CPU torch
+    rounds an element of a tensor's scalar tail differently from one in its body, so that a
+    query's factor would depend on how many other queries share the batch. Padding the flat
+    tensor to whole vectors makes an element's value depend on its value alone (a request's
+    output the same bits alone or in any batch)."""
+    flat = x.reshape(-1)
+    pad = (-flat.numel()) % _VECTOR
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return torch.sigmoid(flat)[:x.numel()].view(x.shape)
+
+
 def apply_attn_sink(out: torch.Tensor, lse: torch.Tensor,
                     attn_sink: torch.Tensor | None) -> torch.Tensor:
     """``out [..., h, d_v]`` times ``σ(lse − sink)`` per head; ``lse [..., h]`` uses ``+inf``
@@ -45,7 +61,7 @@ def apply_attn_sink(out: torch.Tensor, lse: torch.Tensor,
     if attn_sink is None:
         return out
     sink = attn_sink.to(lse.dtype)
-    factor = torch.sigmoid(lse - sink)  # σ(-inf) = 0 for a +inf sink, σ(+inf) = 1 for -inf
+    factor = _sigmoid_by_whole_vectors(lse - sink)  # σ(-inf) = 0 (+inf sink), σ(+inf) = 1
     # no key: out is already 0 (and σ(+inf − +inf) would be NaN)
     factor = torch.where(torch.isposinf(lse), 1.0, factor)
     factor = torch.where(torch.isnan(sink), float("nan"), factor)
