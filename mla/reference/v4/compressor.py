@@ -161,15 +161,18 @@ def compressor_kv_score(x: torch.Tensor, weights: CompressorWeights, positions: 
     return kv, score + ape[positions.long() % weights.ratio]
 
 
-def _pool_windows(kv: torch.Tensor, score: torch.Tensor, first: int, ends: torch.Tensor,
-                  ratio: int, coff: int) -> torch.Tensor:
+def pool_windows(kv: torch.Tensor, score: torch.Tensor, first: int, ends: torch.Tensor,
+                 ratio: int, coff: int, *, d: int | None = None,
+                 read_masked: bool = False) -> torch.Tensor:
     """Pool the windows closing at positions ``ends [n]``; ``kv``, ``score`` ``[L, coff·d]``
-    hold positions ``first .. first + L - 1`` (every window position >= 0 among them)."""
-    d = kv.shape[1] // coff
+    hold positions ``first .. first + L - 1`` (every window position >= 0 among them). ``d``:
+    the entry width (default ``kv``'s width over ``coff``); ``read_masked``: a known wrong
+    variant for the catalogue, positions ``< 0`` read instead of masked."""
+    d = kv.shape[1] // coff if d is None else d
     W = coff * ratio
     slot = torch.arange(W, device=kv.device)
     pos = ends[:, None] - W + 1 + slot[None, :]  # [n, W]
-    valid = pos >= 0
+    valid = (pos >= 0) | read_masked
     rows = (pos - first).clamp_min(0)
     cols = (slot // ratio)[:, None] * d + torch.arange(d, device=kv.device)[None, :]  # [W, d]
     take_kv = kv[rows[:, :, None], cols[None, :, :]]  # [n, W, d]
@@ -201,7 +204,7 @@ def compress_pool(kv: torch.Tensor, score: torch.Tensor, ratio: int, overlap: bo
     _check_kv_score(kv, score, coff)
     n = kv.shape[0] // ratio
     ends = torch.arange(n, device=kv.device) * ratio + ratio - 1
-    return _pool_windows(kv.to(_F64), score.to(_F64), 0, ends, ratio, coff)
+    return pool_windows(kv.to(_F64), score.to(_F64), 0, ends, ratio, coff)
 
 
 def _finish(pooled: torch.Tensor, entry_ids: torch.Tensor, weights: CompressorWeights,
@@ -276,7 +279,7 @@ def compressor_step(state: CompressorState, x: torch.Tensor, weights: Compressor
     score = torch.cat([state.score, score_new])
     first_id, last_id = L // r, (L + n) // r  # entries whose last position lies in [L, L+n)
     ids = torch.arange(first_id, last_id, device=x.device)
-    pooled = _pool_windows(kv, score, L - W, ids * r + r - 1, r, weights.coff)
+    pooled = pool_windows(kv, score, L - W, ids * r + r - 1, r, weights.coff)
     entries = _finish(pooled, ids, weights, config)
     return entries, CompressorState(kv=kv[-W:].clone(), score=score[-W:].clone(), length=L + n)
 

@@ -53,6 +53,7 @@ from mla.reference.fp8 import act_quant
 from mla.reference.front import rms_norm
 from mla.reference.v4.compressor import (
     compressed_entries_model1_pages,
+    pool_windows,
     quantize_compressed_indexer_entries,
 )
 from mla.validation import check_float, check_index
@@ -137,19 +138,8 @@ def compress_entries(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tens
     hist_kv = torch.cat([state_kv.to(_F64).cpu(), kv.to(_F64).cpu()])
     hist_s = torch.cat([state_score.to(_F64).cpu(), score.to(_F64).cpu()])
     first = start - state_kv.shape[0]  # the position of hist row 0
-    W = coff * ratio
-    slot = torch.arange(W)
-    pos = (ids * ratio + ratio - 1)[:, None] - W + 1 + slot[None, :]  # [m, W]
-    valid = (pos >= 0) | read_masked
-    rows = (pos - first).clamp_min(0)
-    block = slot // ratio if coff == 2 else torch.zeros(W, dtype=torch.long)
-    cols = block[:, None] * d + torch.arange(d)[None, :]  # [W, d]
-    take_kv = hist_kv[rows[:, :, None], cols[None, :, :]]
-    take_s = hist_s[rows[:, :, None], cols[None, :, :]]
-    # masked slots are replaced, not multiplied: nothing stored there is read
-    s = torch.where(valid[:, :, None], take_s, float("-inf"))
-    v = torch.where(valid[:, :, None], take_kv, 0.0)
-    pooled = (torch.softmax(s, dim=1) * v).sum(dim=1)
+    pooled = pool_windows(hist_kv, hist_s, first, ids * ratio + ratio - 1, ratio, coff, d=d,
+                          read_masked=read_masked)
     normed = rms_norm(pooled, norm_weight.to(_F64).cpu(), float(rms_norm_eps))
     at = ids * ratio + (ratio - 1 if rope_at == "last" else 0)
     return rotate_with_table(normed, at, cos_sin.cpu())
