@@ -123,13 +123,18 @@ def quantize_fp8_model1(k_cache: torch.Tensor, *, scale_floor: str = "flashmla")
     return pages
 
 
-def _check_pages(pages: torch.Tensor, block_size: int) -> torch.Tensor:
+def _check_pages(pages: torch.Tensor, block_size: int, *, unpadded_ok: bool = False
+                 ) -> torch.Tensor:
+    """``pages`` as uint8 ``[num_blocks, page_bytes]`` (or, ``unpadded_ok``, the ``[num_blocks,
+    584 · block_size]`` view ``fp8_model1_pages`` gives)."""
     check_tensor("pages", pages, ndim=2, dtype=_BYTE_DTYPES)
     want = fp8_model1_page_bytes(block_size)
-    if pages.shape[1] != want:
-        raise ValueError(f"pages must have shape [num_blocks, {want}] (block_size={block_size}: "
-                         f"{FP8_MODEL1_BYTES}·{block_size} bytes padded to a multiple of "
-                         f"{PAGE_ALIGN}), got {list(pages.shape)}")
+    if pages.shape[1] != want and not (unpadded_ok
+                                       and pages.shape[1] == FP8_MODEL1_BYTES * block_size):
+        also = f" or [num_blocks, {FP8_MODEL1_BYTES * block_size}]" if unpadded_ok else ""
+        raise ValueError(f"pages must have shape [num_blocks, {want}]{also} (block_size="
+                         f"{block_size}: {FP8_MODEL1_BYTES}·{block_size} bytes padded to a "
+                         f"multiple of {PAGE_ALIGN}), got {list(pages.shape)}")
     if pages.stride(1) != 1:
         raise ValueError(f"pages must have unit stride in its last dim, got strides "
                          f"{pages.stride()}")
@@ -214,15 +219,7 @@ def write_fp8_model1(pages: torch.Tensor, block_size: int, slots: torch.Tensor,
     block_size + offset``), in place: each token's 576 data bytes and 8 scale bytes, as a
     cache writer does (``scale_floor``: see ``ue8m0_exponent``). ``pages``: whole pages, or
     the ``[num_blocks, 584 · block_size]`` view ``fp8_model1_pages`` gives."""
-    check_tensor("pages", pages, ndim=2, dtype=_BYTE_DTYPES)
-    if pages.shape[1] not in (FP8_MODEL1_BYTES * block_size, fp8_model1_page_bytes(block_size)):
-        raise ValueError(f"pages must have shape [num_blocks, {fp8_model1_page_bytes(block_size)}]"
-                         f" or [num_blocks, {FP8_MODEL1_BYTES * block_size}] (block_size="
-                         f"{block_size}), got {list(pages.shape)}")
-    if pages.stride(1) != 1:
-        raise ValueError(f"pages must have unit stride in its last dim, got strides "
-                         f"{pages.stride()}")
-    pages = pages.view(torch.uint8)
+    pages = _check_pages(pages, block_size, unpadded_ok=True)
     check_float("rows", rows, ndim=2)
     if rows.shape[1] != D_QK:
         raise ValueError(f"rows must have shape [n, {D_QK}], got {list(rows.shape)}")
