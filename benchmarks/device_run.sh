@@ -1,7 +1,8 @@
 #!/bin/bash
 # The GPU machine's steps: correctness grid, then the benchmark (with the plan sweep).
 # Usage (repo root, on the GPU machine):
-#   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|suite|sanitize]...
+#   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
+#                                           suite|sanitize|step-peers|v4|bench-cli]...
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -30,6 +31,18 @@ for step in "${steps[@]}"; do
     # the README's test command on the GPU machine (no interpreter): which modules fail there
     suite) timeout 560 python -m pytest -q -n 8 --dist loadfile -p no:cacheprovider -rfE \
              2>&1 | tail -80 | tee "$OUT/suite.log" ;;
+    # DeepSeek-V4: the fast layer's stage checks and step, vLLM's V4/V4.1 kernels against the
+    # reference, and the judge on them (peers/ built with benchmarks.peers --v4 --v41)
+    v4) timeout 240 python -m benchmarks.v4_layer --out-dir "$OUT" 2>&1 | tee "$OUT/v4_layer.log"
+        timeout 120 python -m benchmarks.v4_peers_check --out-dir "$OUT" 2>&1 \
+          | tee "$OUT/v4_peers_check.log"
+        timeout 120 python -m benchmarks.v41_codecs --out-dir "$OUT" 2>&1 | tee "$OUT/v41.log"
+        timeout 150 python -m mla conform --target vllm-v4 --device cuda \
+          --kernels v4_compress v4_indexer_q v4_scope_indices \
+          --out "$OUT/conformance_vllm-v4.md" --json "$OUT/conformance_vllm-v4.json" ;;
+    # mla bench on mla.fast beside FlashMLA, every preset
+    bench-cli) timeout 400 python -m mla bench --target mla.fast --json "$OUT/bench.json" \
+                 --out "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench_cli.log" ;;
     sanitize) timeout 400 compute-sanitizer --tool memcheck --print-limit 20 \
                 python -m mla.check --quick --out "$OUT/sanitize_check.json" 2>&1 \
                 | tee "$OUT/sanitize.log" ;;
