@@ -90,6 +90,7 @@ from benchmarks.step_stages import (
     load_peers,
     peers_manifest,
     prefill_stages,
+    profile_front,
 )
 from mla.config import MLAConfig, get_config
 from mla.environment import environment
@@ -278,6 +279,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="B=32 L=32K next_n=1 and the 2K-over-16K prefill only")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed per graph")
     p.add_argument("--eager-runs", type=int, default=10, help="eager steps timed per side")
+    p.add_argument("--profile-front", action="store_true",
+                   help="also list the front's kernels by GPU time (B=32 and 128 tokens)")
     args = p.parse_args(argv)
     if args.reps < 1 or args.eager_runs < 1:
         p.error("--reps and --eager-runs must be at least 1")
@@ -543,6 +546,11 @@ def main(argv: list[str] | None = None) -> int:
                    f"each, median; eager: {args.eager_runs} steps, the same flush, median."),
         "rows": []}
     w, iw = _weights()
+    if args.profile_front:
+        res["front_profile"] = {str(t): profile_front(w, iw, t) for t in (32, 128)}
+        for t, rows in res["front_profile"].items():
+            log(f"front at {t} tokens: " + "; ".join(
+                f"{r['kernel'][:40]} {float(r['us_per_front']):.1f} us" for r in rows[:6]))
     json_path = args.out_dir / f"step_peers_{stamp}.json"
     md_path = args.out_dir / f"step_peers_{stamp}.md"
     for kind, s in _shapes(args.quick):

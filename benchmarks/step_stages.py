@@ -356,3 +356,27 @@ def prefill_stages(w: MLAWeights, iw: IndexerWeights, peers: dict, st: State
 
 
 # ---- timing --------------------------------------------------------------------------------
+
+
+def profile_front(w: MLAWeights, iw: IndexerWeights, tokens: int, top: int = 15
+                  ) -> list[dict[str, float | str | int]]:
+    """Where the front's GPU time goes: its kernels at ``tokens`` new tokens, by total CUDA
+    time over 5 calls after 3 warm-ups (``torch.profiler``), the ``top`` largest."""
+    from torch.profiler import ProfilerActivity, profile
+    st = {"hidden": torch.randn(tokens, w.config.hidden_size, device="cuda",
+                                dtype=torch.bfloat16),
+          "positions": torch.arange(tokens, device="cuda") + 30000}
+    front = _front(w, iw)
+    for _ in range(3):
+        front(st)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            front(st)
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:120], "calls": e.count // 5,
+             "us_per_front": getattr(e, "device_time_total", e.cuda_time_total) / 5}
+            for e in prof.key_averages()]
+    rows = [r for r in rows if r["us_per_front"] > 0]
+    return sorted(rows, key=lambda r: -float(r["us_per_front"]))[:top]
+
