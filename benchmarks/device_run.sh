@@ -25,7 +25,7 @@ for step in "${steps[@]}"; do
     small) timeout 200 python -m benchmarks.small --out-dir "$OUT" 2>&1 | tee "$OUT/small.log" ;;
     routes) timeout 300 python -m benchmarks.prefill_routes --out-dir "$OUT" 2>&1 \
              | tee "$OUT/routes.log" ;;
-    step-peers) timeout 560 python -m benchmarks.step_peers --out-dir "$OUT" 2>&1 | tee "$OUT/step_peers.log" ;;
+    step-peers) timeout 560 python -m benchmarks.step_peers --out-dir "$OUT" --profile-front 2>&1 | tee "$OUT/step_peers.log" ;;
     bench-nosweep) timeout 200 python -m benchmarks.run --out-dir "$OUT" 2>&1 \
              | tee "$OUT/bench.log" ;;
     # the README's test command on the GPU machine (no interpreter): which modules fail there
