@@ -20,6 +20,7 @@ from mla.reference.fp8_model1 import dequantize_fp8_model1
 from mla.reference.v4.compressor import (
     CompressorState,
     CompressorWeights,
+    V41CompressorWeights,
     compress,
     compress_pool,
     compressed_entries_model1_pages,
@@ -28,6 +29,9 @@ from mla.reference.v4.compressor import (
     compressor_step,
     quantize_compressed_indexer_entries,
     round_compressed_entries,
+    v41_compress,
+    v41_compress_latent,
+    v41_index_key,
 )
 from mla.reference.v4.config import get_v4_config
 from mla.reference.v4.rope import v4_rope_frequencies
@@ -339,3 +343,120 @@ def test_a_layers_compressed_cache_entries():
         compressor_weights_of(V4LayerWeights.random(CONFIG, 1))
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         compressed_cache_entries(x, lw, "fp8")
+
+
+# ---- DeepSeek-V4.1: ratios 1 and 2, no ape, no overlap ----------------------------------------
+
+def _v41_definition(x: torch.Tensor, w: V41CompressorWeights) -> torch.Tensor:
+    """The unrounded latents token by token: ratio 1 normalizes each token's kv; ratio 2 pools
+    the pair (2j, 2j+1) by a per-channel softmax of the gate's scores (no ape), then RMSNorm."""
+    r, d = w.ratio, w.norm.shape[0]
+    latents = []
+    for j in range(x.shape[0] // r):
+        toks = [j * r + i for i in range(r)]
+        kvs = [w.wkv @ x[q] for q in toks]
+        if r == 1:
+            c = kvs[0]
+        else:
+            c = torch.zeros(d, dtype=F64)
+            for e in range(d):
+                s = [float(w.wgate[e] @ x[q]) for q in toks]
+                m = max(s)
+                den = sum(math.exp(v - m) for v in s)
+                c[e] = sum(math.exp(s[i] - m) / den * float(kvs[i][e]) for i in range(r))
+        rms = math.sqrt(float((c * c).mean()) + CONFIG.rms_norm_eps)
+        latents.append(c / rms * w.norm)
+    return torch.stack(latents) if latents else torch.zeros(0, d, dtype=F64)
+
+
+def _v41_rotate(latents: torch.Tensor, r: int) -> torch.Tensor:
+    """Entry j: the compressed layers' GPT-J rotation of the last 64 dims at j·r."""
+    d = latents.shape[1]
+    freqs = v4_rope_frequencies(CONFIG, 4)
+    out = latents.clone()
+    for j in range(latents.shape[0]):
+        for i in range(len(freqs)):
+            a, b = float(latents[j, d - 64 + 2 * i]), float(latents[j, d - 64 + 2 * i + 1])
+            ang = (j * r) * float(freqs[i])
+            out[j, d - 64 + 2 * i] = a * math.cos(ang) - b * math.sin(ang)
+            out[j, d - 64 + 2 * i + 1] = a * math.sin(ang) + b * math.cos(ang)
+    return out
+
+
+@pytest.mark.parametrize("ratio,T", [(1, 0), (1, 1), (1, 9), (2, 1), (2, 2), (2, 9), (2, 16)])
+def test_v41_compress_is_the_definition(ratio, T):
+    w = V41CompressorWeights.random(HIDDEN, 128, ratio, seed=ratio)
+    x = _x(T, seed=T)
+    exact = v41_compress_latent(x, w, CONFIG.rms_norm_eps, bf16=False)
+    assert exact.shape == (T // ratio, 128)
+    _close(exact, _v41_definition(x, w))
+    rounded = v41_compress_latent(x, w, CONFIG.rms_norm_eps)
+    assert torch.equal(rounded, exact.to(torch.bfloat16).to(F64))
+    for bf16, latent in ((False, exact), (True, rounded)):
+        _close(v41_compress(x, w, CONFIG, bf16=bf16), _v41_rotate(latent, ratio))
+
+
+def test_v41_ratio_two_pools_pairs_without_overlap_or_ape():
+    """Entry j reads only tokens 2j and 2j+1: changing token 2j+2 leaves entry j alone, and the
+    softmax depends on the scores only (a shift of x's gate by the position would be ape)."""
+    w = V41CompressorWeights.random(HIDDEN, 128, 2, seed=3)
+    x = _x(8, seed=4)
+    base = v41_compress_latent(x, w, CONFIG.rms_norm_eps, bf16=False)
+    y = x.clone()
+    y[4] = 100.0
+    moved = v41_compress_latent(y, w, CONFIG.rms_norm_eps, bf16=False)
+    assert torch.equal(moved[:2], base[:2]) and torch.equal(moved[3], base[3])
+    assert not torch.equal(moved[2], base[2])
+    # the same pair at other positions pools to the same latent (no positional term)
+    z = torch.cat([x[2:4], x[2:4]])
+    lat = v41_compress_latent(z, w, CONFIG.rms_norm_eps, bf16=False)
+    assert torch.equal(lat[0], lat[1])
+    _close(lat[0], base[1])
+
+
+def test_v41_ratio_one_is_the_normed_projection():
+    w = V41CompressorWeights.random(HIDDEN, 512, 1, seed=5)
+    x = _x(5, seed=6)
+    kv = x @ w.wkv.T
+    want = kv / torch.sqrt((kv * kv).mean(-1, keepdim=True) + CONFIG.rms_norm_eps) * w.norm
+    _close(v41_compress_latent(x, w, CONFIG.rms_norm_eps, bf16=False), want)
+    # the rotation is at j (ratio 1) with the compressed rotary: the nope dims pass through
+    e = v41_compress(x, w, CONFIG)
+    lat = v41_compress_latent(x, w, CONFIG.rms_norm_eps)
+    assert torch.equal(e[:, :448], lat[:, :448]) and torch.equal(e[0], lat[0])
+
+
+def test_v41_index_key_norm_then_rope_in_bf16():
+    w = V41CompressorWeights.random(HIDDEN, 512, 2, seed=7)
+    x = _x(10, seed=8)
+    latent = v41_compress_latent(x, w, CONFIG.rms_norm_eps)
+    g = torch.Generator().manual_seed(9)
+    wk = torch.randn(128, 512, generator=g, dtype=F64) * 512 ** -0.5
+    k_norm = 1.0 + 0.1 * torch.randn(128, generator=g, dtype=F64)
+    key = v41_index_key(latent, wk, k_norm, 2, CONFIG)
+    assert key.shape == (5, 128)
+    assert torch.equal(key, key.to(torch.bfloat16).to(F64))
+    pre = (latent @ wk.T).to(torch.bfloat16).to(F64)
+    normed = (pre / torch.sqrt((pre * pre).mean(-1, keepdim=True) + CONFIG.rms_norm_eps)
+              * k_norm).to(torch.bfloat16).to(F64)
+    assert torch.equal(key[:, :64], normed[:, :64])  # nope dims: only the roundings
+    assert torch.equal(key[0], normed[0])  # entry 0 rotates by 0
+    freqs = v4_rope_frequencies(CONFIG, 4)
+    j = 3
+    a, b = normed[j, 64::2], normed[j, 65::2]
+    ang = 2 * j * freqs
+    rot = torch.stack([a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()], -1)
+    _close(key[j, 64:], rot.flatten().to(torch.bfloat16).to(F64), 2 ** -7)
+
+
+def test_v41_bad_input():
+    with pytest.raises(ValueError):
+        V41CompressorWeights.random(HIDDEN, 128, 4)
+    w = V41CompressorWeights.random(HIDDEN, 128, 2)
+    with pytest.raises(ValueError):
+        V41CompressorWeights(wkv=w.wkv, norm=w.norm, wgate=w.wgate[:, :3])
+    with pytest.raises(TypeError):
+        v41_compress_latent(_x(4), CompressorWeights.random(HIDDEN, 128, 4), 1e-6)
+    with pytest.raises(ValueError):
+        v41_index_key(torch.zeros(2, 128, dtype=F64), torch.zeros(128, 128, dtype=F64),
+                      torch.ones(128, dtype=F64), 4, CONFIG)

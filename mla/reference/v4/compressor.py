@@ -70,7 +70,8 @@ __all__ = ["CompressorWeights", "CompressorState", "COMPRESS_RATIOS", "compresso
            "compress_pool", "compress", "compressor_init_state", "compressor_step",
            "round_compressed_entries", "compressed_entries_model1_pages",
            "quantize_compressed_indexer_entries", "compressor_weights_of",
-           "compressed_cache_entries"]
+           "compressed_cache_entries", "V41_COMPRESS_RATIOS", "V41CompressorWeights",
+           "v41_compress_latent", "v41_compress", "v41_index_key"]
 
 COMPRESS_RATIOS = (4, 128)
 _KV_CACHE_DTYPES = ("float64", "bfloat16", "fp8_ds_mla")  # the layer's (mla.reference.v4.layer)
@@ -380,3 +381,134 @@ def compressed_cache_entries(x: torch.Tensor, weights: V4LayerWeights,
     if kv_cache_dtype == "bfloat16":
         return entries.to(torch.bfloat16).to(_F64)
     return round_compressed_entries(entries, scale_floor=scale_floor)
+
+
+# ---- DeepSeek-V4.1's compressor: ratios 1 and 2, no ape, no overlap -------------------------
+#
+# vLLM 0.33 ``vllm/models/deepseek_v41/compressor.py`` (``DeepseekCompressor``) and
+# ``common/ops/fused_compress_quant_cache.py``. A V4.1 compressor lives only on a kv-source
+# layer, is 512 wide, and has ``wkv`` ``[d, hidden]``, ``norm`` ``[d]`` and, for ratio 2 only,
+# ``wgate`` ``[d, hidden]`` (ratio 1 has no gate); no ``ape``, no overlap. With
+# ``kv_p = x_p @ wkv^T`` and ``s_p = x_p @ wgate^T``, entry ``j`` (emitted at ``p = j·r + r - 1``):
+#
+#     r = 1:  latent_j = bf16(RMSNorm(kv_j; norm))
+#     r = 2:  a_{q,e}  = exp(s_{q,e}) / (exp(s_{2j,e}) + exp(s_{2j+1,e}))     q in {2j, 2j+1}
+#             latent_j = bf16(RMSNorm(a_{2j} ⊙ kv_{2j} + a_{2j+1} ⊙ kv_{2j+1}; norm))
+#     entry_j = RoPE_gptj(latent_j, position j·r)      the compressed layers' rotary, last 64 dims
+#     key_j   = bf16(RoPE_gptj(bf16(RMSNorm(bf16(latent_j @ wk^T); k_norm)), j·r))   [128]
+#
+# The latent is rounded to bf16 once (the kernels store it so) and both the cache entry and
+# the index key are made from that rounded latent; the entry's storage rounding is
+# ``mla.reference.fp8_v41`` (MXFP8 or NVFP4, RoPE dims included) or bf16.
+
+V41_COMPRESS_RATIOS = (1, 2)
+# ``rope_gptj`` picks the rotary by a V4 ratio: any ratio > 1 names the compressed layers' one
+# (compress_rope_theta, YaRN), which every V4.1 compressed layer (ratio 1 included) uses.
+_COMPRESSED_ROPE = 4
+
+
+@dataclass(frozen=True)
+class V41CompressorWeights:
+    """A DeepSeek-V4.1 compressor's parameters, as the checkpoint names them
+    (``layers.N.attn.compressor.wkv.weight``, ``.wgate.weight``, ``.norm.weight``): ``wkv``
+    ``[d, hidden]``, ``norm`` ``[d]``, ``wgate`` ``[d, hidden]`` for ratio 2 and ``None`` for
+    ratio 1. The ratio is 2 exactly when there is a gate. There is no ``ape``."""
+
+    wkv: torch.Tensor
+    norm: torch.Tensor
+    wgate: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        check_float("norm", self.norm, ndim=1)
+        check_float("wkv", self.wkv, shape=[self.norm.shape[0], None])
+        if self.wgate is not None:
+            check_float("wgate", self.wgate, shape=list(self.wkv.shape))
+
+    @property
+    def ratio(self) -> int:
+        return 1 if self.wgate is None else 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.norm.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.wkv.shape[1]
+
+    @staticmethod
+    def random(hidden_size: int, head_dim: int, ratio: int, *, seed: int = 0
+               ) -> V41CompressorWeights:
+        """Seeded random float64 weights (unit-variance projections, ``norm`` around 1)."""
+        check_positive_int("hidden_size", hidden_size)
+        check_positive_int("head_dim", head_dim)
+        if isinstance(ratio, bool) or ratio not in V41_COMPRESS_RATIOS:
+            raise ValueError(f"ratio must be one of {V41_COMPRESS_RATIOS}, got {ratio!r}")
+        g = torch.Generator().manual_seed(seed)
+
+        def draw() -> torch.Tensor:
+            return torch.randn(head_dim, hidden_size, generator=g, dtype=_F64) \
+                * hidden_size ** -0.5
+
+        wkv = draw()
+        return V41CompressorWeights(
+            wkv=wkv, norm=1.0 + 0.1 * torch.randn(head_dim, generator=g, dtype=_F64),
+            wgate=draw() if ratio == 2 else None)
+
+
+def v41_compress_latent(x: torch.Tensor, weights: V41CompressorWeights, eps: float, *,
+                        bf16: bool = True) -> torch.Tensor:
+    """The latents ``[T // r, d]`` (float64; rounded to bf16 with ``bf16``, as vLLM stores
+    them) of one request's ``x [T, hidden]`` at positions ``0 .. T-1``."""
+    if not isinstance(weights, V41CompressorWeights):
+        raise TypeError(f"weights must be a V41CompressorWeights, got {type(weights).__name__}")
+    check_float("x", x, shape=[None, weights.hidden_size])
+    xw = x.to(_F64)
+    kv = xw @ weights.wkv.to(device=x.device, dtype=_F64).T
+    r = weights.ratio
+    n = x.shape[0] // r
+    if weights.wgate is None:
+        pooled = kv[:n]
+    else:
+        score = xw @ weights.wgate.to(device=x.device, dtype=_F64).T
+        ends = torch.arange(n, device=x.device) * r + r - 1
+        pooled = pool_windows(kv, score, 0, ends, r, 1)
+    latent = rms_norm(pooled, weights.norm.to(device=x.device, dtype=_F64), eps)
+    return latent.to(torch.bfloat16).to(_F64) if bf16 else latent
+
+
+def v41_compress(x: torch.Tensor, weights: V41CompressorWeights, config: V4Config, *,
+                 bf16: bool = True) -> torch.Tensor:
+    """The compressed entries ``[T // r, d]`` (float64, before the cache's rounding): the
+    latents (``v41_compress_latent``) rotated at ``j·r`` by the compressed layers' RoPE."""
+    if weights.head_dim < config.rope_head_dim:
+        raise ValueError(f"weights.norm must have at least rope_head_dim="
+                         f"{config.rope_head_dim} entries, got {weights.head_dim}")
+    latent = v41_compress_latent(x, weights, config.rms_norm_eps, bf16=bf16)
+    if latent.shape[0] == 0:
+        return latent
+    ids = torch.arange(latent.shape[0], device=x.device)
+    return rope_gptj(latent, ids * weights.ratio, config, _COMPRESSED_ROPE)
+
+
+def v41_index_key(latent: torch.Tensor, wk: torch.Tensor, k_norm: torch.Tensor,
+                  ratio: int, config: V4Config) -> torch.Tensor:
+    """The index keys ``[n, index_head_dim]`` (float64 holding bf16 values, before the key
+    cache's quantization) of the latents ``[n, d]`` of entries ``0 .. n-1``:
+    ``bf16(RoPE(bf16(RMSNorm(bf16(latent @ wk^T); k_norm)), j·r))`` (vLLM 0.33
+    ``deepseek_v41/attention.py`` ``_produce_k``, ``common/ops/indexer_k_store.py``)."""
+    check_float("latent", latent, ndim=2)
+    check_float("wk", wk, shape=[None, latent.shape[1]], device=latent.device)
+    check_float("k_norm", k_norm, shape=[wk.shape[0]], device=latent.device)
+    if isinstance(ratio, bool) or ratio not in V41_COMPRESS_RATIOS:
+        raise ValueError(f"ratio must be one of {V41_COMPRESS_RATIOS}, got {ratio!r}")
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).to(_F64)
+
+    k = bf16(latent.to(_F64) @ wk.to(_F64).T)
+    k = bf16(rms_norm(k, k_norm.to(_F64), config.rms_norm_eps))
+    if k.shape[0] == 0:
+        return k
+    ids = torch.arange(k.shape[0], device=latent.device)
+    return bf16(rope_gptj(k, ids * ratio, config, _COMPRESSED_ROPE))
