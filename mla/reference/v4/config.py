@@ -41,10 +41,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["V4Config", "V4_PRESETS", "get_v4_config", "LAYER_KINDS"]
+__all__ = ["V4Config", "V4_PRESETS", "get_v4_config", "LAYER_KINDS", "V41_RATIOS", "VERSIONS"]
 
 # compression ratio -> the name vLLM and the papers give the layer kind
 LAYER_KINDS = {1: "SWA", 4: "C4A", 128: "C128A"}
+# DeepSeek-V4.1's ratios: 0 window only, 1 full-length compressed, 2 compressed by 2
+V41_RATIOS = (0, 1, 2)
+VERSIONS = ("v4", "v4.1")
 
 
 def _positive(name: str, value: object) -> None:
@@ -59,6 +62,10 @@ class V4Config:
     ``compress_ratios[i]`` is layer ``i``'s ratio (1, 4 or 128); the ``num_mtp_layers`` MTP
     layers come after and are window-only. ``q_head_norm`` is V4's weightless per-head RMSNorm
     of the query (DeepSeek-V4.1 drops it).
+
+    ``version="v4.1"``: ratios in {0, 1, 2}, the source-layer fields set (see the module doc);
+    ``mtp_compress_ratios``: the MTP layers' ratios where the config lists them (V4.1's
+    ``compress_ratios`` may run past the backbone), else window-only.
     """
 
     name: str
@@ -83,6 +90,13 @@ class V4Config:
     beta_slow: float = 1.0
     num_mtp_layers: int = 1
     q_head_norm: bool = True
+    version: str = "v4"
+    kv_source_layer_ids: tuple[int, ...] = ()
+    index_source_layer_ids: tuple[int, ...] = ()
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+    mtp_compress_ratios: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("hidden_size", "num_heads", "q_lora_rank", "o_lora_rank", "o_groups",
@@ -96,10 +110,19 @@ class V4Config:
         if not isinstance(self.compress_ratios, tuple) or not self.compress_ratios:
             raise ValueError("V4Config.compress_ratios must be a non-empty tuple, got "
                              f"{self.compress_ratios!r}")
-        bad = [r for r in self.compress_ratios if r not in LAYER_KINDS]
+        if self.version not in VERSIONS:
+            raise ValueError(f"V4Config.version must be one of {VERSIONS}, got "
+                             f"{self.version!r}")
+        allowed = sorted(LAYER_KINDS) if self.version == "v4" else list(V41_RATIOS)
+        if not isinstance(self.mtp_compress_ratios, tuple):
+            raise ValueError("V4Config.mtp_compress_ratios must be a tuple, got "
+                             f"{self.mtp_compress_ratios!r}")
+        bad = [r for r in self.compress_ratios + self.mtp_compress_ratios
+               if isinstance(r, bool) or r not in allowed]
         if bad:
             raise ValueError(f"V4Config.compress_ratios: each ratio must be one of "
-                             f"{sorted(LAYER_KINDS)}, got {bad[0]!r}")
+                             f"{allowed}, got {bad[0]!r}")
+        self._check_sources()
         if self.num_heads % self.o_groups:
             raise ValueError(f"V4Config.num_heads ({self.num_heads}) must be a multiple of "
                              f"o_groups ({self.o_groups})")
@@ -111,6 +134,39 @@ class V4Config:
                              f"({self.rope_head_dim}), got {self.index_head_dim}")
         if self.rope_factor < 1.0:
             raise ValueError(f"V4Config.rope_factor must be >= 1, got {self.rope_factor}")
+
+    def _check_sources(self) -> None:
+        n = self.num_layers
+        for field in ("kv_source_layer_ids", "index_source_layer_ids"):
+            ids = getattr(self, field)
+            if not isinstance(ids, tuple) or any(
+                    isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in ids):
+                raise ValueError(f"V4Config.{field} must be a tuple of backbone layer ids in "
+                                 f"[0, {n}), got {ids!r}")
+        if self.version == "v4":
+            if (self.kv_source_layer_ids or self.index_source_layer_ids
+                    or self.candidate_source_layer_id != -1 or self.mtp_compress_ratios):
+                raise ValueError("V4Config: the source layers, candidates and "
+                                 "mtp_compress_ratios are DeepSeek-V4.1's (version='v4.1')")
+            return
+        if self.num_mtp_layers < len(self.mtp_compress_ratios):
+            raise ValueError("V4Config.mtp_compress_ratios is longer than num_mtp_layers")
+        for layer in range(n + self.num_mtp_layers):
+            if self.layer_ratio(layer) and not (
+                    any(s <= layer for s in self.kv_source_layer_ids)
+                    and any(s <= layer for s in self.index_source_layer_ids)):
+                raise ValueError(f"V4Config: compressed layer {layer} has no kv and index "
+                                 f"source layer at or below it")
+        c = self.candidate_source_layer_id
+        if isinstance(c, bool) or not isinstance(c, int) or (
+                c != -1 and c not in self.index_source_layer_ids):
+            raise ValueError(f"V4Config.candidate_source_layer_id must be -1 or an index "
+                             f"source layer, got {c!r}")
+        for field in ("candidate_topk_blocks", "candidate_block_size"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (c != -1 and v == 0):
+                raise ValueError(f"V4Config.{field} must be an int >= 0, > 0 with a "
+                                 f"candidate source, got {v!r}")
 
     # --- derived -----------------------------------------------------------------------------
     @property
@@ -131,16 +187,62 @@ class V4Config:
         return self.num_heads // self.o_groups
 
     def layer_ratio(self, layer: int) -> int:
-        """Layer ``layer``'s compression ratio; the MTP layers (``num_layers`` on) are 1."""
+        """Layer ``layer``'s compression ratio; the MTP layers (``num_layers`` on) are
+        window-only (1 in V4, 0 in V4.1) unless ``mtp_compress_ratios`` lists them."""
+        self._check_layer(layer)
+        if layer < self.num_layers:
+            return self.compress_ratios[layer]
+        mtp = layer - self.num_layers
+        if mtp < len(self.mtp_compress_ratios):
+            return self.mtp_compress_ratios[mtp]
+        return 1 if self.version == "v4" else 0
+
+    def _check_layer(self, layer: object) -> None:
         if isinstance(layer, bool) or not isinstance(layer, int) or not (
                 0 <= layer < self.num_layers + self.num_mtp_layers):
             raise ValueError(f"layer must be an int in [0, {self.num_layers + self.num_mtp_layers})"
                              f", got {layer!r}")
-        return self.compress_ratios[layer] if layer < self.num_layers else 1
+
+    def _source(self, layer: int, ids: tuple[int, ...]) -> int | None:
+        if self.version != "v4.1":
+            raise ValueError("source layers are DeepSeek-V4.1's (version='v4.1')")
+        if self.layer_ratio(layer) == 0:
+            return None
+        return max(s for s in ids if s <= layer)
+
+    def kv_source_layer(self, layer: int) -> int | None:
+        """V4.1: the layer whose compressor and compressed cache ``layer`` reads (the nearest
+        kv source at or below it); ``None`` for a window-only layer."""
+        return self._source(layer, self.kv_source_layer_ids)
+
+    def index_source_layer(self, layer: int) -> int | None:
+        """V4.1: the layer whose indexer's top-k ``layer`` uses (the nearest index source at
+        or below it); ``None`` for a window-only layer."""
+        return self._source(layer, self.index_source_layer_ids)
+
+    def owns_compressor(self, layer: int) -> bool:
+        """V4.1: a backbone kv-source layer (its compressor, compressed cache, ``wk`` and
+        ``k_norm`` and the index key cache)."""
+        self._check_layer(layer)
+        return layer < self.num_layers and layer in self.kv_source_layer_ids
+
+    def owns_indexer(self, layer: int) -> bool:
+        """V4.1: a backbone index-source layer (an indexer of its own)."""
+        self._check_layer(layer)
+        return layer < self.num_layers and layer in self.index_source_layer_ids
+
+    def candidate_role(self, layer: int) -> str | None:
+        """V4.1, for an indexer-owning layer: ``"write"`` (the candidate source), ``"mask"``
+        (an indexer after it), else ``None`` (no candidates)."""
+        c = self.candidate_source_layer_id
+        if not self.owns_indexer(layer) or c < 0 or layer < c:
+            return None
+        return "write" if layer == c else "mask"
 
     def compressor_overlap(self, ratio: int) -> bool:
-        """Ratio 4 pools two overlapping blocks (``coff = 2``); ratio 128 one block."""
-        return ratio == 4
+        """Ratio 4 pools two overlapping blocks (``coff = 2``); ratio 128 one block; no V4.1
+        ratio overlaps."""
+        return self.version == "v4" and ratio == 4
 
     def replace(self, **changes: object) -> V4Config:
         return dataclasses.replace(self, **changes)
@@ -154,7 +256,16 @@ def _pro_ratios(num_layers: int) -> tuple[int, ...]:
     return tuple(128 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(num_layers))
 
 
+def _v41_flash_ratios(num_layers: int) -> tuple[int, ...]:
+    return tuple(0 if i < 2 else 2 for i in range(num_layers))  # an assumption (module doc)
+
+
 V4_PRESETS: dict[str, V4Config] = {
+    "deepseek-v4.1-flash": V4Config(
+        name="deepseek-v4.1-flash", hidden_size=5120, num_heads=64, q_lora_rank=1280,
+        o_lora_rank=1024, o_groups=8, sliding_window=128, compress_ratios=_v41_flash_ratios(40),
+        index_topk=512, q_head_norm=False, version="v4.1", kv_source_layer_ids=(2, 8, 14, 20),
+        index_source_layer_ids=(2, 8, 14, 20, 24, 28, 32, 36)),
     "deepseek-v4": V4Config(
         name="deepseek-v4", hidden_size=4096, num_heads=64, q_lora_rank=1024, o_lora_rank=1024,
         o_groups=8, sliding_window=128, compress_ratios=_flash_ratios(43), index_topk=512),
@@ -170,7 +281,8 @@ V4_PRESETS: dict[str, V4Config] = {
 
 
 def get_v4_config(name: str) -> V4Config:
-    """A preset by name (``deepseek-v4``, ``deepseek-v4-pro``, ``tiny-v4``)."""
+    """A preset by name (``deepseek-v4``, ``deepseek-v4-pro``, ``deepseek-v4.1-flash``,
+    ``tiny-v4``)."""
     try:
         return V4_PRESETS[name]
     except KeyError:
