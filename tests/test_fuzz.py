@@ -5,7 +5,8 @@ Broken twins of the reference (each with one convention changed, as in
 examples and shrunk to a spec of one request, one head; the diagnosis names the convention;
 the snippet rebuilds the inputs and reproduces the failure; the example database replays the
 failure first on the next run. The reference passes; inputs an adapter refuses are skipped.
-One short run of ``mla.fast``'s merge under Triton's interpreter, and its 1% twin.
+Under Triton's interpreter, a short fuzz of each of ``mla.fast``'s fuzzed kernels passes, and
+each of their 1% twins (the GPU check's: one output scaled by 1.01) is found and shrunk.
 """
 
 from __future__ import annotations
@@ -160,3 +161,43 @@ def test_mla_fast_merge_passes_and_its_one_percent_twin_is_found(db):
     (failure,) = twin.failures
     assert failure.spec.tokens <= 1 and failure.errors["out"] > 5e-3
     assert not math.isnan(failure.errors["out"])
+
+
+# ---- mla.fast under the interpreter: it passes, and each of its 1% twins is found --------------
+
+FAST_TWINS = [(kernel, label) for kernel in FUZZED
+              for label in ("out", "lse", "max_logits")
+              if not (kernel == "cp_lse_ag_out_rs" and label != "out")
+              and not (label == "max_logits" and kernel != "sparse_mla_prefill")]
+
+
+def _one_percent(f, kernel: str, label: str):  # noqa: ANN001, ANN202
+    """``f`` with one of its outputs (``label``) scaled by 1.01, as the GPU check's twins."""
+    names = {"sparse_mla_prefill": ("out", "max_logits", "lse")}.get(kernel, ("out", "lse"))
+
+    def g(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        res = f(*args, **kwargs)
+        if not isinstance(res, tuple):
+            return res * 1.01
+        res = list(res)
+        res[names.index(label)] = res[names.index(label)] * 1.01
+        return tuple(res)
+    return g
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kernel", FUZZED)
+def test_the_fuzz_passes_mla_fast(kernel, db):
+    report = fuzz("mla.fast", kernel, examples=6, database=db, seed=1)
+    assert report.passed, report.to_text()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kernel, label", FAST_TWINS, ids=[f"{k}-{v}" for k, v in FAST_TWINS])
+def test_the_fuzz_finds_each_one_percent_twin_of_mla_fast(kernel, label, db):
+    import mla.fast as fast
+    twin = _one_percent(getattr(fast, kernel), kernel, label)
+    report = fuzz({kernel: twin}, kernel, examples=10, database=db, seed=1)
+    (failure,) = report.failures
+    assert failure.errors[label] > failure.limits[label], failure.errors
+    assert getattr(failure.spec, "heads", 1) <= 2  # shrunk
