@@ -3,12 +3,14 @@ and the heading and rows of their reports."""
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 
 import torch
 import triton.testing
+
+from mla.bench.timing import capture as mla_capture
+from mla.bench.timing import median_ms
 
 __all__ = ["ceilings", "kernel_name", "log", "report_heading", "report_rows", "time_graph"]
 
@@ -40,18 +42,11 @@ def ceilings() -> dict[str, float]:
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:
-    """``fn`` run once on a side stream (compiles, allocates), then captured in a CUDA graph.
-    The graph holds addresses, not tensors: the caller keeps what ``fn`` launches on (its
-    scratch included) alive while it replays, or the replays use freed memory."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    """``fn`` run once on a side stream (compiles, allocates), then captured in a CUDA graph
+    (``mla.bench.timing.capture``). The graph holds addresses, not tensors: the caller keeps
+    what ``fn`` launches on (its scratch included) alive while it replays, or the replays use
+    freed memory."""
+    return mla_capture(fn)[0]
 
 
 def time_replays(g: torch.cuda.CUDAGraph, reps: int = 50, read_flush: bool = False) -> float:
@@ -60,19 +55,13 @@ def time_replays(g: torch.cuda.CUDAGraph, reps: int = 50, read_flush: bool = Fal
     leaves no dirty lines in the L2 for the timed kernel's reads to write back (~50 MB of them
     on the H200)."""
     flush = torch.ones(256 << 20, dtype=torch.int8, device="cuda")
-    times = []
-    for _ in range(reps + 5):
+
+    def before() -> None:
         if read_flush:
             flush.sum(dtype=torch.int64)
         else:
             flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[5:])
+    return median_ms(g.replay, reps, before)
 
 
 def time_graph(fn, reps: int = 50, read_flush: bool = False) -> float:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["Timing", "ceilings", "time_call"]
+__all__ = ["Timing", "capture", "ceilings", "median_ms", "time_call"]
 
 FLUSH_BYTES = 256 << 20
 DROPPED = 5
@@ -38,8 +38,10 @@ class Timing:
     why: str = ""
 
 
-def _median_ms(run: Callable[[], object], reps: int, before: Callable[[], object] | None
-               ) -> float:
+def median_ms(run: Callable[[], object], reps: int, before: Callable[[], object] | None
+              ) -> float:
+    """The median ms of ``reps`` event-timed calls of ``run`` (``DROPPED`` more first, not
+    counted), ``before()`` run outside the timed span before each."""
     times = []
     for _ in range(reps + DROPPED):
         if before is not None:
@@ -54,7 +56,7 @@ def _median_ms(run: Callable[[], object], reps: int, before: Callable[[], object
     return statistics.median(times[DROPPED:])
 
 
-def _capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
     """``fn`` run once on a side stream, then captured; returns the graph and the captured
     call's outputs (kept alive with the graph)."""
     stream = torch.cuda.Stream()
@@ -81,30 +83,30 @@ def time_call(fn: Callable[[], object], reps: int = 50, flush: bool = True,
     why = "eager asked for"
     if graph:
         try:
-            g, out = _capture(fn)
+            g, out = capture(fn)
         except Exception as e:  # noqa: BLE001 (any capture failure: time it eagerly)
             torch.cuda.synchronize()
             why = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
         else:
-            ms = _median_ms(g.replay, reps, before if flush else None)
+            ms = median_ms(g.replay, reps, before if flush else None)
             del g, out
             return Timing(ms * 1e3, "graph", l2, reps)
     fn()
     torch.cuda.synchronize()
-    ms = _median_ms(fn, reps, before if flush else None)
+    ms = median_ms(fn, reps, before if flush else None)
     return Timing(ms * 1e3, "eager", l2, reps, why)
 
 
 def _copy_ms(n: int, reps: int) -> float:
     x = torch.empty(n // 2, dtype=torch.bfloat16, device="cuda").normal_()
     y = torch.empty_like(x)
-    return _median_ms(lambda: y.copy_(x), reps, None)
+    return median_ms(lambda: y.copy_(x), reps, None)
 
 
 def _matmul_ms(m: int, reps: int) -> float:
     a = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(m, m, dtype=torch.bfloat16, device="cuda")
-    return _median_ms(lambda: a @ b, reps, None)
+    return median_ms(lambda: a @ b, reps, None)
 
 
 def ceilings(reps: int = 20) -> dict[str, float]:

@@ -27,7 +27,7 @@ import argparse
 import os
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from mla.conformance.report import Row
@@ -159,12 +159,7 @@ def _conform(args: argparse.Namespace) -> int:
     print("reference: float64 on the CPU on the same inputs; budgets: conventions §11")
     print()
     print(report.to_text())
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report.to_markdown())
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(report.to_json())
+    _write(report, args)
     return 1 if any(r.status in ("fail", "error") for r in report.rows) else 0
 
 
@@ -205,10 +200,13 @@ def _fuzz(args: argparse.Namespace, name: str, target: object, device: object,
     print(report.to_text())
     for f in report.failures:
         print(f"\n# reproduce {f.kernel}:\n{f.snippet}")
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(report.to_markdown())
-    if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(report.to_json())
+    _write(report, args)
     return 0 if report.passed else 1
+
+
+def _write(report: Any, args: argparse.Namespace) -> None:
+    """The report's markdown to ``--out`` and JSON to ``--json``, where asked for."""
+    for path, text in ((args.out, report.to_markdown), (args.json, report.to_json)):
+        if path:
+            with open(path, "w") as f:
+                f.write(text())

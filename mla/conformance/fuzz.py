@@ -63,8 +63,9 @@ def judge(kernel: str, fn: Callable, trial: Trial, setting: Setting):  # noqa: A
 
 @dataclasses.dataclass
 class Failure:
-    """A failing example shrunk by hypothesis: the spec, the seed, what is wrong and the
-    convention the diagnosis names; ``snippet`` rebuilds the inputs and calls the kernel."""
+    """A failing example shrunk by hypothesis: its case parameters (``example.spec``), the
+    seed, what is wrong and the convention the diagnosis names; ``snippet`` rebuilds the
+    inputs and calls the kernel."""
     kernel: str
     example: Example
     status: str  # "fail" or "error"

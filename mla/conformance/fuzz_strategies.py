@@ -1,9 +1,9 @@
 """What ``mla.conformance.fuzz`` draws: per kernel, a hypothesis strategy over the fields of
-its case family's spec (``DecodeSpec``, ``SparseDecodeSpec``, ``SparsePrefillSpec``,
-``MergeSpec``, ``DcpSpec``) and a seed.
+its case family's parameter dataclass (``DecodeSpec``, ``SparseDecodeSpec``,
+``SparsePrefillSpec``, ``MergeSpec``, ``DcpSpec``) and a seed.
 
-An ``Example`` names the family's trial builder, the spec, the seed and the dtype; the trial
-builds the inputs from the seed, runs the float64 reference and holds the outputs to the
+An ``Example`` names the family's trial builder, those parameters, the seed and the dtype; the
+trial builds the inputs from the seed, runs the float64 reference and holds the outputs to the
 catalogue's budgets, exactly as a named case does. The strategies reach the corners the
 catalogue pins one at a time and their combinations: odd head counts, page sizes 1 to 256,
 ragged lengths with 0, 1 and page edges, ``s_q`` with and without ``causal``, top-k widths,
