@@ -88,8 +88,23 @@ def _coff(ratio: int) -> int:
     return 2 if ratio == 4 else 1
 
 
+class _CompressorWidths:
+    """``head_dim`` (the entry's width, ``norm``'s) and ``hidden_size`` (``wkv``'s input)."""
+
+    norm: torch.Tensor
+    wkv: torch.Tensor
+
+    @property
+    def head_dim(self) -> int:
+        return self.norm.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.wkv.shape[1]
+
+
 @dataclass(frozen=True)
-class CompressorWeights:
+class CompressorWeights(_CompressorWidths):
     """One compressor's parameters, named as the checkpoint names them
     (``layers.N.attn.compressor.*``, ``layers.N.attn.indexer.compressor.*``): ``wkv`` and
     ``wgate`` ``[coff·d, hidden]``, ``ape`` ``[r, coff·d]``, ``norm`` ``[d]``. The ratio is
@@ -118,13 +133,6 @@ class CompressorWeights:
     def coff(self) -> int:
         return _coff(self.ratio)
 
-    @property
-    def head_dim(self) -> int:
-        return self.norm.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.wkv.shape[1]
 
     @staticmethod
     def random(hidden_size: int, head_dim: int, ratio: int, *, seed: int = 0,
@@ -408,7 +416,7 @@ _COMPRESSED_ROPE = 4
 
 
 @dataclass(frozen=True)
-class V41CompressorWeights:
+class V41CompressorWeights(_CompressorWidths):
     """A DeepSeek-V4.1 compressor's parameters, as the checkpoint names them
     (``layers.N.attn.compressor.wkv.weight``, ``.wgate.weight``, ``.norm.weight``): ``wkv``
     ``[d, hidden]``, ``norm`` ``[d]``, ``wgate`` ``[d, hidden]`` for ratio 2 and ``None`` for
@@ -428,13 +436,6 @@ class V41CompressorWeights:
     def ratio(self) -> int:
         return 1 if self.wgate is None else 2
 
-    @property
-    def head_dim(self) -> int:
-        return self.norm.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.wkv.shape[1]
 
     @staticmethod
     def random(hidden_size: int, head_dim: int, ratio: int, *, seed: int = 0
