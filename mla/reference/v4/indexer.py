@@ -280,15 +280,18 @@ def indexer_weights_of(weights: V4LayerWeights) -> IndexerV4Weights:
 
 
 def indexer_topk_for_layer(x: torch.Tensor, q_latent: torch.Tensor, weights: V4LayerWeights,
-                           kv_cache_dtype: str = "fp8_ds_mla") -> torch.Tensor:
-    """``v4_indexer_topk`` of a ratio-4 layer for one request: ``x [T, hidden]`` and its normed
-    query latents ``q_latent [T, q_lora_rank]`` at positions ``0 .. T-1``. The indexer's fp8
-    roundings are vLLM's whatever the attention cache holds, except with ``kv_cache_dtype =
-    "float64"`` (every rounding off: ``quantize=False``)."""
+                           kv_cache_dtype: str = "fp8_ds_mla",
+                           positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``v4_indexer_topk`` of a ratio-4 layer for one request: ``x [L, hidden]`` its hidden
+    states so far and ``q_latent`` the normed query latents of the queries at ``positions``
+    (default: every token, ``0 .. L-1``). The indexer's fp8 roundings are vLLM's whatever the
+    attention cache holds, except with ``kv_cache_dtype = "float64"`` (every rounding off:
+    ``quantize=False``)."""
     if kv_cache_dtype not in ("float64", "bfloat16", "fp8_ds_mla"):
         raise ValueError(f"kv_cache_dtype must be one of ('float64', 'bfloat16', 'fp8_ds_mla')"
                          f", got {kv_cache_dtype!r}")
     check_float("x", x, ndim=2)
-    positions = torch.arange(x.shape[0], device=x.device)
+    if positions is None:
+        positions = torch.arange(x.shape[0], device=x.device)
     return v4_indexer_topk(x, q_latent, positions, indexer_weights_of(weights), weights.config,
                            quantize=kv_cache_dtype != "float64")

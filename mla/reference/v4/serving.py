@@ -270,10 +270,8 @@ def v4_layer_step(x: list[torch.Tensor], cache: V4Cache, *, path: str = "decode"
         if r == 4:
             if topk is not None and topk[b] is not None:
                 tk = topk[b]
-            else:
-                full_q_latent, _, _, _ = v4_query_and_key(hist, torch.arange(hist.shape[0]), w,
-                                                          cache.kv_cache_dtype)
-                tk = indexer_topk_for_layer(hist, full_q_latent, w, cache.kv_cache_dtype)[L0:]
+            else:  # the new tokens' rows only: the keys are the whole history's entries
+                tk = indexer_topk_for_layer(hist, q_latent, w, cache.kv_cache_dtype, p)
         qs.append(q)
         positions.append(p)
         tks.append(tk)
