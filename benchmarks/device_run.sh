@@ -2,7 +2,7 @@
 # The GPU machine's steps: correctness grid, then the benchmark (with the plan sweep).
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
-#                                           suite|sanitize|step-peers|v4|bench-cli]...
+#                                           suite|sanitize|step-peers|v4|bench-cli|fuzz-peers]...
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -43,6 +43,25 @@ for step in "${steps[@]}"; do
     # mla bench on mla.fast beside FlashMLA, every preset
     bench-cli) timeout 400 python -m mla bench --target mla.fast --json "$OUT/bench.json" \
                  --out "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench_cli.log" ;;
+    # the fuzz of every fuzzed kernel of mla.fast and the peers, one process a kernel, in
+    # parallel (the reference's float64 side runs on the CPU): FUZZ_SECONDS each (default 300)
+    fuzz-peers)
+      pids=()
+      for tk in mla.fast:mla_decode_paged mla.fast:sparse_mla_decode mla.fast:sparse_mla_prefill \
+                mla.fast:merge_attn_states mla.fast:cp_lse_ag_out_rs flashmla:mla_decode_paged \
+                flashmla:sparse_mla_decode flashmla:sparse_mla_prefill \
+                vllm-triton:mla_decode_paged vllm-triton:merge_attn_states \
+                vllm-triton:cp_lse_ag_out_rs; do
+        t=${tk%%:*}; k=${tk#*:}
+        props=(); case $k in mla_decode_paged|sparse_mla_decode) props=(--properties all) ;; esac
+        timeout $(( ${FUZZ_SECONDS:-300} + 240 )) python -m mla conform --target "$t" \
+          --kernels "$k" --device cuda --fuzz "${FUZZ_SECONDS:-300}s" "${props[@]}" \
+          --fuzz-db "$OUT/fuzz_db/$t" --out "$OUT/fuzz_${t}_$k.md" \
+          --json "$OUT/fuzz_${t}_$k.json" > "$OUT/fuzz_${t}_$k.log" 2>&1 &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p"; done
+      tail -n 3 "$OUT"/fuzz_*.log ;;
     sanitize) timeout 400 compute-sanitizer --tool memcheck --print-limit 20 \
                 python -m mla.check --quick --out "$OUT/sanitize_check.json" 2>&1 \
                 | tee "$OUT/sanitize.log" ;;
