@@ -28,6 +28,7 @@ TOPICS = {
     "small": "the memory-bound helpers (merge, cache writes, gathers, index conversion)",
     "layers": "whole layers: stage-by-stage checks and decode steps",
     "dcp": "decode context parallelism over NCCL (2 GPUs)",
+    "bench": "`mla bench` reports: a target's kernels on the named shapes beside FlashMLA",
     "conformance": "`mla conform` reports: `mla.fast` and the peers on the catalogue",
     "checks": "`mla.check` on the GPU, error budgets, compute-sanitizer, GPU test logs",
 }
@@ -62,6 +63,8 @@ CURRENT = [
      "conformance/conformance_vllm-v4_2026-12-06.md"),
     ("the V3.2 step with the front's weights prepared once (H100, quick shapes)",
      "layers/step_peers_prepared_front_2026-12-06.md"),
+    ("`mla bench --target mla.fast` on every preset beside FlashMLA (H100)",
+     "bench/mla_bench_fast_2026-12-06.md"),
     ("DCP on 2 GPUs", "dcp/dcp_scaling_2xH200_2026-11-30.md"),
     ("`mla.fast` on the conformance catalogue", "conformance/conformance_mla_fast_2026-12-02.md"),
     ("FlashMLA on the conformance catalogue", "conformance/conformance_flashmla_2026-12-02.md"),
