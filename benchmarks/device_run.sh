@@ -2,7 +2,7 @@
 # The GPU machine's steps: correctness grid, then the benchmark (with the plan sweep).
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
-#                                           suite|sanitize|step-peers|v4|bench-cli|fuzz-peers]...
+#     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant]...
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -16,6 +16,7 @@ for step in "${steps[@]}"; do
     check) timeout 300 python -m mla.check --out "$OUT/check.json" 2>&1 | tee "$OUT/check.log" ;;
     # the fast kernels' tests on the GPU: bf16 cases, and the Gluon sm_90 kernels' NaN rule
     tests) timeout 500 python -m pytest -q -p no:cacheprovider tests/test_fast_sm90.py \
+             tests/test_fast_batch_invariant.py \
              tests/test_fast_decode.py tests/test_fast_sparse.py tests/test_fast_small.py \
              tests/test_merge.py 2>&1 | tee "$OUT/tests.log" ;;
     bench) timeout 330 python -m benchmarks.run --only decode --sweep --out-dir "$OUT" 2>&1 \
@@ -43,6 +44,9 @@ for step in "${steps[@]}"; do
     # mla bench on mla.fast beside FlashMLA, every preset
     bench-cli) timeout 400 python -m mla bench --target mla.fast --json "$OUT/bench.json" \
                  --out "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench_cli.log" ;;
+    # what batch invariance costs: mla.fast and FlashMLA with and without split-KV
+    batch-invariant) timeout 300 python -m benchmarks.batch_invariant --out-dir "$OUT" 2>&1 \
+             | tee "$OUT/batch_invariant.log" ;;
     # the fuzz of every fuzzed kernel of mla.fast and the peers, one process a kernel, in
     # parallel (the reference's float64 side runs on the CPU): FUZZ_SECONDS each (default 300)
     fuzz-peers)
@@ -51,7 +55,10 @@ for step in "${steps[@]}"; do
                 mla.fast:merge_attn_states mla.fast:cp_lse_ag_out_rs flashmla:mla_decode_paged \
                 flashmla:sparse_mla_decode flashmla:sparse_mla_prefill \
                 vllm-triton:mla_decode_paged vllm-triton:merge_attn_states \
-                vllm-triton:cp_lse_ag_out_rs; do
+                vllm-triton:cp_lse_ag_out_rs mla.fast-batch-invariant:mla_decode_paged \
+                mla.fast-batch-invariant:sparse_mla_decode \
+                flashmla-batch-invariant:mla_decode_paged \
+                flashmla-batch-invariant:sparse_mla_decode $FUZZ_MORE; do
         t=${tk%%:*}; k=${tk#*:}
         props=(); case $k in mla_decode_paged|sparse_mla_decode) props=(--properties all) ;; esac
         timeout $(( ${FUZZ_SECONDS:-300} + 240 )) python -m mla conform --target "$t" \

@@ -242,13 +242,13 @@ def test_decode_fp8_block_padded_cache_is_read_in_place(poisoned_alloc):
     """FlashMLA's ``quantize_k_cache`` form, ``[nb, bs + 1, 656]`` allocated and sliced to
     ``bs``: the kernel reads the rows in place (no copy of the cache), with the same result as
     the contiguous cache; without validation a slot past the cache still gives NaN."""
-    from mla.fast.sparse import _decode_scope
+    from mla.fast.sparse.scope import decode_scope
 
     q, cache, idx = decode_inputs(2, 2, 2, 576, 3, 16, 37, torch.float16, seed=35, fp8=True)
     padded = torch.full((3, 17, 656), 0xFF, dtype=torch.uint8, device=DEVICE)
     padded[:, :16] = cache
     sliced = padded[:, :16]
-    scope, _ = _decode_scope("kv_cache", sliced, idx, None, True)
+    scope, _ = decode_scope("kv_cache", sliced, idx, None, True)
     assert scope.kv.untyped_storage().data_ptr() == padded.untyped_storage().data_ptr()
     out, lse = check_decode(q, sliced, idx, 576 ** -0.5, True)
     out2, lse2 = sparse_mla_decode(q, cache, idx, 576 ** -0.5, True)

@@ -2,6 +2,7 @@
 
     mla.fast          this package's Triton kernels (needs triton; on the CPU, its interpreter),
                       run with their value checks on
+    mla.fast-batch-invariant  its two decodes with batch_invariant=True (no split-KV)
     reference         mla.reference itself (passes every case by construction)
     flashmla          FlashMLA, vLLM's Triton and CUDA kernels, DeepGEMM, FlashInfer: the
     vllm-triton       adapters of mla.conformance.adapters (their peers are imported when a
@@ -10,6 +11,7 @@
     vllm-v4
     deepgemm
     flashinfer
+    flashmla-batch-invariant  FlashMLA's two decodes with enable_batch_invariant=True
     pkg.module        a module whose attributes named like mla.reference's kernels are the kernels
     pkg.module:attr   a mapping or object holding kernels, or one function: the kernel named in
                       ``kernels`` (exactly one), else the kernel its ``__name__`` names
@@ -36,8 +38,12 @@ __all__ = ["TARGETS", "load_target"]
 TARGETS = {
     "mla.fast": "this package's Triton kernels (mla.fast; on the CPU under Triton's "
                 "interpreter), value checks on",
+    "mla.fast-batch-invariant": "mla.fast's mla_decode_paged and sparse_mla_decode with "
+                                "batch_invariant=True (no split-KV), value checks on",
     "reference": "mla.reference, the float64 oracle itself (passes every case)",
     "flashmla": "FlashMLA from vLLM 0.33.0's wheel: dense and sparse decode, sparse prefill",
+    "flashmla-batch-invariant": "FlashMLA's dense and sparse decode with "
+                                "enable_batch_invariant=True (no split-KV)",
     "vllm-triton": "vLLM 0.33.0's Triton MLA decode, merge_attn_states and DCP correction",
     "vllm-topk": "vLLM 0.33.0's CUDA top_k_per_row_prefill (the indexer's top-k over row "
                  "ranges)",
@@ -53,6 +59,7 @@ TARGETS = {
 _ADAPTERS = {"flashmla": "flashmla", "vllm-triton": "vllm_triton", "vllm-topk": "vllm_topk",
              "vllm-cache": "vllm_cache", "vllm-v4": "vllm_v4", "deepgemm": "deepgemm",
              "flashinfer": "flashinfer"}
+_DECODES = ("mla_decode_paged", "sparse_mla_decode")  # what the batch-invariant modes change
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 _EXPECTED = (f"expected one of {sorted(TARGETS)}, a module 'pkg.module' or "
              "'pkg.module:attr'")
@@ -86,6 +93,12 @@ def _named(spec: str) -> object:
         return _import(spec, "mla.reference")
     if spec == "mla.fast":
         return _validating(_import(spec, "mla.fast"))
+    if spec == "mla.fast-batch-invariant":
+        fast = _validating(_import(spec, "mla.fast"))
+        return {k: functools.partial(fast[k], batch_invariant=True) for k in _DECODES}
+    if spec == "flashmla-batch-invariant":
+        adapter = _import(spec, "mla.conformance.adapters.flashmla")
+        return adapter.target(batch_invariant=True)  # type: ignore[attr-defined]
     adapter = _import(spec, f"mla.conformance.adapters.{_ADAPTERS[spec]}")
     return adapter.target()  # type: ignore[attr-defined]
 

@@ -131,6 +131,28 @@ def check_kernel_input(q: torch.Tensor) -> None:
                          f"mla.fast is imported), got {q.device}")
 
 
+def check_out(out: object, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """``out=``, a preallocated output (FlashMLA's): a contiguous tensor of ``shape`` with
+    ``like``'s dtype and device (the kernels write it with the strides of a fresh one)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(f"out must be a {like.dtype} tensor of shape {tuple(shape)} on "
+                         f"{like.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {out.stride()}")
+    return out
+
+
+def check_batch_invariant(batch_invariant: object, num_splits: int | None) -> None:
+    """``batch_invariant`` a bool, and not beside a plan that splits the keys."""
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
+    if batch_invariant and num_splits is not None and num_splits > 1:
+        raise ValueError(f"batch_invariant=True needs a plan with num_splits = 1 (a split "
+                         f"follows the batch), got a plan with num_splits = {num_splits}")
+
+
 def _fix_interpreter_index() -> None:
     """Triton 3.6's interpreter turns a scalar into a 1-element array and calls ``int()`` on it
     in ``range(lo, hi)`` loop bounds, which numpy >= 2.4 refuses ("only 0-dimensional arrays

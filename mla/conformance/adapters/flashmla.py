@@ -38,6 +38,7 @@ convention, which it took from FlashMLA.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -81,8 +82,10 @@ def _pad_topk(indices: torch.Tensor) -> torch.Tensor:
 
 def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                      cache_seqlens: torch.Tensor, softmax_scale: float, causal: bool = False,
-                     head_dim_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense ``flash_mla_with_kvcache`` with ``mla.reference.mla_decode_paged``'s signature."""
+                     head_dim_v: int = 512, *, batch_invariant: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense ``flash_mla_with_kvcache`` with ``mla.reference.mla_decode_paged``'s signature
+    (``batch_invariant``: its ``enable_batch_invariant``, no split-KV)."""
     require_device(DENSE, "cuda", q=q, kv_cache=kv_cache, block_table=block_table,
                    cache_seqlens=cache_seqlens)
     require_dtype(DENSE, (torch.bfloat16, torch.float16), q=q, kv_cache=kv_cache)
@@ -94,7 +97,8 @@ def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     fm = import_peer(INTERFACE, DENSE)
     sched, _ = fm.get_mla_metadata()
     return fm.flash_mla_with_kvcache(q, kv_cache.unsqueeze(2), block_table, cache_seqlens,
-                                     head_dim_v, sched, None, softmax_scale, causal)
+                                     head_dim_v, sched, None, softmax_scale, causal,
+                                     enable_batch_invariant=batch_invariant)
 
 
 def _pad_sink(attn_sink: torch.Tensor | None, heads: int) -> torch.Tensor | None:
@@ -111,11 +115,12 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
                       attn_sink: torch.Tensor | None = None,
                       extra_k_cache: torch.Tensor | None = None,
                       extra_indices_in_kvcache: torch.Tensor | None = None,
-                      extra_topk_length: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      extra_topk_length: torch.Tensor | None = None,
+                      batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse ``flash_mla_with_kvcache`` with ``mla.reference.sparse_mla_decode``'s signature,
-    DeepSeek-V4's keywords included (the MODEL1 cache is passed as the ``[num_blocks, page,
-    1, 584]`` view of its pages, as FlashMLA's ``quantize_k_cache`` returns it)."""
+    DeepSeek-V4's keywords and ``enable_batch_invariant`` (``batch_invariant``) included (the
+    MODEL1 cache is passed as the ``[num_blocks, page, 1, 584]`` view of its pages, as
+    FlashMLA's ``quantize_k_cache`` returns it)."""
     require_device(SPARSE_DECODE, "cuda", q=q, kv_cache=kv_cache, indices=indices,
                    topk_length=topk_length)
     require(is_fp8_kvcache, SPARSE_DECODE, "takes the fp8_ds_mla cache only (its interface "
@@ -147,7 +152,7 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     out, lse = fm.flash_mla_with_kvcache(
         _pad_heads(q, 2, heads), paged(kv_cache), None, None, head_dim_v,
         sched, None, softmax_scale, False, True, _pad_topk(indices), topk_length=topk_length,
-        attn_sink=_pad_sink(attn_sink, heads), **extra)
+        attn_sink=_pad_sink(attn_sink, heads), enable_batch_invariant=batch_invariant, **extra)
     return out[:, :, :N], lse[:, :N]
 
 
@@ -179,7 +184,12 @@ def sparse_mla_prefill(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
     return out[:, :N], max_logits[:, :N], lse[:, :N]
 
 
-def target() -> dict[str, Callable]:
-    """FlashMLA's dense decode, sparse decode and sparse prefill."""
+def target(batch_invariant: bool = False) -> dict[str, Callable]:
+    """FlashMLA's dense decode, sparse decode and sparse prefill; with ``batch_invariant``
+    its two decodes alone, run with ``enable_batch_invariant=True``."""
+    if batch_invariant:
+        return {k: functools.partial(fn, batch_invariant=True) for k, fn in
+                (("mla_decode_paged", mla_decode_paged),
+                 ("sparse_mla_decode", sparse_mla_decode))}
     return {"mla_decode_paged": mla_decode_paged, "sparse_mla_decode": sparse_mla_decode,
             "sparse_mla_prefill": sparse_mla_prefill}

@@ -51,7 +51,9 @@ from mla.fast import sm90
 from mla.fast.common import (
     LOG2E,
     capability,
+    check_batch_invariant,
     check_kernel_input,
+    check_out,
     ensure_allocator,
     interpreting,
     next_pow2,
@@ -94,7 +96,7 @@ class DecodePlan:
 
 def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v: int,
                 max_blocks: int, block_size: int, dtype: torch.dtype,
-                num_sms: int) -> DecodePlan:
+                num_sms: int, *, split_kv: bool = True) -> DecodePlan:
     """The default plan, from shapes alone (benchmarks/notes/decode.md has the measurements).
 
     - ``s_q · N <= 32`` rows (memory-bound, e.g. 16 heads): 16-row programs, 4 warps,
@@ -107,7 +109,9 @@ def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v:
       B = 128 or s_q = 2 at 128 heads) take the seesaw variant of the sm_90 kernel: 478 against
       693 us at B = 128, L = 8192 on the H200 (FlashMLA 505); split plans keep the coupled
       kernel, whose short splits the seesaw variant has not been timed on.
-    Splits keep at least 2 tiles each. The block table's capacity (``max_blocks ·
+    Splits keep at least 2 tiles each; ``split_kv=False``: none, whatever the batch (the
+    batch-invariant plan: a request's keys are then reduced in the same order in any batch). The
+    block table's capacity (``max_blocks ·
     block_size``) stands in for the lengths: those live on the device and reading them would
     cost a sync.
     """
@@ -131,7 +135,7 @@ def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v:
     base = batch * groups
     target = per_sm * num_sms
     splits = 1
-    if base < target:
+    if base < target and split_kv:
         splits = max(1, min(round(target / base), tiles // 2, 128))
         splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at capacity
     seesaw = block_m == 64 and splits == 1 and dtype in (torch.bfloat16, torch.float16)
@@ -383,7 +387,8 @@ _sm90_seesaw: CompiledLauncher | None = None
 
 def _key(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
          cache_seqlens: torch.Tensor, causal: bool, head_dim_v: int,
-         attn_sink: torch.Tensor | None, plan: DecodePlan | None) -> tuple:
+         attn_sink: torch.Tensor | None, plan: DecodePlan | None,
+         batch_invariant: bool) -> tuple:
     """Everything the argument checks and ``_prepare`` read, and every specialization Triton
     gives the kernels' arguments: two calls with equal keys pass the same checks and launch
     the same compiled kernels with the same integer arguments."""
@@ -397,12 +402,14 @@ def _key(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
             block_table.data_ptr() % 16 == 0,
             cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype,
             cache_seqlens.device, cache_seqlens.data_ptr() % 16 == 0,
-            causal, type(causal), head_dim_v, type(head_dim_v), sink, plan)
+            causal, type(causal), head_dim_v, type(head_dim_v), sink, plan,
+            batch_invariant, type(batch_invariant))
 
 
 def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
              cache_seqlens: torch.Tensor, softmax_scale: float, causal: bool, head_dim_v: int,
-             attn_sink: torch.Tensor | None, plan: DecodePlan | None) -> _Launch:
+             attn_sink: torch.Tensor | None, plan: DecodePlan | None,
+             batch_invariant: bool) -> _Launch:
     """The argument checks that read host metadata, then the launch: once per key."""
     check_paged_decode_shapes(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                               head_dim_v)
@@ -415,6 +422,7 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     check_attn_sink(attn_sink, q.shape[2], q.device)
     if plan is not None and not isinstance(plan, DecodePlan):
         raise TypeError(f"plan must be a DecodePlan or None, got {type(plan).__name__}")
+    check_batch_invariant(batch_invariant, None if plan is None else plan.num_splits)
     B, s_q, N, D = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     DV, DR = head_dim_v, D - head_dim_v
@@ -423,7 +431,7 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         return _Launch(out_shape, lse_shape, None)
     if plan is None:
         plan = plan_decode(B, s_q, N, D, DV, block_table.shape[1], block_size, q.dtype,
-                           num_sms(q.device))
+                           num_sms(q.device), split_kv=not batch_invariant)
     rows = s_q * N
     split = plan.num_splits > 1
     grid = (triton.cdiv(rows, plan.block_m), plan.num_splits, B)
@@ -482,6 +490,8 @@ def mla_decode_paged(
     attn_sink: torch.Tensor | None = None,
     validate: bool | None = None,
     plan: DecodePlan | None = None,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MQA of ``q [B, s_q, N, D]`` over the paged latent cache ``kv_cache [nb, bs, D]``.
 
@@ -494,17 +504,21 @@ def mla_decode_paged(
     ``None`` (default): as ``mla.fast.set_validation`` says (off unless turned on), never while
     a CUDA graph is being captured. Unvalidated bad values give NaN for their request.
     ``plan``: launch parameters; default ``plan_decode(...)`` from the shapes.
+    ``batch_invariant``: no split-KV, so a request's result is the same bits alone or in any
+    batch (FlashMLA's ``enable_batch_invariant``); it costs time where a batch is too small to
+    fill the GPU (``benchmarks/notes/decode.md``). ``out``: a preallocated contiguous
+    ``[B, s_q, N, head_dim_v]`` tensor of q's dtype to write and return.
     """
     global _sm90_decode, _sm90_module, _sm90_seesaw
     try:
         key = _key(q, kv_cache, block_table, cache_seqlens, causal, head_dim_v, attn_sink,
-                   plan)
+                   plan, batch_invariant)
         launch = _launches.get(key)
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say why
         key, launch = None, None
     if launch is None:
         launch = _prepare(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal,
-                          head_dim_v, attn_sink, plan)
+                          head_dim_v, attn_sink, plan, batch_invariant)
         if key is not None:
             if len(_launches) >= _MAX_LAUNCHES:  # shape churn: start again, kernels too
                 _launches.clear()
@@ -518,7 +532,8 @@ def mla_decode_paged(
         check_paged_decode_values(kv_cache, block_table, cache_seqlens)
 
     device = q.device
-    out = torch.empty(launch.out_shape, dtype=q.dtype, device=device)
+    out = (torch.empty(launch.out_shape, dtype=q.dtype, device=device) if out is None
+           else check_out(out, launch.out_shape, q))
     lse = torch.empty(launch.lse_shape, dtype=torch.float32, device=device)
     if launch.grid is None:
         return out, lse
@@ -556,7 +571,7 @@ def mla_decode_paged(
             _launches.pop(key, None)
             return mla_decode_paged(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                     causal, head_dim_v, attn_sink=attn_sink, validate=False,
-                                    plan=plan)
+                                    plan=plan, batch_invariant=batch_invariant, out=out)
     else:
         if launch.allocator:
             ensure_allocator()

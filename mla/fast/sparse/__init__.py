@@ -90,7 +90,9 @@ import triton
 from mla.fast import sm90
 from mla.fast.common import (
     LOG2E,
+    check_batch_invariant,
     check_kernel_input,
+    check_out,
     interpreting,
     next_pow2,
     num_sms,
@@ -100,8 +102,15 @@ from mla.fast.launch import CompiledLauncher, check_grid
 from mla.fast.sparse.index import convert_req_index_to_global_index
 from mla.fast.sparse.kernels import DS_MLA, MODEL1, PLAIN, combine_kernel, sparse_kernel
 from mla.fast.sparse.plan import SparsePlan, plan_sparse
-from mla.reference.fp8 import D_NOPE, FP8_DS_MLA_BYTES, ROPE_OFFSET
-from mla.reference.fp8_model1 import FP8_MODEL1_BYTES, fp8_model1_pages
+from mla.fast.sparse.scope import (
+    Scope,
+    View,
+    contiguous_view,
+    decode_scope,
+    plain_scope,
+    unit_stride,
+)
+from mla.reference.fp8 import D_NOPE, ROPE_OFFSET
 from mla.reference.sparse import (
     _check_topk_length_values,
     check_sparse_decode_shapes,
@@ -127,9 +136,6 @@ _TRITON_SLOTS = tuple(range(18))
 _SM90_SLOTS = (_Q, _KV, _IDX, _LEN, _KV2, _IDX2, _LEN2, _SINK, _OUT, _LSE, _MAXL, _OP, _LSEP,
                _MAXP)
 _COMBINE_SLOTS = (_OP, _LSEP, _MAXP, _SINK, _OUT, _LSE, _MAXL)
-
-View = Callable[[torch.Tensor], torch.Tensor]
-
 
 @dataclasses.dataclass(frozen=True)
 class _Launch:
@@ -178,103 +184,9 @@ def _tkey(t: torch.Tensor | None) -> tuple | None:
     return (type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Scope:
-    """One KV scope as the kernels read it: its views per slot (cache, float32 and bfloat16
-    views of the same bytes for the fp8 formats, index rows ``[Q, topk]``, lengths) and the
-    integers of its layout."""
-
-    views: tuple[View, View, View, View, View | None]
-    kv: torch.Tensor  # the cache view, for the route and the layout
-    idx: torch.Tensor
-    has_length: bool
-    n_rows: int
-    stride_row: int = 0  # PLAIN: elements per row
-    page_size: int = 1  # MODEL1: tokens per page
-    page_stride: int = 0  # MODEL1: bytes from one page to the next
-
-
-def _rows(n: int, width: int | None = None) -> View:
-    """``t`` as ``[n, width]`` rows (``width``: t's last dim) with unit column stride."""
-    return lambda t: _unit_stride(t.reshape(n, t.shape[-1] if width is None else width))
-
-
-def _plain_scope(kv: torch.Tensor, indices: torch.Tensor, lens: torch.Tensor | None,
-                 rows: int, queries: int) -> _Scope:
-    """Rows in q's dtype: ``kv`` as ``[rows, D]``, ``indices`` as ``[queries, topk]``."""
-    view, idx_view = _rows(rows), _rows(queries)
-    kv2 = view(kv)
-    return _Scope((view, view, view, idx_view, _contiguous_view), kv2, idx_view(indices),
-                  lens is not None, rows, kv2.stride(0))
-
-
-def _decode_scope(name: str, kv_cache: torch.Tensor, indices: torch.Tensor,
-                  lens: torch.Tensor | None, fp8: bool) -> tuple[_Scope, int]:
-    """A decode cache and its ``indices [B, s_q, topk]`` as a ``_Scope`` and its ``FORMAT``."""
-    nb, bs = kv_cache.shape[:2]
-    n_slots = nb * bs
-    queries = indices.shape[0] * indices.shape[1]
-    if not fp8:
-        return _plain_scope(kv_cache, indices, lens, n_slots, queries), PLAIN
-    idx_view = _rows(queries)
-    if kv_cache.shape[-1] == FP8_MODEL1_BYTES:
-        def pages(t: torch.Tensor) -> torch.Tensor:
-            return fp8_model1_pages(t, name=name)
-        p = pages(kv_cache)
-        if p.data_ptr() % 2 or (nb > 1 and p.stride(0) % 2):
-            raise ValueError(f"{name}'s MODEL1 pages must start at even byte addresses (their "
-                             f"bf16 rope values are read as bf16), got block stride "
-                             f"{p.stride(0)} at address {p.data_ptr()}")
-        views = (pages, pages, lambda t: pages(t).view(torch.bfloat16), idx_view,
-                 _contiguous_view)
-        return _Scope(views, p, idx_view(indices), lens is not None, n_slots, page_size=bs,
-                      page_stride=p.stride(0) if nb > 1 else 0), MODEL1
-
-    padded = _padded_rows(kv_cache, bs)
-    if padded is None:  # rows one after another, or a layout read only through a copy
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return t.view(torch.uint8).reshape(n_slots, FP8_DS_MLA_BYTES).contiguous()
-        n_rows = n_slots
-    else:
-        # block b's rows start ``pitch`` rows apart (FlashMLA's ``[nb, bs + 1, 656]`` sliced to
-        # ``bs``): read the rows in place, slot s at row s + (s // bs)·(pitch − bs)
-        pitch, n_rows = padded
-
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return torch.as_strided(t.view(torch.uint8), (n_rows, FP8_DS_MLA_BYTES),
-                                    (FP8_DS_MLA_BYTES, 1))
-
-        def idx_view(t: torch.Tensor, _flat: View = idx_view) -> torch.Tensor:
-            i = _flat(t)
-            return torch.where(i >= 0, i + torch.div(i, bs, rounding_mode="floor")
-                               * (pitch - bs), i)
-    views = (rows, lambda t: rows(t).view(torch.float32), lambda t: rows(t).view(torch.bfloat16),
-             idx_view, _contiguous_view)
-    return _Scope(views, rows(kv_cache), idx_view(indices), lens is not None, n_rows), DS_MLA
-
-
-def _padded_rows(kv_cache: torch.Tensor, bs: int) -> tuple[int, int] | None:
-    """``(pitch, rows)`` when an ``fp8_ds_mla`` cache's blocks are ``pitch > bs`` whole rows
-    apart (its rows then lie in place as ``rows`` rows of 656 bytes, the last block's padding
-    left out); ``None`` when its rows are contiguous or not in whole rows."""
-    st = kv_cache.stride()
-    nb = kv_cache.shape[0]
-    if (nb < 2 or st[-1] != 1 or st[1] != FP8_DS_MLA_BYTES or st[0] % FP8_DS_MLA_BYTES
-            or (kv_cache.dim() == 4 and kv_cache.shape[2] != 1)):
-        return None
-    pitch = st[0] // FP8_DS_MLA_BYTES
-    if pitch <= bs:
-        return None
-    return pitch, (nb - 1) * pitch + bs
-
-
-def _contiguous_view(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous()
-
-
-def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: int,
+def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int,
              has_maxl: bool, dv: int, plan: SparsePlan | None,
-             out_shapes: tuple[tuple[int, ...], ...]) -> _Launch:
+             out_shapes: tuple[tuple[int, ...], ...], split: bool = True) -> _Launch:
     """The launch of checked arguments: ``q_view(q)`` ``[Q, N, D]`` over one or two scopes into
     ``out [Q, N, dv]``, lse (decode ``[B, N, s_q]``, ``S = s_q``; prefill ``[s_q, N]``,
     ``S = 1``) and, with ``has_maxl`` (prefill), ``max_logits [Q, N]``. Decode (no max
@@ -287,7 +199,7 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
     topk, topk2 = first.idx.shape[1], extra.idx.shape[1] if has_extra else 0
     if plan is None:
         plan = plan_sparse(Q, N, topk + topk2, q.dtype, fmt != PLAIN, num_sms(q.device),
-                           model1=fmt == MODEL1)
+                           model1=fmt == MODEL1, split=split)
     # the input slots: q, the first scope's views (sources 1-3), the second's (4-6), the sink
     jit: list[tuple[int, View] | None] = [(0, q_view)]
     for base, sc, present in ((1, first, True), (4, extra, has_extra)):
@@ -296,7 +208,7 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
         jit.append((base + 2, len_v) if sc.has_length else None)
         if not present:
             jit[-5:] = [None] * 5
-    jit.append((7, _contiguous_view) if sources[7] is not None else None)
+    jit.append((7, contiguous_view) if sources[7] is not None else None)
     direct = tuple(None if e is None else
                    (e[0], None if e[1](sources[e[0]]).data_ptr() == sources[e[0]].data_ptr()
                     else e[1])
@@ -330,7 +242,7 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
     sm90_route = _sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None)
     ws = fmt == MODEL1 and plan.model1_kernel == "warp_specialized"
     if sm90_route:
-        def layout(sc: _Scope) -> tuple[int, int]:  # (row or page stride, page size)
+        def layout(sc: Scope) -> tuple[int, int]:  # (row or page stride, page size)
             return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
         ints = (q.stride(0), q.stride(1), first.idx.stride(0), *layout(first),
                 extra.idx.stride(0), *layout(extra), *out_s, *lse_s, *m_s,
@@ -373,12 +285,15 @@ def _prepare(q_view: View, sources: tuple, scopes: list[_Scope], fmt: int, S: in
 
 
 def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
-         prepare: Callable[[], _Launch]) -> tuple[torch.Tensor, ...]:
-    """Allocate the outputs and launch: directly (kept compiled kernels, the sources in place
-    of their views) when possible, else through the JIT with the typed views."""
+         prepare: Callable[[], _Launch], out: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, ...]:
+    """Allocate the outputs (``out``: the caller's, checked) and launch: directly (kept
+    compiled kernels, the sources in place of their views) when possible, else through the JIT
+    with the typed views."""
     global _sm90_sparse, _sm90_ws
     q = sources[0]
-    outs = [torch.empty(launch.out_shapes[0], dtype=q.dtype, device=q.device)]
+    outs = [torch.empty(launch.out_shapes[0], dtype=q.dtype, device=q.device) if out is None
+            else check_out(out, launch.out_shapes[0], q)]
     outs += [torch.empty(s, dtype=torch.float32, device=q.device) for s in launch.out_shapes[1:]]
     if launch.grid is None:
         return tuple(outs)
@@ -427,7 +342,7 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
             launch = prepare()
             if key is not None:
                 _launches[key] = launch
-            return _run(key, launch, sources, sm_scale, prepare)
+            return _run(key, launch, sources, sm_scale, prepare, out)
     else:
         launcher(key, launch.grid, args, **launch.options)
     if launch.combine_args:
@@ -494,10 +409,6 @@ def _sm90_route(plan: SparsePlan, q: torch.Tensor, kv: torch.Tensor, dv: int, fm
                for c in caches)
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _key(kind: str, sources: tuple, *scalars: object) -> tuple | None:
     """The cache key of a call (None when an argument is not what the checks accept: the slow
     path's checks then say why): every tensor's ``_tkey``, the scalars with their types."""
@@ -522,6 +433,8 @@ def sparse_mla_decode(
     extra_topk_length: torch.Tensor | None = None,
     validate: bool | None = None,
     plan: SparsePlan | None = None,
+    batch_invariant: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse decode of ``q [B, s_q, N, D]`` over the paged cache, rows named by
     ``indices [B, s_q, topk]`` (global slots ``block · block_size + offset``, ``-1`` for none).
@@ -539,6 +452,10 @@ def sparse_mla_decode(
     ``validate``: check ``indices`` and ``topk_length`` ranges on the host (a sync); without
     the checks a query whose length lies outside ``[0, topk]`` or that uses an entry outside
     ``[-1, slots)`` gets NaN ``out`` and ``lse``. ``plan``: default ``plan_sparse(...)``.
+    ``batch_invariant``: no split of the top-k lists, so a query's result is the same bits
+    alone or in any batch (FlashMLA's ``enable_batch_invariant``); it costs time where the
+    batch is too small to fill the GPU. ``out``: a preallocated contiguous
+    ``[B, s_q, N, head_dim_v]`` tensor of q's dtype to write and return.
     """
     extras = dict(extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
                   extra_topk_length=extra_topk_length)
@@ -551,25 +468,26 @@ def sparse_mla_decode(
                                    fp8_layouts=("fp8_ds_mla", "MODEL1"), **extras)
         check_kernel_input(q)
         _check_plan(plan)
+        check_batch_invariant(batch_invariant, None if plan is None else plan.num_splits)
         B, s_q, N, D = q.shape
         shapes = ((B, s_q, N, head_dim_v), (B, N, s_q))
         if B * s_q * N * head_dim_v == 0:
             return _Launch(shapes)
-        first, fmt = _decode_scope("kv_cache", kv_cache, indices, topk_length, is_fp8_kvcache)
+        first, fmt = decode_scope("kv_cache", kv_cache, indices, topk_length, is_fp8_kvcache)
         scopes = [first]
         if extra_k_cache is not None:
             assert extra_indices_in_kvcache is not None
-            scopes.append(_decode_scope("extra_k_cache", extra_k_cache,
+            scopes.append(decode_scope("extra_k_cache", extra_k_cache,
                                         extra_indices_in_kvcache, extra_topk_length,
                                         is_fp8_kvcache)[0])
-        return _prepare(lambda t: _unit_stride(t.reshape(B * s_q, N, D)), sources, scopes, fmt,
-                        s_q, False, head_dim_v, plan, shapes)
+        return _prepare(lambda t: unit_stride(t.reshape(B * s_q, N, D)), sources, scopes, fmt,
+                        s_q, False, head_dim_v, plan, shapes, split=not batch_invariant)
 
-    key, launch = _cached(_key("decode", sources, is_fp8_kvcache, head_dim_v, plan), prepare,
-                          "softmax_scale", softmax_scale)
+    key, launch = _cached(_key("decode", sources, is_fp8_kvcache, head_dim_v, plan,
+                               batch_invariant), prepare, "softmax_scale", softmax_scale)
     if should_validate(validate, q):
         check_sparse_decode_values(kv_cache, indices, topk_length, **extras)
-    out, lse = _run(key, launch, sources, softmax_scale, prepare)
+    out, lse = _run(key, launch, sources, softmax_scale, prepare, out)
     return out, lse
 
 
@@ -606,8 +524,8 @@ def sparse_mla_prefill(
         shapes = ((s_q, h_q, d_v), (s_q, h_q), (s_q, h_q))
         if s_q * h_q * d_v == 0:
             return _Launch(shapes)
-        scope = _plain_scope(kv, indices, topk_length, kv.shape[0], s_q)
-        return _prepare(_unit_stride, sources, [scope], PLAIN, 1, True, d_v, plan, shapes)
+        scope = plain_scope(kv, indices, topk_length, kv.shape[0], s_q)
+        return _prepare(unit_stride, sources, [scope], PLAIN, 1, True, d_v, plan, shapes)
 
     key, launch = _cached(_key("prefill", sources, d_v, plan), prepare, "sm_scale", sm_scale)
     if should_validate(validate, q):

@@ -45,7 +45,7 @@ class SparsePlan:
 
 
 def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,
-                num_sms: int, *, model1: bool = False) -> SparsePlan:
+                num_sms: int, *, model1: bool = False, split: bool = True) -> SparsePlan:
     """The default plan from shapes: ``queries`` is ``B · s_q`` (decode) or ``s_q`` (prefill).
 
     - Heads: one program holds ``min(64, N)`` heads (rounded up to a power of two, at least
@@ -66,7 +66,7 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
       stage, for a plan that names the coupled kernel (its single staging buffer, measured
       faster than two).
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
-      least two tiles of ``topk``.
+      least two tiles of ``topk``; never with ``split=False`` (the batch-invariant plan).
     """
     block_m = min(64, max(16, next_pow2(num_heads)))
     if model1 and block_m < 64:
@@ -89,7 +89,7 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
     base = max(1, queries * groups)
     target = per_sm * num_sms
     splits = 1
-    if base < target:
+    if base < target and split:
         splits = max(1, min(round(target / base), tiles // 2, 64))
         splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at full topk
     return SparsePlan(block_m=block_m, block_n=block_n, num_splits=splits,
