@@ -38,7 +38,9 @@ history, fed the fast path's top-k (so that both attend the same keys):
 marked): the fast path, and the same step with its attention and indexer (logits, top-k) and
 front (q norm, rope, window key store) replaced by the reference's torch functions on CUDA
 (``mla.reference.sparse.sparse_mla_decode``, ``fp8_paged_mqa_logits``, ``top_k_per_row``,
-``write_fp8_model1``); the projections and the compressor are shared. Each shape in
+``write_fp8_model1``); the projections and the compressor are shared. And the same step on
+vLLM 0.33's own V4 kernels where they load here (``vllm_composition``: FlashMLA's MODEL1
+decode, vLLM's Triton indexer query, DeepGEMM's logits, vLLM's top-k). Each shape in
 try/except. Writes ``DIR/v4_layer_<date>.json`` and ``.md``.
 """
 
@@ -242,6 +244,63 @@ def torch_composition():
             setattr(layer, n, f)
 
 
+@contextmanager
+def vllm_composition():
+    """The fast step with its attention, indexer query and indexer (logits, top-k) replaced by
+    the kernels vLLM 0.33 serves DeepSeek-V4 with, through the conformance adapters (the same
+    contracts): FlashMLA's MODEL1 sparse decode (its sm_90 kernel takes no ``topk_length``, so
+    the entries past a length become ``-1``, as vLLM passes them there), vLLM's Triton
+    ``fused_indexer_q_rope_quant_kernel``, DeepGEMM's paged logits and vLLM's
+    ``persistent_topk``. The projections, the compressor and the front stay the fast path's:
+    vLLM's compressor keeps its state in a paged cache this step does not keep, and its front
+    (``fused_qnorm_rope_kv_insert``) is in vLLM's main CUDA library, which the wheel's pieces
+    run here do not load."""
+    import mla.fast.v4.layer as layer
+    from mla.conformance.adapters import deepgemm, flashmla, vllm_topk, vllm_v4
+    saved = {n: getattr(layer, n) for n in ("sparse_mla_decode", "v4_indexer_topk_paged",
+                                            "v4_indexer_q_prep")}
+
+    def masked(idx: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
+        if length is None:
+            return idx
+        cols = torch.arange(idx.shape[-1], device=idx.device)
+        return torch.where(cols < length.view(-1, *[1] * (idx.dim() - 1)), idx, -1)
+
+    def decode(q, kv, idx, scale, fp8, length=None, dv=512, *, validate=None, plan=None,  # noqa
+               extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None,
+               **k):
+        extra = {}
+        if extra_k_cache is not None:
+            extra = dict(extra_k_cache=extra_k_cache,
+                         extra_indices_in_kvcache=masked(extra_indices_in_kvcache,
+                                                         extra_topk_length))
+        return flashmla.sparse_mla_decode(q, kv, masked(idx, length), scale, fp8, None, dv,
+                                          **extra, **k)
+
+    def q_prep(q, w, positions, cos_sin):  # noqa: ANN001, ANN202
+        codes, wq = vllm_v4.v4_indexer_q(q, w, positions, cos_sin, q.shape[-1] ** -0.5,
+                                         q.shape[1] ** -0.5)
+        return codes.view(torch.float8_e4m3fn), wq
+
+    def topk(codes, weights, k_cache, tables, visible, max_entries, n, *, fill=False,  # noqa
+             validate=None):
+        if fill:
+            return saved["v4_indexer_topk_paged"](codes, weights, k_cache, tables, visible,
+                                                  max_entries, n, fill=True)
+        logits = deepgemm.fp8_paged_mqa_logits(codes[:, None], k_cache, weights, visible,
+                                               tables, max_entries)
+        return vllm_topk.persistent_top_k_per_row(logits, torch.zeros_like(visible), visible,
+                                                  n)
+
+    layer.sparse_mla_decode, layer.v4_indexer_topk_paged = decode, topk
+    layer.v4_indexer_q_prep = q_prep
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(layer, n, f)
+
+
 @functools.lru_cache(maxsize=2)
 def _weights(ratio: int):  # noqa: ANN202
     from mla.reference.v4 import V4LayerWeights, get_v4_config
@@ -267,7 +326,7 @@ def time_step(ratio: int, B: int, L: int) -> dict:
         v4_layer_step(x, fc, path="decode")
 
     out: dict = {"ratio": ratio, "B": B, "L": L}
-    for name, ctx in (("fast", None), ("torch", torch_composition)):
+    for name, ctx in (("fast", None), ("torch", torch_composition), ("vllm", vllm_composition)):
         try:
             if ctx is None:
                 out[f"{name}_ms"], out[f"{name}_graph"] = _time(step)
@@ -305,11 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.v4_layer", description=main.__doc__)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--quick", action="store_true", help="one ragged batch, B <= 32, L = 8K")
+    p.add_argument("--timing-only", action="store_true", help="no stage checks")
     a = p.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
     res = {"environment": environment(), "ceilings": ceilings(), "checks": [], "timings": []}
     batches = [[2305, 700, 1]] if a.quick else [[2305, 700, 1], [130, 4, 3, 129]]
-    for ratio in RATIOS:
+    for ratio in () if a.timing_only else RATIOS:
         for lens in batches:
             try:
                 res["checks"].append(check_kind(ratio, lens, a.quick))
@@ -342,15 +402,16 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {ck['ratio']} | {ck['lens']} | {s['path']} {s['new'][0]} | "
                          f"{s['passed']} | {worst} |")
     lines += ["", "## Decode step (s_q = 1), ms", "",
-              "| ratio | B | L | fast | graph | torch composition | graph |",
-              "|---|---|---|---|---|---|---|"]
+              "| ratio | B | L | fast | graph | torch composition | graph | vLLM's kernels | "
+              "graph |", "|---|---|---|---|---|---|---|---|---|"]
     for t in res["timings"]:
         def cell(k: str, t: dict = t) -> str:
             return (f"{t[k + '_ms']:.3f}" if k + "_ms" in t
                     else t.get(k + "_error", t.get("error", "?"))[:60])
         lines.append(f"| {t['ratio']} | {t['B']} | {t['L']} | {cell('fast')} | "
                      f"{t.get('fast_graph', '-')} | {cell('torch')} | "
-                     f"{t.get('torch_graph', '-')} |")
+                     f"{t.get('torch_graph', '-')} | {cell('vllm')} | "
+                     f"{t.get('vllm_graph', '-')} |")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     log(f"wrote {stem}.json and .md")
