@@ -6,7 +6,8 @@ examples and shrunk to a spec of one request, one head; the diagnosis names the 
 the snippet rebuilds the inputs and reproduces the failure; the example database replays the
 failure first on the next run. The reference passes; inputs an adapter refuses are skipped.
 Under Triton's interpreter, a short fuzz of each of ``mla.fast``'s fuzzed kernels passes, and
-each of their 1% twins (the GPU check's: one output scaled by 1.01) is found and shrunk.
+each of the attention kernels' 1% twins (the GPU check's: one output scaled by 1.01) is found
+and shrunk (the indexer's twins: ``test_fuzz_indexer.py``).
 """
 
 from __future__ import annotations
@@ -165,7 +166,10 @@ def test_mla_fast_merge_passes_and_its_one_percent_twin_is_found(db):
 
 # ---- mla.fast under the interpreter: it passes, and each of its 1% twins is found --------------
 
-FAST_TWINS = [(kernel, label) for kernel in FUZZED
+# the attention kernels' outputs (the indexer's twins: test_fuzz_indexer.py)
+ATTENTION = ("mla_decode_paged", "sparse_mla_decode", "sparse_mla_prefill", "merge_attn_states",
+             "cp_lse_ag_out_rs")
+FAST_TWINS = [(kernel, label) for kernel in ATTENTION
               for label in ("out", "lse", "max_logits")
               if not (kernel == "cp_lse_ag_out_rs" and label != "out")
               and not (label == "max_logits" and kernel != "sparse_mla_prefill")]

@@ -3,7 +3,10 @@
 ``fuzz(target, kernel)`` draws specs of the kernel's case family (``fuzz_strategies``: batch,
 odd head counts, page sizes 1 to 256, ragged lengths with 0, 1 and page edges, ``s_q`` and
 ``causal``, top-k widths, invalid indices anywhere, ``topk_length``, both KV scopes and sinks,
-NaN in unused rows, sharp and flat softmaxes, lse near ±1000, empty merge sides and ranks) and
+NaN in unused rows, sharp and flat softmaxes, lse near ±1000, empty merge sides and ranks; for
+the indexer, ``top_k_per_row`` rows of 0, 1, k - 1, k, k + 1 keys with ties, NaN and ±inf,
+ragged ``fp8_mqa_logits`` windows with empty ones and ones of 1, unseen NaN keys, far
+magnitudes, and ``fp8_paged_mqa_logits`` over pages 1 to 256 with ``next_n`` 1 to 4) and
 a seed; the family's trial builds the inputs, runs the float64 reference and holds the
 kernel's outputs to the catalogue's budgets, and a failure is diagnosed as a case's is
 (``diagnose.explain`` names the convention). Hypothesis shrinks a failure to a minimal spec,

@@ -1,6 +1,7 @@
 """What ``mla.conformance.fuzz`` draws: per kernel, a hypothesis strategy over the fields of
 its case family's parameter dataclass (``DecodeSpec``, ``SparseDecodeSpec``,
-``SparsePrefillSpec``, ``MergeSpec``, ``DcpSpec``) and a seed.
+``SparsePrefillSpec``, ``MergeSpec``, ``DcpSpec``; the indexer's ``TopkSpec``, ``RaggedSpec``
+and ``LogitsSpec``) and a seed.
 
 An ``Example`` names the family's trial builder, those parameters, the seed and the dtype; the
 trial builds the inputs from the seed, runs the float64 reference and holds the outputs to the
@@ -14,6 +15,18 @@ sides and ranks (``±inf`` lse with NaN outputs), a side whose weight underflows
 simplest value (one request, one head, the first choice listed), so a failure shrinks to the
 few parameters that matter. Widths stay at 64 or more, where a relative Frobenius error
 averages the output's roundings as the budgets assume, and logits at the catalogue's sizes.
+
+The indexer's: ``top_k_per_row`` rows of 0, 1, ``k - 1``, ``k``, ``k + 1`` keys and any
+length (up to 128K keys on a GPU, past 8192 under the interpreter), ``k`` from 1 to 2048 (512
+and 2048 among them), rows from column 0 or past it with NaN outside every range, ties down to
+a handful of values and rows of ``±0``, NaN / ``±inf`` / signed zeros at the ``k``-th place,
+rows mostly ``-inf``, magnitudes near ``2^-90`` and ``2^100``, many rows; ``fp8_mqa_logits``
+requests of 0, 1, tile edges and any length, windows whole or cut to their last 1, 2, 64 or
+65 keys, empty windows, NaN keys (code and scale) that no query sees, a NaN code inside the
+windows, key scales over ``2^±12``, weights times ``2^-80`` or ``2^100``, 1 to 128 heads,
+compressed rows, and up to a few thousand queries on a GPU; ``fp8_paged_mqa_logits`` pages
+1 to 256, lengths 0, 1 and page edges, ``next_n`` 1 to 4, odd head counts, unused block-table
+entries a NaN page or ``-1``, a NaN code within the lengths.
 """
 
 from __future__ import annotations
@@ -29,6 +42,8 @@ from hypothesis import strategies as st
 from mla.conformance.cases.common import DEEPSEEK_SCALE, DEFAULT_SCALE, YARN_SCALE
 from mla.conformance.cases.dcp import DcpSpec
 from mla.conformance.cases.decode import DecodeSpec
+from mla.conformance.cases.indexer import LogitsSpec
+from mla.conformance.cases.indexer_specs import RaggedSpec, TopkSpec
 from mla.conformance.cases.merge import MergeSpec
 from mla.conformance.cases.sparse_decode import SparseDecodeSpec
 from mla.conformance.cases.sparse_prefill import INT_MAX, INT_MIN, SparsePrefillSpec
@@ -219,12 +234,90 @@ def _dcp(draw: st.DrawFn, small: bool) -> tuple[str, Any, dict]:
     return "mla.conformance.cases.dcp:dcp_trial", spec, {}
 
 
+# ---- top_k_per_row --------------------------------------------------------------------------
+
+@st.composite
+def _topk(draw: st.DrawFn, small: bool) -> tuple[str, Any, dict]:
+    """Rows of 0, 1, k - 1, k, k + 1 keys and any length (to 128K on a GPU), from column 0 or
+    past it, NaN past each row's end; ties down to a handful of values, NaN / ±inf / signed
+    zeros at the k-th place, rows mostly -inf, magnitudes near 2^-90 and 2^100; many rows."""
+    k = draw(_pick(1, 2, 7, 64, 512, 2048) | st.integers(1, 2048))
+    cap = 5000 if small else 131072
+    edge = _pick(1, 0, k - 1, k, k + 1, 2 * k + 1)
+    long = _pick(8193) if small else _pick(131072, 8193, 32769, 65537, 100003)
+    lens = draw(st.lists(edge | st.integers(0, cap) | long, min_size=1,
+                         max_size=4 if small else 6))
+    start = draw(_pick(0, 90, 1) if small else _pick(0, 90, 1, 100000))
+    pad = draw(_pick(5, 0, 1, 97))
+    repeat = draw(_pick(1, 2) if small else _pick(1, 2, 33, 300))
+    # at most 2^24 logits a trial (the reference sorts them on the CPU)
+    repeat = max(1, min(repeat, 2 ** 24 // (len(lens) * (max(lens) + start + pad + 1))))
+    specials = draw(st.booleans())
+    spec = TopkSpec(tuple(lens), topk=k, start=start, pad=pad, repeat=repeat,
+                    ties=draw(_pick(0.0, 40.0, 1.0, 0.1)), specials=specials,
+                    neg_inf_every=draw(_pick(20, 2, 1)) if specials else 20,
+                    exponent=draw(_pick(0, -90, 100)))
+    return "mla.conformance.cases.indexer_specs:topk_spec_trial", spec, {}
+
+
+# ---- fp8_mqa_logits and fp8_paged_mqa_logits ------------------------------------------------
+
+def _index_heads(small: bool) -> st.SearchStrategy[int]:
+    return _pick(1, 3, 5, 16, 33, 64) if small else _pick(1, 3, 5, 16, 33, 64, 127, 128)
+
+
+@st.composite
+def _ragged(draw: st.DrawFn, small: bool) -> tuple[str, Any, dict]:
+    """Requests of 0, 1, tile edges and any length, their last queries' windows whole or cut
+    to the last few keys (windows of 1), empty windows, unseen NaN keys between requests, a
+    NaN code within the windows, key scales over 2^±12, weights times 2^-80 or 2^100, odd
+    head counts, compressed rows; a few thousand queries on a GPU."""
+    cap = 300 if small else 4133
+    edge = _pick(1, 0, 2, 63, 64, 65, 127, 129)
+    lens = draw(st.lists(edge | st.integers(0, cap), min_size=1, max_size=3 if small else 5)
+                .filter(any))
+    heads = draw(_index_heads(small))
+    queries = draw(_pick(8, 1, 2, 16, 65) if small else _pick(8, 1, 2, 16, 65, 257, 2048, 4096))
+    gap = draw(_pick(0, 1, 5, 64))
+    # at most 2^27 query-head-key triples (the float64 reference's dots on the CPU)
+    keys = sum(lens) + gap * len(lens)
+    queries = max(1, min(queries, 2 ** 27 // (heads * keys * len(lens))))
+    n_queries = sum(min(n, queries) for n in lens)
+    empty = draw(st.lists(st.integers(0, n_queries - 1), unique=True,
+                          max_size=min(n_queries, 4)))
+    spec = RaggedSpec(
+        tuple(lens), queries=queries, heads=heads, window=draw(_pick(0, 1, 2, 64, 65)),
+        empty=tuple(sorted(empty)), gap=gap, nan_key=draw(st.booleans()),
+        spread=draw(_pick(4, 0, 12)), exponent=draw(_pick(0, -80, 100)),
+        compressed=draw(st.none() | _pick(5, 0, 1, 64)))
+    return "mla.conformance.cases.indexer_specs:ragged_spec_trial", spec, {}
+
+
+@st.composite
+def _paged_logits(draw: st.DrawFn, small: bool) -> tuple[str, Any, dict]:
+    """Decode rows over the paged key cache: pages 1 to 256, lengths 0, 1 and page edges
+    (to 33K on a GPU), next_n 1 to 4 (rows seeing no key), odd head counts, unused
+    block-table entries a NaN page or -1, a NaN code in a key."""
+    page = draw(_page(small))
+    cap = 300 if small else 33000
+    edge = _pick(1, 0, page - 1 if page > 1 else 2, page, page + 1, 2 * page + 1)
+    lens = draw(st.lists(edge.map(lambda n: min(n, cap)) | st.integers(0, cap),
+                         min_size=1, max_size=4))
+    spec = LogitsSpec(tuple(lens), next_n=draw(st.integers(1, 4)), page=page,
+                      heads=draw(_index_heads(small)), unused_entry=draw(_pick("nan_page", "-1")),
+                      nan_key=lens[0] > 0 and draw(st.booleans()))
+    return "mla.conformance.cases.indexer:paged_trial", spec, {}
+
+
 STRATEGIES: dict[str, Callable[[bool], st.SearchStrategy]] = {
     "mla_decode_paged": _decode,
     "sparse_mla_decode": _sparse_decode,
     "sparse_mla_prefill": _sparse_prefill,
     "merge_attn_states": _merge,
     "cp_lse_ag_out_rs": _dcp,
+    "top_k_per_row": _topk,
+    "fp8_mqa_logits": _ragged,
+    "fp8_paged_mqa_logits": _paged_logits,
 }
 FUZZED = tuple(STRATEGIES)
 

@@ -99,7 +99,8 @@ from mla.reference.paged_cache import make_block_table
 
 __all__ = ["logits_budget_of", "logits_limit", "TOPK", "INVERTED_SCALE", "TOKEN_ROWS",
            "SCALE_IGNORED", "NO_RELU", "NO_WEIGHTS", "CAUSAL_SHORT", "CAUSAL_IGNORED", "TIES_HIGH",
-           "TIES_OTHER", "NAN_LOW", "NEG_ZERO_LOW", "NAN_ZERO", "FULL_ROWS"]
+           "TIES_OTHER", "NAN_LOW", "NEG_ZERO_LOW", "NAN_ZERO", "FULL_ROWS", "LogitsSpec",
+           "paged_trial", "ragged_judged", "topk_judged"]
 
 TOPK = 2048
 HEADS = 64  # DeepSeek-V3.2's index_n_heads
@@ -344,11 +345,20 @@ def ragged_trial(setting: Setting, lens: tuple[int, ...], queries: int, salt: in
         first += n
     ks_t, ke_t = torch.tensor(ks, dtype=torch.int32), torch.tensor(ke, dtype=torch.int32)
     q8, w = _fp8_q(g, len(ks), HEADS)
+    return ragged_judged(setting, q8, w, codes, scale, ks_t, ke_t, nan_key, compressed)
+
+
+def ragged_judged(setting: Setting, q8: torch.Tensor, w: torch.Tensor, codes: torch.Tensor,
+                  scale: torch.Tensor, ks_t: torch.Tensor, ke_t: torch.Tensor,
+                  nan_key: bool = False, compressed: int | None = None) -> Trial:
+    """The trial of ``fp8_mqa_logits`` on ``q8 [S, H, 128]``, ``w [S, H]``, the keys' codes
+    (uint8) and scales, query ``t`` seeing ``[ks_t[t], ke_t[t])`` (``ragged_trial``'s
+    arguments; ``nan_key``: a key holds a NaN code, its logits' alternative 0)."""
     codes8 = codes.view(torch.float8_e4m3fn)
     dev = setting.device
     args = (q8.to(dev), (codes8.to(dev), scale.to(dev)), w.to(dev), ks_t.to(dev), ke_t.to(dev))
-    width = {} if compressed is None else \
-        {"max_seqlen_k": int((ke_t - ks_t).max()) + compressed}
+    span = int((ke_t - ks_t).max()) if len(ks_t) else 0
+    width = {} if compressed is None else {"max_seqlen_k": max(span + compressed, 1)}
 
     def invoke(fn: Callable) -> Outputs:
         if width and not takes_keyword(fn, "max_seqlen_k"):
@@ -359,8 +369,8 @@ def ragged_trial(setting: Setting, lens: tuple[int, ...], queries: int, salt: in
         return compressed_rows(full, ks_t, ke_t, width["max_seqlen_k"]) if width else full
 
     def variant(shift: int = 0, **kw: bool) -> Outputs:
-        return {"logits": rows(_variant(q8, w, codes, scale, ke_t.long() + shift, first,
-                                        starts=ks_t.long(), **kw))}
+        return {"logits": rows(_variant(q8, w, codes, scale, ke_t.long() + shift,
+                                        codes.shape[0], starts=ks_t.long(), **kw))}
 
     alts = {SCALE_IGNORED: lambda: variant(k_scale=False), NO_RELU: lambda: variant(relu=False),
             NO_WEIGHTS: lambda: variant(weights=False), CAUSAL_SHORT: lambda: variant(shift=-1)}
@@ -372,7 +382,7 @@ def ragged_trial(setting: Setting, lens: tuple[int, ...], queries: int, salt: in
     expected = fp8_mqa_logits(q8, (codes8, scale), w.double(), ks_t, ke_t, **width)
     mag = fp8_mqa_logits(q8, (codes8, scale), w.double().abs(), ks_t, ke_t, **width)
     return Trial(invoke, {"logits": expected}, {"logits": "logits_rel"}, alts,
-                 limits={"logits": logits_limit(HEADS, dev, expected, mag)})
+                 limits={"logits": logits_limit(q8.shape[1], dev, expected, mag)})
 
 
 # ---- top_k_per_row -----------------------------------------------------------------------------
@@ -407,24 +417,30 @@ def _picks_the_same_values(got: object, want: torch.Tensor, logits: torch.Tensor
     return True
 
 
-def _specials(logits: torch.Tensor, ends: tuple[int, ...], g: torch.Generator
+def _specials(logits: torch.Tensor, ends: tuple[int, ...], g: torch.Generator,
+              topk: int = TOPK, starts: torch.Tensor | None = None, neg_inf_every: int = 20
               ) -> torch.Tensor:
-    """Rows (from column 0 to ``ends``) whose ``TOPK``-th place falls among zeros of both
-    signs: each row's values shifted to put it at 0, rounded to multiples of 1/40, the zeros
-    given random signs; then NaN at 4 columns, ``+inf`` at 3 and ``-inf`` at 5% of them."""
+    """Rows (from ``starts``, default column 0, ``ends`` long) whose ``topk``-th place falls
+    among zeros of both signs: each row's values shifted to put it at 0, rounded to multiples
+    of 1/40, the zeros given random signs; then NaN at 4 columns, ``+inf`` at 3 (fewer in
+    rows shorter than 14) and ``-inf`` at one column in ``neg_inf_every``."""
     out = logits.clone()
     for r, n in enumerate(ends):
+        at = 0 if starts is None else int(starts[r])
+        nan = min(4, n // 2)
+        inf = min(3, (n - nan) // 2)
         cols = torch.randperm(n, generator=g)
-        plain = cols[7 + n // 20:]  # the numbers: the TOPK - 7 th of them is the boundary
-        row = logits[r, :n]
-        q = row[plain].sort(descending=True).values[min(TOPK - 7, plain.numel()) - 1]
+        plain = cols[nan + inf + n // neg_inf_every:]  # the topk - nan - inf th is the boundary
+        row = logits[r, at:at + n]
+        q = (row[plain].sort(descending=True).values[
+            max(min(topk - nan - inf, plain.numel()), 1) - 1] if plain.numel() else 0.0)
         v = ((row - q) * 40).round() / 40
         sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
         v = torch.where(v == 0, torch.copysign(torch.zeros(()), sign), v)
-        v[cols[:4]] = float("nan")
-        v[cols[4:7]] = float("inf")
-        v[cols[7:7 + n // 20]] = float("-inf")
-        out[r, :n] = v
+        v[cols[:nan]] = float("nan")
+        v[cols[nan:nan + inf]] = float("inf")
+        v[cols[nan + inf:nan + inf + n // neg_inf_every]] = float("-inf")
+        out[r, at:at + n] = v
     return out
 
 
@@ -435,18 +451,29 @@ def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: b
     R = len(ends)
     starts = (torch.randint(0, 90, (R,), generator=g) if offsets
               else torch.zeros(R, dtype=torch.int64))
-    stop = starts + torch.tensor(ends)
     logits = torch.randn(R, width, generator=g)
     if ties:  # a few hundred distinct values: the 2048th place sits inside a run of equals
         logits = (logits * 40).round() / 40
     if specials:  # (rows from column 0)
         logits = _specials(logits, ends, g)
+    return topk_judged(setting, logits, starts, starts + torch.tensor(ends), TOPK,
+                       nan_low=specials, neg_zero_low=specials, absolute=offsets)
+
+
+def topk_judged(setting: Setting, logits: torch.Tensor, starts: torch.Tensor,
+                stop: torch.Tensor, topk: int, *, nan_low: bool = False,
+                neg_zero_low: bool = False, absolute: bool = False) -> Trial:
+    """The trial of ``top_k_per_row`` on float32 ``logits [R, W]`` over the ranges ``[starts,
+    stop)`` (int64), NaN written outside them; beside the tie rules, the alternatives
+    ``nan_low`` (NaN below every number), ``neg_zero_low`` (``-0`` below ``+0``) and
+    ``absolute`` (indices as columns, not from the row's start)."""
+    width = logits.shape[1]
     cols = torch.arange(width)[None, :]
     logits = logits.masked_fill((cols < starts[:, None]) | (cols >= stop[:, None]),
                                 float("nan"))
     st, en = starts.to(torch.int32), stop.to(torch.int32)
     dev = setting.device
-    args = (logits.to(dev), st.to(dev), en.to(dev), TOPK)
+    args = (logits.to(dev), st.to(dev), en.to(dev), topk)
 
     seen: dict[str, torch.Tensor] = {}
 
@@ -463,23 +490,24 @@ def topk_trial(setting: Setting, ends: tuple[int, ...], salt: int, *, offsets: b
         return {"indices": torch.full_like(as_sets(want), -2)}
 
     def high_ties() -> Outputs:
-        flipped = top_k_per_row(logits.flip(1), width - en, width - st, TOPK).long()
+        flipped = top_k_per_row(logits.flip(1), width - en, width - st, topk).long()
         col = width - 1 - (flipped + (width - stop)[:, None])
         return {"indices": as_sets(torch.where(flipped >= 0, col - starts[:, None], -1)
                                    .to(torch.int32))}
 
-    want = top_k_per_row(logits, st, en, TOPK)
-    alts = {TIES_HIGH: high_ties}
-    if specials:
-        def recomputed(x: torch.Tensor) -> Outputs:
-            return {"indices": as_sets(top_k_per_row(x, st, en, TOPK))}
+    def recomputed(x: torch.Tensor) -> Outputs:
+        return {"indices": as_sets(top_k_per_row(x, st, en, topk))}
 
-        inside = (cols >= starts[:, None]) & (cols < stop[:, None])
+    want = top_k_per_row(logits, st, en, topk)
+    alts = {TIES_HIGH: high_ties}
+    inside = (cols >= starts[:, None]) & (cols < stop[:, None])
+    if nan_low:
         alts[NAN_LOW] = lambda: recomputed(torch.where(torch.isnan(logits) & inside,
                                                        float("-inf"), logits))
+    if neg_zero_low:  # -0 as the negative number nearest it
         alts[NEG_ZERO_LOW] = lambda: recomputed(torch.where(
-            (logits == 0) & torch.signbit(logits), -1e-30, logits))
-    if offsets:
+            (logits == 0) & torch.signbit(logits), -1e-45, logits))
+    if absolute:
         alts[ABSOLUTE] = lambda: {"indices": as_sets(torch.where(
             want >= 0, want + st[:, None], -1).to(torch.int32))}
     alts[TIES_OTHER] = same_values  # last: the more specific rules above are named first
