@@ -242,7 +242,7 @@ def test_decode_block_table_capacity(no_launch):
     no_launch(decode, "_triton_decode", "_triton_combine")
     bs = 64
     at_limit = _decode_args(1, decode.MAX_TABLE_TOKENS // bs, bs=bs)
-    decode._prepare(*at_limit, 0.125, False, 48, None, None)  # the checks, no launch
+    decode._prepare(*at_limit, 0.125, False, 48, None, None, False)  # the checks, no launch
     over = _decode_args(1, decode.MAX_TABLE_TOKENS // bs + 1, bs=bs)
     match = (r"block_table's capacity must be at most 2147418112 tokens.*got 33553409 blocks "
              r"x 64 = 2147418176")
