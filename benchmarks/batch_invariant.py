@@ -80,7 +80,10 @@ def report(rows: list[dict], meta: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r.get("why"):
-            lines.append(f"| {r['shape']} | {r['B']} | {r['target']} | {r['why']} | | | | |")
+            plain = (f"{r['us']:.1f} | {100 * r['frac_copy']:.0f}%" if r.get("us") is not None
+                     else "- | -")
+            lines.append(f"| {r['shape']} | {r['B']} | {r['target']} | {plain} | "
+                         f"{r['why'][:120]} | | |")
             continue
         lines.append(f"| {r['shape']} | {r['B']} | {r['target']} | {r['us']:.1f} | "
                      f"{100 * r['frac_copy']:.0f}% | {r['us_bi']:.1f} | "
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"shape": s.preset, "B": s.B, "dims": s.dims, "target": plain}
             if a.us is None or b.us is None:
                 row["why"] = a.skipped or a.error or b.skipped or b.error or "no time"
+                if a.us is not None:
+                    row.update(us=a.us, frac_copy=a.frac_copy)
             else:
                 row.update(us=a.us, us_bi=b.us, ratio=b.us / a.us, frac_copy=a.frac_copy,
                            frac_copy_bi=b.frac_copy, TFLOPs=a.TFLOPs, TFLOPs_bi=b.TFLOPs)

@@ -51,7 +51,8 @@ for step in "${steps[@]}"; do
     batch-invariant) timeout 300 python -m benchmarks.batch_invariant --out-dir "$OUT" 2>&1 \
              | tee "$OUT/batch_invariant.log" ;;
     # the fuzz of every fuzzed kernel of mla.fast and the peers, one process a kernel, in
-    # parallel (the reference's float64 side runs on the CPU): FUZZ_SECONDS each (default 300)
+    # parallel (the reference's float64 side runs on the CPU): FUZZ_SECONDS each (default 300), going on after each
+    # failure for other failure modes; one summary (benchmarks.fuzz_summary)
     fuzz-peers)
       pids=()
       for tk in mla.fast:mla_decode_paged mla.fast:sparse_mla_decode mla.fast:sparse_mla_prefill \
@@ -61,17 +62,19 @@ for step in "${steps[@]}"; do
                 vllm-triton:cp_lse_ag_out_rs mla.fast-batch-invariant:mla_decode_paged \
                 mla.fast-batch-invariant:sparse_mla_decode \
                 flashmla-batch-invariant:mla_decode_paged \
-                flashmla-batch-invariant:sparse_mla_decode $FUZZ_MORE; do
+                flashmla-batch-invariant:sparse_mla_decode mla.fast:top_k_per_row \
+                mla.fast:fp8_mqa_logits mla.fast:fp8_paged_mqa_logits vllm-topk:top_k_per_row \
+                deepgemm:fp8_mqa_logits deepgemm:fp8_paged_mqa_logits $FUZZ_MORE; do
         t=${tk%%:*}; k=${tk#*:}
         props=(); case $k in mla_decode_paged|sparse_mla_decode) props=(--properties all) ;; esac
         timeout $(( ${FUZZ_SECONDS:-300} + 240 )) python -m mla conform --target "$t" \
-          --kernels "$k" --device cuda --fuzz "${FUZZ_SECONDS:-300}s" "${props[@]}" \
+          --kernels "$k" --device cuda --fuzz "${FUZZ_SECONDS:-300}s" --keep-going "${props[@]}" \
           --fuzz-db "$OUT/fuzz_db/$t" --out "$OUT/fuzz_${t}_$k.md" \
           --json "$OUT/fuzz_${t}_$k.json" > "$OUT/fuzz_${t}_$k.log" 2>&1 &
         pids+=($!)
       done
       for p in "${pids[@]}"; do wait "$p"; done
-      tail -n 3 "$OUT"/fuzz_*.log ;;
+      python -m benchmarks.fuzz_summary "$OUT" ;;
     sanitize) timeout 400 compute-sanitizer --tool memcheck --print-limit 20 \
                 python -m mla.check --quick --out "$OUT/sanitize_check.json" 2>&1 \
                 | tee "$OUT/sanitize.log" ;;

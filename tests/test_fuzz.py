@@ -23,7 +23,7 @@ import mla.reference as ref
 from mla.conformance import KERNELS, Unsupported
 from mla.conformance.cases.common import DEFAULT_SCALE
 from mla.conformance.diagnose import LOG2E
-from mla.conformance.fuzz import FUZZED, fuzz
+from mla.conformance.fuzz import FUZZED, failure_mode, fuzz
 
 REFERENCE = {k: getattr(ref, k) for k in KERNELS}
 INF = float("inf")
@@ -205,3 +205,26 @@ def test_the_fuzz_finds_each_one_percent_twin_of_mla_fast(kernel, label, db):
     (failure,) = report.failures
     assert failure.errors[label] > failure.limits[label], failure.errors
     assert getattr(failure.spec, "heads", 1) <= 2  # shrunk
+
+
+def merge_two_bugs(o_p, lse_p, o_s, lse_s):
+    """Reads an empty side (NaN leaks) and returns its lse in base 2: two failure modes."""
+    out, lse = merge_reads_empty_side(o_p, lse_p, o_s, lse_s)
+    return out, lse * LOG2E
+
+
+def test_keep_going_reports_one_shrunk_failure_per_mode(db):
+    first = fuzz({"merge_attn_states": merge_two_bugs}, "merge_attn_states", examples=60,
+                 database=db, dtype=torch.float64)
+    assert len(first.failures) == 1  # the default stops at the first
+    report = fuzz({"merge_attn_states": merge_two_bugs}, "merge_attn_states", examples=60,
+                  database=db, dtype=torch.float64, keep_going=True)
+    modes = [failure_mode(f.status, {"convention": f.convention, "errors": f.errors,
+                                     "limits": f.limits}) for f in report.failures]
+    assert len(report.failures) == 2 and len(set(modes)) == 2, report.to_text()
+    (run,) = report.runs
+    assert run.failure is report.failures[0] and run.repeats > 0
+    assert "2 failure modes" in report.summary() and '"failures": [' in report.to_json()
+    # each is shrunk: one token, one head
+    assert all(f.spec.tokens == 1 and f.spec.heads == 1 for f in report.failures), \
+        report.to_text()

@@ -71,6 +71,9 @@ def add_conform_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fuzz-db", metavar="PATH",
                    help="the fuzz's example database (default: $MLA_FUZZ_DB, else "
                         ".hypothesis/mla-fuzz)")
+    p.add_argument("--keep-going", action="store_true",
+                   help="with --fuzz: after a failure, search the rest of the budget for "
+                        "failures of other modes (other conventions, properties or outputs)")
     p.add_argument("--properties", nargs="+", metavar="P",
                    help="with --fuzz: also check these metamorphic properties of the decodes, "
                         "bit for bit ('all', or batch_invariance, page_placement, "
@@ -137,6 +140,8 @@ def _conform(args: argparse.Namespace) -> int:
                      else None)
     if args.properties:
         args.parser.error("--properties is checked by the fuzz: add --fuzz N or --fuzz Ns")
+    if args.keep_going:
+        args.parser.error("--keep-going goes on fuzzing after a failure: add --fuzz N or Ns")
     has = kernels_of(target)
     # the cases of kernels the target lacks are not run: no progress line, one line at the end
     total = sum(1 for c in selected if c.kernel in has)
@@ -193,7 +198,7 @@ def _fuzz(args: argparse.Namespace, name: str, target: object, device: object,
 
     report = fuzz(target, kernels, seed=args.seed, device=device, dtype=dtype,
                   database=args.fuzz_db, name=name, progress=progress,
-                  properties=props, **{kind: value})
+                  properties=props, keep_going=args.keep_going, **{kind: value})
     print(f"mla conform --fuzz: target {name}, {', '.join(report.dtypes)} on {report.device}, "
           f"seed {args.seed}, {time.perf_counter() - t0:.1f} s, database {report.database}")
     print()

@@ -86,13 +86,31 @@ class Failure:
 
 @dataclasses.dataclass
 class KernelRun:
-    """One kernel's search: examples judged, skipped as unsupported, seconds."""
+    """One kernel's search: examples judged, skipped as unsupported, seconds; its shrunk
+    failures, one a failure mode (``failure_mode``; more than one only with ``keep_going``),
+    and ``repeats``, the examples that failed again in a mode already found."""
     kernel: str
     examples: int = 0
     unsupported: int = 0
     seconds: float = 0.0
-    failure: Failure | None = None
+    failures: list[Failure] = dataclasses.field(default_factory=list)
     missing: bool = False  # the target has no such kernel
+    repeats: int = 0
+
+    @property
+    def failure(self) -> Failure | None:
+        """The first failure found (None: the kernel passed)."""
+        return self.failures[0] if self.failures else None
+
+
+def failure_mode(status: str, what: dict) -> tuple[str, ...]:
+    """What makes two failures the same: the property broken and the convention named, or,
+    where no convention is known, the status and the outputs over their budgets."""
+    if what.get("convention"):
+        return (what.get("property", ""), what["convention"].split(":")[0])
+    over = sorted(k for k, v in what.get("errors", {}).items()
+                  if not v <= what.get("limits", {}).get(k, math.inf))
+    return (what.get("property", ""), status, *over)
 
 
 @dataclasses.dataclass
@@ -107,7 +125,7 @@ class FuzzReport:
 
     @property
     def failures(self) -> list[Failure]:
-        return [r.failure for r in self.runs if r.failure is not None]
+        return [f for r in self.runs for f in r.failures]
 
     @property
     def passed(self) -> bool:
@@ -119,7 +137,8 @@ class FuzzReport:
         skipped = sum(r.unsupported for r in self.runs)
         return (f"fuzz of {self.target} on {self.device} ({', '.join(self.dtypes)}), seed "
                 f"{self.seed}: {judged} examples judged, {skipped} unsupported (skipped), "
-                f"{len(self.failures)} failing kernels")
+                f"{sum(bool(r.failures) for r in self.runs)} failing kernels"
+                + (f", {len(self.failures)} failure modes" if len(self.failures) > 1 else ""))
 
     def to_text(self) -> str:
         lines = []
@@ -130,8 +149,7 @@ class FuzzReport:
             state = "fail" if r.failure else "pass"
             lines.append(f"{state:11s} {r.kernel}  {r.examples - r.unsupported} judged, "
                          f"{r.unsupported} unsupported, {r.seconds:.1f} s")
-            if r.failure:
-                f = r.failure
+            for f in r.failures:
                 lines.append(f"            shrunk to {f.example.spec!r}, seed {f.example.seed}, "
                              f"{_dtype(f.example.dtype)}")
                 lines.append("            " + (f.convention + ". " if f.convention else "")
@@ -143,12 +161,13 @@ class FuzzReport:
         lines = [f"# Fuzz of `{self.target}`", "", f"{self.summary()}.", "",
                  f"Environment: {env}." if env else "", "",
                  f"Example database: `{self.database}` (a re-run replays its failures first).",
-                 "", "| kernel | status | examples | unsupported | seconds |",
-                 "|---|---|---|---|---|"]
+                 "", "| kernel | status | examples | unsupported | failure modes | seconds |",
+                 "|---|---|---|---|---|---|"]
         for r in self.runs:
             state = "no such kernel" if r.missing else "fail" if r.failure else "pass"
+            modes = f"{len(r.failures)}" + (f" (+{r.repeats} repeats)" if r.repeats else "")
             lines.append(f"| {r.kernel} | {state} | {r.examples - r.unsupported} | "
-                         f"{r.unsupported} | {r.seconds:.1f} |")
+                         f"{r.unsupported} | {modes} | {r.seconds:.1f} |")
         for f in self.failures:
             errs = ", ".join(f"{k} {v:.2e} ({f.limits.get(k, math.nan):.1e})"
                              for k, v in f.errors.items())
@@ -162,20 +181,16 @@ class FuzzReport:
 
     def to_json(self) -> str:
         def run(r: KernelRun) -> dict:
-            d = {"kernel": r.kernel, "examples": r.examples, "unsupported": r.unsupported,
-                 "seconds": r.seconds, "missing": r.missing, "failure": None}
-            if r.failure:
-                f = r.failure
-                d["failure"] = {"status": f.status, "spec": repr(f.example.spec),
-                                "trial": f.example.trial, "seed": f.example.seed,
-                                "dtype": _dtype(f.example.dtype),
-                                "options": dict(f.example.options),
-                                "errors": {k: _num(v) for k, v in f.errors.items()},
-                                "limits": {k: _num(v) for k, v in f.limits.items()},
-                                "detail": f.detail, "convention": f.convention,
-                                "property": f.property_name,
-                                "snippet": f.snippet}
-            return d
+            fs = [{"status": f.status, "spec": repr(f.example.spec), "trial": f.example.trial,
+                   "seed": f.example.seed, "dtype": _dtype(f.example.dtype),
+                   "options": dict(f.example.options),
+                   "errors": {k: _num(v) for k, v in f.errors.items()},
+                   "limits": {k: _num(v) for k, v in f.limits.items()},
+                   "detail": f.detail, "convention": f.convention,
+                   "property": f.property_name, "snippet": f.snippet} for f in r.failures]
+            return {"kernel": r.kernel, "examples": r.examples, "unsupported": r.unsupported,
+                    "seconds": r.seconds, "missing": r.missing, "repeats": r.repeats,
+                    "failure": fs[0] if fs else None, "failures": fs}
         return json.dumps({"target": self.target, "device": self.device, "dtypes": self.dtypes,
                            "seed": self.seed, "database": self.database, "passed": self.passed,
                            "environment": self.environment,
@@ -243,7 +258,8 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
          database: str | os.PathLike | None = None, name: str | None = None,
          small: bool | None = None,
          progress: Callable[[KernelRun], None] | None = None,
-         properties: str | Sequence[str] | None = None, budgets: bool = True) -> FuzzReport:
+         properties: str | Sequence[str] | None = None, budgets: bool = True,
+         keep_going: bool = False) -> FuzzReport:
     """Search ``kernel``'s inputs (one name, several, or ``None``: every fuzzed kernel the
     target has) on ``target`` (a mapping or module, as ``run`` takes, or a target spec
     ``mla conform --target`` takes) for a failure, and shrink it.
@@ -256,6 +272,10 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
     run. ``properties`` (``"all"`` or names of ``mla.conformance.properties.PROPERTIES``;
     default none) are checked beside the budgets on the kernels that have them
     (``PROPERTY_KERNELS``: the decodes); ``budgets=False`` checks the properties alone.
+    ``keep_going``: after a failure is shrunk, go on searching the rest of the budget for
+    failures of other modes (``failure_mode``: another convention, property or output), each
+    shrunk in turn; examples failing again in a mode already found are counted
+    (``KernelRun.repeats``), not reported. Default: stop at a kernel's first failure.
     """
     label = name
     if isinstance(target, str):
@@ -307,7 +327,7 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
         run = _search(k, fns[k], examples_of(k, dtypes, small), dev, examples, share, seed, db,
                       f"{label}/{k}" + "".join(f"+{p}" for p in mine) + ("" if budgets else
                                                                          "-budgets"),
-                      target_spec, mine, budgets)
+                      target_spec, mine, budgets, keep_going)
         runs.append(run)
         if progress:
             progress(run)
@@ -347,11 +367,13 @@ def _verdict(kernel: str, fn: Callable, example: Example, trial: Trial,
 def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
             examples: int | None, seconds: float | None, seed: int,
             db: DirectoryBasedExampleDatabase, key: str, target_spec: str | None,
-            props: tuple[str, ...] = (), budgets: bool = True) -> KernelRun:
+            props: tuple[str, ...] = (), budgets: bool = True,
+            keep_going: bool = False) -> KernelRun:
     run = KernelRun(kernel)
     t0 = time.perf_counter()
     deadline = math.inf if seconds is None else t0 + seconds
     found: list[tuple[str, dict]] = []
+    known: set[tuple[str, ...]] = set()  # the failure modes already reported
 
     def fails(example: Example) -> bool:
         if found == [] and time.perf_counter() > deadline:
@@ -364,7 +386,12 @@ def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
         run.examples += 1
         run.unsupported += status == "unsupported"
         if status in ("fail", "error"):
-            found[:] = [(status, what)]  # type: ignore[list-item]
+            assert what is not None
+            if failure_mode(status, what) in known:
+                if not found:
+                    run.repeats += 1
+                return False
+            found[:] = [(status, what)]
             return True
         return False
 
@@ -373,11 +400,15 @@ def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
     left = examples if examples is not None else math.inf
     while left > 0 and time.perf_counter() < deadline:
         n = int(min(left, CHUNK if seconds is not None else left))
+        # after a failure the database holds it: replayed now it would pass (its mode known)
+        # and be dropped, so later rounds only generate
+        reuse = (Phase.reuse,) if not known else ()
         config = settings(max_examples=n, database=db, deadline=None,
                           verbosity=Verbosity.quiet,
-                          phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink),
+                          phases=(Phase.explicit, *reuse, Phase.generate, Phase.shrink),
                           suppress_health_check=list(HealthCheck))
         before = run.examples
+        found.clear()
         try:
             example = find(strategy, fails, settings=config,  # type: ignore[arg-type]
                            random=random.Random(rng.getrandbits(64)),
@@ -392,10 +423,13 @@ def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
             status, what = found[0]
         assert what is not None
         prop = what.get("property", "")
-        run.failure = Failure(kernel, example, status, what["errors"], what["limits"],
-                              what["detail"], what["convention"],
-                              snippet(example, device, target_spec, prop), prop)
-        break
+        run.failures.append(Failure(kernel, example, status, what["errors"], what["limits"],
+                                    what["detail"], what["convention"],
+                                    snippet(example, device, target_spec, prop), prop))
+        if not keep_going:
+            break
+        known.add(failure_mode(status, what))
+        left -= max(run.examples - before, 1)
     run.seconds = time.perf_counter() - t0
     return run
 

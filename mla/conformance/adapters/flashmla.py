@@ -136,6 +136,11 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Te
     require((topk_length is None and extra_topk_length is None) or not sm90,
             SPARSE_DECODE, "takes no topk_length on sm_90 (its kernel asserts topk_length "
             "== nullptr)")
+    # measured on an H100 (2026-12-06): with enable_batch_invariant its sm_90 sparse decode
+    # aborts ("the chosen implementation does not support all required features")
+    require(not (batch_invariant and sm90), SPARSE_DECODE,
+            "has no batch-invariant mode on sm_90 (its kernel aborts: the chosen "
+            "implementation does not support all required features)")
     fm = import_peer(INTERFACE, SPARSE_DECODE)
     N = q.shape[2]
     heads = _padded_heads(SPARSE_DECODE, N)
