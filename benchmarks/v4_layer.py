@@ -40,7 +40,8 @@ front (q norm, rope, window key store) replaced by the reference's torch functio
 (``mla.reference.sparse.sparse_mla_decode``, ``fp8_paged_mqa_logits``, ``top_k_per_row``,
 ``write_fp8_model1``); the projections and the compressor are shared. And the same step on
 vLLM 0.33's own V4 kernels where they load here (``vllm_composition``: FlashMLA's MODEL1
-decode, vLLM's Triton indexer query, DeepGEMM's logits, vLLM's top-k). Each shape in
+decode, vLLM's Triton compressors and indexer query, DeepGEMM's logits, vLLM's top-k). Each
+shape in
 try/except. Writes ``DIR/v4_layer_<date>.json`` and ``.md``.
 """
 
@@ -55,6 +56,7 @@ from contextlib import contextmanager
 from datetime import date
 
 import torch
+from triton import next_power_of_2 as triton_next_pow2
 
 from benchmarks.common import ceilings, log, report_heading, time_graph
 
@@ -244,6 +246,60 @@ def torch_composition():
             setattr(layer, n, f)
 
 
+def vllm_compress(capacity: int | None = None):  # noqa: ANN201
+    """The fast step's ``_compress`` on vLLM's Triton compressor kernels (``vllm_composition``).
+
+    The state cache holds, per request, a ring of pages enough for the window of a decode step
+    (one token a request), or with ``capacity`` every position below it (prefill: a call's
+    tokens are all saved before any is compressed)."""
+    from mla.conformance.adapters import vllm_v4
+    states: dict[int, torch.Tensor] = {}
+    kernels = vllm_v4._kernels()
+
+    def compress(comp, X, pos, req, lens0, n_new, cache, table, cos_sin, eps,  # noqa: ANN001
+                 scale_floor):  # noqa: ANN001, ARG001
+        B, _, width = comp.kv.shape
+        r, d = comp.ape.shape[0], comp.norm.shape[0]
+        bs = vllm_v4.STATE_BLOCK[r]
+        ring = (4 if r == 4 else 32) if capacity is None else capacity // bs + 2
+        T, dev = X.shape[0], X.device
+        if id(comp) not in states:  # block 0: the null block
+            states[id(comp)] = torch.zeros(1 + B * ring, bs, 2 * width, device=dev)
+        state = states[id(comp)]
+        n_blocks = int(pos.max()) // bs + 2
+        bt = (1 + torch.arange(B, device=dev)[:, None] * ring
+              + torch.arange(n_blocks, device=dev)[None, :] % ring).int()
+        p64 = pos.long()
+        slots = bt[req, p64 // bs].long() * bs + p64 % bs
+        proj = X.float() @ comp.w.T
+        kv, score = proj[:, :width].contiguous(), proj[:, width:].contiguous()
+        kernels.save_partial_states_kernel[(T,)](
+            kv, kv.stride(0), score, score.stride(0), comp.ape, comp.ape.stride(0), p64, state,
+            state.stride(0), state.stride(1), slots, bs, HEAD_SIZE=width,
+            TRITON_BLOCK_SIZE=triton_next_pow2(width), STATE_WIDTH=width, COMPRESS_RATIO=r)
+        kv_bs = cache.shape[1]
+        ent = p64 // r
+        closing = (p64 + 1) % r == 0
+        page = table[req, torch.where(closing, ent // kv_bs, 0)].long()
+        kv_slots = torch.where(closing, page * kv_bs + ent % kv_bs, -1)
+        common = (state, state.stride(0), state.stride(1), req.int(), p64, slots, bt,
+                  bt.stride(0), bs, comp.norm, float(eps), cos_sin, cos_sin.stride(0), cache,
+                  kv_slots, kv_bs)
+        consts = dict(HEAD_SIZE=d, TRITON_BLOCK_SIZE=triton_next_pow2(d), STATE_WIDTH=width,
+                      COMPRESS_RATIO=r, OVERLAP=r == 4, ROPE_HEAD_DIM=64, FP8_MAX=448.0,
+                      KV_BLOCK_STRIDE=cache.stride(0))
+        if d == 512:
+            kernels._fused_kv_compress_norm_rope_insert_sparse_attn[(T,)](
+                *common, **consts, QUANT_BLOCK=64, TOKEN_STRIDE=576, SCALE_DIM=8,
+                SANITIZE_CACHE_NANS=False, num_warps=4)
+        else:
+            kernels._fused_kv_compress_norm_rope_insert_indexer_attn[(T,)](
+                *common, **consts, QUANT_BLOCK=128, TOKEN_STRIDE=128, SCALE_DIM=4,
+                MX_SCALE=False, num_warps=1)
+
+    return compress
+
+
 @contextmanager
 def vllm_composition():
     """The fast step with its attention, indexer query and indexer (logits, top-k) replaced by
@@ -251,14 +307,18 @@ def vllm_composition():
     contracts): FlashMLA's MODEL1 sparse decode (its sm_90 kernel takes no ``topk_length``, so
     the entries past a length become ``-1``, as vLLM passes them there), vLLM's Triton
     ``fused_indexer_q_rope_quant_kernel``, DeepGEMM's paged logits and vLLM's
-    ``persistent_topk``. The projections, the compressor and the front stay the fast path's:
-    vLLM's compressor keeps its state in a paged cache this step does not keep, and its front
-    (``fused_qnorm_rope_kv_insert``) is in vLLM's main CUDA library, which the wheel's pieces
-    run here do not load."""
+    ``persistent_topk``; and both compressors by vLLM's Triton kernels
+    (``save_partial_states_kernel``, then the fused compress, norm, RoPE, quantize and store
+    kernel of each width), their state in vLLM's fp32 state cache (pages of 4 tokens at ratio
+    4, 8 at ratio 128; per request a ring of pages enough for the window, behind a block
+    table). The projections and the front stay the fast path's: vLLM's front
+    (``fused_qnorm_rope_kv_insert``) is in its main CUDA library, which the wheel's pieces run
+    here do not load."""
     import mla.fast.v4.layer as layer
     from mla.conformance.adapters import deepgemm, flashmla, vllm_topk, vllm_v4
     saved = {n: getattr(layer, n) for n in ("sparse_mla_decode", "v4_indexer_topk_paged",
-                                            "v4_indexer_q_prep")}
+                                            "v4_indexer_q_prep", "_compress")}
+    compress = vllm_compress()
 
     def masked(idx: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
         if length is None:
@@ -293,7 +353,7 @@ def vllm_composition():
                                                   n)
 
     layer.sparse_mla_decode, layer.v4_indexer_topk_paged = decode, topk
-    layer.v4_indexer_q_prep = q_prep
+    layer.v4_indexer_q_prep, layer._compress = q_prep, compress
     try:
         yield
     finally:
