@@ -2,7 +2,7 @@
 # The GPU machine's steps: correctness grid, then the benchmark (with the plan sweep).
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
-#     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing]...
+#     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers]...
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -44,6 +44,12 @@ for step in "${steps[@]}"; do
     # mla bench on mla.fast beside FlashMLA, every preset
     bench-cli) timeout 400 python -m mla bench --target mla.fast --json "$OUT/bench.json" \
                  --out "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench_cli.log" ;;
+    # mla bench of each peer target beside mla.fast and FlashMLA (the kernels each has)
+    bench-peers)
+      for t in flashmla vllm-triton mla.fast-batch-invariant flashmla-batch-invariant; do
+        timeout 300 python -m mla bench --target "$t" --json "$OUT/bench_$t.json" \
+          --out "$OUT/bench_$t.md" 2>&1 | tail -n 40 | tee "$OUT/bench_$t.log"
+      done ;;
     # the V4 decode step: fast, the torch composition and vLLM's own V4 kernels
     v4-timing) timeout 400 python -m benchmarks.v4_layer --out-dir "$OUT" --timing-only 2>&1 \
              | tee "$OUT/v4_timing.log" ;;
