@@ -33,16 +33,16 @@ history, fed the fast path's top-k (so that both attend the same keys):
   ``2^-4`` of that value, so the attention output moves by about ``sqrt(1/16) · 2^-4 / 2 ≈
   1.6e-2`` relative (measured 1.2-1.6e-2). The stage checks above are the tight ones.
 
-(b) Timing of one decode step (``s_q = 1``) of a ratio-4 and a ratio-128 layer, ``B`` in {1, 32,
-128} requests of ``L`` in {8K, 32K} tokens, CUDA graphs where they capture (else eager,
-marked): the fast path, and the same step with its attention and indexer (logits, top-k) and
-front (q norm, rope, window key store) replaced by the reference's torch functions on CUDA
-(``mla.reference.sparse.sparse_mla_decode``, ``fp8_paged_mqa_logits``, ``top_k_per_row``,
-``write_fp8_model1``); the projections and the compressor are shared. And the same step on
-vLLM 0.33's own V4 kernels where they load here (``vllm_composition``: FlashMLA's MODEL1
-decode, vLLM's Triton compressors and indexer query, DeepGEMM's logits, vLLM's top-k). Each
-shape in
-try/except. Writes ``DIR/v4_layer_<date>.json`` and ``.md``.
+(b) Timing of one decode step (``s_q = 1``) of a ratio-4 and a ratio-128 layer, ``B`` in
+{1, 32, 128} requests of ``L`` in {8K, 32K} tokens, CUDA graphs where they capture (else
+eager, marked): the fast path (``v4_decode_step``, its indices built on the device, in a
+graph; and ``v4_layer_step``, the ragged step); the same step with its attention, indexer
+(logits, top-k) and front (q norm, rope, window key store) replaced by the reference's torch
+functions on CUDA (``mla.reference.sparse.sparse_mla_decode``, ``fp8_paged_mqa_logits``,
+``top_k_per_row``, ``write_fp8_model1``), the projections and the compressor shared; and the
+same step on vLLM 0.33's own V4 kernels where they load here (``vllm_composition``:
+FlashMLA's MODEL1 decode, vLLM's Triton compressors and indexer query, DeepGEMM's logits,
+vLLM's top-k). Each shape in try/except. Writes ``DIR/v4_layer_<date>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -369,7 +369,7 @@ def _weights(ratio: int):  # noqa: ANN202
 
 
 def time_step(ratio: int, B: int, L: int) -> dict:
-    from mla.fast.v4 import V4FastCache, v4_layer_step
+    from mla.fast.v4 import V4FastCache, v4_decode_step, v4_layer_step
     from mla.reference.v4 import get_v4_config
     c = get_v4_config("deepseek-v4")
     dev = torch.device("cuda")
@@ -385,7 +385,19 @@ def time_step(ratio: int, B: int, L: int) -> dict:
         fc.lengths[:] = [L] * B
         v4_layer_step(x, fc, path="decode")
 
+    xt = torch.cat(x)
+    start = torch.full((B,), L, dtype=torch.int32, device=dev)
+    lengths = start.clone()
+
+    def device_step() -> None:  # v4_decode_step: capturable, the lengths reset each replay
+        lengths.copy_(start)
+        v4_decode_step(xt, fc, lengths)
+
     out: dict = {"ratio": ratio, "B": B, "L": L}
+    try:
+        out["device_ms"], out["device_graph"] = _time(device_step)
+    except Exception as e:  # noqa: BLE001
+        out["device_error"] = f"{type(e).__name__}: {e}"[:300]
     for name, ctx in (("fast", None), ("torch", torch_composition), ("vllm", vllm_composition)):
         try:
             if ctx is None:
@@ -462,13 +474,14 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {ck['ratio']} | {ck['lens']} | {s['path']} {s['new'][0]} | "
                          f"{s['passed']} | {worst} |")
     lines += ["", "## Decode step (s_q = 1), ms", "",
-              "| ratio | B | L | fast | graph | torch composition | graph | vLLM's kernels | "
-              "graph |", "|---|---|---|---|---|---|---|---|---|"]
+              "| ratio | B | L | fast, device indices | graph | fast | graph | torch composition | "
+              "graph | vLLM's kernels | graph |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in res["timings"]:
         def cell(k: str, t: dict = t) -> str:
             return (f"{t[k + '_ms']:.3f}" if k + "_ms" in t
                     else t.get(k + "_error", t.get("error", "?"))[:60])
-        lines.append(f"| {t['ratio']} | {t['B']} | {t['L']} | {cell('fast')} | "
+        lines.append(f"| {t['ratio']} | {t['B']} | {t['L']} | {cell('device')} | "
+                     f"{t.get('device_graph', '-')} | {cell('fast')} | "
                      f"{t.get('fast_graph', '-')} | {cell('torch')} | "
                      f"{t.get('torch_graph', '-')} | {cell('vllm')} | "
                      f"{t.get('vllm_graph', '-')} |")

@@ -65,7 +65,7 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @dataclass
-class _Compressor:
+class CompressorState:
     """One compressor's weights (``[wkv; wgate]`` float32 for the fp32 GEMM) and state: the
     last ``coff·r`` positions' ``kv`` and ``score`` (with ``ape``) per request, float32."""
 
@@ -76,7 +76,7 @@ class _Compressor:
     score: torch.Tensor   # [B, coff·r, coff·d]
 
     @classmethod
-    def of(cls, t: dict[str, torch.Tensor], batch: int, device: torch.device) -> _Compressor:
+    def of(cls, t: dict[str, torch.Tensor], batch: int, device: torch.device) -> CompressorState:
         ape = t["ape"].to(device=device, dtype=torch.float32)
         r, width = ape.shape
         W = (2 if r == 4 else 1) * r
@@ -99,8 +99,8 @@ class V4FastCache:
     compressed_pages: torch.Tensor | None  # uint8 [pages, fp8_model1_page_bytes(256 / r)]
     compressed_table: torch.Tensor | None
     index_cache: torch.Tensor | None      # uint8 [pages, 64, 132] (ratio 4, compressed_table)
-    compressor: _Compressor | None
-    index_compressor: _Compressor | None
+    compressor: CompressorState | None
+    index_compressor: CompressorState | None
     cos_sin: torch.Tensor                 # float32 [capacity, 64]
     capacity: int
     lengths: list[int]
@@ -135,11 +135,11 @@ class V4FastCache:
             comp_table = scrambled_page_table(batch, each, seed + 1).to(device)
             comp_pages = torch.zeros(batch * each, fp8_model1_page_bytes(bs), dtype=torch.uint8,
                                      device=device)
-            comp = _Compressor.of(w.sub("compressor."), batch, device)
+            comp = CompressorState.of(w.sub("compressor."), batch, device)
         if r == 4:
             index_cache = torch.zeros(comp_pages.shape[0], INDEX_PAGE, INDEX_K_BYTES,
                                       dtype=torch.uint8, device=device)
-            icomp = _Compressor.of(w.sub("indexer.compressor."), batch, device)
+            icomp = CompressorState.of(w.sub("indexer.compressor."), batch, device)
         cos_sin = v4_cos_sin_cache(c, r, capacity, device)
         return cls(w, dtype, window_pages, window_table, comp_pages, comp_table, index_cache,
                    comp, icomp, cos_sin, capacity, [0] * batch)
@@ -174,7 +174,7 @@ class V4FastTrace:
     out: torch.Tensor              # [T, hidden]
 
 
-def _compress(comp: _Compressor, X: torch.Tensor, pos: torch.Tensor, req: torch.Tensor,
+def _compress(comp: CompressorState, X: torch.Tensor, pos: torch.Tensor, req: torch.Tensor,
               lens0: list[int], n_new: list[int], cache: torch.Tensor, table: torch.Tensor,
               cos_sin: torch.Tensor, eps: float, scale_floor: str) -> None:
     """Project the new tokens, prepend each request's state, store the closed entries, keep
@@ -206,14 +206,15 @@ def _compress(comp: _Compressor, X: torch.Tensor, pos: torch.Tensor, req: torch.
     comp.score.copy_(score.gather(1, keep[:, :, None].expand(B, W, width)))
 
 
-def _slots(table: torch.Tensor, req: torch.Tensor, ids: torch.Tensor, bs: int) -> torch.Tensor:
+def global_slots(table: torch.Tensor, req: torch.Tensor, ids: torch.Tensor, bs: int
+                 ) -> torch.Tensor:
     """Global slots of local ids ``ids [T, k]`` of each row's request (``-1`` stays)."""
     safe = ids.clamp(min=0).long()
     slot = table[req[:, None], safe // bs].long() * bs + safe % bs
     return torch.where(ids < 0, -1, slot).to(torch.int32)
 
 
-def _window(pos: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_ids(pos: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     start = (pos - window + 1).clamp(min=0)
     local = start[:, None] + torch.arange(window, device=pos.device)[None, :]
     return torch.where(local <= pos[:, None], local, -1), (pos - start + 1).to(torch.int32)
@@ -227,6 +228,39 @@ def _compressed_ids(pos: torch.Tensor, ratio: int, topk: torch.Tensor | None,
     width = max(1, max(lens) // ratio)
     ids = torch.arange(width, device=pos.device)[None, :].expand(pos.shape[0], width)
     return torch.where(ids < ((pos + 1) // ratio)[:, None], ids, -1)
+
+
+def project(X: torch.Tensor, w: V4LayerWeights
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(1)-(2): ``q_latent`` (bf16 values), the normed ``kv`` and the heads' ``q [T, H, 512]``
+    before their norm and rope."""
+    c, eps = w.config, w.config.rms_norm_eps
+    q_latent = _bf16(_rms_norm(X @ w["wq_a.weight"].T, w["q_norm.weight"], eps))
+    kv = _bf16(_rms_norm(X @ w["wkv.weight"].T, w["kv_norm.weight"], eps))
+    qb = _bf16(q_latent @ w["wq_b.weight"].T).view(X.shape[0], c.num_heads, D)
+    return q_latent, kv, qb
+
+
+def indexer_query(q_latent: torch.Tensor, X: torch.Tensor, pos: torch.Tensor,
+                  cache: V4FastCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """(6), the C4A indexer's query: its e4m3 codes and folded weights."""
+    w, c = cache.weights, cache.weights.config
+    qi = _bf16(q_latent @ w["indexer.wq_b.weight"].T).view(X.shape[0], c.index_n_heads,
+                                                           c.index_head_dim)
+    wi = _bf16(X @ w["indexer.weights_proj.weight"].T)
+    return v4_indexer_q_prep(qi, wi, pos, cache.cos_sin)
+
+
+def output_projection(attn: torch.Tensor, pos: torch.Tensor, cache: V4FastCache
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(8)-(9): the inverse rope ``o``, the grouped ``z = wo_a(o)`` and ``out = wo_b(z)``."""
+    w, c = cache.weights, cache.weights.config
+    T = attn.shape[0]
+    o = _bf16(rope_torch(_bf16(attn), pos, cache.cos_sin, inverse=True))
+    y = o.reshape(T, c.o_groups, c.heads_per_group * D)
+    w_a = w["wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)
+    z = _bf16(torch.bmm(y.transpose(0, 1), w_a.transpose(1, 2)).transpose(0, 1))
+    return o, z, _bf16(z.flatten(1) @ w["wo_b.weight"].T)
 
 
 def v4_layer_step(x: list[torch.Tensor], cache: V4FastCache, *, path: str = "decode",
@@ -265,16 +299,13 @@ def v4_layer_step(x: list[torch.Tensor], cache: V4FastCache, *, path: str = "dec
     lens = [a + n for a, n in zip(lens0, n_new)]
     dt, eps = cache.dtype, c.rms_norm_eps
     X = torch.cat([xb.to(dt) for xb in x])
-    T = X.shape[0]
     pos = torch.cat([torch.arange(a, a + n, device=dev) for a, n in zip(lens0, n_new)])
     req = torch.repeat_interleave(torch.arange(B, device=dev),
                                   torch.tensor(n_new, device=dev))
     # (1)-(2)
-    q_latent = _bf16(_rms_norm(X @ w["wq_a.weight"].T, w["q_norm.weight"], eps))
-    kv = _bf16(_rms_norm(X @ w["wkv.weight"].T, w["kv_norm.weight"], eps))
-    qb = _bf16(q_latent @ w["wq_b.weight"].T).view(T, c.num_heads, D)
+    q_latent, kv, qb = project(X, w)
     # (3)-(4)
-    win_slots = _slots(cache.window_table, req, pos[:, None], WINDOW_PAGE)[:, 0]
+    win_slots = global_slots(cache.window_table, req, pos[:, None], WINDOW_PAGE)[:, 0]
     q = v4_q_rope_kv_insert(qb, kv, pos, cache.cos_sin, cache.window_view, win_slots,
                             rms_norm_eps=eps, head_norm=c.q_head_norm, out_dtype=dt,
                             validate=False)
@@ -293,10 +324,7 @@ def v4_layer_step(x: list[torch.Tensor], cache: V4FastCache, *, path: str = "dec
         if topk is not None:
             tk = torch.cat([t.to(device=dev, dtype=torch.int32) for t in topk])
         else:
-            qi = _bf16(q_latent @ w["indexer.wq_b.weight"].T).view(T, c.index_n_heads,
-                                                                   c.index_head_dim)
-            wi = _bf16(X @ w["indexer.weights_proj.weight"].T)
-            codes, wq = v4_indexer_q_prep(qi, wi, pos, cache.cos_sin)
+            codes, wq = indexer_query(q_latent, X, pos, cache)
             visible = ((pos + 1) // 4).to(torch.int32)
             assert cache.compressed_table is not None and cache.index_cache is not None
             tk = v4_indexer_topk_paged(
@@ -306,14 +334,14 @@ def v4_layer_step(x: list[torch.Tensor], cache: V4FastCache, *, path: str = "dec
     # (7)
     sink = w["attn_sink"].float()
     if path == "decode":
-        win_ids, win_len = _window(pos, c.sliding_window)
-        win_idx = _slots(cache.window_table, req, win_ids, WINDOW_PAGE)
+        win_ids, win_len = window_ids(pos, c.sliding_window)
+        win_idx = global_slots(cache.window_table, req, win_ids, WINDOW_PAGE)
         extra = {}
         if r > 1:
             assert cache.compressed_table is not None
             ids = _compressed_ids(pos, r, tk, lens)
             extra = dict(extra_k_cache=cache.compressed_view,
-                         extra_indices_in_kvcache=_slots(cache.compressed_table, req, ids,
+                         extra_indices_in_kvcache=global_slots(cache.compressed_table, req, ids,
                                                          cache.compressed_block)[:, None],
                          extra_topk_length=(ids >= 0).sum(1).to(torch.int32))
         attn, lse = sparse_mla_decode(q[:, None], cache.window_view, win_idx[:, None],
@@ -323,11 +351,7 @@ def v4_layer_step(x: list[torch.Tensor], cache: V4FastCache, *, path: str = "dec
     else:
         attn, lse = _prefill(cache, q, pos, req, tk, lens0, n_new, lens, sink)
     # (8)-(9)
-    o = _bf16(rope_torch(_bf16(attn), pos, cache.cos_sin, inverse=True))
-    y = o.reshape(T, c.o_groups, c.heads_per_group * D)
-    w_a = w["wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)
-    z = _bf16(torch.bmm(y.transpose(0, 1), w_a.transpose(1, 2)).transpose(0, 1))
-    out = _bf16(z.flatten(1) @ w["wo_b.weight"].T)
+    o, z, out = output_projection(attn, pos, cache)
     cache.lengths[:] = lens
     outs = list(out.split(n_new))
     if not trace:
@@ -370,7 +394,7 @@ def _prefill(cache: V4FastCache, q: torch.Tensor, pos: torch.Tensor, req: torch.
         comp = (_compressed_ids(p, r, tks[b], [lens[b]]).long() if r > 1
                 else torch.full((p.shape[0], 0), -1, dtype=torch.long, device=dev))
         comp = torch.where(comp >= 0, M * b + comp, -1)
-        local, _ = _window(p, W)
+        local, _ = window_ids(p, W)
         swa = torch.where(local >= 0, M * b + N + (local - g), -1)
         row = torch.cat([comp, swa], dim=1)
         order = torch.argsort((row < 0).to(torch.int8), dim=1, stable=True)
