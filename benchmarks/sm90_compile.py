@@ -88,13 +88,15 @@ def _specialize(fn, const: dict, ptrs: dict, floats: dict, ints: dict,
 
 
 def compile_decode(N: int = 128, S_Q: int = 1, CAUSAL: bool = False, SPLIT: bool = False,
-                   dtype: str = "bf16",
-                   HAS_SINK: bool = False) -> triton.compiler.CompiledKernel:
+                   dtype: str = "bf16", HAS_SINK: bool = False, SPLIT_TILES: int = 0,
+                   SPLIT_CAP: int = 0) -> triton.compiler.CompiledKernel:
     """``decode_kernel`` for sm_90 as ``mla.fast.decode.mla_decode_paged`` launches it:
-    a ``[B, S_Q, N, 576]`` query, 64-row pages of a 576-column cache, 32K-token block tables."""
+    a ``[B, S_Q, N, 576]`` query, 64-row pages of a 576-column cache, 32K-token block tables;
+    ``SPLIT_TILES``, ``SPLIT_CAP``: the batch-invariant plans' fixed-length splits."""
     dt = _DTYPES[dtype]
     page, splits, max_pages = 64, 4 if SPLIT else 1, 512
-    const = dict(N=N, S_Q=S_Q, PAGE_SIZE=page, CAUSAL=CAUSAL, SPLIT=SPLIT, HAS_SINK=HAS_SINK)
+    const = dict(N=N, S_Q=S_Q, PAGE_SIZE=page, CAUSAL=CAUSAL, SPLIT=SPLIT, HAS_SINK=HAS_SINK,
+                 SPLIT_TILES=SPLIT_TILES, SPLIT_CAP=SPLIT_CAP)
     ptrs = dict(Q=dt, KV=dt, BT="i32", SEQLENS="i32", O=dt, LSE="fp32", OP="fp32",
                 LSEP="fp32", SINK="fp32")
     ints = dict(stride_qb=S_Q * N * _D, stride_qt=N * _D, stride_qh=_D,
@@ -108,19 +110,24 @@ def compile_decode(N: int = 128, S_Q: int = 1, CAUSAL: bool = False, SPLIT: bool
 
 
 def compile_triton_decode(N: int = 128, S_Q: int = 1, CAUSAL: bool = False,
-                          dtype: str = "bf16") -> triton.compiler.CompiledKernel:
+                          dtype: str = "bf16",
+                          batch_invariant: bool = False) -> triton.compiler.CompiledKernel:
     """``mla.fast.decode``'s Triton kernel for sm_90 with the plan ``plan_decode`` gives a
     ``[1, S_Q, N, 576]`` query over 64-row pages and a 32K-token block table: the kernel every
-    float32 call runs, and 16-bit calls where the Gluon route is not taken."""
+    float32 call runs, and 16-bit calls where the Gluon route is not taken
+    (``batch_invariant``: the batch-invariant plan, fixed-length splits)."""
     dt = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}[dtype]
     torch_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     page, max_pages = 64, 512
-    plan = plan_decode(1, S_Q, N, _D, _DV, max_pages, page, torch_dt, 132)
+    plan = plan_decode(1, S_Q, N, _D, _DV, max_pages, page, torch_dt, 132,
+                       batch_invariant=batch_invariant)
+    fixed = plan.split_keys // plan.block_n
     const = dict(N=N, S_Q=S_Q, DV=_DV, DR=_D - _DV, PAGE_SIZE=page, BLOCK_M=plan.block_m,
                  BLOCK_N=plan.block_n, BLOCK_DV=_DV, BLOCK_DR=_D - _DV, HAS_PE=True,
                  PAGE_TILE=page % plan.block_n == 0, USE_TMA=plan.use_tma, CAUSAL=CAUSAL,
-                 SPLIT=plan.num_splits > 1, HAS_SINK=False,
-                 DOT_PREC="ieee" if dtype == "fp32" else "tf32")
+                 SPLIT=plan.num_splits > 1 or fixed > 0, HAS_SINK=False,
+                 DOT_PREC="ieee" if dtype == "fp32" else "tf32", SPLIT_TILES=fixed,
+                 SPLIT_CAP=plan.num_splits if fixed else 0)
     ptrs = dict(Q=dt, KV=dt, BT="i32", SEQLENS="i32", O=dt, LSE="fp32", OP="fp32",
                 LSEP="fp32", SINK="fp32")
     ints = dict(stride_qb=S_Q * N * _D, stride_qt=N * _D, stride_qh=_D,
@@ -139,7 +146,8 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                    dtype: str = "bf16", HAS_SINK: bool = False,
                    CHECK_RANGE: bool = False, MODEL1: bool = False, HAS_EXTRA: bool = False,
                    HAS_TOPK_LEN2: bool = False, D: int = 576, RAW_STAGES: int = 2,
-                   MODEL1_KERNEL: str = "staged") -> triton.compiler.CompiledKernel:
+                   MODEL1_KERNEL: str = "staged", SPLIT_TILES: int = 0,
+                   SPLIT_CAP: int = 0) -> triton.compiler.CompiledKernel:
     """``sparse_kernel`` for sm_90 as ``mla.fast.sparse`` launches it: a ``[Q, N, 576]``
     query, top-k 2048, a cache of 576-element rows or ``fp8_ds_mla`` 656-byte rows, or
     (``MODEL1``) a ``[Q, N, 512]`` query over MODEL1 pages of 64 tokens; ``MODEL1_KERNEL``
@@ -152,7 +160,8 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                  HAS_MAXL=HAS_MAXL, SPLIT=SPLIT, SCALE_OFFSET=_DV if FP8 else 0,
                  ROPE_OFFSET=_ROPE_OFFSET, HAS_SINK=HAS_SINK, CHECK_RANGE=CHECK_RANGE,
                  MODEL1=MODEL1, HAS_EXTRA=HAS_EXTRA, HAS_TOPK_LEN2=HAS_TOPK_LEN2,
-                 HAS_PE=not MODEL1 and D == _D, RAW_STAGES=RAW_STAGES if MODEL1 else 1)
+                 HAS_PE=not MODEL1 and D == _D, RAW_STAGES=RAW_STAGES if MODEL1 else 1,
+                 SPLIT_TILES=SPLIT_TILES, SPLIT_CAP=SPLIT_CAP)
     fn = sm90_sparse.sparse_kernel
     if MODEL1 and MODEL1_KERNEL == "warp_specialized":
         from mla.fast.sm90.sparse_ws import model1_ws_kernel
@@ -237,6 +246,17 @@ VARIANTS = [
                     HAS_TOPK_LEN2=True, HAS_SINK=True, CHECK_RANGE=True)),
     ("sparse", dict(FP8=True, HAS_EXTRA=True, HAS_SINK=True, CHECK_RANGE=True)),
     ("sparse", dict(FP8=False, D=512, N=64, HAS_MAXL=True, HAS_SINK=True, HAS_TOPK_LEN=True)),
+    # the batch-invariant plans: fixed-length splits (mla.fast.decode.plan, mla.fast.sparse.plan)
+    ("decode", dict(N=128, S_Q=1, SPLIT=True, SPLIT_TILES=16, SPLIT_CAP=32)),
+    ("decode", dict(N=128, S_Q=2, CAUSAL=True, SPLIT=True, HAS_SINK=True, SPLIT_TILES=16,
+                    SPLIT_CAP=32)),
+    ("sparse", dict(FP8=True, SPLIT=True, HAS_TOPK_LEN=True, CHECK_RANGE=True, SPLIT_TILES=8,
+                    SPLIT_CAP=16)),
+    ("sparse", dict(FP8=False, MODEL1=True, N=64, HAS_EXTRA=True, HAS_TOPK_LEN=True,
+                    HAS_TOPK_LEN2=True, HAS_SINK=True, CHECK_RANGE=True, SPLIT=True,
+                    MODEL1_KERNEL="warp_specialized", SPLIT_TILES=8, SPLIT_CAP=16)),
+    ("triton_decode", dict(N=16, S_Q=1, batch_invariant=True)),
+    ("triton_decode", dict(N=128, S_Q=2, CAUSAL=True, dtype="fp32", batch_invariant=True)),
 ]
 
 

@@ -64,7 +64,8 @@ def compile_plan(dt: str, fmt: int, N: int, block_m: int, block_n: int, warps: i
                  BLOCK_N=block_n, BLOCK_DV=512, BLOCK_DR=64 if D > dv else 16,
                  HAS_PE=D > dv, FORMAT=fmt, HAS_TOPK_LEN=False, HAS_EXTRA=False,
                  HAS_TOPK_LEN2=False, HAS_SINK=False, CHECK_RANGE=False, HAS_MAXL=False,
-                 SPLIT=False, DOT_PREC="ieee" if dt == "fp32" else "tf32", num_splits=1)
+                 SPLIT=False, DOT_PREC="ieee" if dt == "fp32" else "tf32", SPLIT_TILES=0,
+                 SPLIT_CAP=0, num_splits=1)
     const.update(flags)
     cache = {PLAIN: dt, DS_MLA: "u8", MODEL1: "u8"}[fmt]
     ptrs = {"Q": dt, "KV": cache, "KV_F32": "fp32" if fmt == DS_MLA else cache,

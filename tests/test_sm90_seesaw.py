@@ -43,7 +43,8 @@ for a in json.loads(sys.argv[1]):
     N, S_Q, dt = a["N"], a["S_Q"], {"bf16": "bf16", "fp16": "fp16"}[a.get("dtype", "bf16")]
     page, splits, pages, D, DV = 64, 4 if a.get("SPLIT") else 1, 512, 576, 512
     const = dict(N=N, S_Q=S_Q, PAGE_SIZE=page, CAUSAL=a.get("CAUSAL", False),
-                 SPLIT=a.get("SPLIT", False), HAS_SINK=a.get("HAS_SINK", False))
+                 SPLIT=a.get("SPLIT", False), HAS_SINK=a.get("HAS_SINK", False),
+                 SPLIT_TILES=a.get("SPLIT_TILES", 0), SPLIT_CAP=a.get("SPLIT_CAP", 0))
     ptrs = dict(Q=dt, KV=dt, BT="i32", SEQLENS="i32", O=dt, LSE="fp32", OP="fp32",
                 LSEP="fp32", SINK="fp32")
     ints = dict(stride_qb=S_Q * N * D, stride_qt=N * D, stride_qh=D, stride_kvb=page * D,

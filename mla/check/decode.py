@@ -142,6 +142,15 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
         yield Case(f"N=128 s_q={s_q} causal={int(causal)} seesaw split={splits}",
                    _case(ctx, 45 + j, edge + [3000], s_q, 128, causal,
                          plan=DecodePlan(64, 64, splits, 8, 2, seesaw=True)))
+    # the batch-invariant plans' fixed-length splits (mla.fast.decode.plan): the seesaw and the
+    # coupled Gluon kernels and the Triton kernel; a cap of 2 splits stretches the long runs
+    for j, plan in enumerate([DecodePlan(64, 64, 32, 8, 2, seesaw=True, split_keys=1024),
+                              DecodePlan(64, 64, 32, 8, 2, seesaw=False, split_keys=1024),
+                              DecodePlan(64, 64, 2, 8, 2, seesaw=True, split_keys=256),
+                              DecodePlan(16, 64, 64, 4, 2, use_tma=False, split_keys=256)]):
+        N = 16 if plan.block_m == 16 else 128
+        yield Case(f"N={N} s_q=2 causal batch-invariant {plan}",
+                   _case(ctx, 50 + j, edge + [3000, 9000], 2, N, True, plan=plan))
     yield Case("float16 N=128 s_q=2 causal",
                _case(ctx, 40, edge, 2, 128, True, dtype=torch.float16), torch.float16)
     yield Case("float32 N=16 s_q=1 lens 0,1,65,300",

@@ -161,6 +161,13 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
                               SparsePlan(16, 64, 5, 4, 2)]):
         yield case(f"fp8 cache B=3 N=128 topk=2048 lens 2048,7,1500 forced {plan}", 540 + j,
                    3, 1, 128, 2048, 20000, True, [2048, 7, 1500], plan)
+    # the batch-invariant plans' fixed-length runs (mla.fast.sparse.plan): the Gluon kernel,
+    # a cap of 2 runs stretching them, and the Triton kernel
+    for j, plan in enumerate([SparsePlan(64, 64, 16, 8, 2, split_entries=512),
+                              SparsePlan(64, 64, 2, 8, 2, split_entries=256),
+                              SparsePlan(64, 64, 16, 8, 2, sm90=False, split_entries=512)]):
+        yield case(f"fp8 cache B=3 N=128 topk=2048 lens 2048,7,1500 batch-invariant {plan}",
+                   550 + j, 3, 1, 128, 2048, 20000, True, [2048, 7, 1500], plan)
     yield case("fp8 block-padded cache [nb, 65, 656] B=4 N=128 topk=2048 lens 2048,7,0,900",
                545, 4, 1, 128, 2048, 20000, True, [2048, 7, 0, 900], padded=True)
     yield case("fp8 block-padded cache B=3 N=128 topk=2048 forced Triton", 546, 3, 1, 128,

@@ -144,13 +144,20 @@ def check_out(out: object, shape: tuple[int, ...], like: torch.Tensor) -> torch.
     return out
 
 
-def check_batch_invariant(batch_invariant: object, num_splits: int | None) -> None:
-    """``batch_invariant`` a bool, and not beside a plan that splits the keys."""
+def check_batch_invariant(batch_invariant: object, plan: object) -> None:
+    """``batch_invariant`` a bool, and not beside a plan whose splits follow the batch: with it
+    a given plan (``DecodePlan`` or ``SparsePlan``) must split by a fixed length
+    (``split_keys`` / ``split_entries`` > 0) or not at all (``num_splits = 1``)."""
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant must be a bool, got {type(batch_invariant).__name__}")
-    if batch_invariant and num_splits is not None and num_splits > 1:
-        raise ValueError(f"batch_invariant=True needs a plan with num_splits = 1 (a split "
-                         f"follows the batch), got a plan with num_splits = {num_splits}")
+    if not batch_invariant or plan is None:
+        return
+    fixed = getattr(plan, "split_keys", 0) or getattr(plan, "split_entries", 0)
+    num_splits = getattr(plan, "num_splits", 1)
+    if not fixed and num_splits > 1:
+        raise ValueError(f"batch_invariant=True needs a plan with num_splits = 1 or with "
+                         f"fixed-length splits (a split of equal shares follows the batch), "
+                         f"got a plan with num_splits = {num_splits}")
 
 
 def _fix_interpreter_index() -> None:

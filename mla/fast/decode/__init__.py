@@ -15,12 +15,14 @@ How it is fast (docs/kernels.md):
 - K and V are the same rows: the tile's first ``head_dim_v`` columns are loaded once and used
   for ``q_nope · k_nopeᵀ`` and for ``P · V``; the last ``D - head_dim_v`` (rope) columns only
   for the logits. The dims need not be powers of two (masked), e.g. the tiny preset's 32 + 8.
-- Split-KV (Flash-Decoding): each request's keys are cut into ``num_splits`` equal runs of
-  whole tiles, one program each, writing a partial ``(o, lse)``; a second small kernel merges
-  them (conventions §6; ``mla.fast.decode.combine``). ``num_splits`` comes from host-known shapes
-  only (batch, head groups, the block table's capacity, the SM count), never from device
-  values, so a call never synchronizes and can be captured in a CUDA graph. With one split the
-  first kernel writes the result directly.
+- Split-KV (Flash-Decoding): each request's keys are cut into runs of whole tiles, one
+  program each, writing a partial ``(o, lse)``; a second small kernel merges them (conventions
+  §6; ``mla.fast.decode.combine``). The default plans cut ``num_splits`` equal runs, with
+  ``num_splits`` from host-known shapes only (batch, head groups, the block table's capacity,
+  the SM count), never from device values, so a call never synchronizes and can be captured
+  in a CUDA graph; with one split the first kernel writes the result directly. The
+  batch-invariant plans (``batch_invariant=True``) cut runs of a fixed length instead, so the
+  partition depends on the request's length alone (``mla.fast.decode.plan``).
 - Online softmax in base 2 with the scale folded into one multiply; full tiles run without
   masks, only the tail (length end, causal diagonal) pays for them.
 
@@ -61,6 +63,7 @@ from mla.fast.common import (
     should_validate,
 )
 from mla.fast.decode.combine import combine_kernel, sink_factor
+from mla.fast.decode.plan import DecodePlan, plan_decode, split_grid
 from mla.fast.launch import CompiledLauncher, check_grid
 from mla.fast.softmax import load_2d, softmax_pv
 from mla.reference.decode import check_paged_decode_shapes, check_paged_decode_values
@@ -73,74 +76,6 @@ __all__ = ["DecodePlan", "plan_decode", "mla_decode_paged"]
 # the longest cache a block table may address (its blocks x the block size): the kernels count
 # key positions in int32, with room for a tile and a split past the last one
 MAX_TABLE_TOKENS = 2**31 - 2**16
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodePlan:
-    """Launch parameters of one decode call, chosen from shapes alone (no device values)."""
-
-    block_m: int  # query rows (s_q · N flattened) per program: the M of the dots
-    block_n: int  # keys per tile
-    num_splits: int  # programs per request along the keys (1: no combine kernel)
-    num_warps: int
-    num_stages: int
-    use_tma: bool = True  # full page-aligned tiles through tensor descriptors (TMA)
-    # 64-row programs on Hopper: the Gluon kernel of ``mla.fast.sm90.decode`` where it applies
-    # (it uses its own tiles: 64 × 64, 8 warps, two TMA stages; ``block_n``, ``num_warps``,
-    # ``num_stages`` and ``use_tma`` then describe only the Triton fallback)
-    sm90: bool = True
-    # with ``sm90``: the warp-specialized "seesaw" variant of that kernel
-    # (``mla.fast.sm90.decode_seesaw``); ``plan_decode`` takes it for unsplit 16-bit plans
-    seesaw: bool = False
-
-
-def plan_decode(batch: int, s_q: int, num_heads: int, head_dim: int, head_dim_v: int,
-                max_blocks: int, block_size: int, dtype: torch.dtype,
-                num_sms: int, *, split_kv: bool = True) -> DecodePlan:
-    """The default plan, from shapes alone (benchmarks/notes/decode.md has the measurements).
-
-    - ``s_q · N <= 32`` rows (memory-bound, e.g. 16 heads): 16-row programs, 4 warps,
-      pointer loads (``cp.async``): small enough in registers and shared memory that two
-      programs share an SM, and about four programs of work per SM. Faster here than 8 warps
-      or TMA tiles (the in-kernel descriptors push the 4-warp kernel into spills).
-    - more rows (compute-bound, e.g. 128 heads): 64-row programs, 8 warps, TMA tiles; q and
-      two stages of 576-wide key tiles fill the shared memory, one program per SM, so splits
-      only to reach one program per SM. Unsplit 16-bit plans (the compute-bound shapes, e.g.
-      B = 128 or s_q = 2 at 128 heads) take the seesaw variant of the sm_90 kernel: 478 against
-      693 us at B = 128, L = 8192 on the H200 (FlashMLA 505); split plans keep the coupled
-      kernel, whose short splits the seesaw variant has not been timed on.
-    Splits keep at least 2 tiles each; ``split_kv=False``: none, whatever the batch (the
-    batch-invariant plan: a request's keys are then reduced in the same order in any batch). The
-    block table's capacity (``max_blocks ·
-    block_size``) stands in for the lengths: those live on the device and reading them would
-    cost a sync.
-    """
-    rows = s_q * num_heads
-    if rows <= 32:
-        block_m, num_warps, use_tma, per_sm = 16, 4, False, 4
-    else:
-        block_m, num_warps, use_tma, per_sm = 64, 8, True, 1
-    if dtype == torch.float32:
-        # float32 rows are twice as wide: with 64-row programs two stages of 32-key tiles need
-        # 295 KB of shared memory on sm_90 (ptxas), over the 227 KB an SM has; 16-key tiles
-        # need 221 KB (benchmarks/sm90_compile.py, tests/test_sm90_compile.py)
-        block_n = 16 if block_m == 64 else 32
-    else:
-        block_n = 64
-    page_pow2 = block_size & -block_size  # largest power of two dividing the page size
-    if block_size % block_n and page_pow2 >= 16:
-        block_n = page_pow2  # smaller tiles that stay inside one page (tensor descriptors)
-    groups = -(-rows // block_m)
-    tiles = max(1, -(-(max_blocks * block_size) // block_n))
-    base = batch * groups
-    target = per_sm * num_sms
-    splits = 1
-    if base < target and split_kv:
-        splits = max(1, min(round(target / base), tiles // 2, 128))
-        splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at capacity
-    seesaw = block_m == 64 and splits == 1 and dtype in (torch.bfloat16, torch.float16)
-    return DecodePlan(block_m=block_m, block_n=block_n, num_splits=splits,
-                      num_warps=num_warps, num_stages=2, use_tma=use_tma, seesaw=seesaw)
 
 
 @triton.jit
@@ -222,9 +157,11 @@ def _decode_kernel(
     BLOCK_DV: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr,
     PAGE_TILE: tl.constexpr, USE_TMA: tl.constexpr, CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr, HAS_SINK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, SPLIT_TILES: tl.constexpr, SPLIT_CAP: tl.constexpr,
 ):
     """Grid ``(head groups, splits, B)``: the head groups of one key run are neighbours.
+    ``SPLIT_TILES > 0``: fixed-length splits of at least that many tiles, at most
+    ``SPLIT_CAP`` per request (``mla.fast.decode.plan``); 0: ``num_splits`` equal shares.
 
     A request whose length is negative or beyond the block table's ``max_blocks`` pages, or
     whose used table entries leave ``[0, num_blocks)``, reads nothing outside the tensors and
@@ -253,13 +190,17 @@ def _decode_kernel(
     else:
         q_pe = q_nope  # unused
 
-    # this program's keys: an equal share of whole tiles of the request's length
+    # this program's keys: an equal share of whole tiles of the request's length, or a run of
+    # fixed length (a function of the request's length alone: batch invariant)
     L = tl.load(SEQLENS + b)
     # (L - 1) // PAGE_SIZE >= max_blocks: past the capacity, without overflowing L + PAGE_SIZE
     bad = (L < 0) | ((L > 0) & ((L - 1) // PAGE_SIZE >= max_blocks))
     L = tl.where(bad, 0, L)
     n_tiles = tl.cdiv(L, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits)
+    if SPLIT_TILES > 0:
+        per_split = tl.maximum(tl.cdiv(n_tiles, SPLIT_CAP), SPLIT_TILES)
+    else:
+        per_split = tl.cdiv(n_tiles, num_splits)
     lo = split * per_split * BLOCK_N
     end = tl.minimum(lo + per_split * BLOCK_N, L)
     limit = L - S_Q + t  # last key query t sees (causal)
@@ -422,7 +363,7 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     check_attn_sink(attn_sink, q.shape[2], q.device)
     if plan is not None and not isinstance(plan, DecodePlan):
         raise TypeError(f"plan must be a DecodePlan or None, got {type(plan).__name__}")
-    check_batch_invariant(batch_invariant, None if plan is None else plan.num_splits)
+    check_batch_invariant(batch_invariant, plan)
     B, s_q, N, D = q.shape
     num_blocks, block_size, _ = kv_cache.shape
     DV, DR = head_dim_v, D - head_dim_v
@@ -431,10 +372,18 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         return _Launch(out_shape, lse_shape, None)
     if plan is None:
         plan = plan_decode(B, s_q, N, D, DV, block_table.shape[1], block_size, q.dtype,
-                           num_sms(q.device), split_kv=not batch_invariant)
+                           num_sms(q.device), batch_invariant=batch_invariant)
     rows = s_q * N
-    split = plan.num_splits > 1
-    grid = (triton.cdiv(rows, plan.block_m), plan.num_splits, B)
+    sm90_route = _sm90_route(plan, q, kv_cache, DV)
+    tile = 64 if sm90_route else plan.block_n  # the kernel's keys per tile
+    if plan.split_keys % tile:
+        raise ValueError(f"plan.split_keys ({plan.split_keys}) must be a multiple of the "
+                         f"kernel's tile ({tile} keys)")
+    splits = split_grid(plan, capacity, tile)
+    # fixed-length splits always end in the combine, one split too (the same kernels, so the
+    # same bits, whatever the grid: mla.fast.decode.plan)
+    split = splits > 1 or plan.split_keys > 0
+    grid = (triton.cdiv(rows, plan.block_m), splits, B)
     check_grid("mla_decode_paged (grid: row groups of s_q x heads, splits, requests)", grid)
     if split:
         check_grid("mla_decode_paged (combine grid: s_q x heads, requests)", (rows, B, 1))
@@ -449,30 +398,32 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     ints = (q.stride(0), q.stride(1), q.stride(2),
             kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1))
-    tail = (plan.num_splits, num_blocks * block_size, num_blocks, block_table.shape[1])
+    tail = (splits, num_blocks * block_size, num_blocks, block_table.shape[1])
     block_dv = max(16, next_pow2(DV))
+    # fixed-length splits: tiles per split, most splits per request (0, 0: equal shares)
+    fixed = (plan.split_keys // tile, plan.num_splits) if plan.split_keys else (0, 0)
+    o_size = -(-B * splits * rows * DV // 4) * 4
     common = dict(
         out_shape=out_shape, lse_shape=lse_shape,
         grid=grid, copy=copy,
-        part_size=(-(-B * plan.num_splits * rows * DV // 4) * 4 + B * plan.num_splits * rows)
-        if split else 0,
-        part_lse=-(-B * plan.num_splits * rows * DV // 4) * 4,
+        part_size=o_size + B * splits * rows if split else 0,
+        part_lse=o_size,
         ints=ints, tail=tail,
         combine_grid=(rows, B, 1) if split else None,
         combine_ints=(out.stride(0), out.stride(1), out.stride(2), lse.stride(0),
                       lse.stride(1)),
-        combine_constexprs=(N, s_q, DV, block_dv, max(2, next_pow2(plan.num_splits)),
-                            has_sink))
-    if _sm90_route(plan, q, kv_cache, DV):
+        combine_constexprs=(N, s_q, DV, block_dv, max(2, next_pow2(splits)), has_sink,
+                            plan.split_keys > 0))
+    if sm90_route:
         return _Launch(sm90=True, seesaw=plan.seesaw, allocator=True,
-                       constexprs=(N, s_q, block_size, bool(causal), split, has_sink),
+                       constexprs=(N, s_q, block_size, bool(causal), split, has_sink, *fixed),
                        options={"num_warps": 4 if plan.seesaw else 8}, **common)
     page_tile = block_size % plan.block_n == 0
     use_tma = plan.use_tma and page_tile and _tma_ok(kv_cache, DV, DR)
     constexprs = (N, s_q, DV, DR, block_size, plan.block_m, plan.block_n, block_dv,
                   max(16, next_pow2(DR)) if DR else 16, DR > 0, page_tile, use_tma,
                   bool(causal), split, has_sink,
-                  "ieee" if q.dtype == torch.float32 else "tf32")
+                  "ieee" if q.dtype == torch.float32 else "tf32", *fixed)
     return _Launch(constexprs=constexprs, allocator=use_tma,
                    options={"num_warps": plan.num_warps, "num_stages": plan.num_stages},
                    **common)
@@ -504,9 +455,11 @@ def mla_decode_paged(
     ``None`` (default): as ``mla.fast.set_validation`` says (off unless turned on), never while
     a CUDA graph is being captured. Unvalidated bad values give NaN for their request.
     ``plan``: launch parameters; default ``plan_decode(...)`` from the shapes.
-    ``batch_invariant``: no split-KV, so a request's result is the same bits alone or in any
-    batch (FlashMLA's ``enable_batch_invariant``); it costs time where a batch is too small to
-    fill the GPU (``benchmarks/notes/decode.md``). ``out``: a preallocated contiguous
+    ``batch_invariant``: a request's result is the same bits alone or in any batch (FlashMLA's
+    ``enable_batch_invariant``): the plan (``plan_decode(..., batch_invariant=True)``) splits
+    each request's keys into runs of a fixed length, which do not depend on the batch, and
+    merges them in a fixed order (``mla.fast.decode.plan``); a given ``plan`` must split so
+    (``split_keys > 0``) or not at all. ``out``: a preallocated contiguous
     ``[B, s_q, N, head_dim_v]`` tensor of q's dtype to write and return.
     """
     global _sm90_decode, _sm90_module, _sm90_seesaw

@@ -73,16 +73,23 @@ def supported(q: torch.Tensor, kv_cache: torch.Tensor, head_dim_v: int) -> bool:
 
 @gluon.jit
 def request_tiles(SEQLENS, b, split, num_splits, max_blocks, PAGE_SIZE: gl.constexpr,
-                  BN: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr):
+                  BN: gl.constexpr, S_Q: gl.constexpr, CAUSAL: gl.constexpr,
+                  SPLIT_TILES: gl.constexpr, SPLIT_CAP: gl.constexpr):
     """Request ``b``'s length ``L`` (0 when bad), whether it is bad (negative, or past the
     table's capacity: NaN results), and this split's keys: an equal share ``[t_lo, t_hi)`` of
-    whole tiles, its last key ``end`` and ``full_end``, the keys every query row sees."""
+    whole tiles, or (``SPLIT_TILES > 0``, the batch-invariant plans) a run of
+    ``max(SPLIT_TILES, ceil(tiles / SPLIT_CAP))`` tiles, a function of ``L`` alone
+    (``mla.fast.decode.plan``); its last key ``end`` and ``full_end``, the keys every query
+    row sees."""
     L = gl.load(SEQLENS + b)
     # written so that L + PAGE_SIZE cannot overflow
     bad = (L < 0) | ((L > 0) & ((L - 1) // PAGE_SIZE >= max_blocks))
     L = gl.where(bad, 0, L)
     n_tiles = gl.cdiv(L, BN)
-    per_split = gl.cdiv(n_tiles, num_splits)
+    if SPLIT_TILES > 0:
+        per_split = gl.maximum(gl.cdiv(n_tiles, SPLIT_CAP), SPLIT_TILES)
+    else:
+        per_split = gl.cdiv(n_tiles, num_splits)
     t_lo = split * per_split
     t_hi = gl.minimum(t_lo + per_split, n_tiles)
     end = gl.minimum(t_hi * BN, L)
@@ -191,10 +198,12 @@ def decode_kernel(
     qk_scale, num_splits, kv_rows, num_blocks, max_blocks,
     N: gl.constexpr, S_Q: gl.constexpr, PAGE_SIZE: gl.constexpr,
     CAUSAL: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
+    SPLIT_TILES: gl.constexpr, SPLIT_CAP: gl.constexpr,
 ):
     """Grid ``(head groups, splits, B)``, 8 warps. Bad lengths and table entries give NaN
     for the request, as the Triton kernel's (``mla.fast.decode``); ``HAS_SINK``: the sink
-    factor in the unsplit epilogue (the combine kernel applies it after a split)."""
+    factor in the unsplit epilogue (the combine kernel applies it after a split);
+    ``SPLIT_TILES``, ``SPLIT_CAP``: fixed-length splits (``request_tiles``; 0: equal shares)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
@@ -239,7 +248,8 @@ def decode_kernel(
     q_pe.store(x)
 
     L, bad, t_lo, t_hi, end, full_end = request_tiles(SEQLENS, b, split, num_splits,
-                                                      max_blocks, PAGE_SIZE, BN, S_Q, CAUSAL)
+                                                      max_blocks, PAGE_SIZE, BN, S_Q, CAUSAL,
+                                                      SPLIT_TILES, SPLIT_CAP)
 
     kv_desc = tma.make_tensor_descriptor(KV, shape=[kv_rows, DV], strides=[stride_kvr, 1],
                                          block_shape=[BN, DV], layout=smem)

@@ -353,9 +353,11 @@ def seesaw_kernel(
     qk_scale, num_splits, kv_rows, num_blocks, max_blocks,
     N: gl.constexpr, S_Q: gl.constexpr, PAGE_SIZE: gl.constexpr,
     CAUSAL: gl.constexpr, SPLIT: gl.constexpr, HAS_SINK: gl.constexpr,
+    SPLIT_TILES: gl.constexpr, SPLIT_CAP: gl.constexpr,
 ):
     """Grid ``(head groups, splits, B)``, ``num_warps=4`` (+4 for group 1). Bad lengths and
-    table entries give NaN for the request, as ``mla.fast.sm90.decode.decode_kernel``."""
+    table entries give NaN for the request, and ``SPLIT_TILES``/``SPLIT_CAP`` (fixed-length
+    splits) mean what they mean, as in ``mla.fast.sm90.decode.decode_kernel``."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
@@ -420,7 +422,8 @@ def seesaw_kernel(
     p_smem[1].store(x)  # each group takes q's rope columns into registers from here
 
     L, bad, t_lo, t_hi, end, full_end = request_tiles(SEQLENS, b, split, num_splits,
-                                                      max_blocks, PAGE_SIZE, BN, S_Q, CAUSAL)
+                                                      max_blocks, PAGE_SIZE, BN, S_Q, CAUSAL,
+                                                      SPLIT_TILES, SPLIT_CAP)
 
     kv_desc = tma.make_tensor_descriptor(KV, shape=[kv_rows, DV], strides=[stride_kvr, 1],
                                          block_shape=[BN, DH], layout=smem)

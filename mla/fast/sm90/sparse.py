@@ -103,6 +103,7 @@ def sparse_kernel(
     HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
     HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
     SCALE_OFFSET: gl.constexpr, ROPE_OFFSET: gl.constexpr, RAW_STAGES: gl.constexpr,
+    SPLIT_TILES: gl.constexpr, SPLIT_CAP: gl.constexpr,
 ):
     """Grid ``(queries · GROUPS, splits)``, 8 warps. ``KV`` is the cache as rows of
     ``stride_row`` elements (q's dtype) or bytes (``FP8``: uint8, 656-byte rows), or
@@ -114,7 +115,9 @@ def sparse_kernel(
     entry outside ``[-1, n_rows)``, gets NaN results; ``SINK [N]`` (``HAS_SINK``) scales the
     unsplit output by ``σ(lse − sink)`` (split partials get it in the combine kernel).
     ``RAW_STAGES`` (MODEL1): 2 staging buffers, the copies two tiles ahead (issued while a
-    tile's ``P · V`` runs); 1: one buffer, the next tile's copies after the dequantization."""
+    tile's ``P · V`` runs); 1: one buffer, the next tile's copies after the dequantization.
+    ``SPLIT_TILES > 0``: the list cut into runs of ``max(SPLIT_TILES, ceil(tiles /
+    SPLIT_CAP))`` tiles (the batch-invariant plans); 0: ``num_splits`` equal shares."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
@@ -180,7 +183,8 @@ def sparse_kernel(
 
     load_q(Q, qi64, g, stride_qq, stride_qh, q_nope, q_pe, N, HAS_PE, ld)
 
-    # this program's entries: an equal share of whole tiles of the query's list
+    # this program's entries: an equal share of whole tiles of the query's list, or a run of
+    # fixed length
     c_s = gl.arange(0, BN, layout=col_s)
     # a topk_length outside [0, topk]: NaN results, reads clamped to the row
     n1, bad = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
@@ -191,7 +195,10 @@ def sparse_kernel(
         n2, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
         bad = bad | bad2
         tiles = tiles1 + gl.cdiv(n2, BN)
-    per_split = gl.cdiv(tiles, num_splits)
+    if SPLIT_TILES > 0:  # fixed-length runs (batch invariant): mla.fast.sparse.plan
+        per_split = gl.maximum(gl.cdiv(tiles, SPLIT_CAP), SPLIT_TILES)
+    else:
+        per_split = gl.cdiv(tiles, num_splits)
     t_lo = split * per_split
     t_hi = gl.minimum(t_lo + per_split, tiles)
     idx1 = IDX + qi64 * stride_iq

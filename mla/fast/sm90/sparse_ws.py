@@ -57,6 +57,7 @@ def model1_ws_kernel(
     N: gl.constexpr, S: gl.constexpr, GROUPS: gl.constexpr, HAS_EXTRA: gl.constexpr,
     HAS_TOPK_LEN2: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_SINK: gl.constexpr,
     CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr,
+    SPLIT_TILES: gl.constexpr, SPLIT_CAP: gl.constexpr,
 ):
     """Grid ``(queries · GROUPS, splits)``, 8 warps (and the producer's 4); the arguments of
     ``mla.fast.sm90.sparse.sparse_kernel`` over MODEL1 pages (``KV``, ``KV2``: uint8 pages
@@ -102,7 +103,10 @@ def model1_ws_kernel(
     if HAS_EXTRA:
         n2, _ = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
         tiles = tiles1 + gl.cdiv(n2, BN)
-    per_split = gl.cdiv(tiles, num_splits)
+    if SPLIT_TILES > 0:  # fixed-length runs (batch invariant): mla.fast.sparse.plan
+        per_split = gl.maximum(gl.cdiv(tiles, SPLIT_CAP), SPLIT_TILES)
+    else:
+        per_split = gl.cdiv(tiles, num_splits)
     t_lo = split * per_split
     t_hi = gl.minimum(t_lo + per_split, tiles)
     idx1 = IDX + qi64 * stride_iq

@@ -44,7 +44,9 @@ How (docs/kernels.md, "Sparse"):
 - Split-``topk`` (Flash-Decoding): when ``queries × head groups`` is below the SMs' worth of
   programs, each query's list is cut into ``num_splits`` runs of whole tiles; partial
   ``(o, lse, max)`` go to float32 scratch and a second kernel merges them by lse (conventions §6).
-  ``num_splits`` comes from shapes only, so a call never synchronizes (CUDA graphs).
+  ``num_splits`` comes from shapes only, so a call never synchronizes (CUDA graphs). With
+  ``batch_invariant=True`` the runs have a fixed length instead, whatever the batch
+  (``mla.fast.sparse.plan``).
 - The Gluon sm_90 kernel (``mla.fast.sm90.sparse``) takes the 64-head programs over
   DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``), DeepSeek-V4's rows of 512 (in q's
   dtype, or MODEL1 pages with bf16 q), one or two scopes, sinks included; over MODEL1 pages
@@ -101,7 +103,7 @@ from mla.fast.common import (
 from mla.fast.launch import CompiledLauncher, check_grid
 from mla.fast.sparse.index import convert_req_index_to_global_index
 from mla.fast.sparse.kernels import DS_MLA, MODEL1, PLAIN, combine_kernel, sparse_kernel
-from mla.fast.sparse.plan import SparsePlan, plan_sparse
+from mla.fast.sparse.plan import SparsePlan, plan_sparse, split_grid
 from mla.fast.sparse.scope import (
     Scope,
     View,
@@ -186,11 +188,13 @@ def _tkey(t: torch.Tensor | None) -> tuple | None:
 
 def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int,
              has_maxl: bool, dv: int, plan: SparsePlan | None,
-             out_shapes: tuple[tuple[int, ...], ...], split: bool = True) -> _Launch:
+             out_shapes: tuple[tuple[int, ...], ...],
+             batch_invariant: bool = False) -> _Launch:
     """The launch of checked arguments: ``q_view(q)`` ``[Q, N, D]`` over one or two scopes into
     ``out [Q, N, dv]``, lse (decode ``[B, N, s_q]``, ``S = s_q``; prefill ``[s_q, N]``,
     ``S = 1``) and, with ``has_maxl`` (prefill), ``max_logits [Q, N]``. Decode (no max
-    logits) also turns an entry outside ``[-1, rows)`` into a NaN query."""
+    logits) also turns an entry outside ``[-1, rows)`` into a NaN query. ``batch_invariant``:
+    the default plan is ``plan_sparse(..., batch_invariant=True)``'s."""
     q = q_view(sources[0])
     Q, N, D = q.shape
     first = scopes[0]
@@ -199,7 +203,7 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
     topk, topk2 = first.idx.shape[1], extra.idx.shape[1] if has_extra else 0
     if plan is None:
         plan = plan_sparse(Q, N, topk + topk2, q.dtype, fmt != PLAIN, num_sms(q.device),
-                           model1=fmt == MODEL1, split=split)
+                           model1=fmt == MODEL1, batch_invariant=batch_invariant)
     # the input slots: q, the first scope's views (sources 1-3), the second's (4-6), the sink
     jit: list[tuple[int, View] | None] = [(0, q_view)]
     for base, sc, present in ((1, first, True), (4, extra, has_extra)):
@@ -221,7 +225,16 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
         slot[_KV2:_LEN2 + 1] = slot[_KV:_LEN + 1]
     elif not extra.has_length:
         slot[_LEN2] = _IDX2
-    split = plan.num_splits > 1
+    sm90_route = _sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None)
+    tile = 64 if sm90_route else plan.block_n  # the kernel's entries per tile
+    if plan.split_entries % tile:
+        raise ValueError(f"plan.split_entries ({plan.split_entries}) must be a multiple of the "
+                         f"kernel's tile ({tile} entries)")
+    splits = split_grid(plan, -(-topk // tile) + -(-topk2 // tile), tile)
+    # fixed-length splits always end in the (ordered) combine, one split too
+    split = splits > 1 or plan.split_entries > 0
+    # fixed-length splits: tiles per split, most splits per query (0, 0: equal shares)
+    fixed = (plan.split_entries // tile, plan.num_splits) if plan.split_entries else (0, 0)
     for s, present in ((_SINK, sources[7] is not None), (_MAXL, has_maxl), (_OP, split),
                        (_LSEP, split), (_MAXP, split)):
         if not present:
@@ -235,11 +248,10 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
         lse_s, m_s = (N, 0, 1), (N, 1)
     else:  # decode: lse [B, N, s_q] read as (b, t, head)
         lse_s, m_s = (N * S, 1, S), (0, 0)
-    o_size = -(-Q * plan.num_splits * N * DV // 4) * 4
-    l_size = -(-Q * plan.num_splits * N // 4) * 4
+    o_size = -(-Q * splits * N * DV // 4) * 4
+    l_size = -(-Q * splits * N // 4) * 4
     flags = dict(has_sink=sources[7] is not None, check_range=not has_maxl)
 
-    sm90_route = _sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None)
     ws = fmt == MODEL1 and plan.model1_kernel == "warp_specialized"
     if sm90_route:
         def layout(sc: Scope) -> tuple[int, int]:  # (row or page stride, page size)
@@ -248,35 +260,37 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
                 extra.idx.stride(0), *layout(extra), *out_s, *lse_s, *m_s,
                 first.n_rows, topk, extra.n_rows, topk2)
         if ws:
-            tail = (plan.num_splits, N, S, groups, has_extra, has_extra and extra.has_length,
-                    first.has_length, flags["has_sink"], flags["check_range"], has_maxl, split)
+            tail = (splits, N, S, groups, has_extra, has_extra and extra.has_length,
+                    first.has_length, flags["has_sink"], flags["check_range"], has_maxl, split,
+                    *fixed)
         else:
-            tail = (plan.num_splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0,
+            tail = (splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0,
                     has_extra, has_extra and extra.has_length, first.has_length,
                     flags["has_sink"], flags["check_range"], has_maxl, split,
                     D_NOPE if fmt == DS_MLA else 0, ROPE_OFFSET,
-                    2 if fmt == MODEL1 and plan.num_stages >= 2 else 1)
+                    2 if fmt == MODEL1 and plan.num_stages >= 2 else 1, *fixed)
         ptr_map, options = tuple(slot[s] for s in _SM90_SLOTS), {"num_warps": 8}
     else:
         ints = (q.stride(0), q.stride(1), first.idx.stride(0), first.stride_row,
                 first.page_size, first.page_stride, extra.idx.stride(0), extra.stride_row,
                 extra.page_size, extra.page_stride, *out_s, *lse_s, *m_s,
                 first.n_rows, topk, extra.n_rows, topk2)
-        tail = (plan.num_splits, N, S, groups, DV, DR, plan.block_m, plan.block_n, block_dv,
+        tail = (splits, N, S, groups, DV, DR, plan.block_m, plan.block_n, block_dv,
                 max(16, next_pow2(DR)) if DR else 16, DR > 0, fmt, first.has_length,
                 has_extra, has_extra and extra.has_length, flags["has_sink"],
                 flags["check_range"], has_maxl, split,
-                "ieee" if q.dtype == torch.float32 else "tf32")
+                "ieee" if q.dtype == torch.float32 else "tf32", *fixed)
         ptr_map = tuple(slot[s] for s in _TRITON_SLOTS)
         options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
-    grid, combine_grid = (Q * groups, plan.num_splits, 1), (Q * N, 1, 1)
+    grid, combine_grid = (Q * groups, splits, 1), (Q * N, 1, 1)
     name = "sparse_mla_prefill" if has_maxl else "sparse_mla_decode"
     check_grid(f"{name} (grid: queries x head groups, splits)", grid)
     combine_args: tuple = ()
     if split:
         check_grid(f"{name} (combine grid: queries x heads)", combine_grid)
-        combine_args = (plan.num_splits, *out_s, *lse_s, *m_s, N, S, DV, block_dv,
-                        max(2, next_pow2(plan.num_splits)), flags["has_sink"], has_maxl)
+        combine_args = (splits, *out_s, *lse_s, *m_s, N, S, DV, block_dv,
+                        max(2, next_pow2(splits)), flags["has_sink"], has_maxl,
+                        plan.split_entries > 0)
     return _Launch(out_shapes, grid, sm90_route,
                    sm90_route and ws, tuple(jit),
                    direct, ptr_map, o_size + 2 * l_size if split else 0, o_size,
@@ -452,9 +466,11 @@ def sparse_mla_decode(
     ``validate``: check ``indices`` and ``topk_length`` ranges on the host (a sync); without
     the checks a query whose length lies outside ``[0, topk]`` or that uses an entry outside
     ``[-1, slots)`` gets NaN ``out`` and ``lse``. ``plan``: default ``plan_sparse(...)``.
-    ``batch_invariant``: no split of the top-k lists, so a query's result is the same bits
-    alone or in any batch (FlashMLA's ``enable_batch_invariant``); it costs time where the
-    batch is too small to fill the GPU. ``out``: a preallocated contiguous
+    ``batch_invariant``: a query's result is the same bits alone or in any batch (FlashMLA's
+    ``enable_batch_invariant``): the plan (``plan_sparse(..., batch_invariant=True)``) cuts
+    each query's list into runs of a fixed length, which do not depend on the batch, merged
+    in a fixed order (``mla.fast.sparse.plan``); a given ``plan`` must split so
+    (``split_entries > 0``) or not at all. ``out``: a preallocated contiguous
     ``[B, s_q, N, head_dim_v]`` tensor of q's dtype to write and return.
     """
     extras = dict(extra_k_cache=extra_k_cache, extra_indices_in_kvcache=extra_indices_in_kvcache,
@@ -468,7 +484,7 @@ def sparse_mla_decode(
                                    fp8_layouts=("fp8_ds_mla", "MODEL1"), **extras)
         check_kernel_input(q)
         _check_plan(plan)
-        check_batch_invariant(batch_invariant, None if plan is None else plan.num_splits)
+        check_batch_invariant(batch_invariant, plan)
         B, s_q, N, D = q.shape
         shapes = ((B, s_q, N, head_dim_v), (B, N, s_q))
         if B * s_q * N * head_dim_v == 0:
@@ -481,7 +497,7 @@ def sparse_mla_decode(
                                         extra_indices_in_kvcache, extra_topk_length,
                                         is_fp8_kvcache)[0])
         return _prepare(lambda t: unit_stride(t.reshape(B * s_q, N, D)), sources, scopes, fmt,
-                        s_q, False, head_dim_v, plan, shapes, split=not batch_invariant)
+                        s_q, False, head_dim_v, plan, shapes, batch_invariant)
 
     key, launch = _cached(_key("decode", sources, is_fp8_kvcache, head_dim_v, plan,
                                batch_invariant), prepare, "softmax_scale", softmax_scale)

@@ -155,13 +155,16 @@ def sparse_kernel(
     BLOCK_DR: tl.constexpr, HAS_PE: tl.constexpr, FORMAT: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_TOPK_LEN2: tl.constexpr,
     HAS_SINK: tl.constexpr, CHECK_RANGE: tl.constexpr, HAS_MAXL: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT_TILES: tl.constexpr,
+    SPLIT_CAP: tl.constexpr,
 ):
     """Grid ``(queries · GROUPS, splits)``: the head groups of one query are neighbours.
 
     Query ``qi`` is ``(qi // S, qi % S)`` for the lse layout and the ``topk_length`` entries
     (decode: ``S = s_q``, per request; prefill: ``S = 1``, per query). The two scopes' lists
-    are one list of tiles (the first scope's, then the second's) cut into ``num_splits`` runs.
+    are one list of tiles (the first scope's, then the second's) cut into ``num_splits`` runs,
+    or (``SPLIT_TILES > 0``, the batch-invariant plans) into runs of ``max(SPLIT_TILES,
+    ceil(tiles / SPLIT_CAP))`` tiles, a function of the query's own list lengths alone.
     """
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -191,8 +194,11 @@ def sparse_kernel(
         n2, bad2 = _scope_length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
         bad = bad | bad2
     tiles = tiles1 + tl.cdiv(n2, BLOCK_N)
-    # this program's tiles: an equal share of the whole list
-    per_split = tl.cdiv(tiles, num_splits)
+    # this program's tiles: an equal share of the whole list, or a run of fixed length
+    if SPLIT_TILES > 0:
+        per_split = tl.maximum(tl.cdiv(tiles, SPLIT_CAP), SPLIT_TILES)
+    else:
+        per_split = tl.cdiv(tiles, num_splits)
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, tiles)
 
@@ -244,28 +250,48 @@ def combine_kernel(
     stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
     N: tl.constexpr, S: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr, HAS_MAXL: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):
     """Grid ``(queries · N,)``: merge one (query, head)'s partials by their lse (conventions
-    §6), then apply the sink once, to the whole."""
+    §6), then apply the sink once, to the whole. ``ORDERED`` (fixed-length splits): the max
+    and the sum of the weights in a sequential loop in split order, so that trailing empty
+    splits add exact zeros and a row's bits do not depend on the grid's number of splits (a
+    ``tl.sum`` over a padded power-of-two block may pair its elements otherwise when the
+    block's size changes; ``mla.fast.decode.combine``)."""
     r = tl.program_id(0).to(tl.int64)
     qi = r // N
     h = r % N
     offs_s = tl.arange(0, BLOCK_S)
     part = (qi * num_splits + offs_s) * N + h
     s_ok = offs_s < num_splits
-    lses = tl.load(LSEP + part, mask=s_ok, other=float("-inf"))
-    m = tl.max(lses, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    w_sum = tl.sum(tl.exp(lses - m_use), 0)
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_mask = offs_dv < DV
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s in range(num_splits):
-        p = (qi * num_splits + s) * N + h
-        lse_s = tl.load(LSEP + p)
-        if lse_s > float("-inf"):  # an empty split wrote no o
-            o_s = tl.load(OP + p * DV + offs_dv, mask=dv_mask, other=0.0)
-            acc += tl.exp(lse_s - m_use) * o_s
+    if ORDERED:
+        m = tl.load(LSEP + qi * num_splits * N + h)
+        for s in range(1, num_splits):
+            m = tl.maximum(m, tl.load(LSEP + (qi * num_splits + s) * N + h))
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        w_sum = tl.zeros_like(m)
+        for s in range(num_splits):
+            p = (qi * num_splits + s) * N + h
+            lse_s = tl.load(LSEP + p)
+            w = tl.exp(lse_s - m_use)
+            w_sum += w  # in split order; a NaN partial lse: NaN
+            if lse_s > float("-inf"):  # an empty split wrote no o
+                o_s = tl.load(OP + p * DV + offs_dv, mask=dv_mask, other=0.0)
+                acc += w * o_s
+    else:
+        lses = tl.load(LSEP + part, mask=s_ok, other=float("-inf"))
+        m = tl.max(lses, 0)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        w_sum = tl.sum(tl.exp(lses - m_use), 0)
+        for s in range(num_splits):
+            p = (qi * num_splits + s) * N + h
+            lse_s = tl.load(LSEP + p)
+            if lse_s > float("-inf"):  # an empty split wrote no o
+                o_s = tl.load(OP + p * DV + offs_dv, mask=dv_mask, other=0.0)
+                acc += tl.exp(lse_s - m_use) * o_s
     seen = w_sum != 0.0  # a NaN partial lse makes w_sum NaN: NaN out, not "nothing"
     o = acc / tl.where(seen, w_sum, 1.0)
     lse = m_use + tl.log(tl.where(seen, w_sum, 1.0))

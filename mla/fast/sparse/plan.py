@@ -1,5 +1,15 @@
 """The launch plan of ``mla.fast.sparse``'s calls, from shapes alone (no device values, so a call
-never synchronizes and can be captured in a CUDA graph)."""
+never synchronizes and can be captured in a CUDA graph).
+
+A query's list of tiles (its top-k entries, then the second scope's) is cut over the splits as
+``mla.fast.decode.plan`` cuts a request's keys: ``num_splits`` equal shares by default (their
+number follows the batch: not batch invariant), or with ``split_entries > 0`` (the
+batch-invariant plans) runs of ``p = max(split_entries / tile, ceil(tiles / num_splits))``
+tiles, a function of the query's own list lengths (``num_splits`` is then the most splits one
+query takes); the grid's split dimension is ``min(num_splits, ceil(max tiles / (split_entries
+/ tile)))`` from the index tensors' widths, programs past a query's end write an empty partial,
+the combine merges in split order (``ORDERED``), and runs even for one split.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +19,8 @@ import torch
 
 from mla.fast.common import TRITON_VERSION, next_pow2
 
-__all__ = ["MODEL1_KERNELS", "SparsePlan", "plan_sparse"]
+__all__ = ["BI_MAX_SPLITS", "BI_SPLIT_ENTRIES", "MODEL1_KERNELS", "SparsePlan", "plan_sparse",
+           "split_grid"]
 
 # The Gluon kernels a plan may name for 64-head MODEL1 decode (``SparsePlan.model1_kernel``):
 # "warp_specialized" (``mla.fast.sm90.sparse_ws``: a producer warp group gathers and
@@ -19,6 +30,14 @@ __all__ = ["MODEL1_KERNELS", "SparsePlan", "plan_sparse"]
 # warp-specialized kernel's time at 64 heads, 1.25-1.43x at 128,
 # benchmarks/results/sparse/sparse_v4_ws_2026-12-01.md)
 MODEL1_KERNELS = ("warp_specialized", "staged")
+
+# the batch-invariant plans: entries per split (8 tiles of 64: 4 splits at top-k 2048) and the
+# most splits a query takes. Not yet measured on a GPU: at B = 1, 4 splits where the default
+# takes 16 at 128 heads; at large B each split adds N · 2 KB of partials to write and read
+# (1 MB a query at 128 heads, top-k 2048, against 1.3 MB of fp8 rows) where the default does
+# not split
+BI_SPLIT_ENTRIES = 512
+BI_MAX_SPLITS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,15 +56,31 @@ class SparsePlan:
     sm90: bool = True
     # 64-head MODEL1 decode on Hopper: which Gluon kernel (one of MODEL1_KERNELS)
     model1_kernel: str = "warp_specialized"
+    # > 0: fixed-length splits of this many entries (a multiple of 64), batch invariant
+    # (module docstring); ``num_splits`` is then the most splits a query takes
+    split_entries: int = 0
 
     def __post_init__(self) -> None:
         if self.model1_kernel not in MODEL1_KERNELS:
             raise ValueError(f"model1_kernel must be one of {MODEL1_KERNELS}, "
                              f"got {self.model1_kernel!r}")
+        if self.split_entries < 0 or self.split_entries % 64:
+            raise ValueError(f"split_entries must be 0 or a positive multiple of 64, got "
+                             f"{self.split_entries}")
+
+
+def split_grid(plan: SparsePlan, tiles: int, tile: int) -> int:
+    """The grid's split dimension of ``plan`` for lists of at most ``tiles`` tiles of ``tile``
+    entries: ``num_splits``, or with fixed-length splits enough for the longest list (at most
+    ``num_splits``)."""
+    if not plan.split_entries:
+        return plan.num_splits
+    return max(1, min(plan.num_splits, -(-tiles // (plan.split_entries // tile))))
 
 
 def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,
-                num_sms: int, *, model1: bool = False, split: bool = True) -> SparsePlan:
+                num_sms: int, *, model1: bool = False, split: bool = True,
+                batch_invariant: bool = False) -> SparsePlan:
     """The default plan from shapes: ``queries`` is ``B · s_q`` (decode) or ``s_q`` (prefill).
 
     - Heads: one program holds ``min(64, N)`` heads (rounded up to a power of two, at least
@@ -66,7 +101,10 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
       stage, for a plan that names the coupled kernel (its single staging buffer, measured
       faster than two).
     - Splits only when the grid is short of the SMs' worth of programs, each split keeping at
-      least two tiles of ``topk``; never with ``split=False`` (the batch-invariant plan).
+      least two tiles of ``topk``; never with ``split=False``.
+    - ``batch_invariant=True``: fixed-length splits of ``BI_SPLIT_ENTRIES`` entries, at most
+      ``BI_MAX_SPLITS`` per query, whatever ``queries`` and ``num_sms`` (module docstring):
+      a query's result is then the same bits alone or in any batch.
     """
     block_m = min(64, max(16, next_pow2(num_heads)))
     if model1 and block_m < 64:
@@ -84,6 +122,10 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
         num_stages = 1
     if dtype == torch.float32:
         num_warps = 8
+    if batch_invariant:
+        return SparsePlan(block_m=block_m, block_n=block_n, num_splits=BI_MAX_SPLITS,
+                          num_warps=num_warps, num_stages=num_stages,
+                          split_entries=BI_SPLIT_ENTRIES)
     groups = -(-num_heads // block_m)
     tiles = max(1, -(-topk // block_n))
     base = max(1, queries * groups)
