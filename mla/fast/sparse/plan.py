@@ -9,7 +9,7 @@ import torch
 
 from mla.fast.common import TRITON_VERSION, next_pow2
 
-__all__ = ["MODEL1_KERNELS", "SparsePlan", "plan_sparse"]
+__all__ = ["DS_MLA_KERNELS", "MODEL1_KERNELS", "SparsePlan", "plan_sparse"]
 
 # The Gluon kernels a plan may name for 64-head MODEL1 decode (``SparsePlan.model1_kernel``):
 # "warp_specialized" (``mla.fast.sm90.sparse_ws``: a producer warp group gathers and
@@ -19,6 +19,13 @@ __all__ = ["MODEL1_KERNELS", "SparsePlan", "plan_sparse"]
 # warp-specialized kernel's time at 64 heads, 1.25-1.43x at 128,
 # benchmarks/results/sparse/sparse_v4_ws_2026-12-01.md)
 MODEL1_KERNELS = ("warp_specialized", "staged")
+# The Gluon kernels a plan may name for 64-head ``fp8_ds_mla`` decode
+# (``SparsePlan.ds_mla_kernel``): "warp_specialized" (``mla.fast.sm90.sparse_ws_ds``: a
+# producer warp group loads each tile's e4m3 bytes into registers and dequantizes them into
+# two K buffers while two consumer groups run the dots; compiled for sm_90 without a GPU, not
+# yet checked or timed on one) and "staged" (the coupled kernel of ``mla.fast.sm90.sparse``,
+# the default)
+DS_MLA_KERNELS = ("warp_specialized", "staged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,11 +44,16 @@ class SparsePlan:
     sm90: bool = True
     # 64-head MODEL1 decode on Hopper: which Gluon kernel (one of MODEL1_KERNELS)
     model1_kernel: str = "warp_specialized"
+    # 64-head fp8_ds_mla decode on Hopper: which Gluon kernel (one of DS_MLA_KERNELS)
+    ds_mla_kernel: str = "staged"
 
     def __post_init__(self) -> None:
         if self.model1_kernel not in MODEL1_KERNELS:
             raise ValueError(f"model1_kernel must be one of {MODEL1_KERNELS}, "
                              f"got {self.model1_kernel!r}")
+        if self.ds_mla_kernel not in DS_MLA_KERNELS:
+            raise ValueError(f"ds_mla_kernel must be one of {DS_MLA_KERNELS}, "
+                             f"got {self.ds_mla_kernel!r}")
 
 
 def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,
