@@ -82,7 +82,10 @@ def report_heading(title: str, res: dict) -> list[str]:
 def kernel_name(plan: dict) -> str:
     """Which kernel a plan ran: the Gluon sm_90 one takes 64-row plans with ``sm90`` (on an
     H100/H200; the benchmarks run there)."""
-    return "Gluon sm90" if plan.get("sm90", False) and plan["block_m"] == 64 else "Triton"
+    if not (plan.get("sm90", False) and plan["block_m"] == 64):
+        return "Triton"
+    # a plan naming the warp-specialized fp8_ds_mla kernel (what it runs over fp8_ds_mla rows)
+    return "Gluon sm90 ws" if plan.get("ds_mla_kernel") == "warp_specialized" else "Gluon sm90"
 
 
 def report_rows(e: dict) -> list[tuple[str, dict]]:

@@ -124,6 +124,8 @@ def candidate_plans(s: SparseShape, default: SparsePlan) -> list[SparsePlan]:
              rep(tri, block_n=32, num_stages=3)]
     if s.kind == "decode":
         plans += [rep(default, num_splits=2), rep(tri, num_splits=2)]
+    if s.kind == "decode" and s.fp8:  # the warp-specialized fp8_ds_mla kernel (a plan choice)
+        plans += [rep(default, ds_mla_kernel="warp_specialized")]
     out = []
     for p in plans:
         if p not in out:

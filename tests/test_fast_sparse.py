@@ -19,6 +19,7 @@ from _nan_rule import assert_nan_rule
 from mla import compare
 from mla.compare import assert_close, budget, poison_like
 from mla.fast import SparsePlan, plan_sparse, sparse_mla_decode, sparse_mla_prefill
+from mla.fast.sparse.plan import DS_MLA_KERNELS
 from mla.reference.fp8 import quantize_fp8_ds_mla
 from mla.reference.sparse import sparse_mla_decode as ref_decode
 from mla.reference.sparse import sparse_mla_prefill as ref_prefill
@@ -307,6 +308,53 @@ def test_nan_input_is_nan_out_not_a_marker(poisoned_alloc, plan):
     assert torch.isnan(r_lse[1, 2, 0]) and torch.isposinf(r_lse[0, :, 1]).all()
     assert_nan_rule(out, r_out, 1e-5, name="out")
     assert_nan_rule(lse, r_lse, name="lse", abs_tol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon sm_90 kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("N,num_splits", [(128, 1), (64, 3)])
+@pytest.mark.parametrize("kernel", DS_MLA_KERNELS)
+def test_sm90_ds_mla_kernels(poisoned_alloc, kernel, N, num_splits):
+    """Each Gluon ``fp8_ds_mla`` kernel a plan can name (``ds_mla_kernel``), the route
+    asserted: lengths off the tile grid (one request lonely), -1 entries and repeats, rows no
+    index names poisoned (0xFF), 128 heads unsplit and 64 heads in 3 splits, against the
+    float64 reference; then without value checks a length past top-k and a slot past the cache
+    make exactly their queries NaN."""
+    import mla.fast.sparse as fast_sparse
+    from mla.fast.sparse.kernels import DS_MLA
+
+    q, cache, idx = decode_inputs(4, 2, N, 576, 8, 64, 300, torch.bfloat16, seed=50 + N,
+                                  fp8=True)
+    plan = SparsePlan(64, 64, num_splits, 8, 2, ds_mla_kernel=kernel)
+    assert fast_sparse._sm90_route(plan, q, cache.view(-1, 656), 512, DS_MLA)
+    lens = torch.tensor([300, 0, 129, 63], dtype=I32, device=DEVICE)
+    out, _ = check_decode(q, cache, idx, 576 ** -0.5, True, lens, plan=plan)
+    assert (kernel == "warp_specialized") == ("ds_mla" in fast_sparse._sm90_ws)
+    bad_idx, bad_lens = idx.clone(), lens.clone()
+    bad_idx[0, :, 7] = cache.shape[0] * cache.shape[1]
+    bad_lens[2] = 301
+    out, lse = sparse_mla_decode(q, cache, bad_idx, 576 ** -0.5, True, bad_lens, plan=plan,
+                                 validate=False)
+    nan_q = torch.tensor([True, False, True, False], device=DEVICE)
+    assert torch.isnan(out[nan_q]).all() and torch.isnan(lse[nan_q]).all()
+    assert not torch.isnan(out[~nan_q]).any()
+
+
+def test_ds_mla_kernel_names_are_checked():
+    """``SparsePlan.ds_mla_kernel``: the coupled ("staged") kernel by default; a plan naming
+    the warp-specialized one still runs elsewhere (the Triton kernel off Hopper)."""
+    assert SparsePlan(64, 64, 1, 8, 2).ds_mla_kernel == "staged"
+    assert plan_sparse(64, 128, 2048, torch.bfloat16, True, num_sms=132).ds_mla_kernel == \
+        "staged"
+    with pytest.raises(ValueError, match="ds_mla_kernel must be one of"):
+        SparsePlan(64, 64, 1, 8, 2, ds_mla_kernel="coupled")
+
+
+def test_decode_fp8_plan_naming_the_warp_specialized_kernel(poisoned_alloc):
+    q, cache, idx = decode_inputs(2, 1, 2, 576, 3, 16, 70, torch.float16, seed=36, fp8=True)
+    plan = SparsePlan(16, 64, 2, 4, 1, ds_mla_kernel="warp_specialized")
+    check_decode(q, cache, idx, 576 ** -0.5, True, plan=plan)
 
 
 # --------------------------------------------------------------------------------------------

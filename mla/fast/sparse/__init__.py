@@ -51,7 +51,8 @@ How (docs/kernels.md, "Sparse"):
   DeepSeek-V3.2's rows (bf16/fp16 or ``fp8_ds_mla``), DeepSeek-V4's rows of 512 (in q's
   dtype, or MODEL1 pages with bf16 q), one or two scopes, sinks included; over MODEL1 pages
   the plan's ``model1_kernel`` picks it or (the default) the warp-specialized kernel of
-  ``mla.fast.sm90.sparse_ws``.
+  ``mla.fast.sm90.sparse_ws``; over ``fp8_ds_mla`` rows (decode) the plan's ``ds_mla_kernel``
+  picks it (the default) or the warp-specialized kernel of ``mla.fast.sm90.sparse_ws_ds``.
 
 ``convert_req_index_to_global_index`` (``mla.fast.sparse.index``, re-exported here): the
 indexer's request-local top-k positions to the cache slots these kernels read.
@@ -148,8 +149,9 @@ class _Launch:
     out_shapes: tuple[tuple[int, ...], ...]  # out, lse (decode) / out, max_logits, lse
     grid: tuple[int, int, int] | None = None  # None: nothing to compute
     sm90: bool = False
-    # the Gluon kernel: mla.fast.sm90.sparse's, or (MODEL1, True) mla.fast.sm90.sparse_ws's
-    sm90_ws: bool = False
+    # the Gluon kernel: mla.fast.sm90.sparse's (""), or a warp-specialized one: "model1"
+    # (mla.fast.sm90.sparse_ws's) or "ds_mla" (mla.fast.sm90.sparse_ws_ds's)
+    sm90_ws: str = ""
     # per input slot: (source, view) for the JIT, which types each pointer by its view's dtype
     jit_inputs: tuple[tuple[int, View] | None, ...] = ()
     # per input slot: (source, view or None where the view starts at the source's address)
@@ -174,7 +176,7 @@ _MAX_LAUNCHES = 4096  # distinct keys kept (a serving engine sees a few hundred)
 _triton_sparse = CompiledLauncher(sparse_kernel)
 _triton_combine = CompiledLauncher(combine_kernel)
 _sm90_sparse: CompiledLauncher | None = None  # built at the first sm_90 launch
-_sm90_ws: CompiledLauncher | None = None
+_sm90_ws: dict[str, CompiledLauncher] = {}  # per warp-specialized kernel, built at its launch
 _INF = float("inf")
 
 
@@ -252,7 +254,8 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
     l_size = -(-Q * splits * N // 4) * 4
     flags = dict(has_sink=sources[7] is not None, check_range=not has_maxl)
 
-    ws = fmt == MODEL1 and plan.model1_kernel == "warp_specialized"
+    ws = ("model1" if fmt == MODEL1 and plan.model1_kernel == "warp_specialized" else
+          "ds_mla" if fmt == DS_MLA and plan.ds_mla_kernel == "warp_specialized" else "")
     if sm90_route:
         def layout(sc: Scope) -> tuple[int, int]:  # (row or page stride, page size)
             return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
@@ -292,7 +295,7 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
                         max(2, next_pow2(splits)), flags["has_sink"], has_maxl,
                         plan.split_entries > 0)
     return _Launch(out_shapes, grid, sm90_route,
-                   sm90_route and ws, tuple(jit),
+                   ws if sm90_route else "", tuple(jit),
                    direct, ptr_map, o_size + 2 * l_size if split else 0, o_size,
                    o_size + l_size, ints, tail, options,
                    tuple(slot[s] for s in _COMBINE_SLOTS), combine_args, combine_grid)
@@ -304,7 +307,7 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
     """Allocate the outputs (``out``: the caller's, checked) and launch: directly (kept
     compiled kernels, the sources in place of their views) when possible, else through the JIT
     with the typed views."""
-    global _sm90_sparse, _sm90_ws
+    global _sm90_sparse
     q = sources[0]
     outs = [torch.empty(launch.out_shapes[0], dtype=q.dtype, device=q.device) if out is None
             else check_out(out, launch.out_shapes[0], q)]
@@ -320,11 +323,14 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
         from mla.fast.sm90 import sparse as sm90_module
 
         if launch.sm90_ws:
-            from mla.fast.sm90.sparse_ws import model1_ws_kernel
-
-            if _sm90_ws is None or _sm90_ws.fn is not model1_ws_kernel:
-                _sm90_ws = CompiledLauncher(model1_ws_kernel)
-            launcher = _sm90_ws
+            if launch.sm90_ws == "model1":
+                from mla.fast.sm90.sparse_ws import model1_ws_kernel as ws_kernel
+            else:
+                from mla.fast.sm90.sparse_ws_ds import ds_mla_ws_kernel as ws_kernel
+            ws_launcher = _sm90_ws.get(launch.sm90_ws)
+            if ws_launcher is None or ws_launcher.fn is not ws_kernel:
+                ws_launcher = _sm90_ws[launch.sm90_ws] = CompiledLauncher(ws_kernel)
+            launcher = ws_launcher
         else:
             if _sm90_sparse is None or _sm90_sparse.fn is not sm90_module.sparse_kernel:
                 _sm90_sparse = CompiledLauncher(sm90_module.sparse_kernel)
@@ -396,7 +402,8 @@ def _cached(key: tuple | None, prepare: Callable[[], _Launch], scale_name: str,
     if key is not None:
         if len(_launches) >= _MAX_LAUNCHES:  # shape churn: start again, kernels too
             _launches.clear()
-            for launcher in (_triton_sparse, _triton_combine, _sm90_sparse, _sm90_ws):
+            for launcher in (_triton_sparse, _triton_combine, _sm90_sparse,
+                             *_sm90_ws.values()):
                 if launcher is not None:
                     launcher.compiled.clear()
         _launches[key] = launch

@@ -19,8 +19,8 @@ import torch
 
 from mla.fast.common import TRITON_VERSION, next_pow2
 
-__all__ = ["BI_MAX_SPLITS", "BI_SPLIT_ENTRIES", "MODEL1_KERNELS", "SparsePlan", "plan_sparse",
-           "split_grid"]
+__all__ = ["BI_MAX_SPLITS", "BI_SPLIT_ENTRIES", "DS_MLA_KERNELS", "MODEL1_KERNELS",
+           "SparsePlan", "plan_sparse", "split_grid"]
 
 # The Gluon kernels a plan may name for 64-head MODEL1 decode (``SparsePlan.model1_kernel``):
 # "warp_specialized" (``mla.fast.sm90.sparse_ws``: a producer warp group gathers and
@@ -30,6 +30,13 @@ __all__ = ["BI_MAX_SPLITS", "BI_SPLIT_ENTRIES", "MODEL1_KERNELS", "SparsePlan", 
 # warp-specialized kernel's time at 64 heads, 1.25-1.43x at 128,
 # benchmarks/results/sparse/sparse_v4_ws_2026-12-01.md)
 MODEL1_KERNELS = ("warp_specialized", "staged")
+# The Gluon kernels a plan may name for 64-head ``fp8_ds_mla`` decode
+# (``SparsePlan.ds_mla_kernel``): "warp_specialized" (``mla.fast.sm90.sparse_ws_ds``: a
+# producer warp group loads each tile's e4m3 bytes into registers and dequantizes them into
+# two K buffers while two consumer groups run the dots; compiled for sm_90 without a GPU, not
+# yet checked or timed on one) and "staged" (the coupled kernel of ``mla.fast.sm90.sparse``,
+# the default)
+DS_MLA_KERNELS = ("warp_specialized", "staged")
 
 # the batch-invariant plans: entries per split (8 tiles of 64: 4 splits at top-k 2048) and the
 # most splits a query takes. Not yet measured on a GPU: at B = 1, 4 splits where the default
@@ -56,6 +63,8 @@ class SparsePlan:
     sm90: bool = True
     # 64-head MODEL1 decode on Hopper: which Gluon kernel (one of MODEL1_KERNELS)
     model1_kernel: str = "warp_specialized"
+    # 64-head fp8_ds_mla decode on Hopper: which Gluon kernel (one of DS_MLA_KERNELS)
+    ds_mla_kernel: str = "staged"
     # > 0: fixed-length splits of this many entries (a multiple of 64), batch invariant
     # (module docstring); ``num_splits`` is then the most splits a query takes
     split_entries: int = 0
@@ -64,6 +73,9 @@ class SparsePlan:
         if self.model1_kernel not in MODEL1_KERNELS:
             raise ValueError(f"model1_kernel must be one of {MODEL1_KERNELS}, "
                              f"got {self.model1_kernel!r}")
+        if self.ds_mla_kernel not in DS_MLA_KERNELS:
+            raise ValueError(f"ds_mla_kernel must be one of {DS_MLA_KERNELS}, "
+                             f"got {self.ds_mla_kernel!r}")
         if self.split_entries < 0 or self.split_entries % 64:
             raise ValueError(f"split_entries must be 0 or a positive multiple of 64, got "
                              f"{self.split_entries}")
