@@ -77,6 +77,14 @@ SPARSE += [dict(_DS, **flags) for flags in (
     {}, {"SPLIT": True, "N": 64, "HAS_TOPK_LEN": True, "HAS_SINK": True, "CHECK_RANGE": True},
     {"HAS_EXTRA": True, "HAS_TOPK_LEN": True, "HAS_TOPK_LEN2": True, "HAS_SINK": True,
      "CHECK_RANGE": True})]
+# the batch-invariant plans' fixed-length splits (``split_keys``, ``split_entries``): the
+# coupled decode kernel split, and each sparse Gluon kernel split
+_FIXED = dict(SPLIT=True, SPLIT_TILES=8, SPLIT_CAP=16)
+DECODE += [dict(N=128, S_Q=1, **_FIXED), dict(N=128, S_Q=2, CAUSAL=True, HAS_SINK=True,
+                                              **_FIXED)]
+SPARSE += [dict(FP8=True, HAS_SINK=True, **_FIXED),
+           dict(_V4, MODEL1_KERNEL="warp_specialized", N=64, **_FIXED),
+           dict(_DS, HAS_SINK=True, **_FIXED)]
 VARIANTS = [("decode", a) for a in DECODE] + [("sparse", a) for a in SPARSE]
 # the Triton decode kernel with plan_decode's default plans (every float32 call runs it)
 TRITON_DECODE = [dict(N=n, S_Q=s_q, CAUSAL=s_q > 1, dtype=dt) for dt in ("fp32", "bf16", "fp16")
