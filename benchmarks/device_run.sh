@@ -2,7 +2,7 @@
 # The GPU machine's steps: correctness grid, then the benchmark (with the plan sweep).
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
-#     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers]...
+#     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|sparse-sweep]...
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -16,13 +16,16 @@ for step in "${steps[@]}"; do
     check) timeout 300 python -m mla.check --out "$OUT/check.json" 2>&1 | tee "$OUT/check.log" ;;
     # the fast kernels' tests on the GPU: bf16 cases, and the Gluon sm_90 kernels' NaN rule
     tests) timeout 500 python -m pytest -q -p no:cacheprovider tests/test_fast_sm90.py \
-             tests/test_fast_batch_invariant.py \
+             tests/test_fast_batch_invariant.py tests/test_fast_v4_decode_step.py \
              tests/test_fast_decode.py tests/test_fast_sparse.py tests/test_fast_small.py \
              tests/test_merge.py 2>&1 | tee "$OUT/tests.log" ;;
     bench) timeout 330 python -m benchmarks.run --only decode --sweep --out-dir "$OUT" 2>&1 \
              | tee "$OUT/bench.log" ;;
     sparse) timeout 200 python -m benchmarks.run --only sparse --out-dir "$OUT" 2>&1 \
              | tee "$OUT/bench_sparse.log" ;;
+    # the sparse kernels' plans swept (the warp-specialized fp8_ds_mla kernel beside the default)
+    sparse-sweep) timeout 400 python -m benchmarks.sparse --sweep --out "$OUT" 2>&1 \
+             | tee "$OUT/sparse_sweep.log" ;;
     small) timeout 200 python -m benchmarks.small --out-dir "$OUT" 2>&1 | tee "$OUT/small.log" ;;
     routes) timeout 300 python -m benchmarks.prefill_routes --out-dir "$OUT" 2>&1 \
              | tee "$OUT/routes.log" ;;
