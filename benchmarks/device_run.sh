@@ -2,7 +2,10 @@
 # The GPU machine's steps: correctness grid, then the benchmark (with the plan sweep).
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
-#     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|sparse-sweep]...
+#     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
+#     sparse-sweep]...
+# BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
+# most 8 files: OUT=/tmp/o BUNDLE=$OUT/all.tgz keeps every result of a many-step run).
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -89,3 +92,4 @@ for step in "${steps[@]}"; do
                 | tee "$OUT/sanitize.log" ;;
   esac
 done
+if [ -n "${BUNDLE:-}" ]; then tar czf "$BUNDLE" -C "$OUT" --exclude="$(basename "$BUNDLE")" .; fi
