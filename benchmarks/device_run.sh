@@ -92,4 +92,6 @@ for step in "${steps[@]}"; do
                 | tee "$OUT/sanitize.log" ;;
   esac
 done
-if [ -n "${BUNDLE:-}" ]; then tar czf "$BUNDLE" -C "$OUT" --exclude="$(basename "$BUNDLE")" .; fi
+if [ -n "${BUNDLE:-}" ]; then
+  tar czf "/tmp/bundle.$$.tgz" -C "$OUT" . && mv "/tmp/bundle.$$.tgz" "$BUNDLE"
+fi
