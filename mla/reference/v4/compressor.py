@@ -493,23 +493,27 @@ def v41_compress(x: torch.Tensor, weights: V41CompressorWeights, config: V4Confi
 
 
 def v41_index_key(latent: torch.Tensor, wk: torch.Tensor, k_norm: torch.Tensor,
-                  ratio: int, config: V4Config) -> torch.Tensor:
+                  ratio: int, config: V4Config, *, bf16: bool = True) -> torch.Tensor:
     """The index keys ``[n, index_head_dim]`` (float64 holding bf16 values, before the key
     cache's quantization) of the latents ``[n, d]`` of entries ``0 .. n-1``:
     ``bf16(RoPE(bf16(RMSNorm(bf16(latent @ wk^T); k_norm)), j·r))`` (vLLM 0.33
-    ``deepseek_v41/attention.py`` ``_produce_k``, ``common/ops/indexer_k_store.py``)."""
+    ``deepseek_v41/attention.py`` ``_produce_k``, ``common/ops/indexer_k_store.py``);
+    ``bf16=False``: the same without the three roundings (the exact math)."""
     check_float("latent", latent, ndim=2)
     check_float("wk", wk, shape=[None, latent.shape[1]], device=latent.device)
     check_float("k_norm", k_norm, shape=[wk.shape[0]], device=latent.device)
     if isinstance(ratio, bool) or ratio not in V41_COMPRESS_RATIOS:
         raise ValueError(f"ratio must be one of {V41_COMPRESS_RATIOS}, got {ratio!r}")
 
-    def bf16(t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.bfloat16).to(_F64)
+    if not isinstance(bf16, bool):
+        raise TypeError(f"bf16 must be a bool, got {type(bf16).__name__}")
 
-    k = bf16(latent.to(_F64) @ wk.to(_F64).T)
-    k = bf16(rms_norm(k, k_norm.to(_F64), config.rms_norm_eps))
+    def rnd(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).to(_F64) if bf16 else t
+
+    k = rnd(latent.to(_F64) @ wk.to(_F64).T)
+    k = rnd(rms_norm(k, k_norm.to(_F64), config.rms_norm_eps))
     if k.shape[0] == 0:
         return k
     ids = torch.arange(k.shape[0], device=latent.device)
-    return bf16(rope_gptj(k, ids * ratio, config, _COMPRESSED_ROPE))
+    return rnd(rope_gptj(k, ids * ratio, config, _COMPRESSED_ROPE))

@@ -52,7 +52,8 @@ from mla.reference.v4.weights import V4LayerWeights
 from mla.validation import check_float, check_index
 
 __all__ = ["KV_CACHE_DTYPES", "V4LayerTrace", "v4_layer_definition", "v4_query_and_key",
-           "v4_output_projection", "window_mask", "compressed_mask", "v4_cache_round"]
+           "v4_output_projection", "window_mask", "compressed_mask", "v4_cache_round",
+           "attend_with_sink", "topk_entry_mask"]
 
 KV_CACHE_DTYPES = ("float64", "bfloat16", "fp8_ds_mla")
 F64 = torch.float64
@@ -100,15 +101,25 @@ def compressed_mask(positions: torch.Tensor, num_entries: int, ratio: int,
     T = positions.shape[0]
     if ratio == 1:
         return torch.zeros(T, num_entries, dtype=torch.bool, device=positions.device)
-    visible = torch.arange(num_entries, device=positions.device)[None, :] < (
-        (positions.long() + 1) // ratio)[:, None]
     if ratio != 4:
-        return visible
+        return torch.arange(num_entries, device=positions.device)[None, :] < (
+            (positions.long() + 1) // ratio)[:, None]
     if topk is None:
         raise ValueError("a ratio-4 layer needs the indexer's topk ids")
+    return topk_entry_mask(positions, num_entries, ratio, topk)
+
+
+def topk_entry_mask(positions: torch.Tensor, num_entries: int, ratio: int,
+                    topk: torch.Tensor) -> torch.Tensor:
+    """bool ``[T, n_c]``: the valid ids of ``topk [T, k]`` (local entry ids, ``-1`` for none),
+    each of which must be visible to the query at ``positions[t]`` (``j < (p + 1) // ratio``).
+    Shared by V4's ratio-4 layers and every compressed V4.1 layer."""
+    visible = torch.arange(num_entries, device=positions.device)[None, :] < (
+        (positions.long() + 1) // ratio)[:, None]
     ids = topk.long()
     valid = ids >= 0
-    mask = torch.zeros(T, num_entries + 1, dtype=torch.bool, device=positions.device)
+    mask = torch.zeros(positions.shape[0], num_entries + 1, dtype=torch.bool,
+                       device=positions.device)
     mask.scatter_(1, torch.where(valid, ids, num_entries).clamp(max=num_entries), True)
     mask = mask[:, :num_entries]
     if (mask & ~visible).any():
@@ -138,10 +149,13 @@ class V4LayerTrace:
 
 
 def v4_query_and_key(x: torch.Tensor, positions: torch.Tensor, weights: V4LayerWeights,
-                     kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                   torch.Tensor]:
-    """Equations (1)-(4): ``(c_Q, c_KV, q [T, H, d], k [T, d] as cached)``."""
+                     kv_cache_dtype: str, *, rope_ratio: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Equations (1)-(4): ``(c_Q, c_KV, q [T, H, d], k [T, d] as cached)``. ``rope_ratio``: the
+    ratio ``rope_gptj`` picks the rotary by (default ``weights.ratio``; the V4.1 layer passes
+    its own, as its ratios 0/1/2 name the rotaries differently)."""
     c = weights.config
+    rope = weights.ratio if rope_ratio is None else rope_ratio
     T = x.shape[0]
     q_latent = _round(rms_norm(x @ weights["wq_a.weight"].T, weights["q_norm.weight"],
                                c.rms_norm_eps), kv_cache_dtype)
@@ -151,17 +165,20 @@ def v4_query_and_key(x: torch.Tensor, positions: torch.Tensor, weights: V4LayerW
                                                                          c.head_dim)
     if c.q_head_norm:
         q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)
-    q = _round(rope_gptj(q, positions, c, weights.ratio), kv_cache_dtype)
-    k = v4_cache_round(rope_gptj(kv, positions, c, weights.ratio), kv_cache_dtype)
+    q = _round(rope_gptj(q, positions, c, rope), kv_cache_dtype)
+    k = v4_cache_round(rope_gptj(kv, positions, c, rope), kv_cache_dtype)
     return q_latent, kv, q, k
 
 
 def v4_output_projection(attn: torch.Tensor, positions: torch.Tensor, weights: V4LayerWeights,
-                         kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Equations (8)-(9): ``attn [T, H, d]`` -> ``(o, z [T, G, o_lora_rank], out [T, hidden])``."""
+                         kv_cache_dtype: str, *, rope_ratio: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Equations (8)-(9): ``attn [T, H, d]`` -> ``(o, z [T, G, o_lora_rank], out [T, hidden])``;
+    ``rope_ratio`` as in ``v4_query_and_key``."""
     c = weights.config
     T = attn.shape[0]
-    o = _round(rope_gptj(_round(attn, kv_cache_dtype), positions, c, weights.ratio,
+    rope = weights.ratio if rope_ratio is None else rope_ratio
+    o = _round(rope_gptj(_round(attn, kv_cache_dtype), positions, c, rope,
                          inverse=True), kv_cache_dtype)
     y = o.reshape(T, c.o_groups, c.heads_per_group * c.head_dim)
     w_a = weights["wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)
