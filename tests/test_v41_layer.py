@@ -45,6 +45,11 @@ def test_flash_preset_as_the_wheel_states_it():
     assert c.kv_source_layer(39) == 20 and c.index_source_layer(39) == 36
     assert c.kv_source_layer(0) is None and c.index_source_layer(40) is None
     assert not c.compressor_overlap(2) and not c.compressor_overlap(4)
+    # every compressed layer reads its KV source's cache at its own ratio; the last source
+    # and the later indexers are ratio-1 (nvidia/model.py:766-768, 867)
+    assert all(c.layer_ratio(c.kv_source_layer(i)) == c.layer_ratio(i)
+               for i in range(c.num_layers) if c.layer_ratio(i) > 0)
+    assert [c.layer_ratio(i) for i in (20, 24, 28, 32, 36)] == [1] * 5
 
 
 def test_source_layers_are_the_nearest_at_or_below():

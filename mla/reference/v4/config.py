@@ -257,7 +257,12 @@ def _pro_ratios(num_layers: int) -> tuple[int, ...]:
 
 
 def _v41_flash_ratios(num_layers: int) -> tuple[int, ...]:
-    return tuple(0 if i < 2 else 2 for i in range(num_layers))  # an assumption (module doc)
+    """An assumption (the ratios are not in the wheel), kept consistent with what vLLM 0.33
+    states of them: its later indexers (layers 24, 28, 32, 36) are ratio-1 ones
+    (``models/deepseek_v41/nvidia/model.py:766-768``), the last KV source (layer 20) has ratio
+    at most 1 (``:867``), and a layer reads its source's cache at its own ratio: window only
+    below layer 2, ratio 2 from the first source (2), ratio 1 from the last (20)."""
+    return tuple(0 if i < 2 else 2 if i < 20 else 1 for i in range(num_layers))
 
 
 V4_PRESETS: dict[str, V4Config] = {
