@@ -56,7 +56,6 @@ from contextlib import contextmanager
 from datetime import date
 
 import torch
-from triton import next_power_of_2 as triton_next_pow2
 
 from benchmarks.common import ceilings, log, report_heading, time_graph
 
@@ -259,10 +258,10 @@ def vllm_compress(capacity: int | None = None):  # noqa: ANN201
     def compress(comp, X, pos, req, lens0, n_new, cache, table, cos_sin, eps,  # noqa: ANN001
                  scale_floor):  # noqa: ANN001, ARG001
         B, _, width = comp.kv.shape
-        r, d = comp.ape.shape[0], comp.norm.shape[0]
+        r = comp.ape.shape[0]
         bs = vllm_v4.STATE_BLOCK[r]
         ring = (4 if r == 4 else 32) if capacity is None else capacity // bs + 2
-        T, dev = X.shape[0], X.device
+        dev = X.device
         if id(comp) not in states:  # block 0: the null block
             states[id(comp)] = torch.zeros(1 + B * ring, bs, 2 * width, device=dev)
         state = states[id(comp)]
@@ -273,29 +272,12 @@ def vllm_compress(capacity: int | None = None):  # noqa: ANN201
         slots = bt[req, p64 // bs].long() * bs + p64 % bs
         proj = X.float() @ comp.w.T
         kv, score = proj[:, :width].contiguous(), proj[:, width:].contiguous()
-        kernels.save_partial_states_kernel[(T,)](
-            kv, kv.stride(0), score, score.stride(0), comp.ape, comp.ape.stride(0), p64, state,
-            state.stride(0), state.stride(1), slots, bs, HEAD_SIZE=width,
-            TRITON_BLOCK_SIZE=triton_next_pow2(width), STATE_WIDTH=width, COMPRESS_RATIO=r)
-        kv_bs = cache.shape[1]
         ent = p64 // r
         closing = (p64 + 1) % r == 0
-        page = table[req, torch.where(closing, ent // kv_bs, 0)].long()
-        kv_slots = torch.where(closing, page * kv_bs + ent % kv_bs, -1)
-        common = (state, state.stride(0), state.stride(1), req.int(), p64, slots, bt,
-                  bt.stride(0), bs, comp.norm, float(eps), cos_sin, cos_sin.stride(0), cache,
-                  kv_slots, kv_bs)
-        consts = dict(HEAD_SIZE=d, TRITON_BLOCK_SIZE=triton_next_pow2(d), STATE_WIDTH=width,
-                      COMPRESS_RATIO=r, OVERLAP=r == 4, ROPE_HEAD_DIM=64, FP8_MAX=448.0,
-                      KV_BLOCK_STRIDE=cache.stride(0))
-        if d == 512:
-            kernels._fused_kv_compress_norm_rope_insert_sparse_attn[(T,)](
-                *common, **consts, QUANT_BLOCK=64, TOKEN_STRIDE=576, SCALE_DIM=8,
-                SANITIZE_CACHE_NANS=False, num_warps=4)
-        else:
-            kernels._fused_kv_compress_norm_rope_insert_indexer_attn[(T,)](
-                *common, **consts, QUANT_BLOCK=128, TOKEN_STRIDE=128, SCALE_DIM=4,
-                MX_SCALE=False, num_warps=1)
+        page = table[req, torch.where(closing, ent // cache.shape[1], 0)].long()
+        kv_slots = torch.where(closing, page * cache.shape[1] + ent % cache.shape[1], -1)
+        vllm_v4.launch_compress(kernels, kv, score, comp.ape, p64, state, slots, bs, req.int(),
+                                bt, comp.norm, eps, cos_sin, cache, kv_slots, r)
 
     return compress
 

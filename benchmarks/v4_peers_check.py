@@ -193,7 +193,8 @@ def run_peer_compressor(mod, x, ape, norm, cos_sin, *, d: int, ratio: int,  # no
     the compress kernel; returns the cache's bytes of each entry: ``uint8 [n, 584]`` (d = 512)
     or ``uint8 [n, 132]`` (d = 128: 128 codes, then the fp32 scale's 4 bytes)."""
     import torch
-    import triton
+
+    from mla.conformance.adapters.vllm_v4 import launch_compress
 
     T = x.shape[0]
     coff = 2 if ratio == 4 else 1
@@ -233,27 +234,9 @@ def run_peer_compressor(mod, x, ape, norm, cos_sin, *, d: int, ratio: int,  # no
         kv, score = xs[sl, :W], xs[sl, W:]  # views of one row, as vLLM splits kv_score
         positions = pos_all[sl].to(device)
         slots = state_slots[sl].to(device)
-        mod.save_partial_states_kernel[(n,)](
-            kv, kv.stride(0), score, score.stride(0), ape_d, ape_d.stride(0), positions,
-            state, state.stride(0), state.stride(1), slots, bs,
-            HEAD_SIZE=W, TRITON_BLOCK_SIZE=triton.next_power_of_2(W), STATE_WIDTH=W,
-            COMPRESS_RATIO=ratio)
-        common = (state, state.stride(0), state.stride(1),
-                  torch.ones(n, dtype=torch.int32, device=device), positions, slots,
-                  block_table, block_table.stride(0), bs, norm_d, eps, cos_sin_d,
-                  cos_sin_d.stride(0), kv_cache, kv_slots[sl].to(device), kv_cache.shape[1])
-        if d == 512:
-            mod._fused_kv_compress_norm_rope_insert_sparse_attn[(n,)](
-                *common, HEAD_SIZE=d, TRITON_BLOCK_SIZE=triton.next_power_of_2(d),
-                STATE_WIDTH=W, COMPRESS_RATIO=ratio, OVERLAP=ratio == 4, ROPE_HEAD_DIM=64,
-                FP8_MAX=448.0, QUANT_BLOCK=64, TOKEN_STRIDE=576, SCALE_DIM=8,
-                KV_BLOCK_STRIDE=kv_cache.stride(0), SANITIZE_CACHE_NANS=False, num_warps=4)
-        else:
-            mod._fused_kv_compress_norm_rope_insert_indexer_attn[(n,)](
-                *common, HEAD_SIZE=d, TRITON_BLOCK_SIZE=triton.next_power_of_2(d),
-                STATE_WIDTH=W, COMPRESS_RATIO=ratio, OVERLAP=ratio == 4, ROPE_HEAD_DIM=64,
-                FP8_MAX=448.0, QUANT_BLOCK=128, TOKEN_STRIDE=128, SCALE_DIM=4,
-                KV_BLOCK_STRIDE=kv_cache.stride(0), MX_SCALE=False, num_warps=1)
+        launch_compress(mod, kv, score, ape_d, positions, state, slots, bs,
+                        torch.ones(n, dtype=torch.int32, device=device), block_table, norm_d,
+                        eps, cos_sin_d, kv_cache, kv_slots[sl].to(device), ratio)
         start += n
     buf = kv_buf.cpu()
     j = torch.arange(n_entries)

@@ -4,7 +4,8 @@
 ``python -m benchmarks.peers --v4`` copies them verbatim from the wheel into
 ``<peers>/vllm/models/deepseek_v4/common/ops/v4_kernels.py``; they are called as vLLM calls them
 (``common/ops/save_partial_states.py``, ``common/ops/fused_compress_quant_cache.py``,
-``common/ops/fused_indexer_q.py``; ``benchmarks/v4_peers_check.py`` launches them the same way):
+``common/ops/fused_indexer_q.py``; ``launch_compress`` makes the compressor's two launches, for
+this adapter, ``benchmarks/v4_peers_check.py`` and ``benchmarks/v4_layer.py``):
 
 - ``v4_compress`` -> ``save_partial_states_kernel`` then
   ``_fused_kv_compress_norm_rope_insert_sparse_attn`` (``d = 512``, the MODEL1 cache: pages of
@@ -36,7 +37,7 @@ import torch
 
 from mla.conformance.adapters import import_peer, require, require_dtype, triton_runs_on
 
-__all__ = ["target", "v4_compress", "v4_indexer_q", "MODULE", "STATE_BLOCK"]
+__all__ = ["target", "launch_compress", "v4_compress", "v4_indexer_q", "MODULE", "STATE_BLOCK"]
 
 PEER = "vLLM 0.33's DeepSeek-V4 Triton kernels"
 MODULE = "vllm.models.deepseek_v4.common.ops.v4_kernels"
@@ -53,6 +54,40 @@ def _kernels() -> object:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def launch_compress(mod: object, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
+                    positions: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                    state_block: int, token_req: torch.Tensor, block_table: torch.Tensor,
+                    norm_weight: torch.Tensor, rms_norm_eps: float, cos_sin: torch.Tensor,
+                    kv_cache: torch.Tensor, kv_slots: torch.Tensor, ratio: int) -> None:
+    """vLLM's two launches for ``T`` new tokens, as its compressor makes them:
+    ``save_partial_states_kernel`` writes each token's ``kv [T, W]`` and ``score + ape`` into
+    the state cache at ``slots`` (pages of ``state_block`` rows), then the fused compress,
+    norm, RoPE, quantize and store kernel of ``d = norm_weight.shape[0]`` (512: MODEL1
+    records; 128: the indexer's) pools the window of each token that closes an entry (its
+    request ``token_req``, whose state pages ``block_table`` names) into ``kv_cache`` ``[pages,
+    records, bytes]`` at ``kv_slots`` (``-1``: none). ``mod``: the unpacked kernels module."""
+    T, W = kv.shape
+    d = norm_weight.shape[0]
+    mod.save_partial_states_kernel[(T,)](  # type: ignore[attr-defined]
+        kv, kv.stride(0), score, score.stride(0), ape, ape.stride(0), positions, state,
+        state.stride(0), state.stride(1), slots, state_block, HEAD_SIZE=W,
+        TRITON_BLOCK_SIZE=_next_pow2(W), STATE_WIDTH=W, COMPRESS_RATIO=ratio)
+    common = (state, state.stride(0), state.stride(1), token_req, positions, slots,
+              block_table, block_table.stride(0), state_block, norm_weight, float(rms_norm_eps),
+              cos_sin, cos_sin.stride(0), kv_cache, kv_slots, kv_cache.shape[1])
+    consts = dict(HEAD_SIZE=d, TRITON_BLOCK_SIZE=_next_pow2(d), STATE_WIDTH=W,
+                  COMPRESS_RATIO=ratio, OVERLAP=ratio == 4, ROPE_HEAD_DIM=64, FP8_MAX=448.0,
+                  KV_BLOCK_STRIDE=kv_cache.stride(0))
+    if d == 512:
+        mod._fused_kv_compress_norm_rope_insert_sparse_attn[(T,)](  # type: ignore[attr-defined]
+            *common, **consts, QUANT_BLOCK=64, TOKEN_STRIDE=576, SCALE_DIM=8,
+            SANITIZE_CACHE_NANS=False, num_warps=4)
+    else:
+        mod._fused_kv_compress_norm_rope_insert_indexer_attn[(T,)](  # type: ignore[attr-defined]
+            *common, **consts, QUANT_BLOCK=128, TOKEN_STRIDE=128, SCALE_DIM=4, MX_SCALE=False,
+            num_warps=1)
 
 
 def v4_compress(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor,
@@ -99,11 +134,6 @@ def v4_compress(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor,
     kv_c, score_c = kv.contiguous(), score.contiguous()
     ape = torch.zeros(ratio, width, dtype=torch.float32, device=dev)
     positions64 = positions.to(device=dev, dtype=torch.int64).contiguous()
-    mod.save_partial_states_kernel[(T,)](  # type: ignore[attr-defined]
-        kv_c, kv_c.stride(0), score_c, score_c.stride(0), ape, ape.stride(0), positions64,
-        state, state.stride(0), state.stride(1), slots, bs,
-        HEAD_SIZE=width, TRITON_BLOCK_SIZE=_next_pow2(width), STATE_WIDTH=width,
-        COMPRESS_RATIO=ratio)
 
     # the compressed cache: pages of 256 / r records, poisoned, scrambled
     kv_bs = max(KV_PAGE_TOKENS // ratio, 1)
@@ -116,22 +146,9 @@ def v4_compress(kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor,
     kv_slots = torch.where((pos + 1) % ratio == 0,
                            kv_phys[(ent // kv_bs).clamp_max(n_kv - 1)] * kv_bs + ent % kv_bs,
                            -1).to(dev)
-    cos_sin_c = cos_sin.contiguous()
-    common = (state, state.stride(0), state.stride(1),
-              torch.zeros(T, dtype=torch.int32, device=dev), positions64, slots,
-              block_table, block_table.stride(0), bs, norm_weight, float(rms_norm_eps),
-              cos_sin_c, cos_sin_c.stride(0), kv_cache, kv_slots, kv_bs)
-    consts = dict(HEAD_SIZE=d, TRITON_BLOCK_SIZE=_next_pow2(d), STATE_WIDTH=width,
-                  COMPRESS_RATIO=ratio, OVERLAP=ratio == 4, ROPE_HEAD_DIM=64, FP8_MAX=448.0,
-                  KV_BLOCK_STRIDE=kv_cache.stride(0))
-    if d == 512:
-        mod._fused_kv_compress_norm_rope_insert_sparse_attn[(T,)](  # type: ignore[attr-defined]
-            *common, **consts, QUANT_BLOCK=64, TOKEN_STRIDE=576, SCALE_DIM=8,
-            SANITIZE_CACHE_NANS=False, num_warps=4)
-    else:
-        mod._fused_kv_compress_norm_rope_insert_indexer_attn[(T,)](  # type: ignore[attr-defined]
-            *common, **consts, QUANT_BLOCK=128, TOKEN_STRIDE=128, SCALE_DIM=4, MX_SCALE=False,
-            num_warps=1)
+    launch_compress(mod, kv_c, score_c, ape, positions64, state, slots, bs,
+                    torch.zeros(T, dtype=torch.int32, device=dev), block_table, norm_weight,
+                    rms_norm_eps, cos_sin.contiguous(), kv_cache, kv_slots, ratio)
     blk = kv_phys[ids // kv_bs].to(dev)
     off = (ids % kv_bs).to(dev)
     data = kv_buf[blk[:, None], off[:, None] * data_bytes

@@ -83,6 +83,7 @@ from mla.reference.v4.layer import (
     window_mask,
 )
 from mla.reference.v4.rope import rope_gptj
+from mla.reference.v4.weights import check_weights, random_weights
 from mla.validation import check_float, check_index
 
 __all__ = ["V41LayerWeights", "V41KVSource", "V41IndexSource", "V41LayerTrace",
@@ -166,18 +167,8 @@ class V41LayerWeights:
     tensors: dict[str, torch.Tensor]
 
     def __post_init__(self) -> None:
-        want = v41_weight_shapes(self.config, self.layer)
-        if not isinstance(self.tensors, dict):
-            raise TypeError(f"tensors must be a dict, got {type(self.tensors).__name__}")
-        extra = sorted(set(self.tensors) - set(want))
-        if extra:
-            raise ValueError(f"weight {extra[0]!r} is not used by V4.1 layer {self.layer}; "
-                             f"expected only {sorted(want)}")
-        for name, shape in want.items():
-            t = self.tensors.get(name)
-            if t is None:
-                raise ValueError(f"weight {name!r} is missing; expected shape {list(shape)}")
-            check_float(f"weight {name!r}", t, shape=list(shape))
+        check_weights(self.tensors, v41_weight_shapes(self.config, self.layer),
+                      f"V4.1 layer {self.layer}")
 
     @property
     def ratio(self) -> int:
@@ -195,20 +186,8 @@ class V41LayerWeights:
 
     @classmethod
     def random(cls, config: V4Config, layer: int, seed: int = 0) -> V41LayerWeights:
-        """Seeded float64 weights: projections ~ N(0, 1/in), norms ~ 1 + N(0, 0.1²), sinks
-        ~ N(0, 1) as float32 numbers."""
-        gen = torch.Generator().manual_seed(seed)
-        tensors = {}
-        for name, shape in v41_weight_shapes(config, layer).items():
-            t = torch.randn(shape, generator=gen, dtype=F64)
-            if name.endswith("norm.weight"):
-                t = 1.0 + 0.1 * t
-            elif name == "attn_sink":
-                t = t.float().double()
-            else:
-                t = t * shape[1] ** -0.5
-            tensors[name] = t
-        return cls(config, layer, tensors)
+        """Seeded float64 weights (``mla.reference.v4.weights.random_weights``)."""
+        return cls(config, layer, random_weights(v41_weight_shapes(config, layer), seed))
 
 
 @dataclass(frozen=True)

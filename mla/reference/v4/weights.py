@@ -36,7 +36,7 @@ import torch
 
 from mla.reference.v4.config import V4Config
 
-__all__ = ["V4LayerWeights", "v4_weight_shapes"]
+__all__ = ["V4LayerWeights", "check_weights", "random_weights", "v4_weight_shapes"]
 
 WEIGHT_BLOCK = 128  # DeepSeek's FP8 block-quantized weights: one scale per 128x128 block
 
@@ -91,6 +91,47 @@ def _dequantize_block_fp8(weight: torch.Tensor, scale: torch.Tensor, key: str) -
     return weight.double() * full[:rows, :cols]
 
 
+def check_weights(tensors: object, want: dict[str, tuple[int, ...]], owner: str) -> None:
+    """``tensors`` holds exactly the names of ``want``, each a float tensor of its shape;
+    ``owner`` says whose they are in the messages ("a layer of ratio 4")."""
+    if not isinstance(tensors, dict):
+        raise TypeError(f"tensors must be a dict, got {type(tensors).__name__}")
+    extra = sorted(set(tensors) - set(want))
+    if extra:
+        raise ValueError(f"weight {extra[0]!r} is not used by {owner}; "
+                         f"expected only {sorted(want)}")
+    for name, shape in want.items():
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"weight {name!r} is missing; expected shape {list(shape)}")
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"weight {name!r} must be a float tensor, got "
+                            f"{getattr(t, 'dtype', type(t))}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"weight {name!r} must have shape {list(shape)}, "
+                             f"got {list(t.shape)}")
+
+
+def random_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """Seeded float64 weights of ``shapes`` on the CPU: projections ~ N(0, 1/in), norm weights
+    ~ 1 + N(0, 0.1²), ``ape`` ~ N(0, 0.5²), sinks ~ N(0, 1); ``ape`` and the sinks are float32
+    numbers, as the checkpoint holds them."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in shapes.items():
+        t = torch.randn(shape, generator=gen, dtype=torch.float64)
+        if _is_norm(name):
+            t = 1.0 + 0.1 * t
+        elif name.endswith("ape"):
+            t = 0.5 * t
+        elif name != "attn_sink":
+            t = t * shape[1] ** -0.5
+        if name.endswith("ape") or name == "attn_sink":
+            t = t.float().double()  # float32 parameters in the checkpoint
+        tensors[name] = t
+    return tensors
+
+
 @dataclass
 class V4LayerWeights:
     """A layer's attention weights by checkpoint name (``tensors``) and its ratio."""
@@ -100,21 +141,8 @@ class V4LayerWeights:
     tensors: dict[str, torch.Tensor]
 
     def __post_init__(self) -> None:
-        want = v4_weight_shapes(self.config, self.ratio)
-        extra = sorted(set(self.tensors) - set(want))
-        if extra:
-            raise ValueError(f"weight {extra[0]!r} is not used by a layer of ratio {self.ratio}; "
-                             f"expected only {sorted(want)}")
-        for name, shape in want.items():
-            t = self.tensors.get(name)
-            if t is None:
-                raise ValueError(f"weight {name!r} is missing; expected shape {list(shape)}")
-            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-                raise TypeError(f"weight {name!r} must be a float tensor, got "
-                                f"{getattr(t, 'dtype', type(t))}")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"weight {name!r} must have shape {list(shape)}, "
-                                 f"got {list(t.shape)}")
+        check_weights(self.tensors, v4_weight_shapes(self.config, self.ratio),
+                      f"a layer of ratio {self.ratio}")
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -123,22 +151,9 @@ class V4LayerWeights:
     def random(cls, config: V4Config, ratio: int, seed: int = 0,
                dtype: torch.dtype = torch.float64, device: str | torch.device = "cpu"
                ) -> V4LayerWeights:
-        """Seeded random weights, drawn in float64 on the CPU: projections ~ N(0, 1/in),
-        norm weights ~ 1 + N(0, 0.1²), ``ape`` ~ N(0, 0.5²), sinks ~ N(0, 1); ``ape`` and the
-        sinks are float32 numbers, as the checkpoint holds them."""
-        gen = torch.Generator().manual_seed(seed)
-        tensors = {}
-        for name, shape in v4_weight_shapes(config, ratio).items():
-            t = torch.randn(shape, generator=gen, dtype=torch.float64)
-            if _is_norm(name):
-                t = 1.0 + 0.1 * t
-            elif name.endswith("ape"):
-                t = 0.5 * t
-            elif name != "attn_sink":
-                t = t * shape[1] ** -0.5
-            if name.endswith("ape") or name == "attn_sink":
-                t = t.float().double()  # float32 parameters in the checkpoint
-            tensors[name] = t.to(dtype=dtype, device=device)
+        """Seeded random weights (``random_weights``) in ``dtype`` on ``device``."""
+        tensors = {n: t.to(dtype=dtype, device=device)
+                   for n, t in random_weights(v4_weight_shapes(config, ratio), seed).items()}
         return cls(config, ratio, tensors)
 
     @classmethod
