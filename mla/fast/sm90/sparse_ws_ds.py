@@ -367,8 +367,9 @@ def _store_scaled(kn, c: gl.constexpr, w, scale):
         }""",
         "=h,=h,=h,=h,r,f", [w, scale[:, None]],
         dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
-    # [64, 16, 2, 2] -> [64, 64]: byte 4 j + k of a row at column 4 j + k
-    v = gl.reshape(gl.join(gl.join(v0, v1), gl.join(v2, v3)), [64, 64])
+    # [64, 16, 2, 2] -> [64, 64]: byte 4 j + k of a row at column 4 j + k (join's new axis is
+    # the last: [..., a, b] holds byte 2 a + b, so the inner joins pair bytes 0, 2 and 1, 3)
+    v = gl.reshape(gl.join(gl.join(v0, v2), gl.join(v1, v3)), [64, 64])
     kn.slice(c * 64, 64, dim=1).store(v)
 
 
