@@ -67,7 +67,8 @@ for step in "${steps[@]}"; do
     # failure for other failure modes; one summary (benchmarks.fuzz_summary)
     fuzz-peers)
       pids=()
-      for tk in mla.fast:mla_decode_paged mla.fast:sparse_mla_decode mla.fast:sparse_mla_prefill \
+      # FUZZ_KERNELS="target:kernel ...": only those
+      for tk in ${FUZZ_KERNELS:-mla.fast:mla_decode_paged mla.fast:sparse_mla_decode mla.fast:sparse_mla_prefill \
                 mla.fast:merge_attn_states mla.fast:cp_lse_ag_out_rs flashmla:mla_decode_paged \
                 flashmla:sparse_mla_decode flashmla:sparse_mla_prefill \
                 vllm-triton:mla_decode_paged vllm-triton:merge_attn_states \
@@ -76,7 +77,7 @@ for step in "${steps[@]}"; do
                 flashmla-batch-invariant:mla_decode_paged \
                 flashmla-batch-invariant:sparse_mla_decode mla.fast:top_k_per_row \
                 mla.fast:fp8_mqa_logits mla.fast:fp8_paged_mqa_logits vllm-topk:top_k_per_row \
-                deepgemm:fp8_mqa_logits deepgemm:fp8_paged_mqa_logits $FUZZ_MORE; do
+                deepgemm:fp8_mqa_logits deepgemm:fp8_paged_mqa_logits} $FUZZ_MORE; do
         t=${tk%%:*}; k=${tk#*:}
         props=(); case $k in mla_decode_paged|sparse_mla_decode) props=(--properties all) ;; esac
         timeout $(( ${FUZZ_SECONDS:-300} + 240 )) python -m mla conform --target "$t" \
