@@ -30,10 +30,17 @@ from mla.reference.sparse import sparse_mla_decode as ref_sparse_decode
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SETTING = Setting(DEVICE, torch.bfloat16 if DEVICE.type == "cuda" else torch.float32, 3, True)
 
+# a request alone gets more splits than in the batch: on the CPU (4 SMs) at any batch; on a
+# GPU (132 SMs) only once the batch leaves fewer than the splits a long request can take
+# (mla.fast.decode.plan: 528 / 6 = 88 against 94 at 3,000 keys in 16-key tiles;
+# mla.fast.sparse.plan: 264 / 20 rounded, 11 after the tiles' rounding, against 16 at top-k 2048)
 CASES = [
-    ("mla_decode_paged", decode_trial, DecodeSpec((300, 5, 190), heads=3, page=16)),
+    ("mla_decode_paged", decode_trial,
+     DecodeSpec((3000, 5, 1900, 0, 77, 2500) if DEVICE.type == "cuda" else (300, 5, 190),
+                heads=3, page=16)),
     ("sparse_mla_decode", sparse_decode_trial,
-     SparseDecodeSpec(batch=3, heads=3, topk=256, minus_one=0.1)),
+     SparseDecodeSpec(batch=20, heads=3, topk=2048, slots=4096, minus_one=0.1)
+     if DEVICE.type == "cuda" else SparseDecodeSpec(batch=3, heads=3, topk=256, minus_one=0.1)),
 ]
 # the batch-invariant plan of the CPU's float32 sparse calls cuts lists of 512 entries (one run
 # at top-k 256); this one cuts runs of 64 (4 at top-k 256) so that the lists split

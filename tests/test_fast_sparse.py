@@ -315,7 +315,7 @@ def test_nan_input_is_nan_out_not_a_marker(poisoned_alloc, plan):
                     reason="the Gluon sm_90 kernels run on Hopper GPUs only")
 @pytest.mark.parametrize("N,num_splits", [(128, 1), (64, 3)])
 @pytest.mark.parametrize("kernel", DS_MLA_KERNELS)
-def test_sm90_ds_mla_kernels(poisoned_alloc, kernel, N, num_splits):
+def test_sm90_ds_mla_kernels(poisoned_alloc, monkeypatch, kernel, N, num_splits):
     """Each Gluon ``fp8_ds_mla`` kernel a plan can name (``ds_mla_kernel``), the route
     asserted: lengths off the tile grid (one request lonely), -1 entries and repeats, rows no
     index names poisoned (0xFF), 128 heads unsplit and 64 heads in 3 splits, against the
@@ -329,6 +329,7 @@ def test_sm90_ds_mla_kernels(poisoned_alloc, kernel, N, num_splits):
     plan = SparsePlan(64, 64, num_splits, 8, 2, ds_mla_kernel=kernel)
     assert fast_sparse._sm90_route(plan, q, cache.view(-1, 656), 512, DS_MLA)
     lens = torch.tensor([300, 0, 129, 63], dtype=I32, device=DEVICE)
+    monkeypatch.setattr(fast_sparse, "_sm90_ws", {})  # built by this call only, if at all
     out, _ = check_decode(q, cache, idx, 576 ** -0.5, True, lens, plan=plan)
     assert (kernel == "warp_specialized") == ("ds_mla" in fast_sparse._sm90_ws)
     bad_idx, bad_lens = idx.clone(), lens.clone()
