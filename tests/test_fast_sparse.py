@@ -343,11 +343,11 @@ def test_sm90_ds_mla_kernels(poisoned_alloc, monkeypatch, kernel, N, num_splits)
 
 
 def test_ds_mla_kernel_names_are_checked():
-    """``SparsePlan.ds_mla_kernel``: the coupled ("staged") kernel by default; a plan naming
+    """``SparsePlan.ds_mla_kernel``: the warp-specialized kernel by default; a plan naming
     the warp-specialized one still runs elsewhere (the Triton kernel off Hopper)."""
-    assert SparsePlan(64, 64, 1, 8, 2).ds_mla_kernel == "staged"
+    assert SparsePlan(64, 64, 1, 8, 2).ds_mla_kernel == "warp_specialized"
     assert plan_sparse(64, 128, 2048, torch.bfloat16, True, num_sms=132).ds_mla_kernel == \
-        "staged"
+        "warp_specialized"
     with pytest.raises(ValueError, match="ds_mla_kernel must be one of"):
         SparsePlan(64, 64, 1, 8, 2, ds_mla_kernel="coupled")
 

@@ -172,14 +172,14 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
                545, 4, 1, 128, 2048, 20000, True, [2048, 7, 0, 900], padded=True)
     yield case("fp8 block-padded cache B=3 N=128 topk=2048 forced Triton", 546, 3, 1, 128,
                2048, 20000, True, plan=SparsePlan(64, 64, 3, 8, 2, sm90=False), padded=True)
-    # the warp-specialized fp8_ds_mla kernel (a plan's choice, not the default): unsplit at
-    # 128 heads, 3 splits, and over the block-padded cache
-    ws = SparsePlan(64, 64, 1, 8, 2, ds_mla_kernel="warp_specialized")
-    yield case(f"fp8 cache B=3 N=128 topk=2048 lens 2048,7,1500 forced {ws}", 547, 3, 1, 128,
-               2048, 20000, True, [2048, 7, 1500], ws)
-    ws3 = SparsePlan(64, 64, 3, 8, 2, ds_mla_kernel="warp_specialized")
-    yield case(f"fp8 block-padded cache B=4 N=64 topk=2048 lens 2048,7,0,900 forced {ws3}",
-               548, 4, 1, 64, 2048, 20000, True, [2048, 7, 0, 900], ws3, padded=True)
+    # the coupled fp8_ds_mla kernel (a plan's choice; the default is the warp-specialized
+    # one): unsplit at 128 heads, 3 splits, and over the block-padded cache
+    coupled = SparsePlan(64, 64, 1, 8, 2, ds_mla_kernel="staged")
+    yield case(f"fp8 cache B=3 N=128 topk=2048 lens 2048,7,1500 forced {coupled}", 547, 3, 1, 128,
+               2048, 20000, True, [2048, 7, 1500], coupled)
+    coupled3 = SparsePlan(64, 64, 3, 8, 2, ds_mla_kernel="staged")
+    yield case(f"fp8 block-padded cache B=4 N=64 topk=2048 lens 2048,7,0,900 forced {coupled3}",
+               548, 4, 1, 64, 2048, 20000, True, [2048, 7, 0, 900], coupled3, padded=True)
     if ctx.device.type == "cuda":
         yield Case("fp8 cuda graph capture + replay, no sync", lambda: _graph_case(ctx))
 

@@ -6,8 +6,8 @@ on an sm_90 GPU (each module's ``supported``); everywhere else their Triton kern
 - ``decode``: paged decode (``decode_kernel``), ``sparse``: sparse top-k decode and prefill
   (``sparse_kernel``); ``sparse_ws``: MODEL1 sparse decode with a producer warp group that
   gathers and dequantizes (``model1_ws_kernel``, the default plan's at 64 heads);
-  ``sparse_ws_ds``: the same arrangement over ``fp8_ds_mla`` rows (``ds_mla_ws_kernel``, a
-  plan's choice, ``SparsePlan.ds_mla_kernel``; not yet checked on a GPU);
+  ``sparse_ws_ds``: the same arrangement over ``fp8_ds_mla`` rows (``ds_mla_ws_kernel``, the
+  default plan's at 64 heads, ``SparsePlan.ds_mla_kernel``);
   ``softmax``: the online-softmax + ``P · V`` step both share, and the CTA barrier under the
   name this Triton gives it.
 

@@ -52,7 +52,7 @@ How (docs/kernels.md, "Sparse"):
   dtype, or MODEL1 pages with bf16 q), one or two scopes, sinks included; over MODEL1 pages
   the plan's ``model1_kernel`` picks it or (the default) the warp-specialized kernel of
   ``mla.fast.sm90.sparse_ws``; over ``fp8_ds_mla`` rows (decode) the plan's ``ds_mla_kernel``
-  picks it (the default) or the warp-specialized kernel of ``mla.fast.sm90.sparse_ws_ds``.
+  picks it or (the default) the warp-specialized kernel of ``mla.fast.sm90.sparse_ws_ds``.
 
 ``convert_req_index_to_global_index`` (``mla.fast.sparse.index``, re-exported here): the
 indexer's request-local top-k positions to the cache slots these kernels read.

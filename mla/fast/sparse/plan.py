@@ -33,9 +33,10 @@ MODEL1_KERNELS = ("warp_specialized", "staged")
 # The Gluon kernels a plan may name for 64-head ``fp8_ds_mla`` decode
 # (``SparsePlan.ds_mla_kernel``): "warp_specialized" (``mla.fast.sm90.sparse_ws_ds``: a
 # producer warp group loads each tile's e4m3 bytes into registers and dequantizes them into
-# two K buffers while two consumer groups run the dots; compiled for sm_90 without a GPU, not
-# yet checked or timed on one) and "staged" (the coupled kernel of ``mla.fast.sm90.sparse``,
-# the default)
+# two K buffers while two consumer groups run the dots; the default: at B=64 N=128 top-k 2048
+# on an H100, 116 us against the coupled kernel's 161, CUDA graphs,
+# benchmarks/results/sparse/sparse_sweep_2026-12-06.md) and "staged" (the coupled kernel of
+# ``mla.fast.sm90.sparse``: cp.async into a staging buffer, dequantized by all 8 warps)
 DS_MLA_KERNELS = ("warp_specialized", "staged")
 
 # the batch-invariant plans: entries per split (8 tiles of 64: 4 splits at top-k 2048) and the
@@ -64,7 +65,7 @@ class SparsePlan:
     # 64-head MODEL1 decode on Hopper: which Gluon kernel (one of MODEL1_KERNELS)
     model1_kernel: str = "warp_specialized"
     # 64-head fp8_ds_mla decode on Hopper: which Gluon kernel (one of DS_MLA_KERNELS)
-    ds_mla_kernel: str = "staged"
+    ds_mla_kernel: str = "warp_specialized"
     # > 0: fixed-length splits of this many entries (a multiple of 64), batch invariant
     # (module docstring); ``num_splits`` is then the most splits a query takes
     split_entries: int = 0
