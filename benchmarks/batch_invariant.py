@@ -2,10 +2,10 @@
 
 A decode that splits a request's keys over several programs (split-KV) fills the GPU at
 small batches; its result then depends on the batch, because the split count does. Both
-``mla.fast`` (``batch_invariant=True``) and FlashMLA (``enable_batch_invariant=True``) can
-turn the splits off. This times each decode both ways, in CUDA graphs with the L2 flushed,
-at batches from 1 to 128 (where the default stops splitting, the two are the same kernel),
-on DeepSeek-V3's dense decode (N = 16 and 128 heads), V3.2's sparse decode over the
+``mla.fast`` (``batch_invariant=True``: runs of a fixed number of keys or entries, whatever
+the batch, merged in split order) and FlashMLA (``enable_batch_invariant=True``) have a mode
+whose result does not. This times each decode both ways, in CUDA graphs with the L2 flushed,
+at batches from 1 to 128, on DeepSeek-V3's dense decode (N = 16 and 128 heads), V3.2's sparse decode over the
 ``fp8_ds_mla`` cache (N = 128, top-k 2048) and V4's MODEL1 decode (N = 64, top-k 512 and a
 window of 128). Writes ``batch_invariant_<date>.json`` and ``.md``: per shape and target the
 time both ways and their ratio, with the copy and matmul ceilings measured in the same run.
@@ -74,8 +74,7 @@ def report(rows: list[dict], meta: dict) -> str:
              f"Ceilings measured in the same run: copy {ceil['copy_GBps']:.0f} GB/s, bf16 "
              f"matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s. Median of {meta['reps']} CUDA-graph "
              "replays, L2 flushed before each.", "",
-             "`ratio`: the batch-invariant time over the default's (1.00: the default did not "
-             "split there).", "",
+             "`ratio`: the batch-invariant time over the default's.", "",
              "| shape | B | target | default µs | % copy | batch-invariant µs | % copy | ratio |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
