@@ -1,12 +1,12 @@
 """``python -m benchmarks.batch_invariant [--out-dir DIR]``: what batch invariance costs.
 
-A decode that splits a request's keys over several programs (split-KV) fills the GPU at
-small batches; its result then depends on the batch, because the split count does. Both
-``mla.fast`` (``batch_invariant=True``: runs of a fixed number of keys or entries, whatever
-the batch, merged in split order) and FlashMLA (``enable_batch_invariant=True``) have a mode
-whose result does not. This times each decode both ways, in CUDA graphs with the L2 flushed,
-at batches from 1 to 128, on DeepSeek-V3's dense decode (N = 16 and 128 heads), V3.2's
-sparse decode over the ``fp8_ds_mla`` cache (N = 128, top-k 2048) and V4's MODEL1 decode (N = 64, top-k 512 and a
+A decode that splits a request's keys over several programs (split-KV) fills the GPU at small
+batches; its result then depends on the batch, because the split count does. Both ``mla.fast``
+(``batch_invariant=True``: runs of a fixed number of keys or entries, whatever the batch, merged
+in split order) and FlashMLA (``enable_batch_invariant=True``) have a mode whose result does
+not. This times each decode both ways, in CUDA graphs with the L2 flushed, at batches from 1 to
+128, on DeepSeek-V3's dense decode (N = 16 and 128 heads), V3.2's sparse decode over the
+``fp8_ds_mla`` cache (N = 128, top-k 2048) and V4's MODEL1 decode (N = 64, top-k 512 and a
 window of 128). Writes ``batch_invariant_<date>.json`` and ``.md``: per shape and target the
 time both ways and their ratio, with the copy and matmul ceilings measured in the same run.
 """
