@@ -3,7 +3,7 @@
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
-#     sparse-sweep]...
+#     sparse-sweep|sparse-peers]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: OUT=/tmp/o BUNDLE=$OUT/all.tgz keeps every result of a many-step run).
 set -o pipefail
@@ -29,6 +29,10 @@ for step in "${steps[@]}"; do
     # the sparse kernels' plans swept (the warp-specialized fp8_ds_mla kernel beside the default)
     sparse-sweep) timeout 400 python -m benchmarks.sparse --sweep --out "$OUT" 2>&1 \
              | tee "$OUT/sparse_sweep.log" ;;
+    # DeepSeek-V3.2's sparse kernels beside FlashMLA, DeepGEMM's logits and vLLM's top-k
+    # (sparse_peers_<date>.json: one row a kernel and shape)
+    sparse-peers) timeout 400 python -m benchmarks.sparse_peers --out-dir "$OUT" 2>&1 \
+             | tee "$OUT/sparse_peers.log" ;;
     small) timeout 200 python -m benchmarks.small --out-dir "$OUT" 2>&1 | tee "$OUT/small.log" ;;
     routes) timeout 300 python -m benchmarks.prefill_routes --out-dir "$OUT" 2>&1 \
              | tee "$OUT/routes.log" ;;
