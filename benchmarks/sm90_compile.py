@@ -226,6 +226,8 @@ def facts(k: triton.compiler.CompiledKernel) -> dict:
         "tma": len(re.findall(r"\bcp\.async\.bulk\.tensor\b", ptx)),
         "cp_async_16": sum(1 for c in copies if re.search(r",\s*0x10\b", c)),
         "cp_async_other": sum(1 for c in copies if not re.search(r",\s*0x10\b", c)),
+        # arrivals on an mbarrier fired when the issuing thread's cp.async copies land
+        "cp_async_mbarrier": len(re.findall(r"\bcp\.async\.mbarrier\.arrive\b", ptx)),
     }
 
 
@@ -257,6 +259,13 @@ VARIANTS = [
                     HAS_TOPK_LEN2=True, HAS_SINK=True, CHECK_RANGE=True)),
     ("sparse", dict(FP8=True, HAS_EXTRA=True, HAS_SINK=True, CHECK_RANGE=True)),
     ("sparse", dict(FP8=False, D=512, N=64, HAS_MAXL=True, HAS_SINK=True, HAS_TOPK_LEN=True)),
+    # the warp-specialized kernel over rows in q's dtype (SparsePlan.bf16_kernel): prefill at
+    # 576 and 512, bf16 decode
+    ("sparse", dict(FP8=False, HAS_MAXL=True, BF16_KERNEL="warp_specialized")),
+    ("sparse", dict(FP8=False, D=512, N=64, HAS_MAXL=True, HAS_SINK=True, HAS_TOPK_LEN=True,
+                    BF16_KERNEL="warp_specialized")),
+    ("sparse", dict(FP8=False, HAS_TOPK_LEN=True, CHECK_RANGE=True,
+                    BF16_KERNEL="warp_specialized")),
     # the batch-invariant plans: fixed-length splits (mla.fast.decode.plan, mla.fast.sparse.plan)
     ("decode", dict(N=128, S_Q=1, SPLIT=True, SPLIT_TILES=16, SPLIT_CAP=32)),
     ("decode", dict(N=128, S_Q=2, CAUSAL=True, SPLIT=True, HAS_SINK=True, SPLIT_TILES=16,
