@@ -34,9 +34,15 @@ rows)``, makes the query NaN). ``mla.fast.sparse`` launches it for 64-head plans
 q's dtype that name it (``SparsePlan.bf16_kernel = "warp_specialized"``); the default stays
 "staged", the coupled kernel, until this one is checked and timed on a GPU.
 
-Compiled for sm_90 (Triton 3.7.1's ptxas, ``tests/test_sm90_compile.py``; not yet run on a
-GPU): see benchmarks/notes/sparse.md ("bf16 rows, warp-specialized") for shared memory,
-registers and spills of each variant.
+Compiled for sm_90 with Triton 3.7.1's ptxas (``benchmarks.sm90_compile``,
+``tests/test_sm90_compile.py``; not yet run on a GPU): 229,924 B of shared memory for rows of
+576 and 205,348 B for rows of 512 (the buffers above, the barriers and the
+warp-specialization state); 168 registers a thread at launch, then ``setmaxnreg`` 224 for the
+consumers and 56 for the producer; no stack and no local memory in any variant compiled
+(prefill, split prefill with lengths and a sink, rows of 512, decode with the range check, a
+second scope, fp16, fixed-length splits); ``wgmma m64n32k16`` x36 (x32 for rows of 512) and
+``m64n256k16`` x4; only 16-byte ``cp.async``; one ``cp.async.mbarrier.arrive.noinc``
+(benchmarks/notes/sparse.md, 2026-12-06, "a warp-specialized kernel for rows in q's dtype").
 """
 
 from __future__ import annotations
