@@ -79,13 +79,15 @@ def report_heading(title: str, res: dict) -> list[str]:
     return [f"# {title}, {env.get('gpu', '?')}, {env['date']}", "", line + ".", ""]
 
 
-def kernel_name(plan: dict) -> str:
+def kernel_name(plan: dict, fp8: bool | None = None) -> str:
     """Which kernel a plan ran: the Gluon sm_90 one takes 64-row plans with ``sm90`` (on an
-    H100/H200; the benchmarks run there)."""
+    H100/H200; the benchmarks run there). ``fp8``: the call's rows are ``fp8_ds_mla`` (the
+    plan's ``ds_mla_kernel`` runs) or in q's dtype (its ``bf16_kernel``); None: unknown (a
+    sparse plan's ``ds_mla_kernel`` names it)."""
     if not (plan.get("sm90", False) and plan["block_m"] == 64):
         return "Triton"
-    # a plan naming the warp-specialized fp8_ds_mla kernel (what it runs over fp8_ds_mla rows)
-    return "Gluon sm90 ws" if plan.get("ds_mla_kernel") == "warp_specialized" else "Gluon sm90"
+    field = {True: "ds_mla_kernel", False: "bf16_kernel", None: "ds_mla_kernel"}[fp8]
+    return "Gluon sm90 ws" if plan.get(field) == "warp_specialized" else "Gluon sm90"
 
 
 def report_rows(e: dict) -> list[tuple[str, dict]]:

@@ -147,12 +147,14 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                    CHECK_RANGE: bool = False, MODEL1: bool = False, HAS_EXTRA: bool = False,
                    HAS_TOPK_LEN2: bool = False, D: int = 576, RAW_STAGES: int = 2,
                    MODEL1_KERNEL: str = "staged", DS_MLA_KERNEL: str = "staged",
-                   SPLIT_TILES: int = 0, SPLIT_CAP: int = 0) -> triton.compiler.CompiledKernel:
+                   BF16_KERNEL: str = "staged", SPLIT_TILES: int = 0,
+                   SPLIT_CAP: int = 0) -> triton.compiler.CompiledKernel:
     """``sparse_kernel`` for sm_90 as ``mla.fast.sparse`` launches it: a ``[Q, N, 576]``
     query, top-k 2048, a cache of 576-element rows or ``fp8_ds_mla`` 656-byte rows, or
     (``MODEL1``) a ``[Q, N, 512]`` query over MODEL1 pages of 64 tokens; ``MODEL1_KERNEL``
     names the plan's MODEL1 kernel (``mla.fast.sparse.plan.MODEL1_KERNELS``), ``DS_MLA_KERNEL``
-    its ``fp8_ds_mla`` kernel (``mla.fast.sparse.plan.DS_MLA_KERNELS``)."""
+    its ``fp8_ds_mla`` kernel (``mla.fast.sparse.plan.DS_MLA_KERNELS``), ``BF16_KERNEL`` its
+    kernel over rows in q's dtype (``mla.fast.sparse.plan.BF16_KERNELS``)."""
     dt = _DTYPES[dtype]
     if FP8 and dt != "bf16":
         raise ValueError("fp8_ds_mla takes a bf16 query")
@@ -172,6 +174,10 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
         from mla.fast.sm90.sparse_ws_ds import ds_mla_ws_kernel
 
         fn = ds_mla_ws_kernel
+    if not FP8 and not MODEL1 and BF16_KERNEL == "warp_specialized":
+        from mla.fast.sm90.sparse_ws_bf16 import plain_ws_kernel
+
+        fn = plain_ws_kernel
     d = 512 if MODEL1 else D
     ptrs = dict(Q=dt, KV="u8" if FP8 or MODEL1 else dt, IDX="i32", TOPK_LEN="i32", SINK="fp32",
                 O=dt, LSE="fp32", KV2="u8" if FP8 or MODEL1 else dt, IDX2="i32",
@@ -220,6 +226,8 @@ def facts(k: triton.compiler.CompiledKernel) -> dict:
         "tma": len(re.findall(r"\bcp\.async\.bulk\.tensor\b", ptx)),
         "cp_async_16": sum(1 for c in copies if re.search(r",\s*0x10\b", c)),
         "cp_async_other": sum(1 for c in copies if not re.search(r",\s*0x10\b", c)),
+        # arrivals on an mbarrier fired when the issuing thread's cp.async copies land
+        "cp_async_mbarrier": len(re.findall(r"\bcp\.async\.mbarrier\.arrive\b", ptx)),
     }
 
 
@@ -251,6 +259,13 @@ VARIANTS = [
                     HAS_TOPK_LEN2=True, HAS_SINK=True, CHECK_RANGE=True)),
     ("sparse", dict(FP8=True, HAS_EXTRA=True, HAS_SINK=True, CHECK_RANGE=True)),
     ("sparse", dict(FP8=False, D=512, N=64, HAS_MAXL=True, HAS_SINK=True, HAS_TOPK_LEN=True)),
+    # the warp-specialized kernel over rows in q's dtype (SparsePlan.bf16_kernel): prefill at
+    # 576 and 512, bf16 decode
+    ("sparse", dict(FP8=False, HAS_MAXL=True, BF16_KERNEL="warp_specialized")),
+    ("sparse", dict(FP8=False, D=512, N=64, HAS_MAXL=True, HAS_SINK=True, HAS_TOPK_LEN=True,
+                    BF16_KERNEL="warp_specialized")),
+    ("sparse", dict(FP8=False, HAS_TOPK_LEN=True, CHECK_RANGE=True,
+                    BF16_KERNEL="warp_specialized")),
     # the batch-invariant plans: fixed-length splits (mla.fast.decode.plan, mla.fast.sparse.plan)
     ("decode", dict(N=128, S_Q=1, SPLIT=True, SPLIT_TILES=16, SPLIT_CAP=32)),
     ("decode", dict(N=128, S_Q=2, CAUSAL=True, SPLIT=True, HAS_SINK=True, SPLIT_TILES=16,

@@ -126,6 +126,10 @@ def candidate_plans(s: SparseShape, default: SparsePlan) -> list[SparsePlan]:
         plans += [rep(default, num_splits=2), rep(tri, num_splits=2)]
     if s.kind == "decode" and s.fp8:  # the warp-specialized fp8_ds_mla kernel (a plan choice)
         plans += [rep(default, ds_mla_kernel="warp_specialized")]
+    if not s.fp8:  # the warp-specialized kernel over rows in q's dtype (a plan choice)
+        plans += [rep(default, bf16_kernel="warp_specialized")]
+        if s.kind == "decode":
+            plans += [rep(default, bf16_kernel="warp_specialized", num_splits=2)]
     out = []
     for p in plans:
         if p not in out:
@@ -196,7 +200,7 @@ def markdown(res: dict) -> str:
         s = e["shape"]
         for label, r in report_rows(e):
             p = r["plan"]
-            plan = (f"{label} ({kernel_name(p)}): {p['block_m']}, {p['block_n']}, "
+            plan = (f"{label} ({kernel_name(p, s['fp8'])}): {p['block_m']}, {p['block_n']}, "
                     f"{p['num_splits']}, {p['num_warps']}, {p['num_stages']}")
             err = r.get("rel_err_vs_reference")
             met = "-" if not s["target"] else ("yes" if r["TFLOPs"] >= s["target"] else "no")

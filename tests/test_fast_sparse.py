@@ -19,7 +19,7 @@ from _nan_rule import assert_nan_rule
 from mla import compare
 from mla.compare import assert_close, budget, poison_like
 from mla.fast import SparsePlan, plan_sparse, sparse_mla_decode, sparse_mla_prefill
-from mla.fast.sparse.plan import DS_MLA_KERNELS
+from mla.fast.sparse.plan import BF16_KERNELS, DS_MLA_KERNELS
 from mla.reference.fp8 import quantize_fp8_ds_mla
 from mla.reference.sparse import sparse_mla_decode as ref_decode
 from mla.reference.sparse import sparse_mla_prefill as ref_prefill
@@ -350,6 +350,67 @@ def test_ds_mla_kernel_names_are_checked():
         "warp_specialized"
     with pytest.raises(ValueError, match="ds_mla_kernel must be one of"):
         SparsePlan(64, 64, 1, 8, 2, ds_mla_kernel="coupled")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon sm_90 kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("D", [576, 512])
+@pytest.mark.parametrize("N,num_splits", [(128, 1), (64, 3)])
+@pytest.mark.parametrize("kernel", BF16_KERNELS)
+def test_sm90_bf16_kernels(poisoned_alloc, monkeypatch, kernel, N, num_splits, D):
+    """Each Gluon kernel over rows in q's dtype a plan can name (``bf16_kernel``), the route
+    asserted. Prefill: rows of 576 (V the first 512 columns) and of 512 (V the whole row),
+    lengths off the tile grid (0: lonely), indices -1, other negatives and ``>= s_kv``, a
+    lonely query, a sink; decode (rows of 576): lengths off the tile grid, one request lonely;
+    then without value checks a length past top-k and a slot past the cache make exactly
+    their queries NaN. 128 heads unsplit and 64 heads in 3 splits."""
+    import mla.fast.sparse as fast_sparse
+    from mla.fast.sparse.kernels import PLAIN
+
+    plan = SparsePlan(64, 64, num_splits, 8, 2, bf16_kernel=kernel)
+    monkeypatch.setattr(fast_sparse, "_sm90_ws", {})  # built by these calls only, if at all
+    q, kv, idx = prefill_inputs(6, N, D, 700, 300, torch.bfloat16, seed=60 + N + D)
+    assert fast_sparse._sm90_route(plan, q, kv, 512, PLAIN)
+    lens = torch.tensor([300, 299, 0, 129, 63, 1], dtype=I32, device=DEVICE)
+    check_prefill(q, kv, idx, D ** -0.5, 512, lens, plan=plan)
+    assert (kernel == "warp_specialized") == ("bf16" in fast_sparse._sm90_ws)
+    sink = torch.randn(N, generator=_gen(61)).float().to(DEVICE) + 3.0
+    out, max_logits, lse = sparse_mla_prefill(q, kv, idx, D ** -0.5, 512, lens,
+                                              attn_sink=sink, plan=plan)
+    r_out, r_max, r_lse = ref_prefill(q.double().cpu(), kv.double().cpu(), idx.cpu(),
+                                      D ** -0.5, 512, lens.cpu(), attn_sink=sink.cpu())
+    tol, abs_tol = _tols("sparse_mla_prefill", q.dtype)
+    assert_close(out, r_out, tol, name="out (sink)")
+    assert_close(lse, r_lse, name="lse (sink)", abs_tol=abs_tol)
+    if D != 576:
+        return
+    q, cache, idx = decode_inputs(4, 2, N, 576, 8, 64, 300, torch.bfloat16, seed=62 + N)
+    lens = torch.tensor([300, 0, 129, 63], dtype=I32, device=DEVICE)
+    check_decode(q, cache, idx, 576 ** -0.5, False, lens, plan=plan)
+    bad_idx, bad_lens = idx.clone(), lens.clone()
+    bad_idx[0, :, 7] = cache.shape[0] * cache.shape[1]
+    bad_lens[2] = 301
+    out, lse = sparse_mla_decode(q, cache, bad_idx, 576 ** -0.5, False, bad_lens, plan=plan,
+                                 validate=False)
+    nan_q = torch.tensor([True, False, True, False], device=DEVICE)
+    assert torch.isnan(out[nan_q]).all() and torch.isnan(lse[nan_q]).all()
+    assert not torch.isnan(out[~nan_q]).any()
+
+
+def test_bf16_kernel_names_are_checked(poisoned_alloc):
+    """``SparsePlan.bf16_kernel``: the coupled ("staged") kernel by default; a plan naming
+    the warp-specialized one still runs elsewhere (the Triton kernel off Hopper)."""
+    assert SparsePlan(64, 64, 1, 8, 2).bf16_kernel == "staged"
+    assert plan_sparse(64, 128, 2048, torch.bfloat16, False, num_sms=132).bf16_kernel == \
+        "staged"
+    with pytest.raises(ValueError, match="bf16_kernel must be one of"):
+        SparsePlan(64, 64, 1, 8, 2, bf16_kernel="coupled")
+    plan = SparsePlan(16, 64, 2, 4, 1, bf16_kernel="warp_specialized")
+    q, kv, idx = prefill_inputs(3, 2, 40, 30, 45, torch.float16, seed=63)
+    check_prefill(q, kv, idx, 0.3, 32, plan=plan)
+    q, cache, idx = decode_inputs(2, 1, 2, 40, 3, 16, 37, torch.float16, seed=64)
+    check_decode(q, cache, idx, 0.3, False, head_dim_v=32, plan=plan)
 
 
 def test_decode_fp8_plan_naming_the_warp_specialized_kernel(poisoned_alloc):

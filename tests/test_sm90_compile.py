@@ -77,6 +77,19 @@ SPARSE += [dict(_DS, **flags) for flags in (
     {}, {"SPLIT": True, "N": 64, "HAS_TOPK_LEN": True, "HAS_SINK": True, "CHECK_RANGE": True},
     {"HAS_EXTRA": True, "HAS_TOPK_LEN": True, "HAS_TOPK_LEN2": True, "HAS_SINK": True,
      "CHECK_RANGE": True})]
+# the warp-specialized kernel over rows in q's dtype (``SparsePlan.bf16_kernel``; a producer
+# group of 56 registers that only issues cp.async copies, tracked by mbarriers): prefill at 128
+# heads, split at 64 with lengths and a sink, DeepSeek-V4's rows of 512, decode with the range
+# check, a second scope, fp16
+_BF = dict(FP8=False, BF16_KERNEL="warp_specialized")
+SPARSE += [dict(_BF, **flags) for flags in (
+    {"HAS_MAXL": True},
+    {"HAS_MAXL": True, "HAS_TOPK_LEN": True, "HAS_SINK": True, "SPLIT": True, "N": 64},
+    {"D": 512, "N": 64, "HAS_MAXL": True, "HAS_SINK": True, "HAS_TOPK_LEN": True},
+    {"HAS_TOPK_LEN": True, "CHECK_RANGE": True},
+    {"HAS_EXTRA": True, "HAS_TOPK_LEN": True, "HAS_TOPK_LEN2": True, "HAS_SINK": True,
+     "CHECK_RANGE": True},
+    {"N": 64, "S": 2, "dtype": "fp16"})]
 # the batch-invariant plans' fixed-length splits (``split_keys``, ``split_entries``): the
 # coupled decode kernel split, and each sparse Gluon kernel split
 _FIXED = dict(SPLIT=True, SPLIT_TILES=8, SPLIT_CAP=16)
@@ -84,7 +97,8 @@ DECODE += [dict(N=128, S_Q=1, **_FIXED), dict(N=128, S_Q=2, CAUSAL=True, HAS_SIN
                                               **_FIXED)]
 SPARSE += [dict(FP8=True, HAS_SINK=True, **_FIXED),
            dict(_V4, MODEL1_KERNEL="warp_specialized", N=64, **_FIXED),
-           dict(_DS, HAS_SINK=True, **_FIXED)]
+           dict(_DS, HAS_SINK=True, **_FIXED),
+           dict(_BF, N=64, CHECK_RANGE=True, HAS_SINK=True, **_FIXED)]
 VARIANTS = [("decode", a) for a in DECODE] + [("sparse", a) for a in SPARSE]
 # the Triton decode kernel with plan_decode's default plans (every float32 call runs it)
 TRITON_DECODE = [dict(N=n, S_Q=s_q, CAUSAL=s_q > 1, dtype=dt) for dt in ("fp32", "bf16", "fp16")
@@ -191,6 +205,16 @@ def test_sparse_gathers_rows_with_16_byte_cp_async(args):
         assert f["cp_async_other"] < f["cp_async_16"], f
     else:
         assert f["cp_async_other"] == 0, f"narrower copies than 16 bytes: {f}"
+
+
+@pytest.mark.parametrize("args", [a for a in SPARSE if a.get("BF16_KERNEL")],
+                         ids=lambda a: _id(("sparse", a)))
+def test_bf16_producer_arrives_when_its_copies_land(args):
+    # the warp-specialized kernel over rows in q's dtype: the producer's copies end in
+    # ``cp.async.mbarrier.arrive.noinc`` on ready[s] (it never waits for them); no other
+    # kernel tracks copies by mbarrier
+    f = _facts()[_id(("sparse", args))]
+    assert f["cp_async_mbarrier"] >= 1, f
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

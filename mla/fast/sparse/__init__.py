@@ -52,7 +52,9 @@ How (docs/kernels.md, "Sparse"):
   dtype, or MODEL1 pages with bf16 q), one or two scopes, sinks included; over MODEL1 pages
   the plan's ``model1_kernel`` picks it or (the default) the warp-specialized kernel of
   ``mla.fast.sm90.sparse_ws``; over ``fp8_ds_mla`` rows (decode) the plan's ``ds_mla_kernel``
-  picks it or (the default) the warp-specialized kernel of ``mla.fast.sm90.sparse_ws_ds``.
+  picks it or (the default) the warp-specialized kernel of ``mla.fast.sm90.sparse_ws_ds``;
+  over rows in q's dtype the plan's ``bf16_kernel`` picks it (the default) or the
+  warp-specialized kernel of ``mla.fast.sm90.sparse_ws_bf16``.
 
 ``convert_req_index_to_global_index`` (``mla.fast.sparse.index``, re-exported here): the
 indexer's request-local top-k positions to the cache slots these kernels read.
@@ -150,7 +152,8 @@ class _Launch:
     grid: tuple[int, int, int] | None = None  # None: nothing to compute
     sm90: bool = False
     # the Gluon kernel: mla.fast.sm90.sparse's (""), or a warp-specialized one: "model1"
-    # (mla.fast.sm90.sparse_ws's) or "ds_mla" (mla.fast.sm90.sparse_ws_ds's)
+    # (mla.fast.sm90.sparse_ws's), "ds_mla" (mla.fast.sm90.sparse_ws_ds's) or "bf16"
+    # (mla.fast.sm90.sparse_ws_bf16's, rows in q's dtype)
     sm90_ws: str = ""
     # per input slot: (source, view) for the JIT, which types each pointer by its view's dtype
     jit_inputs: tuple[tuple[int, View] | None, ...] = ()
@@ -255,7 +258,8 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
     flags = dict(has_sink=sources[7] is not None, check_range=not has_maxl)
 
     ws = ("model1" if fmt == MODEL1 and plan.model1_kernel == "warp_specialized" else
-          "ds_mla" if fmt == DS_MLA and plan.ds_mla_kernel == "warp_specialized" else "")
+          "ds_mla" if fmt == DS_MLA and plan.ds_mla_kernel == "warp_specialized" else
+          "bf16" if fmt == PLAIN and plan.bf16_kernel == "warp_specialized" else "")
     if sm90_route:
         def layout(sc: Scope) -> tuple[int, int]:  # (row or page stride, page size)
             return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
@@ -263,9 +267,10 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
                 extra.idx.stride(0), *layout(extra), *out_s, *lse_s, *m_s,
                 first.n_rows, topk, extra.n_rows, topk2)
         if ws:
-            tail = (splits, N, S, groups, has_extra, has_extra and extra.has_length,
-                    first.has_length, flags["has_sink"], flags["check_range"], has_maxl, split,
-                    *fixed)
+            # the bf16 kernel also takes HAS_PE (rows of 576, or of 512 with V the whole row)
+            tail = (splits, N, S, groups, *((DR > 0,) if ws == "bf16" else ()), has_extra,
+                    has_extra and extra.has_length, first.has_length, flags["has_sink"],
+                    flags["check_range"], has_maxl, split, *fixed)
         else:
             tail = (splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0,
                     has_extra, has_extra and extra.has_length, first.has_length,
@@ -325,6 +330,8 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
         if launch.sm90_ws:
             if launch.sm90_ws == "model1":
                 from mla.fast.sm90.sparse_ws import model1_ws_kernel as ws_kernel
+            elif launch.sm90_ws == "bf16":
+                from mla.fast.sm90.sparse_ws_bf16 import plain_ws_kernel as ws_kernel
             else:
                 from mla.fast.sm90.sparse_ws_ds import ds_mla_ws_kernel as ws_kernel
             ws_launcher = _sm90_ws.get(launch.sm90_ws)

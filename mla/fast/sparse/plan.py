@@ -19,7 +19,8 @@ import torch
 
 from mla.fast.common import TRITON_VERSION, next_pow2
 
-__all__ = ["BI_MAX_SPLITS", "BI_SPLIT_ENTRIES", "DS_MLA_KERNELS", "MODEL1_KERNELS",
+__all__ = ["BF16_KERNELS", "BI_MAX_SPLITS", "BI_SPLIT_ENTRIES", "DS_MLA_KERNELS",
+           "MODEL1_KERNELS",
            "SparsePlan", "plan_sparse", "split_grid"]
 
 # The Gluon kernels a plan may name for 64-head MODEL1 decode (``SparsePlan.model1_kernel``):
@@ -38,6 +39,13 @@ MODEL1_KERNELS = ("warp_specialized", "staged")
 # benchmarks/results/sparse/sparse_sweep_2026-12-06.md) and "staged" (the coupled kernel of
 # ``mla.fast.sm90.sparse``: cp.async into a staging buffer, dequantized by all 8 warps)
 DS_MLA_KERNELS = ("warp_specialized", "staged")
+# The Gluon kernels a plan may name for 64-head calls over rows in q's dtype (prefill, bf16/fp16
+# decode; rows of 576 or 512) (``SparsePlan.bf16_kernel``): "staged" (the default: the coupled
+# kernel of ``mla.fast.sm90.sparse``, whose 8 warps issue a tile's cp.async gathers between
+# its dots) and "warp_specialized" (``mla.fast.sm90.sparse_ws_bf16``: a producer warp group
+# gathers by cp.async into two K buffers while two consumer groups run the dots; compiled for
+# sm_90, not yet checked or timed on a GPU)
+BF16_KERNELS = ("warp_specialized", "staged")
 
 # the batch-invariant plans: entries per split (8 tiles of 64: 4 splits at top-k 2048) and the
 # most splits a query takes. Not yet measured on a GPU: at B = 1, 4 splits where the default
@@ -66,6 +74,8 @@ class SparsePlan:
     model1_kernel: str = "warp_specialized"
     # 64-head fp8_ds_mla decode on Hopper: which Gluon kernel (one of DS_MLA_KERNELS)
     ds_mla_kernel: str = "warp_specialized"
+    # 64-head calls over rows in q's dtype on Hopper: which Gluon kernel (one of BF16_KERNELS)
+    bf16_kernel: str = "staged"
     # > 0: fixed-length splits of this many entries (a multiple of 64), batch invariant
     # (module docstring); ``num_splits`` is then the most splits a query takes
     split_entries: int = 0
@@ -77,6 +87,9 @@ class SparsePlan:
         if self.ds_mla_kernel not in DS_MLA_KERNELS:
             raise ValueError(f"ds_mla_kernel must be one of {DS_MLA_KERNELS}, "
                              f"got {self.ds_mla_kernel!r}")
+        if self.bf16_kernel not in BF16_KERNELS:
+            raise ValueError(f"bf16_kernel must be one of {BF16_KERNELS}, "
+                             f"got {self.bf16_kernel!r}")
         if self.split_entries < 0 or self.split_entries % 64:
             raise ValueError(f"split_entries must be 0 or a positive multiple of 64, got "
                              f"{self.split_entries}")
