@@ -27,7 +27,7 @@ import weakref
 
 import torch
 
-from mla.reference.front import Front, rms_norm
+from mla.reference.front import Front, front_and_latent
 from mla.reference.indexer import LAYER_NORM_EPS, IndexerQK, IndexerWeights
 from mla.reference.rope import apply_rope
 from mla.validation import acc_dtype
@@ -79,17 +79,11 @@ def sparse_front(weights: MLAWeights, indexer_weights: IndexerWeights, hidden: t
     """The front and the indexer's float query side of ``hidden [S, H]`` at ``positions``:
     ``mla_front(weights, hidden, positions)`` and ``indexer_qk(indexer_weights, hidden,
     q_latent(weights, hidden), positions)``, bit for bit, once the weights are prepared."""
-    c = weights.config
-    S, N = hidden.shape[0], c.num_heads
-    q_c = rms_norm(hidden @ weights.q_a_proj.T, weights.q_a_layernorm, c.rms_norm_eps)
-    q = q_c @ weights.q_b_proj.T
-    q_nope, q_pe = q.view(S, N, c.qk_head_dim).split(
-        [c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-    kv = hidden @ weights.kv_a_proj_with_mqa.T
-    kv_c, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-    front = Front(q_nope=q_nope.contiguous(), q_pe=apply_rope(q_pe, positions, c),
-                  kv_c=rms_norm(kv_c, weights.kv_a_layernorm, c.rms_norm_eps).contiguous(),
-                  k_pe=apply_rope(k_pe, positions, c))
+    if weights.q_a_proj is None:
+        raise ValueError("sparse_front needs a model with a q latent (q_a_proj): the indexer "
+                         "reads it; got weights with q_proj")
+    front, q_c = front_and_latent(weights, hidden, positions)
+    S = hidden.shape[0]
     iw = indexer_weights
     ic = iw.config
     work = acc_dtype(hidden.dtype)

@@ -59,6 +59,17 @@ def compress_entries_bound(max_new_tokens: int, ratio: int) -> int:
 
 
 @triton.jit
+def _pool(s, v, m, l_sum, acc):
+    """One window block into a channel-wise online softmax: ``s``/``v`` ``[BLOCK_W, C]``
+    scores (``-inf`` where masked) and values; ``m``, ``l_sum``, ``acc`` ``[C]`` the running
+    maximum, denominator and weighted sum, returned updated."""
+    m_new = tl.maximum(m, tl.max(s, axis=0))
+    p = tl.exp(s - m_new[None, :])
+    alpha = tl.exp(m - m_new)
+    return m_new, l_sum * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p * v, axis=0)
+
+
+@triton.jit
 def _compress_kernel(
     kv, score, row_offsets, history_start, seq_lens, num_new, block_table, norm_w, cos_sin,
     pages_u8, pages_i16, pages_f32, s_row, s_table, block_size, page_bytes, eps,
@@ -98,30 +109,15 @@ def _compress_kernel(
             s = tl.load(score + rows[:, None] + cn[None, :], mask=mk, other=0.0)
             v = tl.load(kv + rows[:, None] + cn[None, :], mask=mk, other=0.0)
             s = tl.where(ok[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_n, tl.max(s, axis=0))
-            p = tl.exp(s - m_new[None, :])
-            alpha = tl.exp(m_n - m_new)
-            l_n = l_n * alpha + tl.sum(p, axis=0)
-            a_n = a_n * alpha + tl.sum(p * v, axis=0)
-            m_n = m_new
+            m_n, l_n, a_n = _pool(s, v, m_n, l_n, a_n)
             me = ok[:, None]
             ce = rows[:, None] + NOPE + 2 * ci[None, :]
             s = tl.where(me, tl.load(score + ce, mask=me, other=0.0), float("-inf"))
             v = tl.load(kv + ce, mask=me, other=0.0)
-            m_new = tl.maximum(m_e, tl.max(s, axis=0))
-            p = tl.exp(s - m_new[None, :])
-            alpha = tl.exp(m_e - m_new)
-            l_e = l_e * alpha + tl.sum(p, axis=0)
-            a_e = a_e * alpha + tl.sum(p * v, axis=0)
-            m_e = m_new
+            m_e, l_e, a_e = _pool(s, v, m_e, l_e, a_e)
             s = tl.where(me, tl.load(score + ce + 1, mask=me, other=0.0), float("-inf"))
             v = tl.load(kv + ce + 1, mask=me, other=0.0)
-            m_new = tl.maximum(m_o, tl.max(s, axis=0))
-            p = tl.exp(s - m_new[None, :])
-            alpha = tl.exp(m_o - m_new)
-            l_o = l_o * alpha + tl.sum(p, axis=0)
-            a_o = a_o * alpha + tl.sum(p * v, axis=0)
-            m_o = m_new
+            m_o, l_o, a_o = _pool(s, v, m_o, l_o, a_o)
         x_n = tl.where(cn_ok, a_n / l_n, 0.0)
         x_e = a_e / l_e
         x_o = a_o / l_o
