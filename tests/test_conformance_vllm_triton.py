@@ -16,6 +16,8 @@ passes those cases; other twins keep their own names there. In bf16, on the CPU.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -139,3 +141,18 @@ def test_the_reference_passes_the_new_cases(trials):
         kernel = case.split("/")[0]
         row = judge(kernel, getattr(ref, kernel), trial, SETTING)
         assert row.status == "pass", (case, row.errors, row.detail)
+
+
+def test_both_decode_conventions_at_once_are_named():
+    """The fuzz's third shrunk decode input (one head, s_q 2 causal over one key): its first
+    query sees no key, so vLLM's empty-query NaN and its bf16 scores show together."""
+    def vllm(*args, **kw):
+        out, lse = decode_one_head_bf16_scores(*args, **kw)
+        empty = torch.isposinf(lse)
+        return (out.masked_fill(empty.transpose(1, 2)[..., None], math.nan),
+                lse.masked_fill(empty, -math.inf))
+
+    spec = DecodeSpec((1,), heads=1, s_q=2, causal=True, q_gain=30.0)
+    row = judge("mla_decode_paged", vllm, decode_trial(SETTING, spec, 0), SETTING)
+    assert row.convention.startswith(BF16_SCORES) and row.convention.endswith(
+        "; and a query that sees no key gets out = NaN (0/0) and lse = -inf"), row.convention
