@@ -137,13 +137,20 @@ def _alternatives(setting: Setting, outs: torch.Tensor, lses: torch.Tensor, expe
         unscaled = torch.where(empty[..., None], outs, 0.0).sum(dim=0)
         return {**expected, "out": expected["out"] + unscaled}
 
-    def rounded_partials() -> Outputs:
-        lse = full["lse"].masked_fill(torch.isneginf(full["lse"]), 0.0)
-        w = torch.where(empty, 0.0, torch.exp(lses - lse))[..., None]
+    def rounded_partials(nan_dropped: bool = False) -> Outputs:
+        """bf16 partials; with ``nan_dropped``, a NaN lse also read as "no keys" (vLLM's
+        ``correct_attn_cp_out_kernel`` maps NaN to -inf before it combines)."""
+        ls = lses.nan_to_num(nan=-INF, posinf=INF, neginf=-INF) if nan_dropped else lses
+        comb = _ref(outs, ls) if nan_dropped else full
+        lse = comb["lse"].masked_fill(torch.isneginf(comb["lse"]), 0.0)
+        w = torch.where(torch.isinf(ls) | nan_dropped * torch.isnan(ls), 0.0,
+                        torch.exp(ls - lse))[..., None]
         parts = torch.where(w > 0, outs * w, 0.0).to(setting.dtype)
         total = parts[0]
         for p in parts[1:]:  # the reduce-scatter adds in that dtype, in rank order
             total = total + p
+        if nan_dropped:
+            return {"out": total.double(), **({"lse": comb["lse"]} if with_lse else {})}
         return {**expected, "out": total.double()}
 
     none = empty.all(dim=0)  # [T, N]: no rank saw a key
@@ -165,6 +172,11 @@ def _alternatives(setting: Setting, outs: torch.Tensor, lses: torch.Tensor, expe
         name = str(setting.dtype).removeprefix("torch.")
         alts[f"each rank's scaled output rounded to {name} and the reduce-scatter summing "
              f"in {name} ({name} partials); the sum should run in float32"] = rounded_partials
+        if bool(torch.isnan(lses).any()):  # both at once: vLLM's, where several ranks add
+            alts[f"a NaN lse read as 'no keys' (the rank dropped: out and lse finite where "
+                 f"they must be NaN), and each rank's scaled output rounded to {name} with "
+                 f"the reduce-scatter summing in {name}; NaN must stay NaN and the sum should "
+                 "run in float32"] = lambda: rounded_partials(nan_dropped=True)
     return alts
 
 
@@ -268,6 +280,13 @@ _register("nan_lse_is_not_empty", "nan",
           "A NaN lse from one rank makes that (token, head)'s out and lse NaN, never a rank "
           "dropped as if it had no keys (conventions §13).",
           lambda s: DcpSpec(4, 8, nan=True), 650)
+_register("nan_lse_beside_ranks_with_keys", "nan",
+          "A NaN lse from one rank where all 8 ranks hold keys: out and lse NaN there, never "
+          "the other ranks' sum, and elsewhere the 8 partials summed in float32 (vLLM drops the "
+          "NaN rank and sums bf16 partials).",
+          lambda s: DcpSpec(8, 4, heads=16, d=128, nan=True), 652)
+
+
 def _nan_beside_empty_trial(setting: Setting) -> Trial:
     """``nan_lse_beside_empty_ranks``: tokens no rank holds a key of, each of their heads with
     a NaN lse on one rank (so that no query is empty on every rank but one holding NaN); and

@@ -35,9 +35,9 @@ from mla.conformance.cases.common import (
 )
 from mla.conformance.catalogue import Setting, Trial, generator, spec_cases
 from mla.reference.decode import mla_decode_paged, paged_mqa
-from mla.reference.paged_cache import make_block_table
+from mla.reference.paged_cache import cache_rows, make_block_table
 
-__all__ = ["DecodeSpec", "decode_trial"]
+__all__ = ["DecodeSpec", "decode_trial", "half_sum_scores"]
 
 KERNEL = "mla_decode_paged"
 
@@ -96,6 +96,109 @@ def _ref(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, lens: torch.
     return {"out": out, "lse": lse}
 
 
+def _round(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 ``x`` rounded to ``dtype`` (through float32: exact for the sums below), back
+    in float64."""
+    return x.float().to(dtype).double()
+
+
+def _butterfly(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The last dim (a power of two) summed as an xor-shuffle butterfly does (lane ``l``
+    adds lane ``l ^ n/2``, then ``l ^ n/4``, ...), every add rounded to ``dtype``."""
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = _round(x[..., :h] + x[..., h:], dtype)
+    return x[..., 0]
+
+
+def half_sum_scores(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q [R, D] @ k[n, D]ᵀ`` as vLLM's non-grouped Triton decode computes it:
+    ``tl.sum(q[None, :] * k, 1)`` over ``dtype`` (bf16 or fp16) tiles, so every product and
+    every partial sum is rounded to ``dtype``. float64 in (values of ``dtype``), float64 out.
+
+    The order is Triton's lowering for sm_90 of vLLM's ``[BLOCK_N, BLOCK_DMODEL]`` tile,
+    ``BLOCK_DMODEL = next_power_of_2(D)`` zero-padded, 4 warps (read in the PTX that Triton
+    3.7 emits for ``_fwd_kernel_stage1``, layout ``sizePerThread [1, 8]``, ``threadsPerWarp
+    [1, 32]``, ``warpsPerCTA [1, 4]``): each thread sums its 8 contiguous products in order,
+    the even ones fused into the add (``fma.rn``, unrounded), the odd ones rounded first; then
+    an xor butterfly over the 32 lanes (``shfl.sync.bfly`` 16, 8, 4, 2, 1) and one over the 4
+    warps. At D = 576 it gives the H100's numbers exactly (tests/test_conformance_vllm.py)."""
+    width = 1 << (q.shape[-1] - 1).bit_length()
+    chunks = width // 8
+    lanes = min(32, chunks)
+    warps = min(4, chunks // lanes)
+    qp = torch.nn.functional.pad(q, (0, width - q.shape[-1]))
+    kp = torch.nn.functional.pad(k, (0, width - k.shape[-1]))
+    out = torch.empty(q.shape[0], k.shape[0], dtype=torch.float64)
+    step = max(1, (1 << 22) // (width * max(1, q.shape[0])))  # keys a pass: 32 MiB at most
+    for j in range(0, k.shape[0], step):
+        exact = (qp[:, None, :] * kp[None, j:j + step, :])  # [R, n, width], exact products
+        R, n = exact.shape[:2]
+        # [R, n, warp·lane, a thread's products in its order (8 a chunk, chunk after chunk)]
+        exact = exact.view(R, n, -1, warps * lanes, 8).transpose(2, 3).reshape(
+            R, n, warps * lanes, -1)
+        rounded = _round(exact, dtype)
+        acc = _round(exact[..., 0] + rounded[..., 1], dtype)
+        for i in range(2, exact.shape[-1]):
+            acc = _round(acc + (exact if i % 2 == 0 else rounded)[..., i], dtype)
+        out[:, j:j + step] = _butterfly(_butterfly(acc.view(R, n, warps, lanes), dtype), dtype)
+    return out
+
+
+def _half_scores_ref(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+                     lens: torch.Tensor, spec: DecodeSpec, dtype: torch.dtype
+                     ) -> dict[str, torch.Tensor]:
+    """The reference with every score ``q · k`` from ``half_sum_scores`` (then times the
+    scale in float32, as ``qk *= sm_scale`` on a bf16 ``qk``); the rest in float64."""
+    B, s_q, N, _ = q.shape
+    out = torch.zeros(B, s_q, N, spec.dv, dtype=torch.float64)
+    lse = torch.full((B, N, s_q), math.inf, dtype=torch.float64)
+    scale = torch.tensor(spec.scale, dtype=torch.float32)
+    for b, L in enumerate(lens.tolist()):
+        rows = cache_rows(cache, table[b], 0, L)  # [L, D]
+        s = half_sum_scores(q[b].reshape(s_q * N, -1), rows, dtype).view(s_q, N, L)
+        s = (s.float() * scale).double()
+        if spec.causal:
+            seen = torch.arange(L)[None, :] <= torch.arange(L - s_q, L)[:, None]  # [s_q, L]
+            s = s.masked_fill(~seen[:, None, :], -math.inf)
+        lse_b = torch.logsumexp(s, dim=-1)  # [s_q, N]
+        some = torch.isfinite(lse_b)
+        p = torch.exp(s - torch.where(some, lse_b, 0.0)[..., None])
+        out[b] = torch.where(some[..., None], p @ rows[:, :spec.dv], 0.0)
+        lse[b] = torch.where(some, lse_b, math.inf).transpose(0, 1)
+    return {"out": out, "lse": lse}
+
+
+def _half_scores_alternatives(q64: torch.Tensor, c64: torch.Tensor, table: torch.Tensor,
+                              lens: torch.Tensor, spec: DecodeSpec, dtype: torch.dtype,
+                              expected_lse: torch.Tensor
+                              ) -> dict[str, Callable[[], dict[str, torch.Tensor]]]:
+    """vLLM's Triton decode with one query head per KV head (``kv_group_num == 1``, the
+    non-grouped kernel): its scores summed in ``dtype``; alone, and with its empty query's
+    ``out = NaN``, ``lse = -inf`` (both show on a batch with a request of length 0)."""
+    name = str(dtype).removeprefix("torch.")
+    why = (f"each score q·k summed in {name} (one query head per KV head: tl.sum over "
+           f"{name} products, each product and partial sum rounded to {name}, as vLLM's "
+           "non-grouped Triton decode does); the scores should accumulate in float32")
+    cached: dict[str, dict[str, torch.Tensor]] = {}
+
+    def half() -> dict[str, torch.Tensor]:
+        if "half" not in cached:
+            cached["half"] = _half_scores_ref(q64, c64, table, lens, spec, dtype)
+        return cached["half"]
+
+    alts = {why: half}
+    if bool(torch.isposinf(expected_lse).any()):
+        def nan_empty() -> dict[str, torch.Tensor]:
+            h = half()
+            empty = torch.isposinf(h["lse"])  # [B, N, s_q]
+            return {"out": h["out"].masked_fill(empty.transpose(1, 2)[..., None], math.nan),
+                    "lse": h["lse"].masked_fill(empty, -math.inf)}
+        alts[why + "; and a query that sees no key gets out = NaN (0/0) and lse = -inf"] = (
+            nan_empty)
+    return alts
+
+
 def decode_trial(setting: Setting, spec: DecodeSpec, salt: int) -> Trial:
     """A trial of ``spec``: inputs in the setting's dtype, the reference on upcast copies."""
     g = generator(setting, salt)
@@ -131,6 +234,9 @@ def decode_trial(setting: Setting, spec: DecodeSpec, salt: int) -> Trial:
                          attn_sink=sink))
     expected = _ref(q64, c64, table, lens, spec, attn_sink=sink)
     alts.update(_empty_query_alternatives(expected))
+    if spec.heads == 1 and sink is None and setting.dtype in (torch.bfloat16, torch.float16):
+        alts.update(_half_scores_alternatives(q64, c64, table, lens, spec, setting.dtype,
+                                               expected["lse"]))
     if sink is not None:
         alts.update(sink_alternatives(lambda: _ref(q64, c64, table, lens, spec), expected, sink,
                                       lambda lse: lse.transpose(1, 2)))
@@ -181,6 +287,11 @@ for _i, _n in enumerate((1, 64, 3, 33, 127)):
               f"{_n} query heads{' (an odd count: a partly filled head tile)' if _n % 2 else ''}"
               " attend to one latent KV head.",
               lambda s, n=_n: DecodeSpec((1, 65, 130), heads=n), 10 + _i)
+_register("heads_1_single_keys", "heads",
+          "One query head (one per KV head) over contexts of one key and a few longer: each "
+          "single-key lse is that key's scaled score, so a score summed in bf16 (vLLM's "
+          "non-grouped Triton decode) shows; scores accumulate in float32.",
+          lambda s: DecodeSpec((1,) * 6 + (63,), heads=1), 15)
 # ---- page sizes -----------------------------------------------------------------------------
 for _i, _p in enumerate((1, 16, 128, 256)):
     _register(f"page_{_p}", "pages",
