@@ -5,7 +5,8 @@
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
 #     sparse-sweep|sparse-peers]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
-# most 8 files: OUT=/tmp/o BUNDLE=$OUT/all.tgz keeps every result of a many-step run).
+# most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
+# assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
 set -o pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -16,7 +17,10 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check bench)
 for step in "${steps[@]}"; do
   case $step in
-    check) timeout 300 python -m mla.check --out "$OUT/check.json" 2>&1 | tee "$OUT/check.log" ;;
+    # the GPU check as benchmarks/results/checks/ records it (about 320 s with a cold Triton
+    # cache on an H100, 90 s warm)
+    check) timeout 480 python -m mla.check --out "$OUT/gpu_check.json" \
+             --markdown "$OUT/gpu_check_table.md" 2>&1 | tee "$OUT/check.log" ;;
     # the fast kernels' tests on the GPU: bf16 cases, and the Gluon sm_90 kernels' NaN rule
     tests) timeout 500 python -m pytest -q -p no:cacheprovider tests/test_fast_sm90.py \
              tests/test_fast_batch_invariant.py tests/test_fast_v4_decode_step.py \
