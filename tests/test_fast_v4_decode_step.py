@@ -66,6 +66,21 @@ def test_decode_step_checks_its_arguments() -> None:
         v4_decode_step(torch.zeros(2, C.hidden_size, device=DEVICE), fc, lengths.float())
 
 
+@needs_interpreter
+def test_a_position_outside_the_cache_gives_a_nan_row_only() -> None:
+    """No host check in a capturable step: a request at the capacity (64) or before 0 gets a
+    NaN output row; the other request's row is the same bits as beside a valid one."""
+    fc, _, g = _twins(1, [63, 64])
+    x = torch.randn(2, C.hidden_size, generator=g).to(DEVICE)
+    valid = v4_decode_step(x, copy.deepcopy(fc), torch.tensor([63, 10], dtype=torch.int32,
+                                                              device=DEVICE))
+    for bad in (64, -1):
+        lengths = torch.tensor([63, bad], dtype=torch.int32, device=DEVICE)
+        out = v4_decode_step(x, copy.deepcopy(fc), lengths)
+        assert torch.isnan(out[1]).all() and torch.equal(out[0], valid[0])
+        assert lengths.tolist() == [64, bad + 1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_decode_step_replays_in_a_cuda_graph() -> None:
     ratio, lens = 4, [18, 17]

@@ -75,9 +75,10 @@ def v4_decode_step(x: torch.Tensor, cache: V4FastCache, lengths: torch.Tensor, *
     """One decode token a request: ``x [B, hidden]`` at positions ``lengths [B]`` (int32 or
     int64, on the cache's device; advanced by one in place) -> ``out [B, hidden]`` in
     ``cache.dtype``, as ``v4_layer_step(list(x[:, None]), cache)`` (module doc). No host read:
-    capturable in a CUDA graph once every kernel has been compiled by an eager call. The
-    lengths are not checked against the capacity on the device: a request past it reads and
-    writes its last page's slots clamped by the page table's width (keep them inside)."""
+    capturable in a CUDA graph once every kernel has been compiled by an eager call, so the
+    lengths cannot be checked on the host: a request at a position outside ``[0, capacity)``
+    gets a NaN output row (it is computed at the position clamped into the cache, so its
+    writes land in its own pages; keep the lengths inside)."""
     if not isinstance(cache, V4FastCache):
         raise TypeError(f"cache must be a V4FastCache, got {type(cache).__name__}")
     w, c, r = cache.weights, cache.weights.config, cache.weights.ratio
@@ -87,6 +88,10 @@ def v4_decode_step(x: torch.Tensor, cache: V4FastCache, lengths: torch.Tensor, *
     eps = c.rms_norm_eps
     X = x.to(cache.dtype)
     pos = lengths.long()
+    # a position outside the cache (no host check: see above) is read and written clamped
+    # into it, and its output row made NaN at the end
+    outside = (pos < 0) | (pos >= cache.capacity)
+    pos = pos.clamp(0, cache.capacity - 1)
     req = torch.arange(B, device=dev)
     q_latent, kv, qb = project(X, w)
     win_slots = global_slots(cache.window_table, req, pos[:, None], WINDOW_PAGE)[:, 0]
@@ -124,5 +129,6 @@ def v4_decode_step(x: torch.Tensor, cache: V4FastCache, lengths: torch.Tensor, *
                                 c.softmax_scale, True, win_len, D,
                                 attn_sink=w["attn_sink"].float(), validate=False, **extra)
     out = output_projection(attn[:, 0], pos, cache)[2]
+    out = torch.where(outside[:, None], torch.full_like(out, float("nan")), out)
     lengths.add_(1)
     return out
