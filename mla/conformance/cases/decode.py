@@ -122,7 +122,8 @@ def half_sum_scores(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> tor
     [1, 32]``, ``warpsPerCTA [1, 4]``): each thread sums its 8 contiguous products in order,
     the even ones fused into the add (``fma.rn``, unrounded), the odd ones rounded first; then
     an xor butterfly over the 32 lanes (``shfl.sync.bfly`` 16, 8, 4, 2, 1) and one over the 4
-    warps. At D = 576 it gives the H100's numbers exactly (tests/test_conformance_vllm_triton.py)."""
+    warps. At D = 576 it gives the H100's numbers exactly
+    (tests/test_conformance_vllm_triton.py)."""
     width = 1 << (q.shape[-1] - 1).bit_length()
     chunks = width // 8
     lanes = min(32, chunks)
