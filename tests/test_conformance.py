@@ -58,11 +58,18 @@ def test_selection_by_kernel_name_and_topic():
 # ---- statuses ---------------------------------------------------------------------------------
 
 def test_a_missing_kernel_is_unsupported_not_a_failure():
+    # every merge case (a missing kernel's cases build nothing: cheap) beside three decode
+    # cases the target runs; the statuses do not depend on how many decode cases run
+    decode = ["length_1", "heads_3", "causal_s_q_2"]
+    merge = [f"merge_attn_states/{c.name}" for c in cases_of(["merge_attn_states"])]
     report = run({"mla_decode_paged": ref.mla_decode_paged}, kernels=["mla_decode_paged",
-                                                                     "merge_attn_states"], **F64)
-    merge = [r for r in report.rows if r.kernel == "merge_attn_states"]
-    assert merge and {r.status for r in merge} == {"unsupported"}
-    assert "has no merge_attn_states" in merge[0].detail
+                                                                     "merge_attn_states"],
+                 cases=decode + merge, **F64)
+    merge_rows = [r for r in report.rows if r.kernel == "merge_attn_states"]
+    assert len(merge_rows) == len(merge) and {r.status for r in merge_rows} == {"unsupported"}
+    assert "has no merge_attn_states" in merge_rows[0].detail
+    assert [(r.case, r.status) for r in report.rows if r.kernel == "mla_decode_paged"] == [
+        (name, "pass") for name in ("heads_3", "length_1", "causal_s_q_2")]
     assert report.passed
 
 
@@ -72,11 +79,18 @@ def test_an_adapter_refusing_inputs_is_unsupported_with_its_reason():
             raise Unsupported("s_q > 1: this kernel takes one query row per request")
         return ref.mla_decode_paged(q, *args)
 
-    report = run({"mla_decode_paged": only_one_query}, kernels=["mla_decode_paged"], **F64)
+    # one query row and several, causal and not, and a DeepSeek-V4 sink case: the statuses do
+    # not depend on how many decode cases run
+    cases = ["heads_3", "length_1", "causal_s_q_2", "causal_s_q_3", "non_causal_s_q_4",
+             "sink_finite"]
+    report = run({"mla_decode_paged": only_one_query}, kernels=["mla_decode_paged"],
+                 cases=cases, **F64)
+    assert sorted(r.case for r in report.rows) == sorted(cases)
     # DeepSeek-V4's sink cases: "unsupported" too, the adapter taking no attn_sink
     refused = [r for r in report.rows if r.status == "unsupported" and r.topic not in V4_TOPICS]
     assert refused and all("one query row" in r.detail for r in refused)
-    assert {r.case for r in refused} >= {"causal_s_q_2", "non_causal_s_q_4"}
+    assert {r.case for r in refused} == {"causal_s_q_2", "causal_s_q_3", "non_causal_s_q_4"}
+    assert {r.case for r in report.rows if r.status == "pass"} == {"heads_3", "length_1"}
     assert report.passed
 
 
