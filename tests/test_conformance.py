@@ -6,6 +6,7 @@ The other families' broken twins are in tests/test_conformance_{sparse,merge,cac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -15,8 +16,9 @@ import torch
 from _interpreter import needs_interpreter
 
 import mla.reference as ref
-from mla.conformance import CATALOGUE, KERNELS, Unsupported, cases_of, run
+from mla.conformance import CATALOGUE, KERNELS, Report, Setting, Unsupported, cases_of, run
 from mla.conformance.cases.deepseek_v4 import TOPICS as V4_TOPICS
+from mla.conformance.runner import run_case
 from mla.reference.decode import paged_mqa
 
 F64 = dict(device="cpu", dtype=torch.float64)
@@ -167,7 +169,11 @@ def test_nothing_run_is_not_a_pass():
 # ---- the report -------------------------------------------------------------------------------
 
 def test_report_json_and_markdown_hold_every_row():
-    report = _decode_report(_log2_lse)
+    # a few decode cases (one of them empty) on the twin whose lse is in base 2: failing rows
+    # with the convention named, and a passing one
+    report = run({**REFERENCE, "mla_decode_paged": _log2_lse}, kernels=["mla_decode_paged"],
+                 cases=["length_1", "causal_s_q_2", "empty_request", "all_empty"], **F64)
+    assert len(report.rows) == 4 and {r.status for r in report.rows} >= {"pass", "fail"}
     data = json.loads(report.to_json())
     assert data["passed"] is False and len(data["rows"]) == len(report.rows)
     for row in data["rows"]:
@@ -180,11 +186,28 @@ def test_report_json_and_markdown_hold_every_row():
 
 # ---- the decode family bites ------------------------------------------------------------------
 
+SETTING = Setting(torch.device("cpu"), torch.float64, 0, True)  # what run(**F64) uses
+
+
 @functools.cache
+def _decode_trials():
+    """Every decode case's trial (its inputs, the reference's outputs), its alternatives
+    computed once: built once a process for all the twins, as ``run`` would build each for
+    each twin (the twins write nothing they are given)."""
+    trials = []
+    for c in cases_of(["mla_decode_paged"]):
+        t = c.build(SETTING)
+        alts = {why: functools.cache(make) for why, make in t.alternatives.items()}
+        trials.append((c, dataclasses.replace(t, alternatives=alts)))
+    return tuple(trials)
+
+
 def _decode_report(twin):
-    """The decode cases run on ``twin`` (the reference for every other kernel), once a process:
-    the report test and the twin's own test read the same run."""
-    return run({**REFERENCE, "mla_decode_paged": twin}, kernels=["mla_decode_paged"], **F64)
+    """The decode cases run on ``twin``, as ``run({**REFERENCE, "mla_decode_paged": twin},
+    kernels=["mla_decode_paged"], **F64)`` runs them, on the trials built once."""
+    rows = [run_case(twin, dataclasses.replace(c, build=lambda s, t=t: t), SETTING)
+            for c, t in _decode_trials()]
+    return Report(twin.__name__, "cpu", "float64", rows)
 
 
 def _log2_lse(*args):
