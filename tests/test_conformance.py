@@ -6,6 +6,7 @@ The other families' broken twins are in tests/test_conformance_{sparse,merge,cac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -15,8 +16,9 @@ import torch
 from _interpreter import needs_interpreter
 
 import mla.reference as ref
-from mla.conformance import CATALOGUE, KERNELS, Unsupported, cases_of, run
+from mla.conformance import CATALOGUE, KERNELS, Report, Setting, Unsupported, cases_of, run
 from mla.conformance.cases.deepseek_v4 import TOPICS as V4_TOPICS
+from mla.conformance.runner import run_case
 from mla.reference.decode import paged_mqa
 
 F64 = dict(device="cpu", dtype=torch.float64)
@@ -58,11 +60,18 @@ def test_selection_by_kernel_name_and_topic():
 # ---- statuses ---------------------------------------------------------------------------------
 
 def test_a_missing_kernel_is_unsupported_not_a_failure():
+    # every merge case (a missing kernel's cases build nothing: cheap) beside three decode
+    # cases the target runs; the statuses do not depend on how many decode cases run
+    decode = ["length_1", "heads_3", "causal_s_q_2"]
+    merge = [f"merge_attn_states/{c.name}" for c in cases_of(["merge_attn_states"])]
     report = run({"mla_decode_paged": ref.mla_decode_paged}, kernels=["mla_decode_paged",
-                                                                     "merge_attn_states"], **F64)
-    merge = [r for r in report.rows if r.kernel == "merge_attn_states"]
-    assert merge and {r.status for r in merge} == {"unsupported"}
-    assert "has no merge_attn_states" in merge[0].detail
+                                                                     "merge_attn_states"],
+                 cases=decode + merge, **F64)
+    merge_rows = [r for r in report.rows if r.kernel == "merge_attn_states"]
+    assert len(merge_rows) == len(merge) and {r.status for r in merge_rows} == {"unsupported"}
+    assert "has no merge_attn_states" in merge_rows[0].detail
+    assert [(r.case, r.status) for r in report.rows if r.kernel == "mla_decode_paged"] == [
+        (name, "pass") for name in ("heads_3", "length_1", "causal_s_q_2")]
     assert report.passed
 
 
@@ -72,11 +81,18 @@ def test_an_adapter_refusing_inputs_is_unsupported_with_its_reason():
             raise Unsupported("s_q > 1: this kernel takes one query row per request")
         return ref.mla_decode_paged(q, *args)
 
-    report = run({"mla_decode_paged": only_one_query}, kernels=["mla_decode_paged"], **F64)
+    # one query row and several, causal and not, and a DeepSeek-V4 sink case: the statuses do
+    # not depend on how many decode cases run
+    cases = ["heads_3", "length_1", "causal_s_q_2", "causal_s_q_3", "non_causal_s_q_4",
+             "sink_finite"]
+    report = run({"mla_decode_paged": only_one_query}, kernels=["mla_decode_paged"],
+                 cases=cases, **F64)
+    assert sorted(r.case for r in report.rows) == sorted(cases)
     # DeepSeek-V4's sink cases: "unsupported" too, the adapter taking no attn_sink
     refused = [r for r in report.rows if r.status == "unsupported" and r.topic not in V4_TOPICS]
     assert refused and all("one query row" in r.detail for r in refused)
-    assert {r.case for r in refused} >= {"causal_s_q_2", "non_causal_s_q_4"}
+    assert {r.case for r in refused} == {"causal_s_q_2", "causal_s_q_3", "non_causal_s_q_4"}
+    assert {r.case for r in report.rows if r.status == "pass"} == {"heads_3", "length_1"}
     assert report.passed
 
 
@@ -154,7 +170,11 @@ def test_nothing_run_is_not_a_pass():
 # ---- the report -------------------------------------------------------------------------------
 
 def test_report_json_and_markdown_hold_every_row():
-    report = _decode_report(_log2_lse)
+    # a few decode cases (one of them empty) on the twin whose lse is in base 2: failing rows
+    # with the convention named, and a passing one
+    report = run({**REFERENCE, "mla_decode_paged": _log2_lse}, kernels=["mla_decode_paged"],
+                 cases=["length_1", "causal_s_q_2", "empty_request", "all_empty"], **F64)
+    assert len(report.rows) == 4 and {r.status for r in report.rows} >= {"pass", "fail"}
     data = json.loads(report.to_json())
     assert data["passed"] is False and len(data["rows"]) == len(report.rows)
     for row in data["rows"]:
@@ -167,11 +187,28 @@ def test_report_json_and_markdown_hold_every_row():
 
 # ---- the decode family bites ------------------------------------------------------------------
 
+SETTING = Setting(torch.device("cpu"), torch.float64, 0, True)  # what run(**F64) uses
+
+
 @functools.cache
+def _decode_trials():
+    """Every decode case's trial (its inputs, the reference's outputs), its alternatives
+    computed once: built once a process for all the twins, as ``run`` would build each for
+    each twin (the twins write nothing they are given)."""
+    trials = []
+    for c in cases_of(["mla_decode_paged"]):
+        t = c.build(SETTING)
+        alts = {why: functools.cache(make) for why, make in t.alternatives.items()}
+        trials.append((c, dataclasses.replace(t, alternatives=alts)))
+    return tuple(trials)
+
+
 def _decode_report(twin):
-    """The decode cases run on ``twin`` (the reference for every other kernel), once a process:
-    the report test and the twin's own test read the same run."""
-    return run({**REFERENCE, "mla_decode_paged": twin}, kernels=["mla_decode_paged"], **F64)
+    """The decode cases run on ``twin``, as ``run({**REFERENCE, "mla_decode_paged": twin},
+    kernels=["mla_decode_paged"], **F64)`` runs them, on the trials built once."""
+    rows = [run_case(twin, dataclasses.replace(c, build=lambda s, t=t: t), SETTING)
+            for c, t in _decode_trials()]
+    return Report(twin.__name__, "cpu", "float64", rows)
 
 
 def _log2_lse(*args):

@@ -70,10 +70,38 @@ def _paths(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, topk:
     work, steps = launches(logits, starts, ends, out, topk, plan or TopkPlan())
     for step in steps:
         step()
+    return _read_paths(work, starts, ends, topk)
+
+
+def _read_paths(work: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                topk: int) -> list[str]:
     cap, s = CANDIDATES, survivors(work).cpu().tolist()
     n = (ends - starts).cpu().tolist()
     return ["direct" if n[r] <= cap else "listed" if topk <= s[r] <= cap else "scanned"
             for r in range(len(n))]
+
+
+def _check_paths(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, topk: int,
+                 plan: TopkPlan | None = None) -> tuple[list[str], torch.Tensor]:
+    """``_paths`` and ``_check`` of one run: ``top_k_per_row`` (``_check``, every assertion of
+    it) with the scratch of the ``launches`` it calls kept, from which each row's path is read
+    as ``_paths`` reads it. The same launches on the same inputs as ``_paths`` runs, run once
+    rather than once for the paths and again for the set."""
+    works = []
+    real = fast_topk.launches
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        work, steps = real(*args, **kwargs)
+        works.append(work)
+        return work, steps
+
+    fast_topk.launches = recording
+    try:
+        got = _check(logits, starts, ends, topk, plan)
+    finally:
+        fast_topk.launches = real
+    (work,) = works
+    return _read_paths(work, starts, ends, topk), got
 
 
 def _rows(g: torch.Generator, starts: list[int], ends: list[int], width: int,
@@ -121,8 +149,7 @@ def test_topk_paths(route):
     sampled = sample_columns(LONG, TopkPlan().sample_runs_for(LONG, 2048))
     logits[3, sampled] = 100.0 + torch.rand(len(sampled), generator=_gen(31))
     plan = ROUTES[route]
-    assert _paths(logits, st, en, 2048, plan) == ["direct", "listed", "scanned", "scanned"]
-    _check(logits, st, en, 2048, plan)
+    assert _check_paths(logits, st, en, 2048, plan)[0] == ["direct", "listed", "scanned", "scanned"]
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -135,8 +162,7 @@ def test_topk_samples_where_the_plan_says(route):
     assert plan.sample_runs_for(LONG, 2048) == 256
     planted = sample_columns(LONG, 256, 32)
     logits[1, planted] = 100.0 + torch.rand(len(planted), generator=_gen(33))
-    assert _paths(logits, st, en, 2048, plan) == ["listed", "scanned"]
-    _check(logits, st, en, 2048, plan)
+    assert _check_paths(logits, st, en, 2048, plan)[0] == ["listed", "scanned"]
     assert _paths(logits, st, en, 2048, ROUTES[route]) == ["listed", "listed"]
 
 
@@ -167,8 +193,8 @@ def test_topk_held_with_columns_or_in_tiles(route):
                            half + 1)
     logits[2:] = (logits[2:] * 40).round() / 40
     plan = ROUTES[route]
-    assert _paths(logits, st, en, 2048, plan) == ["direct"] * 4
-    got = _check(logits, st, en, 2048, plan)
+    paths, got = _check_paths(logits, st, en, 2048, plan)
+    assert paths == ["direct"] * 4
     assert bool((got[:, 1:] > got[:, :-1]).all()), "a row held whole comes in column order"
 
 
@@ -200,8 +226,8 @@ def test_topk_row_order(route):
     en[0] = 5000
     logits[2] = -1.0  # every key tied: its threshold lets too many through
     plan = ROUTES[route]
-    assert _paths(logits, st, en, 2048, plan) == ["direct", "listed", "scanned"]
-    got = _check(logits, st, en, 2048, plan)
+    paths, got = _check_paths(logits, st, en, 2048, plan)
+    assert paths == ["direct", "listed", "scanned"]
     for r, runs in ((0, 1), (2, 2)):
         descents = int((got[r, 1:] < got[r, :-1]).sum())
         assert descents < runs, f"row {r}: {descents + 1} runs"
@@ -248,8 +274,7 @@ def test_topk_narrow_range_and_overflowing_ties(route):
     cols = torch.randperm(width, generator=_gen(35))[:4096]
     logits[0, cols] = 5.0 + torch.rand(4096, generator=_gen(36)) * 1e-5
     logits[1, torch.randperm(width, generator=_gen(37))[:CANDIDATES + 100]] = 3.0
-    assert _paths(logits, st, en, 2048, ROUTES[route]) == ["listed", "scanned"]
-    _check(logits, st, en, 2048, ROUTES[route])
+    assert _check_paths(logits, st, en, 2048, ROUTES[route])[0] == ["listed", "scanned"]
 
 
 @pytest.mark.parametrize("plan", [TopkPlan(), TopkPlan(route="three", programs_per_sm=1)])
@@ -258,8 +283,7 @@ def test_topk_sorted_rows(plan):
     survivors crowd one end of the row (one program's part, a run of whole bitmask words)."""
     x = torch.randn(2, LONG, generator=_gen(38)).sort(dim=1).values
     x[1] = x[1].flip(0)
-    assert _paths(*_full(x), 2048, plan) == ["listed", "listed"]
-    _check(*_full(x), 2048, plan)
+    assert _check_paths(*_full(x), 2048, plan)[0] == ["listed", "listed"]
 
 
 @pytest.mark.parametrize("topk", [1, 100, 3000, 5000])
@@ -267,15 +291,13 @@ def test_topk_other_k(topk):
     """``topk`` other than 2048: the estimate aims at most halfway from ``topk`` to the list's
     length, so a large ``topk`` still fits it."""
     logits, st, en = _full(torch.randn(2, 2 * CANDIDATES + 100, generator=_gen(topk)))
-    assert _paths(logits, st, en, topk) == ["listed", "listed"]
-    _check(logits, st, en, topk)
+    assert _check_paths(logits, st, en, topk)[0] == ["listed", "listed"]
 
 
 def test_topk_k_past_the_list():
     """A ``topk`` larger than the list is scanned: still exact."""
     logits, st, en = _full(torch.randn(1, 3 * CANDIDATES, generator=_gen(39)))
-    assert _paths(logits, st, en, CANDIDATES + 10) == ["scanned"]
-    _check(logits, st, en, CANDIDATES + 10)
+    assert _check_paths(logits, st, en, CANDIDATES + 10)[0] == ["scanned"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -314,14 +336,11 @@ def test_topk_split_rows(part_lists):
     plan = TopkPlan(route="one", fused_block=1024, fused_part_lists=part_lists)
     logits, st, en = _full(torch.randn(2, LONG + 50, generator=_gen(45)))
     st[1], en[1] = 21, LONG + 37
-    assert _paths(logits[:1], st[:1], en[:1], 2048, plan) == ["listed"]
-    _check(logits[:1], st[:1], en[:1], 2048, plan)
-    assert _paths(logits, st, en, 2048, plan) == ["listed", "listed"]
-    _check(logits, st, en, 2048, plan)
+    assert _check_paths(logits[:1], st[:1], en[:1], 2048, plan)[0] == ["listed"]
+    assert _check_paths(logits, st, en, 2048, plan)[0] == ["listed", "listed"]
     logits[0, ::3] = float("nan")
     logits[1, torch.randperm(LONG, generator=_gen(46))[:CANDIDATES + 100] + 21] = 3.0
-    assert _paths(logits, st, en, 2048, plan) == ["listed", "scanned"]
-    _check(logits, st, en, 2048, plan)
+    assert _check_paths(logits, st, en, 2048, plan)[0] == ["listed", "scanned"]
 
 
 @pytest.mark.parametrize("part_lists", [True, False])
@@ -334,8 +353,7 @@ def test_topk_split_rows_short_of_the_width(part_lists):
     logits, st, en = _rows(_gen(47), [0, 2 * LONG - 5, 7], [LONG, W - 2, 2 * LONG], W)
     logits[2, 7 + torch.randperm(LONG, generator=_gen(48))[:CANDIDATES - 500]] = 3.0
     logits[2, 17500:18500] = 3.0  # in the second part (chunks of 17408 keys): one share fits
-    assert _paths(logits, st, en, 2048, plan) == ["listed", "listed", "scanned"]
-    _check(logits, st, en, 2048, plan)
+    assert _check_paths(logits, st, en, 2048, plan)[0] == ["listed", "listed", "scanned"]
 
 
 @pytest.mark.parametrize("route", ROUTES)
