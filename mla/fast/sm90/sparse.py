@@ -187,24 +187,9 @@ def sparse_kernel(
     # fixed length
     c_s = gl.arange(0, BN, layout=col_s)
     # a topk_length outside [0, topk]: NaN results, reads clamped to the row
-    n1, bad = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
-    tiles1 = gl.cdiv(n1, BN)
-    n2 = n1
-    tiles = tiles1
-    if HAS_EXTRA:
-        n2, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
-        bad = bad | bad2
-        tiles = tiles1 + gl.cdiv(n2, BN)
-    if SPLIT_TILES > 0:  # fixed-length runs (batch invariant): mla.fast.sparse.plan
-        per_split = gl.maximum(gl.cdiv(tiles, SPLIT_CAP), SPLIT_TILES)
-    else:
-        per_split = gl.cdiv(tiles, num_splits)
-    t_lo = split * per_split
-    t_hi = gl.minimum(t_lo + per_split, tiles)
-    idx1 = IDX + qi64 * stride_iq
-    idx2 = idx1
-    if HAS_EXTRA:
-        idx2 = IDX2 + qi64 * stride_iq2
+    n1, n2, tiles1, bad, t_lo, t_hi, idx1, idx2 = runs(
+        TOPK_LEN, TOPK_LEN2, IDX, IDX2, qi, split, topk, topk2, num_splits, stride_iq,
+        stride_iq2, S, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, SPLIT_TILES, SPLIT_CAP)
 
     # a tile's indices are loaded a tile ahead of its gather, so that issuing the copies
     # never waits for an index load. _source(t): tile t's scope (index row, first entry,
@@ -400,6 +385,38 @@ def epilogue(acc, m_i, l_i, bad, qi64, g, split, SINK, O, LSE, MAXL, OP, LSEP, M
                  gl.where(seen | bad, lse, float("inf")), mask=hs_ok)
         if HAS_MAXL:
             gl.store(MAXL + qi64 * stride_mq + h_s * stride_mh, mx, mask=hs_ok)
+
+
+@gluon.jit
+def runs(TOPK_LEN, TOPK_LEN2, IDX, IDX2, qi, split, topk, topk2, num_splits, stride_iq,
+         stride_iq2, S: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+         HAS_TOPK_LEN2: gl.constexpr, SPLIT_TILES: gl.constexpr, SPLIT_CAP: gl.constexpr):
+    """Query ``qi``'s entries and this program's run of their 64-entry tiles: each scope's
+    length (``n1``, ``n2``), the first scope's tiles, whether a length lies outside
+    ``[0, topk]`` (``bad``), the run ``[t_lo, t_hi)`` (an equal share of the tiles among
+    ``num_splits``, or with ``SPLIT_TILES`` a run of fixed length, batch invariant:
+    ``mla.fast.sparse.plan``) and each scope's index row."""
+    BN: gl.constexpr = 64
+    n1, bad = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
+    tiles1 = gl.cdiv(n1, BN)
+    n2 = n1
+    tiles = tiles1
+    if HAS_EXTRA:
+        n2, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
+        bad = bad | bad2
+        tiles = tiles1 + gl.cdiv(n2, BN)
+    if SPLIT_TILES > 0:
+        per_split = gl.maximum(gl.cdiv(tiles, SPLIT_CAP), SPLIT_TILES)
+    else:
+        per_split = gl.cdiv(tiles, num_splits)
+    t_lo = split * per_split
+    t_hi = gl.minimum(t_lo + per_split, tiles)
+    qi64 = qi.to(gl.int64)
+    idx1 = IDX + qi64 * stride_iq
+    idx2 = idx1
+    if HAS_EXTRA:
+        idx2 = IDX2 + qi64 * stride_iq2
+    return n1, n2, tiles1, bad, t_lo, t_hi, idx1, idx2
 
 
 @gluon.jit

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.fast.sm90.softmax import barrier, softmax_pv
-from mla.fast.sm90.sparse import _length, _model1_row, _source, epilogue
+from mla.fast.sm90.sparse import _length, _model1_row, _source, epilogue, runs
 
 __all__ = ["model1_ws_kernel"]
 
@@ -96,23 +96,10 @@ def model1_ws_kernel(
         mbarrier.init(free.index(k), count=1)
         mbarrier.arrive(free.index(k))  # both buffers start free
 
-    n1, _ = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
-    tiles1 = gl.cdiv(n1, BN)
-    n2 = n1
-    tiles = tiles1
-    if HAS_EXTRA:
-        n2, _ = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
-        tiles = tiles1 + gl.cdiv(n2, BN)
-    if SPLIT_TILES > 0:  # fixed-length runs (batch invariant): mla.fast.sparse.plan
-        per_split = gl.maximum(gl.cdiv(tiles, SPLIT_CAP), SPLIT_TILES)
-    else:
-        per_split = gl.cdiv(tiles, num_splits)
-    t_lo = split * per_split
-    t_hi = gl.minimum(t_lo + per_split, tiles)
-    idx1 = IDX + qi64 * stride_iq
-    idx2 = idx1
-    if HAS_EXTRA:
-        idx2 = IDX2 + qi64 * stride_iq2
+    # bad: read again by the consumers after their loop (not held across it)
+    n1, n2, tiles1, _, t_lo, t_hi, idx1, idx2 = runs(
+        TOPK_LEN, TOPK_LEN2, IDX, IDX2, qi, split, topk, topk2, num_splits, stride_iq,
+        stride_iq2, S, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, SPLIT_TILES, SPLIT_CAP)
     fence_async_shared()
     barrier()  # the barriers are initialized
 

@@ -8,13 +8,13 @@ The coupled kernel of ``mla.fast.sm90.sparse`` issues a tile's gathers from the 
 that run its dots, between the wait for the tile's copies and the dots (1.44-1.55x FlashMLA's
 time on the prefill and bf16 decode shapes, benchmarks/notes/sparse.md). Here:
 
-- the consumers (the program's 8 warps): q's 64 heads by ``cp.async`` (rows of 576: 512 into
-  ``q_nope``, the 64 rope values into ``q_pe``), then per tile: wait for ``ready[s]``, a proxy
-  fence (the rows came by ``cp.async``, the generic proxy; ``wgmma`` reads through the async
-  one), ``S = q_nope · k_nopeᵀ (+ q_pe · k_peᵀ)`` split by keys (each group 64 × 32), the
-  softmax statistics across both groups, ``P`` through shared memory, ``O += P · V`` split by
-  columns (``softmax_pv``), a CTA barrier of the 8 warps, ``free[s]``; out goes through q's
-  buffer in 16-byte stores;
+- the consumers (``sparse_ws_ds.consumer``, the program's 8 warps): q's 64 heads by ``cp.async``
+  (rows of 576: 512 into ``q_nope``, the 64 rope values into ``q_pe``), then per tile: wait for
+  ``ready[s]``, a proxy fence (the rows came by ``cp.async``, the generic proxy; ``wgmma`` reads
+  through the async one), ``S = q_nope · k_nopeᵀ (+ q_pe · k_peᵀ)`` split by keys (each group 64
+  × 32), the softmax statistics across both groups, ``P`` through shared memory, ``O += P · V``
+  split by columns (``softmax_pv``), a CTA barrier of the 8 warps, ``free[s]``; out goes through
+  q's buffer in 16-byte stores;
 - the producer (4 more warps, ``setmaxnreg`` to ``_PRODUCER_REGS``): per tile, the entries
   loaded a tile ahead, it waits for ``free[s]``, issues the 64 rows' 16-byte ``cp.async``
   copies (the whole row: 576 or 512 columns, 36 or 32 copies a thread; an entry ``-1``, out
@@ -53,12 +53,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
-from mla.fast.sm90.softmax import barrier, softmax_pv
-from mla.fast.sm90.sparse import _length, _source, epilogue
+from mla.fast.sm90.softmax import barrier
+from mla.fast.sm90.sparse import _source, runs
+from mla.fast.sm90.sparse_ws_ds import consumer
 
 __all__ = ["plain_ws_kernel"]
 
@@ -116,118 +115,27 @@ def plain_ws_kernel(
         mbarrier.init(free.index(k), count=1)
         mbarrier.arrive(free.index(k))  # both buffers start free
 
-    n1, _ = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
-    tiles1 = gl.cdiv(n1, BN)
-    n2 = n1
-    tiles = tiles1
-    if HAS_EXTRA:
-        n2, _ = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
-        tiles = tiles1 + gl.cdiv(n2, BN)
-    if SPLIT_TILES > 0:  # fixed-length runs (batch invariant): mla.fast.sparse.plan
-        per_split = gl.maximum(gl.cdiv(tiles, SPLIT_CAP), SPLIT_TILES)
-    else:
-        per_split = gl.cdiv(tiles, num_splits)
-    t_lo = split * per_split
-    t_hi = gl.minimum(t_lo + per_split, tiles)
-    idx1 = IDX + qi64 * stride_iq
-    idx2 = idx1
-    if HAS_EXTRA:
-        idx2 = IDX2 + qi64 * stride_iq2
+    # bad: read again by the consumers after their loop (not held across it)
+    n1, n2, tiles1, _, t_lo, t_hi, idx1, idx2 = runs(
+        TOPK_LEN, TOPK_LEN2, IDX, IDX2, qi, split, topk, topk2, num_splits, stride_iq,
+        stride_iq2, S, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, SPLIT_TILES, SPLIT_CAP)
     fence_async_shared()
     barrier()  # the barriers are initialized
 
     # the argument tuples are written out in the call: a tuple built first would turn the
     # constexprs into run-time values in the worker partition (Triton 3.6)
     gl.warp_specialize([
-        (_consumer, (Q, qi64, stride_qq, stride_qh, q_nope, q_pe, k_nope, k_pe, p_smem, ready,
+        (consumer, (Q, qi64, stride_qq, stride_qh, q_nope, q_pe, k_nope, k_pe, p_smem, ready,
                      free, t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV, KV2, n_rows, n_rows2,
                      stride_row, stride_row2, page_size, page_size2, qk_scale, qi, g, split,
                      TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, O, LSE, MAXL, OP, LSEP, MAXP,
                      stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-                     stride_mh, num_splits, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
+                     stride_mh, num_splits, N, S, HAS_PE, True, HAS_EXTRA, HAS_TOPK_LEN,
                      HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT)),
         (_producer, (k_nope, k_pe, ready, free, t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV,
                      KV2, n_rows, n_rows2, stride_row, stride_row2, page_size, page_size2,
                      HAS_PE, HAS_EXTRA)),
     ], [4], [_PRODUCER_REGS])
-
-
-@gluon.jit
-def _consumer(Q, qi64, stride_qq, stride_qh, q_nope, q_pe, k_nope, k_pe, p_smem, ready, free,
-              t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV, KV2, n_rows, n_rows2, stride_row,
-              stride_row2, page_size, page_size2, qk_scale, qi, g, split, TOPK_LEN, TOPK_LEN2,
-              topk, topk2, SINK, O, LSE, MAXL, OP, LSEP, MAXP, stride_oq, stride_oh,
-              stride_lb, stride_lt, stride_lh, stride_mq, stride_mh, num_splits,
-              N: gl.constexpr, S: gl.constexpr, HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr,
-              HAS_TOPK_LEN: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr,
-              HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr,
-              SPLIT: gl.constexpr):
-    """The two consumer warp groups: q into shared memory, each tile's dots (the rope dot for
-    rows of 576) and online-softmax step, then the epilogue (out through q's shared memory)."""
-    BM: gl.constexpr = 64
-    BN: gl.constexpr = 64
-    DV: gl.constexpr = 512
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, 32, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                       instr_shape=[16, 256, 16])
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    c_s = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
-    acc = gl.zeros([BM, DV], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
-    m_i = gl.full([BM], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BM], gl.float32, layout=row_s)
-    # q's 64 heads by cp.async, all in flight at once: one load latency, while the producer
-    # gathers the first tile (heads past N: zeros)
-    ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
-                                        warps_per_cta=[8, 1], order=[1, 0])
-    h_ld = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
-    q_row = Q + qi64 * stride_qq + h_ld.to(gl.int64) * stride_qh
-    c_ld = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
-    for c in gl.static_range(DV // 64):
-        async_copy.async_copy_global_to_shared(q_nope.slice(c * 64, 64, dim=1),
-                                               q_row[:, None] + (c * 64 + c_ld)[None, :],
-                                               mask=(h_ld < N)[:, None])
-    if HAS_PE:
-        async_copy.async_copy_global_to_shared(q_pe, q_row[:, None] + (DV + c_ld)[None, :],
-                                               mask=(h_ld < N)[:, None])
-    async_copy.commit_group()
-    async_copy.wait_group(0)
-    fence_async_shared()
-    barrier()  # every consumer thread's part of q is in
-    for i in range(t_lo, t_hi):
-        s = (i - t_lo) % 2
-        ph = ((i - t_lo) // 2) & 1
-        kn = k_nope.index(s)
-        ir_i, st_i, hi_i, _, rows_i, _, _ = _source(i, tiles1, idx1, idx2, n1, n2, KV, KV2,
-                                                    n_rows, n_rows2, stride_row, stride_row2,
-                                                    page_size, page_size2, HAS_EXTRA)
-        cols = st_i + c_s
-        idx = gl.load(ir_i + cols, mask=cols < hi_i, other=-1)  # for the logits' mask
-        mbarrier.wait(ready.index(s), ph)  # every producer thread's copies have landed
-        fence_async_shared()  # ... and the wgmma (async proxy) sees them
-        sc_ = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if HAS_PE:
-            sc_ = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc_, is_async=True)
-        sc_ = warpgroup_mma_wait(num_outstanding=0, deps=(sc_,))
-        valid = (cols < hi_i) & (idx >= 0) & (idx < rows_i)
-        qk = gl.where(valid[None, :], sc_ * qk_scale, float("-inf"))  # log2 domain
-        if CHECK_RANGE:  # an entry outside [-1, n_rows) is a NaN logit: a NaN query
-            qk = gl.where(((cols < hi_i) & ((idx < -1) | (idx >= rows_i)))[None, :],
-                          float("nan"), qk)
-        acc, m_i, l_i = softmax_pv(qk, m_i, l_i, acc, p_smem, kn, gl.SliceLayout(1, o_layout))
-        barrier()  # both groups' P · V have read K[s] and P
-        mbarrier.arrive(free.index(s))
-
-    # whether a length lies outside [0, topk], read again here (not held across the loop)
-    _, bad = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
-    if HAS_EXTRA:
-        _, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
-        bad = bad | bad2
-    # out through q's buffer (no dot reads it after the loop's last barrier): 16-byte stores
-    epilogue(acc, m_i, l_i, bad, qi.to(gl.int64), g, split, SINK, O, LSE, MAXL, OP, LSEP,
-             MAXP, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh,
-             num_splits, N, S, HAS_SINK, HAS_MAXL, SPLIT, s_layout, o_layout, q_nope)
 
 
 # the producer's [64, 64] copies: 16 bytes a thread and row, a warp's 4 rows of 128 bytes at

@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from mla.fast.sm90.softmax import barrier, softmax_pv
-from mla.fast.sm90.sparse import _length, _source, epilogue
+from mla.fast.sm90.sparse import _length, _source, epilogue, runs
 
 __all__ = ["ds_mla_ws_kernel"]
 
@@ -96,36 +96,23 @@ def ds_mla_ws_kernel(
         mbarrier.init(free.index(k), count=1)
         mbarrier.arrive(free.index(k))  # both buffers start free
 
-    n1, _ = _length(TOPK_LEN, qi // S, topk, HAS_TOPK_LEN)
-    tiles1 = gl.cdiv(n1, BN)
-    n2 = n1
-    tiles = tiles1
-    if HAS_EXTRA:
-        n2, _ = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
-        tiles = tiles1 + gl.cdiv(n2, BN)
-    if SPLIT_TILES > 0:  # fixed-length runs (batch invariant): mla.fast.sparse.plan
-        per_split = gl.maximum(gl.cdiv(tiles, SPLIT_CAP), SPLIT_TILES)
-    else:
-        per_split = gl.cdiv(tiles, num_splits)
-    t_lo = split * per_split
-    t_hi = gl.minimum(t_lo + per_split, tiles)
-    idx1 = IDX + qi64 * stride_iq
-    idx2 = idx1
-    if HAS_EXTRA:
-        idx2 = IDX2 + qi64 * stride_iq2
+    # bad: read again by the consumers after their loop (not held across it)
+    n1, n2, tiles1, _, t_lo, t_hi, idx1, idx2 = runs(
+        TOPK_LEN, TOPK_LEN2, IDX, IDX2, qi, split, topk, topk2, num_splits, stride_iq,
+        stride_iq2, S, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, SPLIT_TILES, SPLIT_CAP)
     fence_async_shared()
     barrier()  # the barriers are initialized
 
     # the argument tuples are written out in the call: a tuple built first would turn the
     # constexprs into run-time values in the worker partition (Triton 3.6)
     gl.warp_specialize([
-        (_consumer, (Q, qi64, stride_qq, stride_qh, q_nope, q_pe, k_nope, k_pe, p_smem, ready,
+        (consumer, (Q, qi64, stride_qq, stride_qh, q_nope, q_pe, k_nope, k_pe, p_smem, ready,
                      free, t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV, KV2, n_rows, n_rows2,
                      stride_row, stride_row2, page_size, page_size2, qk_scale, qi, g, split,
                      TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, O, LSE, MAXL, OP, LSEP, MAXP,
                      stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-                     stride_mh, num_splits, N, S, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2,
-                     HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT)),
+                     stride_mh, num_splits, N, S, True, False, HAS_EXTRA, HAS_TOPK_LEN,
+                     HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT)),
         (_producer, (k_nope, k_pe, ready, free, t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV,
                      KV2, n_rows, n_rows2, stride_row, stride_row2, page_size, page_size2,
                      HAS_EXTRA)),
@@ -133,17 +120,21 @@ def ds_mla_ws_kernel(
 
 
 @gluon.jit
-def _consumer(Q, qi64, stride_qq, stride_qh, q_nope, q_pe, k_nope, k_pe, p_smem, ready, free,
+def consumer(Q, qi64, stride_qq, stride_qh, q_nope, q_pe, k_nope, k_pe, p_smem, ready, free,
               t_lo, t_hi, tiles1, idx1, idx2, n1, n2, KV, KV2, n_rows, n_rows2, stride_row,
               stride_row2, page_size, page_size2, qk_scale, qi, g, split, TOPK_LEN, TOPK_LEN2,
               topk, topk2, SINK, O, LSE, MAXL, OP, LSEP, MAXP, stride_oq, stride_oh,
               stride_lb, stride_lt, stride_lh, stride_mq, stride_mh, num_splits,
-              N: gl.constexpr, S: gl.constexpr, HAS_EXTRA: gl.constexpr,
+              N: gl.constexpr, S: gl.constexpr, HAS_PE: gl.constexpr,
+              FENCE_READY: gl.constexpr, HAS_EXTRA: gl.constexpr,
               HAS_TOPK_LEN: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr,
               HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr,
               SPLIT: gl.constexpr):
     """The two consumer warp groups: q into shared memory, each tile's dots (the rope dot
-    included) and online-softmax step, then the epilogue (out through q's shared memory)."""
+    with ``HAS_PE``: rows of 576) and online-softmax step, then the epilogue (out through q's
+    shared memory). ``FENCE_READY``: a proxy fence after each ``ready`` wait, for a producer
+    whose ``cp.async`` writes arrive on ``ready`` unfenced (``mla.fast.sm90.sparse_ws_bf16``;
+    this module's producer fences before it arrives)."""
     BM: gl.constexpr = 64
     BN: gl.constexpr = 64
     DV: gl.constexpr = 512
@@ -168,8 +159,9 @@ def _consumer(Q, qi64, stride_qq, stride_qh, q_nope, q_pe, k_nope, k_pe, p_smem,
         async_copy.async_copy_global_to_shared(q_nope.slice(c * 64, 64, dim=1),
                                                q_row[:, None] + (c * 64 + c_ld)[None, :],
                                                mask=(h_ld < N)[:, None])
-    async_copy.async_copy_global_to_shared(q_pe, q_row[:, None] + (DV + c_ld)[None, :],
-                                           mask=(h_ld < N)[:, None])
+    if HAS_PE:
+        async_copy.async_copy_global_to_shared(q_pe, q_row[:, None] + (DV + c_ld)[None, :],
+                                               mask=(h_ld < N)[:, None])
     async_copy.commit_group()
     async_copy.wait_group(0)
     fence_async_shared()
@@ -184,8 +176,11 @@ def _consumer(Q, qi64, stride_qq, stride_qh, q_nope, q_pe, k_nope, k_pe, p_smem,
         cols = st_i + c_s
         idx = gl.load(ir_i + cols, mask=cols < hi_i, other=-1)  # for the logits' mask
         mbarrier.wait(ready.index(s), ph)
+        if FENCE_READY:  # the producer's copies landed unfenced: the wgmma (async proxy)
+            fence_async_shared()  # sees them after this
         sc_ = warpgroup_mma(q_nope, kn.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        sc_ = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc_, is_async=True)
+        if HAS_PE:
+            sc_ = warpgroup_mma(q_pe, k_pe.index(s).permute((1, 0)), sc_, is_async=True)
         sc_ = warpgroup_mma_wait(num_outstanding=0, deps=(sc_,))
         valid = (cols < hi_i) & (idx >= 0) & (idx < rows_i)
         qk = gl.where(valid[None, :], sc_ * qk_scale, float("-inf"))  # log2 domain
