@@ -31,7 +31,7 @@ from datetime import date
 
 import torch
 
-from mla.bench.runner import Target, run_bench
+from mla.bench.runner import resolve_targets, run_bench
 from mla.bench.shapes import Shape
 from mla.bench.timing import ceilings
 from mla.environment import environment
@@ -57,24 +57,6 @@ TOPK_ROWS = [(32, 8192), (128, 8192), (256, 8192), (32, 16384), (128, 16384), (3
              (128, 32768), (256, 32768)]
 
 
-def _targets() -> tuple[Target, Target]:
-    import mla.fast as fast
-    from mla.conformance.runner import kernels_of
-
-    kernels = ("sparse_mla_decode", "sparse_mla_prefill")
-    ours = Target("mla.fast", {k: fn for k, fn in kernels_of(fast).items() if k in kernels})
-    try:
-        from mla.conformance.adapters import import_peer
-        from mla.conformance.adapters.flashmla import INTERFACE
-        from mla.conformance.adapters.flashmla import target as flashmla
-
-        import_peer(INTERFACE, "FlashMLA")
-        peer = Target("flashmla", {k: v for k, v in flashmla().items() if k in kernels})
-    except Exception as e:  # noqa: BLE001 (no peer here: its rows say why)
-        peer = Target("flashmla", skipped=str(e)[:200])
-    return ours, peer
-
-
 def _row(kernel: str, shape: str, ours_us: float | None, peer: str, peer_us: float | None,
          **extra: object) -> dict:
     ratio = ours_us / peer_us if ours_us and peer_us else None
@@ -84,10 +66,9 @@ def _row(kernel: str, shape: str, ours_us: float | None, peer: str, peer_us: flo
 
 def attention(ceil: dict[str, float], reps: int) -> list[dict]:
     """The sparse attention rows: ``mla.fast`` beside FlashMLA on ``ATTENTION``."""
-    ours, peer = _targets()
-    res = run_bench(ATTENTION, [ours, peer], torch.device("cuda"), reps=reps, ceil=ceil,
-                    progress=lambda r: print(f"{r.dims} {r.target}: {r.us}", file=sys.stderr,
-                                             flush=True))
+    res = run_bench(ATTENTION, resolve_targets("mla.fast"), torch.device("cuda"), reps=reps,
+                    ceil=ceil, progress=lambda r: print(f"{r.dims} {r.target}: {r.us}",
+                                                        file=sys.stderr, flush=True))
     rows = []
     for a, b in zip(res[0::2], res[1::2]):
         extra: dict = {"method": a.method, "l2": a.l2}
