@@ -124,12 +124,12 @@ def candidate_plans(s: SparseShape, default: SparsePlan) -> list[SparsePlan]:
              rep(tri, block_n=32, num_stages=3)]
     if s.kind == "decode":
         plans += [rep(default, num_splits=2), rep(tri, num_splits=2)]
-    if s.kind == "decode" and s.fp8:  # the warp-specialized fp8_ds_mla kernel (a plan choice)
-        plans += [rep(default, ds_mla_kernel="warp_specialized")]
-    if not s.fp8:  # the warp-specialized kernel over rows in q's dtype (a plan choice)
-        plans += [rep(default, bf16_kernel="warp_specialized")]
+    if s.kind == "decode" and s.fp8:  # the coupled fp8_ds_mla kernel (a plan choice)
+        plans += [rep(default, ds_mla_kernel="staged")]
+    if not s.fp8:  # the coupled kernel over rows in q's dtype (a plan choice)
+        plans += [rep(default, bf16_kernel="staged")]
         if s.kind == "decode":
-            plans += [rep(default, bf16_kernel="warp_specialized", num_splits=2)]
+            plans += [rep(default, bf16_kernel="staged", num_splits=2)]
     out = []
     for p in plans:
         if p not in out:

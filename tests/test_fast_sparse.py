@@ -399,14 +399,14 @@ def test_sm90_bf16_kernels(poisoned_alloc, monkeypatch, kernel, N, num_splits, D
 
 
 def test_bf16_kernel_names_are_checked(poisoned_alloc):
-    """``SparsePlan.bf16_kernel``: the coupled ("staged") kernel by default; a plan naming
-    the warp-specialized one still runs elsewhere (the Triton kernel off Hopper)."""
-    assert SparsePlan(64, 64, 1, 8, 2).bf16_kernel == "staged"
+    """``SparsePlan.bf16_kernel``: the warp-specialized kernel by default; a plan naming
+    either kernel still runs elsewhere (the Triton kernel off Hopper)."""
+    assert SparsePlan(64, 64, 1, 8, 2).bf16_kernel == "warp_specialized"
     assert plan_sparse(64, 128, 2048, torch.bfloat16, False, num_sms=132).bf16_kernel == \
-        "staged"
+        "warp_specialized"
     with pytest.raises(ValueError, match="bf16_kernel must be one of"):
         SparsePlan(64, 64, 1, 8, 2, bf16_kernel="coupled")
-    plan = SparsePlan(16, 64, 2, 4, 1, bf16_kernel="warp_specialized")
+    plan = SparsePlan(16, 64, 2, 4, 1, bf16_kernel="staged")
     q, kv, idx = prefill_inputs(3, 2, 40, 30, 45, torch.float16, seed=63)
     check_prefill(q, kv, idx, 0.3, 32, plan=plan)
     q, cache, idx = decode_inputs(2, 1, 2, 40, 3, 16, 37, torch.float16, seed=64)

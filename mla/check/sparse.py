@@ -180,18 +180,18 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
     coupled3 = SparsePlan(64, 64, 3, 8, 2, ds_mla_kernel="staged")
     yield case(f"fp8 block-padded cache B=4 N=64 topk=2048 lens 2048,7,0,900 forced {coupled3}",
                548, 4, 1, 64, 2048, 20000, True, [2048, 7, 0, 900], coupled3, padded=True)
-    # the warp-specialized kernel over a bf16 cache (a plan's choice; the default is the
-    # coupled one): unsplit at 128 heads (a lonely request), 3 splits at 64 heads, fixed-length
-    # batch-invariant splits
-    ws = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="warp_specialized")
-    yield case(f"bf16 cache B=3 N=128 topk=2048 lens 2048,7,1500 (request 1 all -1) forced {ws}",
-               583, 3, 1, 128, 2048, 20000, False, [2048, 7, 1500], ws, all_invalid=1)
-    ws3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="warp_specialized")
-    yield case(f"bf16 cache B=4 N=64 topk=2047 lens 2047,7,0,900 forced {ws3}", 584, 4, 1, 64,
-               2047, 20000, False, [2047, 7, 0, 900], ws3)
-    ws_bi = SparsePlan(64, 64, 16, 8, 2, split_entries=512, bf16_kernel="warp_specialized")
-    yield case(f"bf16 cache B=3 N=128 topk=2048 lens 2048,7,1500 batch-invariant {ws_bi}", 585,
-               3, 1, 128, 2048, 20000, False, [2048, 7, 1500], ws_bi)
+    # the coupled kernel over a bf16 cache (a plan's choice; the default is the
+    # warp-specialized one): unsplit at 128 heads (a lonely request), 3 splits at 64 heads,
+    # fixed-length batch-invariant splits
+    cp = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="staged")
+    yield case(f"bf16 cache B=3 N=128 topk=2048 lens 2048,7,1500 (request 1 all -1) forced {cp}",
+               583, 3, 1, 128, 2048, 20000, False, [2048, 7, 1500], cp, all_invalid=1)
+    cp3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="staged")
+    yield case(f"bf16 cache B=4 N=64 topk=2047 lens 2047,7,0,900 forced {cp3}", 584, 4, 1, 64,
+               2047, 20000, False, [2047, 7, 0, 900], cp3)
+    cp_bi = SparsePlan(64, 64, 16, 8, 2, split_entries=512, bf16_kernel="staged")
+    yield case(f"bf16 cache B=3 N=128 topk=2048 lens 2048,7,1500 batch-invariant {cp_bi}", 585,
+               3, 1, 128, 2048, 20000, False, [2048, 7, 1500], cp_bi)
     if ctx.device.type == "cuda":
         yield Case("fp8 cuda graph capture + replay, no sync", lambda: _graph_case(ctx))
 
@@ -257,14 +257,14 @@ def prefill_cases(ctx: Ctx) -> Iterator[Case]:
     yield case("s_q=7 N=128 topk=1 s_kv=10 (one pick)", 576, 7, 128, 1, 10)
     yield case("s_q=64 N=128 topk=2048 s_kv=4096 logits x30", 577, 64, 128, 2048, 4096,
                logit_scale=30.0)
-    # the warp-specialized kernel over rows in q's dtype (a plan's choice; the default is the
-    # coupled one): top-k off the tile grid, ragged lengths, indices -1, -3, >= s_kv, a lonely
-    # query; 128 heads unsplit, 64 heads in 3 splits, one pick
-    ws = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="warp_specialized")
-    yield case(f"s_q=300 N=128 topk=2047 s_kv=5000 ragged lens forced {ws}", 580, 300, 128,
-               2047, 5000, True, ws)
-    ws3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="warp_specialized")
-    yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {ws3}", 581, 257, 64,
-               1000, 3000, True, ws3)
-    yield case(f"s_q=7 N=128 topk=1 s_kv=10 (one pick) forced {ws}", 582, 7, 128, 1, 10,
-               plan=ws)
+    # the coupled kernel over rows in q's dtype (a plan's choice; the default is the
+    # warp-specialized one): top-k off the tile grid, ragged lengths, indices -1, -3,
+    # >= s_kv, a lonely query; 128 heads unsplit, 64 heads in 3 splits, one pick
+    cp = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="staged")
+    yield case(f"s_q=300 N=128 topk=2047 s_kv=5000 ragged lens forced {cp}", 580, 300, 128,
+               2047, 5000, True, cp)
+    cp3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="staged")
+    yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {cp3}", 581, 257, 64,
+               1000, 3000, True, cp3)
+    yield case(f"s_q=7 N=128 topk=1 s_kv=10 (one pick) forced {cp}", 582, 7, 128, 1, 10,
+               plan=cp)

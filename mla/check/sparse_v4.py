@@ -178,9 +178,10 @@ def v4_decode_cases(ctx: Ctx) -> Iterator[Case]:
     gluon_split = Plan(64, 64, 4, 8, 2)
     coupled = Plan(64, 64, 1, 8, 1, model1_kernel="staged")  # MODEL1's other Gluon kernel
     triton_64 = Plan(64, 64, 1, 8, 2, sm90=False)
-    # the warp-specialized kernel over rows in q's dtype (a plan's choice), unsplit and split
-    ws_bf16 = Plan(64, 64, 1, 8, 2, bf16_kernel="warp_specialized")
-    ws_bf16_3 = Plan(64, 64, 3, 8, 2, bf16_kernel="warp_specialized")
+    # the coupled kernel over rows in q's dtype (a plan's choice; the default is the
+    # warp-specialized one), unsplit and split
+    cp_bf16 = Plan(64, 64, 1, 8, 2, bf16_kernel="staged")
+    cp_bf16_3 = Plan(64, 64, 3, 8, 2, bf16_kernel="staged")
     specs: list[tuple[str, V4Decode]]
     if ctx.quick:
         specs = [
@@ -249,12 +250,12 @@ def v4_decode_cases(ctx: Ctx) -> Iterator[Case]:
             ("fp8_ds_mla B=4 N=128 topk=2048 bad length and slot, forced Triton",
              V4Decode("fp8", 4, 128, 2048, bad=True, plan=triton_64)),
             ("bf16 576 B=4 N=64 topk=777 lens, second scope 100 lens, sinks, forced "
-             f"{ws_bf16}", V4Decode("bf16_576", 4, 64, 777, (777, 1, 0, 500), 100,
-                                    (100, 0, 7, 64), plan=ws_bf16)),
-            (f"bf16 rows of 512 B=4 N=64 topk=1000 second scope 100, sinks, forced {ws_bf16_3}",
-             V4Decode("bf16_512", 4, 64, 1000, (1000, 3, 0, 999), 100, plan=ws_bf16_3)),
-            (f"bf16 576 B=4 N=128 topk=2048 bad length and slot, forced {ws_bf16}",
-             V4Decode("bf16_576", 4, 128, 2048, bad=True, plan=ws_bf16)),
+             f"{cp_bf16}", V4Decode("bf16_576", 4, 64, 777, (777, 1, 0, 500), 100,
+                                    (100, 0, 7, 64), plan=cp_bf16)),
+            (f"bf16 rows of 512 B=4 N=64 topk=1000 second scope 100, sinks, forced {cp_bf16_3}",
+             V4Decode("bf16_512", 4, 64, 1000, (1000, 3, 0, 999), 100, plan=cp_bf16_3)),
+            (f"bf16 576 B=4 N=128 topk=2048 bad length and slot, forced {cp_bf16}",
+             V4Decode("bf16_576", 4, 128, 2048, bad=True, plan=cp_bf16)),
         ]
     for i, (name, spec) in enumerate(specs):
         yield Case(f"v4 {name}", lambda s=spec, i=i: _decode_case(ctx, s, 700 + i))
@@ -296,8 +297,8 @@ def _prefill_case(ctx: Ctx, D: int, s_q: int, N: int, topk: int, s_kv: int, plan
 def v4_prefill_cases(ctx: Ctx) -> Iterator[Case]:
     """The fast sparse prefill with sinks (each route) and rows of 512."""
     Plan = fast.SparsePlan  # noqa: N806
-    ws = Plan(64, 64, 1, 8, 2, bf16_kernel="warp_specialized")
-    ws3 = Plan(64, 64, 3, 8, 2, bf16_kernel="warp_specialized")
+    cp = Plan(64, 64, 1, 8, 2, bf16_kernel="staged")
+    cp3 = Plan(64, 64, 3, 8, 2, bf16_kernel="staged")
     if ctx.quick:
         shapes = [("576 s_q=5 N=16 topk=70 s_kv=200", 576, 5, 16, 70, 200, None, False),
                   ("576 s_q=5 N=16 topk=70 bad lengths", 576, 5, 16, 70, 200, None, True)]
@@ -325,14 +326,14 @@ def v4_prefill_cases(ctx: Ctx) -> Iterator[Case]:
             ("512 s_q=64 N=64 topk=512 bad lengths (sm_90)", 512, 64, 64, 512, 4096, None,
              True),
             # the warp-specialized kernel over rows in q's dtype (a plan's choice)
-            ("576 s_q=256 N=128 topk=2048 s_kv=8192 forced warp-specialized bf16 (sm_90)", 576,
-             256, 128, 2048, 8192, ws, False),
-            ("512 s_q=256 N=64 topk=512 s_kv=4096 forced warp-specialized bf16 (sm_90)", 512,
-             256, 64, 512, 4096, ws, False),
-            ("512 s_q=64 N=128 topk=512 s_kv=4096 forced warp-specialized bf16 (sm_90, 3 "
-             "splits + combine)", 512, 64, 128, 512, 4096, ws3, False),
-            ("576 s_q=64 N=128 topk=2048 bad lengths forced warp-specialized bf16 (sm_90)", 576,
-             64, 128, 2048, 8192, ws, True),
+            ("576 s_q=256 N=128 topk=2048 s_kv=8192 forced coupled bf16 (sm_90)", 576,
+             256, 128, 2048, 8192, cp, False),
+            ("512 s_q=256 N=64 topk=512 s_kv=4096 forced coupled bf16 (sm_90)", 512,
+             256, 64, 512, 4096, cp, False),
+            ("512 s_q=64 N=128 topk=512 s_kv=4096 forced coupled bf16 (sm_90, 3 "
+             "splits + combine)", 512, 64, 128, 512, 4096, cp3, False),
+            ("576 s_q=64 N=128 topk=2048 bad lengths forced coupled bf16 (sm_90)", 576,
+             64, 128, 2048, 8192, cp, True),
         ]
     for i, (name, *args) in enumerate(shapes):
         yield Case(f"v4 sinks {name}", lambda a=args, i=i: _prefill_case(ctx, *a, 760 + i))

@@ -8,8 +8,8 @@ on an sm_90 GPU (each module's ``supported``); everywhere else their Triton kern
   gathers and dequantizes (``model1_ws_kernel``, the default plan's at 64 heads);
   ``sparse_ws_ds``: the same arrangement over ``fp8_ds_mla`` rows (``ds_mla_ws_kernel``, the
   default plan's at 64 heads, ``SparsePlan.ds_mla_kernel``); ``sparse_ws_bf16``: the same
-  arrangement over rows in q's dtype, prefill and bf16/fp16 decode (``plain_ws_kernel``, a
-  plan's choice, ``SparsePlan.bf16_kernel``; not the default);
+  arrangement over rows in q's dtype, prefill and bf16/fp16 decode (``plain_ws_kernel``, the
+  default plan's at 64 heads, ``SparsePlan.bf16_kernel``);
   ``softmax``: the online-softmax + ``P · V`` step both share, and the CTA barrier under the
   name this Triton gives it.
 

@@ -53,7 +53,7 @@ How (docs/kernels.md, "Sparse"):
   the plan's ``model1_kernel`` picks it or (the default) the warp-specialized kernel of
   ``mla.fast.sm90.sparse_ws``; over ``fp8_ds_mla`` rows (decode) the plan's ``ds_mla_kernel``
   picks it or (the default) the warp-specialized kernel of ``mla.fast.sm90.sparse_ws_ds``;
-  over rows in q's dtype the plan's ``bf16_kernel`` picks it (the default) or the
+  over rows in q's dtype the plan's ``bf16_kernel`` picks it or (the default) the
   warp-specialized kernel of ``mla.fast.sm90.sparse_ws_bf16``.
 
 ``convert_req_index_to_global_index`` (``mla.fast.sparse.index``, re-exported here): the
