@@ -410,6 +410,54 @@ def _time(fn) -> tuple[float, bool]:  # noqa: ANN001
         return sorted(times)[len(times) // 2], False
 
 
+STEP_COLUMNS = """One decode step (`s_q = 1`) of a C4A (ratio 4) and a C128A (ratio 128) layer at
+DeepSeek-V4's widths, each of `B` requests at `L` tokens. The columns share the projections and
+the compressor; they differ in the attention, the indexer (query, logits, top-k) and, for the
+torch composition, the front:
+
+- fast, device indices: `mla.fast.v4.v4_decode_step` (lengths and indices built on the
+  device, no host read), replayed in a CUDA graph (median of 20 replays, L2 not flushed);
+- fast: `mla.fast.v4.v4_layer_step` (its index tensors built from host lists; eager);
+- torch composition: the reference's torch functions on CUDA for those stages (eager);
+- vLLM's kernels: FlashMLA's MODEL1 sparse decode, vLLM's Triton indexer query, DeepGEMM's
+  paged logits and vLLM's `persistent_topk` (`vllm_composition`; eager: the adapters of
+  vLLM's top-k and FlashMLA read device values on the host).
+
+Eager columns report the median of 5 calls and at these sizes are mostly host time (a few
+dozen launches and host tensor builds): read them against each other, and the graph column
+as the step's device time."""
+
+
+def write_report(res: dict, stem: str) -> None:
+    """``stem``.md from a run's results (``res``: environment, ceilings, checks, timings)."""
+    lines = report_heading("DeepSeek-V4 layer on mla.fast.v4", res)
+    if res["checks"]:
+        lines += ["## Stage checks (worst over requests; budgets in benchmarks/v4_layer.py)",
+                  "", "| ratio | lens | step | pass | worst |", "|---|---|---|---|---|"]
+    for ck in res["checks"]:
+        if "error" in ck:
+            lines.append(f"| {ck['ratio']} | {ck['lens']} | - | ERROR | {ck['error']} |")
+            continue
+        for s in ck["steps"]:
+            worst = ", ".join(f"{k} {v:.3g}" for k, v in s["worst"].items())
+            lines.append(f"| {ck['ratio']} | {ck['lens']} | {s['path']} {s['new'][0]} | "
+                         f"{s['passed']} | {worst} |")
+    lines += ["", "## Decode step (s_q = 1), ms", "", STEP_COLUMNS, "",
+              "| ratio | B | L | fast, device indices | graph | fast | graph | torch composition | "
+              "graph | vLLM's kernels | graph |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for t in res["timings"]:
+        def cell(k: str, t: dict = t) -> str:
+            return (f"{t[k + '_ms']:.3f}" if k + "_ms" in t
+                    else t.get(k + "_error", t.get("error", "?"))[:60])
+        lines.append(f"| {t['ratio']} | {t['B']} | {t['L']} | {cell('device')} | "
+                     f"{t.get('device_graph', '-')} | {cell('fast')} | "
+                     f"{t.get('fast_graph', '-')} | {cell('torch')} | "
+                     f"{t.get('torch_graph', '-')} | {cell('vllm')} | "
+                     f"{t.get('vllm_graph', '-')} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check the fast DeepSeek-V4 layer stage by stage and time its decode step."""
     import argparse
@@ -444,31 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = os.path.join(a.out_dir, f"v4_layer_{date.today().isoformat()}")
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    lines = report_heading("DeepSeek-V4 layer on mla.fast.v4", res)
-    lines += ["## Stage checks (worst over requests; budgets in benchmarks/v4_layer.py)", "",
-              "| ratio | lens | step | pass | worst |", "|---|---|---|---|---|"]
-    for ck in res["checks"]:
-        if "error" in ck:
-            lines.append(f"| {ck['ratio']} | {ck['lens']} | - | ERROR | {ck['error']} |")
-            continue
-        for s in ck["steps"]:
-            worst = ", ".join(f"{k} {v:.3g}" for k, v in s["worst"].items())
-            lines.append(f"| {ck['ratio']} | {ck['lens']} | {s['path']} {s['new'][0]} | "
-                         f"{s['passed']} | {worst} |")
-    lines += ["", "## Decode step (s_q = 1), ms", "",
-              "| ratio | B | L | fast, device indices | graph | fast | graph | torch composition | "
-              "graph | vLLM's kernels | graph |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for t in res["timings"]:
-        def cell(k: str, t: dict = t) -> str:
-            return (f"{t[k + '_ms']:.3f}" if k + "_ms" in t
-                    else t.get(k + "_error", t.get("error", "?"))[:60])
-        lines.append(f"| {t['ratio']} | {t['B']} | {t['L']} | {cell('device')} | "
-                     f"{t.get('device_graph', '-')} | {cell('fast')} | "
-                     f"{t.get('fast_graph', '-')} | {cell('torch')} | "
-                     f"{t.get('torch_graph', '-')} | {cell('vllm')} | "
-                     f"{t.get('vllm_graph', '-')} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(res, stem)
     log(f"wrote {stem}.json and .md")
     failed = [s for ck in res["checks"] for s in ck.get("steps", []) if not s["passed"]]
     return 1 if failed or any("error" in ck for ck in res["checks"]) else 0
