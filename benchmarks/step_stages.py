@@ -104,8 +104,9 @@ def _front(w: MLAWeights, iw: IndexerWeights) -> StageFn:
     """Both sides' front: the projections, norms, RoPE, the indexer's rotated query (e4m3,
     its scale in the weights) and key, the absorbed query. ``k_rot_bf16``: the key as vLLM's
     writer takes it (the model's dtype), computed here so that neither side pays the cast.
-    ``mla.fast``'s front (``mla.fast.sparse.front``: the reference's arithmetic, the weights'
-    layouts prepared once) on both sides."""
+    ``mla.fast``'s front (``mla.fast.sparse.front``: five GEMMs and two Triton kernels) on
+    both sides, so the step's ratio compares the other stages (the peers have no front of
+    their own here)."""
     cfg = w.config
 
     def front(st: State) -> State:
