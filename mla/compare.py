@@ -86,12 +86,12 @@ ERROR_BUDGETS: dict[tuple[str, str, str], float] = {
     ("sparse_mla_decode", "float32", "lse_abs"): 7.1e-5,
     ("sparse_mla_decode", "float32", "out_rel"): 3.8e-6,
     # the fused front against the reference's on the same inputs (mla.check.front): one unit
-    # in the last place of a model-dtype output at its largest value, a few float32 roundings
-    # of the indexer's float32 sums
+    # in the last place of a model-dtype output at its largest value; the indexer's float32
+    # outputs carry the one-ulp differences of the q latent (H100: 1.9e-4 measured, bf16)
     ("sparse_front", "bfloat16", "model_rel"): 2.0 ** -7,
-    ("sparse_front", "bfloat16", "f32_rel"): 2e-6,
+    ("sparse_front", "bfloat16", "f32_rel"): 4e-4,
     ("sparse_front", "float16", "model_rel"): 2.0 ** -10,
-    ("sparse_front", "float16", "f32_rel"): 2e-6,
+    ("sparse_front", "float16", "f32_rel"): 5e-5,
     ("sparse_front", "float32", "model_rel"): 2e-6,
     ("sparse_front", "float32", "f32_rel"): 2e-6,
     ("sparse_mla_prefill", "bfloat16", "lse_abs"): 5e-4,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _interpreter import needs_interpreter
 
 import mla.fast.sparse.model as fast_sparse
 from benchmarks.layer_stages import assert_stages
@@ -172,6 +173,7 @@ def _ulp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(mag))) * fi.eps
 
 
+@needs_interpreter
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
 def test_fast_front_against_the_reference_front(dtype):
     """``mla.fast.sparse.front``. Float64: the reference's arithmetic, bit for bit. Float32 and
@@ -220,6 +222,7 @@ def test_fast_front_against_the_reference_front(dtype):
     assert_close(absorb_query(w, f.q_nope), reference_absorb(w, f.q_nope), tol)
 
 
+@needs_interpreter
 def test_fast_front_edges():
     """The fused front on no token and one token; a NaN hidden row gives NaN in that token's
     outputs only; inputs of the wrong dtype or device, or positions of the wrong length, are
