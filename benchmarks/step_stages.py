@@ -374,6 +374,7 @@ def profile_front(w: MLAWeights, iw: IndexerWeights, tokens: int, top: int = 15
         for _ in range(5):
             front(st)
         torch.cuda.synchronize()
+
     def device_us(e: Any) -> float:  # noqa: ANN401 (the name changed in torch 2.9)
         return e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
 
