@@ -114,7 +114,7 @@ def _front(w: MLAWeights, iw: IndexerWeights) -> StageFn:
         f, qk = sparse_front(w, iw, h, st["positions"])
         k_rot = _rotate(qk.k_index)
         q_fp8, w_q = quantize_indexer_q(_rotate(qk.q_index), qk.weights)
-        q = torch.cat([absorb_query(w, f.q_nope), f.q_pe], dim=-1)  # [T, N, 576]
+        q = absorb_query(w, f.q_nope, f.q_pe)  # [T, N, 576]
         return {"kv_c": f.kv_c, "k_pe": f.k_pe, "k_rot": k_rot,
                 "k_rot_bf16": k_rot.to(torch.bfloat16), "q_fp8": q_fp8, "w_q": w_q,
                 "q": q.view(q.shape[0], cfg.num_heads, cfg.latent_dim)}

@@ -211,6 +211,10 @@ def test_fast_front_against_the_reference_front(dtype):
         agree((*f, *qk), (*rf, *rqk))
     tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2.0 ** -10}[dtype]
     assert_close(absorb_query(w, f.q_nope), reference_absorb(w, f.q_nope), tol)
+    # with q_pe: the attention's query, written in place beside q_pe's exact copy
+    q = absorb_query(w, f.q_nope, f.q_pe)
+    assert torch.equal(q[..., cfg.kv_lora_rank:], f.q_pe)
+    assert_close(q, reference_absorb(w, f.q_nope, f.q_pe), tol)
     o_lat = torch.randn(7, cfg.num_heads, cfg.kv_lora_rank).to(dtype)
     assert_close(output_projection(w, o_lat), project_output(w, o_lat), tol)
     with torch.no_grad():

@@ -145,9 +145,12 @@ def reference_front(weights: MLAWeights, indexer_weights: IndexerWeights,
                          use_fp8=False)
 
 
-def reference_absorb(weights: MLAWeights, q_nope: torch.Tensor) -> torch.Tensor:
-    """``q_nope [S, N, P]`` -> ``[S, N, Lkv]`` (``absorb_q``)."""
-    return absorb_q(q_nope, weights.W_UK)
+def reference_absorb(weights: MLAWeights, q_nope: torch.Tensor,
+                     q_pe: torch.Tensor | None = None) -> torch.Tensor:
+    """``q_nope [S, N, P]`` -> ``[S, N, Lkv]`` (``absorb_q``); with ``q_pe [S, N, R]`` the
+    query the attention reads, ``[S, N, Lkv + R]`` (``q_pe`` appended)."""
+    q = absorb_q(q_nope, weights.W_UK)
+    return q if q_pe is None else torch.cat([q, q_pe], dim=-1)
 
 
 def project_output(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
@@ -170,7 +173,7 @@ class SparseOps:
     """
 
     front: Callable[..., tuple[Front, IndexerQK]] = reference_front
-    absorb: Callable[[MLAWeights, torch.Tensor], torch.Tensor] = reference_absorb
+    absorb: Callable[..., torch.Tensor] = reference_absorb
     project: Callable[[MLAWeights, torch.Tensor], torch.Tensor] = project_output
     check_caches: Callable[..., None] = check_sparse_caches
     slot_mapping: Callable[..., torch.Tensor] = slot_mapping_from_block_table
@@ -286,7 +289,7 @@ def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: Ind
         local = ops.top_k(logits, ks, ke, topk)
     else:
         local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
-    q = torch.cat([ops.absorb(weights, f.q_nope), f.q_pe], dim=-1)  # [T, N, Lkv+R]
+    q = ops.absorb(weights, f.q_nope, f.q_pe)  # [T, N, Lkv+R]
     req32, table32 = req.to(torch.int32), block_table.to(torch.int32)
     if is_byte_cache(kv_cache):
         # fp8_ds_mla: each request's rows dequantized into a workspace, read by workspace rows
@@ -342,7 +345,7 @@ def run_sparse_decode(ops: SparseOps, weights: MLAWeights, indexer_weights: Inde
     else:
         local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
     slots = ops.convert(req.to(torch.int32), table32, local, bs)
-    q = torch.cat([ops.absorb(weights, f.q_nope), f.q_pe], dim=-1)
+    q = ops.absorb(weights, f.q_nope, f.q_pe)
     q = q.view(B, s_q, c.num_heads, c.latent_dim)
     o_lat, lse = ops.decode(q, kv_cache, slots.view(B, s_q, -1), c.softmax_scale,
                             is_byte_cache(kv_cache), head_dim_v=c.kv_lora_rank)

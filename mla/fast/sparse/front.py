@@ -201,9 +201,21 @@ def _sparse_front_exact(weights: MLAWeights, indexer_weights: IndexerWeights,
     return front, IndexerQK(q_index=qi, k_index=ki, weights=w)
 
 
-def absorb_query(weights: MLAWeights, q_nope: torch.Tensor) -> torch.Tensor:
-    """``q_nope [S, N, P]`` -> ``q_nope · W_UK^T`` ``[S, N, Lkv]``: ``absorb_q`` as one bmm."""
-    return torch.bmm(q_nope.transpose(0, 1), _mla(weights).W_UK_T).transpose(0, 1)
+def absorb_query(weights: MLAWeights, q_nope: torch.Tensor,
+                 q_pe: torch.Tensor | None = None) -> torch.Tensor:
+    """``q_nope [S, N, P]`` -> ``q_nope · W_UK^T`` ``[S, N, Lkv]``: ``absorb_q`` as one bmm;
+    with ``q_pe [S, N, R]``, ``[S, N, Lkv + R]``: the bmm writes the first ``Lkv`` columns of
+    each row in place (cuBLAS takes the row stride) and ``q_pe`` is copied beside them, where
+    a concatenation would write the whole query twice."""
+    w_uk = _mla(weights).W_UK_T
+    if q_pe is None:
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+    S, N, _ = q_nope.shape
+    L = w_uk.shape[-1]
+    q = torch.empty(S, N, L + q_pe.shape[-1], device=q_nope.device, dtype=q_nope.dtype)
+    torch.bmm(q_nope.transpose(0, 1), w_uk, out=q[..., :L].transpose(0, 1))
+    q[..., L:] = q_pe
+    return q
 
 
 def output_projection(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:

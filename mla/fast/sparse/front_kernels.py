@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.launch import check_grid
+from mla.fast.launch import CompiledLauncher, check_grid
 
 __all__ = ["latent_kernel", "rope_heads_kernel", "front_latent", "rope_heads"]
 
@@ -118,6 +118,17 @@ def rope_heads_kernel(
     _rope_store(base + ROT_OFF, rot + t * r_t + hd * r_h, pos, freqs, R, INTERLEAVED)
 
 
+_latent = CompiledLauncher(latent_kernel)
+_rope = CompiledLauncher(rope_heads_kernel)
+
+
+def _key(*tensors: torch.Tensor) -> tuple:
+    """What Triton specializes the tensors' pointers and strides on, and the strides' values
+    (the kernels' other integers follow from them and from the constexprs)."""
+    return tuple((t.dtype, t.device, t.data_ptr() % 16 == 0, tuple(t.stride()))
+                 for t in tensors)
+
+
 def _unit_last(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have a unit last stride, got strides {list(t.stride())}")
@@ -146,15 +157,17 @@ def front_latent(y: torch.Tensor, z: torch.Tensor, positions: torch.Tensor,
     w = torch.empty(S, n_i, device=dev, dtype=z.dtype)
     if S:
         check_grid("front_latent", (S,))
-        latent_kernel[(S,)](
+        tensors = (y, z, positions, freqs, freqs_i, q_gain, kv_gain, k_gamma, k_beta, q_c,
+                   kv_c, k_pe, k_i, w)
+        key = _key(*tensors) + (lq, L, interleaved, interleaved_i)
+        _latent(key, (S, 1, 1), (
             y, y.stride(0), z, z.stride(0), positions, freqs, freqs_i,
             q_gain, kv_gain, k_gamma, k_beta,
             q_c, q_c.stride(0), kv_c, kv_c.stride(0), k_pe, k_pe.stride(0),
             k_i, k_i.stride(0), w, w.stride(0),
             lq, L, eps, ln_eps, w_scale,
-            R=R, D_I=d_i, N_I=n_i, BLOCK_Q=triton.next_power_of_2(lq),
-            BLOCK_L=triton.next_power_of_2(L), INTERLEAVED=interleaved,
-            INTERLEAVED_I=interleaved_i, num_warps=4)
+            R, d_i, n_i, triton.next_power_of_2(lq), triton.next_power_of_2(L), interleaved,
+            interleaved_i), num_warps=4)
     return q_c, kv_c, k_pe, k_i, w
 
 
@@ -174,8 +187,10 @@ def rope_heads(src: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, 
     rest_t = rest if rest is not None else rot
     n_rest = rest.shape[-1] if rest is not None else 1
     check_grid("rope_heads", (S, heads))
-    rope_heads_kernel[(S, heads)](
+    key = _key(src, rot, rest_t, positions, freqs) + (rot_off, rest_off, n_rest, interleaved,
+                                                      rest is not None)
+    _rope(key, (S, heads, 1), (
         src, src.stride(0), src.stride(1), rot, rot.stride(0), rot.stride(1),
         rest_t, rest_t.stride(0), rest_t.stride(1), positions, freqs,
-        rot_off, rest_off, n_rest, R=R, BLOCK_REST=triton.next_power_of_2(n_rest),
-        INTERLEAVED=interleaved, HAS_REST=rest is not None, num_warps=2)
+        rot_off, rest_off, n_rest, R, triton.next_power_of_2(n_rest), interleaved,
+        rest is not None), num_warps=2)
