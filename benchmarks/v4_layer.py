@@ -475,9 +475,10 @@ def _time(fn) -> tuple[float, bool]:  # noqa: ANN001
 
 
 STEP_COLUMNS = """One decode step (`s_q = 1`) of a C4A (ratio 4) and a C128A (ratio 128) layer at
-DeepSeek-V4's widths, each of `B` requests at `L` tokens. The columns share the projections and
-the compressor; they differ in the attention, the indexer (query, logits, top-k) and, for the
-torch composition, the front:
+DeepSeek-V4's widths, each of `B` requests at `L` tokens. The columns share the projections;
+they differ in the attention, the indexer (query, logits, top-k), for the torch composition
+the front, and for the eager vLLM column the compressors (vLLM's Triton kernels and state
+cache; every other column runs ours):
 
 - fast, device indices: `mla.fast.v4.v4_decode_step` (lengths and indices built on the
   device, no host read), replayed in a CUDA graph (median of 20 replays, L2 not flushed);
