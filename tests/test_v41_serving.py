@@ -23,6 +23,7 @@ from mla.reference.v4.config import V4Config
 from mla.reference.v4.layer41 import (
     V41LayerWeights,
     v41_cache_round,
+    v41_indexer_topk,
     v41_kv_source,
     v41_layer_definition,
     v41_stack_definition,
@@ -210,4 +211,12 @@ def test_bad_inputs_name_the_argument() -> None:
     idx = v41_stack_definition(x, WEIGHTS)[1].index_source
     with pytest.raises(ValueError, match="kv_source"):
         v41_layer_definition(x[2], WEIGHTS[2], kv_source=src, index_source=idx)
+    tr = v41_stack_definition(x, WEIGHTS)[1]
+    args = (x[1], tr.q_latent, tr.kv_source.index_keys, WEIGHTS[1])
+    with pytest.raises(TypeError, match="short_context"):
+        v41_indexer_topk(*args, short_context=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="positions"):
+        v41_indexer_topk(*args, positions=torch.arange(2))
+    with pytest.raises(ValueError, match="keys must hold"):  # position 9 sees 5 entries
+        v41_indexer_topk(*args, positions=torch.tensor([8, 9, 9]), short_context=False)
     assert cache.seq_lens == [0, 0]  # nothing was served by a refused step
