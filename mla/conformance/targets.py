@@ -4,7 +4,10 @@
                       run with their value checks on; DeepSeek-V4's layer kernels through
                       mla.conformance.adapters.fast_v4 (mla.fast.v4's functions, whose
                       signatures differ from the catalogue's)
-    mla.fast-batch-invariant  its two decodes with batch_invariant=True (no split-KV)
+    mla.fast-batch-invariant  its two decodes with batch_invariant=True: each request's keys cut
+                      into splits of a fixed length whatever the batch (the sparse decode's
+                      BI_SPLIT_ENTRIES = 512 entries, mla.fast.sparse.plan; the dense
+                      decode's bi_split_keys, mla.fast.decode.plan), merged in split order
     reference         mla.reference itself (passes every case by construction)
     flashmla          FlashMLA, vLLM's Triton and CUDA kernels, DeepGEMM, FlashInfer: the
     vllm-triton       adapters of mla.conformance.adapters (their peers are imported when a
@@ -42,11 +45,12 @@ TARGETS = {
                 "mla.conformance.adapters.fast_v4; on the CPU under Triton's interpreter), "
                 "value checks on",
     "mla.fast-batch-invariant": "mla.fast's mla_decode_paged and sparse_mla_decode with "
-                                "batch_invariant=True (no split-KV), value checks on",
+                                "batch_invariant=True (fixed-length key splits, whatever the "
+                                "batch), value checks on",
     "reference": "mla.reference, the float64 oracle itself (passes every case)",
     "flashmla": "FlashMLA from vLLM 0.33.0's wheel: dense and sparse decode, sparse prefill",
     "flashmla-batch-invariant": "FlashMLA's dense and sparse decode with "
-                                "enable_batch_invariant=True (no split-KV)",
+                                "enable_batch_invariant=True",
     "vllm-triton": "vLLM 0.33.0's Triton MLA decode, merge_attn_states and DCP correction",
     "vllm-topk": "vLLM 0.33.0's CUDA top_k_per_row_prefill (the indexer's top-k over row "
                  "ranges)",
