@@ -58,6 +58,10 @@ def merge_reads_empty_side(o_p, lse_p, o_s, lse_s):
     return out, lse
 
 
+def decode_always_causal(q, kv, table, lens, scale, causal=False, dv=512, **kw):
+    """The causal mask whatever ``causal`` says (the same as the reference for ``s_q = 1``
+    or ``causal=True``: only ``s_q > 1`` without causal shows it)."""
+    return ref.mla_decode_paged(q, kv, table, lens, scale, True, dv, **kw)
 
 
 TWINS = [
@@ -65,6 +69,9 @@ TWINS = [
     ("mla_decode_paged", decode_scale_ignored, 40,
      lambda s: s.scale != DEFAULT_SCALE and len(s.lens) == 1 and s.heads == 1 and s.s_q == 1,
      "softmax scale 1/sqrt(576) used instead of the scale passed"),
+    ("mla_decode_paged", decode_always_causal, 40,
+     lambda s: s.s_q == 2 and not s.causal and len(s.lens) == 1 and s.heads == 1,
+     "causal mask applied although causal=False"),
     ("sparse_mla_decode", sparse_minus_one_reads_slot_0, 40,
      lambda s: s.batch == 1 and s.s_q == 1 and s.heads == 1 and s.extra is None,
      "-1 entries read slot 0"),
