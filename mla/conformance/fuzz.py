@@ -39,7 +39,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from hypothesis import HealthCheck, Phase, Verbosity, find, settings
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import NoSuchExample
 
@@ -364,6 +365,35 @@ def _verdict(kernel: str, fn: Callable, example: Example, trial: Trial,
     return "pass", None
 
 
+class _Found(Exception):  # noqa: N818
+    """Raised by ``_find``'s test on the first example that meets the condition."""
+
+
+def _find(strategy: object, condition: Callable[[Example], bool], config: settings,
+          seed: int, key: bytes) -> Example:
+    """``hypothesis.find`` with a seed that keeps the example database: the smallest example
+    of ``strategy`` meeting ``condition`` (``NoSuchExample`` if none within ``config``).
+
+    ``find(..., random=...)`` seeds the search with ``@seed``, and a seeded test neither
+    reads nor writes the database: its failures would not be kept. Here the seed is applied
+    first and ``config`` (with the database) over it, under ``key`` as ``find`` sets it."""
+    last: list[Example] = []
+
+    @given(strategy)  # type: ignore[arg-type]
+    def test(example: Example) -> None:
+        if condition(example):
+            last[:] = [example]
+            raise _Found
+
+    wrapped = settings(config, report_multiple_bugs=False)(hypothesis_seed(seed)(test))
+    wrapped._hypothesis_internal_database_key = key  # type: ignore[attr-defined]
+    try:
+        wrapped()
+    except _Found:
+        return last[0]
+    raise NoSuchExample(key.decode(errors="replace"))
+
+
 def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
             examples: int | None, seconds: float | None, seed: int,
             db: DirectoryBasedExampleDatabase, key: str, target_spec: str | None,
@@ -410,9 +440,10 @@ def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
         before = run.examples
         found.clear()
         try:
-            example = find(strategy, fails, settings=config,  # type: ignore[arg-type]
-                           random=random.Random(rng.getrandbits(64)),
-                           database_key=f"mla-fuzz:{key}".encode())
+            # the seed hypothesis.find(random=Random(x)) would draw
+            example = _find(strategy, fails, config,
+                            random.Random(rng.getrandbits(64)).getrandbits(64),
+                            f"mla-fuzz:{key}".encode())
         except NoSuchExample:
             left -= max(run.examples - before, 1)
             rounds += 1
