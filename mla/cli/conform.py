@@ -15,7 +15,8 @@ statuses: 0 no case failed or raised (unsupported ones allowed), 1 a case failed
 ``--fuzz 300s`` (seconds) or ``--fuzz 200`` (examples per kernel) searches the kernels' inputs
 with hypothesis instead of running the named cases (``mla.conformance.fuzz``): each failure is
 shrunk to a minimal spec and printed with a snippet that reproduces it (it loads the target
-from the same ``--target`` spec); ``--fuzz-db`` (default
+from the same ``--target`` spec); a named peer's inputs are drawn within what its adapter
+states it takes (``mla.conformance.fuzz_strategies.accepts_for``); ``--fuzz-db`` (default
 ``$MLA_FUZZ_DB`` or ``.hypothesis/mla-fuzz``) keeps the failures, which a re-run tries first.
 ``--properties all`` (or some of ``batch_invariance page_placement batch_permutation``) also
 checks, on every decode example, that the outputs keep their bits when the batch or the pages
