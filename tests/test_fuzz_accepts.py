@@ -20,7 +20,7 @@ from mla.conformance.adapters import deepgemm, flashmla
 from mla.conformance.fuzz import fuzz
 from mla.conformance.fuzz_strategies import Accepts, accepts_for, examples_of, stated_accepts
 
-SEARCH = settings(max_examples=100, database=None, deadline=None,
+SEARCH = settings(max_examples=100, database=None, deadline=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))
 
 
@@ -113,8 +113,8 @@ def test_draws_stay_within_and_the_corners_stay_reachable():
     dense = examples_of("mla_decode_paged", f32, accepts=Accepts(pages=(64,), sinks=False))
     assert _never(dense, lambda e: e.spec.page != 64 or e.spec.sink != "")
     anything = examples_of("mla_decode_paged", f32)
-    hypothesis_find(anything, lambda e: e.spec.page == 1 and e.spec.sink and e.spec.heads == 3,
-                    settings=SEARCH)
+    hypothesis_find(anything, lambda e: e.spec.page == 1 and e.spec.sink, settings=SEARCH)
+    hypothesis_find(anything, lambda e: e.spec.heads == 3, settings=SEARCH)
     sparse = examples_of("sparse_mla_decode", f32,
                          accepts=Accepts(fp8_cache=True, topk_length=False))
     assert _never(sparse, lambda e: not (e.spec.fp8 or e.spec.model1)
