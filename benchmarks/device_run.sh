@@ -58,11 +58,19 @@ for step in "${steps[@]}"; do
     # mla bench on mla.fast beside FlashMLA, every preset
     bench-cli) timeout 400 python -m mla bench --target mla.fast --json "$OUT/bench.json" \
                  --out "$OUT/bench.md" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench_cli.log" ;;
-    # mla bench of each peer target beside mla.fast and FlashMLA (the kernels each has)
+    # mla bench of each peer target beside mla.fast and FlashMLA (the kernels each has; the
+    # indexer's peers on their kernels' shapes only): a table, JSON and a plot each
     bench-peers)
-      for t in flashmla vllm-triton mla.fast-batch-invariant flashmla-batch-invariant; do
-        timeout 300 python -m mla bench --target "$t" --json "$OUT/bench_$t.json" \
-          --out "$OUT/bench_$t.md" 2>&1 | tail -n 40 | tee "$OUT/bench_$t.log"
+      for t in flashmla vllm-triton mla.fast-batch-invariant flashmla-batch-invariant \
+               vllm-topk deepgemm; do
+        kernels=()
+        case $t in
+          vllm-topk) kernels=(--kernels top_k_per_row) ;;
+          deepgemm) kernels=(--kernels fp8_mqa_logits fp8_paged_mqa_logits) ;;
+        esac
+        timeout 300 python -m mla bench --target "$t" "${kernels[@]}" \
+          --json "$OUT/bench_$t.json" --out "$OUT/bench_$t.md" --plot "$OUT/bench_$t.png" \
+          2>&1 | tail -n 40 | tee "$OUT/bench_$t.log"
       done ;;
     # the V4 decode step: fast, the torch composition and vLLM's own V4 kernels
     v4-timing) timeout 400 python -m benchmarks.v4_layer --out-dir "$OUT" --timing-only 2>&1 \

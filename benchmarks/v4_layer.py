@@ -343,6 +343,65 @@ def vllm_composition():
             setattr(layer, n, f)
 
 
+@contextmanager
+def vllm_device_composition():
+    """``v4_decode_step`` (every index on the device, capturable) with FlashMLA's MODEL1 sparse
+    decode, vLLM's Triton indexer query, DeepGEMM's paged logits and vLLM's ``persistent_topk``
+    in place of ours, each called as vLLM's decode calls it: no host read of a device value
+    (``persistent_topk`` is given the host's bound on a row, the indexer's entry count, as
+    vLLM gives it ``max_seq_len``), so the step can be captured in a CUDA graph. The
+    compressors stay ours: vLLM's keep their state in its paged state cache, which the
+    one-row-a-request step does not use (``vllm_composition`` runs them eagerly)."""
+    import mla.fast.v4.decode_step as step
+    import mla.fast.v4.layer as layer
+    from mla.conformance.adapters import deepgemm, flashmla, vllm_topk, vllm_v4
+    saved = {(m, n): getattr(m, n) for m, n in ((step, "sparse_mla_decode"),
+                                                (step, "v4_indexer_topk_paged"),
+                                                (layer, "v4_indexer_q_prep"))}
+    ops = vllm_topk._ops()
+
+    def masked(idx: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
+        if length is None:
+            return idx
+        cols = torch.arange(idx.shape[-1], device=idx.device)
+        return torch.where(cols < length.view(-1, *[1] * (idx.dim() - 1)), idx, -1)
+
+    def decode(q, kv, idx, scale, fp8, length=None, dv=512, *, validate=None, plan=None,  # noqa
+               extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None,
+               **k):
+        extra = {}
+        if extra_k_cache is not None:
+            extra = dict(extra_k_cache=extra_k_cache,
+                         extra_indices_in_kvcache=masked(extra_indices_in_kvcache,
+                                                         extra_topk_length))
+        return flashmla.sparse_mla_decode(q, kv, masked(idx, length), scale, fp8, None, dv,
+                                          **extra, **k)
+
+    def q_prep(q, w, positions, cos_sin):  # noqa: ANN001, ANN202
+        codes, wq = vllm_v4.v4_indexer_q(q, w, positions, cos_sin, q.shape[-1] ** -0.5,
+                                         q.shape[1] ** -0.5)
+        return codes.view(torch.float8_e4m3fn), wq
+
+    def topk(codes, weights, k_cache, tables, visible, max_entries, n, *, fill=False,  # noqa
+             validate=None):
+        logits = deepgemm.fp8_paged_mqa_logits(codes[:, None], k_cache, weights, visible,
+                                               tables, max_entries)
+        R = logits.shape[0]
+        out = torch.full((R, n), -1, dtype=torch.int32, device=logits.device)
+        work = torch.zeros(vllm_topk.WORKSPACE_BYTES, dtype=torch.uint8, device=logits.device)
+        ops.persistent_topk(logits, visible.to(torch.int32).contiguous(), out, work, n,
+                            max(max_entries, 1))
+        return out
+
+    step.sparse_mla_decode, step.v4_indexer_topk_paged = decode, topk
+    layer.v4_indexer_q_prep = q_prep
+    try:
+        yield
+    finally:
+        for (m, n), f in saved.items():
+            setattr(m, n, f)
+
+
 @functools.lru_cache(maxsize=2)
 def _weights(ratio: int):  # noqa: ANN202
     from mla.reference.v4 import V4LayerWeights, get_v4_config
@@ -376,10 +435,15 @@ def time_step(ratio: int, B: int, L: int) -> dict:
         v4_decode_step(xt, fc, lengths)
 
     out: dict = {"ratio": ratio, "B": B, "L": L}
-    try:
-        out["device_ms"], out["device_graph"] = _time(device_step)
-    except Exception as e:  # noqa: BLE001
-        out["device_error"] = f"{type(e).__name__}: {e}"[:300]
+    for name, ctx in (("device", None), ("vllm_device", vllm_device_composition)):
+        try:
+            if ctx is None:
+                out[f"{name}_ms"], out[f"{name}_graph"] = _time(device_step)
+            else:
+                with ctx():
+                    out[f"{name}_ms"], out[f"{name}_graph"] = _time(device_step)
+        except Exception as e:  # noqa: BLE001
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
     for name, ctx in (("fast", None), ("torch", torch_composition), ("vllm", vllm_composition)):
         try:
             if ctx is None:
@@ -411,12 +475,16 @@ def _time(fn) -> tuple[float, bool]:  # noqa: ANN001
 
 
 STEP_COLUMNS = """One decode step (`s_q = 1`) of a C4A (ratio 4) and a C128A (ratio 128) layer at
-DeepSeek-V4's widths, each of `B` requests at `L` tokens. The columns share the projections and
-the compressor; they differ in the attention, the indexer (query, logits, top-k) and, for the
-torch composition, the front:
+DeepSeek-V4's widths, each of `B` requests at `L` tokens. The columns share the projections;
+they differ in the attention, the indexer (query, logits, top-k), for the torch composition
+the front, and for the eager vLLM column the compressors (vLLM's Triton kernels and state
+cache; every other column runs ours):
 
 - fast, device indices: `mla.fast.v4.v4_decode_step` (lengths and indices built on the
   device, no host read), replayed in a CUDA graph (median of 20 replays, L2 not flushed);
+- vLLM's kernels, device indices: the same step with FlashMLA's MODEL1 sparse decode, vLLM's
+  Triton indexer query, DeepGEMM's paged logits and vLLM's `persistent_topk` in place of ours
+  (`vllm_device_composition`; the compressors stay ours), in a CUDA graph the same way;
 - fast: `mla.fast.v4.v4_layer_step` (its index tensors built from host lists; eager);
 - torch composition: the reference's torch functions on CUDA for those stages (eager);
 - vLLM's kernels: FlashMLA's MODEL1 sparse decode, vLLM's Triton indexer query, DeepGEMM's
@@ -443,14 +511,16 @@ def write_report(res: dict, stem: str) -> None:
             lines.append(f"| {ck['ratio']} | {ck['lens']} | {s['path']} {s['new'][0]} | "
                          f"{s['passed']} | {worst} |")
     lines += ["", "## Decode step (s_q = 1), ms", "", STEP_COLUMNS, "",
-              "| ratio | B | L | fast, device indices | graph | fast | graph | torch composition | "
-              "graph | vLLM's kernels | graph |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| ratio | B | L | fast, device indices | graph | vLLM's kernels, device indices | "
+              "graph | fast | graph | torch composition | graph | vLLM's kernels | graph |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in res["timings"]:
         def cell(k: str, t: dict = t) -> str:
             return (f"{t[k + '_ms']:.3f}" if k + "_ms" in t
-                    else t.get(k + "_error", t.get("error", "?"))[:60])
+                    else t.get(k + "_error", t.get("error", "-"))[:60])
         lines.append(f"| {t['ratio']} | {t['B']} | {t['L']} | {cell('device')} | "
-                     f"{t.get('device_graph', '-')} | {cell('fast')} | "
+                     f"{t.get('device_graph', '-')} | {cell('vllm_device')} | "
+                     f"{t.get('vllm_device_graph', '-')} | {cell('fast')} | "
                      f"{t.get('fast_graph', '-')} | {cell('torch')} | "
                      f"{t.get('torch_graph', '-')} | {cell('vllm')} | "
                      f"{t.get('vllm_graph', '-')} |")

@@ -3,15 +3,17 @@ worked by hand, the dry run's inputs and calls, the message without CUDA, a user
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import textwrap
 
 import pytest
 import torch
 
+import mla.reference as ref
 from mla.bench import PRESETS, SHAPES, Shape, resolve_targets, select_shapes, work
 from mla.bench.inputs import build_inputs
-from mla.bench.shapes import tiny
+from mla.bench.shapes import FP8_KERNELS, row_ends, tiny
 from mla.cli import main
 from mla.cli.main import build_parser
 
@@ -55,7 +57,7 @@ def test_arguments_parse() -> None:
 
 @pytest.mark.parametrize("argv", [
     ["--reps", "0"], ["--dtype", "int8"], ["--beside", "vllm"], ["--shapes", "deepseek-v9"],
-    ["--kernels", "top_k_per_row"], ["--kernels", "no_such_kernel"],
+    ["--kernels", "cp_lse_ag_out_rs"], ["--kernels", "no_such_kernel"],
 ])
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as e:
@@ -77,22 +79,36 @@ def test_list_shapes(capsys: pytest.CaptureFixture) -> None:
     for s in SHAPES:
         assert s.name in out and s.kernel in out
     for preset in PRESETS:  # each preset: decode and prefill, memory- and compute-bound
-        assert {s.name.split("/")[1] for s in SHAPES if s.preset == preset} == {
+        assert {s.name.split("/")[1] for s in SHAPES if s.preset == preset and not s.tag} == {
             "decode-memory", "decode-compute", "prefill-memory", "prefill-compute"}
     kernels = {s.kernel for s in SHAPES}
     assert {"mla_decode_paged", "sparse_mla_decode", "sparse_mla_prefill",
-            "merge_attn_states"} <= kernels
+            "merge_attn_states", "top_k_per_row", "fp8_mqa_logits",
+            "fp8_paged_mqa_logits"} <= kernels
+    assert len({s.name for s in SHAPES}) == len(SHAPES)  # every name picks one shape
+    # DeepSeek-V3.2's indexer: top-k 2048 over rows of 8K, 32K and 128K, 32 to 1024 rows
+    topk = [s for s in SHAPES if s.kernel == "top_k_per_row"]
+    assert {s.L for s in topk} == {8192, 32768, 131072} and {s.topk for s in topk} == {2048}
+    assert min(s.B for s in topk) == 32 and max(s.B for s in topk) == 1024
+    assert all(s.preset == "deepseek-v3.2" and s.N == 64 and s.D == 128
+               for s in SHAPES if s.kernel in FP8_KERNELS)
+    assert {s.phase for s in SHAPES if s.kernel in FP8_KERNELS} == {"decode", "prefill"}
 
 
 def test_memory_and_compute_bound_sides_of_the_ridge() -> None:
-    """Memory-bound shapes under 60 FLOP/byte, compute-bound ones over 200 (the H200's
-    ridge), every bandwidth shape's traffic larger than a 60 MB L2."""
+    """Memory-bound shapes under 60 FLOP/byte, compute-bound ones over 200 (the H200's bf16
+    ridge); the fp8 logits' under 250 and over 1000 (its fp8 ridge: about 410); every
+    bandwidth shape's traffic larger than a 60 MB L2, but the decode top-k's (4-17 MB rows,
+    read after the L2 is flushed)."""
     for s in SHAPES:
         flops, nbytes = work(s)
+        low, high = (250, 1000) if s.precision == "fp8" else (61, 200)
         if s.bound == "memory":
-            assert flops / nbytes <= 61 and nbytes > 60e6, s.name
+            assert flops / nbytes <= low, s.name
+            assert nbytes > 60e6 or (s.kernel == "top_k_per_row" and s.phase == "decode"), \
+                s.name
         else:
-            assert flops / nbytes > 200, s.name
+            assert flops / nbytes > high, s.name
 
 
 def test_work_by_hand() -> None:
@@ -119,6 +135,28 @@ def test_work_by_hand() -> None:
                  causal=True)
     # 10 visible pairs: 2·2·10·320 FLOPs; q, k 4·2·192·2 each, v, out 4·2·128·2 each, lse 32
     assert work(attn) == (12_800.0, 2 * 3_072 + 2 * 2_048 + 32)
+
+
+def test_indexer_work_by_hand() -> None:
+    topk = Shape("p", "decode", "memory", "top_k_per_row", N=0, B=3, L=100, topk=8)
+    # rows 3·100 float32 read, 3·8 int32 written, starts and ends 3·8
+    assert work(topk) == (0.0, 1_200 + 96 + 24)
+    causal = dataclasses.replace(topk, causal=True)  # rows end at 98, 99, 100
+    assert row_ends(causal) == [98, 99, 100] and work(causal) == (0.0, 4 * 297 + 96 + 24)
+    paged = Shape("p", "decode", "memory", "fp8_paged_mqa_logits", N=2, B=3, s_q=2, L=100,
+                  D=128, Dv=0)
+    # next_n 2: queries see 99 and 100 keys, 3·199 pairs: 2·597·2·128 FLOPs; keys 3·100·132,
+    # q and weights 3·2·(2·128 + 8), logits 4·6·100, lengths and 2-page tables 4·3·3
+    assert work(paged) == (305_664.0, 39_600 + 1_584 + 2_400 + 36)
+    ragged = Shape("p", "prefill", "compute", "fp8_mqa_logits", N=2, s_q=3, L=100, D=128,
+                   Dv=0, causal=True)
+    # the last 3 queries of 100 keys: 98 + 99 + 100 pairs, 2·297·2·128 FLOPs; keys 100·132,
+    # q, weights and ranges 3·(256 + 8 + 8), logits 4·3·100
+    assert work(ragged) == (152_064.0, 13_200 + 816 + 1_200)
+    with pytest.raises(ValueError, match="more rows than keys"):
+        row_ends(dataclasses.replace(ragged, s_q=101))
+    with pytest.raises(ValueError, match="no rows of logits"):
+        row_ends(paged)
 
 
 def test_select_shapes() -> None:
@@ -206,3 +244,58 @@ def test_beside_targets_skip_with_a_reason(monkeypatch: pytest.MonkeyPatch, tmp_
     assert [t.name for t in targets] == ["reference", "flashmla"]
     assert targets[1].skipped and "FlashMLA" in targets[1].skipped
     assert "merge_attn_states" in targets[0].kernels
+
+
+def test_dry_run_of_the_indexer_kernels(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    """mla.fast's top-k and fp8 logits (under the interpreter) on DeepSeek-V3.2's indexer
+    shapes, called once on their tiny inputs: the outputs the reference's signature
+    promises."""
+    js = tmp_path / "r.json"
+    rc = main(["bench", "--target", "mla.fast", "--dry-run", "--kernels", "top_k_per_row",
+               *FP8_KERNELS, "--json", str(js)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v3.2/topk-prefill-128k" in out and "R=4 L=128 k=16 causal" in out
+    rows = json.loads(js.read_text())["results"]
+    assert [r["shape"] for r in rows] == [s.name for s in SHAPES if s.kernel in
+                                          ("top_k_per_row", *FP8_KERNELS)]
+    for r in rows:
+        assert r["target"] == "mla.fast" and r["error"] is None and r["skipped"] is None
+        if r["kernel"] == "top_k_per_row":  # int32 [R, topk]
+            assert r["outputs"] == [[4, 16]] and r["flops"] == 0 and r["bytes"] > 0
+        elif r["kernel"] == "fp8_paged_mqa_logits":  # [B · next_n, max_model_len]
+            assert r["outputs"] == [[2 * (2 if "mtp" in r["shape"] else 1), 128]]
+        else:  # [S, N] full rows
+            assert r["outputs"] == [[4, 128]]
+        if r["kernel"] != "top_k_per_row":
+            assert r["flops"] > 0
+
+
+def test_fp8_kernels_are_set_against_the_fp8_matmul_rate(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """With a time (the timing stubbed: no CUDA here), the rates and fractions: GB/s of the
+    copy, TFLOP/s of the bf16 matmul, or of the fp8 one for the indexer's logits, none where
+    that was not measured; the heading names the fp8 rate or why it is missing."""
+    from mla.bench import report, timing
+    from mla.bench.runner import Target, run_bench
+
+    monkeypatch.setattr(timing, "time_call", lambda fn, **kw: timing.Timing(10.0, "graph",
+                                                                           "flushed", 3))
+    by_name = {s.name: s for s in SHAPES}
+    shapes = [tiny(by_name["deepseek-v3.2/logits-decode-32k"]),
+              tiny(by_name["deepseek-v2/decode-memory"])]
+    target = Target("reference", {k: getattr(ref, k)
+                                  for k in ("fp8_paged_mqa_logits", "mla_decode_paged")})
+    ceil = {"copy_GBps": 1000.0, "matmul_TFLOPs": 100.0, "fp8_matmul_TFLOPs": 200.0}
+    fp8, bf16 = run_bench(shapes, [target], "cpu", torch.float32, ceil=ceil, reps=3)
+    for r, rate in ((fp8, 200.0), (bf16, 100.0)):
+        assert r.us == 10.0 and r.GBps == pytest.approx(r.bytes / 1e-5 / 1e9)
+        assert r.frac_copy == pytest.approx(r.GBps / 1000.0)
+        assert r.frac_matmul == pytest.approx(r.flops / 1e-5 / 1e12 / rate)
+    without = {"copy_GBps": 1000.0, "matmul_TFLOPs": 100.0, "fp8_matmul_error": "no fp8"}
+    fp8, bf16 = run_bench(shapes, [target], "cpu", torch.float32, ceil=without, reps=3)
+    assert fp8.frac_matmul is None and bf16.frac_matmul is not None
+    meta = {"target": "reference", "dtype": "float32", "reps": 3, "graph": True,
+            "flush": True}
+    assert "fp8 matmul 200 TFLOP/s" in report.heading({**meta, "ceilings": ceil})[1]
+    assert "no fp8 matmul (no fp8)" in report.heading({**meta, "ceilings": without})[1]

@@ -339,18 +339,22 @@ def test_invalid_inputs_must_be_refused():
 def test_mla_fast_passes_the_whole_catalogue_from_the_command(capsys):
     """``mla conform --target mla.fast`` on the CPU, Triton's interpreter, float32: every
     case passes but those of kernels or DeepSeek-V4 keywords mla.fast lacks (unsupported);
-    exit status 0."""
+    exit status 0. DeepSeek-V4's layer kernels (``mla.fast.v4`` through
+    ``adapters.fast_v4``) are left to ``test_conformance_v4_fast.py``, which runs their cases
+    and pins the one that fails."""
     import mla.fast
     from mla.check.catalogue import not_in_fast
     from mla.cli import main
     from mla.conformance import kernels_of
 
+    v4 = ("v4_compress", "v4_indexer_q", "v4_scope_indices", "v4_output", "v4_indexer_topk")
+    kernels = [k for k in KERNELS if k not in v4]
     assert main(["conform", "--target", "mla.fast", "--device", "cpu", "--dtype",
-                 "float32"]) == 0
+                 "float32", "--kernels", *kernels]) == 0
     table = capsys.readouterr().out
     has = kernels_of(mla.fast)
     lacking = sum(c.kernel not in has or c.topic in not_in_fast(c.kernel)
-                  for c in CATALOGUE.values())
+                  for c in CATALOGUE.values() if c.kernel in kernels)
     assert "cp_lse_ag_out_rs" in has  # the fast DCP correction takes every DCP case
-    assert (f"{len(CATALOGUE) - lacking} pass, 0 fail, {lacking} unsupported, 0 error"
-            in table)
+    ran = sum(c.kernel in kernels for c in CATALOGUE.values())
+    assert f"{ran - lacking} pass, 0 fail, {lacking} unsupported, 0 error" in table

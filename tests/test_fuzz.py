@@ -13,6 +13,7 @@ and shrunk (the indexer's twins: ``test_fuzz_indexer.py``).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +59,10 @@ def merge_reads_empty_side(o_p, lse_p, o_s, lse_s):
     return out, lse
 
 
+def decode_always_causal(q, kv, table, lens, scale, causal=False, dv=512, **kw):
+    """The causal mask whatever ``causal`` says (the same as the reference for ``s_q = 1``
+    or ``causal=True``: only ``s_q > 1`` without causal shows it)."""
+    return ref.mla_decode_paged(q, kv, table, lens, scale, True, dv, **kw)
 
 
 TWINS = [
@@ -65,6 +70,9 @@ TWINS = [
     ("mla_decode_paged", decode_scale_ignored, 40,
      lambda s: s.scale != DEFAULT_SCALE and len(s.lens) == 1 and s.heads == 1 and s.s_q == 1,
      "softmax scale 1/sqrt(576) used instead of the scale passed"),
+    ("mla_decode_paged", decode_always_causal, 40,
+     lambda s: s.s_q == 2 and not s.causal and len(s.lens) == 1 and s.heads == 1,
+     "causal mask applied although causal=False"),
     ("sparse_mla_decode", sparse_minus_one_reads_slot_0, 40,
      lambda s: s.batch == 1 and s.s_q == 1 and s.heads == 1 and s.extra is None,
      "-1 entries read slot 0"),
@@ -126,21 +134,26 @@ def test_inputs_the_adapter_refuses_are_skipped(db):
     assert run.unsupported > 0 and run.examples > run.unsupported
 
 
-def test_the_database_replays_a_failure_first(db):
+def test_the_database_replays_a_failure_first(db, tmp_path):
     first = fuzz({"merge_attn_states": merge_times_zero}, "merge_attn_states", examples=40,
                  database=db, dtype=torch.float64)
     (failure,) = first.failures
+    assert any(p.is_file() for p in Path(db).rglob("*")), "nothing kept in the database"
     shapes = []
 
     def recording(o_p, *args):
         shapes.append(tuple(o_p.shape))
         return merge_times_zero(o_p, *args)
 
-    again = fuzz({"merge_attn_states": recording}, "merge_attn_states", examples=40,
+    # one example, another seed: only the failure replayed from the database can fail
+    again = fuzz({"merge_attn_states": recording}, "merge_attn_states", examples=1, seed=7,
                  database=db, dtype=torch.float64)
     spec = failure.spec
     assert shapes[0] == (spec.tokens, spec.heads, spec.d)
     assert again.failures[0].spec == spec
+    fresh = fuzz({"merge_attn_states": merge_times_zero}, "merge_attn_states", examples=1,
+                 seed=7, database=str(tmp_path / "empty-db"), dtype=torch.float64)
+    assert fresh.passed, fresh.to_text()  # the same budget without it finds nothing
 
 
 def test_a_kernel_without_a_strategy_is_refused():

@@ -5,6 +5,12 @@ pool, as an allocator leaves them after a while; sparse indices pick distinct to
 request's own pages (decode) or of the whole array (prefill). fp8 caches hold valid bytes:
 e4m3 values without the NaN codes, power-of-two scales and bfloat16 rope values. The values
 are random: timing does not depend on them, except that NaN or inf would be unrealistic.
+
+The indexer's inputs have fixed dtypes whatever ``dtype`` says: float32 logits for the top-k
+(rows from column 0, ending as ``shapes.row_ends`` says), e4m3 ``q`` and keys with float32
+weights (``~ 1/sqrt(H·D)``) and power-of-two key scales for the logits, the paged keys in the
+indexer cache's page layout (``mla.reference.indexer_cache``: a page's codes, then its
+scales) over scattered pages of 64.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mla.bench.shapes import PAGE, ROW_BYTES, Shape
+from mla.bench.shapes import INDEX_KEY_BYTES, PAGE, ROW_BYTES, Shape, row_ends
 
 __all__ = ["Inputs", "build_inputs"]
 
@@ -86,6 +92,34 @@ def _model1(nb: int, gen: torch.Generator, device: torch.device) -> torch.Tensor
     return fp8_model1_cache(pages, PAGE)
 
 
+def _e4m3(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Random e4m3 numbers of any sign, never a NaN code (0x7F / 0xFF)."""
+    codes = torch.randint(0, 256, shape, device=device, dtype=torch.uint8, generator=gen)
+    return (codes & 0xFE).view(torch.float8_e4m3fn)
+
+
+def _key_scales(n: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """float32 ``[n]`` powers of two 2^-10 .. 2^-7 (UE8M0 scales, as DeepSeek-V3.2's)."""
+    return torch.pow(2.0, -torch.randint(7, 11, (n,), device=device, generator=gen).float())
+
+
+def _index_cache(nb: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """``uint8 [nb, 64, 132]`` indexer key pages: 64 × 128 e4m3 codes, then 64 float32
+    scales."""
+    cache = torch.empty(nb, PAGE, INDEX_KEY_BYTES, device=device, dtype=torch.uint8)
+    flat = cache.view(nb, PAGE * INDEX_KEY_BYTES)
+    flat[:, :PAGE * 128] = _e4m3((nb, PAGE * 128), gen, device).view(torch.uint8)
+    flat[:, PAGE * 128:] = _key_scales(nb * PAGE, gen, device).view(torch.uint8).view(nb, -1)
+    return cache
+
+
+def _index_q(rows: int, s: Shape, gen: torch.Generator, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``q [rows, H, D]`` and float32 ``weights [rows, H]``."""
+    w = torch.randn(rows, s.N, device=device, generator=gen) * (s.N * s.D) ** -0.5
+    return _e4m3((rows, s.N, s.D), gen, device), w
+
+
 def _cache(s: Shape, nb: int, dtype: torch.dtype, gen: torch.Generator,
            device: torch.device) -> torch.Tensor:
     if s.cache == "fp8_ds_mla":
@@ -98,7 +132,8 @@ def _cache(s: Shape, nb: int, dtype: torch.dtype, gen: torch.Generator,
 def build_inputs(s: Shape, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
                  seed: int = 0) -> Inputs:
     """The arguments of one call of ``s.kernel`` (``mla.reference``'s signature) on
-    ``device``, float inputs in ``dtype``; the same ``seed`` gives the same inputs."""
+    ``device``, float inputs in ``dtype`` (the indexer's: their own dtypes, see the module
+    doc); the same ``seed`` gives the same inputs."""
     device = torch.device(device)
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -134,4 +169,20 @@ def build_inputs(s: Shape, device: torch.device | str, dtype: torch.dtype = torc
     if k == "attention_with_lse":
         return Inputs((randn(s.s_q, s.N, s.D), randn(s.s_q, s.N, s.D), randn(s.s_q, s.N, s.Dv),
                        s.scale, s.causal), {})
+    if k == "top_k_per_row":
+        ends = torch.tensor(row_ends(s), dtype=torch.int32, device=device)
+        logits = torch.randn(s.B, s.L, device=device, generator=gen)
+        return Inputs((logits, torch.zeros_like(ends), ends, s.topk), {})
+    if k == "fp8_paged_mqa_logits":
+        table = _pages(s.B, s.L, gen, device)
+        cache = _index_cache(table.numel(), gen, device)
+        q, w = _index_q(s.B * s.s_q, s, gen, device)
+        lens = torch.full((s.B,), s.L, dtype=torch.int32, device=device)
+        return Inputs((q.view(s.B, s.s_q, s.N, s.D), cache, w, lens, table.to(torch.int32),
+                       s.L), {})
+    if k == "fp8_mqa_logits":
+        ke = torch.tensor(row_ends(s), dtype=torch.int32, device=device)
+        kv = (_e4m3((s.L, s.D), gen, device), _key_scales(s.L, gen, device))
+        q, w = _index_q(s.s_q, s, gen, device)
+        return Inputs((q, kv, w, torch.zeros_like(ke), ke), {})
     raise ValueError(f"no input builder for kernel {k!r}")

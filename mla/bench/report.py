@@ -36,8 +36,12 @@ def heading(meta: dict) -> list[str]:
     if meta.get("dry_run"):
         lines.append("dry run: tiny sizes, each kernel called once, nothing timed")
     elif ceil:
+        fp8 = ceil.get("fp8_matmul_TFLOPs")
         lines.append(f"ceilings measured in this run: copy {ceil['copy_GBps']:.0f} GB/s, bf16 "
-                     f"matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s")
+                     f"matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s, "
+                     + (f"fp8 matmul {fp8:.0f} TFLOP/s (the % matmul of the fp8 logits)"
+                        if isinstance(fp8, float) else
+                        f"no fp8 matmul ({ceil.get('fp8_matmul_error', 'not measured')})"))
         lines.append(f"times: median of {meta['reps']} "
                      f"{'CUDA-graph replays' if meta['graph'] else 'eager calls'}, L2 "
                      f"{'flushed before each' if meta['flush'] else 'warm'} (eager: capture "

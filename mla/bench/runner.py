@@ -118,7 +118,7 @@ def _shapes_of(out: object) -> list[list[int]]:
 
 def _one(s: Shape, t: Target, fn: Callable[[], object], row: Result, dry_run: bool,
          device: torch.device, reps: int, flush: bool, graph: bool,
-         ceil: dict[str, float] | None) -> None:
+         ceil: dict[str, float | str] | None) -> None:
     from mla.conformance.catalogue import Unsupported
 
     try:
@@ -146,17 +146,21 @@ def _one(s: Shape, t: Target, fn: Callable[[], object], row: Result, dry_run: bo
     row.TFLOPs = row.flops / sec / 1e12
     if ceil:
         row.frac_copy = row.GBps / ceil["copy_GBps"]
-        row.frac_matmul = row.TFLOPs / ceil["matmul_TFLOPs"]
+        # the indexer's logits are fp8 MMAs: against the fp8 rate, where it was measured
+        rate = ceil.get("fp8_matmul_TFLOPs" if s.precision == "fp8" else "matmul_TFLOPs")
+        row.frac_matmul = row.TFLOPs / rate if isinstance(rate, float) and rate > 0 else None
 
 
 def run_bench(shapes: Sequence[Shape], targets: Sequence[Target], device: torch.device | str,
               dtype: torch.dtype = torch.bfloat16, seed: int = 0, reps: int = 50,
               flush: bool = True, graph: bool = True, dry_run: bool = False,
-              ceil: dict[str, float] | None = None,
+              ceil: dict[str, float | str] | None = None,
               progress: Callable[[Result], None] | None = None) -> list[Result]:
     """One ``Result`` per shape and target, in order. ``dry_run``: each shape at its tiny
     sizes (``mla.bench.shapes.tiny``), each kernel called once, nothing timed; else each call
-    timed by ``mla.bench.timing.time_call`` and its rates set against ``ceil``."""
+    timed by ``mla.bench.timing.time_call`` and its rates set against ``ceil``
+    (``mla.bench.timing.ceilings``: GB/s against the copy, TFLOP/s against the bf16 matmul,
+    or for the fp8 kernels (``Shape.precision``) the fp8 one)."""
     device = torch.device(device)
     e = element_size(str(dtype).removeprefix("torch."))
     results = []

@@ -1,4 +1,5 @@
-"""The named shapes of ``mla bench``: four presets × decode/prefill × memory/compute-bound.
+"""The named shapes of ``mla bench``: four presets × decode/prefill × memory/compute-bound,
+and DeepSeek-V3.2's indexer (top-k and the fp8 logits).
 
 A shape is one call of one kernel on realistic sizes. Whether it is memory- or compute-bound
 follows from its arithmetic intensity (FLOPs per byte) against the GPU's ridge point, the
@@ -35,18 +36,43 @@ suffix outputs (memory-bound, no reuse). DeepSeek-V3.2 is sparse: top-k 2048 of 
 MODEL1 fp8 cache (D = Dv = 512, top-k 512 and a sliding window of 128 as a second scope; its
 compute-bound shapes take V4-Pro's 128 heads and top-k 1024). Every bandwidth shape's cache
 is larger than a Hopper L2 (50-60 MB).
+
+DeepSeek-V3.2's indexer (its shapes named by ``tag``: ``deepseek-v3.2/topk-decode-8k``, ...;
+``H = 64`` index heads of ``D = 128``, e4m3 ``q`` and keys with float32 weights and scales):
+
+    top_k_per_row        R rows of L float32 logits, top-k 2048; rows end at L, or (causal,
+                         the last R queries of a prefill chunk) at L - R + 1 .. L
+                         FLOPs = 0; bytes = 4·Σ rows + 4·R·topk + 8·R
+    fp8_paged_mqa_logits B requests of L keys, next_n (``s_q``) queries each; query n sees
+                         L - next_n + n + 1 keys: P = B·Σ_n (L - next_n + n + 1) pairs
+                         FLOPs = 2·P·H·D
+                         bytes = B·L·132 + B·next_n·(H·D + 4·H) + 4·B·next_n·L + 4·B·(1 + pages)
+    fp8_mqa_logits       the last S (``s_q``) queries of one request of L keys, full rows
+                         [S, L]: P = Σ_t (L - S + t + 1) pairs, FLOPs = 2·P·H·D
+                         bytes = L·132 + S·(H·D + 4·H + 8) + 4·S·L
+
+(132 bytes a key: 128 e4m3 codes and a float32 scale; the logits are written in float32).
+Their products are fp8 MMAs: their fraction of the matmul ceiling is of the fp8 rate
+(``mla.bench.timing.ceilings``' ``fp8_matmul_TFLOPs``, about twice the bf16 one), against
+which the decode logits (120-240 FLOP/byte) are memory-bound and the prefill's compute-bound.
+Top-k does no arithmetic worth counting: its rows are the decode's (8K to 128K keys, 32 to
+128 rows, 4-17 MB: read cold, the L2 flushed before each run, but small enough that launch
+and latency weigh) and a prefill chunk's (1024 rows of 128K, 0.5 GB).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["PRESETS", "SHAPES", "Shape", "element_size", "select_shapes", "tiny", "work"]
+__all__ = ["FP8_KERNELS", "PRESETS", "SHAPES", "Shape", "element_size", "row_ends",
+           "select_shapes", "tiny", "work"]
 
 PAGE = 64  # tokens per cache page (FlashMLA takes 64 only)
 ROW_BYTES = {"fp8_ds_mla": 656, "model1": 584}  # bytes of one cached row in the fp8 formats
+INDEX_KEY_BYTES = 132  # an indexer key: 128 e4m3 codes and a float32 scale
+FP8_KERNELS = ("fp8_mqa_logits", "fp8_paged_mqa_logits")  # their products are fp8 MMAs
 KERNELS = ("mla_decode_paged", "sparse_mla_decode", "sparse_mla_prefill", "merge_attn_states",
-           "attention_with_lse")
+           "attention_with_lse", "top_k_per_row", *FP8_KERNELS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +81,11 @@ class Shape:
     tokens of one request, or ``T`` rows of a merge), ``N`` query heads, ``L`` context tokens
     per request (decode) or ``s_kv`` (sparse prefill), ``topk`` picked keys, ``window`` keys
     of a second scope, ``D``/``Dv`` head dims, ``cache``: ``"bf16"`` (the input dtype),
-    ``"fp8_ds_mla"`` or ``"model1"``."""
+    ``"fp8_ds_mla"`` or ``"model1"``. The indexer's: ``top_k_per_row`` has ``B`` rows of
+    ``L`` logits (``causal``: ending at ``L - B + 1 .. L``); ``fp8_paged_mqa_logits`` ``B``
+    requests of ``L`` keys and ``s_q`` = next_n; ``fp8_mqa_logits`` the last ``s_q`` queries
+    of one request of ``L`` keys; ``N`` index heads of ``D``. ``tag`` names a shape beside
+    its preset's four (``{preset}/{tag}``)."""
 
     preset: str
     phase: str  # "decode" or "prefill"
@@ -71,10 +101,16 @@ class Shape:
     Dv: int = 512
     cache: str = "bf16"
     causal: bool = False
+    tag: str = ""
 
     @property
     def name(self) -> str:
-        return f"{self.preset}/{self.phase}-{self.bound}"
+        return f"{self.preset}/{self.tag or f'{self.phase}-{self.bound}'}"
+
+    @property
+    def precision(self) -> str:
+        """The MMA its products take: ``"fp8"`` (the indexer's logits) or ``"bf16"``."""
+        return "fp8" if self.kernel in FP8_KERNELS else "bf16"
 
     @property
     def dims(self) -> str:
@@ -89,6 +125,12 @@ class Shape:
             d = f"s_q={self.s_q} s_kv={self.L} N={self.N} topk={self.topk} D={self.D}"
         elif k == "merge_attn_states":
             d = f"T={self.s_q} N={self.N} D={self.D}"
+        elif k == "top_k_per_row":
+            d = f"R={self.B} L={self.L} k={self.topk}"
+        elif k == "fp8_paged_mqa_logits":
+            d = f"B={self.B} L={self.L} H={self.N} next_n={self.s_q}"
+        elif k == "fp8_mqa_logits":
+            d = f"S={self.s_q} L={self.L} H={self.N}"
         else:
             d = f"s_q={self.s_q} N={self.N} D={self.D}/{self.Dv}"
         extra = [self.cache] if self.cache != "bf16" else []
@@ -123,6 +165,21 @@ SHAPES: tuple[Shape, ...] = (
           L=131072, topk=2048),
     Shape("deepseek-v3.2", "prefill", "compute", "sparse_mla_prefill", N=128, s_q=4096,
           L=32768, topk=2048),
+    # DeepSeek-V3.2's indexer: the top-k of decode rows and of a prefill chunk's, the logits
+    Shape("deepseek-v3.2", "decode", "memory", "top_k_per_row", N=0, B=128, L=8192,
+          topk=2048, tag="topk-decode-8k"),
+    Shape("deepseek-v3.2", "decode", "memory", "top_k_per_row", N=0, B=128, L=32768,
+          topk=2048, tag="topk-decode-32k"),
+    Shape("deepseek-v3.2", "decode", "memory", "top_k_per_row", N=0, B=32, L=131072,
+          topk=2048, tag="topk-decode-128k"),
+    Shape("deepseek-v3.2", "prefill", "memory", "top_k_per_row", N=0, B=1024, L=131072,
+          topk=2048, causal=True, tag="topk-prefill-128k"),
+    Shape("deepseek-v3.2", "decode", "memory", "fp8_paged_mqa_logits", N=64, B=128,
+          L=32768, D=128, Dv=0, tag="logits-decode-32k"),
+    Shape("deepseek-v3.2", "decode", "memory", "fp8_paged_mqa_logits", N=64, B=32, s_q=2,
+          L=131072, D=128, Dv=0, tag="logits-decode-128k-mtp"),
+    Shape("deepseek-v3.2", "prefill", "compute", "fp8_mqa_logits", N=64, s_q=4096, L=32768,
+          D=128, Dv=0, causal=True, tag="logits-prefill-32k"),
     Shape("deepseek-v4", "decode", "memory", "sparse_mla_decode", N=16, B=256, L=8192,
           topk=512, window=128, D=512, cache="model1"),
     Shape("deepseek-v4", "decode", "compute", "sparse_mla_decode", N=128, B=128, L=8192,
@@ -163,9 +220,34 @@ def work(s: Shape, e: int = 2) -> tuple[float, float]:
         pairs = s.s_q * (s.s_q + 1) // 2 if s.causal else s.s_q * s.s_q
         flops = 2.0 * s.N * pairs * (s.D + s.Dv)
         nbytes = s.s_q * s.N * (2 * s.D + 2 * s.Dv) * e + 4 * s.s_q * s.N
+    elif k == "top_k_per_row":
+        flops = 0.0
+        nbytes = 4 * sum(row_ends(s)) + 4 * s.B * s.topk + 8 * s.B
+    elif k == "fp8_paged_mqa_logits":
+        pairs = s.B * (s.s_q * (s.L - s.s_q) + s.s_q * (s.s_q + 1) // 2)
+        flops = 2.0 * pairs * s.N * s.D
+        nbytes = (s.B * s.L * INDEX_KEY_BYTES + s.B * s.s_q * (s.N * s.D + 4 * s.N)
+                  + 4 * s.B * s.s_q * s.L + 4 * s.B * (1 + -(-s.L // PAGE)))
+    elif k == "fp8_mqa_logits":
+        flops = 2.0 * sum(row_ends(s)) * s.N * s.D
+        nbytes = s.L * INDEX_KEY_BYTES + s.s_q * (s.N * s.D + 4 * s.N + 8) + 4 * s.s_q * s.L
     else:
         raise ValueError(f"no formula for kernel {k!r}; known: {list(KERNELS)}")
     return flops, float(nbytes)
+
+
+def row_ends(s: Shape) -> list[int]:
+    """Where each row of a ``top_k_per_row`` or ``fp8_mqa_logits`` shape ends (its rows start
+    at 0): at ``L``, or causal (``fp8_mqa_logits`` always: a request's last queries) at
+    ``L - R + 1 .. L``."""
+    rows = s.B if s.kernel == "top_k_per_row" else s.s_q
+    if s.kernel not in ("top_k_per_row", "fp8_mqa_logits"):
+        raise ValueError(f"row_ends: {s.kernel!r} has no rows of logits")
+    if rows > s.L:
+        raise ValueError(f"shape {s.name}: {rows} rows of {s.L} keys (more rows than keys)")
+    if s.kernel == "top_k_per_row" and not s.causal:
+        return [s.L] * rows
+    return list(range(s.L - rows + 1, s.L + 1))
 
 
 def tiny(s: Shape) -> Shape:
@@ -177,6 +259,12 @@ def tiny(s: Shape) -> Shape:
                  window=min(s.window, 8))
     if s.kernel == "sparse_mla_prefill":
         return r(s, s_q=4, N=min(s.N, 2), L=2 * PAGE, topk=min(s.topk, 16))
+    if s.kernel == "top_k_per_row":
+        return r(s, B=4, L=2 * PAGE, topk=min(s.topk, 16))
+    if s.kernel == "fp8_paged_mqa_logits":
+        return r(s, B=2, N=min(s.N, 2), L=2 * PAGE)
+    if s.kernel == "fp8_mqa_logits":
+        return r(s, s_q=4, N=min(s.N, 2), L=2 * PAGE)
     return r(s, s_q=8, N=min(s.N, 2))
 
 

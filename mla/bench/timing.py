@@ -8,7 +8,9 @@
   replay's lines stay). A call that cannot be captured (a host synchronisation, a host-side
   allocation it needs) is timed eagerly the same way and marked ``"eager"`` with the reason.
 - ``ceilings``: what this GPU reaches in the same run: a device-to-device copy of 1 GiB
-  (bytes read + written, GB/s) and an 8192³ bf16 matmul (TFLOP/s), each the median of
+  (bytes read + written, GB/s), an 8192³ bf16 matmul (TFLOP/s) and an 8192³ e4m3 one
+  (``torch._scaled_mm``, fast accumulation, bf16 out: the rate of the indexer's fp8 MMAs;
+  left out, with the reason, where this torch or GPU has none), each the median of
   event-timed calls.
 """
 
@@ -109,12 +111,29 @@ def _matmul_ms(m: int, reps: int) -> float:
     return median_ms(lambda: a @ b, reps, None)
 
 
-def ceilings(reps: int = 20) -> dict[str, float]:
-    """``{"copy_GBps": ..., "matmul_TFLOPs": ...}`` measured now on the current CUDA device."""
+def _fp8_matmul_ms(m: int, reps: int) -> float:
+    a = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(m, m, device="cuda").to(torch.float8_e4m3fn).t()  # column-major
+    one = torch.ones((), device="cuda")
+    return median_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                                              out_dtype=torch.bfloat16, use_fast_accum=True),
+                     reps, None)
+
+
+def ceilings(reps: int = 20) -> dict[str, float | str]:
+    """``{"copy_GBps": ..., "matmul_TFLOPs": ..., "fp8_matmul_TFLOPs": ...}`` measured now on
+    the current CUDA device (``"fp8_matmul_error"`` in place of the last where the e4m3
+    matmul does not run)."""
     n = 1 << 30
     copy_ms = _copy_ms(n, reps)
     m = 8192
     mm_ms = _matmul_ms(m, reps)
+    out: dict[str, float | str] = {"copy_GBps": 2 * n / (copy_ms * 1e-3) / 1e9,
+                                   "matmul_TFLOPs": 2 * m ** 3 / (mm_ms * 1e-3) / 1e12}
+    try:
+        out["fp8_matmul_TFLOPs"] = 2 * m ** 3 / (_fp8_matmul_ms(m, reps) * 1e-3) / 1e12
+    except Exception as e:  # noqa: BLE001 (no fp8 MMA here, pre-sm_89: say so, go on)
+        torch.cuda.synchronize()
+        out["fp8_matmul_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
     torch.cuda.empty_cache()
-    return {"copy_GBps": 2 * n / (copy_ms * 1e-3) / 1e9,
-            "matmul_TFLOPs": 2 * m ** 3 / (mm_ms * 1e-3) / 1e12}
+    return out

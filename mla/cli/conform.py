@@ -14,7 +14,9 @@ statuses: 0 no case failed or raised (unsupported ones allowed), 1 a case failed
 
 ``--fuzz 300s`` (seconds) or ``--fuzz 200`` (examples per kernel) searches the kernels' inputs
 with hypothesis instead of running the named cases (``mla.conformance.fuzz``): each failure is
-shrunk to a minimal spec and printed with a snippet that reproduces it; ``--fuzz-db`` (default
+shrunk to a minimal spec and printed with a snippet that reproduces it (it loads the target
+from the same ``--target`` spec); a named peer's inputs are drawn within what its adapter
+states it takes (``mla.conformance.fuzz_strategies.accepts_for``); ``--fuzz-db`` (default
 ``$MLA_FUZZ_DB`` or ``.hypothesis/mla-fuzz``) keeps the failures, which a re-run tries first.
 ``--properties all`` (or some of ``batch_invariance page_placement batch_permutation``) also
 checks, on every decode example, that the outputs keep their bits when the batch or the pages
@@ -196,7 +198,9 @@ def _fuzz(args: argparse.Namespace, name: str, target: object, device: object,
               f"{'a failure' if run.failure else 'no failure'}"  # type: ignore[attr-defined]
               f" ({run.seconds:.1f} s)", file=sys.stderr, flush=True)  # type: ignore[attr-defined]
 
-    report = fuzz(target, kernels, seed=args.seed, device=device, dtype=dtype,
+    # the spec, not the loaded target: each failure's snippet then loads the kernel itself
+    # (load_target(spec)), runnable as it stands
+    report = fuzz(args.target, kernels, seed=args.seed, device=device, dtype=dtype,
                   database=args.fuzz_db, name=name, progress=progress,
                   properties=props, keep_going=args.keep_going, **{kind: value})
     print(f"mla conform --fuzz: target {name}, {', '.join(report.dtypes)} on {report.device}, "

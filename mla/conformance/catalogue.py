@@ -28,13 +28,15 @@ __all__ = ["KERNELS", "Setting", "Trial", "Case", "CATALOGUE", "case", "cases_of
 # correction, run once per rank over a simulated communicator; the last four: the lightning
 # indexer's fp8 key cache, logits and top-k, named after vLLM's and DeepGEMM's; then
 # DeepSeek-V4.1's 528- and 288-byte cache codecs; then DeepSeek-V4's layer kernels: the
-# compressor's cache records, the indexer's q and the scopes' indices)
+# compressor's cache records, the indexer's q, the scopes' indices, the indexer's top-k over
+# the compressed entries and the output stage)
 KERNELS = ("mla_decode_paged", "sparse_mla_decode", "sparse_mla_prefill", "merge_attn_states",
            "concat_and_cache_mla", "gather_cache", "convert_req_index_to_global_index",
            "concat_and_cache_fp8_ds_mla", "attention_with_lse", "cp_lse_ag_out_rs",
            "indexer_k_quant_and_cache", "fp8_paged_mqa_logits", "fp8_mqa_logits",
            "top_k_per_row", "quantize_fp8_v41", "dequantize_fp8_v41", "quantize_nvfp4_v41",
-           "dequantize_nvfp4_v41", "v4_compress", "v4_indexer_q", "v4_scope_indices")
+           "dequantize_nvfp4_v41", "v4_compress", "v4_indexer_q", "v4_scope_indices",
+           "v4_indexer_topk", "v4_output")
 
 
 class Unsupported(Exception):  # noqa: N818 (a status, not an error)

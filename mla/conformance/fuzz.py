@@ -12,7 +12,10 @@ kernel's outputs to the catalogue's budgets, and a failure is diagnosed as a cas
 (``diagnose.explain`` names the convention). Hypothesis shrinks a failure to a minimal spec,
 reported as a runnable snippet, and keeps it in an example database (``database``, the
 environment variable ``MLA_FUZZ_DB``, default ``.hypothesis/mla-fuzz``) that a later run
-replays first. Inputs the target's adapter refuses (``Unsupported``) are skipped.
+replays first. Inputs the target's adapter refuses (``Unsupported``) are skipped; where a
+target states what its kernels take (``fuzz_strategies.accepts_for``: a peer's adapter, a
+signature without ``attn_sink``), the draws stay within it (``accepts``), so that most of a
+search is judged rather than skipped.
 
     report = fuzz(my_kernels, "sparse_mla_decode", seconds=60)
     assert report.passed, report.to_markdown()
@@ -35,22 +38,30 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from hypothesis import HealthCheck, Phase, Verbosity, find, settings
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.errors import NoSuchExample
 
 from mla.conformance.catalogue import Case, Setting, Trial, Unsupported
-from mla.conformance.fuzz_strategies import FUZZED, Example, examples_of, trial_of
+from mla.conformance.fuzz_strategies import (
+    FUZZED,
+    Accepts,
+    Example,
+    accepts_for,
+    examples_of,
+    trial_of,
+)
 from mla.conformance.properties import PROPERTY_KERNELS, check, properties_of
 from mla.conformance.runner import kernels_of, run_case
 from mla.environment import environment
 
 __all__ = ["fuzz", "FuzzReport", "Failure", "KernelRun", "judge", "snippet", "FUZZED",
-           "DEFAULT_DATABASE", "DATABASE_ENV"]
+           "Accepts", "DEFAULT_DATABASE", "DATABASE_ENV"]
 
 DEFAULT_DATABASE = ".hypothesis/mla-fuzz"
 DATABASE_ENV = "MLA_FUZZ_DB"
@@ -96,6 +107,7 @@ class KernelRun:
     failures: list[Failure] = dataclasses.field(default_factory=list)
     missing: bool = False  # the target has no such kernel
     repeats: int = 0
+    accepts: str = ""  # the limits the draws kept within (Accepts.describe; "": none)
 
     @property
     def failure(self) -> Failure | None:
@@ -148,7 +160,8 @@ class FuzzReport:
                 continue
             state = "fail" if r.failure else "pass"
             lines.append(f"{state:11s} {r.kernel}  {r.examples - r.unsupported} judged, "
-                         f"{r.unsupported} unsupported, {r.seconds:.1f} s")
+                         f"{r.unsupported} unsupported, {r.seconds:.1f} s"
+                         + (f" (drawn within: {r.accepts})" if r.accepts else ""))
             for f in r.failures:
                 lines.append(f"            shrunk to {f.example.spec!r}, seed {f.example.seed}, "
                              f"{_dtype(f.example.dtype)}")
@@ -168,6 +181,10 @@ class FuzzReport:
             modes = f"{len(r.failures)}" + (f" (+{r.repeats} repeats)" if r.repeats else "")
             lines.append(f"| {r.kernel} | {state} | {r.examples - r.unsupported} | "
                          f"{r.unsupported} | {modes} | {r.seconds:.1f} |")
+        within = [f"`{r.kernel}`: {r.accepts}" for r in self.runs if r.accepts]
+        if within:
+            lines += ["", "Drawn within what the kernels take (their adapters' statements, "
+                      "their signatures): " + "; ".join(within) + "."]
         for f in self.failures:
             errs = ", ".join(f"{k} {v:.2e} ({f.limits.get(k, math.nan):.1e})"
                              for k, v in f.errors.items())
@@ -190,6 +207,7 @@ class FuzzReport:
                    "property": f.property_name, "snippet": f.snippet} for f in r.failures]
             return {"kernel": r.kernel, "examples": r.examples, "unsupported": r.unsupported,
                     "seconds": r.seconds, "missing": r.missing, "repeats": r.repeats,
+                    "drawn_within": r.accepts,
                     "failure": fs[0] if fs else None, "failures": fs}
         return json.dumps({"target": self.target, "device": self.device, "dtypes": self.dtypes,
                            "seed": self.seed, "database": self.database, "passed": self.passed,
@@ -259,7 +277,8 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
          small: bool | None = None,
          progress: Callable[[KernelRun], None] | None = None,
          properties: str | Sequence[str] | None = None, budgets: bool = True,
-         keep_going: bool = False) -> FuzzReport:
+         keep_going: bool = False,
+         accepts: Mapping[str, Accepts | None] | None = None) -> FuzzReport:
     """Search ``kernel``'s inputs (one name, several, or ``None``: every fuzzed kernel the
     target has) on ``target`` (a mapping or module, as ``run`` takes, or a target spec
     ``mla conform --target`` takes) for a failure, and shrink it.
@@ -276,6 +295,11 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
     failures of other modes (``failure_mode``: another convention, property or output), each
     shrunk in turn; examples failing again in a mode already found are counted
     (``KernelRun.repeats``), not reported. Default: stop at a kernel's first failure.
+    ``accepts`` (kernel -> ``Accepts``): draw each kernel's inputs within what it takes;
+    default (``None``): what its named target's adapter states and its signature takes
+    (``fuzz_strategies.accepts_for``: FlashMLA's pages of 64, DeepGEMM's heads, no sinks for a
+    kernel without ``attn_sink``, ...), nothing for a kernel that takes anything; ``{}``:
+    the whole space for every kernel (what an adapter refuses is skipped).
     """
     label = name
     if isinstance(target, str):
@@ -312,6 +336,18 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
         raise ValueError("budgets=False checks the properties alone: name some")
     if examples is not None and examples < 1:
         raise ValueError(f"examples must be positive, got {examples}")
+    if accepts is not None:
+        if not isinstance(accepts, Mapping):
+            raise TypeError(f"accepts must be a mapping of kernel names to Accepts, got "
+                            f"{type(accepts).__name__}")
+        bad = sorted(k for k in accepts if k not in FUZZED)
+        if bad:
+            raise ValueError(f"accepts names kernels without a fuzz strategy: {bad}; fuzzed "
+                             f"kernels: {list(FUZZED)}")
+        wrong = {k: type(v).__name__ for k, v in accepts.items()
+                 if v is not None and not isinstance(v, Accepts)}
+        if wrong:
+            raise TypeError(f"accepts must map kernels to Accepts or None, got {wrong}")
     small = dev.type == "cpu" if small is None else small
     db_path = _database_path(database)
     db = DirectoryBasedExampleDatabase(db_path)
@@ -324,10 +360,15 @@ def fuzz(target: object, kernel: str | Sequence[str] | None = None, *,
         mine = props if k in PROPERTY_KERNELS else ()
         if not budgets and not mine:
             continue
-        run = _search(k, fns[k], examples_of(k, dtypes, small), dev, examples, share, seed, db,
+        within = (accepts_for(k, fns[k], str(label), dev) if accepts is None
+                  else accepts.get(k))
+        run = _search(k, fns[k], examples_of(k, dtypes, small, within), dev, examples, share,
+                      seed, db,
                       f"{label}/{k}" + "".join(f"+{p}" for p in mine) + ("" if budgets else
-                                                                         "-budgets"),
+                                                                         "-budgets")
+                      + (f"@{within.describe()}" if within else ""),
                       target_spec, mine, budgets, keep_going)
+        run.accepts = within.describe() if within else ""
         runs.append(run)
         if progress:
             progress(run)
@@ -362,6 +403,35 @@ def _verdict(kernel: str, fn: Callable, example: Example, trial: Trial,
                                       f"{result.where}", "convention": result.convention,
                             "property": prop}
     return "pass", None
+
+
+class _Found(Exception):  # noqa: N818
+    """Raised by ``_find``'s test on the first example that meets the condition."""
+
+
+def _find(strategy: object, condition: Callable[[Example], bool], config: settings,
+          seed: int, key: bytes) -> Example:
+    """``hypothesis.find`` with a seed that keeps the example database: the smallest example
+    of ``strategy`` meeting ``condition`` (``NoSuchExample`` if none within ``config``).
+
+    ``find(..., random=...)`` seeds the search with ``@seed``, and a seeded test neither
+    reads nor writes the database: its failures would not be kept. Here the seed is applied
+    first and ``config`` (with the database) over it, under ``key`` as ``find`` sets it."""
+    last: list[Example] = []
+
+    @given(strategy)  # type: ignore[arg-type]
+    def test(example: Example) -> None:
+        if condition(example):
+            last[:] = [example]
+            raise _Found
+
+    wrapped = settings(config, report_multiple_bugs=False)(hypothesis_seed(seed)(test))
+    wrapped._hypothesis_internal_database_key = key  # type: ignore[attr-defined]
+    try:
+        wrapped()
+    except _Found:
+        return last[0]
+    raise NoSuchExample(key.decode(errors="replace"))
 
 
 def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
@@ -410,9 +480,10 @@ def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
         before = run.examples
         found.clear()
         try:
-            example = find(strategy, fails, settings=config,  # type: ignore[arg-type]
-                           random=random.Random(rng.getrandbits(64)),
-                           database_key=f"mla-fuzz:{key}".encode())
+            # the seed hypothesis.find(random=Random(x)) would draw
+            example = _find(strategy, fails, config,
+                            random.Random(rng.getrandbits(64)).getrandbits(64),
+                            f"mla-fuzz:{key}".encode())
         except NoSuchExample:
             left -= max(run.examples - before, 1)
             rounds += 1

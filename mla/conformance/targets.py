@@ -1,8 +1,13 @@
 """Targets by name: what ``mla conform --target TARGET`` runs.
 
     mla.fast          this package's Triton kernels (needs triton; on the CPU, its interpreter),
-                      run with their value checks on
-    mla.fast-batch-invariant  its two decodes with batch_invariant=True (no split-KV)
+                      run with their value checks on; DeepSeek-V4's layer kernels through
+                      mla.conformance.adapters.fast_v4 (mla.fast.v4's functions, whose
+                      signatures differ from the catalogue's)
+    mla.fast-batch-invariant  its two decodes with batch_invariant=True: each request's keys cut
+                      into splits of a fixed length whatever the batch (the sparse decode's
+                      BI_SPLIT_ENTRIES = 512 entries, mla.fast.sparse.plan; the dense
+                      decode's bi_split_keys, mla.fast.decode.plan), merged in split order
     reference         mla.reference itself (passes every case by construction)
     flashmla          FlashMLA, vLLM's Triton and CUDA kernels, DeepGEMM, FlashInfer: the
     vllm-triton       adapters of mla.conformance.adapters (their peers are imported when a
@@ -36,14 +41,16 @@ from mla.conformance.runner import kernels_of
 __all__ = ["TARGETS", "load_target"]
 
 TARGETS = {
-    "mla.fast": "this package's Triton kernels (mla.fast; on the CPU under Triton's "
-                "interpreter), value checks on",
+    "mla.fast": "this package's Triton kernels (mla.fast, DeepSeek-V4's through "
+                "mla.conformance.adapters.fast_v4; on the CPU under Triton's interpreter), "
+                "value checks on",
     "mla.fast-batch-invariant": "mla.fast's mla_decode_paged and sparse_mla_decode with "
-                                "batch_invariant=True (no split-KV), value checks on",
+                                "batch_invariant=True (fixed-length key splits, whatever the "
+                                "batch), value checks on",
     "reference": "mla.reference, the float64 oracle itself (passes every case)",
     "flashmla": "FlashMLA from vLLM 0.33.0's wheel: dense and sparse decode, sparse prefill",
     "flashmla-batch-invariant": "FlashMLA's dense and sparse decode with "
-                                "enable_batch_invariant=True (no split-KV)",
+                                "enable_batch_invariant=True",
     "vllm-triton": "vLLM 0.33.0's Triton MLA decode, merge_attn_states and DCP correction",
     "vllm-topk": "vLLM 0.33.0's CUDA top_k_per_row_prefill (the indexer's top-k over row "
                  "ranges)",
@@ -92,10 +99,14 @@ def _named(spec: str) -> object:
     if spec == "reference":
         return _import(spec, "mla.reference")
     if spec == "mla.fast":
-        return _validating(_import(spec, "mla.fast"))
+        fast = _import(spec, "mla.fast")
+        v4 = _import(spec, "mla.conformance.adapters.fast_v4")
+        kernels = {k: getattr(fast, k) for k in KERNELS if callable(getattr(fast, k, None))}
+        return _validating(fast, {**kernels, **v4.target()})  # type: ignore[attr-defined]
     if spec == "mla.fast-batch-invariant":
-        fast = _validating(_import(spec, "mla.fast"))
-        return {k: functools.partial(fast[k], batch_invariant=True) for k in _DECODES}
+        fast = _import(spec, "mla.fast")
+        on = _validating(fast, {k: getattr(fast, k) for k in _DECODES})
+        return {k: functools.partial(on[k], batch_invariant=True) for k in _DECODES}
     if spec == "flashmla-batch-invariant":
         adapter = _import(spec, "mla.conformance.adapters.flashmla")
         return adapter.target(batch_invariant=True)  # type: ignore[attr-defined]
@@ -103,17 +114,18 @@ def _named(spec: str) -> object:
     return adapter.target()  # type: ignore[attr-defined]
 
 
-def _validating(fast: object) -> dict[str, Callable]:
-    """mla.fast's kernels, each run with its value checks on: the catalogue holds a kernel to
-    the reference's contract, which refuses invalid input (its "refused" cases), and mla.fast
-    checks values only when asked (off by default: a check reads the device on the host)."""
+def _validating(fast: object, kernels: dict[str, Callable]) -> dict[str, Callable]:
+    """mla.fast's ``kernels``, each run with its value checks on: the catalogue holds a kernel
+    to the reference's contract, which refuses invalid input (its "refused" cases), and
+    mla.fast checks values only when asked (off by default: a check reads the device on the
+    host)."""
     def on(fn: Callable) -> Callable:
         @functools.wraps(fn)
         def call(*args: object, **kwargs: object) -> object:
             with fast.validation(True):  # type: ignore[attr-defined]
                 return fn(*args, **kwargs)
         return call
-    return {k: on(getattr(fast, k)) for k in KERNELS if callable(getattr(fast, k, None))}
+    return {k: on(fn) for k, fn in kernels.items()}
 
 
 def _from_function(spec: str, fn: Callable, kernels: list[str] | None) -> dict[str, Callable]:

@@ -99,7 +99,7 @@ from mla.reference.sparse_model import (
     sparse_masked_dense_forward,
     sparse_prefill_forward,
 )
-from mla.reference.v4.kernels import v4_compress, v4_indexer_q
+from mla.reference.v4.kernels import v4_compress, v4_indexer_q, v4_indexer_topk, v4_output
 from mla.reference.v4.scopes import v4_scope_indices
 
 __all__ = [
@@ -131,6 +131,7 @@ __all__ = [
     "fp8_model1_pages", "quantize_fp8_model1",
     # DeepSeek-V4.1's caches: 528-byte MXFP8 and 288-byte NVFP4 records
     "dequantize_fp8_v41", "dequantize_nvfp4_v41", "quantize_fp8_v41", "quantize_nvfp4_v41",
-    # DeepSeek-V4's layer kernels: the compressor, the indexer's q, the scopes' indices
-    "v4_compress", "v4_indexer_q", "v4_scope_indices",
+    # DeepSeek-V4's layer kernels: the compressor, the indexer's q, the scopes' indices, the
+    # indexer's top-k and the output stage
+    "v4_compress", "v4_indexer_q", "v4_indexer_topk", "v4_output", "v4_scope_indices",
 ]

@@ -33,7 +33,7 @@ from mla.reference.v4.compressor import (
     compressor_step,
     compressor_weights_of,
 )
-from mla.reference.v4.config import LAYER_KINDS, V4_PRESETS, get_v4_config
+from mla.reference.v4.config import LAYER_KINDS, V4_PRESETS, V4Config, get_v4_config
 from mla.reference.v4.layer import compressed_mask, v4_layer_definition, window_mask
 from mla.reference.v4.rope import v4_rope_frequencies
 from mla.reference.v4.serving import (
@@ -186,11 +186,18 @@ for title, mw, mc in panels:
 #
 #   Per token and layer, as `L` grows: `584/4 + 132/4 = 179` bytes (C4A), `584/128 = 4.5625`
 #   (C128A), 0 (SWA); the window adds a constant `584·W = 74,752` bytes a layer, whatever `L`.
-# - DeepSeek-V4.1: its layer list is not in the package, so V4.1 is shown as *V4's layer list
-#   with V4.1's rows*: 528 bytes (MXFP8: 512 e4m3 and 16 UE8M0 scales, one per 32 values) in
-#   both caches, or 288 bytes (NVFP4: 512 e2m1 codes two a byte and 32 e4m3 scales, one per
-#   16) in the compressed cache only, the window staying MXFP8. The indexer's 132-byte keys are
-#   kept as in V4 (an assumption of this table).
+# - DeepSeek-V4.1 (the `deepseek-v4.1-flash` preset: 40 layers of ratio 0, 1 or 2; its ratios
+#   are this package's assumption, see `mla.reference.v4.config`): every layer keeps its own
+#   window of `W = 128` rows of 528 bytes (MXFP8: 512 e4m3 and 16 UE8M0 scales, one per 32
+#   values), but only the kv source layers (2, 8, 14 at ratio 2 and 20 at ratio 1) keep a
+#   compressed cache and the indexer's keys, which the layers above them read:
+#
+# $$B(L) = 528\,\ell\,\min(L, W) + \sum_{s \in \text{kv sources}}
+#   (b_c + 132)\,\lfloor L/r_s\rfloor,$$
+#
+#   `b_c = 528` (MXFP8), or 288 (NVFP4: 512 e2m1 codes two a byte and 32 e4m3 scales, one per
+#   16) in the compressed cache only; the index keys 132 bytes (FP8; vLLM's 68-byte MXFP4 keys
+#   run on SM100 only).
 #
 # The per-million column is `B(10^6)` for one request of a million tokens, window included.
 
@@ -228,11 +235,7 @@ for name, label, row in [("deepseek-v2", "V2 (bf16)", 576 * 2),
     rows.append((label, f"{row} B", f"{n}", f"{row}", row * n, 0,
                  mla_bytes(row, n, MILLION) / 1e9))
 for label, preset, wrow, crow in [("V4 (MODEL1)", "deepseek-v4", 584, 584),
-                                  ("V4-Pro (MODEL1)", "deepseek-v4-pro", 584, 584),
-                                  ("V4.1 on V4's list (MXFP8)", "deepseek-v4", MXFP8_V41,
-                                   MXFP8_V41),
-                                  ("V4.1 on V4's list (NVFP4 compr.)", "deepseek-v4",
-                                   MXFP8_V41, NVFP4_V41)]:
+                                  ("V4-Pro (MODEL1)", "deepseek-v4-pro", 584, 584)]:
     c = V4_PRESETS[preset]
     ratios, W4 = c.compress_ratios, c.sliding_window
     per_kind = {r: (v4_layer_bytes(r, 128 * MILLION, W4, 0, crow) / (128 * MILLION))
@@ -246,6 +249,27 @@ for label, preset, wrow, crow in [("V4 (MODEL1)", "deepseek-v4", 584, 584),
     assert abs(v4_bytes(ratios, 128 * MILLION, W4, wrow, crow)
                - (growth * 128 * MILLION + window)) < 1e-6
 
+
+
+def v41_bytes(c: V4Config, L: int, comp_row: int, window_row: int = MXFP8_V41) -> int:
+    """B(L) of the V4.1 formula: a window a layer, compressed rows and index keys at the kv
+    sources only (the layers above read their source's)."""
+    window = window_row * c.num_layers * min(L, c.sliding_window)
+    return window + sum((comp_row + INDEX_K_BYTES) * (L // c.layer_ratio(s))
+                        for s in c.kv_source_layer_ids)
+
+
+c41 = V4_PRESETS["deepseek-v4.1-flash"]
+assert sorted(c41.layer_ratio(s) for s in c41.kv_source_layer_ids) == [1, 2, 2, 2]
+for label, crow in [("V4.1-Flash (MXFP8)", MXFP8_V41), ("V4.1-Flash (NVFP4 compr.)", NVFP4_V41)]:
+    big = 128 * MILLION  # a multiple of every ratio: the growing part exactly
+    window = MXFP8_V41 * c41.sliding_window * c41.num_layers
+    growth = (v41_bytes(c41, big, crow) - window) / big
+    counts = "/".join(str(c41.compress_ratios.count(r)) for r in (0, 1, 2))
+    per_source = "/".join(f"{(crow + INDEX_K_BYTES) / r:g}" for r in (1, 2))
+    rows.append((label, f"{MXFP8_V41}/{crow} B", counts, per_source, growth, window,
+                 v41_bytes(c41, MILLION, crow) / 1e9))
+
 head = ("model", "row(s)", "layers", "B/token/layer", "B/token, all", "window, all (B)",
         "GB per 1M tokens")
 print(f"{head[0]:34s} {head[1]:>10s} {head[2]:>9s} {head[3]:>18s} {head[4]:>13s} "
@@ -254,6 +278,8 @@ for label, rowb, layers, per_layer, per_token, window, gb in rows:
     print(f"{label:34s} {rowb:>10s} {layers:>9s} {per_layer:>18s} {per_token:13,.2f} "
           f"{window:16,d} {gb:17.3f}")
 print("V4 rows: row(s) = window/compressed; layers and B/token/layer = SWA/C4A/C128A")
+print("V4.1 rows: layers = ratio 0/1/2; B/token/layer = a kv source of ratio 1/2 (the other "
+      "layers keep only their window)")
 v4_gb = rows[4][6]
 print(f"a million tokens: V3.2 {rows[3][6]:.2f} GB, V4 {v4_gb:.2f} GB, "
       f"{rows[3][6] / v4_gb:.1f}x less; V3 bf16 / V4: {rows[1][6] / v4_gb:.1f}x")

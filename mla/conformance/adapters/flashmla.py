@@ -85,7 +85,7 @@ def mla_decode_paged(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      head_dim_v: int = 512, *, batch_invariant: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense ``flash_mla_with_kvcache`` with ``mla.reference.mla_decode_paged``'s signature
-    (``batch_invariant``: its ``enable_batch_invariant``, no split-KV)."""
+    (``batch_invariant``: its ``enable_batch_invariant``)."""
     require_device(DENSE, "cuda", q=q, kv_cache=kv_cache, block_table=block_table,
                    cache_seqlens=cache_seqlens)
     require_dtype(DENSE, (torch.bfloat16, torch.float16), q=q, kv_cache=kv_cache)

@@ -7,6 +7,7 @@ from mla.conformance.cases import (
     decode,
     deepseek_v4,
     deepseek_v4_layer,
+    deepseek_v4_stages,
     fp8,
     indexer,
     indices,
@@ -17,5 +18,5 @@ from mla.conformance.cases import (
     v41_codecs,
 )
 
-CASE_FAMILIES = (attention, dcp, decode, deepseek_v4, deepseek_v4_layer, fp8, indexer, indices,
-                 merge, paged_cache, sparse_decode, sparse_prefill, v41_codecs)
+CASE_FAMILIES = (attention, dcp, decode, deepseek_v4, deepseek_v4_layer, deepseek_v4_stages, fp8,
+                 indexer, indices, merge, paged_cache, sparse_decode, sparse_prefill, v41_codecs)

@@ -40,9 +40,32 @@ H]`` bf16 (``weights_proj``'s); per (token, head) the last 64 dims are rotated (
 ``q_scale = 2^ceil(log2(max(amax, 1e-4) / 448))``; ``weights_out = weights · q_scale ·
 softmax_scale · head_scale`` (``D^-0.5`` and ``H^-0.5`` in DeepSeek-V4).
 
-Everything here is float64 on the kernels' inputs; ``compress_entries`` and ``indexer_q_values``
-expose the values before rounding (and, for the catalogue's named convention differences, the
-usual wrong variants).
+``v4_output(attn, positions, cos_sin, wo_a, wo_b) -> out bf16 [T, hidden]``, equations (8)-(9)
+of ``mla.reference.v4.layer`` with the table's values: ``attn [T, H, 512]`` bf16 (the
+attention's output, sink applied), ``positions [T]`` the queries' positions, ``wo_a [G·R,
+(H/G)·512]`` (the checkpoint's ``wo_a.weight``: group ``g`` its rows ``[g·R, g·R + R)``, ``G``
+from the shapes) and ``wo_b [hidden, G·R]``, bf16. ``o = bf16(rope_p^-1(attn))`` (the last 64
+dims, GPT-J pairs ``(a, b) -> (a c + b s, b c - a s)`` with row ``p`` of ``cos_sin``), heads
+``[g·H/G, (g+1)·H/G)`` concatenated into ``y_g``, ``z_g = bf16(wo_a[g] y_g)``, ``out =
+bf16(concat_g z_g · wo_b^T)``: vLLM's bf16 path (the checkpoint's FP8 weights dequantized; the
+FP8 quantization of ``y_g`` before an FP8 ``wo_a`` is not emulated).
+
+``v4_indexer_topk(q_fp8, weights, k_cache, block_table, positions, topk) -> int32 [T, topk]``,
+the C4A indexer's selection from its prepared query (``v4_indexer_q``'s outputs): ``q_fp8 [T,
+H, 128]`` e4m3 codes (``uint8`` read as e4m3), ``weights [T, H]`` float32 (q's scale folded
+in), ``k_cache uint8 [nb, bs, 132]`` the compressed indexer keys in ``indexer_cache``'s page
+layout (``v4_compress``'s ``d = 128`` records: per page the codes of its ``bs`` entries, then
+their float32 scales), ``block_table [T, pages]`` int32 (each query's request's pages),
+``positions [T]``. Query ``t`` sees the entries ``j < n_t = (p_t + 1) // 4`` (an entry from its
+block's last token on); their logits ``Σ_h w_h · ReLU(q_h · k_j) · k_scale_j`` (float64 here,
+``fp8_paged_mqa_logits`` with one query a row), and the row is ``top_k_per_row``'s: the
+``min(topk, n_t)`` highest as local entry ids, ties to the lower id, NaN above every number,
+then ``-1``. vLLM skips the logits when every row's entries fit (``n_t <= topk``) and fills
+``[0 .. n_t - 1, -1, ..]``: the same set, and the selection is a set (its order is free).
+
+Everything here is float64 on the kernels' inputs; ``compress_entries``, ``indexer_q_values``,
+``v4_output_values`` and ``v4_indexer_topk_logits`` expose the values before rounding or
+selection (and, for the catalogue's named convention differences, the usual wrong variants).
 """
 
 from __future__ import annotations
@@ -51,21 +74,26 @@ import torch
 
 from mla.reference.fp8 import act_quant
 from mla.reference.front import rms_norm
+from mla.reference.indexer_logits import fp8_paged_mqa_logits, top_k_per_row
 from mla.reference.v4.compressor import (
     compressed_entries_model1_pages,
     pool_windows,
     quantize_compressed_indexer_entries,
 )
-from mla.validation import check_float, check_index
+from mla.validation import check_float, check_index, check_tensor
 
-__all__ = ["v4_compress", "v4_indexer_q", "compress_entries", "compress_records",
-           "indexer_q_values", "indexer_q_records", "rotate_with_table", "MODEL1_RECORD",
-           "INDEXER_RECORD", "ROPE_DIM", "SCALE_FLOORS"]
+__all__ = ["v4_compress", "v4_indexer_q", "v4_output", "v4_indexer_topk", "compress_entries",
+           "compress_records", "indexer_q_values", "indexer_q_records", "rotate_with_table",
+           "v4_output_values", "v4_indexer_topk_logits", "MODEL1_RECORD", "INDEXER_RECORD",
+           "ROPE_DIM", "SCALE_FLOORS", "INDEXER_RATIO", "check_output_args",
+           "check_indexer_topk_args"]
 
 MODEL1_RECORD = 584  # 448 e4m3 + 64 bf16 + 7 UE8M0 + 1 pad
 INDEXER_RECORD = 132  # 128 e4m3 + one float32 scale
 ROPE_DIM = 64
 SCALE_FLOORS = ("vllm", "flashmla")
+HEAD_DIM = 512
+INDEXER_RATIO = 4  # the indexer's keys: one compressed entry per 4 tokens
 _F64 = torch.float64
 
 
@@ -203,3 +231,103 @@ def v4_indexer_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor
     codes, scale = indexer_q_records(indexer_q_values(q, positions, cos_sin))
     w = (weights.to(_F64).cpu() * scale.to(_F64) * float(softmax_scale) * float(head_scale))
     return codes.to(q.device), w.float().to(q.device)
+
+
+def check_output_args(attn: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                  wo_a: torch.Tensor, wo_b: torch.Tensor) -> int:
+    """``v4_output``'s argument checks (``ValueError`` / ``TypeError`` naming the argument);
+    returns ``G``, the output groups."""
+    check_float("attn", attn, ndim=3)
+    T, H, D = attn.shape
+    if D != HEAD_DIM:
+        raise ValueError(f"attn must have shape [T, H, {HEAD_DIM}], got {list(attn.shape)}")
+    check_index("positions", positions, shape=[T])
+    check_float("cos_sin", cos_sin, shape=[None, ROPE_DIM])
+    check_float("wo_a", wo_a, ndim=2)
+    rows, width = wo_a.shape
+    per = width // D  # heads per group
+    if width == 0 or width % D or H % per:
+        raise ValueError(f"wo_a must have shape [G·R, (H/G)·{D}] for attn's H = {H} heads, got "
+                         f"{list(wo_a.shape)}")
+    G = H // per
+    if rows == 0 or rows % G:
+        raise ValueError(f"wo_a must have G·R rows for G = {G} groups, got {rows}")
+    check_float("wo_b", wo_b, shape=[None, rows])
+    if T and (int(positions.min()) < 0 or int(positions.max()) >= cos_sin.shape[0]):
+        raise ValueError(f"positions must lie in [0, {cos_sin.shape[0]}) (cos_sin's rows), got "
+                         f"[{int(positions.min())}, {int(positions.max())}]")
+    return G
+
+
+def v4_output_values(attn: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                     wo_a: torch.Tensor, wo_b: torch.Tensor, *, rounded: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 ``(o [T, H, 512], z [T, G, R], out [T, hidden])`` of ``v4_output`` (the module
+    doc), on the CPU; ``rounded=False`` keeps ``o`` and ``z`` unrounded (``out`` too)."""
+    G = check_output_args(attn, positions, cos_sin, wo_a, wo_b)
+    T, H, D = attn.shape
+    half = ROPE_DIM // 2
+    table = cos_sin.to(_F64).cpu()
+    inverse = torch.cat([table[:, :half], -table[:, half:2 * half]], dim=1)
+
+    def bf16(x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16).to(_F64) if rounded else x
+
+    a = attn.to(torch.bfloat16).to(_F64).cpu()
+    o = bf16(rotate_with_table(a, positions.cpu(), inverse))
+    y = o.reshape(T, G, H // G * D)
+    w_a = wo_a.to(_F64).cpu().view(G, wo_a.shape[0] // G, H // G * D)
+    z = bf16(torch.einsum("tgk,grk->tgr", y, w_a))
+    out = bf16(z.flatten(1) @ wo_b.to(_F64).cpu().T)
+    return o, z, out
+
+
+def v4_output(attn: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+              wo_a: torch.Tensor, wo_b: torch.Tensor) -> torch.Tensor:
+    """The layer's output stage (the module doc's contract): bf16 ``[T, hidden]`` on
+    ``attn``'s device."""
+    return v4_output_values(attn, positions, cos_sin, wo_a, wo_b)[2].to(
+        device=attn.device, dtype=torch.bfloat16)
+
+
+def check_indexer_topk_args(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                        block_table: torch.Tensor, positions: torch.Tensor) -> None:
+    """``v4_indexer_topk``'s argument checks (``ValueError`` / ``TypeError`` naming the
+    argument)."""
+    check_tensor("q_fp8", q_fp8, ndim=3, dtype=(torch.uint8, torch.float8_e4m3fn))
+    T, H, D = q_fp8.shape
+    if D != 128:
+        raise ValueError(f"q_fp8 must have shape [T, H, 128], got {list(q_fp8.shape)}")
+    check_tensor("weights", weights, shape=[T, H], dtype=(torch.float32, _F64))
+    check_tensor("k_cache", k_cache, ndim=3, dtype=(torch.uint8,))
+    if k_cache.shape[2] != INDEXER_RECORD:
+        raise ValueError(f"k_cache must have shape [num_blocks, block_size, {INDEXER_RECORD}], "
+                         f"got {list(k_cache.shape)}")
+    check_index("block_table", block_table, shape=[T, None], dtype=(torch.int32,))
+    check_index("positions", positions, shape=[T])
+    if T and int(positions.min()) < 0:
+        raise ValueError(f"positions must be >= 0, got {int(positions.min())}")
+
+
+def v4_indexer_topk_logits(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                           block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """float64 ``[T, max(1, max_t n_t)]``: query ``t``'s logits over its visible entries ``j <
+    n_t = (p_t + 1) // 4``, ``-inf`` past them (``v4_indexer_topk``'s, on the CPU)."""
+    check_indexer_topk_args(q_fp8, weights, k_cache, block_table, positions)
+    visible = ((positions.long().cpu() + 1) // INDEXER_RATIO).to(torch.int32)
+    width = max(1, int(visible.max())) if visible.numel() else 1
+    return fp8_paged_mqa_logits(q_fp8.cpu()[:, None], k_cache.cpu(), weights.to(_F64).cpu(),
+                                visible, block_table.cpu(), width)
+
+
+def v4_indexer_topk(q_fp8: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor,
+                    block_table: torch.Tensor, positions: torch.Tensor, topk: int
+                    ) -> torch.Tensor:
+    """The indexer's top-k entry ids (the module doc's contract): int32 ``[T, topk]`` on
+    ``q_fp8``'s device."""
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    logits = v4_indexer_topk_logits(q_fp8, weights, k_cache, block_table, positions)
+    visible = (positions.long().cpu() + 1) // INDEXER_RATIO
+    ids = top_k_per_row(logits, torch.zeros_like(visible), visible, topk)
+    return ids.to(q_fp8.device)

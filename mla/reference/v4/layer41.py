@@ -39,9 +39,22 @@ source's, computed when that layer ran: ``v41_layer_definition`` takes them as i
 (``V41KVSource``, ``V41IndexSource``, the published candidates) when the layer is not the
 source, and ``v41_stack_definition`` runs a stack of layers, threading them through.
 
-Exact float64: none of the serving path's roundings (bf16 latent and index key, the MXFP8 /
-NVFP4 / bf16 caches of ``mla.reference.fp8_v41``, the indexer's FP8 / MXFP4 q and keys) is
-emulated. Follows vLLM 0.33 ``vllm/models/deepseek_v41/``: ``attention.py`` 313-361 (ratios
+Exact float64 by default. ``kv_cache_dtype`` (``V41_KV_CACHE_DTYPES``) emulates one rounding
+only, the attention caches' codecs (``mla.reference.fp8_v41``), so that the definition sees the
+keys a serving path (``mla.reference.v4.serving41``) reads back from its bytes:
+
+    "float64"   nothing rounded (the default)
+    "mxfp8"     k_s of (3) and e_j of (4) each as its 528-byte MXFP8 record gives it back,
+                ``dequantize_fp8_v41(quantize_fp8_v41(.))`` (vLLM's V4.1 record on SM100)
+    "nvfp4"     k_s as for "mxfp8", e_j as its 288-byte NVFP4 record gives it back (vLLM's
+                ``nvfp4_ds_mla``: the window keeps MXFP8, the compressed cache is NVFP4)
+
+The codecs' own float32 cast of their input is part of that rounding. Not emulated in any
+mode: the bf16 of c_Q, c_KV, q, the latent and the index key before the codecs (vLLM rounds
+them), the index key cache's FP8 / MXFP4 and the indexer's FP8 / MXFP4 q (the top-k is the
+exact one), the inverse RoPE's and projections' bf16, the FP8 block weights.
+
+Follows vLLM 0.33 ``vllm/models/deepseek_v41/``: ``attention.py`` 313-361 (ratios
 0/1/2, the nearest source at or below), 441-491 (index key cache owned by the kv source,
 candidate roles), 584-611 (compressor and compressed cache only on kv sources), 1150 (no q
 norm), 1414-1422 and 1476-1508 (``wk``, ``k_norm``, ``_produce_k``), 111-127 and 1555-1584
@@ -71,6 +84,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mla.reference.fp8_v41 import (
+    dequantize_fp8_v41,
+    dequantize_nvfp4_v41,
+    quantize_fp8_v41,
+    quantize_nvfp4_v41,
+)
 from mla.reference.indexer_logits import top_k_per_row
 from mla.reference.v4.candidates import mask_to_candidates, select_candidate_blocks
 from mla.reference.v4.compressor import V41CompressorWeights, v41_compress_latent, v41_index_key
@@ -87,11 +106,33 @@ from mla.reference.v4.weights import check_weights, random_weights
 from mla.validation import check_float, check_index
 
 __all__ = ["V41LayerWeights", "V41KVSource", "V41IndexSource", "V41LayerTrace",
-           "v41_weight_shapes", "v41_kv_source", "v41_indexer_logits", "v41_indexer_topk",
+           "V41_KV_CACHE_DTYPES", "v41_cache_round", "v41_weight_shapes", "v41_kv_source",
+           "v41_indexer_logits", "v41_indexer_topk",
            "v41_layer_definition", "v41_stack_definition", "v41_rope_ratio"]
 
 F64 = torch.float64
 _EXACT = "float64"  # V4's kv_cache_dtype for "no rounding"
+V41_KV_CACHE_DTYPES = ("float64", "mxfp8", "nvfp4")
+
+
+def check_v41_kv_cache_dtype(kv_cache_dtype: object) -> str:
+    if kv_cache_dtype not in V41_KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {V41_KV_CACHE_DTYPES}, got "
+                         f"{kv_cache_dtype!r}")
+    return kv_cache_dtype  # type: ignore[return-value]
+
+
+def v41_cache_round(rows: torch.Tensor, kv_cache_dtype: str, *, compressed: bool = False
+                    ) -> torch.Tensor:
+    """float64 ``rows [..., 512]`` as a V4.1 attention cache of ``kv_cache_dtype`` gives them
+    back (the module doc's table): the window cache (``compressed=False``) or the compressed
+    cache (``compressed=True``)."""
+    check_v41_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "float64":
+        return rows.to(F64)
+    if compressed and kv_cache_dtype == "nvfp4":
+        return dequantize_nvfp4_v41(quantize_nvfp4_v41(rows), dtype=F64)
+    return dequantize_fp8_v41(quantize_fp8_v41(rows), dtype=F64)
 
 
 def v41_rope_ratio(ratio: int) -> int:
@@ -194,13 +235,15 @@ class V41LayerWeights:
 class V41KVSource:
     """What kv-source layer ``layer`` publishes for one request: the compressor's latents and
     the compressed cache's rows ``entries = rope(latent)`` ``[T // r, d]``, and the index keys
-    ``[T // r, 128]`` (``None`` if the layer has no indexer)."""
+    ``[T // r, 128]`` (``None`` if the layer has no indexer); ``entries`` as a compressed
+    cache of ``kv_cache_dtype`` gives them back (``v41_cache_round``)."""
 
     layer: int
     ratio: int
     latent: torch.Tensor
     entries: torch.Tensor
     index_keys: torch.Tensor | None
+    kv_cache_dtype: str = _EXACT
 
 
 @dataclass(frozen=True)
@@ -244,28 +287,43 @@ def _check_weights(weights: object) -> V41LayerWeights:
     return weights
 
 
-def v41_kv_source(x: torch.Tensor, weights: V41LayerWeights) -> V41KVSource:
+def v41_kv_source(x: torch.Tensor, weights: V41LayerWeights, *,
+                  kv_cache_dtype: str = _EXACT) -> V41KVSource:
     """Equation (4) of kv-source layer ``weights.layer`` over its hidden states ``x [T,
-    hidden]``: latents, rotated entries and (if it has an indexer) the index keys, exact."""
+    hidden]``: latents, rotated entries (as the compressed cache of ``kv_cache_dtype`` gives
+    them back) and (if it has an indexer) the index keys, exact."""
     w = _check_weights(weights)
+    check_v41_kv_cache_dtype(kv_cache_dtype)
     c = w.config
     check_float("x", x, shape=[None, c.hidden_size])
     latent = v41_compress_latent(x, w.compressor(), c.rms_norm_eps, bf16=False)
     r = w.ratio
     ids = torch.arange(latent.shape[0], device=x.device)
     entries = rope_gptj(latent, ids * r, c, v41_rope_ratio(r)) if latent.shape[0] else latent
+    entries = v41_cache_round(entries, kv_cache_dtype, compressed=True)
     keys = None
     if c.owns_indexer(w.layer):
         keys = v41_index_key(latent, w["indexer.wk.weight"], w["indexer.k_norm.weight"], r, c,
                              bf16=False)
-    return V41KVSource(w.layer, r, latent, entries, keys)
+    return V41KVSource(w.layer, r, latent, entries, keys, kv_cache_dtype)
+
+
+def _positions(name: str, positions: torch.Tensor | None, T: int, device: torch.device
+               ) -> torch.Tensor:
+    if positions is None:
+        return torch.arange(T, device=device)
+    check_index(name, positions, shape=[T], device=device)
+    if T and int(positions.min()) < 0:
+        raise ValueError(f"{name} must be >= 0, got {int(positions.min())}")
+    return positions.long()
 
 
 def v41_indexer_logits(x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor,
-                       weights: V41LayerWeights) -> torch.Tensor:
+                       weights: V41LayerWeights, *, positions: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """``L [T, n]`` float64 of index source ``weights.layer`` (equation (5)): its ``x [T,
-    hidden]`` and ``q_latent [T, q_lora_rank]`` (positions ``0 .. T-1``) against ``keys [n,
-    128]``; ``-inf`` where ``j >= (p + 1) // r``."""
+    hidden]`` and ``q_latent [T, q_lora_rank]`` at ``positions [T]`` (default ``0 .. T-1``)
+    against ``keys [n, 128]``; ``-inf`` where ``j >= (p + 1) // r``."""
     w = _check_weights(weights)
     c = w.config
     if not c.owns_indexer(w.layer):
@@ -275,7 +333,7 @@ def v41_indexer_logits(x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tens
     check_float("q_latent", q_latent, shape=[T, c.q_lora_rank], device=x.device)
     check_float("keys", keys, shape=[None, D], device=x.device)
     r = w.ratio
-    positions = torch.arange(T, device=x.device)
+    positions = _positions("positions", positions, T, x.device)
     n_vis = (positions + 1) // r
     if T and int(n_vis.max()) > keys.shape[0]:
         raise ValueError(f"keys must hold every visible entry: {int(n_vis.max())} needed, "
@@ -290,26 +348,36 @@ def v41_indexer_logits(x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tens
 
 
 def v41_indexer_topk(x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor,
-                     weights: V41LayerWeights, candidates: torch.Tensor | None = None
-                     ) -> V41IndexSource:
+                     weights: V41LayerWeights, candidates: torch.Tensor | None = None, *,
+                     positions: torch.Tensor | None = None,
+                     short_context: bool | None = None) -> V41IndexSource:
     """The top-k of index source ``weights.layer`` (equation (5)), with its candidate role:
     the candidate source publishes its blocks; a later index source needs ``candidates``
-    (those blocks) unless it takes the short-context fill; others take none."""
+    (those blocks) unless it takes the short-context fill; others take none.
+
+    ``positions [T]``: the rows' positions (default ``0 .. T-1``, the whole request);
+    ``short_context``: whether the fill is taken (default ``T // r <= index_topk``; a serving
+    batch decides by its longest request, ``max_seq_len // r <= index_topk``)."""
     w = _check_weights(weights)
     c = w.config
     check_float("x", x, shape=[None, c.hidden_size])
     T, r, K = x.shape[0], w.ratio, c.index_topk
-    positions = torch.arange(T, device=x.device)
+    positions = _positions("positions", positions, T, x.device)
     n_vis = (positions + 1) // r
+    if short_context is None:
+        short_context = T // r <= K
+    elif not isinstance(short_context, bool):
+        raise TypeError(f"short_context must be a bool or None, got "
+                        f"{type(short_context).__name__}")
     role = c.candidate_role(w.layer)
     if role != "mask" and candidates is not None:
         raise ValueError(f"candidates are only for index sources after the candidate source "
                          f"{c.candidate_source_layer_id}; layer {w.layer} takes none")
-    if T // r <= K:  # vLLM's short-context fill: no logits, no candidates published
+    if short_context:  # vLLM's short-context fill: no logits, no candidates published
         cols = torch.arange(K, device=x.device)[None, :]
         fill = torch.where(cols < n_vis[:, None], cols, -1).to(torch.int32)
         return V41IndexSource(w.layer, r, fill, None, None)
-    logits = v41_indexer_logits(x, q_latent, keys, w)
+    logits = v41_indexer_logits(x, q_latent, keys, w, positions=positions)
     published = None
     if role == "write":
         published = select_candidate_blocks(logits, n_vis, c.candidate_block_size,
@@ -347,7 +415,8 @@ def _check_source(name: str, src: object, cls: type, want: int | None, T: int) -
 def v41_layer_definition(x: torch.Tensor, weights: V41LayerWeights, *,
                          kv_source: V41KVSource | None = None,
                          index_source: V41IndexSource | None = None,
-                         candidates: torch.Tensor | None = None) -> V41LayerTrace:
+                         candidates: torch.Tensor | None = None,
+                         kv_cache_dtype: str = _EXACT) -> V41LayerTrace:
     """One request's tokens ``x [T, hidden]`` (positions ``0 .. T-1``) through V4.1 layer
     ``weights.layer`` (the module doc's equations), exact float64.
 
@@ -356,8 +425,11 @@ def v41_layer_definition(x: torch.Tensor, weights: V41LayerWeights, *,
     compressed layer that is not an index source, its index source's ``V41IndexSource``;
     ``candidates``: for an index source after the candidate source, the blocks that source
     published. A layer that is its own source takes ``None`` and computes it; a window-only
-    layer takes none of them."""
+    layer takes none of them. ``kv_cache_dtype``: the caches' rounding (the module doc), the
+    window keys' here and the entries' at the kv source (a given ``kv_source`` must have
+    been made with the same)."""
     w = _check_weights(weights)
+    check_v41_kv_cache_dtype(kv_cache_dtype)
     c = w.config
     check_float("x", x, shape=[None, c.hidden_size])
     T, r, layer = x.shape[0], w.ratio, w.layer
@@ -369,8 +441,12 @@ def v41_layer_definition(x: torch.Tensor, weights: V41LayerWeights, *,
     idx_layer = None if r == 0 or c.owns_indexer(layer) else c.index_source_layer(layer)
     _check_source("kv_source", kv_source, V41KVSource, kv_layer, T)
     _check_source("index_source", index_source, V41IndexSource, idx_layer, T)
+    if kv_source is not None and kv_source.kv_cache_dtype != kv_cache_dtype:
+        raise ValueError(f"kv_source was made with kv_cache_dtype "
+                         f"{kv_source.kv_cache_dtype!r}, this layer reads {kv_cache_dtype!r}")
+    k_window = v41_cache_round(k_window, kv_cache_dtype)
     if r > 0 and c.owns_compressor(layer):
-        kv_source = v41_kv_source(x, w)
+        kv_source = v41_kv_source(x, w, kv_cache_dtype=kv_cache_dtype)
     if r > 0 and c.owns_indexer(layer):
         assert kv_source is not None
         if kv_source.index_keys is None:
@@ -397,12 +473,12 @@ def v41_layer_definition(x: torch.Tensor, weights: V41LayerWeights, *,
                          m_window, m_comp, attn, lse, o, z, out)
 
 
-def v41_stack_definition(xs: Sequence[torch.Tensor], weights: Sequence[V41LayerWeights]
-                         ) -> list[V41LayerTrace]:
+def v41_stack_definition(xs: Sequence[torch.Tensor], weights: Sequence[V41LayerWeights], *,
+                         kv_cache_dtype: str = _EXACT) -> list[V41LayerTrace]:
     """Layers ``0 .. len(weights) - 1`` of one V4.1 model in order, layer ``i`` on its hidden
     states ``xs[i] [T, hidden]`` (the attention's input; the rest of the block is not
     modelled), each consumer fed what its sources published, as vLLM's shared caches and
-    top-k / candidate buffers hand it on."""
+    top-k / candidate buffers hand it on; ``kv_cache_dtype`` as in ``v41_layer_definition``."""
     if len(xs) != len(weights):
         raise ValueError(f"xs and weights must have the same length, got {len(xs)} and "
                          f"{len(weights)}")
@@ -423,7 +499,8 @@ def v41_stack_definition(xs: Sequence[torch.Tensor], weights: Sequence[V41LayerW
             idx_src = idx_pub[c.index_source_layer(i)]  # type: ignore[index]
         role = c.candidate_role(i) if r > 0 else None
         trace = v41_layer_definition(x, w, kv_source=kv_src, index_source=idx_src,
-                                     candidates=candidates if role == "mask" else None)
+                                     candidates=candidates if role == "mask" else None,
+                                     kv_cache_dtype=kv_cache_dtype)
         if r > 0 and c.owns_compressor(i):
             kv_pub[i] = trace.kv_source  # type: ignore[assignment]
         if r > 0 and c.owns_indexer(i):
