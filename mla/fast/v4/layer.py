@@ -220,11 +220,20 @@ def window_ids(pos: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tens
     return torch.where(local <= pos[:, None], local, -1), (pos - start + 1).to(torch.int32)
 
 
+def _valid_first(ids: torch.Tensor) -> torch.Tensor:
+    """Each row's valid ids (``>= 0``) first, in their order, then its ``-1``s: the second
+    scope's ``extra_topk_length`` counts the valid ids, so a valid id after a ``-1`` would
+    never be read (a top-k handed in, ``v4_layer_step(topk=...)``; the indexer's own rows are
+    already so)."""
+    order = torch.sort((ids < 0).to(torch.int8), dim=1, stable=True).indices
+    return torch.gather(ids, 1, order)
+
+
 def _compressed_ids(pos: torch.Tensor, ratio: int, topk: torch.Tensor | None,
                     lens: list[int]) -> torch.Tensor:
     if ratio == 4:
         assert topk is not None
-        return topk
+        return _valid_first(topk)
     width = max(1, max(lens) // ratio)
     ids = torch.arange(width, device=pos.device)[None, :].expand(pos.shape[0], width)
     return torch.where(ids < ((pos + 1) // ratio)[:, None], ids, -1)
@@ -396,9 +405,7 @@ def _prefill(cache: V4FastCache, q: torch.Tensor, pos: torch.Tensor, req: torch.
         comp = torch.where(comp >= 0, M * b + comp, -1)
         local, _ = window_ids(p, W)
         swa = torch.where(local >= 0, M * b + N + (local - g), -1)
-        row = torch.cat([comp, swa], dim=1)
-        order = torch.argsort((row < 0).to(torch.int8), dim=1, stable=True)
-        rows.append(row.gather(1, order))
+        rows.append(_valid_first(torch.cat([comp, swa], dim=1)))
     width = max(t.shape[1] for t in rows)
     width = -(-width // PREFILL_PAD) * PREFILL_PAD
     indices = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1)
