@@ -3,10 +3,11 @@
 
 Nine pass. Two fail, both where vLLM assumes what its indexer's top-k writes (a row's valid ids
 first, exactly ``min((p + 1) // 4, K)`` of them) and the cases scatter ``-1`` among the ids:
-``decode_c4_minus_one`` with the catalogue's named "the top-k's -1 left in place", and
-``prefill_c4``, which the catalogue names nothing for: ``combine_topk_swa_indices`` takes a
-row's first ``min((p + 1) // 4, K)`` ids as they are (``vllm_prefill_rows`` below, which the
-adapter's output equals exactly). The refusals need no kernel.
+``decode_c4_minus_one``, named "the top-k's -1 left in place", and ``prefill_c4``, named
+"the combined row takes the top-k row's first min((p + 1) // 4, K) ids as they are":
+``combine_topk_swa_indices`` takes them so (the catalogue's
+``prefill_first_k_as_they_are``, which the adapter's output equals exactly). The refusals
+need no kernel.
 
 Needs the extracted kernels (``python -m benchmarks.peers --v4``, in ``<repo>/peers`` or
 ``$MLA_PEERS``) and the interpreter (``tests/conftest.py`` sets it where there is no GPU).
@@ -23,12 +24,17 @@ import torch
 
 from mla.conformance import CATALOGUE, Setting, Unsupported, cases_of
 from mla.conformance.adapters import vllm_v4
-from mla.conformance.cases.deepseek_v4_layer import ScopeSpec, scope_trial
+from mla.conformance.cases.deepseek_v4_layer import (
+    ScopeSpec,
+    prefill_first_k_as_they_are,
+    scope_trial,
+)
 from mla.conformance.runner import run_case
 from tests._interpreter import needs_interpreter
 
 SETTING = Setting(torch.device("cpu"), torch.float32, 0, True)
-FAILS = {"decode_c4_minus_one": "the top-k's -1 left in place", "prefill_c4": ""}
+FAILS = {"decode_c4_minus_one": "the top-k's -1 left in place",
+         "prefill_c4": "the combined row takes the top-k row's first min((p + 1) // 4, K) ids"}
 
 
 def _kernels_or_skip() -> None:
@@ -58,30 +64,6 @@ def _runs() -> dict[str, tuple[Any, dict, tuple]]:
     return out
 
 
-def vllm_prefill_rows(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's prefill rows at ratio 4 (``combine_topk_swa_indices``): a row's first ``k =
-    min((p + 1) // 4, K)`` top-k ids as they are, plus ``M·b``, then the window's workspace
-    rows; its length ``k`` plus the window's, ``-1`` padded to a multiple of 128."""
-    pos, req = x["positions"].long(), x["token_to_req"].long()
-    lens, topk, window = x["seq_lens"].long(), x["topk"].long(), x["window"]
-    n = torch.bincount(req, minlength=lens.shape[0])
-    gather = n + torch.clamp(lens - n, max=window - 1)
-    N = int((lens // 4).max())
-    M = N + int(gather.max())
-    rows = []
-    for t in range(pos.shape[0]):
-        b, p = int(req[t]), int(pos[t])
-        k = min((p + 1) // 4, topk.shape[1])
-        first = int(lens[b] - gather[b])
-        swa = [M * b + N + s - first for s in range(max(p - window + 1, 0), p + 1)]
-        rows.append([int(i) + M * b for i in topk[t, :k]] + swa)
-    width = -(-(topk.shape[1] + window) // 128) * 128
-    idx = torch.full((len(rows), width), -1, dtype=torch.int32)
-    for t, r in enumerate(rows):
-        idx[t, :len(r)] = torch.tensor(r, dtype=torch.int32)
-    return idx, torch.tensor([len(r) for r in rows], dtype=torch.int32)
-
-
 @needs_interpreter
 def test_the_cases_pass_but_where_vllm_assumes_its_indexer_rows() -> None:
     _kernels_or_skip()
@@ -94,17 +76,16 @@ def test_the_cases_pass_but_where_vllm_assumes_its_indexer_rows() -> None:
                 name, row.convention)
         else:
             assert row.status == "pass", (name, row.status, row.detail)
-    assert runs["prefill_c4"][0].convention == ""  # no name in the catalogue: see the doc
 
 
 @needs_interpreter
 def test_prefill_c4_is_vllms_first_k_ids_as_they_are() -> None:
-    """The unnamed difference is vLLM's rule exactly: its rows equal ``vllm_prefill_rows``, a
+    """The named difference is vLLM's rule exactly: its rows equal the catalogue's model, a
     ``-1`` among a row's first ``k`` ids becomes ``M·b - 1`` (``-1`` for request 0, counted),
     and with the indexer's rows as vLLM's top-k writes them the reference's are vLLM's."""
     _kernels_or_skip()
     _, x, (idx, lens) = _runs()["prefill_c4"]
-    want_idx, want_lens = vllm_prefill_rows(x)
+    want_idx, want_lens = prefill_first_k_as_they_are(x)
     assert torch.equal(idx, want_idx) and torch.equal(lens, want_lens)
     in_length = torch.arange(idx.shape[1])[None, :] < lens[:, None]
     assert bool(((idx < 0) & in_length).any())  # request 0's -1 ids, counted
