@@ -31,11 +31,15 @@ indexer's logits kernels, for ``--target deepgemm`` and ``benchmarks.indexer_pee
 extension and headers compressed (6 MB).
 
 ``--v4`` adds DeepSeek-V4's compressor and indexer-q Triton kernels as vLLM 0.33 runs them off
-CUDA's CuTe-DSL paths (for ``benchmarks.v4_peers_check``): the ``@triton.jit`` functions
-``V4_KERNELS`` names (two are ``kernel`` methods of launcher classes, written under the names
-``V4_RENAMES`` gives), copied verbatim by their source lines from ``save_partial_states.py``,
-``fused_compress_quant_cache.py``, ``fused_indexer_q.py`` and ``v1/attention/ops/common.py``
-into one module ``V4_MODULE`` that imports only ``vllm.triton_utils``.
+CUDA's CuTe-DSL paths (for ``benchmarks.v4_peers_check``), and the Triton kernels that build the
+two KV scopes' indices (the window's slots, the compressed entries' slots, the prefill's
+combined workspace indices; for ``mla conform --target vllm-v4``'s ``v4_scope_indices``): the
+``@triton.jit`` functions ``V4_KERNELS`` names (``kernel`` methods of launcher classes are
+written under the names ``V4_RENAMES`` gives), copied verbatim by their source lines from
+``save_partial_states.py``, ``fused_compress_quant_cache.py``, ``fused_indexer_q.py``,
+``v1/attention/ops/common.py``, ``v1/attention/backends/mla/sparse_swa.py``, ``cache_utils.py``
+and ``deepseek_v4/sparse_mla.py`` into one module ``V4_MODULE`` that imports only
+``vllm.triton_utils``.
 
 ``--v41`` adds DeepSeek-V4.1's cache codecs as vLLM 0.33 writes and reads them (for
 ``benchmarks.v41_codecs``): the ``@triton.jit`` functions ``V41_KERNELS`` names, copied
@@ -116,9 +120,21 @@ V4_KERNELS = {
     V4_OPS + "fused_indexer_q.py": ("_get_cos_sin", "FusedIndexerQRopeQuantTritonKernel.kernel"),
     # the MX scale packing the indexer compressor calls where MX_SCALE (sm_100 and later)
     "vllm/v1/attention/ops/common.py": ("pack_ue8m0_x4",),
+    # the scopes' indices: the window's slots (decode) and the prefill's gather lengths, the
+    # C4A top-k's slots (decode), the prefill's combined workspace indices, the C128A ids
+    "vllm/v1/attention/backends/mla/sparse_swa.py": (
+        "_compute_swa_indices_and_lens_kernel", "ComputePrefillMetadataKernel.kernel"),
+    V4_OPS + "cache_utils.py": ("ComputeGlobalTopkIndicesAndLensKernel.kernel",
+                                "CombineTopkSwaIndicesKernel.kernel"),
+    "vllm/models/deepseek_v4/sparse_mla.py": ("BuildC128ATopkMetadataKernel.kernel",),
 }
 V4_RENAMES = {"SavePartialStatesKernel.kernel": "save_partial_states_kernel",
-              "FusedIndexerQRopeQuantTritonKernel.kernel": "fused_indexer_q_rope_quant_kernel"}
+              "FusedIndexerQRopeQuantTritonKernel.kernel": "fused_indexer_q_rope_quant_kernel",
+              "ComputePrefillMetadataKernel.kernel": "compute_prefill_metadata_kernel",
+              "ComputeGlobalTopkIndicesAndLensKernel.kernel":
+                  "compute_global_topk_indices_and_lens_kernel",
+              "CombineTopkSwaIndicesKernel.kernel": "combine_topk_swa_indices_kernel",
+              "BuildC128ATopkMetadataKernel.kernel": "build_c128a_topk_metadata_kernel"}
 V4_MODULE = V4_OPS + "v4_kernels.py"
 V4_PACKAGES = ("vllm/models", "vllm/models/deepseek_v4", "vllm/models/deepseek_v4/common",
                V4_OPS.rstrip("/"))
@@ -272,8 +288,8 @@ def v4_kernels_source(sources: dict[str, str]) -> str:
             parts.append(f"# {path}, lines {first}-{fn.end_lineno}"
                          + (f" ({name})" if name in V4_RENAMES else "") + "\n" + text)
     names = ", ".join(V4_RENAMES.get(n, n) for ns in V4_KERNELS.values() for n in ns)
-    return (f'"""DeepSeek-V4 compressor and indexer-q Triton kernels of vLLM 0.33.0, copied '
-            f'verbatim by benchmarks/peers.py --v4:\n{names}.\n"""\n\n'
+    return (f'"""DeepSeek-V4 compressor, indexer-q and scope-index Triton kernels of vLLM '
+            f'0.33.0, copied verbatim by benchmarks/peers.py --v4:\n{names}.\n"""\n\n'
             "from vllm.triton_utils import tl, triton\n\n\n" + "\n\n\n".join(parts) + "\n")
 
 
@@ -476,8 +492,9 @@ def main(argv: list[str] | None = None) -> int:
                         "kernels), its extension and headers xz-compressed (6 MB), for "
                         "mla conform --target deepgemm")
     p.add_argument("--v4", action="store_true",
-                   help="also DeepSeek-V4's compressor and indexer-q Triton kernels, copied "
-                        "into one module, for benchmarks.v4_peers_check")
+                   help="also DeepSeek-V4's compressor, indexer-q and scope-index Triton "
+                        "kernels, copied into one module, for benchmarks.v4_peers_check and "
+                        "mla conform --target vllm-v4")
     p.add_argument("--v41", action="store_true",
                    help="also DeepSeek-V4.1's cache codec kernels (MXFP8 528 B, NVFP4 288 B), "
                         "copied into one module, for benchmarks.v41_codecs")

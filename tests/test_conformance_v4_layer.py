@@ -6,7 +6,7 @@ block's last position, the other UE8M0 floor, masked positions read; NeoX pairs,
 folded; the window one token short, top-k ids not put valid first, ``p // 128`` visible
 entries) fails the cases that pin it, with the convention named. The kernel-level references
 equal the model-level ones (``compress``, ``serving``'s indices) and the ``vllm-v4`` target
-reads "unsupported" where it cannot run. All on the CPU.
+(all three kernels) reads "unsupported" where it cannot run. All on the CPU.
 """
 
 from __future__ import annotations
@@ -288,17 +288,17 @@ def test_scope_indices_equal_the_serving_path(ratio: int, path: str,
 
 # ---- the vllm-v4 target -----------------------------------------------------------------------
 
-def test_vllm_v4_target_is_named_and_lacks_the_scope_indices(monkeypatch: pytest.MonkeyPatch
-                                                             ) -> None:
+def test_vllm_v4_target_is_named_and_needs_the_interpreter_on_the_cpu(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its three kernels, each "unsupported" on CPU tensors without Triton's interpreter (their
+    runs under it: tests/test_conformance_vllm_v4_scope.py)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     name, target = load_target("vllm-v4")
-    assert name == "vllm-v4" and set(target) == {"v4_compress", "v4_indexer_q"}
+    assert name == "vllm-v4" and set(target) == set(LAYER)
     report = run(target, kernels=list(LAYER), cases=["c4_d512_length_4", "random_64_heads",
-                                                     "decode_mtp_rows"], device="cpu",
-                 dtype=torch.float32)
+                                                     "decode_mtp_rows", "prefill_c4"],
+                 device="cpu", dtype=torch.float32)
     status = {r.case: (r.status, r.detail) for r in report.rows}
-    assert status["c4_d512_length_4"][0] == "unsupported"
-    assert "TRITON_INTERPRET" in status["c4_d512_length_4"][1]
-    assert status["random_64_heads"][0] == "unsupported"
-    assert status["decode_mtp_rows"][0] == "unsupported"
-    assert "has no v4_scope_indices" in status["decode_mtp_rows"][1]
+    assert len(status) == 4
+    for case, (st, detail) in status.items():
+        assert st == "unsupported" and "TRITON_INTERPRET" in detail, (case, st, detail)

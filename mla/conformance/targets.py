@@ -57,7 +57,9 @@ TARGETS = {
     "vllm-cache": "vLLM 0.33.0's CUDA cache kernels: concat_and_cache_mla (bf16, fp8_ds_mla), "
                   "indexer_k_quant_and_cache, cp_gather_cache",
     "vllm-v4": "vLLM 0.33.0's DeepSeek-V4 Triton kernels: the compressor (state save, then "
-               "compress, norm, RoPE, quantize and store; d = 512 and 128) and the indexer's q",
+               "compress, norm, RoPE, quantize and store; d = 512 and 128), the indexer's q "
+               "and the scopes' indices (the window's and compressed entries' slots, the "
+               "prefill's combined workspace indices)",
     "deepgemm": "DeepGEMM 2.8.1 from vLLM 0.33.0's wheel: the indexer's fp8_mqa_logits and "
                 "fp8_paged_mqa_logits",
     "flashinfer": "FlashInfer's BatchMLAPagedAttentionWrapper (paged decode), if importable",

@@ -485,6 +485,16 @@ def _scope_alternatives(spec: ScopeSpec, x: dict, ref: Outputs
             return {**ref, "extra_indices": extra}
         alts["the top-k's -1 left in place; the reference puts the valid ids first, in their "
              "order"] = in_place
+    if spec.ratio == 4 and spec.path == "prefill":
+        def first_k_as_they_are() -> Outputs:
+            idx, lens = prefill_first_k_as_they_are({**x, "window": spec.window})
+            width = ref["indices"].shape[1]
+            idx = torch.nn.functional.pad(idx, (0, max(0, width - idx.shape[1])),
+                                          value=-1)[:, :width]
+            return {"indices": idx, "lengths": lens}
+        alts["the combined row takes the top-k row's first min((p + 1) // 4, K) ids as they "
+             "are, -1 in place and counted (read as workspace row M·b - 1, the request "
+             "before's last); the reference takes the valid ids"] = first_k_as_they_are
     if spec.ratio == 128 and spec.path == "decode":
         def visible_floor() -> Outputs:
             _, _, extra, extra_len = decode_scope_indices(
@@ -497,6 +507,31 @@ def _scope_alternatives(spec: ScopeSpec, x: dict, ref: Outputs
         alts["p // 128 visible compressed entries; the reference's is (p + 1) // 128 (an "
              "entry is visible from its block's last token on)"] = visible_floor
     return alts
+
+
+def prefill_first_k_as_they_are(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill rows at ratio 4 as ``combine_topk_swa_indices`` builds them from a top-k row
+    it trusts to hold its valid ids first (vLLM 0.33): the row's first ``k = min((p + 1) // 4,
+    K)`` ids as they are, plus ``M·b``, then the window's workspace rows; the length ``k`` plus
+    the window's, ``-1`` padded to a multiple of 128."""
+    pos, req = x["positions"].long(), x["token_to_req"].long()
+    lens, topk, window = x["seq_lens"].long(), x["topk"].long(), int(x["window"])
+    n = torch.bincount(req, minlength=lens.shape[0])
+    gather = n + torch.clamp(lens - n, max=window - 1)
+    N = int((lens // 4).max())
+    M = N + int(gather.max())
+    rows = []
+    for t in range(pos.shape[0]):
+        b, p = int(req[t]), int(pos[t])
+        k = min((p + 1) // 4, topk.shape[1])
+        first = int(lens[b] - gather[b])
+        swa = [M * b + N + s - first for s in range(max(p - window + 1, 0), p + 1)]
+        rows.append([int(i) + M * b for i in topk[t, :k]] + swa)
+    width = -(-(topk.shape[1] + window) // 128) * 128
+    idx = torch.full((len(rows), width), -1, dtype=torch.int32)
+    for t, r in enumerate(rows):
+        idx[t, :len(r)] = torch.tensor(r, dtype=torch.int32)
+    return idx, torch.tensor([len(r) for r in rows], dtype=torch.int32)
 
 
 def scope_trial(setting: Setting, spec: ScopeSpec, salt: int) -> Trial:
