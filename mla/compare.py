@@ -85,15 +85,13 @@ ERROR_BUDGETS: dict[tuple[str, str, str], float] = {
     ("sparse_mla_decode", "float16", "out_rel"): 6.3e-4,
     ("sparse_mla_decode", "float32", "lse_abs"): 7.1e-5,
     ("sparse_mla_decode", "float32", "out_rel"): 3.8e-6,
-    # the fused front against the reference's on the same inputs (mla.check.front): one unit
-    # in the last place of a model-dtype output at its largest value; the indexer's float32
-    # outputs carry the one-ulp differences of the q latent (H100: 1.9e-4 measured, bf16)
-    ("sparse_front", "bfloat16", "model_rel"): 2.0 ** -7,
-    ("sparse_front", "bfloat16", "f32_rel"): 4e-4,
-    ("sparse_front", "float16", "model_rel"): 2.0 ** -10,
-    ("sparse_front", "float16", "f32_rel"): 5e-5,
-    ("sparse_front", "float32", "model_rel"): 2e-6,
-    ("sparse_front", "float32", "f32_rel"): 2e-6,
+    # the fused front (mla.check.front): a few roundings of the model dtype (the GEMMs' outputs,
+    # the normed latents, the rotated query), against the float64 reference; measured on the
+    # CPU 4.8e-4 (float16) and 9.9e-7 (float32) over 30 seeds; bf16 from that scaled by 2^3,
+    # to be measured on a GPU
+    ("sparse_front", "bfloat16", "out_rel"): 4e-3,
+    ("sparse_front", "float16", "out_rel"): 1e-3,
+    ("sparse_front", "float32", "out_rel"): 2e-6,
     ("sparse_mla_prefill", "bfloat16", "lse_abs"): 5e-4,
     ("sparse_mla_prefill", "bfloat16", "max_abs"): 5e-4,
     ("sparse_mla_prefill", "bfloat16", "out_rel"): 3.8e-3,

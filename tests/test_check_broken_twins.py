@@ -91,6 +91,22 @@ def _index_off_by_one(f: Callable) -> Callable:
     return g
 
 
+def _scaled_front(f: Callable) -> Callable:
+    """``sparse_front``: the absorbed query's input ``q_nope`` x 1.01."""
+    def g(*args, **kwargs):  # type: ignore[no-untyped-def]
+        front, qk = f(*args, **kwargs)
+        return front._replace(q_nope=front.q_nope * 1.01), qk
+    return g
+
+
+def _scaled_index_weights(f: Callable) -> Callable:
+    """``sparse_front``: the indexer's head weights x 1.01."""
+    def g(*args, **kwargs):  # type: ignore[no-untyped-def]
+        front, qk = f(*args, **kwargs)
+        return front, qk._replace(weights=qk.weights * 1.01)
+    return g
+
+
 # kernel -> (name in mla.fast, broken twins: label -> wrapper)
 TWINS: dict[str, dict[str, Callable]] = {
     "attention_with_lse": {"out": _scaled_outputs(0), "lse": _scaled_outputs(1)},
@@ -110,6 +126,7 @@ TWINS: dict[str, dict[str, Callable]] = {
     "fp8_mqa_logits": {"logits": _scaled_return},
     "fp8_paged_mqa_logits": {"logits": _scaled_return},
     "top_k_per_row": {"index": _index_off_by_one},
+    "sparse_front": {"q_nope": _scaled_front, "weights": _scaled_index_weights},
 }
 
 

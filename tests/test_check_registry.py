@@ -30,7 +30,7 @@ FAMILIES = {"attention_with_lse", "mla_decode_paged", "merge_attn_states",
             "prefill_attention",
             "chunked_prefill_attention", "concat_and_cache_fp8_ds_mla", "sparse_mla_decode",
             "sparse_mla_prefill", "cp_lse_ag_out_rs", "indexer_k_quant_and_cache",
-            "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row"}
+            "fp8_mqa_logits", "fp8_paged_mqa_logits", "top_k_per_row", "sparse_front"}
 CPU = Ctx(device=torch.device("cpu"), dtype=torch.float16, quick=True)
 
 

@@ -47,11 +47,12 @@ from mla.fast.sparse import (
     sparse_mla_decode,
     sparse_mla_prefill,
 )
+from mla.fast.sparse.front import sparse_front
 from mla.fast.sparse.model import sparse_decode_forward, sparse_prefill_forward
 from mla.fast.topk import top_k_per_row
 
 __all__ = ["DecodePlan", "SparsePlan", "attention_with_lse", "chunked_prefill_attention",
-           "chunked_prefill_forward", "decode_forward", "sparse_decode_forward",
+           "chunked_prefill_forward", "decode_forward", "sparse_decode_forward", "sparse_front",
            "sparse_prefill_forward", "write_context",
            "concat_and_cache_fp8_ds_mla", "concat_and_cache_mla", "cp_lse_ag_out_rs",
            "convert_req_index_to_global_index", "flash_attention_with_lse", "gather_cache",
