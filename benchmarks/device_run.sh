@@ -3,7 +3,7 @@
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
-#     sparse-sweep|sparse-peers]...
+#     sparse-sweep|sparse-peers|front-budget]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -21,6 +21,11 @@ for step in "${steps[@]}"; do
     # cache on an H100, 90 s warm)
     check) timeout 480 python -m mla.check --out "$OUT/gpu_check.json" \
              --markdown "$OUT/gpu_check_table.md" 2>&1 | tee "$OUT/check.log" ;;
+    # the fused front's bf16 error over 10 seeds (mla.compare's budget sits at about twice it:
+    # tests/test_check_budgets.py), committed as benchmarks/results/checks/
+    front-budget) timeout 300 python -m mla.check --kernel sparse_front --seeds 10 \
+             --out "$OUT/error_budget_gpu_bfloat16_front.json" 2>&1 | tail -3 \
+             | tee "$OUT/front_budget.log" ;;
     # the fast kernels' tests on the GPU: bf16 cases, and the Gluon sm_90 kernels' NaN rule
     tests) timeout 500 python -m pytest -q -p no:cacheprovider tests/test_fast_sm90.py \
              tests/test_fast_batch_invariant.py tests/test_fast_v4_decode_step.py \
