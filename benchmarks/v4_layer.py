@@ -493,7 +493,7 @@ cache; every other column runs ours):
 
 Eager columns report the median of 5 calls and at these sizes are mostly host time (a few
 dozen launches and host tensor builds): read them against each other, and the graph column
-as the step's device time."""
+as the step's GPU time."""
 
 
 def write_report(res: dict, stem: str) -> None:
