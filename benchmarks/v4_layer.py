@@ -282,6 +282,50 @@ def vllm_compress(capacity: int | None = None):  # noqa: ANN201
     return compress
 
 
+def _masked(idx: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
+    """``idx`` with the entries past each row's ``length`` made ``-1`` (FlashMLA's sm_90
+    sparse decode takes no ``topk_length``, so vLLM passes its indices so there)."""
+    if length is None:
+        return idx
+    cols = torch.arange(idx.shape[-1], device=idx.device)
+    return torch.where(cols < length.view(-1, *[1] * (idx.dim() - 1)), idx, -1)
+
+
+def _flashmla_decode(q, kv, idx, scale, fp8, length=None, dv=512, *, validate=None,  # noqa
+                     plan=None, extra_k_cache=None, extra_indices_in_kvcache=None,
+                     extra_topk_length=None, **k):
+    """FlashMLA's MODEL1 sparse decode with ``mla.fast.sparse_mla_decode``'s signature."""
+    from mla.conformance.adapters import flashmla
+    extra = {}
+    if extra_k_cache is not None:
+        extra = dict(extra_k_cache=extra_k_cache,
+                     extra_indices_in_kvcache=_masked(extra_indices_in_kvcache,
+                                                      extra_topk_length))
+    return flashmla.sparse_mla_decode(q, kv, _masked(idx, length), scale, fp8, None, dv,
+                                      **extra, **k)
+
+
+def _vllm_q_prep(q, w, positions, cos_sin):  # noqa: ANN001, ANN202
+    """vLLM's Triton indexer query with ``v4_indexer_q_prep``'s signature."""
+    from mla.conformance.adapters import vllm_v4
+    codes, wq = vllm_v4.v4_indexer_q(q, w, positions, cos_sin, q.shape[-1] ** -0.5,
+                                     q.shape[1] ** -0.5)
+    return codes.view(torch.float8_e4m3fn), wq
+
+
+@contextmanager
+def _patched(changes: dict[tuple[object, str], object]):  # noqa: ANN202
+    """Each ``(module, name)`` set to its value for the block, then restored."""
+    saved = {key: getattr(*key) for key in changes}
+    for (m, n), f in changes.items():
+        setattr(m, n, f)
+    try:
+        yield saved
+    finally:
+        for (m, n), f in saved.items():
+            setattr(m, n, f)
+
+
 @contextmanager
 def vllm_composition():
     """The fast step with its attention, indexer query and indexer (logits, top-k) replaced by
@@ -297,50 +341,24 @@ def vllm_composition():
     (``fused_qnorm_rope_kv_insert``) is in its main CUDA library, which the wheel's pieces run
     here do not load."""
     import mla.fast.v4.layer as layer
-    from mla.conformance.adapters import deepgemm, flashmla, vllm_topk, vllm_v4
-    saved = {n: getattr(layer, n) for n in ("sparse_mla_decode", "v4_indexer_topk_paged",
-                                            "v4_indexer_q_prep", "_compress")}
-    compress = vllm_compress()
-
-    def masked(idx: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
-        if length is None:
-            return idx
-        cols = torch.arange(idx.shape[-1], device=idx.device)
-        return torch.where(cols < length.view(-1, *[1] * (idx.dim() - 1)), idx, -1)
-
-    def decode(q, kv, idx, scale, fp8, length=None, dv=512, *, validate=None, plan=None,  # noqa
-               extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None,
-               **k):
-        extra = {}
-        if extra_k_cache is not None:
-            extra = dict(extra_k_cache=extra_k_cache,
-                         extra_indices_in_kvcache=masked(extra_indices_in_kvcache,
-                                                         extra_topk_length))
-        return flashmla.sparse_mla_decode(q, kv, masked(idx, length), scale, fp8, None, dv,
-                                          **extra, **k)
-
-    def q_prep(q, w, positions, cos_sin):  # noqa: ANN001, ANN202
-        codes, wq = vllm_v4.v4_indexer_q(q, w, positions, cos_sin, q.shape[-1] ** -0.5,
-                                         q.shape[1] ** -0.5)
-        return codes.view(torch.float8_e4m3fn), wq
+    from mla.conformance.adapters import deepgemm, vllm_topk
+    fast_topk = layer.v4_indexer_topk_paged
 
     def topk(codes, weights, k_cache, tables, visible, max_entries, n, *, fill=False,  # noqa
              validate=None):
         if fill:
-            return saved["v4_indexer_topk_paged"](codes, weights, k_cache, tables, visible,
-                                                  max_entries, n, fill=True)
+            return fast_topk(codes, weights, k_cache, tables, visible, max_entries, n,
+                             fill=True)
         logits = deepgemm.fp8_paged_mqa_logits(codes[:, None], k_cache, weights, visible,
                                                tables, max_entries)
         return vllm_topk.persistent_top_k_per_row(logits, torch.zeros_like(visible), visible,
                                                   n)
 
-    layer.sparse_mla_decode, layer.v4_indexer_topk_paged = decode, topk
-    layer.v4_indexer_q_prep, layer._compress = q_prep, compress
-    try:
+    with _patched({(layer, "sparse_mla_decode"): _flashmla_decode,
+                   (layer, "v4_indexer_topk_paged"): topk,
+                   (layer, "v4_indexer_q_prep"): _vllm_q_prep,
+                   (layer, "_compress"): vllm_compress()}):
         yield
-    finally:
-        for n, f in saved.items():
-            setattr(layer, n, f)
 
 
 @contextmanager
@@ -354,52 +372,19 @@ def vllm_device_composition():
     one-row-a-request step does not use (``vllm_composition`` runs them eagerly)."""
     import mla.fast.v4.decode_step as step
     import mla.fast.v4.layer as layer
-    from mla.conformance.adapters import deepgemm, flashmla, vllm_topk, vllm_v4
-    saved = {(m, n): getattr(m, n) for m, n in ((step, "sparse_mla_decode"),
-                                                (step, "v4_indexer_topk_paged"),
-                                                (layer, "v4_indexer_q_prep"))}
+    from mla.conformance.adapters import deepgemm, vllm_topk
     ops = vllm_topk._ops()
-
-    def masked(idx: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
-        if length is None:
-            return idx
-        cols = torch.arange(idx.shape[-1], device=idx.device)
-        return torch.where(cols < length.view(-1, *[1] * (idx.dim() - 1)), idx, -1)
-
-    def decode(q, kv, idx, scale, fp8, length=None, dv=512, *, validate=None, plan=None,  # noqa
-               extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None,
-               **k):
-        extra = {}
-        if extra_k_cache is not None:
-            extra = dict(extra_k_cache=extra_k_cache,
-                         extra_indices_in_kvcache=masked(extra_indices_in_kvcache,
-                                                         extra_topk_length))
-        return flashmla.sparse_mla_decode(q, kv, masked(idx, length), scale, fp8, None, dv,
-                                          **extra, **k)
-
-    def q_prep(q, w, positions, cos_sin):  # noqa: ANN001, ANN202
-        codes, wq = vllm_v4.v4_indexer_q(q, w, positions, cos_sin, q.shape[-1] ** -0.5,
-                                         q.shape[1] ** -0.5)
-        return codes.view(torch.float8_e4m3fn), wq
 
     def topk(codes, weights, k_cache, tables, visible, max_entries, n, *, fill=False,  # noqa
              validate=None):
         logits = deepgemm.fp8_paged_mqa_logits(codes[:, None], k_cache, weights, visible,
                                                tables, max_entries)
-        R = logits.shape[0]
-        out = torch.full((R, n), -1, dtype=torch.int32, device=logits.device)
-        work = torch.zeros(vllm_topk.WORKSPACE_BYTES, dtype=torch.uint8, device=logits.device)
-        ops.persistent_topk(logits, visible.to(torch.int32).contiguous(), out, work, n,
-                            max(max_entries, 1))
-        return out
+        return vllm_topk.persistent_indices(ops, logits, visible, n, longest=max_entries)
 
-    step.sparse_mla_decode, step.v4_indexer_topk_paged = decode, topk
-    layer.v4_indexer_q_prep = q_prep
-    try:
+    with _patched({(step, "sparse_mla_decode"): _flashmla_decode,
+                   (step, "v4_indexer_topk_paged"): topk,
+                   (layer, "v4_indexer_q_prep"): _vllm_q_prep}):
         yield
-    finally:
-        for (m, n), f in saved.items():
-            setattr(m, n, f)
 
 
 @functools.lru_cache(maxsize=2)

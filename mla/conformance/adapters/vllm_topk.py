@@ -67,14 +67,16 @@ def prefill_indices(ops: object, logits: torch.Tensor, row_starts: torch.Tensor,
 
 
 def persistent_indices(ops: object, logits: torch.Tensor, row_ends: torch.Tensor,
-                       topk: int) -> torch.Tensor:
+                       topk: int, longest: int | None = None) -> torch.Tensor:
     """``ops.persistent_topk`` as vLLM's decode indexer calls it: each row read from column
     0 to its length, vLLM's 1 MiB workspace, ``max_seq_len`` the longest row (its host-side
-    bound), an int32 ``[R, topk]`` output filled with ``-1`` first."""
+    bound: ``longest`` where the caller knows one, so that nothing is read from the device,
+    else the rows' longest), an int32 ``[R, topk]`` output filled with ``-1`` first."""
     R = logits.shape[0]
     out = torch.full((R, topk), -1, dtype=torch.int32, device=logits.device)
     lengths = row_ends.to(torch.int32).contiguous()
-    longest = int(lengths.max()) if R else 0
+    if longest is None:
+        longest = int(lengths.max()) if R else 0
     work = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=logits.device)
     ops.persistent_topk(logits, lengths, out, work, topk, max(longest, 1))  # type: ignore[attr-defined]
     return out
