@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from mla.fast.common import should_validate
-from mla.fast.launch import check_grid
+from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
 from mla.fast.paged_cache import check_slot_range
 from mla.reference.fp8 import (
     D_NOPE,
@@ -45,7 +45,6 @@ from mla.reference.fp8 import (
 )
 
 __all__ = ["concat_and_cache_fp8_ds_mla"]
-
 
 
 @triton.jit
@@ -92,6 +91,9 @@ def _quant_cache_kernel(
              pe.to(tl.bfloat16), mask=ok)
 
 
+_quant_cache = CompiledLauncher(_quant_cache_kernel)
+
+
 def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                                 slot_mapping: torch.Tensor, *,
                                 validate: bool | None = None) -> None:
@@ -115,9 +117,11 @@ def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache
         # (Triton's interpreter truncates, and its float64 -> bf16 cast is wrong)
         k_pe = k_pe.to(torch.bfloat16)
     u8 = kv_cache.view(torch.uint8)
-    _quant_cache_kernel[(T,)](
+    strides = (*kv_c.stride(), *k_pe.stride())
+    # what fixes the compiled kernel's specialization (the constexprs are the module's)
+    key = (kv_c.dtype, slot_mapping.dtype,
+           *(ptr_spec(t) for t in (kv_c, k_pe, u8, slot_mapping)),
+           *(int_spec(x) for x in (n_slots, *strides)))
+    _quant_cache(key, (T, 1, 1), (
         kv_c, k_pe, u8, u8.view(torch.float32), u8.view(torch.bfloat16), slot_mapping,
-        n_slots, *kv_c.stride(), *k_pe.stride(),
-        D_NOPE=D_NOPE, D_ROPE=D_ROPE, NUM_TILES=NUM_TILES, TILE=TILE,
-        ROW_BYTES=FP8_DS_MLA_BYTES, num_warps=4,
-    )
+        n_slots, *strides, D_NOPE, D_ROPE, NUM_TILES, TILE, FP8_DS_MLA_BYTES), num_warps=4)

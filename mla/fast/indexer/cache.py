@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from mla.fast.common import should_validate
-from mla.fast.launch import check_grid
+from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
 from mla.fast.paged_cache import check_slot_range
 from mla.reference.indexer_cache import INDEX_DIM, INDEX_K_BYTES
 from mla.validation import check_float, check_index, check_same_device, check_tensor
@@ -85,6 +85,9 @@ def _indexer_k_cache_kernel(
     tl.store(cache_f32 + (base + block_size * D) // 4 + o, scale, mask=ok)
 
 
+_indexer_k_cache = CompiledLauncher(_indexer_k_cache_kernel)
+
+
 def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor,
                               slot_mapping: torch.Tensor, quant_block_size: int = INDEX_DIM,
                               scale_fmt: str | None = "ue8m0", *,
@@ -120,7 +123,9 @@ def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor,
     if k.dtype == torch.float64:
         k = k.float()  # rounded as the reference rounds it (the interpreter's cast truncates)
     u8 = kv_cache.view(torch.uint8)
-    _indexer_k_cache_kernel[grid](
-        k, u8, u8.view(-1).view(torch.float32), slot_mapping, T, nb * bs, bs, *k.stride(),
-        D=INDEX_DIM, BLOCK_T=BLOCK_T, num_warps=4,
-    )
+    ints = (T, nb * bs, bs, *k.stride())
+    key = (k.dtype, slot_mapping.dtype, *(ptr_spec(t) for t in (k, u8, slot_mapping)),
+           *(int_spec(x) for x in ints))
+    _indexer_k_cache(key, (grid[0], 1, 1), (
+        k, u8, u8.view(-1).view(torch.float32), slot_mapping, *ints, INDEX_DIM, BLOCK_T),
+        num_warps=4)

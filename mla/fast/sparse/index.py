@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from mla.fast.common import should_validate
-from mla.fast.launch import check_grid
+from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
 from mla.reference.sparse import check_index_conversion_shapes, check_index_conversion_values
 
 __all__ = ["convert_req_index_to_global_index"]
@@ -53,6 +53,9 @@ def _convert_kernel(
     tl.store(out + t * topk + cols, slot.to(tl.int32), mask=col_ok)
 
 
+_convert = CompiledLauncher(_convert_kernel)
+
+
 def convert_req_index_to_global_index(
     req_id: torch.Tensor,
     block_table: torch.Tensor,
@@ -85,10 +88,11 @@ def convert_req_index_to_global_index(
     ws_req = prefill_workspace_request_ids if has_workspace else req_id
     ws_starts = prefill_workspace_starts if has_workspace else req_id
     num_prefills = prefill_workspace_starts.shape[0] if has_workspace else 0
-    _convert_kernel[grid](
-        req_id, block_table, token_indices, out, ws_req, ws_starts,
-        topk, block_table.shape[0], block_table.shape[1], num_prefills,
-        *block_table.stride(), *token_indices.stride(),
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, HAS_WORKSPACE=has_workspace, num_warps=4,
-    )
+    pointers = (req_id, block_table, token_indices, out, ws_req, ws_starts)
+    ints = (topk, block_table.shape[0], block_table.shape[1], num_prefills,
+            *block_table.stride(), *token_indices.stride())
+    key = (block_size, block_n, has_workspace, *(t.dtype for t in pointers),
+           *(ptr_spec(t) for t in pointers), *(int_spec(x) for x in ints))
+    _convert(key, (*grid, 1), (*pointers, *ints, block_size, block_n, has_workspace),
+             num_warps=4)
     return out
