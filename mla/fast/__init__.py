@@ -36,6 +36,7 @@ from mla.fast.decode import DecodePlan, mla_decode_paged, plan_decode
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
 from mla.fast.indexer.cache import indexer_k_quant_and_cache
 from mla.fast.indexer.logits import fp8_mqa_logits, fp8_paged_mqa_logits
+from mla.fast.indexer.query import quantize_indexer_q
 from mla.fast.merge import merge_attn_states
 from mla.fast.model import chunked_prefill_forward, decode_forward, write_context
 from mla.fast.paged_cache import concat_and_cache_mla, gather_cache
@@ -58,5 +59,5 @@ __all__ = ["DecodePlan", "SparsePlan", "attention_with_lse", "chunked_prefill_at
            "convert_req_index_to_global_index", "flash_attention_with_lse", "gather_cache",
            "fp8_mqa_logits", "fp8_paged_mqa_logits", "indexer_k_quant_and_cache",
            "merge_attn_states", "mla_decode_paged", "plan_decode", "plan_sparse",
-           "prefill_attention", "set_validation", "sparse_mla_decode", "sparse_mla_prefill",
-           "top_k_per_row", "validation", "validation_enabled"]
+           "prefill_attention", "quantize_indexer_q", "set_validation", "sparse_mla_decode",
+           "sparse_mla_prefill", "top_k_per_row", "validation", "validation_enabled"]

@@ -37,9 +37,10 @@ from mla.reference.fp8 import act_quant
 from mla.reference.indexer_cache import INDEX_DIM, INDEX_K_BYTES, read_indexer_k_cache
 from mla.validation import acc_dtype, check_float, check_index, check_same_device, check_tensor
 
-__all__ = ["quantize_indexer_q", "fp8_mqa_logits", "fp8_paged_mqa_logits", "decode_row_ends",
-           "top_k_per_row", "compressed_rows", "check_logits_q", "check_ragged_logits_args",
-           "check_ragged_logits_ranges", "check_max_seqlen_k", "check_paged_logits_args"]
+__all__ = ["quantize_indexer_q", "check_indexer_q_args", "fp8_mqa_logits",
+           "fp8_paged_mqa_logits", "decode_row_ends", "top_k_per_row", "compressed_rows",
+           "check_logits_q", "check_ragged_logits_args", "check_ragged_logits_ranges",
+           "check_max_seqlen_k", "check_paged_logits_args"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.uint8)
 _CHUNK_ELEMENTS = 1 << 24
@@ -51,13 +52,18 @@ def quantize_indexer_q(q_index: torch.Tensor, weights: torch.Tensor,
     DeepSeek's ``act_quant`` per head (one scale per 128 values), the scale folded into the
     head's weight as its inference code does (vLLM's fused kernel floors amax at 1e-10, not
     1e-4: they differ only for a head whose values all lie below 1e-4)."""
+    check_indexer_q_args(q_index, weights)
+    q_fp8, q_scale = act_quant(q_index, block_size=INDEX_DIM, scale_fmt=scale_fmt)
+    return q_fp8, weights.float() * q_scale[..., 0]
+
+
+def check_indexer_q_args(q_index: torch.Tensor, weights: torch.Tensor) -> None:
+    """``quantize_indexer_q``'s arguments: float ``q_index [..., H, 128]``, ``weights [..., H]``."""
     check_float("q_index", q_index)
     if q_index.dim() < 2 or q_index.shape[-1] != INDEX_DIM:
         raise ValueError(f"q_index must have shape [..., H, {INDEX_DIM}], got "
                          f"{list(q_index.shape)}")
     check_float("weights", weights, shape=list(q_index.shape[:-1]))
-    q_fp8, q_scale = act_quant(q_index, block_size=INDEX_DIM, scale_fmt=scale_fmt)
-    return q_fp8, weights.float() * q_scale[..., 0]
 
 
 def check_logits_q(q: torch.Tensor, ndim: int) -> torch.Tensor:

@@ -181,6 +181,7 @@ class SparseOps:
     fp8_cache_write: Callable[..., None] = concat_and_cache_fp8_ds_mla
     rotate: Callable[[torch.Tensor], torch.Tensor] = hadamard_rotate
     index_cache_write: Callable[..., None] = indexer_k_quant_and_cache
+    quantize_q: Callable[..., tuple[torch.Tensor, torch.Tensor]] = quantize_indexer_q
     paged_logits: Callable[..., torch.Tensor] = fp8_paged_mqa_logits
     ragged_logits: Callable[..., torch.Tensor] = fp8_mqa_logits
     top_k: Callable[..., torch.Tensor] = top_k_per_row
@@ -237,7 +238,7 @@ def front_and_index(ops: SparseOps, weights: MLAWeights, indexer_weights: Indexe
     write(f.kv_c, f.k_pe, kv_cache, slots)
     k_rot = ops.rotate(qk.k_index)
     ops.index_cache_write(k_rot, index_k_cache, slots)
-    q_fp8, w_q = quantize_indexer_q(ops.rotate(qk.q_index), qk.weights)
+    q_fp8, w_q = ops.quantize_q(ops.rotate(qk.q_index), qk.weights)
     return f, IndexerQK(q_index=q_fp8, k_index=k_rot, weights=w_q)
 
 

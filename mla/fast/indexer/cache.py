@@ -56,6 +56,21 @@ def e4m3_bits(v):
 
 
 @triton.jit
+def ue8m0_scale(amax):
+    """``(scale, 1 / scale)`` for float32 ``amax >= 0``: ``scale = 2^ceil(log2(max(amax, 1e-4)
+    / 448))`` by its exponent (module doc); an infinite ``amax`` gives ``(inf, 0)``, a NaN
+    ``(NaN, NaN)``."""
+    a_bits = amax.to(tl.int32, bitcast=True)
+    e = ((a_bits >> 23) & 0xFF) - 127
+    j = tl.maximum(e - 8 + ((a_bits & 0x7FFFFF) > 0x600000).to(tl.int32), -22)
+    finite = a_bits < 0x7F800000
+    scale = tl.where(finite, ((j + 127) << 23).to(tl.float32, bitcast=True), amax)
+    inv_scale = tl.where(finite, ((127 - j) << 23).to(tl.float32, bitcast=True),
+                         tl.where(amax == amax, 0.0, amax))
+    return scale, inv_scale
+
+
+@triton.jit
 def _indexer_k_cache_kernel(
     k, cache_u8, cache_f32, slot_mapping, T, n_slots, block_size, s_k_t, s_k_d,
     D: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -68,13 +83,7 @@ def _indexer_k_cache_kernel(
                 other=0.0).to(tl.float32)
     a = tl.abs(x)
     amax = tl.max(tl.where(a == a, a, 0.0), axis=1)  # NaN ignored, as CUDA's fmaxf
-
-    a_bits = amax.to(tl.int32, bitcast=True)
-    e = ((a_bits >> 23) & 0xFF) - 127
-    j = tl.maximum(e - 8 + ((a_bits & 0x7FFFFF) > 0x600000).to(tl.int32), -22)
-    finite = a_bits < 0x7F800000
-    scale = tl.where(finite, ((j + 127) << 23).to(tl.float32, bitcast=True), float("inf"))
-    inv_scale = tl.where(finite, ((127 - j) << 23).to(tl.float32, bitcast=True), 0.0)
+    scale, inv_scale = ue8m0_scale(amax)
     code = e4m3_bits(x * inv_scale[:, None])  # exact scaling: a power of two
 
     page = slot // block_size

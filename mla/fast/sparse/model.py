@@ -9,7 +9,8 @@ kernels in its ``SparseOps`` where they exist:
                        weights' float32 and bmm layouts prepared once
     latent cache       mla.fast.concat_and_cache_mla / concat_and_cache_fp8_ds_mla
     index key cache    Hadamard rotation (a GEMM), mla.fast.indexer_k_quant_and_cache
-    indexer q          Hadamard rotation, quantize_indexer_q (e4m3, scale into the weights)
+    indexer q          Hadamard rotation, mla.fast.quantize_indexer_q (e4m3, scale into the
+                       weights, one kernel)
     logits             decode: mla.fast.fp8_paged_mqa_logits over the block table
                        prefill: the keys gathered per request (the reference's torch
                        gather), mla.fast.fp8_mqa_logits
@@ -37,6 +38,7 @@ from mla.fast.common import should_validate
 from mla.fast.fp8 import concat_and_cache_fp8_ds_mla
 from mla.fast.indexer.cache import indexer_k_quant_and_cache
 from mla.fast.indexer.logits import fp8_mqa_logits, fp8_paged_mqa_logits
+from mla.fast.indexer.query import quantize_indexer_q
 from mla.fast.model import token_slots
 from mla.fast.paged_cache import concat_and_cache_mla
 from mla.fast.sparse import (
@@ -104,6 +106,7 @@ def fast_sparse_ops(validate: bool) -> SparseOps:
         fp8_cache_write=checked(concat_and_cache_fp8_ds_mla),
         rotate=_rotate,
         index_cache_write=checked(indexer_k_quant_and_cache),
+        quantize_q=quantize_indexer_q,
         paged_logits=checked(fp8_paged_mqa_logits),
         ragged_logits=checked(fp8_mqa_logits),
         top_k=checked(top_k_per_row),
