@@ -95,6 +95,7 @@ from mla.weights import MLAWeights
 __all__ = ["sparse_prefill_forward", "sparse_decode_forward", "sparse_masked_dense_forward",
            "is_byte_cache", "check_sparse_caches", "project_output", "SparseOps",
            "REFERENCE_SPARSE_OPS", "SparseTrace", "front_and_index", "run_sparse_decode",
+           "DecodeRows", "reference_decode_rows",
            "run_sparse_prefill"]
 
 
@@ -159,6 +160,34 @@ def project_output(weights: MLAWeights, o_lat: torch.Tensor) -> torch.Tensor:
     return o.flatten(-2) @ weights.W_O
 
 
+class DecodeRows(NamedTuple):
+    """A decode step's per-token metadata, ``T = B · s_q`` new tokens, request-major."""
+
+    positions: torch.Tensor  # int64 [T]: cache_seqlens[b] + n, token n of request b
+    req: torch.Tensor  # int32 [T]: b
+    slots: torch.Tensor  # int64 [T]: the tokens' cache slots (slot_mapping_from_block_table)
+    seq_lens: torch.Tensor  # int32 [B]: cache_seqlens + s_q, the keys after the step
+    row_starts: torch.Tensor  # int32 [T]: 0, where each token's logits row starts
+    row_ends: torch.Tensor  # int32 [T]: decode_row_ends(seq_lens, s_q), its keys' end
+
+
+def reference_decode_rows(cache_seqlens: torch.Tensor, block_table: torch.Tensor, s_q: int,
+                          block_size: int) -> DecodeRows:
+    """``DecodeRows`` of ``s_q`` new tokens a request after ``cache_seqlens`` cached ones,
+    their slots through ``block_table`` (which checks them against it on the host)."""
+    dev = cache_seqlens.device
+    B = cache_seqlens.shape[0]
+    positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
+    req = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(s_q)
+    seq_lens = (cache_seqlens + s_q).to(torch.int32)
+    return DecodeRows(positions=positions, req=req,
+                      slots=slot_mapping_from_block_table(block_table, req, positions,
+                                                          block_size),
+                      seq_lens=seq_lens,
+                      row_starts=torch.zeros(B * s_q, dtype=torch.int32, device=dev),
+                      row_ends=decode_row_ends(seq_lens, s_q))
+
+
 @dataclass(frozen=True)
 class SparseOps:
     """What a sparse layer step calls, with the reference's signatures; the defaults are the
@@ -166,7 +195,8 @@ class SparseOps:
 
     ``check_caches``: the cache layouts the path reads (``check_sparse_caches``' arguments);
     ``front``: the projections, norms and RoPE (``reference_front``), ``absorb`` and
-    ``project`` the absorbed query and the output projection; ``validate``: the
+    ``project`` the absorbed query and the output projection; ``decode_rows`` a decode
+    step's positions, slots and logits rows (``reference_decode_rows``); ``validate``: the
     orchestration's own host value checks (``cache_seqlens >= 0``), off on a
     path that must not read the device. A float index key cache is the reference's alone: its
     scores and top-k are the reference's ``index_scores``/``select_topk``, whatever the ops.
@@ -177,6 +207,7 @@ class SparseOps:
     project: Callable[[MLAWeights, torch.Tensor], torch.Tensor] = project_output
     check_caches: Callable[..., None] = check_sparse_caches
     slot_mapping: Callable[..., torch.Tensor] = slot_mapping_from_block_table
+    decode_rows: Callable[..., DecodeRows] = reference_decode_rows
     cache_write: Callable[..., None] = concat_and_cache_mla
     fp8_cache_write: Callable[..., None] = concat_and_cache_fp8_ds_mla
     rotate: Callable[[torch.Tensor], torch.Tensor] = hadamard_rotate
@@ -327,25 +358,22 @@ def run_sparse_decode(ops: SparseOps, weights: MLAWeights, indexer_weights: Inde
     ops.check_caches(weights, indexer_weights, kv_cache, index_k_cache, use_fp8_indexer)
     if ops.validate:
         check_nonnegative("cache_seqlens", cache_seqlens)
-    dev, bs = hidden.device, kv_cache.shape[1]
-    positions = (cache_seqlens.long()[:, None] + torch.arange(s_q, device=dev)).flatten()
-    req = torch.arange(B, device=dev).repeat_interleave(s_q)
+    bs = kv_cache.shape[1]
+    rows = ops.decode_rows(cache_seqlens, block_table, s_q, bs)
+    positions, req = rows.positions, rows.req
     f, qk = front_and_index(ops, weights, indexer_weights, hidden.reshape(B * s_q, -1),
-                            ops.slot_mapping(block_table, req, positions, bs), positions,
-                            kv_cache, index_k_cache, use_fp8_indexer)
+                            rows.slots, positions, kv_cache, index_k_cache, use_fp8_indexer)
     topk = indexer_weights.config.index_topk
     table32 = block_table.to(torch.int32)
     logits = starts = ends = None
     if is_byte_cache(index_k_cache):
-        seq_lens = (cache_seqlens + s_q).to(torch.int32)
         logits = ops.paged_logits(qk.q_index.view(B, s_q, *qk.q_index.shape[1:]), index_k_cache,
-                                  qk.weights, seq_lens, table32, block_table.shape[1] * bs)
-        starts = torch.zeros(B * s_q, dtype=torch.int32, device=dev)
-        ends = decode_row_ends(seq_lens, s_q)
+                                  qk.weights, rows.seq_lens, table32, block_table.shape[1] * bs)
+        starts, ends = rows.row_starts, rows.row_ends
         local = ops.top_k(logits, starts, ends, topk)
     else:
         local = _select_float(qk, index_k_cache, block_table, req, positions, topk)
-    slots = ops.convert(req.to(torch.int32), table32, local, bs)
+    slots = ops.convert(req, table32, local, bs)
     q = ops.absorb(weights, f.q_nope, f.q_pe)
     q = q.view(B, s_q, c.num_heads, c.latent_dim)
     o_lat, lse = ops.decode(q, kv_cache, slots.view(B, s_q, -1), c.softmax_scale,

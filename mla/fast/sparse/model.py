@@ -47,6 +47,7 @@ from mla.fast.sparse import (
     sparse_mla_prefill,
 )
 from mla.fast.sparse.front import absorb_query, output_projection, sparse_front
+from mla.fast.sparse.index import decode_rows
 from mla.fast.topk import top_k_per_row
 from mla.reference.front import Front
 from mla.reference.indexer import IndexerWeights, _hadamard
@@ -102,6 +103,7 @@ def fast_sparse_ops(validate: bool) -> SparseOps:
         project=output_projection,
         check_caches=_fast_check_caches,
         slot_mapping=checked(token_slots),
+        decode_rows=checked(decode_rows),
         cache_write=checked(concat_and_cache_mla),
         fp8_cache_write=checked(concat_and_cache_fp8_ds_mla),
         rotate=_rotate,
