@@ -248,6 +248,9 @@ class TopkPlan:
         return "one"
 
 
+DEFAULT_PLAN = TopkPlan()  # built once: its checks are a few microseconds of host a call
+
+
 def sample_columns(n: int, runs: int = 1024, run: int = 8) -> torch.Tensor:
     """The columns (from the row's start) that the estimate samples in a row of ``n`` keys
     (``TopkPlan.sample_runs_for``, ``sample_run``): ``runs`` runs of ``run``, evenly spaced from 0
@@ -286,7 +289,7 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
                          f"kernels' columns are int32), got {W}")
     if plan is not None and not isinstance(plan, TopkPlan):
         raise TypeError(f"plan must be a TopkPlan, got {type(plan).__name__}")
-    plan = plan or TopkPlan()
+    plan = plan or DEFAULT_PLAN
     if R and should_validate(validate, logits):
         lo, hi = torch.stack([row_starts.long().min(), row_ends.long().max()]).tolist()
         if lo < 0 or hi > W:
