@@ -5,8 +5,8 @@ peers' kernels (DeepGEMM, vLLM, FlashMLA), stage by stage and in total, on the s
 unpacked by ``python -m benchmarks.peers --topk --deepgemm`` into ``peers/`` (or
 ``$MLA_PEERS``). Shapes: DECODE, B in {1, 32, 128} requests of L in {8K, 32K, 128K} cached
 tokens, ``next_n`` 1 and 2 new tokens a request (2: multi-token prediction); PREFILL, one
-request's chunk of 2K new tokens over 16K of context and of 4K over 32K. ``--quick``: B = 32,
-L = 32K, ``next_n`` 1, and the 2K prefill. bf16 weights (``MLAWeights.random``), the
+request's chunk of 2K new tokens over 16K of context and of 4K over 32K. ``--quick``: B = 1,
+L = 8K and B = 32, L = 32K at ``next_n`` 1, and the 2K prefill. bf16 weights (``MLAWeights.random``), the
 fp8_ds_mla latent cache and vLLM's fp8 index key cache of one layer (``benchmarks.sparse_layer``'s
 builder: 64K random tokens quantized by the fast writers, tiled over scrambled pages).
 
@@ -108,7 +108,7 @@ __all__ = ["DECODE", "PREFILL", "QUICK_DECODE", "QUICK_PREFILL", "STAGES", "pars
 
 DECODE = [(B, L, n) for n in (1, 2) for B in (1, 32, 128) for L in (8192, 32768, 131072)]
 PREFILL = [(2048, 16384), (4096, 32768)]  # (new tokens, context) of one request
-QUICK_DECODE = [(32, 32768, 1)]
+QUICK_DECODE = [(1, 8192, 1), (32, 32768, 1)]
 QUICK_PREFILL = [(2048, 16384)]
 STAGES = ["front", "cache_writes", "index_key_gather", "indexer_logits", "top_k",
           "index_conversion", "latent_gather", "sparse_attention", "output_projection"]
@@ -276,7 +276,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--out-dir", type=Path, required=True)
     p.add_argument("--quick", action="store_true",
-                   help="B=32 L=32K next_n=1 and the 2K-over-16K prefill only")
+                   help="B=1 L=8K and B=32 L=32K at next_n=1, and the 2K-over-16K prefill")
     p.add_argument("--reps", type=int, default=20, help="graph replays timed per graph")
     p.add_argument("--eager-runs", type=int, default=10, help="eager steps timed per side")
     p.add_argument("--profile-front", action="store_true",
