@@ -6,9 +6,10 @@ unpacked by ``python -m benchmarks.peers --topk --deepgemm`` into ``peers/`` (or
 ``$MLA_PEERS``). Shapes: DECODE, B in {1, 32, 128} requests of L in {8K, 32K, 128K} cached
 tokens, ``next_n`` 1 and 2 new tokens a request (2: multi-token prediction); PREFILL, one
 request's chunk of 2K new tokens over 16K of context and of 4K over 32K. ``--quick``: B = 1,
-L = 8K and B = 32, L = 32K at ``next_n`` 1, and the 2K prefill. bf16 weights (``MLAWeights.random``), the
-fp8_ds_mla latent cache and vLLM's fp8 index key cache of one layer (``benchmarks.sparse_layer``'s
-builder: 64K random tokens quantized by the fast writers, tiled over scrambled pages).
+L = 8K and B = 32, L = 32K at ``next_n`` 1, and the 2K prefill. bf16 weights
+(``MLAWeights.random``), the fp8_ds_mla latent cache and vLLM's fp8 index key cache of one
+layer (``benchmarks.sparse_layer``'s builder: 64K random tokens quantized by the fast writers,
+tiled over scrambled pages).
 
 The step's stages, each side computing every stage from its own previous ones:
 
@@ -19,7 +20,7 @@ The step's stages, each side computing every stage from its own previous ones:
                        indexer_k_quant_and_cache             ("fp8_ds_mla"), indexer_k_quant_and_
                                                              cache (128, "ue8m0")
     index_key_gather   (prefill) the requests' index keys:   vLLM cp_gather_indexer_k_quant_cache
-                       torch gather at precomputed offsets
+                       gather_indexer_k_cache
     indexer_logits     fp8_paged_mqa_logits / fp8_mqa_logits DeepGEMM fp8_fp4_paged_mqa_logits
                                                              (its schedule metadata computed once
                                                              per step, outside the step, as vLLM)
@@ -30,7 +31,8 @@ The step's stages, each side computing every stage from its own previous ones:
     index_conversion   convert_req_index_to_global_index     ours (vLLM's Triton kernel is not
                                                              unpacked into peers/)
     latent_gather      (prefill) fp8_ds_mla rows dequantized vLLM cp_gather_and_upconvert_fp8_
-                       into the bf16 workspace: torch        kv_cache
+                       into the bf16 workspace:              kv_cache
+                       gather_and_upconvert_fp8_ds_mla
     sparse_attention   sparse_mla_decode / sparse_mla_       FlashMLA flash_mla_with_kvcache with
                        prefill                               indices (fp8_ds_mla) /
                                                              flash_mla_sparse_fwd
@@ -97,7 +99,7 @@ from mla.environment import environment
 from mla.fast.model import token_slots
 from mla.fast.sparse import model as fast_sparse
 from mla.reference.indexer import IndexerWeights
-from mla.reference.indexer_cache import INDEX_K_BYTES, _byte_offsets
+from mla.reference.indexer_cache import INDEX_K_BYTES
 from mla.reference.indexer_logits import decode_row_ends
 from mla.weights import MLAWeights
 
@@ -438,7 +440,7 @@ def decode_inputs(cfg: MLAConfig, B: int, L: int, next_n: int, device: str = "cu
 def prefill_inputs(cfg: MLAConfig, chunk: int, context: int, device: str = "cuda",
                    seed: int = 0) -> State:
     """A prefill shape's inputs and per-step metadata: one request, ``chunk`` new tokens after
-    ``context`` cached ones; the gathers' offsets, row ranges and workspace starts."""
+    ``context`` cached ones; the gathers' lengths and workspace starts, the rows' ranges."""
     dev = torch.device(device)
     n_keys = context + chunk
     per_req = -(-n_keys // BLOCK)
@@ -449,9 +451,6 @@ def prefill_inputs(cfg: MLAConfig, chunk: int, context: int, device: str = "cuda
     hidden = torch.randn(chunk, cfg.hidden_size, device=dev, dtype=torch.bfloat16, generator=g)
     positions = context + torch.arange(chunk, device=dev)
     req = torch.zeros(chunk, dtype=torch.long, device=dev)
-    all_pos = torch.arange(n_keys, device=dev)
-    all_slots = token_slots(bt32, torch.zeros_like(all_pos), all_pos, BLOCK, validate=False)
-    values_at, scale_at = _byte_offsets(all_slots, BLOCK)
     ks = torch.zeros(chunk, dtype=torch.int32, device=dev)  # the request's keys start at 0
     ke = (positions + 1).to(torch.int32)
     return {
@@ -459,10 +458,10 @@ def prefill_inputs(cfg: MLAConfig, chunk: int, context: int, device: str = "cuda
         "hidden": hidden, "positions": positions, "kv": kv, "ik": ik, "bt32": bt32,
         "req32": req.to(torch.int32),
         "slots": token_slots(bt32, req, positions, BLOCK, validate=False),
-        "key_values_at": values_at, "key_scale_at": scale_at, "ws_slots": all_slots,
         "ks": ks, "ke": ke, "row_lens": (ke - ks).contiguous(),
         "cu_keys": torch.tensor([0, n_keys], dtype=torch.int32, device=dev),
-        "ws_starts": torch.zeros(1, dtype=torch.int32, device=dev)}
+        "ws_starts": torch.zeros(1, dtype=torch.int32, device=dev),
+        "ws_lens": torch.tensor([n_keys], dtype=torch.int32, device=dev)}
 
 
 def bench_decode(B: int, L: int, next_n: int, w: MLAWeights, iw: IndexerWeights, peers: dict,

@@ -18,6 +18,8 @@ from mla.fast import (
     convert_req_index_to_global_index,
     fp8_mqa_logits,
     fp8_paged_mqa_logits,
+    gather_and_upconvert_fp8_ds_mla,
+    gather_indexer_k_cache,
     indexer_k_quant_and_cache,
     sparse_mla_decode,
     sparse_mla_prefill,
@@ -25,7 +27,6 @@ from mla.fast import (
 )
 from mla.fast.sparse.front import absorb_query, output_projection, sparse_front
 from mla.fast.sparse.model import _rotate
-from mla.reference.fp8 import dequantize_fp8_ds_mla
 from mla.reference.indexer import IndexerWeights
 from mla.reference.indexer_cache import INDEX_K_BYTES
 from mla.reference.indexer_logits import quantize_indexer_q
@@ -263,10 +264,8 @@ def prefill_stages(w: MLAWeights, iw: IndexerWeights, peers: dict, st: State
     n_keys = st["n_keys"]
 
     def key_gather(s: State) -> State:
-        flat = s["ik"].view(torch.uint8).reshape(-1)
-        codes = flat[s["key_values_at"]].view(torch.float8_e4m3fn)
-        k_scale = flat[s["key_scale_at"]].contiguous().view(torch.float32).reshape(-1)
-        return {"keys": (codes, k_scale)}
+        return {"keys": gather_indexer_k_cache(s["ik"], s["bt32"], s["cu_keys"],
+                                               num_tokens=n_keys, validate=False)}
 
     def logits(s: State) -> State:
         return {"logits": fp8_mqa_logits(s["q_fp8"], s["keys"], s["w_q"], s["ks"], s["ke"],
@@ -276,8 +275,9 @@ def prefill_stages(w: MLAWeights, iw: IndexerWeights, peers: dict, st: State
         return {"local": top_k_per_row(s["logits"], s["ks"], s["ke"], topk, validate=False)}
 
     def latent_gather(s: State) -> State:
-        kv_c, k_pe = dequantize_fp8_ds_mla(s["kv"].view(-1, FP8_DS_MLA_ROW)[s["ws_slots"]])
-        return {"workspace": torch.cat([kv_c, k_pe], dim=-1)}
+        ws = torch.empty(n_keys, cfg.latent_dim, dtype=torch.bfloat16, device=s["kv"].device)
+        return {"workspace": gather_and_upconvert_fp8_ds_mla(
+            s["kv"], ws, s["bt32"], s["ws_lens"], s["ws_starts"], 1, validate=False)}
 
     def attention(s: State) -> State:
         o, _, _ = sparse_mla_prefill(s["q"], s["workspace"], s["slots_sel"], scale,

@@ -1,17 +1,22 @@
 """The parts of the step benchmark (``benchmarks.step_peers``) that decide what it reports, on
 the CPU: its options and shapes, the floor's arithmetic on a hand-computed example, the bytes
-and FLOPs it charges a step, the report row built from given timings and the tables."""
+and FLOPs it charges a step, the report row built from given timings and the tables; and its
+prefill gather stages against the reference's gathers."""
 
 from __future__ import annotations
 
 import importlib
+import types
 
 import pytest
 import torch
 
 from benchmarks import step_peers as sp
+from benchmarks.step_stages import prefill_stages
 from mla.config import get_config
+from mla.reference.fp8 import gather_and_upconvert_fp8_ds_mla
 from mla.reference.indexer import IndexerWeights
+from mla.reference.indexer_cache import gather_indexer_k_cache
 from mla.weights import MLAWeights
 
 V32 = get_config("deepseek-v3.2")
@@ -156,3 +161,18 @@ def test_tables():
     short = sp.short_table(rows)
     assert short.splitlines()[1].split()[-5:] == ["100.0", "125.0", "0.80", "0.48", "1.40"]
     assert short.splitlines()[3].endswith("error")
+
+
+def test_prefill_gather_stages_give_the_reference_gathers():
+    """The prefill's gather stages on our side (``mla.fast``'s gathers) against the reference's
+    on the benchmark's own inputs: one request of 150 cached tokens and 8 new (3 pages)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    st = sp.prefill_inputs(V32, 8, 150, device=device)
+    ours = dict(prefill_stages(types.SimpleNamespace(config=V32), None, {}, st)[0])
+    codes, scales = ours["index_key_gather"](st)["keys"]
+    workspace = ours["latent_gather"](st)["workspace"]
+    want_codes, want_scales = gather_indexer_k_cache(st["ik"], st["bt32"], st["cu_keys"])
+    want = gather_and_upconvert_fp8_ds_mla(st["kv"], torch.empty_like(workspace), st["bt32"],
+                                           st["ws_lens"], st["ws_starts"], 1)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales, want_scales) and torch.equal(workspace, want)

@@ -9,7 +9,7 @@ whose ``__init__`` holds its public calls:
 
 - ``decode``: paged absorbed decode (``combine``: the end of a split);
 - ``sparse``: sparse top-k attention (``kernels``, ``plan``, ``index``: the index conversion,
-  ``model``: whole V3.2 layers);
+  ``gather``: the prefill's latent and index-key gathers, ``model``: whole V3.2 layers);
 - ``indexer``: the lightning indexer's key cache and logits;
 - ``topk``: ``top_k_per_row`` (``kernels``, ``fused``: the one-launch kernel, ``search``);
 - ``sm90``: the Gluon kernels for Hopper that decode and sparse route their 64-row programs to;
@@ -49,6 +49,7 @@ from mla.fast.sparse import (
     sparse_mla_prefill,
 )
 from mla.fast.sparse.front import sparse_front
+from mla.fast.sparse.gather import gather_and_upconvert_fp8_ds_mla, gather_indexer_k_cache
 from mla.fast.sparse.model import sparse_decode_forward, sparse_prefill_forward
 from mla.fast.topk import top_k_per_row
 
@@ -57,7 +58,8 @@ __all__ = ["DecodePlan", "SparsePlan", "attention_with_lse", "chunked_prefill_at
            "sparse_prefill_forward", "write_context",
            "concat_and_cache_fp8_ds_mla", "concat_and_cache_mla", "cp_lse_ag_out_rs",
            "convert_req_index_to_global_index", "flash_attention_with_lse", "gather_cache",
-           "fp8_mqa_logits", "fp8_paged_mqa_logits", "indexer_k_quant_and_cache",
+           "fp8_mqa_logits", "fp8_paged_mqa_logits", "gather_and_upconvert_fp8_ds_mla",
+           "gather_indexer_k_cache", "indexer_k_quant_and_cache",
            "merge_attn_states", "mla_decode_paged", "plan_decode", "plan_sparse",
            "prefill_attention", "quantize_indexer_q", "set_validation", "sparse_mla_decode",
            "sparse_mla_prefill", "top_k_per_row", "validation", "validation_enabled"]

@@ -147,6 +147,58 @@ def concat_and_cache_fp8_ds_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache
     kv_cache.view(torch.uint8).view(n_slots, FP8_DS_MLA_BYTES)[slots[keep]] = rows
 
 
+def check_gather_fp8_ds_mla_shapes(src_cache: torch.Tensor, dst: torch.Tensor,
+                                   block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                   workspace_starts: torch.Tensor, batch_size: int) -> None:
+    """The shape/dtype/device checks of ``gather_and_upconvert_fp8_ds_mla`` (reference and
+    fast): host metadata only."""
+    check_tensor("src_cache", src_cache, ndim=3, dtype=_BYTE_DTYPES)
+    if src_cache.shape[2] != FP8_DS_MLA_BYTES:
+        raise ValueError(f"src_cache must have shape [num_blocks, block_size, "
+                         f"{FP8_DS_MLA_BYTES}], got {list(src_cache.shape)}")
+    check_float("dst", dst, shape=[None, D_NOPE + D_ROPE])
+    check_index("block_table", block_table, ndim=2)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise TypeError(f"batch_size must be an int, got {type(batch_size).__name__}")
+    if batch_size < 0:
+        raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+    check_index("seq_lens", seq_lens, shape=[batch_size])
+    check_index("workspace_starts", workspace_starts, shape=[batch_size])
+    check_same_device(src_cache=src_cache, dst=dst, block_table=block_table, seq_lens=seq_lens,
+                      workspace_starts=workspace_starts)
+    if block_table.shape[0] < batch_size:
+        raise ValueError(f"block_table must have at least batch_size={batch_size} rows, "
+                         f"got {block_table.shape[0]}")
+
+
+def check_gather_fp8_ds_mla_values(src_cache: torch.Tensor, dst: torch.Tensor,
+                                   block_table: torch.Tensor, seq_lens: torch.Tensor,
+                                   workspace_starts: torch.Tensor, batch_size: int
+                                   ) -> list[tuple[int, int]]:
+    """The value checks of ``gather_and_upconvert_fp8_ds_mla`` on checked shapes: every
+    request's rows fit ``dst`` and the block table, and its used block-table entries name
+    blocks of ``src_cache``. One device-to-host transfer; returns ``(seq_len, start)`` per
+    request."""
+    nb, bs, _ = src_cache.shape
+    B, width = batch_size, block_table.shape[1]
+    values = torch.cat([seq_lens.long(), workspace_starts.long(),
+                        block_table[:B].long().reshape(-1)]).tolist()
+    requests = list(zip(values[:B], values[B:2 * B]))
+    for b, (n, start) in enumerate(requests):
+        if n < 0 or start < 0 or start + n > dst.shape[0]:
+            raise ValueError(f"request {b}: rows [{start}, {start + n}) do not fit dst's "
+                             f"{dst.shape[0]} rows (seq_lens / workspace_starts)")
+        if -(-n // bs) > width:
+            raise ValueError(f"request {b}: seq_lens {n} needs more than block_table's "
+                             f"{width} blocks of {bs}")
+        # a -1 entry would silently read the last block
+        used = values[2 * B + b * width: 2 * B + b * width + -(-n // bs)]
+        if used and (min(used) < 0 or max(used) >= nb):
+            raise ValueError(f"block_table[{b}] points outside src_cache's {nb} blocks within "
+                             f"its first {n} tokens: range [{min(used)}, {max(used)}]")
+    return requests
+
+
 def gather_and_upconvert_fp8_ds_mla(src_cache: torch.Tensor, dst: torch.Tensor,
                                     block_table: torch.Tensor, seq_lens: torch.Tensor,
                                     workspace_starts: torch.Tensor, batch_size: int
@@ -156,37 +208,15 @@ def gather_and_upconvert_fp8_ds_mla(src_cache: torch.Tensor, dst: torch.Tensor,
     vLLM's ``cp_gather_and_upconvert_fp8_kv_cache``: ``dst [W, 576]`` receives
     ``kv_c ‖ k_pe`` of token ``i`` of request ``b`` in row ``workspace_starts[b] + i``
     (the workspace the sparse prefill kernel reads through the converted indices). The values
-    are bf16 numbers, exact in any float dtype of ``dst`` at least as wide.
+    are bf16 numbers, exact in any float dtype of ``dst`` at least as wide. Rows of two
+    requests that overlap in ``dst`` are written in request order (the last wins).
     """
-    check_tensor("src_cache", src_cache, ndim=3, dtype=_BYTE_DTYPES)
-    if src_cache.shape[2] != FP8_DS_MLA_BYTES:
-        raise ValueError(f"src_cache must have shape [num_blocks, block_size, "
-                         f"{FP8_DS_MLA_BYTES}], got {list(src_cache.shape)}")
-    check_float("dst", dst, shape=[None, D_NOPE + D_ROPE])
-    check_index("block_table", block_table, ndim=2)
-    check_index("seq_lens", seq_lens, shape=[batch_size])
-    check_index("workspace_starts", workspace_starts, shape=[batch_size])
-    check_same_device(src_cache=src_cache, dst=dst, block_table=block_table, seq_lens=seq_lens,
-                      workspace_starts=workspace_starts)
-    if block_table.shape[0] < batch_size:
-        raise ValueError(f"block_table must have at least batch_size={batch_size} rows, "
-                         f"got {block_table.shape[0]}")
-    nb, bs, _ = src_cache.shape
-    requests = list(zip(seq_lens.tolist(), workspace_starts.tolist()))
+    check_gather_fp8_ds_mla_shapes(src_cache, dst, block_table, seq_lens, workspace_starts,
+                                   batch_size)
+    # every request checked before a row is written
+    requests = check_gather_fp8_ds_mla_values(src_cache, dst, block_table, seq_lens,
+                                              workspace_starts, batch_size)
     for b, (n, start) in enumerate(requests):
-        if n < 0 or start < 0 or start + n > dst.shape[0]:
-            raise ValueError(f"request {b}: rows [{start}, {start + n}) do not fit dst's "
-                             f"{dst.shape[0]} rows (seq_lens / workspace_starts)")
-        if -(-n // bs) > block_table.shape[1]:
-            raise ValueError(f"request {b}: seq_lens {n} needs more than block_table's "
-                             f"{block_table.shape[1]} blocks of {bs}")
-        # a -1 entry would silently read the last block
-        used = block_table[b, : -(-n // bs)]
-        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
-            raise ValueError(f"block_table[{b}] points outside src_cache's {nb} blocks within "
-                             f"its first {n} tokens: range [{int(used.min())}, "
-                             f"{int(used.max())}]")
-    for b, (n, start) in enumerate(requests):  # every request checked before a row is written
         kv_c, k_pe = dequantize_fp8_ds_mla(cache_rows(src_cache.view(torch.uint8),
                                                       block_table[b], 0, n))
         dst[start:start + n] = torch.cat([kv_c, k_pe], dim=-1).to(dst.dtype)

@@ -149,24 +149,48 @@ def dequantize_indexer_k(codes: torch.Tensor, scale: torch.Tensor,
     return codes.view(torch.float8_e4m3fn).to(dtype) * scale.to(dtype)[:, None]
 
 
+def check_gather_indexer_k_shapes(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                  cu_seq_lens: torch.Tensor) -> None:
+    """The shape/dtype/device checks of ``gather_indexer_k_cache`` (reference and fast)."""
+    _check_cache("kv_cache", kv_cache)
+    check_index("block_table", block_table, ndim=2)
+    check_index("cu_seq_lens", cu_seq_lens, shape=[block_table.shape[0] + 1])
+    check_same_device(kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens)
+
+
+def check_gather_indexer_k_values(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                  cu_seq_lens: torch.Tensor) -> list[int]:
+    """The value checks of ``gather_indexer_k_cache`` on checked shapes: no request's length
+    ``cu_seq_lens[b+1] - cu_seq_lens[b]`` is negative or needs more blocks than the table has,
+    and the block-table entries its tokens use name blocks of ``kv_cache``. One
+    device-to-host transfer; returns ``cu_seq_lens`` as a list."""
+    nb, bs, _ = kv_cache.shape
+    B, width = block_table.shape
+    values = torch.cat([cu_seq_lens.long(), block_table.long().reshape(-1)]).tolist()
+    cu = values[:B + 1]
+    for b in range(B):
+        n = cu[b + 1] - cu[b]
+        if n < 0 or -(-n // bs) > width:
+            raise ValueError(f"request {b}: length {n} from cu_seq_lens does not fit "
+                             f"block_table's {width} blocks of {bs}")
+        used = values[B + 1 + b * width: B + 1 + b * width + -(-n // bs)]
+        if used and (min(used) < 0 or max(used) >= nb):
+            raise ValueError(f"block_table[{b}] points outside kv_cache's {nb} blocks within "
+                             f"its first {n} tokens: range [{min(used)}, {max(used)}]")
+    return cu
+
+
 def gather_indexer_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
                            cu_seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's first ``cu_seq_lens[b+1] - cu_seq_lens[b]`` tokens, concatenated (vLLM's
     ``cp_gather_indexer_k_quant_cache``): ``(codes e4m3 [N, 128], scales float32 [N])``, the
-    ragged keys ``fp8_mqa_logits`` reads."""
-    kv = _check_cache("kv_cache", kv_cache)
-    check_index("block_table", block_table, ndim=2)
-    check_index("cu_seq_lens", cu_seq_lens, shape=[block_table.shape[0] + 1])
-    check_same_device(kv_cache=kv_cache, block_table=block_table, cu_seq_lens=cu_seq_lens)
-    bs = kv.shape[1]
-    cu = cu_seq_lens.tolist()
+    ragged keys ``fp8_mqa_logits`` reads; ``N = cu_seq_lens[-1] - cu_seq_lens[0]``."""
+    check_gather_indexer_k_shapes(kv_cache, block_table, cu_seq_lens)
+    cu = check_gather_indexer_k_values(kv_cache, block_table, cu_seq_lens)
+    bs = kv_cache.shape[1]
     slots = []
     for b in range(block_table.shape[0]):
-        n = cu[b + 1] - cu[b]
-        if n < 0 or -(-n // bs) > block_table.shape[1]:
-            raise ValueError(f"request {b}: length {n} from cu_seq_lens does not fit "
-                             f"block_table's {block_table.shape[1]} blocks of {bs}")
-        pos = torch.arange(n, device=kv.device)
+        pos = torch.arange(cu[b + 1] - cu[b], device=kv_cache.device)
         slots.append(block_table[b].long()[pos // bs] * bs + pos % bs)
     return read_indexer_k_cache(kv_cache, torch.cat(slots) if slots else
-                                torch.zeros(0, dtype=torch.long, device=kv.device))
+                                torch.zeros(0, dtype=torch.long, device=kv_cache.device))

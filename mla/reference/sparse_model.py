@@ -196,10 +196,12 @@ class SparseOps:
     ``check_caches``: the cache layouts the path reads (``check_sparse_caches``' arguments);
     ``front``: the projections, norms and RoPE (``reference_front``), ``absorb`` and
     ``project`` the absorbed query and the output projection; ``decode_rows`` a decode
-    step's positions, slots and logits rows (``reference_decode_rows``); ``validate``: the
-    orchestration's own host value checks (``cache_seqlens >= 0``), off on a
-    path that must not read the device. A float index key cache is the reference's alone: its
-    scores and top-k are the reference's ``index_scores``/``select_topk``, whatever the ops.
+    step's positions, slots and logits rows (``reference_decode_rows``); ``gather_index_keys``
+    and ``gather_latent``: the prefill's gathers of each request's cached index keys and of its
+    fp8_ds_mla rows into a workspace; ``validate``: the orchestration's own host value checks
+    (``cache_seqlens >= 0``), off on a path that must not read the device. A float index key
+    cache is the reference's alone: its scores and top-k are the reference's
+    ``index_scores``/``select_topk``, whatever the ops.
     """
 
     front: Callable[..., tuple[Front, IndexerQK]] = reference_front
@@ -213,6 +215,8 @@ class SparseOps:
     rotate: Callable[[torch.Tensor], torch.Tensor] = hadamard_rotate
     index_cache_write: Callable[..., None] = indexer_k_quant_and_cache
     quantize_q: Callable[..., tuple[torch.Tensor, torch.Tensor]] = quantize_indexer_q
+    gather_index_keys: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gather_indexer_k_cache
+    gather_latent: Callable[..., torch.Tensor] = gather_and_upconvert_fp8_ds_mla
     paged_logits: Callable[..., torch.Tensor] = fp8_paged_mqa_logits
     ragged_logits: Callable[..., torch.Tensor] = fp8_mqa_logits
     top_k: Callable[..., torch.Tensor] = top_k_per_row
@@ -314,7 +318,7 @@ def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: Ind
     if is_byte_cache(index_k_cache):
         # vLLM's prefill: each request's keys gathered into one ragged array; query t of a
         # request starting at row ks sees rows [ks, ks + position + 1)
-        keys = gather_indexer_k_cache(index_k_cache, block_table, cu)
+        keys = ops.gather_index_keys(index_k_cache, block_table, cu)
         ks = cu[req].to(torch.int32)
         ke = (ks + positions + 1).to(torch.int32)
         logits = ops.ragged_logits(qk.q_index, keys, qk.weights, ks, ke)
@@ -327,9 +331,8 @@ def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: Ind
         # fp8_ds_mla: each request's rows dequantized into a workspace, read by workspace rows
         starts = cu[:-1].contiguous()
         kv = torch.empty(sum(seq), c.latent_dim, dtype=q.dtype, device=dev)
-        gather_and_upconvert_fp8_ds_mla(kv_cache, kv, table32,
-                                        torch.tensor(seq, dtype=torch.int32, device=dev),
-                                        starts, B)
+        ops.gather_latent(kv_cache, kv, table32, torch.tensor(seq, dtype=torch.int32, device=dev),
+                          starts, B)
         slots = ops.convert(req32, table32, local, bs, prefill_workspace_request_ids=req32,
                             prefill_workspace_starts=starts)
     else:

@@ -12,13 +12,14 @@ kernels in its ``SparseOps`` where they exist:
     indexer q          Hadamard rotation, mla.fast.quantize_indexer_q (e4m3, scale into the
                        weights, one kernel)
     logits             decode: mla.fast.fp8_paged_mqa_logits over the block table
-                       prefill: the keys gathered per request (the reference's torch
-                       gather), mla.fast.fp8_mqa_logits
+                       prefill: the keys gathered per request
+                       (mla.fast.gather_indexer_k_cache), mla.fast.fp8_mqa_logits
     top-k              mla.fast.top_k_per_row: request-local indices
     conversion         mla.fast.convert_req_index_to_global_index
     attention          mla.fast.sparse_mla_decode (bf16 or fp8_ds_mla cache)
                        mla.fast.sparse_mla_prefill (bf16 cache; fp8_ds_mla: the requests'
-                       rows dequantized into a workspace by the reference's torch gather)
+                       rows dequantized into a workspace by
+                       mla.fast.gather_and_upconvert_fp8_ds_mla)
     absorbed q         q_nope · W_UK^T: one bmm over the heads
     projection         o_lat · W_UV (one bmm), · W_O: cuBLAS GEMMs
 
@@ -47,6 +48,7 @@ from mla.fast.sparse import (
     sparse_mla_prefill,
 )
 from mla.fast.sparse.front import absorb_query, output_projection, sparse_front
+from mla.fast.sparse.gather import gather_and_upconvert_fp8_ds_mla, gather_indexer_k_cache
 from mla.fast.sparse.index import decode_rows
 from mla.fast.topk import top_k_per_row
 from mla.reference.front import Front
@@ -109,6 +111,8 @@ def fast_sparse_ops(validate: bool) -> SparseOps:
         rotate=_rotate,
         index_cache_write=checked(indexer_k_quant_and_cache),
         quantize_q=quantize_indexer_q,
+        gather_index_keys=checked(gather_indexer_k_cache),
+        gather_latent=checked(gather_and_upconvert_fp8_ds_mla),
         paged_logits=checked(fp8_paged_mqa_logits),
         ragged_logits=checked(fp8_mqa_logits),
         top_k=checked(top_k_per_row),
