@@ -87,9 +87,9 @@ ERROR_BUDGETS: dict[tuple[str, str, str], float] = {
     ("sparse_mla_decode", "float32", "out_rel"): 3.8e-6,
     # the fused front (mla.check.front): a few roundings of the model dtype (the GEMMs' outputs,
     # the normed latents, the rotated query), against the float64 reference; measured on the
-    # CPU 4.8e-4 (float16) and 9.9e-7 (float32) over 30 seeds; bf16 from that scaled by 2^3,
-    # to be measured on a GPU
-    ("sparse_front", "bfloat16", "out_rel"): 4e-3,
+    # CPU 4.8e-4 (float16) and 9.9e-7 (float32) over 30 seeds, on an H100 3.43e-3 (bfloat16)
+    # over 10 seeds
+    ("sparse_front", "bfloat16", "out_rel"): 6.5e-3,
     ("sparse_front", "float16", "out_rel"): 1e-3,
     ("sparse_front", "float32", "out_rel"): 2e-6,
     ("sparse_mla_prefill", "bfloat16", "lse_abs"): 5e-4,
