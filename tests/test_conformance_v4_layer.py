@@ -11,14 +11,14 @@ equal the model-level ones (``compress``, ``serving``'s indices) and the ``vllm-
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import pytest
 import torch
+from _case_twins import SETTING, assert_twin_verdicts, twin_rows
 
 import mla.reference as ref
-from mla.conformance import CATALOGUE, KERNELS, Setting, cases_of, run
+from mla.conformance import CATALOGUE, KERNELS, run
 from mla.conformance.cases.deepseek_v4_layer import cos_sin_table
 from mla.conformance.runner import run_case
 from mla.conformance.targets import load_target
@@ -45,13 +45,7 @@ from mla.reference.v4.scopes import (
 from mla.reference.v4.weights import V4LayerWeights
 
 LAYER = ("v4_compress", "v4_indexer_q", "v4_scope_indices")
-SETTING = Setting(torch.device("cpu"), torch.float64, 0, True)
 CONFIG = get_v4_config("deepseek-v4")
-
-
-@functools.cache
-def _rows(twin: Callable, kernel: str) -> dict[str, object]:
-    return {c.name: run_case(twin, c, SETTING) for c in cases_of([kernel])}
 
 
 def test_the_cases_are_registered_and_documented() -> None:
@@ -159,13 +153,7 @@ TWINS = {
 @pytest.mark.parametrize("name", sorted(TWINS))
 def test_a_broken_twin_fails_its_cases_with_the_convention_named(name: str) -> None:
     kernel, twin, words, must_fail, must_pass = TWINS[name]
-    rows = _rows(twin, kernel)
-    failed = {n for n, r in rows.items() if r.status != "pass"}
-    assert set(must_fail) <= failed, (name, sorted(set(must_fail) - failed))
-    assert not set(must_pass) & failed, (name, sorted(set(must_pass) & failed))
-    for n in failed:
-        r = rows[n]
-        assert r.status == "fail" and words in r.convention, (name, n, r.convention, r.detail)
+    assert_twin_verdicts(name, twin_rows(twin, kernel), words, must_fail, must_pass)
 
 
 def test_a_single_wrong_byte_fails() -> None:

@@ -13,11 +13,11 @@ The kernel-level references equal the model-level ones (``v4_output_projection``
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import pytest
 import torch
+from _case_twins import assert_twin_verdicts, twin_rows
 
 import mla.reference as ref
 from mla.conformance import CATALOGUE, KERNELS, Setting, cases_of, run
@@ -36,13 +36,7 @@ from mla.reference.v4.rope import v4_rope_frequencies
 from mla.reference.v4.weights import V4LayerWeights
 
 STAGES = ("v4_output", "v4_indexer_topk")
-SETTING = Setting(torch.device("cpu"), torch.float64, 0, True)
 F64 = torch.float64
-
-
-@functools.cache
-def _rows(twin: Callable, kernel: str) -> dict[str, object]:
-    return {c.name: run_case(twin, c, SETTING) for c in cases_of([kernel])}
 
 
 def test_the_cases_are_registered_and_documented() -> None:
@@ -156,13 +150,7 @@ TWINS = {
 @pytest.mark.parametrize("name", sorted(TWINS))
 def test_a_broken_twin_fails_its_cases_with_the_convention_named(name: str) -> None:
     kernel, twin, words, must_fail, must_pass = TWINS[name]
-    rows = _rows(twin, kernel)
-    failed = {n for n, r in rows.items() if r.status != "pass"}
-    assert set(must_fail) <= failed, (name, sorted(set(must_fail) - failed))
-    assert not set(must_pass) & failed, (name, sorted(set(must_pass) & failed))
-    for n in failed:
-        r = rows[n]
-        assert r.status == "fail" and words in r.convention, (name, n, r.convention, r.detail)
+    assert_twin_verdicts(name, twin_rows(twin, kernel), words, must_fail, must_pass)
 
 
 def test_the_output_limit_is_about_twice_a_float32_kernels_error() -> None:
