@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from mla.reference.v4.config import V4Config
+from mla.reference.v4.config import V4Config, get_v4_config
 from mla.reference.v4.layer41 import (
     V41IndexSource,
     V41KVSource,
@@ -25,12 +25,7 @@ from mla.reference.v4.rope import v4_rope_frequencies
 
 F64 = torch.float64
 TOL = dict(rtol=0.0, atol=1e-12)
-CONFIG = V4Config(
-    name="tiny-v41", hidden_size=64, num_heads=4, q_lora_rank=32, o_lora_rank=16, o_groups=2,
-    sliding_window=4, compress_ratios=(0, 2, 2, 1, 1, 1, 0), index_n_heads=4, index_topk=3,
-    q_head_norm=False, version="v4.1", kv_source_layer_ids=(1, 3),
-    index_source_layer_ids=(1, 3, 4), candidate_source_layer_id=3, candidate_topk_blocks=2,
-    candidate_block_size=2, rope_factor=4.0, original_max_position=256)
+CONFIG = get_v4_config("tiny-v41")
 L = CONFIG.num_layers
 
 

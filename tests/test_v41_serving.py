@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mla.reference.fp8_v41 import FP8_V41_BYTES, NVFP4_V41_BYTES
-from mla.reference.v4.config import V4Config
+from mla.reference.v4.config import get_v4_config
 from mla.reference.v4.layer41 import (
     V41LayerWeights,
     v41_cache_round,
@@ -32,12 +32,7 @@ from mla.reference.v4.serving41 import V41ServingCache, v41_serving_step
 
 F64 = torch.float64
 RTOL = 1e-10
-CONFIG = V4Config(
-    name="tiny-v41", hidden_size=64, num_heads=4, q_lora_rank=32, o_lora_rank=16, o_groups=2,
-    sliding_window=4, compress_ratios=(0, 2, 2, 1, 1, 1, 0), index_n_heads=4, index_topk=3,
-    q_head_norm=False, version="v4.1", kv_source_layer_ids=(1, 3),
-    index_source_layer_ids=(1, 3, 4), candidate_source_layer_id=3, candidate_topk_blocks=2,
-    candidate_block_size=2, rope_factor=4.0, original_max_position=256)
+CONFIG = get_v4_config("tiny-v41")
 NL = CONFIG.num_layers
 WEIGHTS = [V41LayerWeights.random(CONFIG, i, seed=10 + i) for i in range(NL)]
 # small pages, so that requests of a dozen tokens span several, none a multiple of a page

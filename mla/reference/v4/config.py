@@ -34,6 +34,9 @@ Where the numbers come from (none of DeepSeek-V4-Flash's values are in vLLM's wh
   so that every cache layout applies, narrow elsewhere (4 heads in 2 groups, hidden 64) and a
   window of 8 and top-k of 3, so that sequences of tens of tokens reach every case: a window
   that slides, several compressed entries, a top-k smaller than the visible entries.
+- ``tiny-v41``: DeepSeek-V4.1's layer kinds at ``tiny-v4``'s widths: seven layers, window-only
+  at both ends, ratios 2 and 1 between them; layers 1 and 3 keep the compressed cache, 1, 3
+  and 4 the index keys, layer 3 the candidate blocks (2 blocks of 2); a window of 4.
 """
 
 from __future__ import annotations
@@ -282,12 +285,18 @@ V4_PRESETS: dict[str, V4Config] = {
         name="tiny-v4", hidden_size=64, num_heads=4, q_lora_rank=32, o_lora_rank=16, o_groups=2,
         sliding_window=8, compress_ratios=(1, 4, 128), index_n_heads=4, index_topk=3,
         rope_factor=4.0, original_max_position=256),
+    "tiny-v41": V4Config(
+        name="tiny-v41", hidden_size=64, num_heads=4, q_lora_rank=32, o_lora_rank=16,
+        o_groups=2, sliding_window=4, compress_ratios=(0, 2, 2, 1, 1, 1, 0), index_n_heads=4,
+        index_topk=3, q_head_norm=False, version="v4.1", kv_source_layer_ids=(1, 3),
+        index_source_layer_ids=(1, 3, 4), candidate_source_layer_id=3, candidate_topk_blocks=2,
+        candidate_block_size=2, rope_factor=4.0, original_max_position=256),
 }
 
 
 def get_v4_config(name: str) -> V4Config:
     """A preset by name (``deepseek-v4``, ``deepseek-v4-pro``, ``deepseek-v4.1-flash``,
-    ``tiny-v4``)."""
+    ``tiny-v4``, ``tiny-v41``)."""
     try:
         return V4_PRESETS[name]
     except KeyError:
