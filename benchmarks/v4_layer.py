@@ -47,6 +47,7 @@ vLLM's top-k). Each shape in try/except. Writes ``DIR/v4_layer_<date>.json`` and
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -420,22 +421,13 @@ def time_step(ratio: int, B: int, L: int) -> dict:
         v4_decode_step(xt, fc, lengths)
 
     out: dict = {"ratio": ratio, "B": B, "L": L}
-    for name, ctx in (("device", None), ("vllm_device", vllm_device_composition)):
+    for name, ctx, fn in (("device", contextlib.nullcontext, device_step),
+                          ("vllm_device", vllm_device_composition, device_step),
+                          ("fast", contextlib.nullcontext, step),
+                          ("torch", torch_composition, step), ("vllm", vllm_composition, step)):
         try:
-            if ctx is None:
-                out[f"{name}_ms"], out[f"{name}_graph"] = _time(device_step)
-            else:
-                with ctx():
-                    out[f"{name}_ms"], out[f"{name}_graph"] = _time(device_step)
-        except Exception as e:  # noqa: BLE001
-            out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-    for name, ctx in (("fast", None), ("torch", torch_composition), ("vllm", vllm_composition)):
-        try:
-            if ctx is None:
-                out[f"{name}_ms"], out[f"{name}_graph"] = _time(step)
-            else:
-                with ctx():
-                    out[f"{name}_ms"], out[f"{name}_graph"] = _time(step)
+            with ctx():
+                out[f"{name}_ms"], out[f"{name}_graph"] = _time(fn)
         except Exception as e:  # noqa: BLE001
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
         torch.cuda.empty_cache()
