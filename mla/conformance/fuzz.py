@@ -415,7 +415,7 @@ def _find(strategy: object, condition: Callable[[Example], bool], config: settin
     of ``strategy`` meeting ``condition`` (``NoSuchExample`` if none within ``config``).
 
     ``find(..., random=...)`` seeds the search with ``@seed``, and a seeded test neither
-    reads nor writes the database: its failures would not be kept. Here the seed is applied
+    reads nor writes the database: its failures would not be kept. Here the random seed is applied
     first and ``config`` (with the database) over it, under ``key`` as ``find`` sets it."""
     last: list[Example] = []
 
@@ -480,7 +480,7 @@ def _search(kernel: str, fn: Callable, strategy: object, device: torch.device,
         before = run.examples
         found.clear()
         try:
-            # the seed hypothesis.find(random=Random(x)) would draw
+            # the random seed hypothesis.find(random=Random(x)) would draw
             example = _find(strategy, fails, config,
                             random.Random(rng.getrandbits(64)).getrandbits(64),
                             f"mla-fuzz:{key}".encode())
