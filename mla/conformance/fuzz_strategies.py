@@ -7,8 +7,8 @@ An ``Example`` names the family's trial builder, those parameters, the random se
 dtype; the trial builds the inputs from that seed, runs the float64 reference and holds the
 outputs to the catalogue's budgets, exactly as a named case does. The strategies reach the
 corners the catalogue pins one at a time and their combinations: odd head counts, page sizes
-1 to 256, ragged lengths with 0, 1 and page edges, ``s_q`` with and without ``causal``, top-k widths,
-``-1`` and other invalid indices anywhere, ``topk_length`` (with NaN rows past it), lonely
+1 to 256, ragged lengths with 0, 1 and page edges, ``s_q`` with and without ``causal``, top-k
+widths, ``-1`` and other invalid indices anywhere, ``topk_length`` (with NaN rows past it), lonely
 queries, the second KV scope and sinks, sharp and flat softmaxes, lse near ±1000, empty merge
 sides and ranks (``±inf`` lse with NaN outputs), a side whose weight underflows to 0 over
 ``±inf`` / NaN outputs, and NaN lse beside empty ranks. Every field shrinks towards the
