@@ -3,7 +3,7 @@
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
-#     sparse-sweep|sparse-peers|front-budget]...
+#     sparse-sweep|sparse-peers|front-budget|matrix]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -110,11 +110,25 @@ for step in "${steps[@]}"; do
       done
       for p in "${pids[@]}"; do wait "$p"; done
       python -m benchmarks.fuzz_summary "$OUT" ;;
+    # the catalogue on every target, one process a target, side by side (the reference's
+    # float64 side runs on the CPU): conformance_<target>.{md,json}
+    matrix)
+      pids=()
+      for t in ${MATRIX_TARGETS:-mla.fast mla.fast-batch-invariant flashmla flashmla-batch-invariant \
+               vllm-triton vllm-topk vllm-cache vllm-v4 deepgemm}; do
+        timeout 540 python -m mla conform --target "$t" --device cuda \
+          --out "$OUT/conformance_$t.md" --json "$OUT/conformance_$t.json" \
+          > "$OUT/conformance_$t.log" 2>&1 &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p"; done
+      tail -n 3 "$OUT"/conformance_*.log ;;
     sanitize) timeout 400 compute-sanitizer --tool memcheck --print-limit 20 \
                 python -m mla.check --quick --out "$OUT/sanitize_check.json" 2>&1 \
                 | tee "$OUT/sanitize.log" ;;
   esac
+  # bundled after every step, so a run cut short by its time limit keeps the finished steps
+  if [ -n "${BUNDLE:-}" ]; then
+    tar czf "/tmp/bundle.$$.tgz" -C "$OUT" . && mv "/tmp/bundle.$$.tgz" "$BUNDLE"
+  fi
 done
-if [ -n "${BUNDLE:-}" ]; then
-  tar czf "/tmp/bundle.$$.tgz" -C "$OUT" . && mv "/tmp/bundle.$$.tgz" "$BUNDLE"
-fi
