@@ -85,6 +85,14 @@ def _merge_nan_as_empty(o_p, lse_p, o_s, lse_s):
     return ref.merge_attn_states(o_p, _nan_to_empty(lse_p), o_s, _nan_to_empty(lse_s))
 
 
+def _merge_nan_beside_empty_as_empty(o_p, lse_p, o_s, lse_s):
+    """vLLM's Triton merge: max(NaN, -inf) drops the NaN, so a NaN beside an empty side meets
+    the both-empty rule (out 0, lse -inf); a NaN beside keys stays NaN."""
+    out, lse = ref.merge_attn_states(o_p, lse_p, o_s, lse_s)
+    rows = (lse_p.isnan() & lse_s.isinf()) | (lse_s.isnan() & lse_p.isinf())
+    return out.masked_fill(rows.transpose(0, 1)[..., None], 0.0), lse.masked_fill(rows, -math.inf)
+
+
 # ---- attention_with_lse twins -----------------------------------------------------------------
 
 def _attn_scale_ignored(q, k, v, scale, *args):
@@ -167,10 +175,13 @@ TWINS = [
          "-inf read as a real lse"),
     Twin("merge_attn_states", _merge_reads_empty_side,
          frozenset({"empty_plus_inf", "empty_minus_inf"}), "the empty side's output is read"),
-    Twin("merge_attn_states", _merge_both_empty_plus_inf, frozenset({"both_empty"}),
-         "both sides empty give lse +inf", only=True),
-    Twin("merge_attn_states", _merge_nan_as_empty, frozenset({"nan"}),
-         "NaN lse read as 'no keys'", only=True),
+    Twin("merge_attn_states", _merge_both_empty_plus_inf,
+         frozenset({"both_empty", "nan_beside_empty"}), "both sides empty give lse +inf",
+         only=True),
+    Twin("merge_attn_states", _merge_nan_as_empty, frozenset({"nan", "nan_beside_empty"}),
+         "NaN lse read as 'no keys' (the other side passed through)", only=True),
+    Twin("merge_attn_states", _merge_nan_beside_empty_as_empty, frozenset({"nan_beside_empty"}),
+         "NaN lse beside an empty side read as 'no keys'", only=True),
     Twin("attention_with_lse", _attn_scale_ignored, frozenset({"scale"}),
          "used instead of the scale passed", only=True),
     Twin("attention_with_lse", _attn_top_left, frozenset({"causal"}),

@@ -184,5 +184,7 @@ def build_inputs(s: Shape, device: torch.device | str, dtype: torch.dtype = torc
         ke = torch.tensor(row_ends(s), dtype=torch.int32, device=device)
         kv = (_e4m3((s.L, s.D), gen, device), _key_scales(s.L, gen, device))
         q, w = _index_q(s.s_q, s, gen, device)
-        return Inputs((q, kv, w, torch.zeros_like(ke), ke), {})
+        # rows compressed to max_seqlen_k = L, as vLLM's prefill indexer asks (one request
+        # from key 0: column j holds key j, as in full rows)
+        return Inputs((q, kv, w, torch.zeros_like(ke), ke), {"max_seqlen_k": s.L})
     raise ValueError(f"no input builder for kernel {k!r}")

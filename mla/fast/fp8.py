@@ -7,20 +7,11 @@ Same contract as ``mla.reference.fp8.concat_and_cache_fp8_ds_mla`` (conventions 
     bytes [512, 528)   scale_tile = 2^ceil(log2(max(amax_tile / 448, 1e-4)))  (float32)
     bytes [528, 656)   k_pe as bfloat16
 
-One program quantizes one token; byte for byte the reference's output. Two roundings decide the
-bytes, so the kernel does both with integer arithmetic on float32 bit patterns rather than
-trusting a conversion instruction (the Triton interpreter's float casts truncate):
-
-- the scale exponent, without a division or a log: ``amax = f · 2^e`` with ``f`` in ``[1, 2)``
-  gives ``ceil(log2(amax / 448)) = e - 8 + (f > 1.75)``, then the floor ``2^-13`` (the smallest
-  power of two above ``1e-4``). For bf16 or fp16 ``kv_c`` this is exactly what the reference's
-  float32 ``log2(...).ceil()`` computes; for float32 ``kv_c`` whose ``amax / 448`` lies within a
-  float32 rounding above a power of two, torch's float32 ``log2`` can round down where this
-  exact ceiling does not (a set of measure zero; not seen on random data).
-- e4m3 round-to-nearest-even: normal values (``>= 2^-6``) keep 3 mantissa bits by the usual
-  add-and-shift; subnormals are ``round(|v| · 2^9)`` steps of ``2^-9``, rounded by the float32
-  adder (``x + 2^23 - 2^23``); the sign bit is kept, also for a value that rounds to zero
-  (as torch's cast does). ``|v| <= 448`` by construction, so nothing saturates.
+One program quantizes one token; byte for byte the reference's output. Both roundings that
+decide the bytes are done on float32 bit patterns (``mla.fast.bits``): the scale exponent
+``ue8m0_exponent`` with the floor ``2^-13`` (the smallest power of two above ``1e-4``), and the
+codes ``e4m3_bits``, round to nearest even (``|v| <= 448`` by construction; a NaN value gives
+``0x7F`` with its sign, as torch's cast).
 
 The scales and ``k_pe`` are stored through float32 and bfloat16 views of the same bytes
 (656 is a multiple of 4).
@@ -32,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.fast.bits import e4m3_bits, pow2, ue8m0_exponent
 from mla.fast.common import should_validate
 from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
 from mla.fast.paged_cache import check_slot_range
@@ -62,23 +54,10 @@ def _quant_cache_kernel(
     x = tl.reshape(x.to(tl.float32), (NUM_TILES, TILE))
     amax = tl.max(tl.abs(x), axis=1)  # [NUM_TILES]
 
-    # ceil(log2(amax / 448)) from amax's exponent and mantissa; 448 = 1.75 · 2^8
-    a_bits = amax.to(tl.int32, bitcast=True)
-    e = ((a_bits >> 23) & 0xFF) - 127
-    j = e - 8 + ((a_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    j = tl.maximum(j, -13)  # 2^-13 is the first power of two >= 1e-4
-    scale = ((j + 127) << 23).to(tl.float32, bitcast=True)
-    inv_scale = ((127 - j) << 23).to(tl.float32, bitcast=True)
-    v = x * inv_scale[:, None]  # exact: a power of two (the reference divides by scale)
-
-    v_bits = v.to(tl.int32, bitcast=True)
-    sign = (v_bits >> 24) & 0x80
-    mag_bits = v_bits & 0x7FFFFFFF
-    mag = mag_bits.to(tl.float32, bitcast=True)
-    odd = (mag_bits >> 20) & 1
-    normal = ((mag_bits + 0x7FFFF + odd) >> 20) - (120 << 3)
-    sub = ((mag * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    code = tl.where(mag >= 0.015625, normal, sub) | sign
+    j = ue8m0_exponent(amax, -13)  # 2^-13 is the first power of two >= 1e-4
+    scale = pow2(j)
+    v = x * pow2(-j)[:, None]  # exact: a power of two (the reference divides by scale)
+    code = e4m3_bits(v)
 
     row = slot * ROW_BYTES
     cols = tl.arange(0, NUM_TILES)[:, None] * TILE + tl.arange(0, TILE)[None, :]

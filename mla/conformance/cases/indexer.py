@@ -576,6 +576,9 @@ _reg(_R, "compressed_rows", "compressed",
      "max_seqlen_k: each row compressed to the longest row plus 5 columns, column j holding "
      "key ks + j, -inf from ke - ks on (also where ks + j passes the last key).",
      lambda s: ragged_trial(s, (1, 17, 70), queries=8, salt=923, compressed=5))
+_reg(_R, "compressed_rows_of_one_column", "one_column",
+     "max_seqlen_k = 1 (one request of one key, one query): a row of a single column, that "
+     "key's logit.", lambda s: ragged_trial(s, (1,), queries=8, salt=924, compressed=0))
 _reg(_R, "nan_key_propagates", "nan_input",
      "A NaN e4m3 code in the last request's first key: NaN for each of its queries, the other "
      "logits as usual.",

@@ -132,6 +132,12 @@ def _nan_at(expected: Outputs, rows: torch.Tensor, lse: bool = True) -> Outputs:
             else expected["lse"]}
 
 
+def _both_empty_at(expected: Outputs, rows: torch.Tensor) -> Outputs:
+    """``expected`` with out 0 and lse -inf (both sides empty) at ``rows [N, T]``."""
+    return {"out": expected["out"].masked_fill(rows.transpose(0, 1)[..., None], 0.0),
+            "lse": expected["lse"].masked_fill(rows, -INF)}
+
+
 def _alternatives(o_p: torch.Tensor, lse_p: torch.Tensor, o_s: torch.Tensor,
                   lse_s: torch.Tensor, expected: Outputs) -> dict[str, Callable[[], Outputs]]:
     """What a kernel under another known convention returns on these inputs."""
@@ -154,7 +160,11 @@ def _alternatives(o_p: torch.Tensor, lse_p: torch.Tensor, o_s: torch.Tensor,
             expected, empty_p & empty_s),
         "a NaN lse read as 'no keys' (the other side passed through); NaN must stay NaN": (
             lambda: _ref(o_p, lse_p.nan_to_num(nan=-INF, posinf=INF, neginf=-INF), o_s,
-                         lse_s.nan_to_num(nan=-INF, posinf=INF, neginf=-INF)))}
+                         lse_s.nan_to_num(nan=-INF, posinf=INF, neginf=-INF))),
+        "a NaN lse beside an empty side read as 'no keys' (a maximum that drops the NaN meets "
+        "the empty side's -inf, and the both-empty rule gives out 0, lse -inf); NaN must stay "
+        "NaN": lambda: _both_empty_at(expected, (torch.isnan(lse_p) & empty_s)
+                                      | (torch.isnan(lse_s) & empty_p))}
 
 
 def merge_trial(setting: Setting, spec: MergeSpec, salt: int) -> Trial:
@@ -288,6 +298,12 @@ _register("nan_lse_is_not_empty", "nan",
           "A NaN lse on one side of a quarter of the rows gives a NaN row, never the other side "
           "passed through as if the NaN meant 'no keys' (conventions §13).",
           lambda s: MergeSpec(_tokens(s, 8, 64), nan=True), 440)
+_register("nan_lse_beside_empty_side", "nan_beside_empty",
+          "Half the rows empty on both sides (+inf and -inf mixed), then a NaN lse on one side "
+          "of a quarter of all rows: a NaN beside an empty side gives a NaN row too, never out "
+          "0 and lse -inf as if both sides were empty.",
+          lambda s: MergeSpec(_tokens(s, 8, 64), both_empty=0.5, markers=(INF, -INF),
+                              nan=True), 441)
 # ---- a weight that underflows to 0 -----------------------------------------------------------
 for _i, _garbage in enumerate(("inf", "nan")):
     case(KERNEL, "numerics", name=f"underflowed_side_holds_{_garbage}",

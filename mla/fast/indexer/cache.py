@@ -3,17 +3,10 @@
 Same contract as ``mla.reference.indexer_cache`` (conventions §10, "Indexer key cache"): token
 ``o`` of page ``b`` gets its 128 e4m3 values at bytes ``[o·128, o·128 + 128)`` of the page and
 its float32 scale at bytes ``[block_size·128 + 4·o, +4)``; slot ``-1`` is padding. Byte for byte
-the reference's output, so both roundings are done with integer arithmetic on float32 bit
-patterns rather than trusted to a conversion instruction (the interpreter's casts truncate):
-
-- the scale ``2^ceil(log2(max(amax, 1e-4) / 448))``: with ``amax = f · 2^e``, ``f`` in
-  ``[1, 2)``, the ceiling is ``e - 8 + (f > 1.75)`` (``448 = 1.75 · 2^8``), floored at ``-22``
-  (where ``1e-4 / 448`` lands). Exact; the reference's float32 ``log2`` agrees for bf16 and
-  fp16 keys (what vLLM passes); for float32 keys whose ``amax / 448`` lies within a float32
-  rounding above a power of two, it can round down where this does not (a set of measure
-  zero). An infinite ``amax`` gives an infinite scale, as the reference's does.
-- e4m3 round-to-nearest-even (``e4m3_bits``). ``|k / scale| <= 448`` by construction, so nothing
-  saturates; NaN stays NaN (``0x7F`` with its sign, as torch's cast).
+the reference's output: the scale ``2^ceil(log2(max(amax, 1e-4) / 448))`` from ``amax``'s bits
+(``mla.fast.bits.ue8m0_exponent``, floored at ``-22``, where ``1e-4 / 448`` lands; an infinite
+``amax`` gives an infinite scale, as the reference's does), the codes by
+``mla.fast.bits.e4m3_bits`` (``|k / scale| <= 448`` by construction; NaN stays NaN).
 
 One program writes ``BLOCK_T`` tokens.
 """
@@ -24,35 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.fast.bits import e4m3_bits, pow2, ue8m0_exponent
 from mla.fast.common import should_validate
 from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
 from mla.fast.paged_cache import check_slot_range
 from mla.reference.indexer_cache import INDEX_DIM, INDEX_K_BYTES
 from mla.validation import check_float, check_index, check_same_device, check_tensor
 
-__all__ = ["indexer_k_quant_and_cache", "e4m3_bits"]
+__all__ = ["indexer_k_quant_and_cache", "ue8m0_scale"]
 
 BLOCK_T = 16
 _BYTE_DTYPES = (torch.uint8, torch.float8_e4m3fn)
-
-
-@triton.jit
-def e4m3_bits(v):
-    """float32 ``v`` (``|v| <= 448`` or NaN) -> its e4m3 byte (int32), round to nearest even.
-
-    Normal codes (``|v| >= 2^-6``) keep 3 mantissa bits by add-and-shift; subnormals are
-    ``round(|v| · 2^9)`` steps of ``2^-9`` rounded by the float32 adder; the sign bit is kept,
-    also for a value that rounds to zero (as torch's cast does)."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag_bits = bits & 0x7FFFFFFF
-    mag = mag_bits.to(tl.float32, bitcast=True)
-    odd = (mag_bits >> 20) & 1
-    normal = ((mag_bits + 0x7FFFF + odd) >> 20) - (120 << 3)
-    sub = ((mag * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
-    code = tl.where(mag >= 0.015625, normal, sub)
-    code = tl.where(mag_bits > 0x7F800000, 0x7F, code)  # NaN
-    return code | sign
 
 
 @triton.jit
@@ -60,13 +35,10 @@ def ue8m0_scale(amax):
     """``(scale, 1 / scale)`` for float32 ``amax >= 0``: ``scale = 2^ceil(log2(max(amax, 1e-4)
     / 448))`` by its exponent (module doc); an infinite ``amax`` gives ``(inf, 0)``, a NaN
     ``(NaN, NaN)``."""
-    a_bits = amax.to(tl.int32, bitcast=True)
-    e = ((a_bits >> 23) & 0xFF) - 127
-    j = tl.maximum(e - 8 + ((a_bits & 0x7FFFFF) > 0x600000).to(tl.int32), -22)
-    finite = a_bits < 0x7F800000
-    scale = tl.where(finite, ((j + 127) << 23).to(tl.float32, bitcast=True), amax)
-    inv_scale = tl.where(finite, ((127 - j) << 23).to(tl.float32, bitcast=True),
-                         tl.where(amax == amax, 0.0, amax))
+    j = ue8m0_exponent(amax, -22)
+    finite = amax.to(tl.int32, bitcast=True) < 0x7F800000
+    scale = tl.where(finite, pow2(j), amax)
+    inv_scale = tl.where(finite, pow2(-j), tl.where(amax == amax, 0.0, amax))
     return scale, inv_scale
 
 

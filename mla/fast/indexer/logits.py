@@ -93,7 +93,9 @@ def _seen_written(cols, lo, hi, span, N, q_ok, COMPRESSED: tl.constexpr):
     return seen, written
 
 
-@triton.jit
+# M not specialized: Triton makes an integer argument equal to 1 a constant, which has no .to
+# (rows compressed to one column failed to compile)
+@triton.jit(do_not_specialize=["M"])
 def _ragged_kernel(
     q, w, codes_f8, k_scale_ptr, ks, ke, out,
     S, H, N, M, chunk, splits,

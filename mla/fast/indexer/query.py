@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.indexer.cache import e4m3_bits, ue8m0_scale
+from mla.fast.bits import e4m3_bits
+from mla.fast.indexer.cache import ue8m0_scale
 from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
 from mla.reference.indexer_cache import INDEX_DIM
 from mla.reference.indexer_logits import check_indexer_q_args

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.fast.bits import bf16_round
 from mla.fast.common import interpreting, num_sms, should_validate
 from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
 from mla.reference.fp8 import (
@@ -113,10 +114,7 @@ def _latent_kernel(
         x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
         # e4m3's NaN codes: the interpreter's conversion reads them as +-480
         x = tl.where((raw & 0x7F) == 0x7F, float("nan"), x)
-        # round to bf16, nearest even (NaN kept: the rounding would carry into inf)
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+        x = bf16_round(x)  # nearest even, as torch rounds (NaN kept)
         x = tl.where(ok[:, None, None], x, float("nan"))
         tl.store(out[:, None, None] + d[None, :, :] * s_d_c, x.to(dst.dtype.element_ty),
                  mask=store_ok[:, :, None])

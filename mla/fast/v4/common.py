@@ -1,15 +1,10 @@
-"""What DeepSeek-V4's fast kernels share: the RoPE table, and the roundings done bit by bit.
+"""What DeepSeek-V4's fast kernels share: the RoPE table and the MODEL1 row writer (the
+roundings done bit by bit are ``mla.fast.bits``').
 
 - ``v4_cos_sin_cache(config, ratio, max_position)``: float32 ``[max_position, 64]``, the cosines
   of the ``R/2 = 32`` angles ``p · f_i`` then their sines, as vLLM tabulates them
   (``mla.reference.v4.rope``: the angles in float64, rounded once to float32). Every kernel of
   ``mla.fast.v4`` rotates with it: GPT-J pairs ``(x[D-64+2i], x[D-64+2i+1])``, in float32.
-- ``bf16_round``: float32 -> the float32 holding ``bf16(x)``, round to nearest even, on the
-  bit pattern (the interpreter's float casts truncate; a NaN stays a NaN).
-- ``ue8m0_exponent``: ``ceil(log2(s))`` of a power-of-two FP8 scale, from ``amax``'s exponent
-  and mantissa (``448 = 1.75 · 2^8``): ``e - 8 + (f > 1.75)`` floored at ``-13`` (``"flashmla"``:
-  ``s = max(amax / 448, 1e-4)``) or ``-22`` (``"vllm"`` and ``act_quant``'s ``ue8m0``: ``s =
-  max(amax, 1e-4) / 448``), exact for bf16 ``amax`` as ``mla.fast.indexer.cache`` derives.
 - ``store_model1``: one token's MODEL1 row (``mla.reference.fp8_model1``) into its page: the 448
   nope values as e4m3 in 7 tiles of 64 with UE8M0 scale bytes, the 64 rope values as bf16.
 - ``rope_torch``: the same rotation in torch (the layer's inverse rope of the output).
@@ -21,12 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.indexer.cache import e4m3_bits
+from mla.fast.bits import bf16_round, e4m3_bits, pow2, ue8m0_exponent
 from mla.reference.v4.config import V4Config
 from mla.reference.v4.rope import v4_rope_frequencies
 
-__all__ = ["v4_cos_sin_cache", "rope_torch", "bf16_round", "ue8m0_exponent", "store_model1",
-           "FLOORS"]
+__all__ = ["v4_cos_sin_cache", "rope_torch", "store_model1", "FLOORS"]
 
 FLOORS = {"flashmla": -13, "vllm": -22}  # the smallest scale exponent of each floor
 
@@ -55,30 +49,6 @@ def rope_torch(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
     a, b = rot[..., 0::2], rot[..., 1::2]
     out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
     return torch.cat((x[..., :x.shape[-1] - R], out.to(x.dtype)), dim=-1)
-
-
-@triton.jit
-def bf16_round(x):
-    """float32 ``x`` -> ``bf16(x)`` as a float32, round to nearest even (NaN stays NaN)."""
-    bits = x.to(tl.int32, bitcast=True)
-    up = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    nan = (bits & 0x7FFFFFFF) > 0x7F800000
-    return tl.where(nan, x, up.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def ue8m0_exponent(amax, FLOOR: tl.constexpr):
-    """``ceil(log2(scale))`` (int32) of the power-of-two scale of a block of max ``amax``."""
-    a_bits = amax.to(tl.int32, bitcast=True)
-    e = ((a_bits >> 23) & 0xFF) - 127
-    j = e - 8 + ((a_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    return tl.maximum(j, FLOOR)
-
-
-@triton.jit
-def pow2(j):
-    """``2^j`` (float32) of an int32 exponent in the normal range."""
-    return ((j + 127) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.fast.bits import bf16_round, e4m3_bits, pow2, ue8m0_exponent
 from mla.fast.common import interpreting, should_validate
-from mla.fast.indexer.cache import e4m3_bits
 from mla.fast.launch import check_grid
-from mla.fast.v4.common import FLOORS, bf16_round, pow2, store_model1, ue8m0_exponent
+from mla.fast.v4.common import FLOORS, store_model1
 from mla.reference.fp8_model1 import FP8_MODEL1_BYTES
 from mla.reference.indexer_cache import INDEX_K_BYTES
 from mla.validation import check_float, check_index, check_same_device, check_tensor

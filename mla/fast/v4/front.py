@@ -26,10 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.fast.bits import bf16_round
 from mla.fast.common import check_kernel_input, should_validate
 from mla.fast.launch import check_grid
 from mla.fast.paged_cache import check_slot_range
-from mla.fast.v4.common import FLOORS, bf16_round, store_model1
+from mla.fast.v4.common import FLOORS, store_model1
 from mla.reference.fp8_model1 import FP8_MODEL1_BYTES
 from mla.validation import check_float, check_index, check_same_device, check_tensor
 

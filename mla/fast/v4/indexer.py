@@ -31,12 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from mla.fast.bits import bf16_round, e4m3_bits, pow2, ue8m0_exponent
 from mla.fast.common import check_kernel_input
-from mla.fast.indexer.cache import e4m3_bits
 from mla.fast.indexer.logits_paged import fp8_paged_mqa_logits
 from mla.fast.launch import check_grid
 from mla.fast.topk import top_k_per_row
-from mla.fast.v4.common import FLOORS, bf16_round, pow2, ue8m0_exponent
+from mla.fast.v4.common import FLOORS
 from mla.reference.indexer_cache import INDEX_K_BYTES
 from mla.validation import check_float, check_index, check_tensor
 
