@@ -67,8 +67,8 @@ for step in "${steps[@]}"; do
     # mla bench of each peer target beside mla.fast and FlashMLA (the kernels each has; the
     # indexer's peers on their kernels' shapes only): a table, JSON and a plot each
     bench-peers)
-      for t in flashmla vllm-triton mla.fast-batch-invariant flashmla-batch-invariant \
-               vllm-topk deepgemm; do
+      for t in ${BENCH_TARGETS:-flashmla vllm-triton mla.fast-batch-invariant \
+               flashmla-batch-invariant vllm-topk deepgemm}; do
         kernels=()
         case $t in
           vllm-topk) kernels=(--kernels top_k_per_row) ;;
