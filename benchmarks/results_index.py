@@ -73,17 +73,21 @@ CURRENT = [
      "bench/mla_bench_fast_2026-12-06.md"),
     ("`mla bench` of FlashMLA, vLLM's Triton kernels and both batch-invariant targets (H100)",
      "bench/mla_bench_vllm-triton_2026-12-06.md"),
-    ("the fuzz of mla.fast, FlashMLA and vLLM's Triton kernels, 5 min a kernel (H100)",
+    ("the fuzz of 21 kernels of mla.fast, FlashMLA, vLLM and DeepGEMM, 5 min a kernel (H100)",
      "conformance/fuzz_2026-12-06.md"),
-    ("the fuzz of vLLM's top-k and Triton kernels and DeepGEMM's logits, 5 min a kernel (H100)",
-     "conformance/fuzz_peers_2026-12-06.md"),
+    ("`mla bench` of vLLM's top-k and DeepGEMM's logits beside mla.fast (H100)",
+     "bench/mla_bench_deepgemm_2026-12-06.md"),
     ("what batch invariance costs (fixed-length splits), and V3.2 sparse decode beside "
      "FlashMLA at B = 1-128 (H100)", "decode/batch_invariant_2026-12-06.md"),
     ("the V4 decode step beside the torch composition and vLLM's V4 kernels (H100)",
      "layers/v4_step_peers_2026-12-06.md"),
     ("DCP on 2 GPUs", "dcp/dcp_scaling_2xH200_2026-11-30.md"),
-    ("`mla.fast` on the conformance catalogue", "conformance/conformance_mla_fast_2026-12-02.md"),
-    ("FlashMLA on the conformance catalogue", "conformance/conformance_flashmla_2026-12-02.md"),
+    ("`mla.fast` on the conformance catalogue (H100)",
+     "conformance/conformance_mla_fast_2026-12-06.md"),
+    ("FlashMLA on the conformance catalogue (H100)",
+     "conformance/conformance_flashmla_2026-12-06.md"),
+    ("vLLM's Triton kernels on the conformance catalogue (H100)",
+     "conformance/conformance_vllm-triton_2026-12-06.md"),
 ]
 
 _DATE = re.compile(r"_?(20\d\d-\d\d-\d\d)")

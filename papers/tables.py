@@ -307,17 +307,22 @@ def render_peers(results: Path = RESULTS, selection: list | None = None,
 
 # (target, the cases run, file): the rows of section 12.5
 CONFORMANCE = [
-    ("`mla.fast`", "catalogue", "conformance/conformance_mla_fast_2026-12-02.json"),
+    ("`mla.fast`", "catalogue", "conformance/conformance_mla_fast_2026-12-06.json"),
+    ("`mla.fast`, batch invariant", "catalogue",
+     "conformance/conformance_mla_fast-batch-invariant_2026-12-06.json"),
     ("`mla.fast`", "indexer and top-k cases",
      "conformance/conformance_mla_fast_indexer_v2_2026-12-02.json"),
-    ("FlashMLA", "catalogue", "conformance/conformance_flashmla_2026-12-02.json"),
-    ("DeepGEMM", "catalogue", "conformance/conformance_deepgemm_compressed_2026-12-02.json"),
-    ("vLLM cache kernels", "catalogue", "conformance/conformance_vllm-cache_2026-12-02.json"),
-    ("vLLM top-k", "catalogue", "conformance/conformance_vllm-topk_2026-12-02.json"),
+    ("FlashMLA", "catalogue", "conformance/conformance_flashmla_2026-12-06.json"),
+    ("FlashMLA, batch invariant", "catalogue",
+     "conformance/conformance_flashmla-batch-invariant_2026-12-06.json"),
+    ("DeepGEMM", "catalogue", "conformance/conformance_deepgemm_2026-12-06.json"),
+    ("vLLM cache kernels", "catalogue", "conformance/conformance_vllm-cache_2026-12-06.json"),
+    ("vLLM top-k", "catalogue", "conformance/conformance_vllm-topk_2026-12-06.json"),
     ("vLLM top-k", "top-k cases", "conformance/conformance_topk_cases_vllm-topk_2026-12-02.json"),
     ("vLLM persistent top-k", "top-k cases",
      "conformance/conformance_topk_cases_vllm_persistent_topk_2026-12-02.json"),
-    ("vLLM Triton", "catalogue", "conformance/conformance_vllm-triton_2026-11-30.json"),
+    ("vLLM Triton", "catalogue", "conformance/conformance_vllm-triton_2026-12-06.json"),
+    ("vLLM V4 Triton", "catalogue", "conformance/conformance_vllm-v4_2026-12-06.json"),
     ("FlashInfer", "catalogue", "conformance/conformance_flashinfer_2026-11-30.json"),
 ]
 STATUSES = ("pass", "fail", "error", "unsupported")
