@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mla.reference as ref
-from mla.conformance import Unsupported
+from mla.conformance import Unsupported, run
 from mla.conformance.cases.decode import DecodeSpec, decode_trial
 from mla.conformance.cases.sparse_decode import SparseDecodeSpec, sparse_decode_trial
 from mla.conformance.catalogue import Setting
@@ -166,3 +166,31 @@ def test_properties_beside_the_budgets(db):
     assert failure.property_name == "" and failure.convention.startswith("softmax scale")
     with pytest.raises(ValueError, match="properties alone"):
         fuzz(ref, "mla_decode_paged", examples=1, budgets=False)
+
+
+# ---- the properties on the catalogue's cases --------------------------------------------------
+
+def test_the_catalogue_holds_the_decodes_to_the_properties_asked():
+    """``run(..., properties=...)``: a twin within every budget whose bits follow the batch's
+    size passes the catalogue, and fails its batches with the property's convention once
+    held to batch invariance (``length_1``, three requests of one key, is one)."""
+    def batch_dependent(q, *args, **kw):
+        out, lse = ref.mla_decode_paged(q, *args, **kw)
+        return out * (1 + 2.0 ** -44 * q.shape[0]), lse
+
+    cases = ["batch_of_mixed_lengths", "length_1"]
+    kw = dict(kernels=["mla_decode_paged"], cases=cases, device="cpu", dtype=torch.float64)
+    assert run({"mla_decode_paged": batch_dependent}, **kw).passed
+    held = run({"mla_decode_paged": batch_dependent}, properties="batch_invariance", **kw)
+    for row in held.rows:
+        assert row.status == "fail", row
+        assert row.convention.startswith("not batch invariant"), row.convention
+        assert row.errors["batch_invariance"] > 0 and row.limits["batch_invariance"] == 0
+        assert "ulps" in held.to_markdown()
+
+
+def test_the_reference_keeps_every_property_on_the_catalogue():
+    report = run({k: getattr(ref, k) for k in DECODES}, kernels=list(DECODES), device="cpu",
+                 dtype=torch.float64, properties="all")
+    assert report.passed, report.to_text()
+    assert sum(r.status == "pass" for r in report.rows) >= 80

@@ -26,6 +26,11 @@ def shape_listing() -> str:
         "bound: mla.bench.shapes)"
 
 
+ADAPTED = ("a peer is timed through its adapter (mla.conformance.adapters): its kernel and what "
+           "the adapter adds to return the reference's outputs (for DeepGEMM's logits, the "
+           "scheduler's metadata and -inf past each row's keys, which DeepGEMM leaves undefined)")
+
+
 def heading(meta: dict) -> list[str]:
     """The lines above the table: GPU, versions, ceilings, how the times were taken."""
     env = meta.get("environment", {})
@@ -46,6 +51,7 @@ def heading(meta: dict) -> list[str]:
                      f"{'CUDA-graph replays' if meta['graph'] else 'eager calls'}, L2 "
                      f"{'flushed before each' if meta['flush'] else 'warm'} (eager: capture "
                      "failed, see the notes)")
+        lines.append(ADAPTED)
     return lines
 
 

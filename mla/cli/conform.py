@@ -19,8 +19,9 @@ from the same ``--target`` spec); a named peer's inputs are drawn within what it
 states it takes (``mla.conformance.fuzz_strategies.accepts_for``); ``--fuzz-db`` (default
 ``$MLA_FUZZ_DB`` or ``.hypothesis/mla-fuzz``) keeps the failures, which a re-run tries first.
 ``--properties all`` (or some of ``batch_invariance page_placement batch_permutation``) also
-checks, on every decode example, that the outputs keep their bits when the batch or the pages
-change (``mla.conformance.properties``).
+checks, on every decode case or example within its budgets, that the outputs keep their bits
+when the batch or the pages change (``mla.conformance.properties``); a broken property fails
+the case with the property's convention.
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ def add_conform_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --fuzz: after a failure, search the rest of the budget for "
                         "failures of other modes (other conventions, properties or outputs)")
     p.add_argument("--properties", nargs="+", metavar="P",
-                   help="with --fuzz: also check these metamorphic properties of the decodes, "
-                        "bit for bit ('all', or batch_invariance, page_placement, "
-                        "batch_permutation)")
+                   help="also check these metamorphic properties of the decodes' cases (or, "
+                        "with --fuzz, examples), bit for bit ('all', or batch_invariance, "
+                        "page_placement, batch_permutation)")
     p.set_defaults(run=_conform, parser=p)
 
 
@@ -140,8 +141,6 @@ def _conform(args: argparse.Namespace) -> int:
     if args.fuzz:
         return _fuzz(args, name, target, device, getattr(torch, args.dtype) if args.dtype
                      else None)
-    if args.properties:
-        args.parser.error("--properties is checked by the fuzz: add --fuzz N or --fuzz Ns")
     if args.keep_going:
         args.parser.error("--keep-going goes on fuzzing after a failure: add --fuzz N or Ns")
     has = kernels_of(target)
@@ -160,7 +159,8 @@ def _conform(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     report = run(target, kernels=args.kernels, device=device, dtype=dtype, cases=args.cases,
-                 seed=args.seed, name=name, progress=progress)
+                 seed=args.seed, name=name, progress=progress,
+                 properties=_properties(args))
     print(f"mla conform: target {name}, {report.dtype} on {report.device}, seed {args.seed}, "
           f"{time.perf_counter() - t0:.1f} s")
     print("reference: float64 on the CPU on the same inputs; budgets: conventions §11")
@@ -168,6 +168,18 @@ def _conform(args: argparse.Namespace) -> int:
     print(report.to_text())
     _write(report, args)
     return 1 if any(r.status in ("fail", "error") for r in report.rows) else 0
+
+
+def _properties(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """``--properties``, checked (an unknown name is a usage error)."""
+    if not args.properties:
+        return None
+    from mla.conformance.properties import properties_of
+    try:
+        return properties_of(args.properties)
+    except ValueError as e:
+        args.parser.error(f"--properties: {e}")
+        raise  # (parser.error exits)
 
 
 def _fuzz(args: argparse.Namespace, name: str, target: object, device: object,
@@ -183,13 +195,7 @@ def _fuzz(args: argparse.Namespace, name: str, target: object, device: object,
     if other or not kernels:
         args.parser.error(f"--fuzz: no strategy for {other or 'the target'}; fuzzed kernels: "
                           f"{', '.join(FUZZED)}")
-    props = None
-    if args.properties:
-        from mla.conformance.properties import properties_of
-        try:
-            props = properties_of(args.properties)
-        except ValueError as e:
-            args.parser.error(f"--properties: {e}")
+    props = _properties(args)
     kind, value = args.fuzz
     t0 = time.perf_counter()
 

@@ -78,6 +78,9 @@ class Trial:
     # inputs the reference refuses (a ValueError naming them): the kernel must raise one of
     # these rather than return, so that it never reads past what it was given
     refuses: tuple[type[Exception], ...] = ()
+    # the spec a family built the inputs from, where it builds from specs (the decodes): what
+    # ``mla.conformance.properties.check`` reads (a MODEL1 cache)
+    spec: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

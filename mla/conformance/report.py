@@ -138,8 +138,11 @@ def _lacks_kernel(r: Row) -> bool:
 
 def _error(quantity: str, value: float) -> str:
     """An error with the kind of its quantity (conventions §11): "rel 1.23e-04" for
-    ``out_rel``, "abs ..." for ``lse_abs``, "3 mismatches" for ``mismatches``."""
+    ``out_rel``, "abs ..." for ``lse_abs``, "3 mismatches" for ``mismatches``, "275 ulps" for a
+    property's ``ulps``."""
     if quantity == "mismatches":
         return f"{int(value)} mismatches" if math.isfinite(value) else f"{value} mismatches"
+    if quantity == "ulps":  # a metamorphic property's worst difference
+        return f"{value:g} ulps"
     kind = quantity.rsplit("_", 1)[-1]
     return f"{kind} {value:.2e}" if kind else f"{value:.2e}"

@@ -6,18 +6,23 @@ target lacks is "unsupported". Each output is held to its error budget: ``mla.co
 for the input dtype (``ERROR_BUDGETS``, about twice the worst error our kernels measure over
 many seeds, conventions §11), 0 for exact outputs (indices, bytes, copies), and
 ``FLOAT64_BUDGET`` for float64 inputs.
+
+``properties`` (names of ``mla.conformance.properties.PROPERTIES``, or ``"all"``): the decodes'
+cases that pass their budgets are also held to these metamorphic properties, bit for bit, and
+fail with the property's convention where one breaks (a batch-invariant mode that is not).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from mla.compare import budget
 from mla.conformance.catalogue import KERNELS, Case, Setting, Trial, Unsupported, cases_of
 from mla.conformance.diagnose import describe, explain, measure
+from mla.conformance.properties import PROPERTY_KERNELS, check, properties_of
 from mla.conformance.report import Report, Row, missing_kernel_detail
 from mla.environment import environment
 
@@ -55,8 +60,10 @@ def limit(kernel: str, dtype: torch.dtype, quantity: str) -> float:
     return budget(kernel, dtype, quantity)
 
 
-def run_case(kernel_fn: Callable | None, c: Case, setting: Setting) -> Row:
-    """One case on one kernel (``None``: the target lacks it)."""
+def run_case(kernel_fn: Callable | None, c: Case, setting: Setting,
+             properties: tuple[str, ...] = ()) -> Row:
+    """One case on one kernel (``None``: the target lacks it); a decode's case within its
+    budgets is then held to ``properties`` (``_hold_properties``)."""
     row = Row(c.kernel, c.name, c.topic, c.doc, "unsupported")
     if kernel_fn is None:
         row.detail = missing_kernel_detail(c.kernel)
@@ -90,8 +97,30 @@ def run_case(kernel_fn: Callable | None, c: Case, setting: Setting) -> Row:
         row.detail = "; ".join(describe(outputs, wrong, trial.quantities))[:1500]
         row.convention = explain(outputs, trial.expected, trial.quantities, row.limits,
                                  trial.alternatives, kernel=c.kernel)
+    elif properties and c.kernel in PROPERTY_KERNELS:
+        _hold_properties(kernel_fn, c, trial, setting, properties, row)
     row.seconds = time.perf_counter() - t0
     return row
+
+
+def _hold_properties(kernel_fn: Callable, c: Case, trial: Trial, setting: Setting,
+                     properties: tuple[str, ...], row: Row) -> None:
+    """Check each property on the case's inputs; the first that breaks fails the row (its
+    worst difference in ulps against a limit of 0, where and what it means). A property the
+    input cannot show (a batch of one) or whose transformed call is unsupported adds
+    nothing."""
+    for name in properties:
+        try:
+            result = check(name, c.kernel, kernel_fn, trial, trial.spec, setting.seed)
+        except Unsupported:
+            continue
+        if result.applicable and not result.passed:
+            row.status = "fail"
+            row.quantities[name] = "ulps"
+            row.errors[name], row.limits[name] = result.ulps, 0.0
+            row.detail = f"{name}: the worst difference {result.ulps:g} ulps, at {result.where}"
+            row.convention = result.convention
+            return
 
 
 def surface_pending_error(device: torch.device | str) -> None:
@@ -131,24 +160,25 @@ def _default_device() -> torch.device:
 def run(target: object, kernels: list[str] | None = None, device: str | torch.device | None
         = None, dtype: torch.dtype | None = None, cases: list[str] | None = None, seed: int = 0,
         name: str | None = None, progress: Callable[[Row], None] | None = None,
-        small: bool | None = None) -> Report:
+        small: bool | None = None, properties: str | Sequence[str] | None = None) -> Report:
     """Run the catalogue (or its ``kernels`` / ``cases``) on ``target``; see the module doc.
 
     ``device`` defaults to CUDA when there is one; ``dtype`` to bfloat16 on CUDA and float32
     on the CPU (Triton's interpreter). ``progress`` is called with each row as it finishes.
     ``small`` (default: on the CPU) shortens the "long" lengths, for the interpreter and for
-    compute-sanitizer.
+    compute-sanitizer. ``properties``: also hold the decodes' cases to these (module doc).
     """
     dev = torch.device(device) if device is not None else _default_device()
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    props = properties_of(properties)
     fns = kernels_of(target)
     setting = Setting(dev, dtype, seed, dev.type == "cpu" if small is None else small)
     rows = []
     for c in cases_of(kernels, cases):
-        row = run_case(fns.get(c.kernel), c, setting)
+        row = run_case(fns.get(c.kernel), c, setting, props)
         rows.append(row)
         if progress:
             progress(row)

@@ -259,7 +259,7 @@ def sparse_decode_trial(setting: Setting, spec: SparseDecodeSpec, salt: int) -> 
         return Trial(invoke, {}, {}, refuses=(ValueError,))
     expected = ref()
     alts.update(_v4_alternatives(spec, v4, ref, expected, c64))
-    return Trial(invoke, expected, {"out": "out_rel", "lse": "lse_abs"}, alts)
+    return Trial(invoke, expected, {"out": "out_rel", "lse": "lse_abs"}, alts, spec=spec)
 
 
 def _v4_inputs(setting: Setting, spec: SparseDecodeSpec, g: torch.Generator
