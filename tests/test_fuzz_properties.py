@@ -173,12 +173,13 @@ def test_properties_beside_the_budgets(db):
 def test_the_catalogue_holds_the_decodes_to_the_properties_asked():
     """``run(..., properties=...)``: a twin within every budget whose bits follow the batch's
     size passes the catalogue, and fails its batches with the property's convention once
-    held to batch invariance (``length_1``, three requests of one key, is one)."""
+    held to batch invariance (``length_1``: three requests of one key; ``length_page_edges``:
+    six around a page's edges)."""
     def batch_dependent(q, *args, **kw):
         out, lse = ref.mla_decode_paged(q, *args, **kw)
         return out * (1 + 2.0 ** -44 * q.shape[0]), lse
 
-    cases = ["batch_of_mixed_lengths", "length_1"]
+    cases = ["length_page_edges", "length_1"]
     kw = dict(kernels=["mla_decode_paged"], cases=cases, device="cpu", dtype=torch.float64)
     assert run({"mla_decode_paged": batch_dependent}, **kw).passed
     held = run({"mla_decode_paged": batch_dependent}, properties="batch_invariance", **kw)

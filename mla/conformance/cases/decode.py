@@ -311,13 +311,6 @@ _register("length_long_single", "lengths",
 _register("length_long_ragged", "lengths",
           "A long request beside short ones: the split of the long one must not leak.",
           lambda s: DecodeSpec((2, long_length(s.small), 5), heads=16), 33)
-_register("batch_of_mixed_lengths", "lengths",
-          "Requests of 1000, 3 and 70 keys, 128 heads, s_q = 2, a sharp softmax: within the "
-          "budgets, and, held to --properties batch_invariance, each request's bits the same "
-          "alone and in the batch (FlashMLA's enable_batch_invariant, which vLLM 0.33's "
-          "interface never hands its dense kernel, is not).",
-          lambda s: DecodeSpec((1000 if not s.small else 300, 3, 70), heads=128, s_q=2,
-                               q_gain=30.0), 34)
 # ---- multi-token prediction and the causal rule ---------------------------------------------
 for _i, _sq in enumerate((2, 3, 4)):
     _register(f"causal_s_q_{_sq}", "causal",
