@@ -3,7 +3,7 @@
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
-#     sparse-sweep|sparse-peers|front-budget|matrix]...
+#     sparse-sweep|sparse-peers|front-budget|matrix|properties]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -123,6 +123,19 @@ for step in "${steps[@]}"; do
       done
       for p in "${pids[@]}"; do wait "$p"; done
       tail -n 3 "$OUT"/conformance_*.log ;;
+    # the catalogue's decode cases held to batch invariance on the decodes that claim it (and
+    # on FlashMLA's default, for contrast): properties_<target>.{md,json}
+    properties)
+      pids=()
+      for t in ${PROPERTY_TARGETS:-flashmla-batch-invariant mla.fast-batch-invariant flashmla}; do
+        timeout 300 python -m mla conform --target "$t" --kernels mla_decode_paged \
+          sparse_mla_decode --properties batch_invariance --device cuda \
+          --out "$OUT/properties_$t.md" --json "$OUT/properties_$t.json" \
+          > "$OUT/properties_$t.log" 2>&1 &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p"; done
+      tail -n 1 "$OUT"/properties_*.log ;;
     sanitize) timeout 400 compute-sanitizer --tool memcheck --print-limit 20 \
                 python -m mla.check --quick --out "$OUT/sanitize_check.json" 2>&1 \
                 | tee "$OUT/sanitize.log" ;;
