@@ -307,6 +307,36 @@ print(report.failures[0].snippet)
 assert not report.passed and "-1" in report.failures[0].convention
 
 # %% [markdown]
+# ## Properties a kernel must keep whatever its error
+#
+# Budgets bound how far a kernel may be from the reference; some promises are exact. A server
+# that wants the same answer for a request whatever else is in the batch needs *batch
+# invariance*: the request's bits the same alone and in any batch. `run(..., properties=...)`
+# (`mla conform --properties batch_invariance`) holds the decodes' cases to it, bit for bit.
+# Planted here: a decode within every budget whose last bits follow the batch's size, as a
+# kernel's do when its split of the keys follows the batch. It passes the catalogue's cases and
+# fails them once held to the property. (On a GPU this found FlashMLA's `enable_batch_invariant`
+# dense decode not batch invariant: vLLM 0.33's interface never hands the flag to that kernel.)
+
+# %%
+from mla.conformance import run
+
+
+def decode_follows_batch(q, *args, **kwargs):
+    """mla_decode_paged within every budget, its last bits following the batch's size."""
+    out, lse = mla.reference.mla_decode_paged(q, *args, **kwargs)
+    return out * (1 + 2.0 ** -44 * q.shape[0]), lse
+
+
+twin = {"mla_decode_paged": decode_follows_batch}
+pick = dict(kernels=["mla_decode_paged"], cases=["length_page_edges"], device="cpu",
+            dtype=torch.float64)
+print("budgets only:        ", run(twin, **pick).rows[0].status)
+held = run(twin, properties="batch_invariance", **pick).rows[0]
+print("with batch invariance:", held.status, "-", held.convention)
+assert held.status == "fail" and held.convention.startswith("not batch invariant")
+
+# %% [markdown]
 # ## Other people's kernels, on a GPU
 #
 # The same catalogue runs on FlashMLA, vLLM's Triton MLA decode, vLLM's CUDA top-k and cache
