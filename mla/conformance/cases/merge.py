@@ -6,12 +6,14 @@ output_lse)``. The lse is the natural log; ``+inf`` (FlashMLA's "no key" marker)
 (the log of an empty sum, FA3's and ``attention_with_lse``'s) both mean "this side saw no
 keys": the other side passes through and the empty side's output is never read (the cases fill
 it with NaN, so a kernel that reads it shows); both sides empty give ``out = 0`` and
-``lse = -inf``; a NaN lse is no marker: merged with a present side the row comes out NaN (§13).
+``lse = -inf``; a NaN lse is no marker: merged with a present side or an empty one the row
+comes out NaN (§13).
 
 Outputs are in the setting's dtype, the lse float32 (float64 in float64 settings: the
 reference keeps the lse dtype it is given), and the reference runs in float64 on exactly those
-values. Only the "empty_*" and "both_empty" topics hold infinite lse, only the "nan" topic a
-NaN lse; only the "underflowed_side_*" cases infinite or NaN outputs on a present side.
+values. Only the "empty_*", "both_empty" and "nan_beside_empty" topics hold infinite lse,
+only the "nan" and "nan_beside_empty" topics a NaN lse; only the "underflowed_side_*" cases
+infinite or NaN outputs on a present side.
 """
 
 from __future__ import annotations
