@@ -13,6 +13,19 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
   | tee "$OUT/gpu.txt"
+# mla conform on each target of $3, one process a target, side by side (the reference's float64
+# side runs on the CPU), within $2 seconds each: $OUT/$1_<target>.{md,json,log}; the arguments
+# after $3 go to every run
+conform_each() {
+  local prefix=$1 limit=$2 targets=$3 t p pids=()
+  shift 3
+  for t in $targets; do
+    timeout "$limit" python -m mla conform --target "$t" --device cuda "$@" \
+      --out "$OUT/${prefix}_$t.md" --json "$OUT/${prefix}_$t.json" > "$OUT/${prefix}_$t.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+}
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check bench)
 for step in "${steps[@]}"; do
@@ -110,31 +123,17 @@ for step in "${steps[@]}"; do
       done
       for p in "${pids[@]}"; do wait "$p"; done
       python -m benchmarks.fuzz_summary "$OUT" ;;
-    # the catalogue on every target, one process a target, side by side (the reference's
-    # float64 side runs on the CPU): conformance_<target>.{md,json}
+    # the catalogue on every target: conformance_<target>.{md,json}
     matrix)
-      pids=()
-      for t in ${MATRIX_TARGETS:-mla.fast mla.fast-batch-invariant flashmla flashmla-batch-invariant \
-               vllm-triton vllm-topk vllm-cache vllm-v4 deepgemm}; do
-        timeout 540 python -m mla conform --target "$t" --device cuda \
-          --out "$OUT/conformance_$t.md" --json "$OUT/conformance_$t.json" \
-          > "$OUT/conformance_$t.log" 2>&1 &
-        pids+=($!)
-      done
-      for p in "${pids[@]}"; do wait "$p"; done
+      conform_each conformance 540 "${MATRIX_TARGETS:-mla.fast mla.fast-batch-invariant flashmla \
+        flashmla-batch-invariant vllm-triton vllm-topk vllm-cache vllm-v4 deepgemm}"
       tail -n 3 "$OUT"/conformance_*.log ;;
     # the catalogue's decode cases held to batch invariance on the decodes that claim it (and
     # on FlashMLA's default, for contrast): properties_<target>.{md,json}
     properties)
-      pids=()
-      for t in ${PROPERTY_TARGETS:-flashmla-batch-invariant mla.fast-batch-invariant flashmla}; do
-        timeout 300 python -m mla conform --target "$t" --kernels mla_decode_paged \
-          sparse_mla_decode --properties batch_invariance --device cuda \
-          --out "$OUT/properties_$t.md" --json "$OUT/properties_$t.json" \
-          > "$OUT/properties_$t.log" 2>&1 &
-        pids+=($!)
-      done
-      for p in "${pids[@]}"; do wait "$p"; done
+      conform_each properties 300 \
+        "${PROPERTY_TARGETS:-flashmla-batch-invariant mla.fast-batch-invariant flashmla}" \
+        --kernels mla_decode_paged sparse_mla_decode --properties batch_invariance
       tail -n 1 "$OUT"/properties_*.log ;;
     sanitize) timeout 400 compute-sanitizer --tool memcheck --print-limit 20 \
                 python -m mla.check --quick --out "$OUT/sanitize_check.json" 2>&1 \
