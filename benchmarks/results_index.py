@@ -88,6 +88,8 @@ CURRENT = [
      "conformance/conformance_flashmla_2026-12-06.md"),
     ("vLLM's Triton kernels on the conformance catalogue (H100)",
      "conformance/conformance_vllm-triton_2026-12-06.md"),
+    ("the catalogue's decode cases held to batch invariance: FlashMLA's batch-invariant mode "
+     "(H100)", "conformance/properties_flashmla-batch-invariant_2026-12-06.md"),
 ]
 
 _DATE = re.compile(r"_?(20\d\d-\d\d-\d\d)")
