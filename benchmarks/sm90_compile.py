@@ -174,10 +174,15 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
         from mla.fast.sm90.sparse_ws_ds import ds_mla_ws_kernel
 
         fn = ds_mla_ws_kernel
+    warps = NUM_WARPS
     if not FP8 and not MODEL1 and BF16_KERNEL == "warp_specialized":
         from mla.fast.sm90.sparse_ws_bf16 import plain_ws_kernel
 
         fn = plain_ws_kernel
+    if not FP8 and not MODEL1 and BF16_KERNEL == "seesaw":
+        from mla.fast.sm90 import sparse_seesaw
+
+        fn, warps = sparse_seesaw.plain_seesaw_kernel, sparse_seesaw.NUM_WARPS
     d = 512 if MODEL1 else D
     ptrs = dict(Q=dt, KV="u8" if FP8 or MODEL1 else dt, IDX="i32", TOPK_LEN="i32", SINK="fp32",
                 O=dt, LSE="fp32", KV2="u8" if FP8 or MODEL1 else dt, IDX2="i32",
@@ -192,7 +197,7 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
                 stride_mq=N if HAS_MAXL else 0, stride_mh=1 if HAS_MAXL else 0,
                 n_rows=rows, topk=topk, num_splits=splits)
     src = _specialize(fn, const, ptrs, {"qk_scale": "fp32"}, ints)
-    return triton.compile(src, target=TARGET, options={"num_warps": NUM_WARPS})
+    return triton.compile(src, target=TARGET, options={"num_warps": warps})
 
 
 def resource_usage(cubin: bytes) -> dict[str, int]:

@@ -399,11 +399,15 @@ def test_sm90_bf16_kernels(poisoned_alloc, monkeypatch, kernel, N, num_splits, D
 
 
 def test_bf16_kernel_names_are_checked(poisoned_alloc):
-    """``SparsePlan.bf16_kernel``: the warp-specialized kernel by default; a plan naming
-    either kernel still runs elsewhere (the Triton kernel off Hopper)."""
+    """``SparsePlan.bf16_kernel``: the warp-specialized kernel by default, the seesaw one in
+    a prefill's default plan; a plan naming any kernel still runs elsewhere (the Triton
+    kernel off Hopper)."""
     assert SparsePlan(64, 64, 1, 8, 2).bf16_kernel == "warp_specialized"
     assert plan_sparse(64, 128, 2048, torch.bfloat16, False, num_sms=132).bf16_kernel == \
         "warp_specialized"
+    for bi in (False, True):
+        assert plan_sparse(64, 128, 2048, torch.bfloat16, False, num_sms=132, prefill=True,
+                           batch_invariant=bi).bf16_kernel == "seesaw"
     with pytest.raises(ValueError, match="bf16_kernel must be one of"):
         SparsePlan(64, 64, 1, 8, 2, bf16_kernel="coupled")
     plan = SparsePlan(16, 64, 2, 4, 1, bf16_kernel="staged")
@@ -411,6 +415,9 @@ def test_bf16_kernel_names_are_checked(poisoned_alloc):
     check_prefill(q, kv, idx, 0.3, 32, plan=plan)
     q, cache, idx = decode_inputs(2, 1, 2, 40, 3, 16, 37, torch.float16, seed=64)
     check_decode(q, cache, idx, 0.3, False, head_dim_v=32, plan=plan)
+    plan = SparsePlan(16, 64, 1, 4, 1, bf16_kernel="seesaw")
+    q, kv, idx = prefill_inputs(3, 2, 40, 30, 45, torch.float16, seed=65)
+    check_prefill(q, kv, idx, 0.3, 32, plan=plan)
 
 
 def test_decode_fp8_plan_naming_the_warp_specialized_kernel(poisoned_alloc):

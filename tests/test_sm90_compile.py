@@ -90,6 +90,16 @@ SPARSE += [dict(_BF, **flags) for flags in (
     {"HAS_EXTRA": True, "HAS_TOPK_LEN": True, "HAS_TOPK_LEN2": True, "HAS_SINK": True,
      "CHECK_RANGE": True},
     {"N": 64, "S": 2, "dtype": "fp16"})]
+# the seesaw kernel over rows in q's dtype (``SparsePlan.bf16_kernel="seesaw"``, prefill's
+# default: one scope, no splits): 128 heads, 64 with lengths and a sink, rows of 512, the
+# decode's range check, fp16
+_SS = dict(FP8=False, BF16_KERNEL="seesaw")
+SPARSE += [dict(_SS, **flags) for flags in (
+    {"HAS_MAXL": True},
+    {"HAS_MAXL": True, "HAS_TOPK_LEN": True, "HAS_SINK": True, "N": 64},
+    {"D": 512, "N": 64, "HAS_MAXL": True, "HAS_SINK": True, "HAS_TOPK_LEN": True},
+    {"HAS_TOPK_LEN": True, "CHECK_RANGE": True},
+    {"N": 64, "S": 2, "dtype": "fp16"})]
 # the batch-invariant plans' fixed-length splits (``split_keys``, ``split_entries``): the
 # coupled decode kernel split, and each sparse Gluon kernel split
 _FIXED = dict(SPLIT=True, SPLIT_TILES=8, SPLIT_CAP=16)
@@ -143,12 +153,20 @@ def test_each_warp_group_issues_only_its_own_wgmma(variant):
     # any other shape, means work is issued twice or split differently.
     f = _facts()[_id(variant)]
     dt = {"bf16": "bf16", "fp16": "f16"}[variant[1].get("dtype", "bf16")]  # PTX type names
+    d = 512 if variant[1].get("MODEL1") or variant[1].get("D") == 512 else 576
     shapes = {}
     for instr, count in f["wgmma"].items():
         m = re.fullmatch(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.(\w+)",
                          instr)
         assert m is not None and m.group(2) == m.group(3) == dt, instr
         shapes[m.group(1)] = shapes.get(m.group(1), 0) + count
+    if variant[1].get("BF16_KERNEL") == "seesaw":
+        # each group computes a whole tile's logits, 64 x 64 over d dims (d / 16 m64n64k16)
+        # in three places (group 0's pair and lone tile, group 1's pair), and multiplies its
+        # own P and the other group's into its 64 x 256 half (4 m64n256k16 each): 8 in a
+        # pair, 4 for a lone tile, in each group
+        assert shapes == {"m64n64k16": 3 * d // 16, "m64n256k16": 24}, f["wgmma"]
+        return
     assert set(shapes) == {"m64n32k16", "m64n256k16"}, f["wgmma"]
     n32, n256 = shapes["m64n32k16"], shapes["m64n256k16"]
     # DeepSeek-V4's rows (MODEL1 or plain) are 512 wide: 32 n32 per tile

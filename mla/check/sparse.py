@@ -268,3 +268,14 @@ def prefill_cases(ctx: Ctx) -> Iterator[Case]:
                1000, 3000, True, cp3)
     yield case(f"s_q=7 N=128 topk=1 s_kv=10 (one pick) forced {cp}", 582, 7, 128, 1, 10,
                plan=cp)
+    # the seesaw kernel (a plan's choice): the same inputs; a split plan takes the
+    # warp-specialized kernel instead
+    ss = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="seesaw")
+    yield case(f"s_q=300 N=128 topk=2047 s_kv=5000 ragged lens forced {ss}", 586, 300, 128,
+               2047, 5000, True, ss)
+    yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {ss}", 587, 257, 64,
+               1000, 3000, True, ss)
+    yield case(f"s_q=7 N=128 topk=1 s_kv=10 (one pick) forced {ss}", 588, 7, 128, 1, 10,
+               plan=ss)
+    yield case(f"s_q=64 N=128 topk=2048 s_kv=4096 logits x30 forced {ss}", 589, 64, 128, 2048,
+               4096, logit_scale=30.0, plan=ss)

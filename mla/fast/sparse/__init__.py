@@ -53,8 +53,10 @@ How (docs/kernels.md, "Sparse"):
   the plan's ``model1_kernel`` picks it or (the default) the warp-specialized kernel of
   ``mla.fast.sm90.sparse_ws``; over ``fp8_ds_mla`` rows (decode) the plan's ``ds_mla_kernel``
   picks it or (the default) the warp-specialized kernel of ``mla.fast.sm90.sparse_ws_ds``;
-  over rows in q's dtype the plan's ``bf16_kernel`` picks it or (the default) the
-  warp-specialized kernel of ``mla.fast.sm90.sparse_ws_bf16``.
+  over rows in q's dtype the plan's ``bf16_kernel`` picks it, the warp-specialized kernel of
+  ``mla.fast.sm90.sparse_ws_bf16`` (the default in decode) or the seesaw kernel of
+  ``mla.fast.sm90.sparse_seesaw`` (the default in prefill; one scope without splits, else
+  the warp-specialized one).
 
 ``convert_req_index_to_global_index`` (``mla.fast.sparse.index``, re-exported here): the
 indexer's request-local top-k positions to the cache slots these kernels read.
@@ -208,7 +210,8 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
     topk, topk2 = first.idx.shape[1], extra.idx.shape[1] if has_extra else 0
     if plan is None:
         plan = plan_sparse(Q, N, topk + topk2, q.dtype, fmt != PLAIN, num_sms(q.device),
-                           model1=fmt == MODEL1, batch_invariant=batch_invariant)
+                           model1=fmt == MODEL1, batch_invariant=batch_invariant,
+                           prefill=has_maxl)
     # the input slots: q, the first scope's views (sources 1-3), the second's (4-6), the sink
     jit: list[tuple[int, View] | None] = [(0, q_view)]
     for base, sc, present in ((1, first, True), (4, extra, has_extra)):
@@ -259,7 +262,10 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
 
     ws = ("model1" if fmt == MODEL1 and plan.model1_kernel == "warp_specialized" else
           "ds_mla" if fmt == DS_MLA and plan.ds_mla_kernel == "warp_specialized" else
-          "bf16" if fmt == PLAIN and plan.bf16_kernel == "warp_specialized" else "")
+          "seesaw" if (fmt == PLAIN and plan.bf16_kernel == "seesaw" and not split
+                       and not has_extra) else
+          "bf16" if fmt == PLAIN and plan.bf16_kernel in ("warp_specialized", "seesaw")
+          else "")
     if sm90_route:
         def layout(sc: Scope) -> tuple[int, int]:  # (row or page stride, page size)
             return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
@@ -268,7 +274,8 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
                 first.n_rows, topk, extra.n_rows, topk2)
         if ws:
             # the bf16 kernel also takes HAS_PE (rows of 576, or of 512 with V the whole row)
-            tail = (splits, N, S, groups, *((DR > 0,) if ws == "bf16" else ()), has_extra,
+            tail = (splits, N, S, groups, *((DR > 0,) if ws in ("bf16", "seesaw") else ()),
+                    has_extra,
                     has_extra and extra.has_length, first.has_length, flags["has_sink"],
                     flags["check_range"], has_maxl, split, *fixed)
         else:
@@ -277,7 +284,9 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
                     flags["has_sink"], flags["check_range"], has_maxl, split,
                     D_NOPE if fmt == DS_MLA else 0, ROPE_OFFSET,
                     2 if fmt == MODEL1 and plan.num_stages >= 2 else 1, *fixed)
-        ptr_map, options = tuple(slot[s] for s in _SM90_SLOTS), {"num_warps": 8}
+        # the seesaw kernel: group 0 in the launch's 4 warps, group 1 in 4 more
+        ptr_map = tuple(slot[s] for s in _SM90_SLOTS)
+        options = {"num_warps": 4 if ws == "seesaw" else 8}
     else:
         ints = (q.stride(0), q.stride(1), first.idx.stride(0), first.stride_row,
                 first.page_size, first.page_stride, extra.idx.stride(0), extra.stride_row,
@@ -332,6 +341,8 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
                 from mla.fast.sm90.sparse_ws import model1_ws_kernel as ws_kernel
             elif launch.sm90_ws == "bf16":
                 from mla.fast.sm90.sparse_ws_bf16 import plain_ws_kernel as ws_kernel
+            elif launch.sm90_ws == "seesaw":
+                from mla.fast.sm90.sparse_seesaw import plain_seesaw_kernel as ws_kernel
             else:
                 from mla.fast.sm90.sparse_ws_ds import ds_mla_ws_kernel as ws_kernel
             ws_launcher = _sm90_ws.get(launch.sm90_ws)

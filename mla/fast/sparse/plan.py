@@ -46,8 +46,10 @@ DS_MLA_KERNELS = ("warp_specialized", "staged")
 # N=128 top-k 2048 in 97.5 us against the coupled kernel's 118.6, prefill at s_q 4096 s_kv 32K
 # N=128 in 5.54 ms against 6.17, CUDA graphs, benchmarks/results/sparse/) and "staged" (the
 # coupled kernel of ``mla.fast.sm90.sparse``, whose 8 warps issue a tile's cp.async gathers
-# between its dots)
-BF16_KERNELS = ("warp_specialized", "staged")
+# between its dots) and "seesaw" (``mla.fast.sm90.sparse_seesaw``: each warp group owns whole
+# tiles, as FlashMLA's sparse prefill; one scope without splits, others take
+# "warp_specialized")
+BF16_KERNELS = ("warp_specialized", "staged", "seesaw")
 
 # the batch-invariant plans: entries per split (8 tiles of 64: 4 splits at top-k 2048) and the
 # most splits a query takes. Not yet measured on a GPU: at B = 1, 4 splits where the default
@@ -108,7 +110,7 @@ def split_grid(plan: SparsePlan, tiles: int, tile: int) -> int:
 
 def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8: bool,
                 num_sms: int, *, model1: bool = False, split: bool = True,
-                batch_invariant: bool = False) -> SparsePlan:
+                batch_invariant: bool = False, prefill: bool = False) -> SparsePlan:
     """The default plan from shapes: ``queries`` is ``B · s_q`` (decode) or ``s_q`` (prefill).
 
     - Heads: one program holds ``min(64, N)`` heads (rounded up to a power of two, at least
@@ -133,6 +135,10 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
     - ``batch_invariant=True``: fixed-length splits of ``BI_SPLIT_ENTRIES`` entries, at most
       ``BI_MAX_SPLITS`` per query, whatever ``queries`` and ``num_sms`` (module docstring):
       a query's result is then the same bits alone or in any batch.
+    - ``prefill``: the seesaw kernel over rows in q's dtype (``bf16_kernel="seesaw"``; it
+      takes one scope without splits, the others stay warp-specialized): on an H100 the V3.2
+      and V4 prefill shapes of ``benchmarks.sparse_peers`` in 1.15-1.22x FlashMLA's time
+      against 1.29-1.38x (benchmarks/notes/sparse.md, "the seesaw sparse kernel").
     """
     block_m = min(64, max(16, next_pow2(num_heads)))
     if model1 and block_m < 64:
@@ -150,10 +156,11 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
         num_stages = 1
     if dtype == torch.float32:
         num_warps = 8
+    bf16_kernel = "seesaw" if prefill else "warp_specialized"
     if batch_invariant:
         return SparsePlan(block_m=block_m, block_n=block_n, num_splits=BI_MAX_SPLITS,
                           num_warps=num_warps, num_stages=num_stages,
-                          split_entries=BI_SPLIT_ENTRIES)
+                          split_entries=BI_SPLIT_ENTRIES, bf16_kernel=bf16_kernel)
     groups = -(-num_heads // block_m)
     tiles = max(1, -(-topk // block_n))
     base = max(1, queries * groups)
@@ -163,4 +170,4 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
         splits = max(1, min(round(target / base), tiles // 2, 64))
         splits = -(-tiles // -(-tiles // splits))  # no empty trailing splits at full topk
     return SparsePlan(block_m=block_m, block_n=block_n, num_splits=splits,
-                      num_warps=num_warps, num_stages=num_stages)
+                      num_warps=num_warps, num_stages=num_stages, bf16_kernel=bf16_kernel)
