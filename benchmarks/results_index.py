@@ -52,6 +52,8 @@ CURRENT = [
      "sparse/sparse_peers_2026-12-06.md"),
     ("V3.2's and V4's sparse attention beside FlashMLA, the seesaw sparse prefill (H100)",
      "sparse/sparse_peers_seesaw_2026-12-06.md"),
+    ("the V3.2 step with the seesaw sparse prefill (H100, quick shapes)",
+     "layers/step_peers_seesaw_2026-12-06.md"),
     ("`fp8_paged_mqa_logits` plans", "indexer/indexer_logits_2026-11-30.md"),
     ("indexer logits beside DeepGEMM", "indexer/indexer_peers_v3_2026-12-02.md"),
     ("`top_k_per_row` on the H200", "topk/topk_parts_unspecialized_2026-12-02.md"),
