@@ -3,7 +3,7 @@
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
-#     sparse-sweep|sparse-peers|front-budget|matrix|properties]...
+#     sparse-sweep|sparse-peers|front-budget|matrix|properties|prefill-kernels]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -123,6 +123,17 @@ for step in "${steps[@]}"; do
       done
       for p in "${pids[@]}"; do wait "$p"; done
       python -m benchmarks.fuzz_summary "$OUT" ;;
+    # the sparse prefill kernels side by side: mla.check's prefill cases, then the prefill rows
+    # of sparse_peers with the seesaw kernel and with the warp-specialized one, each beside
+    # FlashMLA (seesaw_probe_<kernel>.json)
+    prefill-kernels)
+      timeout 200 python -m mla.check --kernel sparse_mla_prefill \
+        --out "$OUT/check_prefill.json" > "$OUT/check_prefill.log" 2>&1
+      tail -n 2 "$OUT/check_prefill.log"
+      for k in seesaw warp_specialized; do
+        timeout 150 python -m benchmarks.probes.seesaw_probe "$k" 2>&1 | grep -v "^\[" \
+          | tee "$OUT/seesaw_probe_$k.log"
+      done ;;
     # the catalogue on every target: conformance_<target>.{md,json}
     matrix)
       conform_each conformance 540 "${MATRIX_TARGETS:-mla.fast mla.fast-batch-invariant flashmla \
