@@ -307,18 +307,25 @@ def _group(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, 
     if HAS_EXTRA:
         _, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
         bad = bad | bad2
+    # out through this group's half of q's buffer (no dot reads q after the row sums' barrier)
+    if GROUP == 0:
+        o_smem = q_l.index(0)
+    else:
+        o_smem = q_r.index(0)
     _store(acc, m_i, l_i, bad, qi.to(gl.int64), g, SINK, O, LSE, MAXL, stride_oq, stride_oh,
            stride_lb, stride_lt, stride_lh, stride_mq, stride_mh, N, S, HAS_SINK, HAS_MAXL,
-           GROUP)
+           GROUP, o_smem)
 
 
 @gluon.jit
 def _store(acc, m_i, l_i, bad, qi64, g, SINK, O, LSE, MAXL, stride_oq, stride_oh, stride_lb,
            stride_lt, stride_lh, stride_mq, stride_mh, N: gl.constexpr, S: gl.constexpr,
-           HAS_SINK: gl.constexpr, HAS_MAXL: gl.constexpr, GROUP: gl.constexpr):
+           HAS_SINK: gl.constexpr, HAS_MAXL: gl.constexpr, GROUP: gl.constexpr, o_smem):
     """A group's columns of ``out`` (and, group 1, ``lse`` and the max logits), as
     ``mla.fast.sm90.sparse.epilogue`` writes them: NaN where ``bad``; a query that saw no key
-    gets ``out = 0``, ``lse = +inf``, ``max_logits = -inf``; a NaN logit makes them NaN."""
+    gets ``out = 0``, ``lse = +inf``, ``max_logits = -inf``; a NaN logit makes them NaN.
+    ``out`` goes through ``o_smem`` (``[64, 256]``, no longer read) in 16-byte stores of whole
+    128-byte lines, not from the dots' layout (4 bytes a thread, half-used sectors)."""
     BM: gl.constexpr = 64
     DH: gl.constexpr = 256
     dtype: gl.constexpr = O.dtype.element_ty
@@ -337,10 +344,12 @@ def _store(acc, m_i, l_i, bad, qi64, g, SINK, O, LSE, MAXL, stride_oq, stride_oh
         f = gl.where(seen, f, 1.0)  # a query that saw nothing keeps out = 0
         f = gl.where(sink == sink, f, float("nan"))
         o = o * gl.convert_layout(f, row_o)[:, None]
-    h_o = g * BM + gl.arange(0, BM, layout=row_o)
-    c_o = GROUP * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _O))
-    gl.store(O + qi64 * stride_oq + h_o.to(gl.int64)[:, None] * stride_oh + c_o[None, :],
-             o.to(dtype), mask=(h_o < N)[:, None])
+    o_smem.store(o.to(dtype))
+    barrier()  # this group's half of out is in shared memory
+    h_l = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, _LC))
+    c_l = GROUP * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _LC))
+    gl.store(O + qi64 * stride_oq + h_l.to(gl.int64)[:, None] * stride_oh + c_l[None, :],
+             o_smem.load(_LC), mask=(h_l < N)[:, None])
     if GROUP == 1:
         gl.store(LSE + (qi64 // S) * stride_lb + (qi64 % S) * stride_lt + h_s * stride_lh,
                  gl.where(seen | bad, lse, float("inf")), mask=hs_ok)
