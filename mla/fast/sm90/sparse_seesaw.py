@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.fast.sm90.decode_seesaw import opaque_zero, seesaw_buffers, use_max
 from mla.fast.sm90.softmax import barrier
 from mla.fast.sm90.sparse import _length, _source, runs
 
@@ -132,21 +133,6 @@ def _logits(t, q_l, q_r, q_pe, k_l, k_r, k_pe, ready_l, ready_r, ph, lists, qk_s
 
 
 @gluon.jit
-def _opaque_zero(x):
-    """0, computed by an instruction the compiler may not move out of the loop: the shared
-    memory addresses indexed with it (the wgmma descriptors) are rebuilt in every iteration
-    instead of being hoisted (loop-invariant 64-bit values that would spill)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _use_max(m):
-    """The exponentials' shift: a row that has seen no key keeps ``m = -inf``, shifted by 0."""
-    return gl.where(m == float("-inf"), 0.0, m)
-
-
-@gluon.jit
 def _g0_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: gl.constexpr,
              HAS_EXTRA: gl.constexpr, CHECK_RANGE: gl.constexpr, PAIR: gl.constexpr):
     """Group 0's share of the pair starting at tile ``i0`` (``PAIR``: tile ``i0 + 1`` too)."""
@@ -157,12 +143,12 @@ def _g0_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
     # the rows of the next pair, loaded now so that the refills do not wait for them
     row_a, ok_a = _rows(i0 + 2, lists, HAS_EXTRA)
     row_b, ok_b = _rows(i0 + 3, lists, HAS_EXTRA)
-    z = _opaque_zero(i0)
+    z = opaque_zero(i0)
     qk = _logits(i0, q_l.index(z), q_r.index(z), q_pe, k_l.index(z), k_r.index(z),
                  k_pe.index(z), ready[0], ready[1], ph, lists, qk_scale, HAS_PE, HAS_EXTRA,
                  CHECK_RANGE)
     m0 = gl.maximum(m_i, gl.max(qk, axis=1))
-    m0_use = _use_max(m0)
+    m0_use = use_max(m0)
     alpha0 = gl.exp2(m_i - m0_use)
     p = gl.exp2(qk - m0_use[:, None])
     l_i = l_i * alpha0 + gl.sum(p, axis=1)  # the float32 P's sum, not its bf16 rounding's
@@ -184,7 +170,7 @@ def _g0_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
     # group 1's max: the pair's
     mbarrier.wait(sync[1], ph)
     m1 = m_smem[1].load(row_s)
-    alpha1 = gl.exp2(m0 - _use_max(m1))
+    alpha1 = gl.exp2(m0 - use_max(m1))
     acc = acc * gl.convert_layout(alpha1, row_o)[:, None]
     l_i = l_i * alpha1
     mbarrier.wait(sync[2], ph)  # P1 stored (or no second tile)
@@ -209,13 +195,13 @@ def _g1_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
     row_a, ok_a = _rows(i0 + 2, lists, HAS_EXTRA)
     row_b, ok_b = _rows(i0 + 3, lists, HAS_EXTRA)
     if PAIR:
-        z = _opaque_zero(i0)
+        z = opaque_zero(i0)
         qk = _logits(i0 + 1, q_l.index(z), q_r.index(z), q_pe, k_l.index(z + 1),
                      k_r.index(z + 1), k_pe.index(z + 1), ready[2], ready[3], ph, lists,
                      qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE)
     mbarrier.wait(sync[0], ph)  # group 0's max and P0
     m0 = m_smem[0].load(row_s)
-    alpha0 = gl.exp2(m_i - _use_max(m0))
+    alpha0 = gl.exp2(m_i - use_max(m0))
     # P0 · V0 into this half at m0, under this group's softmax
     acc = acc * gl.convert_layout(alpha0, row_o)[:, None]
     _landed(ready[1], ph)  # stage 0's columns 256-511 (group 0 waited too; this fences)
@@ -224,7 +210,7 @@ def _g1_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
         m1 = gl.maximum(m0, gl.max(qk, axis=1))
     else:
         m1 = m0
-    m1_use = _use_max(m1)
+    m1_use = use_max(m1)
     alpha1 = gl.exp2(m0 - m1_use)
     m_smem[1].store(m1)
     barrier()
@@ -400,9 +386,7 @@ def plain_seesaw_kernel(
     gl.static_assert(not SPLIT, "the seesaw kernel does not split")
     gl.static_assert(not HAS_EXTRA, "the seesaw kernel reads one scope")
     BM: gl.constexpr = 64
-    BN: gl.constexpr = 64
     DH: gl.constexpr = 256
-    DR: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty
 
     pid = gl.program_id(0)
@@ -410,40 +394,8 @@ def plain_seesaw_kernel(
     g = pid % GROUPS
     qi64 = qi.to(gl.int64)
 
-    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                              rank=2)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    q_l = gl.allocate_shared_memory(dtype, [1, BM, DH], smem)
-    q_r = gl.allocate_shared_memory(dtype, [1, BM, DH], smem)
-    k_l = gl.allocate_shared_memory(dtype, [2, BN, DH], smem)
-    k_r = gl.allocate_shared_memory(dtype, [2, BN, DH], smem)
-    k_pe = gl.allocate_shared_memory(dtype, [2, BN, DR], smem)
-    # separate allocations, so that Triton's barrier analysis tells them apart
-    p_smem = (gl.allocate_shared_memory(dtype, [BM, BN], smem),  # P0
-              gl.allocate_shared_memory(dtype, [BM, BN], smem))  # P1 (first: q's rope)
-    m_smem = (gl.allocate_shared_memory(gl.float32, [BM], flat),  # max after group 0
-              gl.allocate_shared_memory(gl.float32, [BM], flat))  # max after group 1
-    l_smem = (gl.allocate_shared_memory(gl.float32, [BM], flat),  # final row sums
-              gl.allocate_shared_memory(gl.float32, [BM], flat))
-    bl: gl.constexpr = mbarrier.MBarrierLayout()
-    # ready: stage 0 left, stage 0 right (+ rope), stage 1 left, stage 1 right (+ rope)
-    ready = (gl.allocate_shared_memory(gl.int64, [1], bl),
-             gl.allocate_shared_memory(gl.int64, [1], bl),
-             gl.allocate_shared_memory(gl.int64, [1], bl),
-             gl.allocate_shared_memory(gl.int64, [1], bl))
-    # sync: group 0's max and P0 stored, group 1's max, P1 stored, P0's buffer free (arrived
-    # once here: free before the first pair), the final row sums (2 arrivals)
-    sync = (gl.allocate_shared_memory(gl.int64, [1], bl),
-            gl.allocate_shared_memory(gl.int64, [1], bl),
-            gl.allocate_shared_memory(gl.int64, [1], bl),
-            gl.allocate_shared_memory(gl.int64, [1], bl),
-            gl.allocate_shared_memory(gl.int64, [1], bl))
-    for k in gl.static_range(4):
-        mbarrier.init(ready[k], count=_ISSUERS)
-    for k in gl.static_range(4):
-        mbarrier.init(sync[k], count=1)
-    mbarrier.init(sync[4], count=2)
-    mbarrier.arrive(sync[3])
+    q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync = seesaw_buffers(
+        dtype, _ISSUERS)
 
     # q's 64 heads -> shared memory (heads past N: zeros); its rope columns into P1's buffer
     h_ld = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, _LC))
