@@ -91,11 +91,14 @@ SPARSE += [dict(_BF, **flags) for flags in (
      "CHECK_RANGE": True},
     {"N": 64, "S": 2, "dtype": "fp16"})]
 # the seesaw kernel over rows in q's dtype (``SparsePlan.bf16_kernel="seesaw"``, prefill's
-# default: one scope, no splits): 128 heads, 64 with lengths and a sink, rows of 512, the
-# decode's range check, fp16
+# default: one scope): 128 heads, 64 with lengths and a sink, rows of 512, the decode's
+# range check, fp16, equal and fixed-length splits
 _SS = dict(FP8=False, BF16_KERNEL="seesaw")
 SPARSE += [dict(_SS, **flags) for flags in (
     {"HAS_MAXL": True},
+    {"HAS_MAXL": True, "HAS_TOPK_LEN": True, "HAS_SINK": True, "SPLIT": True},
+    {"HAS_TOPK_LEN": True, "CHECK_RANGE": True, "HAS_SINK": True, "SPLIT": True,
+     "SPLIT_TILES": 8, "SPLIT_CAP": 16},
     {"HAS_MAXL": True, "HAS_TOPK_LEN": True, "HAS_SINK": True, "N": 64},
     {"D": 512, "N": 64, "HAS_MAXL": True, "HAS_SINK": True, "HAS_TOPK_LEN": True},
     {"HAS_TOPK_LEN": True, "CHECK_RANGE": True},

@@ -25,12 +25,13 @@ ceiling (benchmarks/notes/sparse.md). Here, as FlashMLA schedules its sparse pre
 Shared memory: q 64 KB (its 64 rope columns in registers), K two stages of 64 KB + 8 KB of
 rope columns, two P tiles of 8 KB: 229,376 B of the 232,448.
 
-Semantics are ``sparse_ws_bf16``'s for one scope without splits: ``topk_length``,
+Semantics are ``sparse_ws_bf16``'s for one scope: splits (equal or fixed-length, the
+partials for the combine kernel), ``topk_length``,
 ``max_logits``, sinks, the range check (an entry outside ``[-1, rows)`` makes the query NaN),
 a length outside ``[0, topk]`` NaN, a query with no key ``out = 0``, ``lse = +inf``. Same
 arguments as ``plain_ws_kernel``; launched with ``num_warps=4`` (group 0 and the parent
 region), group 1 in 4 more warps. ``mla.fast.sparse`` routes to it for plans naming
-``bf16_kernel="seesaw"`` over one scope that do not split (others take ``plain_ws_kernel``).
+``bf16_kernel="seesaw"`` over one scope (a second scope takes ``plain_ws_kernel``).
 """
 
 from __future__ import annotations
@@ -241,12 +242,11 @@ def _g1_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
 
 
 @gluon.jit
-def _group(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK,
-           O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-           stride_mh, N: gl.constexpr, S: gl.constexpr, HAS_PE: gl.constexpr,
-           HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr,
-           HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr,
-           GROUP: gl.constexpr):
+def _group(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+           TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N: gl.constexpr, S: gl.constexpr,
+           HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+           HAS_TOPK_LEN2: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
+           HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr):
     """One warp group's whole program: the pairs of tiles, then its half of the epilogue.
     Group 0 takes the even tiles' logits and output columns 0-255, group 1 the odd tiles'
     and columns 256-511 (and writes lse and max_logits)."""
@@ -298,22 +298,26 @@ def _group(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, 
         o_smem = q_l.index(0)
     else:
         o_smem = q_r.index(0)
-    _store(acc, m_i, l_i, bad, qi.to(gl.int64), g, SINK, O, LSE, MAXL, stride_oq, stride_oh,
-           stride_lb, stride_lt, stride_lh, stride_mq, stride_mh, N, S, HAS_SINK, HAS_MAXL,
-           GROUP, o_smem)
+    _store(acc, m_i, l_i, bad, qi.to(gl.int64), g, split, num_splits, SINK, outs, strides,
+           N, S, HAS_SINK, HAS_MAXL, SPLIT, GROUP, o_smem)
 
 
 @gluon.jit
-def _store(acc, m_i, l_i, bad, qi64, g, SINK, O, LSE, MAXL, stride_oq, stride_oh, stride_lb,
-           stride_lt, stride_lh, stride_mq, stride_mh, N: gl.constexpr, S: gl.constexpr,
-           HAS_SINK: gl.constexpr, HAS_MAXL: gl.constexpr, GROUP: gl.constexpr, o_smem):
+def _store(acc, m_i, l_i, bad, qi64, g, split, num_splits, SINK, outs, strides,
+           N: gl.constexpr, S: gl.constexpr, HAS_SINK: gl.constexpr, HAS_MAXL: gl.constexpr,
+           SPLIT: gl.constexpr, GROUP: gl.constexpr, o_smem):
     """A group's columns of ``out`` (and, group 1, ``lse`` and the max logits), as
     ``mla.fast.sm90.sparse.epilogue`` writes them: NaN where ``bad``; a query that saw no key
-    gets ``out = 0``, ``lse = +inf``, ``max_logits = -inf``; a NaN logit makes them NaN.
-    ``out`` goes through ``o_smem`` (``[64, 256]``, no longer read) in 16-byte stores of whole
-    128-byte lines, not from the dots' layout (4 bytes a thread, half-used sectors)."""
+    gets ``out = 0``, ``lse = +inf``, ``max_logits = -inf``; a NaN logit makes them NaN; or
+    (``SPLIT``) this split's partials for the combine kernel (float32, "nothing" an lse of
+    ``-inf``, no sink). ``out`` goes through ``o_smem`` (``[64, 256]``, no longer read) in
+    16-byte stores of whole 128-byte lines, not from the dots' layout (4 bytes a thread,
+    half-used sectors)."""
+    O, LSE, MAXL, OP, LSEP, MAXP = outs
+    stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh = strides
     BM: gl.constexpr = 64
     DH: gl.constexpr = 256
+    DV: gl.constexpr = 512
     dtype: gl.constexpr = O.dtype.element_ty
     row_s: gl.constexpr = gl.SliceLayout(1, _S)
     row_o: gl.constexpr = gl.SliceLayout(1, _O)
@@ -321,51 +325,61 @@ def _store(acc, m_i, l_i, bad, qi64, g, SINK, O, LSE, MAXL, stride_oq, stride_oh
     l_safe = gl.where(seen, l_i, 1.0)
     lse2 = m_i + gl.log2(l_safe)
     lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)
+    mx = gl.where((l_i == l_i) & ~bad, m_i, float("nan")) * 0.6931471805599453
     o = gl.where(bad, float("nan"), acc / gl.convert_layout(l_safe, row_o)[:, None])
     h_s = g * BM + gl.arange(0, BM, layout=row_s)
     hs_ok = h_s < N
-    if HAS_SINK:
-        sink = gl.load(SINK + h_s, mask=hs_ok, other=0.0)
-        f = 1.0 / (1.0 + gl.exp2(sink * 1.4426950408889634 - lse2))
-        f = gl.where(seen, f, 1.0)  # a query that saw nothing keeps out = 0
-        f = gl.where(sink == sink, f, float("nan"))
-        o = o * gl.convert_layout(f, row_o)[:, None]
-    o_smem.store(o.to(dtype))
-    barrier()  # this group's half of out is in shared memory
-    h_l = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, _LC))
-    c_l = GROUP * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _LC))
-    gl.store(O + qi64 * stride_oq + h_l.to(gl.int64)[:, None] * stride_oh + c_l[None, :],
-             o_smem.load(_LC), mask=(h_l < N)[:, None])
-    if GROUP == 1:
-        gl.store(LSE + (qi64 // S) * stride_lb + (qi64 % S) * stride_lt + h_s * stride_lh,
-                 gl.where(seen | bad, lse, float("inf")), mask=hs_ok)
-        if HAS_MAXL:
-            mx = gl.where((l_i == l_i) & ~bad, m_i, float("nan")) * 0.6931471805599453
-            gl.store(MAXL + qi64 * stride_mq + h_s * stride_mh, mx, mask=hs_ok)
+    if SPLIT:
+        # partials [queries, splits, N, DV] and [queries, splits, N]
+        part = qi64 * num_splits + split
+        if GROUP == 1:
+            gl.store(LSEP + part * N + h_s, gl.where(seen | bad, lse, float("-inf")),
+                     mask=hs_ok)
+            gl.store(MAXP + part * N + h_s, mx, mask=hs_ok)
+        h_o = g * BM + gl.arange(0, BM, layout=row_o)
+        c_o = GROUP * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _O))
+        gl.store(OP + (part * N + h_o)[:, None] * DV + c_o[None, :], o,
+                 mask=((h_o < N) & gl.convert_layout(seen, row_o))[:, None])
+    else:
+        if HAS_SINK:
+            sink = gl.load(SINK + h_s, mask=hs_ok, other=0.0)
+            f = 1.0 / (1.0 + gl.exp2(sink * 1.4426950408889634 - lse2))
+            f = gl.where(seen, f, 1.0)  # a query that saw nothing keeps out = 0
+            f = gl.where(sink == sink, f, float("nan"))
+            o = o * gl.convert_layout(f, row_o)[:, None]
+        o_smem.store(o.to(dtype))
+        barrier()  # this group's half of out is in shared memory
+        h_l = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, _LC))
+        c_l = GROUP * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _LC))
+        gl.store(O + qi64 * stride_oq + h_l.to(gl.int64)[:, None] * stride_oh + c_l[None, :],
+                 o_smem.load(_LC), mask=(h_l < N)[:, None])
+        if GROUP == 1:
+            gl.store(LSE + (qi64 // S) * stride_lb + (qi64 % S) * stride_lt + h_s * stride_lh,
+                     gl.where(seen | bad, lse, float("inf")), mask=hs_ok)
+            if HAS_MAXL:
+                gl.store(MAXL + qi64 * stride_mq + h_s * stride_mh, mx, mask=hs_ok)
 
 
 @gluon.jit
-def _group0(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK,
-            O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-            stride_mh, N: gl.constexpr, S: gl.constexpr, HAS_PE: gl.constexpr,
-            HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr,
-            HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr):
-    _group(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK,
-           O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-           stride_mh, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK,
-           CHECK_RANGE, HAS_MAXL, 0)
+def _group0(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+            TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N: gl.constexpr, S: gl.constexpr,
+            HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+            HAS_TOPK_LEN2: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
+            HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr):
+    _group(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+           TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
+           HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT, 0)
 
 
 @gluon.jit
-def _group1(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK,
-            O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-            stride_mh, N: gl.constexpr, S: gl.constexpr, HAS_PE: gl.constexpr,
-            HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr,
-            HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr):
-    _group(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK,
-           O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-           stride_mh, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK,
-           CHECK_RANGE, HAS_MAXL, 1)
+def _group1(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+            TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N: gl.constexpr, S: gl.constexpr,
+            HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+            HAS_TOPK_LEN2: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
+            HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr):
+    _group(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+           TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
+           HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT, 1)
 
 
 @gluon.jit
@@ -380,16 +394,16 @@ def plain_seesaw_kernel(
     HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr,
     SPLIT: gl.constexpr, SPLIT_TILES: gl.constexpr, SPLIT_CAP: gl.constexpr,
 ):
-    """Grid ``(queries · GROUPS, 1)``, ``num_warps=4`` (+4 for group 1); ``plain_ws_kernel``'s
-    arguments, one scope without splits (``HAS_EXTRA`` and ``SPLIT`` false: with a second
-    scope ptxas spills; ``OP``, ``LSEP``, ``MAXP``, ``num_splits`` unused)."""
-    gl.static_assert(not SPLIT, "the seesaw kernel does not split")
+    """Grid ``(queries · GROUPS, splits)``, ``num_warps=4`` (+4 for group 1);
+    ``plain_ws_kernel``'s arguments, one scope (``HAS_EXTRA`` false: with a second scope
+    ptxas spills)."""
     gl.static_assert(not HAS_EXTRA, "the seesaw kernel reads one scope")
     BM: gl.constexpr = 64
     DH: gl.constexpr = 256
     dtype: gl.constexpr = Q.dtype.element_ty
 
     pid = gl.program_id(0)
+    split = gl.program_id(1)
     qi = pid // GROUPS
     g = pid % GROUPS
     qi64 = qi.to(gl.int64)
@@ -413,12 +427,9 @@ def plain_seesaw_kernel(
                     other=0.0)
         p_smem[1].store(x)
 
-    # the run of tiles from the (single) split's program id, as the other kernels: with a
-    # literal 0 a length Triton made a constant (top-k 1) folds the tiles past the run into
-    # copies whose mask is constant, which the cp.async lowering cannot vectorize
     n1, n2, tiles1, _, t_lo, t_hi, idx1, idx2 = runs(
-        TOPK_LEN, TOPK_LEN2, IDX, IDX2, qi, gl.program_id(1), topk, topk2, num_splits,
-        stride_iq, stride_iq2, S, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, 0, 0)
+        TOPK_LEN, TOPK_LEN2, IDX, IDX2, qi, split, topk, topk2, num_splits, stride_iq,
+        stride_iq2, S, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, SPLIT_TILES, SPLIT_CAP)
     lists = (tiles1, idx1, idx2, n1, n2, KV, KV2, n_rows, n_rows2, stride_row, stride_row2,
              page_size, page_size2)
     fence_async_shared()
@@ -435,15 +446,15 @@ def plain_seesaw_kernel(
         _copy_right(row1, ok1, k_r.index(1), k_pe.index(1), ready[3], HAS_PE)
 
     bufs = (q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync)
+    outs = (O, LSE, MAXL, OP, LSEP, MAXP)
+    strides = (stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh)
     # the argument tuples are written out in the call: a tuple built first would turn the
     # constexprs into run-time values in the worker partition (Triton 3.6)
     gl.warp_specialize([
-        (_group0, (bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2,
-                   SINK, O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh,
-                   stride_mq, stride_mh, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
-                   HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL)),
-        (_group1, (bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2,
-                   SINK, O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh,
-                   stride_mq, stride_mh, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
-                   HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL)),
+        (_group0, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+                   TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE, HAS_EXTRA,
+                   HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT)),
+        (_group1, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+                   TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE, HAS_EXTRA,
+                   HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT)),
     ], [4], [_GROUP1_REGS])
