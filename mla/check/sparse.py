@@ -294,3 +294,12 @@ def prefill_cases(ctx: Ctx) -> Iterator[Case]:
     ss3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="seesaw")
     yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {ss3}", 593, 257, 64,
                1000, 3000, True, ss3)
+    # the seesaw kernel with its producer group (a plan's choice)
+    sp = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="seesaw_producer")
+    yield case(f"s_q=300 N=128 topk=2047 s_kv=5000 ragged lens forced {sp}", 594, 300, 128,
+               2047, 5000, True, sp)
+    yield case(f"s_q=7 N=128 topk=1 s_kv=10 (one pick) forced {sp}", 595, 7, 128, 1, 10,
+               plan=sp)
+    sp3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="seesaw_producer")
+    yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {sp3}", 596, 257, 64,
+               1000, 3000, True, sp3)

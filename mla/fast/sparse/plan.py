@@ -48,7 +48,9 @@ DS_MLA_KERNELS = ("warp_specialized", "staged")
 # coupled kernel of ``mla.fast.sm90.sparse``, whose 8 warps issue a tile's cp.async gathers
 # between its dots) and "seesaw" (``mla.fast.sm90.sparse_seesaw``: each warp group owns whole
 # tiles, as FlashMLA's sparse prefill; one scope, a second takes "warp_specialized")
-BF16_KERNELS = ("warp_specialized", "staged", "seesaw")
+# "seesaw_producer" (the same kernel with a third, producer warp group issuing the copies, as
+# FlashMLA's; not yet run on a GPU)
+BF16_KERNELS = ("warp_specialized", "staged", "seesaw", "seesaw_producer")
 
 # the batch-invariant plans: entries per split (8 tiles of 64: 4 splits at top-k 2048) and the
 # most splits a query takes. Not yet measured on a GPU: at B = 1, 4 splits where the default
