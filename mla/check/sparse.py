@@ -192,6 +192,18 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
     cp_bi = SparsePlan(64, 64, 16, 8, 2, split_entries=512, bf16_kernel="staged")
     yield case(f"bf16 cache B=3 N=128 topk=2048 lens 2048,7,1500 batch-invariant {cp_bi}", 585,
                3, 1, 128, 2048, 20000, False, [2048, 7, 1500], cp_bi)
+    # the seesaw kernel over a bf16 cache (a plan's choice): the same three plans
+    for j, (lens_case, plan) in enumerate((
+            ((583, 3, 128, 2048, [2048, 7, 1500], 1), SparsePlan(64, 64, 1, 8, 2,
+                                                              bf16_kernel="seesaw")),
+            ((584, 4, 64, 2047, [2047, 7, 0, 900], None), SparsePlan(64, 64, 3, 8, 2,
+                                                                  bf16_kernel="seesaw")),
+            ((585, 3, 128, 2048, [2048, 7, 1500], None),
+             SparsePlan(64, 64, 16, 8, 2, split_entries=512, bf16_kernel="seesaw")))):
+        _, B, N, topk, lens, empty = lens_case
+        extra = {} if empty is None else {"all_invalid": empty}
+        yield case(f"bf16 cache B={B} N={N} topk={topk} lens {','.join(map(str, lens))} "
+                   f"forced {plan}", 590 + j, B, 1, N, topk, 20000, False, lens, plan, **extra)
     if ctx.device.type == "cuda":
         yield Case("fp8 cuda graph capture + replay, no sync", lambda: _graph_case(ctx))
 
@@ -279,3 +291,15 @@ def prefill_cases(ctx: Ctx) -> Iterator[Case]:
                plan=ss)
     yield case(f"s_q=64 N=128 topk=2048 s_kv=4096 logits x30 forced {ss}", 589, 64, 128, 2048,
                4096, logit_scale=30.0, plan=ss)
+    ss3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="seesaw")
+    yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {ss3}", 593, 257, 64,
+               1000, 3000, True, ss3)
+    # the seesaw kernel with its producer group (a plan's choice)
+    sp = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="seesaw_producer")
+    yield case(f"s_q=300 N=128 topk=2047 s_kv=5000 ragged lens forced {sp}", 594, 300, 128,
+               2047, 5000, True, sp)
+    yield case(f"s_q=7 N=128 topk=1 s_kv=10 (one pick) forced {sp}", 595, 7, 128, 1, 10,
+               plan=sp)
+    sp3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="seesaw_producer")
+    yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {sp3}", 596, 257, 64,
+               1000, 3000, True, sp3)

@@ -300,6 +300,8 @@ def v4_prefill_cases(ctx: Ctx) -> Iterator[Case]:
     cp = Plan(64, 64, 1, 8, 2, bf16_kernel="staged")
     cp3 = Plan(64, 64, 3, 8, 2, bf16_kernel="staged")
     ss = Plan(64, 64, 1, 8, 2, bf16_kernel="seesaw")
+    ss3 = Plan(64, 64, 3, 8, 2, bf16_kernel="seesaw")
+    sp = Plan(64, 64, 1, 8, 2, bf16_kernel="seesaw_producer")
     if ctx.quick:
         shapes = [("576 s_q=5 N=16 topk=70 s_kv=200", 576, 5, 16, 70, 200, None, False),
                   ("576 s_q=5 N=16 topk=70 bad lengths", 576, 5, 16, 70, 200, None, True)]
@@ -342,6 +344,12 @@ def v4_prefill_cases(ctx: Ctx) -> Iterator[Case]:
              4096, ss, False),
             ("576 s_q=64 N=128 topk=2048 bad lengths forced seesaw (sm_90)", 576, 64, 128,
              2048, 8192, ss, True),
+            ("512 s_q=64 N=128 topk=512 s_kv=4096 forced seesaw (sm_90, 3 splits + combine)",
+             512, 64, 128, 512, 4096, ss3, False),
+            ("576 s_q=256 N=128 topk=2048 s_kv=8192 forced seesaw with a producer (sm_90)",
+             576, 256, 128, 2048, 8192, sp, False),
+            ("576 s_q=64 N=128 topk=2048 bad lengths forced seesaw with a producer (sm_90)",
+             576, 64, 128, 2048, 8192, sp, True),
         ]
     for i, (name, *args) in enumerate(shapes):
         yield Case(f"v4 sinks {name}", lambda a=args, i=i: _prefill_case(ctx, *a, 760 + i))

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from mla.fast.sm90.decode import page_row, q_rows, request_tiles, store_result, zero_tail
 from mla.fast.sm90.softmax import barrier
 
-__all__ = ["NUM_WARPS", "seesaw_kernel"]
+__all__ = ["NUM_WARPS", "opaque_zero", "seesaw_buffers", "seesaw_kernel", "use_max"]
 
 NUM_WARPS = 4  # the parent region and group 0; group 1 adds 4 warps
 _GROUP1_REGS = gl.constexpr(256)  # registers a thread of group 1 may use (setmaxnreg)
@@ -100,7 +100,57 @@ def _logits(q_l, q_r, q_pe, k_l, k_r, k_pe, s_zero, qk_scale, start, end, full_e
 
 
 @gluon.jit
-def _opaque_zero(x):
+def seesaw_buffers(dtype: gl.constexpr, READY_COUNT: gl.constexpr):
+    """The seesaw kernels' shared memory and barriers, initialized (``READY_COUNT`` arrivals
+    complete a ``ready`` barrier's phase): q's value columns in halves (``[1, 64, 256]``
+    each), two stages of K in halves and their 64 rope columns, P0 and P1 (P1 first holds q's
+    rope columns), the maxima and the final row sums, then ``ready`` (stage 0 left, stage 0
+    right with the rope, stage 1 left, stage 1 right) and ``sync`` (group 0's max and P0
+    stored, group 1's max, P1 stored, P0's buffer free (arrived once: free before the first
+    pair), the final row sums (2 arrivals)). Shared memory: 229,376 B of 16-bit values."""
+    BM: gl.constexpr = 64
+    BN: gl.constexpr = 64
+    DH: gl.constexpr = 256
+    DR: gl.constexpr = 64
+    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                              rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    q_l = gl.allocate_shared_memory(dtype, [1, BM, DH], smem)
+    q_r = gl.allocate_shared_memory(dtype, [1, BM, DH], smem)
+    k_l = gl.allocate_shared_memory(dtype, [2, BN, DH], smem)
+    k_r = gl.allocate_shared_memory(dtype, [2, BN, DH], smem)
+    k_pe = gl.allocate_shared_memory(dtype, [2, BN, DR], smem)
+    # separate allocations, so that Triton's barrier analysis tells them apart
+    p_smem = (gl.allocate_shared_memory(dtype, [BM, BN], smem),  # P0
+              gl.allocate_shared_memory(dtype, [BM, BN], smem))  # P1 (first: q's rope)
+    m_smem = (gl.allocate_shared_memory(gl.float32, [BM], flat),  # max after group 0
+              gl.allocate_shared_memory(gl.float32, [BM], flat))  # max after group 1
+    l_smem = (gl.allocate_shared_memory(gl.float32, [BM], flat),  # final row sums
+              gl.allocate_shared_memory(gl.float32, [BM], flat))
+    bl: gl.constexpr = mbarrier.MBarrierLayout()
+    # ready: stage 0 left, stage 0 right (+ rope), stage 1 left, stage 1 right (+ rope)
+    ready = (gl.allocate_shared_memory(gl.int64, [1], bl),
+             gl.allocate_shared_memory(gl.int64, [1], bl),
+             gl.allocate_shared_memory(gl.int64, [1], bl),
+             gl.allocate_shared_memory(gl.int64, [1], bl))
+    # sync: group 0's max and P0 stored, group 1's max, P1 stored, P0's buffer free (arrived
+    # once here: free before the first pair), the final row sums (2 arrivals)
+    sync = (gl.allocate_shared_memory(gl.int64, [1], bl),
+            gl.allocate_shared_memory(gl.int64, [1], bl),
+            gl.allocate_shared_memory(gl.int64, [1], bl),
+            gl.allocate_shared_memory(gl.int64, [1], bl),
+            gl.allocate_shared_memory(gl.int64, [1], bl))
+    for k in gl.static_range(4):
+        mbarrier.init(ready[k], count=READY_COUNT)
+    for k in gl.static_range(4):
+        mbarrier.init(sync[k], count=1)
+    mbarrier.init(sync[4], count=2)
+    mbarrier.arrive(sync[3])
+    return q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync
+
+
+@gluon.jit
+def opaque_zero(x):
     """0, computed by an instruction the compiler may not move out of the loop: the shared
     memory addresses indexed with it (the wgmma descriptors) are then rebuilt in every
     iteration instead of being hoisted, 72 loop-invariant 64-bit values that spill."""
@@ -109,7 +159,7 @@ def _opaque_zero(x):
 
 
 @gluon.jit
-def _use_max(m):
+def use_max(m):
     """The shift of the exponentials: a row that has seen no key keeps ``m = -inf`` and is
     shifted by 0, so that ``exp2`` gives 0 rather than NaN."""
     return gl.where(m == float("-inf"), 0.0, m)
@@ -136,11 +186,11 @@ def _g0_step(i0, ph, acc, m_i, l_i, bad, q_pe, bufs, kv_desc, bt_row, t_hi, L, e
     start = i0 * BN
     c_s = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
     s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
-    z = _opaque_zero(i0)
+    z = opaque_zero(i0)
     qk = _logits(q_l.index(z), q_r.index(z), q_pe, k_l.index(z), k_r.index(z), k_pe.index(z),
                  s_zero, qk_scale, start, end, full_end, limit, c_s, ready[0], ready[1], ph)
     m0 = gl.maximum(m_i, gl.max(qk, axis=1))
-    m0_use = _use_max(m0)
+    m0_use = use_max(m0)
     alpha0 = gl.exp2(m_i - m0_use)
     p = gl.exp2(qk - m0_use[:, None])
     # the row sum of the float32 P: the sum of its bf16 rounding would be off by up to 1e-3
@@ -167,7 +217,7 @@ def _g0_step(i0, ph, acc, m_i, l_i, bad, q_pe, bufs, kv_desc, bt_row, t_hi, L, e
     # group 1's max: the pair's
     mbarrier.wait(sync[1], ph)
     m1 = m_smem[1].load(row_s)
-    alpha1 = gl.exp2(m0 - _use_max(m1))
+    alpha1 = gl.exp2(m0 - use_max(m1))
     acc = acc * gl.convert_layout(alpha1, row_o)[:, None]
     l_i = l_i * alpha1
     mbarrier.wait(sync[2], ph)  # P1 stored (or no second tile)
@@ -205,13 +255,13 @@ def _g1_step(i0, ph, acc, m_i, l_i, bad, q_pe, bufs, kv_desc, pe_desc, bt_row, t
     if PAIR:
         c_s = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
         s_zero = gl.zeros([BM, BN], gl.float32, layout=s_layout)
-        z = _opaque_zero(i0)
+        z = opaque_zero(i0)
         qk = _logits(q_l.index(z), q_r.index(z), q_pe, k_l.index(z + 1), k_r.index(z + 1),
                      k_pe.index(z + 1), s_zero, qk_scale, i1 * BN, end, full_end, limit, c_s,
                      ready[2], ready[3], ph)
     mbarrier.wait(sync[0], ph)  # group 0's max and P0
     m0 = m_smem[0].load(row_s)
-    alpha0 = gl.exp2(m_i - _use_max(m0))
+    alpha0 = gl.exp2(m_i - use_max(m0))
     # P0 · V0 into this half at m0, under this group's softmax
     acc = acc * gl.convert_layout(alpha0, row_o)[:, None]
     if i0 * BN + BN > L:
@@ -221,7 +271,7 @@ def _g1_step(i0, ph, acc, m_i, l_i, bad, q_pe, bufs, kv_desc, pe_desc, bt_row, t
         m1 = gl.maximum(m0, gl.max(qk, axis=1))
     else:
         m1 = m0
-    m1_use = _use_max(m1)
+    m1_use = use_max(m1)
     alpha1 = gl.exp2(m0 - m1_use)
     m_smem[1].store(m1)
     barrier()
@@ -375,39 +425,8 @@ def seesaw_kernel(
     col_ld: gl.constexpr = gl.SliceLayout(0, ld)
     smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
                                               rank=2)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
-    q_l = gl.allocate_shared_memory(dtype, [1, BM, DH], smem)
-    q_r = gl.allocate_shared_memory(dtype, [1, BM, DH], smem)
-    k_l = gl.allocate_shared_memory(dtype, [2, BN, DH], smem)
-    k_r = gl.allocate_shared_memory(dtype, [2, BN, DH], smem)
-    k_pe = gl.allocate_shared_memory(dtype, [2, BN, DR], smem)
-    # separate allocations, so that Triton's barrier analysis tells them apart
-    p_smem = (gl.allocate_shared_memory(dtype, [BM, BN], smem),  # P0
-              gl.allocate_shared_memory(dtype, [BM, BN], smem))  # P1 (first: q's rope)
-    m_smem = (gl.allocate_shared_memory(gl.float32, [BM], flat),  # max after group 0
-              gl.allocate_shared_memory(gl.float32, [BM], flat))  # max after group 1
-    l_smem = (gl.allocate_shared_memory(gl.float32, [BM], flat),  # final row sums
-              gl.allocate_shared_memory(gl.float32, [BM], flat))
-    bl: gl.constexpr = mbarrier.MBarrierLayout()
-    # ready: stage 0 left, stage 0 right (+ rope), stage 1 left, stage 1 right (+ rope)
-    ready = (gl.allocate_shared_memory(gl.int64, [1], bl),
-             gl.allocate_shared_memory(gl.int64, [1], bl),
-             gl.allocate_shared_memory(gl.int64, [1], bl),
-             gl.allocate_shared_memory(gl.int64, [1], bl))
-    # sync: group 0's max and P0 stored, group 1's max, P1 stored, P0's buffer free (arrived
-    # once here: free before the first pair), the final row sums (2 arrivals)
-    sync = (gl.allocate_shared_memory(gl.int64, [1], bl),
-            gl.allocate_shared_memory(gl.int64, [1], bl),
-            gl.allocate_shared_memory(gl.int64, [1], bl),
-            gl.allocate_shared_memory(gl.int64, [1], bl),
-            gl.allocate_shared_memory(gl.int64, [1], bl))
-    for k in gl.static_range(4):
-        mbarrier.init(ready[k], count=1)
-    for k in gl.static_range(4):
-        mbarrier.init(sync[k], count=1)
-    mbarrier.init(sync[4], count=2)
-    mbarrier.arrive(sync[3])
+    q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync = seesaw_buffers(dtype, 1)
 
     # q rows -> shared memory
     q_row, ok_ld = q_rows(Q, b, g, stride_qb, stride_qt, stride_qh, N, S_Q, BM, ld)

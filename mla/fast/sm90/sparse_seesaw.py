@@ -25,12 +25,13 @@ ceiling (benchmarks/notes/sparse.md). Here, as FlashMLA schedules its sparse pre
 Shared memory: q 64 KB (its 64 rope columns in registers), K two stages of 64 KB + 8 KB of
 rope columns, two P tiles of 8 KB: 229,376 B of the 232,448.
 
-Semantics are ``sparse_ws_bf16``'s for one scope without splits: ``topk_length``,
+Semantics are ``sparse_ws_bf16``'s for one scope: splits (equal or fixed-length, the
+partials for the combine kernel), ``topk_length``,
 ``max_logits``, sinks, the range check (an entry outside ``[-1, rows)`` makes the query NaN),
 a length outside ``[0, topk]`` NaN, a query with no key ``out = 0``, ``lse = +inf``. Same
 arguments as ``plain_ws_kernel``; launched with ``num_warps=4`` (group 0 and the parent
 region), group 1 in 4 more warps. ``mla.fast.sparse`` routes to it for plans naming
-``bf16_kernel="seesaw"`` over one scope that do not split (others take ``plain_ws_kernel``).
+``bf16_kernel="seesaw"`` over one scope (a second scope takes ``plain_ws_kernel``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from mla.fast.sm90.decode_seesaw import opaque_zero, seesaw_buffers, use_max
 from mla.fast.sm90.softmax import barrier
 from mla.fast.sm90.sparse import _length, _source, runs
 
@@ -52,6 +54,10 @@ __all__ = ["NUM_WARPS", "plain_seesaw_kernel"]
 
 NUM_WARPS = 4  # the parent region and group 0; group 1 adds 4 warps
 _GROUP1_REGS = gl.constexpr(256)
+# with the producer group (``PRODUCER``): group 1's and the producer's registers a thread;
+# group 0 keeps the rest of the 512 a thread of each of the three groups shares
+_GROUP1_REGS_P = gl.constexpr(232)
+_PRODUCER_REGS = gl.constexpr(48)
 _ISSUERS = gl.constexpr(128)  # a ready barrier's arrivals: the issuing group's threads
 _S = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                             instr_shape=[16, 64, 16]))
@@ -132,37 +138,26 @@ def _logits(t, q_l, q_r, q_pe, k_l, k_r, k_pe, ready_l, ready_r, ph, lists, qk_s
 
 
 @gluon.jit
-def _opaque_zero(x):
-    """0, computed by an instruction the compiler may not move out of the loop: the shared
-    memory addresses indexed with it (the wgmma descriptors) are rebuilt in every iteration
-    instead of being hoisted (loop-invariant 64-bit values that would spill)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _use_max(m):
-    """The exponentials' shift: a row that has seen no key keeps ``m = -inf``, shifted by 0."""
-    return gl.where(m == float("-inf"), 0.0, m)
-
-
-@gluon.jit
 def _g0_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: gl.constexpr,
-             HAS_EXTRA: gl.constexpr, CHECK_RANGE: gl.constexpr, PAIR: gl.constexpr):
-    """Group 0's share of the pair starting at tile ``i0`` (``PAIR``: tile ``i0 + 1`` too)."""
-    q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync = bufs
+             HAS_EXTRA: gl.constexpr, CHECK_RANGE: gl.constexpr, PAIR: gl.constexpr,
+             PRODUCER: gl.constexpr):
+    """Group 0's share of the pair starting at tile ``i0`` (``PAIR``: tile ``i0 + 1`` too).
+    ``PRODUCER``: the halves it reads last are handed to the producer group (``free``), not
+    refilled here."""
+    q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync, free = bufs
     row_s: gl.constexpr = gl.SliceLayout(1, _S)
     row_o: gl.constexpr = gl.SliceLayout(1, _O)
     dtype: gl.constexpr = q_l.dtype
-    # the rows of the next pair, loaded now so that the refills do not wait for them
-    row_a, ok_a = _rows(i0 + 2, lists, HAS_EXTRA)
-    row_b, ok_b = _rows(i0 + 3, lists, HAS_EXTRA)
-    z = _opaque_zero(i0)
+    if not PRODUCER:
+        # the rows of the next pair, loaded now so that the refills do not wait for them
+        row_a, ok_a = _rows(i0 + 2, lists, HAS_EXTRA)
+        row_b, ok_b = _rows(i0 + 3, lists, HAS_EXTRA)
+    z = opaque_zero(i0)
     qk = _logits(i0, q_l.index(z), q_r.index(z), q_pe, k_l.index(z), k_r.index(z),
                  k_pe.index(z), ready[0], ready[1], ph, lists, qk_scale, HAS_PE, HAS_EXTRA,
                  CHECK_RANGE)
     m0 = gl.maximum(m_i, gl.max(qk, axis=1))
-    m0_use = _use_max(m0)
+    m0_use = use_max(m0)
     alpha0 = gl.exp2(m_i - m0_use)
     p = gl.exp2(qk - m0_use[:, None])
     l_i = l_i * alpha0 + gl.sum(p, axis=1)  # the float32 P's sum, not its bf16 rounding's
@@ -178,13 +173,16 @@ def _g0_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
     p_reg = gl.convert_layout(p, _P_OP)
     acc = warpgroup_mma(p_reg, k_l.index(0), acc, is_async=True)
     acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_reg))
-    if i0 + 2 < t_hi:  # stage 0's columns 0-255 are free: the tile after next
+    if PRODUCER:
+        barrier()  # the group's product has read stage 0's columns 0-255
+        mbarrier.arrive(free[0])
+    elif i0 + 2 < t_hi:  # stage 0's columns 0-255 are free: the tile after next
         _copy(row_a, ok_a, k_l.index(0), 0, ready[0])
 
     # group 1's max: the pair's
     mbarrier.wait(sync[1], ph)
     m1 = m_smem[1].load(row_s)
-    alpha1 = gl.exp2(m0 - _use_max(m1))
+    alpha1 = gl.exp2(m0 - use_max(m1))
     acc = acc * gl.convert_layout(alpha1, row_o)[:, None]
     l_i = l_i * alpha1
     mbarrier.wait(sync[2], ph)  # P1 stored (or no second tile)
@@ -192,30 +190,35 @@ def _g0_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
         _landed(ready[2], ph)  # stage 1's columns 0-255 (group 1 waited too; this fences)
         acc = warpgroup_mma(p_smem[1], k_l.index(1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if i0 + 3 < t_hi:
+        if PRODUCER:
+            barrier()
+            mbarrier.arrive(free[2])
+        elif i0 + 3 < t_hi:
             _copy(row_b, ok_b, k_l.index(1), 0, ready[2])
     return acc, m1, l_i
 
 
 @gluon.jit
 def _g1_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: gl.constexpr,
-             HAS_EXTRA: gl.constexpr, CHECK_RANGE: gl.constexpr, PAIR: gl.constexpr):
+             HAS_EXTRA: gl.constexpr, CHECK_RANGE: gl.constexpr, PAIR: gl.constexpr,
+             PRODUCER: gl.constexpr):
     """Group 1's share of the pair starting at tile ``i0`` (``PAIR``: tile ``i0 + 1`` exists
     and is group 1's; without it group 1 only takes ``P0`` into its half)."""
-    q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync = bufs
+    q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync, free = bufs
     row_s: gl.constexpr = gl.SliceLayout(1, _S)
     row_o: gl.constexpr = gl.SliceLayout(1, _O)
     dtype: gl.constexpr = q_l.dtype
-    row_a, ok_a = _rows(i0 + 2, lists, HAS_EXTRA)
-    row_b, ok_b = _rows(i0 + 3, lists, HAS_EXTRA)
+    if not PRODUCER:
+        row_a, ok_a = _rows(i0 + 2, lists, HAS_EXTRA)
+        row_b, ok_b = _rows(i0 + 3, lists, HAS_EXTRA)
     if PAIR:
-        z = _opaque_zero(i0)
+        z = opaque_zero(i0)
         qk = _logits(i0 + 1, q_l.index(z), q_r.index(z), q_pe, k_l.index(z + 1),
                      k_r.index(z + 1), k_pe.index(z + 1), ready[2], ready[3], ph, lists,
                      qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE)
     mbarrier.wait(sync[0], ph)  # group 0's max and P0
     m0 = m_smem[0].load(row_s)
-    alpha0 = gl.exp2(m_i - _use_max(m0))
+    alpha0 = gl.exp2(m_i - use_max(m0))
     # P0 · V0 into this half at m0, under this group's softmax
     acc = acc * gl.convert_layout(alpha0, row_o)[:, None]
     _landed(ready[1], ph)  # stage 0's columns 256-511 (group 0 waited too; this fences)
@@ -224,7 +227,7 @@ def _g1_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
         m1 = gl.maximum(m0, gl.max(qk, axis=1))
     else:
         m1 = m0
-    m1_use = _use_max(m1)
+    m1_use = use_max(m1)
     alpha1 = gl.exp2(m0 - m1_use)
     m_smem[1].store(m1)
     barrier()
@@ -242,29 +245,35 @@ def _g1_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
         mbarrier.arrive(sync[2])
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(sync[3])  # P0's buffer is free
-    if i0 + 2 < t_hi:  # stage 0's columns 256-575 are free
+    if PRODUCER:
+        barrier()  # this group's P0 · V0 has read stage 0's columns 256-575
+        mbarrier.arrive(free[1])
+    elif i0 + 2 < t_hi:  # stage 0's columns 256-575 are free
         _copy_right(row_a, ok_a, k_r.index(0), k_pe.index(0), ready[1], HAS_PE)
     acc = acc * gl.convert_layout(alpha1, row_o)[:, None]
     if PAIR:
         p_reg = gl.convert_layout(p, _P_OP)
         acc = warpgroup_mma(p_reg, k_r.index(1), acc, is_async=True)
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_reg))
-        if i0 + 3 < t_hi:  # stage 1's columns 256-575 are free
+        if PRODUCER:
+            barrier()
+            mbarrier.arrive(free[3])
+        elif i0 + 3 < t_hi:  # stage 1's columns 256-575 are free
             _copy_right(row_b, ok_b, k_r.index(1), k_pe.index(1), ready[3], HAS_PE)
     return acc, m1, l_i
 
 
 @gluon.jit
-def _group(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK,
-           O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-           stride_mh, N: gl.constexpr, S: gl.constexpr, HAS_PE: gl.constexpr,
-           HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr,
-           HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr,
+def _group(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+           TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N: gl.constexpr, S: gl.constexpr,
+           HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+           HAS_TOPK_LEN2: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
+           HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr, PRODUCER: gl.constexpr,
            GROUP: gl.constexpr):
     """One warp group's whole program: the pairs of tiles, then its half of the epilogue.
     Group 0 takes the even tiles' logits and output columns 0-255, group 1 the odd tiles'
     and columns 256-511 (and writes lse and max_logits)."""
-    q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync = bufs
+    q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync, free = bufs
     row_s: gl.constexpr = gl.SliceLayout(1, _S)
     BM: gl.constexpr = 64
     DH: gl.constexpr = 256
@@ -283,18 +292,22 @@ def _group(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, 
         i0 = t_lo + 2 * j
         if GROUP == 0:
             acc, m_i, l_i = _g0_step(i0, j & 1, acc, m_i, l_i, q_pe, bufs, t_hi, lists,
-                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, True)
+                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, True,
+                                     PRODUCER)
         else:
             acc, m_i, l_i = _g1_step(i0, j & 1, acc, m_i, l_i, q_pe, bufs, t_hi, lists,
-                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, True)
+                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, True,
+                                     PRODUCER)
     if n_here % 2 == 1:  # a last tile alone
         i0 = t_lo + 2 * n_pairs
         if GROUP == 0:
             acc, m_i, l_i = _g0_step(i0, n_pairs & 1, acc, m_i, l_i, q_pe, bufs, t_hi, lists,
-                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, False)
+                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, False,
+                                     PRODUCER)
         else:
             acc, m_i, l_i = _g1_step(i0, n_pairs & 1, acc, m_i, l_i, q_pe, bufs, t_hi, lists,
-                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, False)
+                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, False,
+                                     PRODUCER)
 
     # the row sums of both groups
     l_smem[GROUP].store(l_i)
@@ -307,20 +320,31 @@ def _group(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, 
     if HAS_EXTRA:
         _, bad2 = _length(TOPK_LEN2, qi // S, topk2, HAS_TOPK_LEN2)
         bad = bad | bad2
-    _store(acc, m_i, l_i, bad, qi.to(gl.int64), g, SINK, O, LSE, MAXL, stride_oq, stride_oh,
-           stride_lb, stride_lt, stride_lh, stride_mq, stride_mh, N, S, HAS_SINK, HAS_MAXL,
-           GROUP)
+    # out through this group's half of q's buffer (no dot reads q after the row sums' barrier)
+    if GROUP == 0:
+        o_smem = q_l.index(0)
+    else:
+        o_smem = q_r.index(0)
+    _store(acc, m_i, l_i, bad, qi.to(gl.int64), g, split, num_splits, SINK, outs, strides,
+           N, S, HAS_SINK, HAS_MAXL, SPLIT, GROUP, o_smem)
 
 
 @gluon.jit
-def _store(acc, m_i, l_i, bad, qi64, g, SINK, O, LSE, MAXL, stride_oq, stride_oh, stride_lb,
-           stride_lt, stride_lh, stride_mq, stride_mh, N: gl.constexpr, S: gl.constexpr,
-           HAS_SINK: gl.constexpr, HAS_MAXL: gl.constexpr, GROUP: gl.constexpr):
+def _store(acc, m_i, l_i, bad, qi64, g, split, num_splits, SINK, outs, strides,
+           N: gl.constexpr, S: gl.constexpr, HAS_SINK: gl.constexpr, HAS_MAXL: gl.constexpr,
+           SPLIT: gl.constexpr, GROUP: gl.constexpr, o_smem):
     """A group's columns of ``out`` (and, group 1, ``lse`` and the max logits), as
     ``mla.fast.sm90.sparse.epilogue`` writes them: NaN where ``bad``; a query that saw no key
-    gets ``out = 0``, ``lse = +inf``, ``max_logits = -inf``; a NaN logit makes them NaN."""
+    gets ``out = 0``, ``lse = +inf``, ``max_logits = -inf``; a NaN logit makes them NaN; or
+    (``SPLIT``) this split's partials for the combine kernel (float32, "nothing" an lse of
+    ``-inf``, no sink). ``out`` goes through ``o_smem`` (``[64, 256]``, no longer read) in
+    16-byte stores of whole 128-byte lines, not from the dots' layout (4 bytes a thread,
+    half-used sectors)."""
+    O, LSE, MAXL, OP, LSEP, MAXP = outs
+    stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh = strides
     BM: gl.constexpr = 64
     DH: gl.constexpr = 256
+    DV: gl.constexpr = 512
     dtype: gl.constexpr = O.dtype.element_ty
     row_s: gl.constexpr = gl.SliceLayout(1, _S)
     row_o: gl.constexpr = gl.SliceLayout(1, _O)
@@ -328,49 +352,85 @@ def _store(acc, m_i, l_i, bad, qi64, g, SINK, O, LSE, MAXL, stride_oq, stride_oh
     l_safe = gl.where(seen, l_i, 1.0)
     lse2 = m_i + gl.log2(l_safe)
     lse = gl.where(bad, float("nan"), lse2 * 0.6931471805599453)
+    mx = gl.where((l_i == l_i) & ~bad, m_i, float("nan")) * 0.6931471805599453
     o = gl.where(bad, float("nan"), acc / gl.convert_layout(l_safe, row_o)[:, None])
     h_s = g * BM + gl.arange(0, BM, layout=row_s)
     hs_ok = h_s < N
-    if HAS_SINK:
-        sink = gl.load(SINK + h_s, mask=hs_ok, other=0.0)
-        f = 1.0 / (1.0 + gl.exp2(sink * 1.4426950408889634 - lse2))
-        f = gl.where(seen, f, 1.0)  # a query that saw nothing keeps out = 0
-        f = gl.where(sink == sink, f, float("nan"))
-        o = o * gl.convert_layout(f, row_o)[:, None]
-    h_o = g * BM + gl.arange(0, BM, layout=row_o)
-    c_o = GROUP * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _O))
-    gl.store(O + qi64 * stride_oq + h_o.to(gl.int64)[:, None] * stride_oh + c_o[None, :],
-             o.to(dtype), mask=(h_o < N)[:, None])
-    if GROUP == 1:
-        gl.store(LSE + (qi64 // S) * stride_lb + (qi64 % S) * stride_lt + h_s * stride_lh,
-                 gl.where(seen | bad, lse, float("inf")), mask=hs_ok)
-        if HAS_MAXL:
-            mx = gl.where((l_i == l_i) & ~bad, m_i, float("nan")) * 0.6931471805599453
-            gl.store(MAXL + qi64 * stride_mq + h_s * stride_mh, mx, mask=hs_ok)
+    if SPLIT:
+        # partials [queries, splits, N, DV] and [queries, splits, N]
+        part = qi64 * num_splits + split
+        if GROUP == 1:
+            gl.store(LSEP + part * N + h_s, gl.where(seen | bad, lse, float("-inf")),
+                     mask=hs_ok)
+            gl.store(MAXP + part * N + h_s, mx, mask=hs_ok)
+        h_o = g * BM + gl.arange(0, BM, layout=row_o)
+        c_o = GROUP * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _O))
+        gl.store(OP + (part * N + h_o)[:, None] * DV + c_o[None, :], o,
+                 mask=((h_o < N) & gl.convert_layout(seen, row_o))[:, None])
+    else:
+        if HAS_SINK:
+            sink = gl.load(SINK + h_s, mask=hs_ok, other=0.0)
+            f = 1.0 / (1.0 + gl.exp2(sink * 1.4426950408889634 - lse2))
+            f = gl.where(seen, f, 1.0)  # a query that saw nothing keeps out = 0
+            f = gl.where(sink == sink, f, float("nan"))
+            o = o * gl.convert_layout(f, row_o)[:, None]
+        o_smem.store(o.to(dtype))
+        barrier()  # this group's half of out is in shared memory
+        h_l = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, _LC))
+        c_l = GROUP * DH + gl.arange(0, DH, layout=gl.SliceLayout(0, _LC))
+        gl.store(O + qi64 * stride_oq + h_l.to(gl.int64)[:, None] * stride_oh + c_l[None, :],
+                 o_smem.load(_LC), mask=(h_l < N)[:, None])
+        if GROUP == 1:
+            gl.store(LSE + (qi64 // S) * stride_lb + (qi64 % S) * stride_lt + h_s * stride_lh,
+                     gl.where(seen | bad, lse, float("inf")), mask=hs_ok)
+            if HAS_MAXL:
+                gl.store(MAXL + qi64 * stride_mq + h_s * stride_mh, mx, mask=hs_ok)
 
 
 @gluon.jit
-def _group0(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK,
-            O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-            stride_mh, N: gl.constexpr, S: gl.constexpr, HAS_PE: gl.constexpr,
-            HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr,
-            HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr):
-    _group(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK,
-           O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-           stride_mh, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK,
-           CHECK_RANGE, HAS_MAXL, 0)
+def _group0(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+            TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N: gl.constexpr, S: gl.constexpr,
+            HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+            HAS_TOPK_LEN2: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
+            HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr, PRODUCER: gl.constexpr):
+    _group(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+           TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
+           HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT, PRODUCER, 0)
 
 
 @gluon.jit
-def _group1(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK,
-            O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-            stride_mh, N: gl.constexpr, S: gl.constexpr, HAS_PE: gl.constexpr,
-            HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr,
-            HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr):
-    _group(bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK,
-           O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq,
-           stride_mh, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK,
-           CHECK_RANGE, HAS_MAXL, 1)
+def _group1(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+            TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N: gl.constexpr, S: gl.constexpr,
+            HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
+            HAS_TOPK_LEN2: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
+            HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr, PRODUCER: gl.constexpr):
+    _group(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
+           TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
+           HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT, PRODUCER, 1)
+
+
+@gluon.jit
+def _producer(bufs, lists, t_lo, t_hi, HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr):
+    """The producer group (``PRODUCER``): per pair, each half as soon as the group that read
+    it last has freed it (stage 0 left, stage 0 right with the rope, stage 1 left, stage 1
+    right), its rows' copies and this thread's arrival on the half's ``ready`` once they
+    land (it never waits for its own copies)."""
+    q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync, free = bufs
+    n_pairs = (gl.maximum(t_hi - t_lo, 0) + 1) // 2
+    for j in range(n_pairs):
+        ph = j & 1
+        t0 = t_lo + 2 * j
+        row0, ok0 = _rows(t0, lists, HAS_EXTRA)
+        row1, ok1 = _rows(t0 + 1, lists, HAS_EXTRA)
+        mbarrier.wait(free[0], ph)
+        _copy(row0, ok0, k_l.index(0), 0, ready[0])
+        mbarrier.wait(free[1], ph)
+        _copy_right(row0, ok0, k_r.index(0), k_pe.index(0), ready[1], HAS_PE)
+        if t0 + 1 < t_hi:
+            mbarrier.wait(free[2], ph)
+            _copy(row1, ok1, k_l.index(1), 0, ready[2])
+            mbarrier.wait(free[3], ph)
+            _copy_right(row1, ok1, k_r.index(1), k_pe.index(1), ready[3], HAS_PE)
 
 
 @gluon.jit
@@ -384,57 +444,34 @@ def plain_seesaw_kernel(
     HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
     HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr,
     SPLIT: gl.constexpr, SPLIT_TILES: gl.constexpr, SPLIT_CAP: gl.constexpr,
+    PRODUCER: gl.constexpr = False,
 ):
-    """Grid ``(queries · GROUPS, 1)``, ``num_warps=4`` (+4 for group 1); ``plain_ws_kernel``'s
-    arguments, one scope without splits (``HAS_EXTRA`` and ``SPLIT`` false: with a second
-    scope ptxas spills; ``OP``, ``LSEP``, ``MAXP``, ``num_splits`` unused)."""
-    gl.static_assert(not SPLIT, "the seesaw kernel does not split")
+    """Grid ``(queries · GROUPS, splits)``, ``num_warps=4`` (+4 for group 1);
+    ``plain_ws_kernel``'s arguments, one scope (``HAS_EXTRA`` false: with a second scope
+    ptxas spills)."""
     gl.static_assert(not HAS_EXTRA, "the seesaw kernel reads one scope")
     BM: gl.constexpr = 64
-    BN: gl.constexpr = 64
     DH: gl.constexpr = 256
-    DR: gl.constexpr = 64
     dtype: gl.constexpr = Q.dtype.element_ty
 
     pid = gl.program_id(0)
+    split = gl.program_id(1)
     qi = pid // GROUPS
     g = pid % GROUPS
     qi64 = qi.to(gl.int64)
 
-    smem: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
-                                              rank=2)
-    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    q_l = gl.allocate_shared_memory(dtype, [1, BM, DH], smem)
-    q_r = gl.allocate_shared_memory(dtype, [1, BM, DH], smem)
-    k_l = gl.allocate_shared_memory(dtype, [2, BN, DH], smem)
-    k_r = gl.allocate_shared_memory(dtype, [2, BN, DH], smem)
-    k_pe = gl.allocate_shared_memory(dtype, [2, BN, DR], smem)
-    # separate allocations, so that Triton's barrier analysis tells them apart
-    p_smem = (gl.allocate_shared_memory(dtype, [BM, BN], smem),  # P0
-              gl.allocate_shared_memory(dtype, [BM, BN], smem))  # P1 (first: q's rope)
-    m_smem = (gl.allocate_shared_memory(gl.float32, [BM], flat),  # max after group 0
-              gl.allocate_shared_memory(gl.float32, [BM], flat))  # max after group 1
-    l_smem = (gl.allocate_shared_memory(gl.float32, [BM], flat),  # final row sums
-              gl.allocate_shared_memory(gl.float32, [BM], flat))
+    q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync = seesaw_buffers(
+        dtype, _ISSUERS)
+    # with the producer group: free[k] (half k read by the group that reads it last; arrived
+    # once here, so the first pair's copies wait for nothing)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
-    # ready: stage 0 left, stage 0 right (+ rope), stage 1 left, stage 1 right (+ rope)
-    ready = (gl.allocate_shared_memory(gl.int64, [1], bl),
-             gl.allocate_shared_memory(gl.int64, [1], bl),
-             gl.allocate_shared_memory(gl.int64, [1], bl),
-             gl.allocate_shared_memory(gl.int64, [1], bl))
-    # sync: group 0's max and P0 stored, group 1's max, P1 stored, P0's buffer free (arrived
-    # once here: free before the first pair), the final row sums (2 arrivals)
-    sync = (gl.allocate_shared_memory(gl.int64, [1], bl),
-            gl.allocate_shared_memory(gl.int64, [1], bl),
+    free = (gl.allocate_shared_memory(gl.int64, [1], bl),
             gl.allocate_shared_memory(gl.int64, [1], bl),
             gl.allocate_shared_memory(gl.int64, [1], bl),
             gl.allocate_shared_memory(gl.int64, [1], bl))
     for k in gl.static_range(4):
-        mbarrier.init(ready[k], count=_ISSUERS)
-    for k in gl.static_range(4):
-        mbarrier.init(sync[k], count=1)
-    mbarrier.init(sync[4], count=2)
-    mbarrier.arrive(sync[3])
+        mbarrier.init(free[k], count=1)
+        mbarrier.arrive(free[k])
 
     # q's 64 heads -> shared memory (heads past N: zeros); its rope columns into P1's buffer
     h_ld = g * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, _LC))
@@ -452,37 +489,49 @@ def plain_seesaw_kernel(
                     other=0.0)
         p_smem[1].store(x)
 
-    # the run of tiles from the (single) split's program id, as the other kernels: with a
-    # literal 0 a length Triton made a constant (top-k 1) folds the tiles past the run into
-    # copies whose mask is constant, which the cp.async lowering cannot vectorize
     n1, n2, tiles1, _, t_lo, t_hi, idx1, idx2 = runs(
-        TOPK_LEN, TOPK_LEN2, IDX, IDX2, qi, gl.program_id(1), topk, topk2, num_splits,
-        stride_iq, stride_iq2, S, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, 0, 0)
+        TOPK_LEN, TOPK_LEN2, IDX, IDX2, qi, split, topk, topk2, num_splits, stride_iq,
+        stride_iq2, S, HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, SPLIT_TILES, SPLIT_CAP)
     lists = (tiles1, idx1, idx2, n1, n2, KV, KV2, n_rows, n_rows2, stride_row, stride_row2,
              page_size, page_size2)
     fence_async_shared()
     barrier()
 
-    # the first pair, each half arriving on its own barrier
-    if t_lo < t_hi:
+    # the first pair, each half arriving on its own barrier (the producer group's, with one)
+    if not PRODUCER and t_lo < t_hi:
         row0, ok0 = _rows(t_lo, lists, HAS_EXTRA)
         _copy(row0, ok0, k_l.index(0), 0, ready[0])
         _copy_right(row0, ok0, k_r.index(0), k_pe.index(0), ready[1], HAS_PE)
-    if t_lo + 1 < t_hi:
+    if not PRODUCER and t_lo + 1 < t_hi:
         row1, ok1 = _rows(t_lo + 1, lists, HAS_EXTRA)
         _copy(row1, ok1, k_l.index(1), 0, ready[2])
         _copy_right(row1, ok1, k_r.index(1), k_pe.index(1), ready[3], HAS_PE)
 
-    bufs = (q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync)
+    bufs = (q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync, free)
+    outs = (O, LSE, MAXL, OP, LSEP, MAXP)
+    strides = (stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh)
     # the argument tuples are written out in the call: a tuple built first would turn the
     # constexprs into run-time values in the worker partition (Triton 3.6)
-    gl.warp_specialize([
-        (_group0, (bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2,
-                   SINK, O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh,
-                   stride_mq, stride_mh, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
-                   HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL)),
-        (_group1, (bufs, lists, qi, g, t_lo, t_hi, qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2,
-                   SINK, O, LSE, MAXL, stride_oq, stride_oh, stride_lb, stride_lt, stride_lh,
-                   stride_mq, stride_mh, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
-                   HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL)),
-    ], [4], [_GROUP1_REGS])
+    if PRODUCER:
+        gl.warp_specialize([
+            (_group0, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi,
+                       qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE,
+                       HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
+                       HAS_MAXL, SPLIT, True)),
+            (_group1, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi,
+                       qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE,
+                       HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
+                       HAS_MAXL, SPLIT, True)),
+            (_producer, (bufs, lists, t_lo, t_hi, HAS_PE, HAS_EXTRA)),
+        ], [4, 4], [_GROUP1_REGS_P, _PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_group0, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi,
+                       qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE,
+                       HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
+                       HAS_MAXL, SPLIT, False)),
+            (_group1, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi,
+                       qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE,
+                       HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
+                       HAS_MAXL, SPLIT, False)),
+        ], [4], [_GROUP1_REGS])

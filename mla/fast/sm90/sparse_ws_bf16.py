@@ -35,7 +35,9 @@ q's dtype that name it (``SparsePlan.bf16_kernel = "warp_specialized"``, the def
 2026-12-06: checked on an H100 in ``mla.check``'s 309 cases, then timed there at B=64 N=128
 top-k 2048 bf16 decode in 97.5 us against the coupled kernel's 118.6, and at sparse prefill
 s_q 4096 s_kv 32K N=128 top-k 2048 in 5.54 ms against 6.17, CUDA graphs,
-``benchmarks/results/sparse/sparse_sweep_2026-12-06.md``).
+``benchmarks/results/sparse/sparse_sweep_2026-12-06.md``), and for plans naming the seesaw
+kernel over two scopes (``mla.fast.sm90.sparse_seesaw`` takes one; it is the prefill's
+default).
 
 Compiled for sm_90 with Triton 3.7.1's ptxas (``benchmarks.sm90_compile``,
 ``tests/test_sm90_compile.py``): 229,924 B of shared memory for rows of

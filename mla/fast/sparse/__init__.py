@@ -55,8 +55,8 @@ How (docs/kernels.md, "Sparse"):
   picks it or (the default) the warp-specialized kernel of ``mla.fast.sm90.sparse_ws_ds``;
   over rows in q's dtype the plan's ``bf16_kernel`` picks it, the warp-specialized kernel of
   ``mla.fast.sm90.sparse_ws_bf16`` (the default in decode) or the seesaw kernel of
-  ``mla.fast.sm90.sparse_seesaw`` (the default in prefill; one scope without splits, else
-  the warp-specialized one).
+  ``mla.fast.sm90.sparse_seesaw`` (the default in prefill; one scope, else the
+  warp-specialized one).
 
 ``convert_req_index_to_global_index`` (``mla.fast.sparse.index``, re-exported here): the
 indexer's request-local top-k positions to the cache slots these kernels read.
@@ -262,10 +262,9 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
 
     ws = ("model1" if fmt == MODEL1 and plan.model1_kernel == "warp_specialized" else
           "ds_mla" if fmt == DS_MLA and plan.ds_mla_kernel == "warp_specialized" else
-          "seesaw" if (fmt == PLAIN and plan.bf16_kernel == "seesaw" and not split
+          "seesaw" if (fmt == PLAIN and plan.bf16_kernel.startswith("seesaw")
                        and not has_extra) else
-          "bf16" if fmt == PLAIN and plan.bf16_kernel in ("warp_specialized", "seesaw")
-          else "")
+          "bf16" if fmt == PLAIN and plan.bf16_kernel != "staged" else "")
     if sm90_route:
         def layout(sc: Scope) -> tuple[int, int]:  # (row or page stride, page size)
             return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
@@ -277,7 +276,8 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
             tail = (splits, N, S, groups, *((DR > 0,) if ws in ("bf16", "seesaw") else ()),
                     has_extra,
                     has_extra and extra.has_length, first.has_length, flags["has_sink"],
-                    flags["check_range"], has_maxl, split, *fixed)
+                    flags["check_range"], has_maxl, split, *fixed,
+                    *((plan.bf16_kernel == "seesaw_producer",) if ws == "seesaw" else ()))
         else:
             tail = (splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0,
                     has_extra, has_extra and extra.has_length, first.has_length,

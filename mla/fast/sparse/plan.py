@@ -47,9 +47,10 @@ DS_MLA_KERNELS = ("warp_specialized", "staged")
 # N=128 in 5.54 ms against 6.17, CUDA graphs, benchmarks/results/sparse/) and "staged" (the
 # coupled kernel of ``mla.fast.sm90.sparse``, whose 8 warps issue a tile's cp.async gathers
 # between its dots) and "seesaw" (``mla.fast.sm90.sparse_seesaw``: each warp group owns whole
-# tiles, as FlashMLA's sparse prefill; one scope without splits, others take
-# "warp_specialized")
-BF16_KERNELS = ("warp_specialized", "staged", "seesaw")
+# tiles, as FlashMLA's sparse prefill; one scope, a second takes "warp_specialized")
+# "seesaw_producer" (the same kernel with a third, producer warp group issuing the copies, as
+# FlashMLA's; not yet run on a GPU)
+BF16_KERNELS = ("warp_specialized", "staged", "seesaw", "seesaw_producer")
 
 # the batch-invariant plans: entries per split (8 tiles of 64: 4 splits at top-k 2048) and the
 # most splits a query takes. Not yet measured on a GPU: at B = 1, 4 splits where the default
@@ -136,7 +137,7 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
       ``BI_MAX_SPLITS`` per query, whatever ``queries`` and ``num_sms`` (module docstring):
       a query's result is then the same bits alone or in any batch.
     - ``prefill``: the seesaw kernel over rows in q's dtype (``bf16_kernel="seesaw"``; it
-      takes one scope without splits, the others stay warp-specialized): on an H100 the V3.2
+      takes one scope, a second stays warp-specialized): on an H100 the V3.2
       and V4 prefill shapes of ``benchmarks.sparse_peers`` in 1.15-1.22x FlashMLA's time
       against 1.29-1.38x (benchmarks/notes/sparse.md, "the seesaw sparse kernel").
     """
