@@ -399,15 +399,15 @@ def test_sm90_bf16_kernels(poisoned_alloc, monkeypatch, kernel, N, num_splits, D
 
 
 def test_bf16_kernel_names_are_checked(poisoned_alloc):
-    """``SparsePlan.bf16_kernel``: the warp-specialized kernel by default, the seesaw one in
-    a prefill's default plan; a plan naming any kernel still runs elsewhere (the Triton
-    kernel off Hopper)."""
+    """``SparsePlan.bf16_kernel``: the warp-specialized kernel by default, the seesaw one with
+    its producer group in a prefill's default plan; a plan naming any kernel still runs
+    elsewhere (the Triton kernel off Hopper)."""
     assert SparsePlan(64, 64, 1, 8, 2).bf16_kernel == "warp_specialized"
     assert plan_sparse(64, 128, 2048, torch.bfloat16, False, num_sms=132).bf16_kernel == \
         "warp_specialized"
     for bi in (False, True):
         assert plan_sparse(64, 128, 2048, torch.bfloat16, False, num_sms=132, prefill=True,
-                           batch_invariant=bi).bf16_kernel == "seesaw"
+                           batch_invariant=bi).bf16_kernel == "seesaw_producer"
     with pytest.raises(ValueError, match="bf16_kernel must be one of"):
         SparsePlan(64, 64, 1, 8, 2, bf16_kernel="coupled")
     plan = SparsePlan(16, 64, 2, 4, 1, bf16_kernel="staged")

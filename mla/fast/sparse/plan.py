@@ -49,7 +49,8 @@ DS_MLA_KERNELS = ("warp_specialized", "staged")
 # between its dots) and "seesaw" (``mla.fast.sm90.sparse_seesaw``: each warp group owns whole
 # tiles, as FlashMLA's sparse prefill; one scope, a second takes "warp_specialized")
 # "seesaw_producer" (the same kernel with a third, producer warp group issuing the copies, as
-# FlashMLA's; not yet run on a GPU)
+# FlashMLA's: the prefill default, 1.03-1.07x FlashMLA's time on an H100 where "seesaw" takes
+# 1.14-1.17x, benchmarks/results/sparse/seesaw_producer_2026-12-06.json)
 BF16_KERNELS = ("warp_specialized", "staged", "seesaw", "seesaw_producer")
 
 # the batch-invariant plans: entries per split (8 tiles of 64: 4 splits at top-k 2048) and the
@@ -136,10 +137,12 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
     - ``batch_invariant=True``: fixed-length splits of ``BI_SPLIT_ENTRIES`` entries, at most
       ``BI_MAX_SPLITS`` per query, whatever ``queries`` and ``num_sms`` (module docstring):
       a query's result is then the same bits alone or in any batch.
-    - ``prefill``: the seesaw kernel over rows in q's dtype (``bf16_kernel="seesaw"``; it
-      takes one scope, a second stays warp-specialized): on an H100 the V3.2
-      and V4 prefill shapes of ``benchmarks.sparse_peers`` in 1.15-1.22x FlashMLA's time
-      against 1.29-1.38x (benchmarks/notes/sparse.md, "the seesaw sparse kernel").
+    - ``prefill``: the seesaw kernel with its producer warp group over rows in q's dtype
+      (``bf16_kernel="seesaw_producer"``; it takes one scope, a second stays
+      warp-specialized): on an H100 the V3.2 and V4 prefill shapes of
+      ``benchmarks.sparse_peers`` in 1.03-1.07x FlashMLA's time, against 1.14-1.17x without
+      the producer group and 1.29-1.39x warp-specialized (benchmarks/notes/sparse.md, "the
+      seesaw sparse kernel").
     """
     block_m = min(64, max(16, next_pow2(num_heads)))
     if model1 and block_m < 64:
@@ -157,7 +160,7 @@ def plan_sparse(queries: int, num_heads: int, topk: int, dtype: torch.dtype, fp8
         num_stages = 1
     if dtype == torch.float32:
         num_warps = 8
-    bf16_kernel = "seesaw" if prefill else "warp_specialized"
+    bf16_kernel = "seesaw_producer" if prefill else "warp_specialized"
     if batch_invariant:
         return SparsePlan(block_m=block_m, block_n=block_n, num_splits=BI_MAX_SPLITS,
                           num_warps=num_warps, num_stages=num_stages,
