@@ -13,7 +13,8 @@ scattered pages of 64):
 - prefill, ``fp8_mqa_logits``: ``benchmarks.indexer``'s ragged shapes (``PREFILL_SHAPES``:
   one long request, batches of short ones), ``mla.fast`` both with full rows ``[S, N]`` (the
   default) and with rows compressed to the longest (``max_seqlen_k``), as DeepGEMM writes
-  them.
+  them, each on its default plan (on Hopper, ``mla.fast.sm90.logits``), and compressed on the
+  Triton kernel (``prefill_kernel="triton"``). ``--only prefill`` times these alone.
 
 Each is a CUDA graph of one call, replayed with the L2 flushed by a read before each (median
 ms; ``benchmarks.common.time_graph``); TFLOP/s over the (query, key) pairs computed, against
@@ -30,6 +31,7 @@ Nothing here is imported by ``mla``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -50,10 +52,13 @@ from mla.conformance.adapters import deepgemm
 from mla.conformance.catalogue import Unsupported
 from mla.environment import environment
 from mla.fast import fp8_mqa_logits, fp8_paged_mqa_logits
+from mla.fast.indexer.logits import RAGGED_COMPRESSED_PLAN
 from mla.reference.indexer_logits import decode_row_ends
 
 DECODE = [(B, 1, L) for L in (8192, 32768, 131072) for B in (1, 32, 128)] + \
     [(B, 2, 32768) for B in (1, 32, 128)]
+# the Triton kernel with rows compressed, beside the default (on Hopper, mla.fast.sm90.logits)
+TRITON_COMPRESSED = dataclasses.replace(RAGGED_COMPRESSED_PLAN, prefill_kernel="triton")
 TITLE = "Indexer logits: mla.fast beside DeepGEMM (python -m benchmarks.indexer_peers)"
 
 
@@ -119,6 +124,8 @@ def prefill(dg: object, fp8_tflops: float) -> list[dict]:
 
         ours = functools.partial(fp8_mqa_logits, q8, kv, w, ks, ke)
         compressed = functools.partial(fp8_mqa_logits, q8, kv, w, ks, ke, longest)
+        triton_compressed = functools.partial(fp8_mqa_logits, q8, kv, w, ks, ke, longest,
+                                              plan=TRITON_COMPRESSED)
         sl = (q8[-8:], kv, w[-8:], ks[-8:], ke[-8:])
         mag = fp8_mqa_logits(sl[0], kv, sl[2].abs(), *sl[3:])
         mag_c = fp8_mqa_logits(sl[0], kv, sl[2].abs(), *sl[3:], longest)
@@ -130,7 +137,8 @@ def prefill(dg: object, fp8_tflops: float) -> list[dict]:
                          fp8_mqa_logits(*sl, longest),
                          deepgemm.ragged_logits(dg, *sl, longest), mag_c)}
         rows.append(_timed(row, flops, fp8_tflops, mla_fast=ours,
-                           mla_fast_compressed=compressed, deepgemm=theirs))
+                           mla_fast_compressed=compressed,
+                           mla_fast_triton_compressed=triton_compressed, deepgemm=theirs))
     return rows
 
 
@@ -138,13 +146,14 @@ def markdown(res: dict) -> str:
     copy = res["ceilings"]["copy_TBps"]
     lines = [f"fp8 matmul {res['fp8_TFLOPs']:.0f} TFLOP/s, copy {copy:.2f} TB/s; ms (TFLOP/s, "
              "% of the fp8 rate)", "",
-             "| kernel | shape | mla.fast | mla.fast, rows compressed | DeepGEMM (compressed) | "
-             "agreement |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| kernel | shape | mla.fast | mla.fast, rows compressed | mla.fast's Triton kernel, "
+             "rows compressed | DeepGEMM (compressed) | agreement |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in res.get("decode", []) + res.get("prefill", []):
         shape = r.get("shape") or f"B {r['B']}, next_n {r['next_n']}, L {r['L'] // 1024}K"
         cells = [f"{r[k]['ms']:.3f} ({r[k]['TFLOPs']:.0f}, {r[k]['pct_fp8']:.0f}%)" if k in r
-                 else "" for k in ("mla_fast", "mla_fast_compressed", "deepgemm")]
+                 else "" for k in ("mla_fast", "mla_fast_compressed",
+                                   "mla_fast_triton_compressed", "deepgemm")]
         agree = " / ".join(f"{r[k]:.1e}" for k in ("agreement_err", "agreement_err_compressed")
                            if k in r)
         lines.append(f"| {r['kernel']} | {shape} | {' | '.join(cells)} | {agree} |")
@@ -155,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.indexer_peers",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--only", choices=("decode", "prefill"),
+                   help="one of the two kernels (default: both)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     res: dict = {"environment": environment(), "ceilings": ceilings(),
@@ -167,12 +178,14 @@ def main(argv: list[str] | None = None) -> int:
         log(res["deepgemm"])
     else:
         res["deepgemm"] = f"DeepGEMM {getattr(dg, '__version__', '?')}"
-        res["decode"] = decode(dg, res["fp8_TFLOPs"])
-        res["prefill"] = prefill(dg, res["fp8_TFLOPs"])
+        if args.only != "prefill":
+            res["decode"] = decode(dg, res["fp8_TFLOPs"])
+        if args.only != "decode":
+            res["prefill"] = prefill(dg, res["fp8_TFLOPs"])
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     text = "\n".join(report_heading(TITLE, res)) + "\n\n" + (
-        markdown(res) if "decode" in res else res["deepgemm"] + "\n")
+        markdown(res) if "decode" in res or "prefill" in res else res["deepgemm"] + "\n")
     with open(os.path.join(args.out, "indexer_peers.md"), "w") as f:
         f.write(text)
     print(text)

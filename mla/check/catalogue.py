@@ -67,6 +67,6 @@ def catalogue_cases(ctx: Ctx, kernel: str) -> Iterator[Case]:
 # kernels whose check is the catalogue alone (the others add their own cases after it)
 for _kernel in ("merge_attn_states", "concat_and_cache_mla", "gather_cache",
                 "concat_and_cache_fp8_ds_mla", "convert_req_index_to_global_index",
-                "cp_lse_ag_out_rs", "indexer_k_quant_and_cache", "fp8_mqa_logits",
+                "cp_lse_ag_out_rs", "indexer_k_quant_and_cache",
                 "fp8_paged_mqa_logits", "top_k_per_row"):
     register(_kernel, _kernel)(lambda ctx, k=_kernel: catalogue_cases(ctx, k))

@@ -27,7 +27,15 @@ from collections.abc import Callable
 import torch
 
 # the kernel families register their cases on import
-from mla.check import attention, catalogue, decode, front, prefill, sparse  # noqa: F401
+from mla.check import (  # noqa: F401
+    attention,
+    catalogue,
+    decode,
+    front,
+    logits,
+    prefill,
+    sparse,
+)
 from mla.check.registry import (
     REGISTRY,
     Ctx,

@@ -33,7 +33,14 @@ import triton
 import triton.language as tl
 
 from mla.compare import fp8_mma_logits_budget
-from mla.fast.common import TRITON_VERSION, interpreting, next_pow2, should_validate
+from mla.fast import sm90
+from mla.fast.common import (
+    TRITON_VERSION,
+    ensure_allocator,
+    interpreting,
+    next_pow2,
+    should_validate,
+)
 from mla.fast.indexer.logits_paged import PAGED_PLAN, fp8_paged_mqa_logits
 from mla.fast.indexer.logits_tile import LogitsPlan, split_keys, tile_logits
 from mla.fast.launch import check_grid
@@ -178,6 +185,32 @@ def _ragged_kernel(
                      tl.full((BLOCK_N, BLOCK_Q), float("-inf"), tl.float32), mask=written)
 
 
+def _gluon(q: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor,
+           ks: torch.Tensor, ke: torch.Tensor, out: torch.Tensor, max_seqlen_k: int,
+           max_tiles: int) -> bool:
+    """The call on ``mla.fast.sm90.logits``'s kernel where it takes it (``out`` written);
+    False where it does not, or where this Triton cannot build it (the Triton kernel then
+    runs: ``mla.fast.sm90.launch``)."""
+    if q.device.type != "cuda" or interpreting() or not sm90.usable():
+        return False
+    from mla.fast.sm90 import logits as sm90_logits
+
+    if not sm90_logits.supported(q, codes):
+        return False
+    S, N, M = q.shape[0], codes.shape[0], out.shape[1]
+    rows = triton.cdiv(S, sm90_logits.QUERIES)
+    tiles, splits = split_keys(M, rows, sm90_logits.BLOCK_N, q.device,
+                               sm90_logits.PROGRAMS_PER_SM, max_tiles)
+    grid = (rows, splits * (sm90_logits.QUERIES if max_seqlen_k else 1))
+    ensure_allocator()
+    return sm90.launch(
+        sm90_logits.ragged_logits_kernel, grid, q, weights, codes.view(torch.float8_e4m3fn),
+        scale, ks, ke, out, S, N, M, tiles * sm90_logits.BLOCK_N, splits, q.stride(0),
+        q.stride(1), weights.stride(0), codes.stride(0),
+        TILES=tiles, STAGES=sm90_logits.STAGES, COMPRESSED=max_seqlen_k > 0,
+        num_warps=sm90_logits.NUM_WARPS)
+
+
 def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                    weights: torch.Tensor, cu_seqlen_ks: torch.Tensor,
                    cu_seqlen_ke: torch.Tensor, max_seqlen_k: int = 0, *,
@@ -193,7 +226,8 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
     max_seqlen_k`` on the host; unvalidated, keys outside are never read (the range is
     clipped) and a compressed row keeps its first ``max_seqlen_k`` keys. ``plan``: the tiling
     (``RAGGED_PLAN``, compressed ``RAGGED_COMPRESSED_PLAN``; fewer queries a program when the
-    heads pass 64)."""
+    heads pass 64); ``plan.prefill_kernel="gluon"`` (theirs) runs ``mla.fast.sm90.logits``'s
+    kernel where it takes the call."""
     q, codes, scale = check_ragged_logits_args(q, kv, weights, cu_seqlen_ks, cu_seqlen_ke)
     check_max_seqlen_k(max_seqlen_k)
     if q.stride(-1) != 1:
@@ -219,6 +253,11 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
         return out.fill_(float("-inf"))
     scale = scale.float().contiguous()
     plan = plan or (RAGGED_COMPRESSED_PLAN if max_seqlen_k else RAGGED_PLAN)
+    ks = cu_seqlen_ks.clamp(0, N)
+    ke = cu_seqlen_ke.clamp(0, N)
+    if plan.prefill_kernel == "gluon" and _gluon(q, codes, weights, scale, ks, ke, out,
+                                                 max_seqlen_k, plan.max_tiles):
+        return out
     hp = max(16, next_pow2(H))
     block_q = max(1, min(plan.queries, 256 // hp))
     rows = triton.cdiv(S, block_q)
@@ -228,8 +267,6 @@ def fp8_mqa_logits(q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
                                plan.max_tiles)
     grid = (rows, splits * (block_q if max_seqlen_k else 1))
     check_grid("fp8_mqa_logits (grid: query tiles, key splits)", grid)
-    ks = cu_seqlen_ks.clamp(0, N)
-    ke = cu_seqlen_ke.clamp(0, N)
     _ragged_kernel[grid](
         q, weights, codes.view(torch.float8_e4m3fn), scale, ks, ke, out, S, H, N, M,
         tiles * plan.block_n, splits, q.stride(0), q.stride(1), weights.stride(0),

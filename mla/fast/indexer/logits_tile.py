@@ -20,12 +20,15 @@ import triton.language as tl
 
 from mla.fast.common import num_sms
 
-__all__ = ["LogitsPlan", "PAGED_LOADS", "SPLITS", "split_keys", "split_waves", "tile_logits"]
+__all__ = ["LogitsPlan", "PAGED_LOADS", "PREFILL_KERNELS", "SPLITS", "split_keys", "split_waves",
+           "tile_logits"]
 
 # how the paged kernel reads a tile of keys, fastest first (``LogitsPlan.paged_loads``)
 PAGED_LOADS = ("tma", "tma_host", "page", "gather")
 # how the paged kernel splits a row's keys over programs (``LogitsPlan.split``)
 SPLITS = ("spread", "waves")
+# which kernel the ragged prefill logits run (``LogitsPlan.prefill_kernel``)
+PREFILL_KERNELS = ("gluon", "triton")
 
 
 def _pow2(v: object, low: int) -> bool:
@@ -49,6 +52,11 @@ class LogitsPlan:
     ``split`` (the paged kernel only; the ragged one always spreads): ``"spread"`` splits as
     ``split_keys``; ``"waves"`` as ``split_waves``, for the programs a SM holds of the kernel
     as compiled (``programs_per_sm`` stands for that count under the interpreter).
+
+    The ragged (prefill) kernel only: ``prefill_kernel``, ``"gluon"`` (``mla.fast.sm90.logits``
+    on a Hopper GPU where it takes the call, with its own tiling: two queries and 64 keys a
+    tile, four stages, programs for four a SM, at most ``max_tiles`` tiles each; the Triton
+    kernel elsewhere) or ``"triton"`` (always the Triton kernel).
     ``benchmarks/indexer.py --sweep`` and ``benchmarks/indexer_logits.py`` (the paged routes)
     time the alternatives."""
     block_n: int = 64
@@ -59,6 +67,7 @@ class LogitsPlan:
     max_tiles: int = 16
     programs_per_sm: int = 4
     split: str = "spread"
+    prefill_kernel: str = "gluon"
 
     def __post_init__(self) -> None:
         for name, low in (("block_n", 16), ("queries", 1), ("num_warps", 1), ("max_tiles", 1)):
@@ -72,6 +81,9 @@ class LogitsPlan:
         if self.paged_loads not in PAGED_LOADS:
             raise ValueError(f"LogitsPlan.paged_loads must be one of {PAGED_LOADS}, got "
                              f"{self.paged_loads!r}")
+        if self.prefill_kernel not in PREFILL_KERNELS:
+            raise ValueError(f"LogitsPlan.prefill_kernel must be one of {PREFILL_KERNELS}, got "
+                             f"{self.prefill_kernel!r}")
         if self.split not in SPLITS:
             raise ValueError(f"LogitsPlan.split must be one of {SPLITS}, got {self.split!r}")
 
