@@ -201,6 +201,21 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
     return triton.compile(src, target=TARGET, options={"num_warps": warps})
 
 
+def compile_logits(COMPRESSED: bool = True) -> triton.compiler.CompiledKernel:
+    """``mla.fast.sm90.logits.ragged_logits_kernel`` for sm_90 as ``mla.fast.fp8_mqa_logits``
+    launches it: 4096 queries of 64 heads over 32K keys of 128 e4m3 codes, 16 tiles a
+    program, rows compressed or full."""
+    from mla.fast.sm90 import logits as sm90_logits
+
+    const = dict(TILES=16, STAGES=sm90_logits.STAGES, COMPRESSED=COMPRESSED)
+    ptrs = dict(Q="fp8e4nv", W="fp32", CODES="fp8e4nv", K_SCALE="fp32", KS="i32", KE="i32",
+                OUT="fp32")
+    ints = dict(S=4096, N=32768, M=32768, chunk=1024, splits=32, s_q_t=64 * 128, s_q_h=128,
+                s_w_t=64, s_c_n=128)
+    src = _specialize(sm90_logits.ragged_logits_kernel, const, ptrs, {}, ints)
+    return triton.compile(src, target=TARGET, options={"num_warps": sm90_logits.NUM_WARPS})
+
+
 def resource_usage(cubin: bytes) -> dict[str, int]:
     """``REG``, ``STACK`` and ``LOCAL`` of the kernel in ``cubin``, from the ``cuobjdump``
     shipped with Triton (the compiled kernel reports registers only once loaded on a GPU)."""
@@ -238,9 +253,10 @@ def facts(k: triton.compiler.CompiledKernel) -> dict:
 
 
 def compile_facts(kernel: str, kwargs: dict) -> dict:
-    """``facts`` of ``compile_decode(**kwargs)`` (kernel ``"decode"``) or ``compile_sparse``."""
+    """``facts`` of ``compile_decode(**kwargs)`` (kernel ``"decode"``), ``compile_sparse``,
+    ``compile_triton_decode`` or ``compile_logits``."""
     fn = {"decode": compile_decode, "sparse": compile_sparse,
-          "triton_decode": compile_triton_decode}[kernel]
+          "triton_decode": compile_triton_decode, "logits": compile_logits}[kernel]
     return facts(fn(**kwargs))
 
 

@@ -243,6 +243,24 @@ def test_bf16_producer_arrives_when_its_copies_land(args):
     assert f["cp_async_mbarrier"] >= 1, f
 
 
+@functools.cache
+def _logits_facts() -> list[dict]:
+    return _compile_in_child([("logits", {"COMPRESSED": c}) for c in (True, False)])
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_logits_kernel_shares_an_sm_four_ways(compressed):
+    # mla.fast.sm90.logits: per tile of 64 keys two wgmma chains (one a query) over the 128
+    # codes, k32 each: 4 m64n64k32 e4m3 a query, 8 a tile, in one place; keys by TMA only.
+    # Four programs a SM (what its key split aims at) need at most 128 registers a thread
+    # (65536 / (4 x 128)) and a quarter of the shared memory, without spills.
+    f = _logits_facts()[0 if compressed else 1]
+    assert f["wgmma"] == {"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3": 8}, f
+    assert f["tma"] >= 1 and f["cp_async_16"] == f["cp_async_other"] == 0, f
+    assert f["reg"] <= 128 and f["stack"] == 0 and f["local"] == 0, f
+    assert not f["ptx_local"] and 4 * f["shared"] <= SMEM_LIMIT, f
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_supported_is_false_for_cpu_tensors(dtype):
     q = torch.zeros(2, 1, 128, 576, dtype=dtype)
