@@ -52,6 +52,8 @@ CURRENT = [
      "sparse/sparse_peers_2026-12-06.md"),
     ("V3.2's and V4's sparse attention beside FlashMLA, the seesaw sparse prefill (H100)",
      "sparse/sparse_peers_seesaw_2026-12-06.md"),
+    ("sparse prefill: the seesaw kernel with its producer group, without it, and the "
+     "warp-specialized one beside FlashMLA (H100)", "sparse/seesaw_producer_2026-12-06.json"),
     ("the V3.2 step with the seesaw sparse prefill (H100, quick shapes)",
      "layers/step_peers_seesaw_2026-12-06.md"),
     ("`fp8_paged_mqa_logits` plans", "indexer/indexer_logits_2026-11-30.md"),
