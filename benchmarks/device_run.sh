@@ -135,6 +135,9 @@ for step in "${steps[@]}"; do
         timeout 150 python -m benchmarks.probes.seesaw_probe "$k" 2>&1 | grep -v "^\[" \
           | tee "$OUT/seesaw_probe_$k.log"
       done ;;
+    # top-k on the decode lengths beside vLLM's kernels, rows held whole written both ways
+    topk-short) timeout 200 python -m benchmarks.topk_peers --short --out "$OUT" 2>&1 \
+              | tee "$OUT/topk_short.log" | tail -n 12 ;;
     # the catalogue on every target: conformance_<target>.{md,json}
     matrix)
       conform_each conformance 540 "${MATRIX_TARGETS:-mla.fast mla.fast-batch-invariant flashmla \
