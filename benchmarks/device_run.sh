@@ -3,7 +3,7 @@
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
-#     sparse-sweep|sparse-peers|front-budget|matrix|properties|prefill-kernels|logits]...
+#     sparse-sweep|sparse-peers|front-budget|matrix|properties|prefill-kernels|logits|topk-short]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -139,6 +139,9 @@ for step in "${steps[@]}"; do
     # DeepGEMM's, rows compressed); their GPU check cases are check's (--kernel fp8_mqa_logits)
     logits) timeout 150 python -m benchmarks.indexer_peers --only prefill --out "$OUT" 2>&1 \
               | tee "$OUT/indexer_peers.log" | tail -n 12 ;;
+    # top-k on the decode lengths beside vLLM's kernels, rows held whole written both ways
+    topk-short) timeout 200 python -m benchmarks.topk_peers --short --out "$OUT" 2>&1 \
+              | tee "$OUT/topk_short.log" | tail -n 12 ;;
     # the catalogue on every target: conformance_<target>.{md,json}
     matrix)
       conform_each conformance 540 "${MATRIX_TARGETS:-mla.fast mla.fast-batch-invariant flashmla \

@@ -39,12 +39,16 @@ from mla.conformance.adapters.vllm_library import load_library
 from mla.conformance.adapters.vllm_topk import COOPERATIVE_MAX_ROWS, WORKSPACE_BYTES
 from mla.conformance.catalogue import Unsupported
 from mla.environment import environment
-from mla.fast.topk import TopkPlan, launches
+from mla.fast.topk import CANDIDATES, TopkPlan, launches
 
 TOPK = 2048
 SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
           (512, 131072), (1024, 131072), (128, 32768), (256, 32768), (2048, 32768),
           (128, 8192), (256, 8192)]
+# the decode lengths (--short)
+SHORT_SHAPES = [(R, W) for W in (8192, 16384) for R in (1, 32, 128, 256)]
+# rows held whole with their columns written from registers, beside the default's tiles
+HELD_IN_REGISTERS = TopkPlan(held_write="registers")
 
 
 def load_vllm(lib: Path | None) -> dict:
@@ -126,6 +130,10 @@ def run(vllm: dict, copy_tbps: float, reps: int, shapes: list[tuple[int, int]]) 
         _work, steps = launches(x, starts, lengths, out, TOPK, TopkPlan())
         res = {"R": R, "L": W, "mla_route": TopkPlan().route_for(R, W, x.device)}
         res["mla_fast"] = timed(functools.partial(_run_all, steps), out, x, best, reps)
+        if W <= CANDIDATES:  # rows held whole: their columns written from registers
+            _work, steps = launches(x, starts, lengths, out, TOPK, HELD_IN_REGISTERS)
+            res["mla_fast_held_registers"] = timed(functools.partial(_run_all, steps), out,
+                                                   x, best, reps)
         vals = torch.empty(R, TOPK, device="cuda")
         ids = torch.empty(R, TOPK, dtype=torch.int64, device="cuda")
         res["torch_topk"] = _torch_topk(x, vals, ids, best, reps)
@@ -159,7 +167,7 @@ def _torch_topk(x, vals, ids, best, reps) -> dict:
 
 
 def table(res: dict) -> str:
-    names = ["mla_fast", "vllm_persistent_topk", "vllm_cooperative_topk",
+    names = ["mla_fast", "mla_fast_held_registers", "vllm_persistent_topk", "vllm_cooperative_topk",
              "vllm_top_k_per_row_decode", "torch_topk"]
     lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us (% of copy)",
              "| rows x keys | " + " | ".join(names) + " |",
@@ -185,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the peers directory's, written by python -m benchmarks.peers --topk)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--short", action="store_true",
+                   help="the decode lengths alone: 1-256 rows of 8K and 16K keys")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -192,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"vLLM: {vllm} ({time.time() - t0:.1f} s)")
     res = {"environment": environment(), "vllm": vllm, "ceilings": ceilings(),
            "topk": TOPK, "method": "CUDA-graph replays, L2 flushed by a read, median"}
-    res["rows"] = run(vllm, res["ceilings"]["copy_TBps"], args.reps, SHAPES)
+    res["rows"] = run(vllm, res["ceilings"]["copy_TBps"], args.reps,
+                      SHORT_SHAPES if args.short else SHAPES)
     (args.out / "topk_peers.json").write_text(json.dumps(res, indent=1))
     print(table(res))
     return 0

@@ -198,6 +198,24 @@ def test_topk_held_with_columns_or_in_tiles(route):
     assert bool((got[:, 1:] > got[:, :-1]).all()), "a row held whole comes in column order"
 
 
+def test_held_rows_written_from_registers():
+    """``TopkPlan(held_write="registers")``: rows held whole past ``CANDIDATES // 2`` keys
+    write their columns from the held keys, exact at the widest held row (distinct and tied
+    boundaries, ragged ranges, a row of ``topk`` keys, one of ``topk + 1``, specials) and
+    in column order."""
+    plan = TopkPlan(held_write="registers")
+    width = CANDIDATES
+    logits, st, en = _rows(_gen(71), [0, 3, 0, 0, 0], [width, width - 1, 2048, 2049, width],
+                           width)
+    logits[1] = (logits[1] * 40).round() / 40  # a tied boundary
+    logits[4, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
+                                  float("nan"), 1e30])
+    got = _check(logits, st, en, 2048, plan)
+    assert bool((got[:, 1:] > got[:, :-1])[[0, 1, 4]].all()), "held rows come in column order"
+    with pytest.raises(ValueError, match="held_write"):
+        TopkPlan(held_write="tiled")
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_topk_rows_held_whole_run_one_kernel(route):
     """Logits no wider than the list: every route runs the held rows' kernel alone (one

@@ -173,6 +173,9 @@ class TopkPlan:
     select_bits: int = 6
     select_tile: int = 2048
     select_warps: int = 8
+    # rows held whole: their columns written from the held keys ("registers") or, past
+    # CANDIDATES // 2 keys, by a second read of the row in tiles ("tiles")
+    held_write: str = "tiles"
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
     select_maxnreg: int = 128
@@ -191,6 +194,9 @@ class TopkPlan:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 raise ValueError(f"TopkPlan.{name} must be a power of two, got {v!r}")
+        if self.held_write not in ("registers", "tiles"):
+            raise ValueError(f"TopkPlan.held_write must be 'registers' or 'tiles', got "
+                             f"{self.held_write!r}")
         if self.select_bits not in (5, 6, 7, 8):
             raise ValueError(f"TopkPlan.select_bits must be 5 to 8, got {self.select_bits!r}")
         if not isinstance(self.oversample, (int, float)) or not 1.0 <= self.oversample <= 3.0:
@@ -336,7 +342,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
         hold = max(32, next_pow2(W))
         check_grid(_GRID_NAME, (R, 1, 1))
         args = (*rows, out, W, topk, s_l_r, s_o_r, cap, hold, min(plan.select_tile, 1024),
-                out_block)
+                out_block, plan.held_write == "registers")
         return work, [lambda: _held((key, hold), (R, 1, 1), args,
                                     num_warps=plan.select_warps)]
     route = plan.route_for(R, W, logits.device)

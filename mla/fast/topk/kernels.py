@@ -440,11 +440,13 @@ def _write_tail(dst, n, topk, OUT_BLOCK: tl.constexpr):
 
 @triton.jit
 def _held_kernel(logits, starts, ends, out, W, topk, s_l_r, s_o_r, CAP: tl.constexpr,
-                 HOLD: tl.constexpr, TILE: tl.constexpr, OUT_BLOCK: tl.constexpr):
+                 HOLD: tl.constexpr, TILE: tl.constexpr, OUT_BLOCK: tl.constexpr,
+                 IN_REGISTERS: tl.constexpr):
     """One program a row, for rows of at most ``HOLD`` keys, ``HOLD`` at most ``CAP`` (every
     route, where the logits are no wider): the row's keys held, its exact ``topk`` best by
     the boundary's search, the columns written from registers (``HOLD`` at most ``CAP / 2``,
-    as a list is) or by a second read of the row in tiles of ``TILE``
+    as a list is, or any ``HOLD`` with ``IN_REGISTERS``: a held row's columns are its
+    places, nothing more to hold) or by a second read of the row in tiles of ``TILE``
     (``_select_in_tiles``); then ``-1`` past the row's count. Only this path is compiled: the
     general kernels, which also hold the estimate, the listing and the scan, took 1.1-1.4x as
     long for the same rows on the H200 (1 / 128 / 1024 x 8K: 32.8 / 27.5 / 108.6 us against
@@ -457,7 +459,7 @@ def _held_kernel(logits, starts, ends, out, W, topk, s_l_r, s_o_r, CAP: tl.const
         _write_all(dst, n, OUT_BLOCK)
     else:
         i = tl.arange(0, HOLD)
-        if HOLD * 2 <= CAP:
+        if HOLD * 2 <= CAP or IN_REGISTERS:
             live = i < n
             u = tl.where(live, _unsigned(_order_keys(tl.load(src + i, mask=live, other=0.0))),
                          0)
