@@ -1,7 +1,9 @@
-"""Gluon kernels for Hopper (sm_90): the 64-row programs of the fast decode and sparse kernels.
+"""Gluon kernels for Hopper (sm_90): the 64-row programs of the fast decode and sparse kernels,
+and the indexer's prefill logits.
 
-``mla.fast.decode`` and ``mla.fast.sparse`` route a call here when its plan and shapes allow it
-on an sm_90 GPU (each module's ``supported``); everywhere else their Triton kernels run.
+``mla.fast.decode``, ``mla.fast.sparse`` and ``mla.fast.indexer`` route a call here when its
+plan and shapes allow it on an sm_90 GPU (each module's ``supported``); everywhere else their
+Triton kernels run.
 
 - ``decode``: paged decode (``decode_kernel``), ``sparse``: sparse top-k decode and prefill
   (``sparse_kernel``); ``sparse_ws``: MODEL1 sparse decode with a producer warp group that
@@ -10,6 +12,9 @@ on an sm_90 GPU (each module's ``supported``); everywhere else their Triton kern
   default plan's at 64 heads, ``SparsePlan.ds_mla_kernel``); ``sparse_ws_bf16``: the same
   arrangement over rows in q's dtype, prefill and bf16/fp16 decode (``plain_ws_kernel``, the
   default plan's at 64 heads, ``SparsePlan.bf16_kernel``);
+  ``sparse_seesaw``: the dense decode's seesaw schedule over gathered rows, sparse prefill's
+  default (``plain_seesaw_kernel``, ``SparsePlan.bf16_kernel``); ``logits``: the indexer's
+  ragged prefill logits (``ragged_logits_kernel``, ``LogitsPlan.prefill_kernel``);
   ``softmax``: the online-softmax + ``P · V`` step both share, and the CTA barrier under the
   name this Triton gives it.
 

@@ -49,7 +49,8 @@ DS_MLA_KERNELS = ("warp_specialized", "staged")
 # between its dots) and "seesaw" (``mla.fast.sm90.sparse_seesaw``: each warp group owns whole
 # tiles, as FlashMLA's sparse prefill; one scope, a second takes "warp_specialized")
 # "seesaw_producer" (the same kernel with a third, producer warp group issuing the copies, as
-# FlashMLA's; not yet run on a GPU)
+# FlashMLA's: the prefill default, 1.03-1.07x FlashMLA's time on an H100 where "seesaw" takes
+# 1.14-1.17x, benchmarks/results/sparse/seesaw_producer_2026-12-06.json)
 BF16_KERNELS = ("warp_specialized", "staged", "seesaw", "seesaw_producer")
 
 # the batch-invariant plans: entries per split (8 tiles of 64: 4 splits at top-k 2048) and the
