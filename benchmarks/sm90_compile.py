@@ -207,11 +207,11 @@ def compile_logits(COMPRESSED: bool = True) -> triton.compiler.CompiledKernel:
     program, rows compressed or full."""
     from mla.fast.sm90 import logits as sm90_logits
 
-    const = dict(TILES=16, STAGES=sm90_logits.STAGES, COMPRESSED=COMPRESSED)
+    const = dict(STAGES=sm90_logits.STAGES, COMPRESSED=COMPRESSED)
     ptrs = dict(Q="fp8e4nv", W="fp32", CODES="fp8e4nv", K_SCALE="fp32", KS="i32", KE="i32",
                 OUT="fp32")
-    ints = dict(S=4096, N=32768, M=32768, chunk=1024, splits=32, s_q_t=64 * 128, s_q_h=128,
-                s_w_t=64, s_c_n=128)
+    ints = dict(S=4096, N=32768, M=32768, chunk=1024, splits=32, TILES=16, s_q_t=64 * 128,
+                s_q_h=128, s_w_t=64, s_c_n=128)
     src = _specialize(sm90_logits.ragged_logits_kernel, const, ptrs, {}, ints)
     return triton.compile(src, target=TARGET, options={"num_warps": sm90_logits.NUM_WARPS})
 

@@ -205,9 +205,9 @@ def _gluon(q: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor, scale: t
     ensure_allocator()
     return sm90.launch(
         sm90_logits.ragged_logits_kernel, grid, q, weights, codes.view(torch.float8_e4m3fn),
-        scale, ks, ke, out, S, N, M, tiles * sm90_logits.BLOCK_N, splits, q.stride(0),
+        scale, ks, ke, out, S, N, M, tiles * sm90_logits.BLOCK_N, splits, tiles, q.stride(0),
         q.stride(1), weights.stride(0), codes.stride(0),
-        TILES=tiles, STAGES=sm90_logits.STAGES, COMPRESSED=max_seqlen_k > 0,
+        STAGES=sm90_logits.STAGES, COMPRESSED=max_seqlen_k > 0,
         num_warps=sm90_logits.NUM_WARPS)
 
 

@@ -104,16 +104,17 @@ def _query_range(KS, KE, t, ok, COMPRESSED: gl.constexpr):
 @gluon.jit
 def ragged_logits_kernel(
     Q, W, CODES, K_SCALE, KS, KE, OUT,
-    S, N, M, chunk, splits,
+    S, N, M, chunk, splits, TILES,
     s_q_t, s_q_h, s_w_t, s_c_n,
-    TILES: gl.constexpr, STAGES: gl.constexpr, COMPRESSED: gl.constexpr,
+    STAGES: gl.constexpr, COMPRESSED: gl.constexpr,
 ):
     """Programs ``(query pair, key chunk)`` as ``mla.fast.indexer.logits._ragged_kernel``:
     ``Q [S, 64, 128]`` e4m3, ``W [S, 64]`` float32, ``CODES [N, 128]`` e4m3 rows ``s_c_n``
     bytes apart (a multiple of 16), ``K_SCALE [N]`` float32, ``OUT [S, M]`` float32;
     compressed (``M`` columns from each query's start), the second index is a query slot of
     the pair and one of ``splits`` chunks of its start's keys: slot 1 runs only where the
-    second query starts elsewhere than the first."""
+    second query starts elsewhere than the first. ``TILES`` (the tiles a program, ``chunk /
+    64``) is a run-time argument, so that every split compiles once."""
     H: gl.constexpr = 64
     D: gl.constexpr = 128
     BN: gl.constexpr = 64
