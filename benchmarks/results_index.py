@@ -58,6 +58,8 @@ CURRENT = [
      "layers/step_peers_seesaw_2026-12-06.md"),
     ("`fp8_paged_mqa_logits` plans", "indexer/indexer_logits_2026-11-30.md"),
     ("indexer logits beside DeepGEMM", "indexer/indexer_peers_v3_2026-12-02.md"),
+    ("indexer prefill logits on the Gluon kernel and the Triton one beside DeepGEMM (H100)",
+     "indexer/indexer_peers_gluon_2026-12-06.md"),
     ("`top_k_per_row` on the H200", "topk/topk_parts_unspecialized_2026-12-02.md"),
     ("`top_k_per_row` beside vLLM's top-k kernels", "topk/topk_peers_2026-12-02.md"),
     ("prefill attention by route", "prefill/prefill_routes.md"),
