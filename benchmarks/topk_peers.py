@@ -47,8 +47,11 @@ SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
           (128, 8192), (256, 8192)]
 # the decode lengths (--short)
 SHORT_SHAPES = [(R, W) for W in (8192, 16384) for R in (1, 32, 128, 256)]
-# rows held whole with their columns written from registers, beside the default's tiles
-HELD_IN_REGISTERS = TopkPlan(held_write="registers")
+# rows held whole (at most CANDIDATES keys): their columns written from the held keys, and
+# 16 warps a row, beside the default (8 warps, a second read in tiles)
+HELD_PLANS = {"mla_fast_held_registers": TopkPlan(held_write="registers"),
+              "mla_fast_held_registers_16w": TopkPlan(held_write="registers", select_warps=16),
+              "mla_fast_16w": TopkPlan(select_warps=16)}
 
 
 def load_vllm(lib: Path | None) -> dict:
@@ -130,10 +133,10 @@ def run(vllm: dict, copy_tbps: float, reps: int, shapes: list[tuple[int, int]]) 
         _work, steps = launches(x, starts, lengths, out, TOPK, TopkPlan())
         res = {"R": R, "L": W, "mla_route": TopkPlan().route_for(R, W, x.device)}
         res["mla_fast"] = timed(functools.partial(_run_all, steps), out, x, best, reps)
-        if W <= CANDIDATES:  # rows held whole: their columns written from registers
-            _work, steps = launches(x, starts, lengths, out, TOPK, HELD_IN_REGISTERS)
-            res["mla_fast_held_registers"] = timed(functools.partial(_run_all, steps), out,
-                                                   x, best, reps)
+        if W <= CANDIDATES:  # rows held whole: the write from registers, 16 warps
+            for name, plan in HELD_PLANS.items():
+                _work, steps = launches(x, starts, lengths, out, TOPK, plan)
+                res[name] = timed(functools.partial(_run_all, steps), out, x, best, reps)
         vals = torch.empty(R, TOPK, device="cuda")
         ids = torch.empty(R, TOPK, dtype=torch.int64, device="cuda")
         res["torch_topk"] = _torch_topk(x, vals, ids, best, reps)
@@ -167,7 +170,7 @@ def _torch_topk(x, vals, ids, best, reps) -> dict:
 
 
 def table(res: dict) -> str:
-    names = ["mla_fast", "mla_fast_held_registers", "vllm_persistent_topk", "vllm_cooperative_topk",
+    names = ["mla_fast", *HELD_PLANS, "vllm_persistent_topk", "vllm_cooperative_topk",
              "vllm_top_k_per_row_decode", "torch_topk"]
     lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us (% of copy)",
              "| rows x keys | " + " | ".join(names) + " |",
