@@ -136,9 +136,10 @@ for step in "${steps[@]}"; do
           | tee "$OUT/seesaw_probe_$k.log"
       done ;;
     # the indexer's prefill logits beside DeepGEMM (the default plan, the Triton kernel and
-    # DeepGEMM's, rows compressed); their GPU check cases are check's (--kernel fp8_mqa_logits)
-    logits) timeout 150 python -m benchmarks.indexer_peers --only prefill --out "$OUT" 2>&1 \
-              | tee "$OUT/indexer_peers.log" | tail -n 12 ;;
+    # DeepGEMM's, rows compressed; the Gluon kernel at other tiles a program); their GPU check
+    # cases are check's (--kernel fp8_mqa_logits)
+    logits) timeout 240 python -m benchmarks.indexer_peers --only prefill --sweep \
+              --out "$OUT" 2>&1 | tee "$OUT/indexer_peers.log" | tail -n 12 ;;
     # top-k on the decode lengths beside vLLM's kernels, rows held whole written both ways
     topk-short) timeout 200 python -m benchmarks.topk_peers --short --out "$OUT" 2>&1 \
               | tee "$OUT/topk_short.log" | tail -n 12 ;;

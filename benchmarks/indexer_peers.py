@@ -14,7 +14,8 @@ scattered pages of 64):
   one long request, batches of short ones), ``mla.fast`` both with full rows ``[S, N]`` (the
   default) and with rows compressed to the longest (``max_seqlen_k``), as DeepGEMM writes
   them, each on its default plan (on Hopper, ``mla.fast.sm90.logits``), and compressed on the
-  Triton kernel (``prefill_kernel="triton"``). ``--only prefill`` times these alone.
+  Triton kernel (``prefill_kernel="triton"``). ``--only prefill`` times these alone;
+  ``--sweep`` adds the compressed rows with 8, 32 and 64 tiles a program.
 
 Each is a CUDA graph of one call, replayed with the L2 flushed by a read before each (median
 ms; ``benchmarks.common.time_graph``); TFLOP/s over the (query, key) pairs computed, against
@@ -59,6 +60,8 @@ DECODE = [(B, 1, L) for L in (8192, 32768, 131072) for B in (1, 32, 128)] + \
     [(B, 2, 32768) for B in (1, 32, 128)]
 # the Triton kernel with rows compressed, beside the default (on Hopper, mla.fast.sm90.logits)
 TRITON_COMPRESSED = dataclasses.replace(RAGGED_COMPRESSED_PLAN, prefill_kernel="triton")
+# --sweep: the most tiles of 64 keys a program covers (the default plans': 16)
+SWEEP_TILES = (8, 32, 64)
 TITLE = "Indexer logits: mla.fast beside DeepGEMM (python -m benchmarks.indexer_peers)"
 
 
@@ -112,7 +115,7 @@ def decode(dg: object, fp8_tflops: float) -> list[dict]:
     return rows
 
 
-def prefill(dg: object, fp8_tflops: float) -> list[dict]:
+def prefill(dg: object, fp8_tflops: float, sweep: bool = False) -> list[dict]:
     rows = []
     for name, requests, queries in PREFILL_SHAPES:
         q8, kv, w, ks, ke = ragged_inputs(requests, queries)
@@ -136,9 +139,14 @@ def prefill(dg: object, fp8_tflops: float) -> list[dict]:
                      "agreement_err_compressed": _agreement(
                          fp8_mqa_logits(*sl, longest),
                          deepgemm.ragged_logits(dg, *sl, longest), mag_c)}
+        tiles = {f"mla_fast_compressed_tiles{t}": functools.partial(
+            fp8_mqa_logits, q8, kv, w, ks, ke, longest,
+            plan=dataclasses.replace(RAGGED_COMPRESSED_PLAN, max_tiles=t))
+            for t in (SWEEP_TILES if sweep else ())}
         rows.append(_timed(row, flops, fp8_tflops, mla_fast=ours,
                            mla_fast_compressed=compressed,
-                           mla_fast_triton_compressed=triton_compressed, deepgemm=theirs))
+                           mla_fast_triton_compressed=triton_compressed, deepgemm=theirs,
+                           **tiles))
     return rows
 
 
@@ -166,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--only", choices=("decode", "prefill"),
                    help="one of the two kernels (default: both)")
+    p.add_argument("--sweep", action="store_true",
+                   help="prefill: also the compressed rows with other tiles a program "
+                        "(LogitsPlan.max_tiles)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     res: dict = {"environment": environment(), "ceilings": ceilings(),
@@ -181,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only != "prefill":
             res["decode"] = decode(dg, res["fp8_TFLOPs"])
         if args.only != "decode":
-            res["prefill"] = prefill(dg, res["fp8_TFLOPs"])
+            res["prefill"] = prefill(dg, res["fp8_TFLOPs"], args.sweep)
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     text = "\n".join(report_heading(TITLE, res)) + "\n\n" + (
