@@ -3,7 +3,8 @@
 # Usage (repo root, on the GPU machine):
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
-#     sparse-sweep|sparse-peers|front-budget|matrix|properties|prefill-kernels|logits|topk-short]...
+#     sparse-sweep|sparse-peers|front-budget|matrix|properties|prefill-kernels|logits|topk-short|
+#     step-peers-quick]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -60,6 +61,9 @@ for step in "${steps[@]}"; do
     routes) timeout 300 python -m benchmarks.prefill_routes --out-dir "$OUT" 2>&1 \
              | tee "$OUT/routes.log" ;;
     step-peers) timeout 560 python -m benchmarks.step_peers --out-dir "$OUT" --profile-front 2>&1 | tee "$OUT/step_peers.log" ;;
+    # the same on its quick shapes (decode B=32 L=32K and B=1 L=8K, prefill 2K over 16K)
+    step-peers-quick) timeout 300 python -m benchmarks.step_peers --quick --out-dir "$OUT" \
+             2>&1 | tee "$OUT/step_peers_quick.log" ;;
     bench-nosweep) timeout 200 python -m benchmarks.run --out-dir "$OUT" 2>&1 \
              | tee "$OUT/bench.log" ;;
     # the README's test command on the GPU machine (no interpreter): which modules fail there
