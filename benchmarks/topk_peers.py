@@ -48,10 +48,11 @@ SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
 # the decode lengths (--short)
 SHORT_SHAPES = [(R, W) for W in (8192, 16384) for R in (1, 32, 128, 256)]
 # rows held whole (at most CANDIDATES keys): their columns written from the held keys, and
-# 16 warps a row, beside the default (8 warps, a second read in tiles)
+# 16 or 32 warps a row, beside the default (8 warps, a second read in tiles)
 HELD_PLANS = {"mla_fast_held_registers": TopkPlan(held_write="registers"),
               "mla_fast_held_registers_16w": TopkPlan(held_write="registers", select_warps=16),
-              "mla_fast_16w": TopkPlan(select_warps=16)}
+              "mla_fast_16w": TopkPlan(select_warps=16),
+              "mla_fast_32w": TopkPlan(select_warps=32)}
 
 
 def load_vllm(lib: Path | None) -> dict:
