@@ -25,6 +25,7 @@ import mla.fast as fast
 from mla.check.catalogue import catalogue_cases
 from mla.check.registry import Case, Ctx, Measured, gen, register
 from mla.compare import logits_err
+from mla.conformance.cases.indexer_specs import RaggedSpec, ragged_windows
 from mla.fast.indexer.logits import LogitsPlan, logits_budget
 from mla.reference.indexer_cache import INDEX_DIM, quantize_indexer_k
 from mla.reference.indexer_logits import fp8_mqa_logits as reference_logits
@@ -34,22 +35,6 @@ __all__ = ["logits_cases"]
 
 HEADS = 64
 TRITON = LogitsPlan(prefill_kernel="triton")
-
-
-def _windows(lens: tuple[int, ...], queries: int, window: int,
-             empty: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """Each request's last ``queries`` positions, query ``p`` seeing its request's keys up to
-    ``p`` (the last ``window`` of them when ``window``); the queries numbered in ``empty``
-    see none."""
-    ks, ke, first = [], [], 0
-    for n in lens:
-        for p in range(max(0, n - queries), n):
-            ke.append(first + p + 1)
-            ks.append(max(first, ke[-1] - window) if window else first)
-        first += n
-    for t in empty:
-        ks[t] = ke[t]
-    return ks, ke
 
 
 def _case(ctx: Ctx, salt: int, lens: tuple[int, ...], queries: int, *, window: int = 0,
@@ -62,7 +47,7 @@ def _case(ctx: Ctx, salt: int, lens: tuple[int, ...], queries: int, *, window: i
     k = torch.randn(n, INDEX_DIM, generator=g, dtype=torch.float64) * \
         2.0 ** torch.randint(-3, 4, (n, 1), generator=g)
     codes, scale = quantize_indexer_k(k)
-    ks_l, ke_l = _windows(lens, queries, window, empty)
+    ks_l, ke_l = ragged_windows(RaggedSpec(lens, queries, window=window, empty=empty))
     S = len(ks_l)
     q8, w = quantize_indexer_q(torch.randn(S, HEADS, INDEX_DIM, generator=g, dtype=torch.float64),
                                torch.randn(S, HEADS, generator=g, dtype=torch.float64) / 90.5)
