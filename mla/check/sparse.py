@@ -269,37 +269,39 @@ def prefill_cases(ctx: Ctx) -> Iterator[Case]:
     yield case("s_q=7 N=128 topk=1 s_kv=10 (one pick)", 576, 7, 128, 1, 10)
     yield case("s_q=64 N=128 topk=2048 s_kv=4096 logits x30", 577, 64, 128, 2048, 4096,
                logit_scale=30.0)
-    # the coupled kernel over rows in q's dtype (a plan's choice; the default is the
-    # warp-specialized one): top-k off the tile grid, ragged lengths, indices -1, -3,
-    # >= s_kv, a lonely query; 128 heads unsplit, 64 heads in 3 splits, one pick
+    # the shapes a plan naming a Gluon kernel over rows in q's dtype is forced through: top-k
+    # off the tile grid, ragged lengths, indices -1, -3, >= s_kv, a lonely query; 128 heads,
+    # 64 heads (unsplit or in 3 splits), one pick, logits x30
+    shapes = {"ragged": ("s_q=300 N=128 topk=2047 s_kv=5000 ragged lens", 300, 128, 2047, 5000,
+                         True),
+              "64 heads": ("s_q=257 N=64 topk=1000 s_kv=3000 ragged lens", 257, 64, 1000, 3000,
+                           True),
+              "one pick": ("s_q=7 N=128 topk=1 s_kv=10 (one pick)", 7, 128, 1, 10, False),
+              "x30": ("s_q=64 N=128 topk=2048 s_kv=4096 logits x30", 64, 128, 2048, 4096,
+                      False)}
+
+    def forced(shape: str, salt: int, plan: Any) -> Case:
+        name, *args = shapes[shape]
+        return case(f"{name} forced {plan}", salt, *args, plan,
+                    logit_scale=30.0 if shape == "x30" else 1.0)
+
+    # the coupled kernel (a plan's choice; the default is the warp-specialized one)
     cp = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="staged")
-    yield case(f"s_q=300 N=128 topk=2047 s_kv=5000 ragged lens forced {cp}", 580, 300, 128,
-               2047, 5000, True, cp)
     cp3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="staged")
-    yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {cp3}", 581, 257, 64,
-               1000, 3000, True, cp3)
-    yield case(f"s_q=7 N=128 topk=1 s_kv=10 (one pick) forced {cp}", 582, 7, 128, 1, 10,
-               plan=cp)
-    # the seesaw kernel (a plan's choice): the same inputs; a split plan takes the
-    # warp-specialized kernel instead
+    yield forced("ragged", 580, cp)
+    yield forced("64 heads", 581, cp3)
+    yield forced("one pick", 582, cp)
+    # the seesaw kernel (a plan's choice), unsplit and in 3 splits
     ss = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="seesaw")
-    yield case(f"s_q=300 N=128 topk=2047 s_kv=5000 ragged lens forced {ss}", 586, 300, 128,
-               2047, 5000, True, ss)
-    yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {ss}", 587, 257, 64,
-               1000, 3000, True, ss)
-    yield case(f"s_q=7 N=128 topk=1 s_kv=10 (one pick) forced {ss}", 588, 7, 128, 1, 10,
-               plan=ss)
-    yield case(f"s_q=64 N=128 topk=2048 s_kv=4096 logits x30 forced {ss}", 589, 64, 128, 2048,
-               4096, logit_scale=30.0, plan=ss)
     ss3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="seesaw")
-    yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {ss3}", 593, 257, 64,
-               1000, 3000, True, ss3)
+    yield forced("ragged", 586, ss)
+    yield forced("64 heads", 587, ss)
+    yield forced("one pick", 588, ss)
+    yield forced("x30", 589, ss)
+    yield forced("64 heads", 593, ss3)
     # the seesaw kernel with its producer group (a plan's choice)
     sp = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="seesaw_producer")
-    yield case(f"s_q=300 N=128 topk=2047 s_kv=5000 ragged lens forced {sp}", 594, 300, 128,
-               2047, 5000, True, sp)
-    yield case(f"s_q=7 N=128 topk=1 s_kv=10 (one pick) forced {sp}", 595, 7, 128, 1, 10,
-               plan=sp)
     sp3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="seesaw_producer")
-    yield case(f"s_q=257 N=64 topk=1000 s_kv=3000 ragged lens forced {sp3}", 596, 257, 64,
-               1000, 3000, True, sp3)
+    yield forced("ragged", 594, sp)
+    yield forced("one pick", 595, sp)
+    yield forced("64 heads", 596, sp3)
