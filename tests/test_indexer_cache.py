@@ -108,6 +108,11 @@ def test_gather_concatenates_requests_in_order():
     codes, scale = gather_indexer_k_cache(cache, table, torch.tensor([0, 5, 5, 14]))
     want_codes, want_scale = quantize_indexer_k(k)
     assert torch.equal(codes.view(torch.uint8), want_codes) and torch.equal(scale, want_scale)
+    # the token count a caller knows is checked against cu_seq_lens, never trusted
+    told = gather_indexer_k_cache(cache, table, torch.tensor([0, 5, 5, 14]), num_tokens=14)
+    assert torch.equal(told[0].view(torch.uint8), want_codes)
+    with pytest.raises(ValueError, match="num_tokens must be .* = 14, got 13"):
+        gather_indexer_k_cache(cache, table, torch.tensor([0, 5, 5, 14]), num_tokens=13)
 
 
 @pytest.mark.parametrize("bad, match", [

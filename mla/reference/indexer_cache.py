@@ -181,12 +181,18 @@ def check_gather_indexer_k_values(kv_cache: torch.Tensor, block_table: torch.Ten
 
 
 def gather_indexer_k_cache(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                           cu_seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           cu_seq_lens: torch.Tensor, *, num_tokens: int | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's first ``cu_seq_lens[b+1] - cu_seq_lens[b]`` tokens, concatenated (vLLM's
     ``cp_gather_indexer_k_quant_cache``): ``(codes e4m3 [N, 128], scales float32 [N])``, the
-    ragged keys ``fp8_mqa_logits`` reads; ``N = cu_seq_lens[-1] - cu_seq_lens[0]``."""
+    ragged keys ``fp8_mqa_logits`` reads; ``N = cu_seq_lens[-1] - cu_seq_lens[0]``.
+    ``num_tokens``: ``N`` where the caller knows it (the fast gather sizes its output by it
+    without reading ``cu_seq_lens``); here it is checked against ``cu_seq_lens``."""
     check_gather_indexer_k_shapes(kv_cache, block_table, cu_seq_lens)
     cu = check_gather_indexer_k_values(kv_cache, block_table, cu_seq_lens)
+    if num_tokens is not None and num_tokens != cu[-1] - cu[0]:
+        raise ValueError(f"num_tokens must be cu_seq_lens[-1] - cu_seq_lens[0] = "
+                         f"{cu[-1] - cu[0]}, got {num_tokens!r}")
     bs = kv_cache.shape[1]
     slots = []
     for b in range(block_table.shape[0]):

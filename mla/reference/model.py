@@ -102,6 +102,17 @@ class NewTokens(NamedTuple):
     lens: list[int]
 
 
+def host_ints(values: list[int], device: torch.device, dtype: torch.dtype = torch.long
+              ) -> torch.Tensor:
+    """``values`` as a tensor on ``device``. On a GPU through pinned memory without waiting:
+    ``torch.tensor(values, device=...)`` copies from pageable memory, which waits for every
+    kernel queued before it, and then the GPU idles while the host launches what follows."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def new_tokens(hidden: torch.Tensor, query_start_loc: torch.Tensor,
                context_lens: list[int]) -> NewTokens:
     """The new tokens of a prefill: request ``i``'s follow its ``context_lens[i]`` cached ones.
@@ -113,9 +124,9 @@ def new_tokens(hidden: torch.Tensor, query_start_loc: torch.Tensor,
                          f"tokens, got {qsl}")
     dev = hidden.device
     lens = [qsl[i + 1] - qsl[i] for i in range(B)]
-    req = torch.repeat_interleave(torch.arange(B, device=dev),
-                                  torch.tensor(lens, dtype=torch.long, device=dev))
-    starts = torch.tensor(list(context_lens), dtype=torch.long, device=dev)
+    req = torch.repeat_interleave(torch.arange(B, device=dev), host_ints(lens, dev),
+                                  output_size=hidden.shape[0])
+    starts = host_ints(list(context_lens), dev)
     # position of new token t: its request's context length plus its rank among the new ones
     positions = starts[req] + torch.arange(hidden.shape[0], device=dev) - query_start_loc[req]
     return NewTokens(req, positions.long(), lens)

@@ -70,7 +70,7 @@ from mla.reference.indexer_logits import (
     quantize_indexer_q,
     top_k_per_row,
 )
-from mla.reference.model import new_tokens
+from mla.reference.model import host_ints, new_tokens
 from mla.reference.paged_cache import (
     cache_rows,
     concat_and_cache_mla,
@@ -313,12 +313,12 @@ def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: Ind
                             kv_cache, index_k_cache, use_fp8_indexer)
     topk = indexer_weights.config.index_topk
     seq = [context_lens[i] + lens[i] for i in range(B)]
-    cu = torch.tensor([sum(seq[:i]) for i in range(B + 1)], dtype=torch.int32, device=dev)
+    cu = host_ints([sum(seq[:i]) for i in range(B + 1)], dev, torch.int32)
     logits = ks = ke = None
     if is_byte_cache(index_k_cache):
         # vLLM's prefill: each request's keys gathered into one ragged array; query t of a
         # request starting at row ks sees rows [ks, ks + position + 1)
-        keys = ops.gather_index_keys(index_k_cache, block_table, cu)
+        keys = ops.gather_index_keys(index_k_cache, block_table, cu, num_tokens=sum(seq))
         ks = cu[req].to(torch.int32)
         ke = (ks + positions + 1).to(torch.int32)
         logits = ops.ragged_logits(qk.q_index, keys, qk.weights, ks, ke)
@@ -331,8 +331,7 @@ def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: Ind
         # fp8_ds_mla: each request's rows dequantized into a workspace, read by workspace rows
         starts = cu[:-1].contiguous()
         kv = torch.empty(sum(seq), c.latent_dim, dtype=q.dtype, device=dev)
-        ops.gather_latent(kv_cache, kv, table32, torch.tensor(seq, dtype=torch.int32, device=dev),
-                          starts, B)
+        ops.gather_latent(kv_cache, kv, table32, host_ints(seq, dev, torch.int32), starts, B)
         slots = ops.convert(req32, table32, local, bs, prefill_workspace_request_ids=req32,
                             prefill_workspace_starts=starts)
     else:
