@@ -47,13 +47,17 @@ from mla.reference.sparse import sparse_mla_prefill as ref_prefill  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 232448  # bytes of shared memory per program on an H200 (227 KB)
 
+# s_q, causal and split: each value of each beside each of the others' (a covering set, not
+# the 8 combinations: every flag's code is compiled both ways)
 DECODE = [dict(N=128, S_Q=s_q, CAUSAL=causal, SPLIT=split)
-          for s_q in (1, 2) for causal in (False, True) for split in (False, True)]
+          for s_q, causal, split in ((1, False, False), (1, True, True), (2, False, True),
+                                     (2, True, False))]
 DECODE += [dict(N=16, S_Q=4, CAUSAL=True), dict(N=128, S_Q=1, dtype="fp16"),
            dict(N=128, S_Q=2, CAUSAL=True, HAS_SINK=True)]
+# the coupled kernel without flags and with all three (each flag's code is a branch of its
+# own; together they hold the most registers)
 SPARSE = [dict(FP8=fp8, **flags) for fp8 in (True, False) for flags in (
-    {}, {"SPLIT": True}, {"HAS_TOPK_LEN": True}, {"HAS_MAXL": True},
-    {"SPLIT": True, "HAS_TOPK_LEN": True, "HAS_MAXL": True})]
+    {}, {"SPLIT": True, "HAS_TOPK_LEN": True, "HAS_MAXL": True})]
 SPARSE += [dict(FP8=False, N=64, S=2, dtype="fp16")]
 # DeepSeek-V4: MODEL1 pages and rows of 512 in q's dtype (no rope dot), sinks, the
 # unvalidated range check and a second scope
