@@ -109,6 +109,35 @@ def test_a_missing_fast_function_fails_not_skips(scratch_registry):
     assert not r.passed and r.case == "import" and "no_such_kernel" in r.error
 
 
+def test_a_case_that_gives_up_the_gluon_kernels_fails(scratch_registry, monkeypatch):
+    """A Gluon kernel that fails to build turns every later call of the process to the Triton
+    kernels (``mla.fast.sm90``): the case during which that happened fails, naming why, so the
+    check fails instead of passing its later cases on other kernels. Other warnings pass."""
+    from mla.check.registry import GLUON_GIVEN_UP
+    from mla.fast import sm90
+
+    monkeypatch.setattr(sm90, "_why_not", "")  # the give-up below is this test's alone
+    b = ERROR_BUDGETS[("mla_decode_paged", "float16", "out_rel")]
+
+    def gives_up():
+        sm90._give_up(ValueError("'int' object has no attribute 'to'"))
+        return {"out_rel": b / 2}
+
+    def other_warning():
+        import warnings
+        warnings.warn("something else", RuntimeWarning, stacklevel=1)
+        return {"out_rel": b / 2}
+
+    _fake("mla_decode_paged", [Case("gives up", gives_up), Case("warns", other_warning)])
+    with pytest.warns(RuntimeWarning, match="something else"):
+        got = {r.case: r for r in run_checks(CPU)}
+    assert not got["gives up"].passed
+    assert got["gives up"].error.startswith(f"RuntimeError: {GLUON_GIVEN_UP}")
+    assert "has no attribute 'to'" in got["gives up"].error
+    assert "every later case" in got["gives up"].error
+    assert got["warns"].passed
+
+
 def test_worst_errors_over_seeds():
     def res(case, seed, dtype, **m):
         return Result("k", case, dtype, m, {}, True, 0.0, "", seed)

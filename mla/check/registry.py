@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -32,6 +33,10 @@ __all__ = ["Ctx", "Case", "Measured", "Result", "REGISTRY", "register", "gen", "
 
 Metrics = dict[str, float]
 EXACT = "mismatches"  # bit-for-bit quantities: the limit is 0, whatever the dtype
+# how mla.fast.sm90 says a Gluon kernel failed to build: from then on the process runs the
+# Triton kernels in their place, so a check that went on would pass on kernels it was not
+# meant to check
+GLUON_GIVEN_UP = "mla.fast: the Gluon sm_90 kernels cannot be built"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +135,7 @@ def run_checks(ctx: Ctx, kernels: list[str] | None = None,
             metrics: Metrics = {}
             limits: Metrics = {}
             try:
-                got = case.run()
+                got = _run_watching_gluon(case)
                 if isinstance(got, Measured):
                     metrics, limits = got.metrics, got.limits
                 else:
@@ -146,6 +151,26 @@ def run_checks(ctx: Ctx, kernels: list[str] | None = None,
                 progress(f"{'PASS' if passed else 'FAIL'} {kernel}: {case.name} "
                          f"({res.seconds:.1f} s) {err[:200]}")
     return results
+
+
+def _run_watching_gluon(case: Case) -> Metrics | Measured:
+    """``case.run()``, raising ``RuntimeError`` when the Gluon sm_90 kernels were given up
+    during it (``GLUON_GIVEN_UP``): the case that made a Gluon kernel fail to build fails, and
+    so does the check, though its later cases pass on the Triton kernels. Other warnings are
+    passed on as they came."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = case.run()
+    given_up = ""
+    for w in seen:
+        if str(w.message).startswith(GLUON_GIVEN_UP):
+            given_up = str(w.message)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if given_up:
+        raise RuntimeError(f"{given_up[:300]}; every later case of this run runs the Triton "
+                           "kernels in the Gluon kernels' place")
+    return got
 
 
 def graph_replay_metrics(
