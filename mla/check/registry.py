@@ -37,6 +37,7 @@ EXACT = "mismatches"  # bit-for-bit quantities: the limit is 0, whatever the dty
 # Triton kernels in their place, so a check that went on would pass on kernels it was not
 # meant to check
 GLUON_GIVEN_UP = "mla.fast: the Gluon sm_90 kernels cannot be built"
+_PASSED_ON: dict = {}  # the warnings passed on, so that the filters' "once a place" holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +167,8 @@ def _run_watching_gluon(case: Case) -> Metrics | Measured:
         if str(w.message).startswith(GLUON_GIVEN_UP):
             given_up = str(w.message)
         else:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno,
+                                   registry=_PASSED_ON)
     if given_up:
         raise RuntimeError(f"{given_up[:300]}; every later case of this run runs the Triton "
                            "kernels in the Gluon kernels' place")
