@@ -126,7 +126,7 @@ def new_tokens(hidden: torch.Tensor, query_start_loc: torch.Tensor,
     lens = [qsl[i + 1] - qsl[i] for i in range(B)]
     req = torch.repeat_interleave(torch.arange(B, device=dev), host_ints(lens, dev),
                                   output_size=hidden.shape[0])
-    starts = host_ints(list(context_lens), dev)
+    starts = host_ints(context_lens, dev)
     # position of new token t: its request's context length plus its rank among the new ones
     positions = starts[req] + torch.arange(hidden.shape[0], device=dev) - query_start_loc[req]
     return NewTokens(req, positions.long(), lens)

@@ -32,6 +32,7 @@ formulations again agree to rounding of the arithmetic.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -313,12 +314,13 @@ def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: Ind
                             kv_cache, index_k_cache, use_fp8_indexer)
     topk = indexer_weights.config.index_topk
     seq = [context_lens[i] + lens[i] for i in range(B)]
-    cu = host_ints([sum(seq[:i]) for i in range(B + 1)], dev, torch.int32)
+    cu_host = [0, *itertools.accumulate(seq)]  # cu_host[-1]: every request's tokens
+    cu = host_ints(cu_host, dev, torch.int32)
     logits = ks = ke = None
     if is_byte_cache(index_k_cache):
         # vLLM's prefill: each request's keys gathered into one ragged array; query t of a
         # request starting at row ks sees rows [ks, ks + position + 1)
-        keys = ops.gather_index_keys(index_k_cache, block_table, cu, num_tokens=sum(seq))
+        keys = ops.gather_index_keys(index_k_cache, block_table, cu, num_tokens=cu_host[-1])
         ks = cu[req].to(torch.int32)
         ke = (ks + positions + 1).to(torch.int32)
         logits = ops.ragged_logits(qk.q_index, keys, qk.weights, ks, ke)
@@ -330,7 +332,7 @@ def run_sparse_prefill(ops: SparseOps, weights: MLAWeights, indexer_weights: Ind
     if is_byte_cache(kv_cache):
         # fp8_ds_mla: each request's rows dequantized into a workspace, read by workspace rows
         starts = cu[:-1].contiguous()
-        kv = torch.empty(sum(seq), c.latent_dim, dtype=q.dtype, device=dev)
+        kv = torch.empty(cu_host[-1], c.latent_dim, dtype=q.dtype, device=dev)
         ops.gather_latent(kv_cache, kv, table32, host_ints(seq, dev, torch.int32), starts, B)
         slots = ops.convert(req32, table32, local, bs, prefill_workspace_request_ids=req32,
                             prefill_workspace_starts=starts)
