@@ -31,10 +31,10 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check bench)
 for step in "${steps[@]}"; do
   case $step in
-    # the GPU check as benchmarks/results/checks/ records it (over 440 s with a cold Triton
-    # cache on an H100 on 2026-12-07, 349 cases; 90 s warm): a machine's first call runs it
-    # alone
-    check) timeout 580 python -m mla.check --out "$OUT/gpu_check.json" \
+    # the GPU check as benchmarks/results/checks/ records it, its kernels in 4 processes at
+    # once (one process took over 440 s with a cold Triton cache on an H100 on 2026-12-07,
+    # most of it compiling on one CPU; 90 s warm): a machine's first call runs it alone
+    check) timeout 580 python -m mla.check --jobs 4 --out "$OUT/gpu_check.json" \
              --markdown "$OUT/gpu_check_table.md" 2>&1 | tee "$OUT/check.log" ;;
     # the fused front's bf16 error over 10 seeds (mla.compare's budget sits at about twice it:
     # tests/test_check_budgets.py), committed as benchmarks/results/checks/; about 260 s (the

@@ -192,6 +192,11 @@ def test_command_usage_errors(capsys):
     with pytest.raises(SystemExit) as e:
         runner.main(["--seeds", "0"])
     assert e.value.code == 2 and "--seeds must be at least 1" in capsys.readouterr().err
+    for argv, said in ((["--jobs", "0"], "--jobs must be at least 1"),
+                       (["--jobs", "2", "--seeds", "2"], "--jobs runs one seed")):
+        with pytest.raises(SystemExit) as e:
+            runner.main(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert runner.main(["--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
@@ -203,3 +208,52 @@ def test_environment_keeps_its_import_path():
 
     env = environment()
     assert {"date", "torch", "triton", "python"} <= set(env)
+
+
+def test_kernels_split_into_groups_of_about_as_many_cases():
+    kernels = list(REGISTRY)
+    count = {k: sum(1 for _ in REGISTRY[k][1](CPU)) for k in kernels}
+    groups = runner.split_kernels(CPU, kernels, 3)
+    assert len(groups) == 3 and sorted(k for g in groups for k in g) == sorted(kernels)
+    sizes = [sum(count[k] for k in g) for g in groups]
+    # greedy, largest first: no group passes the smallest by more than the largest kernel
+    assert max(sizes) - min(sizes) <= max(count.values())
+    for g in groups:
+        assert g == [k for k in REGISTRY if k in g]  # the registry's order within a group
+    assert runner.split_kernels(CPU, ["gather_cache"], 4) == [["gather_cache"]]
+
+
+@needs_interpreter
+def test_jobs_write_the_record_one_process_writes(tmp_path):
+    """``--jobs 2``: the same results, in the same order, and the same record around them."""
+    kernels = ["gather_cache", "concat_and_cache_mla", "convert_req_index_to_global_index"]
+    args = [a for k in kernels for a in ("--kernel", k)]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert runner.main(["--device", "cpu", "--out", str(one), *args]) == 0
+    assert runner.main(["--device", "cpu", "--jobs", "2", "--out", str(two), *args]) == 0
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+
+    def rows(rec):
+        return [(r["kernel"], r["case"], r["passed"], r["metrics"]) for r in rec["results"]]
+
+    assert rows(a) == rows(b) and len(rows(a)) > 3
+    assert {r[0] for r in rows(b)} == set(kernels)
+    for key in ("kernel_sources", "dtype", "quick", "seeds", "passed", "n_results", "worst"):
+        assert a[key] == b[key], key
+
+
+def test_a_process_that_dies_fails_its_kernels(monkeypatch):
+    """A process of ``--jobs`` that ends without its record: each of its kernels fails,
+    naming the exit status (never a pass by omission)."""
+    class Dies:
+        def __init__(self, cmd, **kwargs):
+            self.kernels = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--kernel"]
+
+        def wait(self):
+            return -9
+
+    monkeypatch.setattr(runner.subprocess, "Popen", Dies)
+    got = runner.run_parallel(CPU, ["gather_cache", "merge_attn_states"], 2)
+    assert [r.kernel for r in got] == [k for k in REGISTRY
+                                       if k in ("gather_cache", "merge_attn_states")]
+    assert all(not r.passed and "exited with status -9" in r.error for r in got)
