@@ -12,9 +12,9 @@ uses hold NaN, so an unwritten element or a read past a length shows up as an in
 dtype, quantity): the measurement the budgets are set from. ``--jobs J`` runs the kernels in J
 processes at once, each a share of the kernels of about as many cases (on a GPU machine the
 cold run's time goes mostly to compiling, which runs on the CPUs), and writes one record as a
-single process would. The JSON (``--out``) also records
-the sha256 of every kernel source the run used, so that a later edit shows (tests/
-test_gpu_check_record.py). Exit status 1 on a failure, 2 on a usage error.
+single process would. The JSON (``--out``) also records the sha256 of every kernel source the
+run used, so that a later edit shows (tests/test_gpu_check_record.py). Exit status 1 on a
+failure, 2 on a usage error.
 """
 
 from __future__ import annotations
