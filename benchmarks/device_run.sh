@@ -129,14 +129,13 @@ for step in "${steps[@]}"; do
       for p in "${pids[@]}"; do wait "$p"; done
       python -m benchmarks.fuzz_summary "$OUT" ;;
     # the sparse prefill kernels side by side: mla.check's prefill cases, then the prefill rows
-    # of sparse_peers with the seesaw kernel (without and with its producer group) and with the
-    # warp-specialized one, each beside
-    # FlashMLA (seesaw_probe_<kernel>.json)
+    # of sparse_peers with the seesaw kernel (the default) and with the warp-specialized one,
+    # each beside FlashMLA (seesaw_probe_<kernel>.json)
     prefill-kernels)
       timeout 200 python -m mla.check --kernel sparse_mla_prefill \
         --out "$OUT/check_prefill.json" > "$OUT/check_prefill.log" 2>&1
       tail -n 2 "$OUT/check_prefill.log"
-      for k in seesaw seesaw_producer warp_specialized; do
+      for k in seesaw_producer warp_specialized; do
         timeout 150 python -m benchmarks.probes.seesaw_probe "$k" 2>&1 | grep -v "^\[" \
           | tee "$OUT/seesaw_probe_$k.log"
       done ;;

@@ -179,11 +179,10 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
         from mla.fast.sm90.sparse_ws_bf16 import plain_ws_kernel
 
         fn = plain_ws_kernel
-    if not FP8 and not MODEL1 and BF16_KERNEL.startswith("seesaw"):
+    if not FP8 and not MODEL1 and BF16_KERNEL == "seesaw_producer":
         from mla.fast.sm90 import sparse_seesaw
 
         fn, warps = sparse_seesaw.plain_seesaw_kernel, sparse_seesaw.NUM_WARPS
-        const["PRODUCER"] = BF16_KERNEL == "seesaw_producer"
     d = 512 if MODEL1 else D
     ptrs = dict(Q=dt, KV="u8" if FP8 or MODEL1 else dt, IDX="i32", TOPK_LEN="i32", SINK="fp32",
                 O=dt, LSE="fp32", KV2="u8" if FP8 or MODEL1 else dt, IDX2="i32",

@@ -262,7 +262,7 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
 
     ws = ("model1" if fmt == MODEL1 and plan.model1_kernel == "warp_specialized" else
           "ds_mla" if fmt == DS_MLA and plan.ds_mla_kernel == "warp_specialized" else
-          "seesaw" if (fmt == PLAIN and plan.bf16_kernel.startswith("seesaw")
+          "seesaw" if (fmt == PLAIN and plan.bf16_kernel == "seesaw_producer"
                        and not has_extra) else
           "bf16" if fmt == PLAIN and plan.bf16_kernel != "staged" else "")
     if sm90_route:
@@ -276,15 +276,15 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
             tail = (splits, N, S, groups, *((DR > 0,) if ws in ("bf16", "seesaw") else ()),
                     has_extra,
                     has_extra and extra.has_length, first.has_length, flags["has_sink"],
-                    flags["check_range"], has_maxl, split, *fixed,
-                    *((plan.bf16_kernel == "seesaw_producer",) if ws == "seesaw" else ()))
+                    flags["check_range"], has_maxl, split, *fixed)
         else:
             tail = (splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0,
                     has_extra, has_extra and extra.has_length, first.has_length,
                     flags["has_sink"], flags["check_range"], has_maxl, split,
                     D_NOPE if fmt == DS_MLA else 0, ROPE_OFFSET,
                     2 if fmt == MODEL1 and plan.num_stages >= 2 else 1, *fixed)
-        # the seesaw kernel: group 0 in the launch's 4 warps, group 1 in 4 more
+        # the seesaw kernel: group 0 in the launch's 4 warps, group 1 and the producer in 4
+        # more each
         ptr_map = tuple(slot[s] for s in _SM90_SLOTS)
         options = {"num_warps": 4 if ws == "seesaw" else 8}
     else:
