@@ -250,16 +250,18 @@ def test_bf16_producer_arrives_when_its_copies_land(args):
 
 @functools.cache
 def _logits_facts() -> list[dict]:
-    return _compile_in_child([("logits", {"COMPRESSED": c}) for c in (True, False)])
+    # the third: rows compressed to one column (M = 1), which Triton would make a constant
+    return _compile_in_child([("logits", {"COMPRESSED": True}), ("logits", {"COMPRESSED": False}),
+                              ("logits", {"COMPRESSED": True, "M": 1})])
 
 
-@pytest.mark.parametrize("compressed", [True, False])
+@pytest.mark.parametrize("compressed", [True, False, "one column"])
 def test_logits_kernel_shares_an_sm_four_ways(compressed):
     # mla.fast.sm90.logits: per tile of 64 keys two wgmma chains (one a query) over the 128
     # codes, k32 each: 4 m64n64k32 e4m3 a query, 8 a tile, in one place; keys by TMA only.
     # Four programs a SM (what its key split aims at) need at most 128 registers a thread
     # (65536 / (4 x 128)) and a quarter of the shared memory, without spills.
-    f = _logits_facts()[0 if compressed else 1]
+    f = _logits_facts()[{True: 0, False: 1, "one column": 2}[compressed]]
     assert f["wgmma"] == {"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3": 8}, f
     assert f["tma"] >= 1 and f["cp_async_16"] == f["cp_async_other"] == 0, f
     assert f["reg"] <= 128 and f["stack"] == 0 and f["local"] == 0, f
