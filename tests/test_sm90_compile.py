@@ -288,12 +288,14 @@ def gluon_state(monkeypatch):
     """``mla.fast.sm90``'s verdict as a fresh process starts with it, restored afterwards."""
     monkeypatch.setattr(sm90, "_why_not", "")
     monkeypatch.setattr(sm90, "_imported", False)
+    monkeypatch.setattr(sm90, "_unbuilt", {})
 
 
 class _Unbuildable:
     """A Gluon kernel as Triton 3.7 treated 3.6's ``gl.thread_barrier``: compiling it raises."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
         self.attempts = 0
 
     def __getitem__(self, grid):
@@ -316,9 +318,12 @@ def _decode_inputs():
 def test_gluon_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch,
                                                                         gluon_state):
     """The first 64-row call routed to a Gluon kernel that does not compile warns once
-    (RuntimeWarning naming the Triton version and the error) and returns the Triton kernel's
-    result; later calls, decode and sparse, go to Triton without trying or warning again."""
-    decode_kernel, sparse_kernel = _Unbuildable(), _Unbuildable()
+    (RuntimeWarning naming the kernel, the Triton version and the error) and returns the
+    Triton kernel's result; later calls that would launch it go to Triton without trying or
+    warning again. The other Gluon kernels are still tried: one kernel's failure gives up that
+    kernel alone."""
+    decode_kernel = _Unbuildable("decode_kernel")
+    sparse_kernel = _Unbuildable("sparse_kernel")
     monkeypatch.setattr(sm90_decode, "decode_kernel", decode_kernel)
     monkeypatch.setattr(sm90_sparse, "sparse_kernel", sparse_kernel)
     # as on an H200: the route is taken whenever the Gluon kernels are usable
@@ -327,8 +332,8 @@ def test_gluon_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypat
     q, kv, bt, sl = _decode_inputs()
     plan = DecodePlan(64, 16, 2, 4, 1)
     ref_out, ref_lse = ref_decode(q.double(), kv.double(), bt, sl, 0.2, False, 32)
-    with pytest.warns(RuntimeWarning, match=r"Gluon sm_90 kernels cannot be built with triton "
-                      r"\S+ \(CompilationError: .*thread_barrier") as record:
+    with pytest.warns(RuntimeWarning, match=r"Gluon sm_90 kernel decode_kernel cannot be built "
+                      r"with triton \S+ \(CompilationError: .*thread_barrier") as record:
         out, lse = mla_decode_paged(q, kv, bt, sl, 0.2, False, 32, plan=plan)
     assert len(record) == 1 and decode_kernel.attempts == 1
     assert torch.allclose(out.double(), ref_out, atol=1e-5)
@@ -336,13 +341,22 @@ def test_gluon_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         again, _ = mla_decode_paged(q, kv, bt, sl, 0.2, False, 32, plan=plan)
-        qs, kvs = torch.randn(3, 4, 40), torch.randn(10, 40)
-        idx = torch.randint(-1, 10, (3, 16), dtype=torch.int32)
-        got = sparse_mla_prefill(qs, kvs, idx, 0.2, 32, plan=SparsePlan(64, 16, 1, 4, 1))
     assert torch.equal(again, out) and decode_kernel.attempts == 1
-    assert sparse_kernel.attempts == 0
+    assert sm90.usable() and not sm90.usable("decode_kernel")
+    # the sparse kernel is still tried (and, unbuildable too, given up in its turn)
+    qs, kvs = torch.randn(3, 4, 40), torch.randn(10, 40)
+    idx = torch.randint(-1, 10, (3, 16), dtype=torch.int32)
+    coupled = SparsePlan(64, 16, 1, 4, 1, bf16_kernel="staged")
+    with pytest.warns(RuntimeWarning, match="Gluon sm_90 kernel sparse_kernel cannot") as record:
+        got = sparse_mla_prefill(qs, kvs, idx, 0.2, 32, plan=coupled)
+    assert len(record) == 1 and sparse_kernel.attempts == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got_again = sparse_mla_prefill(qs, kvs, idx, 0.2, 32, plan=coupled)
+    assert sparse_kernel.attempts == 1
     ref = ref_prefill(qs.double(), kvs.double(), idx, 0.2, 32)
-    assert all(torch.allclose(a.double(), b, atol=1e-5) for a, b in zip(got, ref))
+    for res in (got, got_again):
+        assert all(torch.allclose(a.double(), b, atol=1e-5) for a, b in zip(res, ref))
 
 
 def test_gluon_that_fails_to_import_falls_back_with_one_warning(monkeypatch, gluon_state):

@@ -195,7 +195,7 @@ def _gluon(q: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor, scale: t
     """The call on ``mla.fast.sm90.logits``'s kernel where it takes it (``out`` written);
     False where it does not, or where this Triton cannot build it (the Triton kernel then
     runs: ``mla.fast.sm90.launch``)."""
-    if q.device.type != "cuda" or interpreting() or not sm90.usable():
+    if q.device.type != "cuda" or interpreting() or not sm90.usable("ragged_logits_kernel"):
         return False
     from mla.fast.sm90 import logits as sm90_logits
 
