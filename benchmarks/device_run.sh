@@ -4,7 +4,7 @@
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
 #     sparse-sweep|sparse-peers|front-budget|matrix|properties|prefill-kernels|logits|topk-short|
-#     step-peers-quick]...
+#     step-peers-quick|topk-probe]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -144,6 +144,9 @@ for step in "${steps[@]}"; do
     # cases are check's (--kernel fp8_mqa_logits)
     logits) timeout 240 python -m benchmarks.indexer_peers --only prefill --sweep \
               --out "$OUT" 2>&1 | tee "$OUT/indexer_peers.log" | tail -n 12 ;;
+    # where a held row's top-k time goes: its pieces timed alone (benchmarks.probes)
+    topk-probe) timeout 300 python -m benchmarks.probes.topk_held_probe --out "$OUT" 2>&1 \
+              | tee "$OUT/topk_probe.log" | tail -n 6 ;;
     # top-k on the decode lengths beside vLLM's kernels, rows held whole written both ways
     topk-short) timeout 200 python -m benchmarks.topk_peers --short --out "$OUT" 2>&1 \
               | tee "$OUT/topk_short.log" | tail -n 12 ;;
