@@ -14,6 +14,8 @@ same grid and warps, CUDA-graph replays with the L2 flushed by a read (``benchma
 - ``write``: the load and the scan that writes ``topk`` columns (no search);
 - ``select``: the load, the search and the write (the held kernel with its columns from
   registers, without the ``-1`` tail);
+- ``quad`` and ``select_quad``: ``search`` and ``select`` with ``_quad_search`` (four probes
+  a step, the first from a normal guess);
 
 beside the shipped route (``mla_fast``) and vLLM's kernels where they load, over 1-528 rows of
 8K keys and 4, 8 and 16 warps. Rows per SM tell latency (time flat in the rows) from issue
@@ -36,11 +38,11 @@ from benchmarks.topk_peers import load_vllm, peer_calls
 from mla.environment import environment
 from mla.fast.topk import TopkPlan, launches
 from mla.fast.topk.kernels import _order_keys, _select_in_registers
-from mla.fast.topk.search import _bracket_search, _unsigned
+from mla.fast.topk.search import _bracket_search, _inverted, _quad_search, _unsigned
 
 TOPK = 2048
 MODES = {"empty": 0, "load": 1, "chain8": 2, "chain8x4": 3, "search": 4, "write": 5,
-         "select": 6}
+         "select": 6, "quad": 7, "select_quad": 8}
 
 
 @triton.jit
@@ -85,8 +87,20 @@ def _probe_kernel(logits, out, W, s_l_r, s_o_r, topk, MODE: tl.constexpr, HOLD: 
         elif MODE == 5:
             take = i < topk
             tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, i, mask=take)
-        else:
+        elif MODE == 6:
             _select_in_registers(u, i, topk, dst)
+        elif MODE == 7:
+            p, reach = _quad_search(u, topk, True)
+            tl.store(dst, p.to(tl.int32, bitcast=True))
+            tl.store(dst + 1, reach)
+        else:
+            p, reach = _quad_search(u, topk, True)
+            last = tl.full((), 1, tl.uint32)
+            if reach > topk:
+                v = tl.where(u == p, _inverted(i), 0)
+                last, _r = _quad_search(v, topk - tl.sum((u > p).to(tl.int32), axis=0), False)
+            take = (u > p) | ((u == p) & (_inverted(i) >= last))
+            tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, i, mask=take)
 
 
 def _run_all(steps) -> None:
