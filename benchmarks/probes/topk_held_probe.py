@@ -18,7 +18,8 @@ same grid and warps, CUDA-graph replays with the L2 flushed by a read (``benchma
   a step, the first from a normal guess);
 
 beside the shipped route (``mla_fast``) and vLLM's kernels where they load, over 1-528 rows of
-8K keys and 4, 8 and 16 warps. Rows per SM tell latency (time flat in the rows) from issue
+8K keys (``--width``: rows of 16K held the same way, which the shipped route does not hold)
+and 4, 8 and 16 warps. Rows per SM tell latency (time flat in the rows) from issue
 (time growing with the programs a SM holds)."""
 
 from __future__ import annotations
@@ -127,8 +128,8 @@ def run(rows: list[int], warps: list[int], W: int, reps: int, vllm: dict) -> lis
         for nw in warps:
             for name, mode in MODES.items():
                 fn = functools.partial(_probe_kernel[(R,)], x, out, W, x.stride(0),
-                                       out.stride(0), TOPK, MODE=mode, HOLD=8192,
-                                       num_warps=nw)
+                                       out.stride(0), TOPK, MODE=mode,
+                                       HOLD=triton.next_power_of_2(W), num_warps=nw)
                 row[f"{name}_w{nw}"] = _time(fn, reps)
         starts = torch.zeros(R, dtype=torch.int32, device="cuda")
         lengths = torch.full((R,), W, dtype=torch.int32, device="cuda")
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"environment": environment(), "ceilings": ceilings(), "topk": TOPK,
            "method": "CUDA-graph replays, L2 flushed by a read, median us",
            "rows": run(args.rows, args.warps, args.width, args.reps, vllm)}
-    (args.out / "topk_held_probe.json").write_text(json.dumps(res, indent=1))
+    (args.out / f"topk_held_probe_{args.width}.json").write_text(json.dumps(res, indent=1))
     log(f"done in {time.time() - t0:.0f} s")
     return 0
 
