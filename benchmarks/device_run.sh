@@ -31,12 +31,13 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check bench)
 for step in "${steps[@]}"; do
   case $step in
-    # the GPU check as benchmarks/results/checks/ records it, its kernels in 4 processes at
-    # once (one process took over 440 s with a cold Triton cache on an H100 on 2026-12-07,
-    # most of it compiling on one CPU; 90 s warm): a machine's first call runs it alone;
-    # CHECK_JOBS processes (default 4), within CHECK_TIMEOUT seconds (default 580)
+    # the GPU check as benchmarks/results/checks/ records it, its kernels in CHECK_JOBS
+    # processes at once (default 4) within CHECK_TIMEOUT seconds (default 580): one process
+    # took over 440 s with a cold Triton cache on an H100 on 2026-12-07, most of it compiling
+    # on one CPU; 90 s warm. A machine's first call runs it alone
     check) timeout "${CHECK_TIMEOUT:-580}" python -m mla.check --jobs "${CHECK_JOBS:-4}" \
-             --out "$OUT/gpu_check.json" --markdown "$OUT/gpu_check_table.md" 2>&1 | tee "$OUT/check.log" ;;
+             --out "$OUT/gpu_check.json" --markdown "$OUT/gpu_check_table.md" 2>&1 \
+             | tee "$OUT/check.log" ;;
     # the fused front's bf16 error over 10 seeds (mla.compare's budget sits at about twice it:
     # tests/test_check_budgets.py), committed as benchmarks/results/checks/; about 260 s (the
     # float64 reference of V3.2's widths on the CPU, 50 cases)
