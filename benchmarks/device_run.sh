@@ -4,7 +4,7 @@
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
 #     sparse-sweep|sparse-peers|front-budget|matrix|properties|prefill-kernels|logits|topk-short|
-#     step-peers-quick]...
+#     step-peers-quick|topk-probe|topk-probe-16k]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -131,14 +131,13 @@ for step in "${steps[@]}"; do
       for p in "${pids[@]}"; do wait "$p"; done
       python -m benchmarks.fuzz_summary "$OUT" ;;
     # the sparse prefill kernels side by side: mla.check's prefill cases, then the prefill rows
-    # of sparse_peers with the seesaw kernel (without and with its producer group) and with the
-    # warp-specialized one, each beside
-    # FlashMLA (seesaw_probe_<kernel>.json)
+    # of sparse_peers with the seesaw kernel (the default) and with the warp-specialized one,
+    # each beside FlashMLA (seesaw_probe_<kernel>.json)
     prefill-kernels)
       timeout 200 python -m mla.check --kernel sparse_mla_prefill \
         --out "$OUT/check_prefill.json" > "$OUT/check_prefill.log" 2>&1
       tail -n 2 "$OUT/check_prefill.log"
-      for k in seesaw seesaw_producer warp_specialized; do
+      for k in seesaw_producer warp_specialized; do
         timeout 150 python -m benchmarks.probes.seesaw_probe "$k" 2>&1 | grep -v "^\[" \
           | tee "$OUT/seesaw_probe_$k.log"
       done ;;
@@ -147,6 +146,11 @@ for step in "${steps[@]}"; do
     # cases are check's (--kernel fp8_mqa_logits)
     logits) timeout 240 python -m benchmarks.indexer_peers --only prefill --sweep \
               --out "$OUT" 2>&1 | tee "$OUT/indexer_peers.log" | tail -n 12 ;;
+    # where a held row's top-k time goes: its pieces timed alone (benchmarks.probes)
+    topk-probe) timeout 300 python -m benchmarks.probes.topk_held_probe --out "$OUT" 2>&1 \
+              | tee "$OUT/topk_probe.log" | tail -n 6 ;;
+    topk-probe-16k) timeout 200 python -m benchmarks.probes.topk_held_probe --out "$OUT" \
+              --width 16384 --warps 8 16 --rows 1 132 264 2>&1 | tail -n 4 ;;
     # top-k on the decode lengths beside vLLM's kernels, rows held whole written both ways
     topk-short) timeout 200 python -m benchmarks.topk_peers --short --out "$OUT" 2>&1 \
               | tee "$OUT/topk_short.log" | tail -n 12 ;;

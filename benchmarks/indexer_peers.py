@@ -60,8 +60,9 @@ DECODE = [(B, 1, L) for L in (8192, 32768, 131072) for B in (1, 32, 128)] + \
     [(B, 2, 32768) for B in (1, 32, 128)]
 # the Triton kernel with rows compressed, beside the default (on Hopper, mla.fast.sm90.logits)
 TRITON_COMPRESSED = dataclasses.replace(RAGGED_COMPRESSED_PLAN, prefill_kernel="triton")
-# --sweep: the most tiles of 64 keys a program covers (the default plans': 16)
-SWEEP_TILES = (8, 32, 64)
+# --sweep: the most tiles of 64 keys a program covers (the default plans': 16 full, 32
+# compressed)
+SWEEP_TILES = (8, 16, 64)
 TITLE = "Indexer logits: mla.fast beside DeepGEMM (python -m benchmarks.indexer_peers)"
 
 

@@ -61,6 +61,7 @@ def _specialize(fn, const: dict, ptrs: dict, floats: dict, ints: dict,
     ``const`` gives the constexprs, ``ptrs`` pointer element types, ``floats`` float scalar
     types, ``ints`` representative integer values."""
     names = fn.arg_names
+    unspecialized = {p.name for p in fn.params if p.do_not_specialize}
     wanted = [p.name for p in fn.params if p.is_constexpr]
     missing = [n for n in wanted if n not in const]
     if missing:
@@ -76,7 +77,7 @@ def _specialize(fn, const: dict, ptrs: dict, floats: dict, ints: dict,
             attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 256-byte aligned
         elif n in floats:
             sig[n] = floats[n]
-        elif n in ints and ints[n] == 1:
+        elif n in ints and ints[n] == 1 and n not in unspecialized:
             sig[n] = "constexpr"  # Triton turns an integer argument equal to 1 into a constant
             constexprs[n] = 1
         else:
@@ -179,11 +180,10 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
         from mla.fast.sm90.sparse_ws_bf16 import plain_ws_kernel
 
         fn = plain_ws_kernel
-    if not FP8 and not MODEL1 and BF16_KERNEL.startswith("seesaw"):
+    if not FP8 and not MODEL1 and BF16_KERNEL == "seesaw_producer":
         from mla.fast.sm90 import sparse_seesaw
 
         fn, warps = sparse_seesaw.plain_seesaw_kernel, sparse_seesaw.NUM_WARPS
-        const["PRODUCER"] = BF16_KERNEL == "seesaw_producer"
     d = 512 if MODEL1 else D
     ptrs = dict(Q=dt, KV="u8" if FP8 or MODEL1 else dt, IDX="i32", TOPK_LEN="i32", SINK="fp32",
                 O=dt, LSE="fp32", KV2="u8" if FP8 or MODEL1 else dt, IDX2="i32",
@@ -201,16 +201,17 @@ def compile_sparse(FP8: bool = True, SPLIT: bool = False, HAS_TOPK_LEN: bool = F
     return triton.compile(src, target=TARGET, options={"num_warps": warps})
 
 
-def compile_logits(COMPRESSED: bool = True) -> triton.compiler.CompiledKernel:
+def compile_logits(COMPRESSED: bool = True, M: int = 32768) -> triton.compiler.CompiledKernel:
     """``mla.fast.sm90.logits.ragged_logits_kernel`` for sm_90 as ``mla.fast.fp8_mqa_logits``
     launches it: 4096 queries of 64 heads over 32K keys of 128 e4m3 codes, 16 tiles a
-    program, rows compressed or full."""
+    program, rows compressed or full; ``M`` the width of the output's rows (1: every row
+    compressed to one column)."""
     from mla.fast.sm90 import logits as sm90_logits
 
     const = dict(STAGES=sm90_logits.STAGES, COMPRESSED=COMPRESSED)
     ptrs = dict(Q="fp8e4nv", W="fp32", CODES="fp8e4nv", K_SCALE="fp32", KS="i32", KE="i32",
                 OUT="fp32")
-    ints = dict(S=4096, N=32768, M=32768, chunk=1024, splits=32, TILES=16, s_q_t=64 * 128,
+    ints = dict(S=4096, N=32768, M=M, chunk=1024, splits=32, TILES=16, s_q_t=64 * 128,
                 s_q_h=128, s_w_t=64, s_c_n=128)
     src = _specialize(sm90_logits.ragged_logits_kernel, const, ptrs, {}, ints)
     return triton.compile(src, target=TARGET, options={"num_warps": sm90_logits.NUM_WARPS})

@@ -109,18 +109,27 @@ def test_a_missing_fast_function_fails_not_skips(scratch_registry):
     assert not r.passed and r.case == "import" and "no_such_kernel" in r.error
 
 
-def test_a_case_that_gives_up_the_gluon_kernels_fails(scratch_registry, monkeypatch):
-    """A Gluon kernel that fails to build turns every later call of the process to the Triton
-    kernels (``mla.fast.sm90``): the case during which that happened fails, naming why, so the
-    check fails instead of passing its later cases on other kernels. Other warnings pass."""
+@pytest.mark.parametrize("one_kernel", [True, False])
+def test_a_case_that_gives_up_the_gluon_kernels_fails(scratch_registry, monkeypatch,
+                                                      one_kernel):
+    """A Gluon kernel that fails to build turns every later call of the process that would
+    launch it to a Triton kernel; Gluon that fails to import, every call (``mla.fast.sm90``).
+    The case during which that happened fails, naming why, so the check fails instead of
+    passing its later cases on other kernels. Other warnings pass."""
     from mla.check.registry import GLUON_GIVEN_UP
     from mla.fast import sm90
 
-    monkeypatch.setattr(sm90, "_why_not", "")  # the give-up below is this test's alone
+    # the give-up below is this test's alone
+    monkeypatch.setattr(sm90, "_why_not", "")
+    monkeypatch.setattr(sm90, "_unbuilt", {})
     b = ERROR_BUDGETS[("mla_decode_paged", "float16", "out_rel")]
 
     def gives_up():
-        sm90._give_up(ValueError("'int' object has no attribute 'to'"))
+        error = ValueError("'int' object has no attribute 'to'")
+        if one_kernel:
+            sm90._give_up_kernel("ragged_logits_kernel", error)
+        else:
+            sm90._give_up(error)
         return {"out_rel": b / 2}
 
     def other_warning():

@@ -408,14 +408,15 @@ def test_bf16_kernel_names_are_checked(poisoned_alloc):
     for bi in (False, True):
         assert plan_sparse(64, 128, 2048, torch.bfloat16, False, num_sms=132, prefill=True,
                            batch_invariant=bi).bf16_kernel == "seesaw_producer"
-    with pytest.raises(ValueError, match="bf16_kernel must be one of"):
-        SparsePlan(64, 64, 1, 8, 2, bf16_kernel="coupled")
+    for removed in ("coupled", "seesaw"):  # "seesaw": the form without a producer, removed
+        with pytest.raises(ValueError, match="bf16_kernel must be one of"):
+            SparsePlan(64, 64, 1, 8, 2, bf16_kernel=removed)
     plan = SparsePlan(16, 64, 2, 4, 1, bf16_kernel="staged")
     q, kv, idx = prefill_inputs(3, 2, 40, 30, 45, torch.float16, seed=63)
     check_prefill(q, kv, idx, 0.3, 32, plan=plan)
     q, cache, idx = decode_inputs(2, 1, 2, 40, 3, 16, 37, torch.float16, seed=64)
     check_decode(q, cache, idx, 0.3, False, head_dim_v=32, plan=plan)
-    plan = SparsePlan(16, 64, 1, 4, 1, bf16_kernel="seesaw")
+    plan = SparsePlan(16, 64, 1, 4, 1, bf16_kernel="seesaw_producer")
     q, kv, idx = prefill_inputs(3, 2, 40, 30, 45, torch.float16, seed=65)
     check_prefill(q, kv, idx, 0.3, 32, plan=plan)
 

@@ -253,3 +253,28 @@ def test_fast_front_edges():
         sparse_front(w, iw, h.to(torch.float16), torch.tensor([3, 4, 5]))
     with pytest.raises(ValueError, match="positions"):
         sparse_front(w, iw, h, torch.tensor([3, 4]))
+
+
+def test_unchecked_prefill_equals_the_checked_one(monkeypatch):
+    """``validate=False``: the same output, and the only host read is ``query_start_loc``."""
+    w, iw, kv, ik, bt, hidden = build_sparse(CFG, DTYPE, DEVICE, [40, 0, 17], [5, 3, 1], 16,
+                                             True, 0)
+    qsl = torch.tensor([0, 5, 8, 9], dtype=torch.int32, device=DEVICE)
+    args = (w, iw, hidden, qsl, [40, 0, 17], kv, ik, bt)
+    checked = fast_sparse.sparse_prefill_forward(*args)
+    reads = []
+    for name in ("tolist", "item"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _real=real, **k):
+            if self.device.type == DEVICE:
+                reads.append(tuple(self.shape))
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    unchecked = fast_sparse.sparse_prefill_forward(*args, validate=False)
+    monkeypatch.undo()
+    assert reads == [(4,)]
+    torch.testing.assert_close(unchecked, checked, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        fast_sparse.sparse_prefill_forward(*args, validate=None)

@@ -18,21 +18,23 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.topk.search import _bisect, _bracket_search
+from mla.fast.topk.search import _bisect, _bracket_search, _quad_search
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N = 4096  # the select holds this many items with their columns
 
 
 @triton.jit
-def _search_rows(u_ptr, need_ptr, out_ptr, N: tl.constexpr, BRACKET: tl.constexpr):
+def _search_rows(u_ptr, need_ptr, out_ptr, N: tl.constexpr, SEARCH: tl.constexpr):
     row = tl.program_id(0)
     u = tl.load(u_ptr + row * N + tl.arange(0, N)).to(tl.uint32, bitcast=True)
     need = tl.load(need_ptr + row)
-    if BRACKET:
+    if SEARCH == "bracket":
         a, reach = _bracket_search(u, need)
-    else:
+    elif SEARCH == "bisect":
         a, reach = _bisect(u, need, 0)
+    else:
+        a, reach = _quad_search(u, need, SEARCH == "quad_guess")
     tl.store(out_ptr + 2 * row, a.to(tl.int64))
     tl.store(out_ptr + 2 * row + 1, reach.to(tl.int64))
 
@@ -79,13 +81,13 @@ def _check_boundary(name: str, u: torch.Tensor, need: int, a: int, reach: int) -
             f"{name}: {reach} > {need} reach a = {a}, but a is not the tied need-th {v}")
 
 
-@pytest.mark.parametrize("bracket", [True, False], ids=["bracket_search", "bisect"])
-def test_search_returns_the_boundary_of_the_need_largest(bracket):
+@pytest.mark.parametrize("search", ["bracket", "bisect", "quad_guess", "quad"])
+def test_search_returns_the_boundary_of_the_need_largest(search):
     u = torch.stack([r[1] for r in ROWS])
     need = torch.tensor([r[2] for r in ROWS], dtype=torch.int32)
     u32 = (u - (u >= 2 ** 31).long() * 2 ** 32).to(torch.int32)  # the same bits, as int32
     got = torch.zeros(len(ROWS), 2, dtype=torch.int64, device=DEVICE)
-    _search_rows[(len(ROWS),)](u32.to(DEVICE), need.to(DEVICE), got, N=N, BRACKET=bracket)
+    _search_rows[(len(ROWS),)](u32.to(DEVICE), need.to(DEVICE), got, N=N, SEARCH=search)
     got = got.cpu()
     for (name, row, k), (a, reach) in zip(ROWS, got.tolist()):
         _check_boundary(name, row, k, a, reach)

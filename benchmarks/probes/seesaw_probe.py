@@ -1,6 +1,7 @@
 """Probe: the sparse prefill rows of ``benchmarks.sparse_peers`` with every default plan over
-rows in q's dtype naming ``bf16_kernel`` (argv[1]: "seesaw" or "warp_specialized"), beside
-FlashMLA in the same process. Prints one line a shape; ``$OUT/seesaw_probe_<kernel>.json``."""
+rows in q's dtype naming ``bf16_kernel`` (argv[1]: "seesaw_producer", "warp_specialized" or
+"staged"), beside FlashMLA in the same process. Prints one line a shape;
+``$OUT/seesaw_probe_<kernel>.json``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from mla.bench.timing import ceilings
 
 
 def main() -> int:
-    kernel = sys.argv[1] if len(sys.argv) > 1 else "seesaw"
+    kernel = sys.argv[1] if len(sys.argv) > 1 else "seesaw_producer"
     orig = fast_sparse.plan_sparse
 
     def plan(*a: object, **k: object) -> fast_sparse.SparsePlan:

@@ -26,6 +26,7 @@ import torch
 
 from mla.compare import budget
 from mla.environment import environment
+from mla.fast.sm90 import GIVEN_UP as GLUON_GIVEN_UP
 
 __all__ = ["Ctx", "Case", "Measured", "Result", "REGISTRY", "register", "gen", "limits_for",
            "run_checks", "graph_replay_metrics", "environment", "kernel_sources",
@@ -33,10 +34,9 @@ __all__ = ["Ctx", "Case", "Measured", "Result", "REGISTRY", "register", "gen", "
 
 Metrics = dict[str, float]
 EXACT = "mismatches"  # bit-for-bit quantities: the limit is 0, whatever the dtype
-# how mla.fast.sm90 says a Gluon kernel failed to build: from then on the process runs the
-# Triton kernels in their place, so a check that went on would pass on kernels it was not
-# meant to check
-GLUON_GIVEN_UP = "mla.fast: the Gluon sm_90 kernels cannot be built"
+# GLUON_GIVEN_UP: how mla.fast.sm90 says a Gluon kernel failed to build. From then on the
+# process runs a Triton kernel in its place, so a check that went on would pass on a kernel it
+# was not meant to check.
 _PASSED_ON: dict = {}  # the warnings passed on, so that the filters' "once a place" holds
 
 
@@ -155,10 +155,10 @@ def run_checks(ctx: Ctx, kernels: list[str] | None = None,
 
 
 def _run_watching_gluon(case: Case) -> Metrics | Measured:
-    """``case.run()``, raising ``RuntimeError`` when the Gluon sm_90 kernels were given up
-    during it (``GLUON_GIVEN_UP``): the case that made a Gluon kernel fail to build fails, and
-    so does the check, though its later cases pass on the Triton kernels. Other warnings are
-    passed on as they came."""
+    """``case.run()``, raising ``RuntimeError`` when a Gluon sm_90 kernel (or all of them) was
+    given up during it (``GLUON_GIVEN_UP``): the case that made a Gluon kernel fail to build
+    fails, and so does the check, though its later cases pass on the Triton kernels. Other
+    warnings are passed on as they came."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         got = case.run()
@@ -171,7 +171,7 @@ def _run_watching_gluon(case: Case) -> Metrics | Measured:
                                    registry=_PASSED_ON)
     if given_up:
         raise RuntimeError(f"{given_up[:300]}; every later case of this run runs the Triton "
-                           "kernels in the Gluon kernels' place")
+                           "kernels in the place of what was given up")
     return got
 
 

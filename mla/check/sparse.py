@@ -193,13 +193,14 @@ def decode_cases(ctx: Ctx) -> Iterator[Case]:
     yield case(f"bf16 cache B=3 N=128 topk=2048 lens 2048,7,1500 batch-invariant {cp_bi}", 585,
                3, 1, 128, 2048, 20000, False, [2048, 7, 1500], cp_bi)
     # the seesaw kernel over a bf16 cache (a plan's choice): the same three plans
+    seesaw = "seesaw_producer"
     for j, (lens_case, plan) in enumerate((
             ((583, 3, 128, 2048, [2048, 7, 1500], 1), SparsePlan(64, 64, 1, 8, 2,
-                                                              bf16_kernel="seesaw")),
+                                                              bf16_kernel=seesaw)),
             ((584, 4, 64, 2047, [2047, 7, 0, 900], None), SparsePlan(64, 64, 3, 8, 2,
-                                                                  bf16_kernel="seesaw")),
+                                                                  bf16_kernel=seesaw)),
             ((585, 3, 128, 2048, [2048, 7, 1500], None),
-             SparsePlan(64, 64, 16, 8, 2, split_entries=512, bf16_kernel="seesaw")))):
+             SparsePlan(64, 64, 16, 8, 2, split_entries=512, bf16_kernel=seesaw)))):
         _, B, N, topk, lens, empty = lens_case
         extra = {} if empty is None else {"all_invalid": empty}
         yield case(f"bf16 cache B={B} N={N} topk={topk} lens {','.join(map(str, lens))} "
@@ -291,17 +292,11 @@ def prefill_cases(ctx: Ctx) -> Iterator[Case]:
     yield forced("ragged", 580, cp)
     yield forced("64 heads", 581, cp3)
     yield forced("one pick", 582, cp)
-    # the seesaw kernel (a plan's choice), unsplit and in 3 splits
-    ss = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="seesaw")
-    ss3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="seesaw")
+    # the seesaw kernel (the default's kernel), unsplit and in 3 splits
+    ss = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="seesaw_producer")
+    ss3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="seesaw_producer")
     yield forced("ragged", 586, ss)
     yield forced("64 heads", 587, ss)
     yield forced("one pick", 588, ss)
     yield forced("x30", 589, ss)
     yield forced("64 heads", 593, ss3)
-    # the seesaw kernel with its producer group (a plan's choice)
-    sp = SparsePlan(64, 64, 1, 8, 2, bf16_kernel="seesaw_producer")
-    sp3 = SparsePlan(64, 64, 3, 8, 2, bf16_kernel="seesaw_producer")
-    yield forced("ragged", 594, sp)
-    yield forced("one pick", 595, sp)
-    yield forced("64 heads", 596, sp3)

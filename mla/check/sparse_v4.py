@@ -299,9 +299,8 @@ def v4_prefill_cases(ctx: Ctx) -> Iterator[Case]:
     Plan = fast.SparsePlan  # noqa: N806
     cp = Plan(64, 64, 1, 8, 2, bf16_kernel="staged")
     cp3 = Plan(64, 64, 3, 8, 2, bf16_kernel="staged")
-    ss = Plan(64, 64, 1, 8, 2, bf16_kernel="seesaw")
-    ss3 = Plan(64, 64, 3, 8, 2, bf16_kernel="seesaw")
-    sp = Plan(64, 64, 1, 8, 2, bf16_kernel="seesaw_producer")
+    ss = Plan(64, 64, 1, 8, 2, bf16_kernel="seesaw_producer")
+    ss3 = Plan(64, 64, 3, 8, 2, bf16_kernel="seesaw_producer")
     if ctx.quick:
         shapes = [("576 s_q=5 N=16 topk=70 s_kv=200", 576, 5, 16, 70, 200, None, False),
                   ("576 s_q=5 N=16 topk=70 bad lengths", 576, 5, 16, 70, 200, None, True)]
@@ -328,7 +327,7 @@ def v4_prefill_cases(ctx: Ctx) -> Iterator[Case]:
              True),
             ("512 s_q=64 N=64 topk=512 bad lengths (sm_90)", 512, 64, 64, 512, 4096, None,
              True),
-            # the warp-specialized kernel over rows in q's dtype (a plan's choice)
+            # the coupled kernel over rows in q's dtype (a plan's choice)
             ("576 s_q=256 N=128 topk=2048 s_kv=8192 forced coupled bf16 (sm_90)", 576,
              256, 128, 2048, 8192, cp, False),
             ("512 s_q=256 N=64 topk=512 s_kv=4096 forced coupled bf16 (sm_90)", 512,
@@ -337,7 +336,7 @@ def v4_prefill_cases(ctx: Ctx) -> Iterator[Case]:
              "splits + combine)", 512, 64, 128, 512, 4096, cp3, False),
             ("576 s_q=64 N=128 topk=2048 bad lengths forced coupled bf16 (sm_90)", 576,
              64, 128, 2048, 8192, cp, True),
-            # the seesaw kernel (a plan's choice)
+            # the seesaw kernel (the default's kernel, forced unsplit and split)
             ("576 s_q=256 N=128 topk=2048 s_kv=8192 forced seesaw (sm_90)", 576, 256, 128,
              2048, 8192, ss, False),
             ("512 s_q=256 N=64 topk=512 s_kv=4096 forced seesaw (sm_90)", 512, 256, 64, 512,
@@ -346,10 +345,6 @@ def v4_prefill_cases(ctx: Ctx) -> Iterator[Case]:
              2048, 8192, ss, True),
             ("512 s_q=64 N=128 topk=512 s_kv=4096 forced seesaw (sm_90, 3 splits + combine)",
              512, 64, 128, 512, 4096, ss3, False),
-            ("576 s_q=256 N=128 topk=2048 s_kv=8192 forced seesaw with a producer (sm_90)",
-             576, 256, 128, 2048, 8192, sp, False),
-            ("576 s_q=64 N=128 topk=2048 bad lengths forced seesaw with a producer (sm_90)",
-             576, 64, 128, 2048, 8192, sp, True),
         ]
     for i, (name, *args) in enumerate(shapes):
         yield Case(f"v4 sinks {name}", lambda a=args, i=i: _prefill_case(ctx, *a, 760 + i))

@@ -374,7 +374,8 @@ def _prepare(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
         plan = plan_decode(B, s_q, N, D, DV, block_table.shape[1], block_size, q.dtype,
                            num_sms(q.device), batch_invariant=batch_invariant)
     rows = s_q * N
-    sm90_route = _sm90_route(plan, q, kv_cache, DV)
+    sm90_route = (_sm90_route(plan, q, kv_cache, DV)  # and the plan's kernel not given up
+                  and sm90.usable("seesaw_kernel" if plan.seesaw else "decode_kernel"))
     tile = 64 if sm90_route else plan.block_n  # the kernel's keys per tile
     if plan.split_keys % tile:
         raise ValueError(f"plan.split_keys ({plan.split_keys}) must be a multiple of the "
@@ -520,7 +521,8 @@ def mla_decode_paged(
         ensure_allocator()  # the Gluon kernel's tensor descriptors
         if not sm90.launch_compiled(launcher, key, launch.grid, ptrs + rest,
                                     **launch.options):
-            # the Gluon kernel cannot be built here: every later call takes the Triton route
+            # the Gluon kernel cannot be built here: this call and every later one of its
+            # plan take the Triton route (``sm90.usable(name)`` is False from now on)
             _launches.pop(key, None)
             return mla_decode_paged(q, kv_cache, block_table, cache_seqlens, softmax_scale,
                                     causal, head_dim_v, attn_sink=attn_sink, validate=False,

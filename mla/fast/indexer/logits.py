@@ -62,8 +62,12 @@ U32 = 2.0 ** -24
 RAGGED_PLAN = LogitsPlan(num_warps=4 if TRITON_VERSION < (3, 7) else 8, stages=2,
                          programs_per_sm=2, max_tiles=16)
 # compressed rows (``max_seqlen_k``): two queries a program (at four, 3.6's sm_90 build at 4
-# warps spills 16 bytes: each key's place in its row is one more value a key and query)
-RAGGED_COMPRESSED_PLAN = dataclasses.replace(RAGGED_PLAN, queries=2)
+# warps spills 16 bytes: each key's place in its row is one more value a key and query), at
+# most 32 tiles of 64 keys each: on an H100 the Gluon kernel took 1.06-1.18x DeepGEMM's time
+# on the five ragged shapes of benchmarks.indexer_peers, against 1.10-1.34x at 16 tiles and
+# 1.03-1.12x at 64 (slower than 32 at 2048 queries over 64K keys) in the same run
+# (benchmarks/results/indexer/indexer_peers_tiles_2026-12-06.md)
+RAGGED_COMPRESSED_PLAN = dataclasses.replace(RAGGED_PLAN, queries=2, max_tiles=32)
 
 
 # Under the interpreter the dot is a float32 matmul of exact products: in logits_err's measure
@@ -191,7 +195,7 @@ def _gluon(q: torch.Tensor, codes: torch.Tensor, weights: torch.Tensor, scale: t
     """The call on ``mla.fast.sm90.logits``'s kernel where it takes it (``out`` written);
     False where it does not, or where this Triton cannot build it (the Triton kernel then
     runs: ``mla.fast.sm90.launch``)."""
-    if q.device.type != "cuda" or interpreting() or not sm90.usable():
+    if q.device.type != "cuda" or interpreting() or not sm90.usable("ragged_logits_kernel"):
         return False
     from mla.fast.sm90 import logits as sm90_logits
 

@@ -20,9 +20,12 @@ Triton kernels run.
 
 Gluon is Triton's experimental layer and its names move between releases (3.6's
 ``gl.thread_barrier`` is 3.7's ``gl.barrier``). These kernels are built and compile-tested
-under Triton 3.6 and 3.7. Under a Triton whose Gluon cannot build them, the first call that
-would use them warns once (``RuntimeWarning``) and that call and every later one run the
-Triton kernels instead: slower at 64+ rows, same results.
+under Triton 3.6 and 3.7. Under a Triton whose Gluon the modules cannot import, the first call
+that would use them warns once (``RuntimeWarning``) and that call and every later one run the
+Triton kernels instead: slower at 64+ rows, same results. A kernel that fails to build (one
+specialization of it is enough) is given up alone, with one warning naming it: that call and
+every later one that would launch it run the Triton kernel in its place, and the other Gluon
+kernels still run (``usable(name)``).
 
 Importing this package imports no Gluon: that happens at the first call on a Hopper GPU.
 """
@@ -37,23 +40,42 @@ from triton.errors import TritonError
 
 from mla.fast.launch import check_grid
 
-__all__ = ["launch", "launch_compiled", "usable"]
+__all__ = ["GIVEN_UP", "launch", "launch_compiled", "usable"]
 
-_why_not = ""  # why the Gluon kernels cannot be used with this Triton ("" while not known)
+# how every warning of a Gluon kernel given up begins
+GIVEN_UP = "mla.fast: the Gluon sm_90 kernel"
+_why_not = ""  # why no Gluon kernel can be used with this Triton ("" while not known)
 _imported = False
+_unbuilt: dict[str, str] = {}  # a kernel's name -> why it failed to build here
+
+
+def _reason(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
 
 
 def _give_up(error: BaseException) -> None:
+    """Every Gluon kernel given up (their modules do not import with this Triton)."""
     global _why_not
-    _why_not = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:200]}"
-    warnings.warn(f"mla.fast: the Gluon sm_90 kernels cannot be built with triton "
-                  f"{triton.__version__} ({_why_not}); the Triton kernels run instead",
-                  RuntimeWarning, stacklevel=3)
+    _why_not = _reason(error)
+    warnings.warn(f"{GIVEN_UP}s cannot be built with triton {triton.__version__} "
+                  f"({_why_not}); the Triton kernels run instead", RuntimeWarning, stacklevel=3)
 
 
-def usable() -> bool:
+def _give_up_kernel(name: str, error: BaseException) -> None:
+    """One Gluon kernel given up (a build of it failed)."""
+    _unbuilt[name] = _reason(error)
+    warnings.warn(f"{GIVEN_UP} {name} cannot be built with triton {triton.__version__} "
+                  f"({_unbuilt[name]}); the Triton kernel runs in its place, the other Gluon "
+                  f"kernels still run", RuntimeWarning, stacklevel=3)
+
+
+def _name(kernel: Any) -> str:
+    return getattr(kernel, "__name__", None) or type(kernel).__name__
+
+
+def usable(kernel: str | None = None) -> bool:
     """Whether the Gluon kernels can be tried: their modules import with this Triton (the first
-    call imports them) and no launch has failed to build."""
+    call imports them) and, given a kernel's name, no build of that kernel has failed."""
     global _imported
     if not _imported and not _why_not:
         try:
@@ -61,19 +83,23 @@ def usable() -> bool:
         except (ImportError, AttributeError) as e:
             _give_up(e)
         _imported = True
-    return not _why_not
+    return not _why_not and (kernel is None or kernel not in _unbuilt)
 
 
 def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> bool:
-    """``kernel[grid](*args, **kwargs)``; False, with the one warning, when Triton cannot build
-    or load it (a ``TritonError``: compilation, ptxas or resources; raised before anything
-    runs, so the outputs are untouched and the caller runs its Triton kernel instead).
-    A grid no GPU runs raises ``ValueError`` (``mla.fast.launch.check_grid``)."""
-    check_grid(getattr(kernel, "__name__", str(kernel)), grid)
+    """``kernel[grid](*args, **kwargs)``; False, with one warning for the kernel, when Triton
+    cannot build or load it (a ``TritonError``: compilation, ptxas or resources; raised before
+    anything runs, so the outputs are untouched and the caller runs its Triton kernel instead),
+    and at once, trying nothing, for a kernel given up before. A grid no GPU runs raises
+    ``ValueError`` (``mla.fast.launch.check_grid``)."""
+    name = _name(kernel)
+    check_grid(name, grid)
+    if name in _unbuilt:
+        return False
     try:
         kernel[grid](*args, **kwargs)
     except TritonError as e:
-        _give_up(e)
+        _give_up_kernel(name, e)
         return False
     return True
 
@@ -82,9 +108,12 @@ def launch_compiled(launcher: Any, key: Any, grid: tuple[int, int, int], args: A
                     **options: Any) -> bool:
     """``launch`` through a ``mla.fast.launch.CompiledLauncher`` (the compiled kernel of
     ``key`` launched directly after its first launch), with the same fallback."""
+    name = _name(launcher.fn)
+    if name in _unbuilt:
+        return False
     try:
         launcher(key, grid, args, **options)
     except TritonError as e:
-        _give_up(e)
+        _give_up_kernel(name, e)
         return False
     return True

@@ -101,7 +101,9 @@ def _query_range(KS, KE, t, ok, COMPRESSED: gl.constexpr):
     return lo, hi
 
 
-@gluon.jit
+# M not specialized, as in the Triton kernel: Triton makes an integer argument equal to 1 a
+# constant, which has no .to (rows compressed to one column failed to compile)
+@gluon.jit(do_not_specialize=["M"])
 def ragged_logits_kernel(
     Q, W, CODES, K_SCALE, KS, KE, OUT,
     S, N, M, chunk, splits, TILES,

@@ -15,12 +15,15 @@ ceiling (benchmarks/notes/sparse.md). Here, as FlashMLA schedules its sparse pre
   shared memory; the running max is handed over as in the dense seesaw (group 0 publishes
   ``m0`` with ``P0``, group 1 ``m1``, the pair's max).
 - the rows are gathered by 16-byte ``cp.async`` (a row whose entry is ``-1``, out of range
-  or past the length: zeros) from the group that reads each half last, as soon as its last
-  product has completed: group 0 refills the value columns 0-255 of both stages, group 1 the
-  columns 256-511 and the 64 rope columns. Each thread of the issuing group arrives on the
-  half's ``ready`` barrier with ``cp.async.mbarrier.arrive.noinc`` (128 arrivals: the half
-  has landed), and a group reading a half waits for it and fences (the copies are generic
-  proxy writes, the ``wgmma`` reads through the async proxy).
+  or past the length: zeros) in a third, producer warp group (4 warps, 48 registers a
+  thread): each half of a stage (the value columns 0-255; the columns 256-511 with the 64
+  rope columns) is refilled as soon as the group that reads it last has freed it (its
+  ``free`` barrier: group 0 frees the left halves, group 1 the right). Each producer thread
+  arrives on the half's ``ready`` barrier with ``cp.async.mbarrier.arrive.noinc`` (128
+  arrivals: the half has landed), and a group reading a half waits for it and fences (the
+  copies are generic proxy writes, the ``wgmma`` reads through the async proxy). An earlier
+  form issued the copies from the consumer groups themselves; it was slower at every shape
+  timed (benchmarks/notes/sparse.md) and is gone.
 
 Shared memory: q 64 KB (its 64 rope columns in registers), K two stages of 64 KB + 8 KB of
 rope columns, two P tiles of 8 KB: 229,376 B of the 232,448.
@@ -30,8 +33,9 @@ partials for the combine kernel), ``topk_length``,
 ``max_logits``, sinks, the range check (an entry outside ``[-1, rows)`` makes the query NaN),
 a length outside ``[0, topk]`` NaN, a query with no key ``out = 0``, ``lse = +inf``. Same
 arguments as ``plain_ws_kernel``; launched with ``num_warps=4`` (group 0 and the parent
-region), group 1 in 4 more warps. ``mla.fast.sparse`` routes to it for plans naming
-``bf16_kernel="seesaw"`` over one scope (a second scope takes ``plain_ws_kernel``).
+region), group 1 and the producer in 4 more warps each. ``mla.fast.sparse`` routes to it for
+plans naming ``bf16_kernel="seesaw_producer"`` over one scope (a second scope takes
+``plain_ws_kernel``).
 """
 
 from __future__ import annotations
@@ -52,13 +56,12 @@ from mla.fast.sm90.sparse import _length, _source, runs
 
 __all__ = ["NUM_WARPS", "plain_seesaw_kernel"]
 
-NUM_WARPS = 4  # the parent region and group 0; group 1 adds 4 warps
-_GROUP1_REGS = gl.constexpr(256)
-# with the producer group (``PRODUCER``): group 1's and the producer's registers a thread;
-# group 0 keeps the rest of the 512 a thread of each of the three groups shares
-_GROUP1_REGS_P = gl.constexpr(232)
+NUM_WARPS = 4  # the parent region and group 0; group 1 and the producer add 4 warps each
+# group 1's and the producer's registers a thread; group 0 keeps the rest of the 512 a
+# thread of each of the three groups shares
+_GROUP1_REGS = gl.constexpr(232)
 _PRODUCER_REGS = gl.constexpr(48)
-_ISSUERS = gl.constexpr(128)  # a ready barrier's arrivals: the issuing group's threads
+_ISSUERS = gl.constexpr(128)  # a ready barrier's arrivals: the producer group's threads
 _S = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                             instr_shape=[16, 64, 16]))
 _O = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -138,20 +141,14 @@ def _logits(t, q_l, q_r, q_pe, k_l, k_r, k_pe, ready_l, ready_r, ph, lists, qk_s
 
 
 @gluon.jit
-def _g0_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: gl.constexpr,
-             HAS_EXTRA: gl.constexpr, CHECK_RANGE: gl.constexpr, PAIR: gl.constexpr,
-             PRODUCER: gl.constexpr):
+def _g0_step(i0, ph, acc, m_i, l_i, q_pe, bufs, lists, qk_scale, HAS_PE: gl.constexpr,
+             HAS_EXTRA: gl.constexpr, CHECK_RANGE: gl.constexpr, PAIR: gl.constexpr):
     """Group 0's share of the pair starting at tile ``i0`` (``PAIR``: tile ``i0 + 1`` too).
-    ``PRODUCER``: the halves it reads last are handed to the producer group (``free``), not
-    refilled here."""
+    The halves it reads last go back to the producer group (``free``)."""
     q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync, free = bufs
     row_s: gl.constexpr = gl.SliceLayout(1, _S)
     row_o: gl.constexpr = gl.SliceLayout(1, _O)
     dtype: gl.constexpr = q_l.dtype
-    if not PRODUCER:
-        # the rows of the next pair, loaded now so that the refills do not wait for them
-        row_a, ok_a = _rows(i0 + 2, lists, HAS_EXTRA)
-        row_b, ok_b = _rows(i0 + 3, lists, HAS_EXTRA)
     z = opaque_zero(i0)
     qk = _logits(i0, q_l.index(z), q_r.index(z), q_pe, k_l.index(z), k_r.index(z),
                  k_pe.index(z), ready[0], ready[1], ph, lists, qk_scale, HAS_PE, HAS_EXTRA,
@@ -173,11 +170,8 @@ def _g0_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
     p_reg = gl.convert_layout(p, _P_OP)
     acc = warpgroup_mma(p_reg, k_l.index(0), acc, is_async=True)
     acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_reg))
-    if PRODUCER:
-        barrier()  # the group's product has read stage 0's columns 0-255
-        mbarrier.arrive(free[0])
-    elif i0 + 2 < t_hi:  # stage 0's columns 0-255 are free: the tile after next
-        _copy(row_a, ok_a, k_l.index(0), 0, ready[0])
+    barrier()  # the group's product has read stage 0's columns 0-255
+    mbarrier.arrive(free[0])
 
     # group 1's max: the pair's
     mbarrier.wait(sync[1], ph)
@@ -190,27 +184,20 @@ def _g0_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
         _landed(ready[2], ph)  # stage 1's columns 0-255 (group 1 waited too; this fences)
         acc = warpgroup_mma(p_smem[1], k_l.index(1), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        if PRODUCER:
-            barrier()
-            mbarrier.arrive(free[2])
-        elif i0 + 3 < t_hi:
-            _copy(row_b, ok_b, k_l.index(1), 0, ready[2])
+        barrier()
+        mbarrier.arrive(free[2])
     return acc, m1, l_i
 
 
 @gluon.jit
-def _g1_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: gl.constexpr,
-             HAS_EXTRA: gl.constexpr, CHECK_RANGE: gl.constexpr, PAIR: gl.constexpr,
-             PRODUCER: gl.constexpr):
+def _g1_step(i0, ph, acc, m_i, l_i, q_pe, bufs, lists, qk_scale, HAS_PE: gl.constexpr,
+             HAS_EXTRA: gl.constexpr, CHECK_RANGE: gl.constexpr, PAIR: gl.constexpr):
     """Group 1's share of the pair starting at tile ``i0`` (``PAIR``: tile ``i0 + 1`` exists
     and is group 1's; without it group 1 only takes ``P0`` into its half)."""
     q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync, free = bufs
     row_s: gl.constexpr = gl.SliceLayout(1, _S)
     row_o: gl.constexpr = gl.SliceLayout(1, _O)
     dtype: gl.constexpr = q_l.dtype
-    if not PRODUCER:
-        row_a, ok_a = _rows(i0 + 2, lists, HAS_EXTRA)
-        row_b, ok_b = _rows(i0 + 3, lists, HAS_EXTRA)
     if PAIR:
         z = opaque_zero(i0)
         qk = _logits(i0 + 1, q_l.index(z), q_r.index(z), q_pe, k_l.index(z + 1),
@@ -245,21 +232,15 @@ def _g1_step(i0, ph, acc, m_i, l_i, q_pe, bufs, t_hi, lists, qk_scale, HAS_PE: g
         mbarrier.arrive(sync[2])
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(sync[3])  # P0's buffer is free
-    if PRODUCER:
-        barrier()  # this group's P0 · V0 has read stage 0's columns 256-575
-        mbarrier.arrive(free[1])
-    elif i0 + 2 < t_hi:  # stage 0's columns 256-575 are free
-        _copy_right(row_a, ok_a, k_r.index(0), k_pe.index(0), ready[1], HAS_PE)
+    barrier()  # this group's P0 · V0 has read stage 0's columns 256-575
+    mbarrier.arrive(free[1])
     acc = acc * gl.convert_layout(alpha1, row_o)[:, None]
     if PAIR:
         p_reg = gl.convert_layout(p, _P_OP)
         acc = warpgroup_mma(p_reg, k_r.index(1), acc, is_async=True)
         acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_reg))
-        if PRODUCER:
-            barrier()
-            mbarrier.arrive(free[3])
-        elif i0 + 3 < t_hi:  # stage 1's columns 256-575 are free
-            _copy_right(row_b, ok_b, k_r.index(1), k_pe.index(1), ready[3], HAS_PE)
+        barrier()
+        mbarrier.arrive(free[3])
     return acc, m1, l_i
 
 
@@ -268,8 +249,7 @@ def _group(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_
            TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N: gl.constexpr, S: gl.constexpr,
            HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
            HAS_TOPK_LEN2: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
-           HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr, PRODUCER: gl.constexpr,
-           GROUP: gl.constexpr):
+           HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr, GROUP: gl.constexpr):
     """One warp group's whole program: the pairs of tiles, then its half of the epilogue.
     Group 0 takes the even tiles' logits and output columns 0-255, group 1 the odd tiles'
     and columns 256-511 (and writes lse and max_logits)."""
@@ -291,23 +271,19 @@ def _group(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_
     for j in range(n_pairs):
         i0 = t_lo + 2 * j
         if GROUP == 0:
-            acc, m_i, l_i = _g0_step(i0, j & 1, acc, m_i, l_i, q_pe, bufs, t_hi, lists,
-                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, True,
-                                     PRODUCER)
+            acc, m_i, l_i = _g0_step(i0, j & 1, acc, m_i, l_i, q_pe, bufs, lists, qk_scale,
+                                     HAS_PE, HAS_EXTRA, CHECK_RANGE, True)
         else:
-            acc, m_i, l_i = _g1_step(i0, j & 1, acc, m_i, l_i, q_pe, bufs, t_hi, lists,
-                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, True,
-                                     PRODUCER)
+            acc, m_i, l_i = _g1_step(i0, j & 1, acc, m_i, l_i, q_pe, bufs, lists, qk_scale,
+                                     HAS_PE, HAS_EXTRA, CHECK_RANGE, True)
     if n_here % 2 == 1:  # a last tile alone
         i0 = t_lo + 2 * n_pairs
         if GROUP == 0:
-            acc, m_i, l_i = _g0_step(i0, n_pairs & 1, acc, m_i, l_i, q_pe, bufs, t_hi, lists,
-                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, False,
-                                     PRODUCER)
+            acc, m_i, l_i = _g0_step(i0, n_pairs & 1, acc, m_i, l_i, q_pe, bufs, lists,
+                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, False)
         else:
-            acc, m_i, l_i = _g1_step(i0, n_pairs & 1, acc, m_i, l_i, q_pe, bufs, t_hi, lists,
-                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, False,
-                                     PRODUCER)
+            acc, m_i, l_i = _g1_step(i0, n_pairs & 1, acc, m_i, l_i, q_pe, bufs, lists,
+                                     qk_scale, HAS_PE, HAS_EXTRA, CHECK_RANGE, False)
 
     # the row sums of both groups
     l_smem[GROUP].store(l_i)
@@ -392,10 +368,10 @@ def _group0(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk
             TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N: gl.constexpr, S: gl.constexpr,
             HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
             HAS_TOPK_LEN2: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
-            HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr, PRODUCER: gl.constexpr):
+            HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr):
     _group(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
            TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
-           HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT, PRODUCER, 0)
+           HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT, 0)
 
 
 @gluon.jit
@@ -403,15 +379,15 @@ def _group1(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk
             TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N: gl.constexpr, S: gl.constexpr,
             HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
             HAS_TOPK_LEN2: gl.constexpr, HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr,
-            HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr, PRODUCER: gl.constexpr):
+            HAS_MAXL: gl.constexpr, SPLIT: gl.constexpr):
     _group(bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi, qk_scale,
            TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE, HAS_EXTRA, HAS_TOPK_LEN,
-           HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT, PRODUCER, 1)
+           HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE, HAS_MAXL, SPLIT, 1)
 
 
 @gluon.jit
 def _producer(bufs, lists, t_lo, t_hi, HAS_PE: gl.constexpr, HAS_EXTRA: gl.constexpr):
-    """The producer group (``PRODUCER``): per pair, each half as soon as the group that read
+    """The producer group: per pair, each half as soon as the group that read
     it last has freed it (stage 0 left, stage 0 right with the rope, stage 1 left, stage 1
     right), its rows' copies and this thread's arrival on the half's ``ready`` once they
     land (it never waits for its own copies)."""
@@ -444,9 +420,9 @@ def plain_seesaw_kernel(
     HAS_EXTRA: gl.constexpr, HAS_TOPK_LEN2: gl.constexpr, HAS_TOPK_LEN: gl.constexpr,
     HAS_SINK: gl.constexpr, CHECK_RANGE: gl.constexpr, HAS_MAXL: gl.constexpr,
     SPLIT: gl.constexpr, SPLIT_TILES: gl.constexpr, SPLIT_CAP: gl.constexpr,
-    PRODUCER: gl.constexpr = False,
 ):
-    """Grid ``(queries · GROUPS, splits)``, ``num_warps=4`` (+4 for group 1);
+    """Grid ``(queries · GROUPS, splits)``, ``num_warps=4`` (+4 for group 1, +4 for the
+    producer);
     ``plain_ws_kernel``'s arguments, one scope (``HAS_EXTRA`` false: with a second scope
     ptxas spills)."""
     gl.static_assert(not HAS_EXTRA, "the seesaw kernel reads one scope")
@@ -462,8 +438,8 @@ def plain_seesaw_kernel(
 
     q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync = seesaw_buffers(
         dtype, _ISSUERS)
-    # with the producer group: free[k] (half k read by the group that reads it last; arrived
-    # once here, so the first pair's copies wait for nothing)
+    # free[k]: half k read by the group that reads it last (arrived once here, so that the
+    # producer's first copies wait for nothing)
     bl: gl.constexpr = mbarrier.MBarrierLayout()
     free = (gl.allocate_shared_memory(gl.int64, [1], bl),
             gl.allocate_shared_memory(gl.int64, [1], bl),
@@ -497,41 +473,19 @@ def plain_seesaw_kernel(
     fence_async_shared()
     barrier()
 
-    # the first pair, each half arriving on its own barrier (the producer group's, with one)
-    if not PRODUCER and t_lo < t_hi:
-        row0, ok0 = _rows(t_lo, lists, HAS_EXTRA)
-        _copy(row0, ok0, k_l.index(0), 0, ready[0])
-        _copy_right(row0, ok0, k_r.index(0), k_pe.index(0), ready[1], HAS_PE)
-    if not PRODUCER and t_lo + 1 < t_hi:
-        row1, ok1 = _rows(t_lo + 1, lists, HAS_EXTRA)
-        _copy(row1, ok1, k_l.index(1), 0, ready[2])
-        _copy_right(row1, ok1, k_r.index(1), k_pe.index(1), ready[3], HAS_PE)
-
     bufs = (q_l, q_r, k_l, k_r, k_pe, p_smem, m_smem, l_smem, ready, sync, free)
     outs = (O, LSE, MAXL, OP, LSEP, MAXP)
     strides = (stride_oq, stride_oh, stride_lb, stride_lt, stride_lh, stride_mq, stride_mh)
     # the argument tuples are written out in the call: a tuple built first would turn the
     # constexprs into run-time values in the worker partition (Triton 3.6)
-    if PRODUCER:
-        gl.warp_specialize([
-            (_group0, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi,
-                       qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE,
-                       HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
-                       HAS_MAXL, SPLIT, True)),
-            (_group1, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi,
-                       qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE,
-                       HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
-                       HAS_MAXL, SPLIT, True)),
-            (_producer, (bufs, lists, t_lo, t_hi, HAS_PE, HAS_EXTRA)),
-        ], [4, 4], [_GROUP1_REGS_P, _PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_group0, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi,
-                       qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE,
-                       HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
-                       HAS_MAXL, SPLIT, False)),
-            (_group1, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi,
-                       qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE,
-                       HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
-                       HAS_MAXL, SPLIT, False)),
-        ], [4], [_GROUP1_REGS])
+    gl.warp_specialize([
+        (_group0, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi,
+                   qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE,
+                   HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
+                   HAS_MAXL, SPLIT)),
+        (_group1, (bufs, lists, outs, strides, qi, g, split, num_splits, t_lo, t_hi,
+                   qk_scale, TOPK_LEN, TOPK_LEN2, topk, topk2, SINK, N, S, HAS_PE,
+                   HAS_EXTRA, HAS_TOPK_LEN, HAS_TOPK_LEN2, HAS_SINK, CHECK_RANGE,
+                   HAS_MAXL, SPLIT)),
+        (_producer, (bufs, lists, t_lo, t_hi, HAS_PE, HAS_EXTRA)),
+    ], [4, 4], [_GROUP1_REGS, _PRODUCER_REGS])

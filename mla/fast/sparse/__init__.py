@@ -89,6 +89,7 @@ wrong answer:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -182,6 +183,11 @@ _triton_sparse = CompiledLauncher(sparse_kernel)
 _triton_combine = CompiledLauncher(combine_kernel)
 _sm90_sparse: CompiledLauncher | None = None  # built at the first sm_90 launch
 _sm90_ws: dict[str, CompiledLauncher] = {}  # per warp-specialized kernel, built at its launch
+# the Gluon kernels (``_Launch.sm90_ws``; "": the coupled kernel): module of mla.fast.sm90, name
+_SM90_KERNELS = {"": ("sparse", "sparse_kernel"), "model1": ("sparse_ws", "model1_ws_kernel"),
+                 "ds_mla": ("sparse_ws_ds", "ds_mla_ws_kernel"),
+                 "bf16": ("sparse_ws_bf16", "plain_ws_kernel"),
+                 "seesaw": ("sparse_seesaw", "plain_seesaw_kernel")}
 _INF = float("inf")
 
 
@@ -233,7 +239,14 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
         slot[_KV2:_LEN2 + 1] = slot[_KV:_LEN + 1]
     elif not extra.has_length:
         slot[_LEN2] = _IDX2
-    sm90_route = _sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None)
+    # the Gluon kernel the plan names (``_SM90_KERNELS``), where the call goes to one
+    ws = ("model1" if fmt == MODEL1 and plan.model1_kernel == "warp_specialized" else
+          "ds_mla" if fmt == DS_MLA and plan.ds_mla_kernel == "warp_specialized" else
+          "seesaw" if (fmt == PLAIN and plan.bf16_kernel == "seesaw_producer"
+                       and not has_extra) else
+          "bf16" if fmt == PLAIN and plan.bf16_kernel != "staged" else "")
+    sm90_route = (_sm90_route(plan, q, first.kv, dv, fmt, extra.kv if has_extra else None)
+                  and sm90.usable(_SM90_KERNELS[ws][1]))
     tile = 64 if sm90_route else plan.block_n  # the kernel's entries per tile
     if plan.split_entries % tile:
         raise ValueError(f"plan.split_entries ({plan.split_entries}) must be a multiple of the "
@@ -259,12 +272,6 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
     o_size = -(-Q * splits * N * DV // 4) * 4
     l_size = -(-Q * splits * N // 4) * 4
     flags = dict(has_sink=sources[7] is not None, check_range=not has_maxl)
-
-    ws = ("model1" if fmt == MODEL1 and plan.model1_kernel == "warp_specialized" else
-          "ds_mla" if fmt == DS_MLA and plan.ds_mla_kernel == "warp_specialized" else
-          "seesaw" if (fmt == PLAIN and plan.bf16_kernel.startswith("seesaw")
-                       and not has_extra) else
-          "bf16" if fmt == PLAIN and plan.bf16_kernel != "staged" else "")
     if sm90_route:
         def layout(sc: Scope) -> tuple[int, int]:  # (row or page stride, page size)
             return (sc.page_stride if fmt == MODEL1 else sc.kv.stride(0), sc.page_size)
@@ -276,15 +283,15 @@ def _prepare(q_view: View, sources: tuple, scopes: list[Scope], fmt: int, S: int
             tail = (splits, N, S, groups, *((DR > 0,) if ws in ("bf16", "seesaw") else ()),
                     has_extra,
                     has_extra and extra.has_length, first.has_length, flags["has_sink"],
-                    flags["check_range"], has_maxl, split, *fixed,
-                    *((plan.bf16_kernel == "seesaw_producer",) if ws == "seesaw" else ()))
+                    flags["check_range"], has_maxl, split, *fixed)
         else:
             tail = (splits, N, S, groups, fmt == DS_MLA, fmt == MODEL1, DR > 0,
                     has_extra, has_extra and extra.has_length, first.has_length,
                     flags["has_sink"], flags["check_range"], has_maxl, split,
                     D_NOPE if fmt == DS_MLA else 0, ROPE_OFFSET,
                     2 if fmt == MODEL1 and plan.num_stages >= 2 else 1, *fixed)
-        # the seesaw kernel: group 0 in the launch's 4 warps, group 1 in 4 more
+        # the seesaw kernel: group 0 in the launch's 4 warps, group 1 and the producer in 4
+        # more each
         ptr_map = tuple(slot[s] for s in _SM90_SLOTS)
         options = {"num_warps": 4 if ws == "seesaw" else 8}
     else:
@@ -334,24 +341,16 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
             if launch.part_size else None)
     scale = sm_scale * LOG2E
     if launch.sm90:
-        from mla.fast.sm90 import sparse as sm90_module
-
+        module, name = _SM90_KERNELS[launch.sm90_ws]
+        kernel = getattr(importlib.import_module(f"mla.fast.sm90.{module}"), name)
         if launch.sm90_ws:
-            if launch.sm90_ws == "model1":
-                from mla.fast.sm90.sparse_ws import model1_ws_kernel as ws_kernel
-            elif launch.sm90_ws == "bf16":
-                from mla.fast.sm90.sparse_ws_bf16 import plain_ws_kernel as ws_kernel
-            elif launch.sm90_ws == "seesaw":
-                from mla.fast.sm90.sparse_seesaw import plain_seesaw_kernel as ws_kernel
-            else:
-                from mla.fast.sm90.sparse_ws_ds import ds_mla_ws_kernel as ws_kernel
             ws_launcher = _sm90_ws.get(launch.sm90_ws)
-            if ws_launcher is None or ws_launcher.fn is not ws_kernel:
-                ws_launcher = _sm90_ws[launch.sm90_ws] = CompiledLauncher(ws_kernel)
+            if ws_launcher is None or ws_launcher.fn is not kernel:
+                ws_launcher = _sm90_ws[launch.sm90_ws] = CompiledLauncher(kernel)
             launcher = ws_launcher
         else:
-            if _sm90_sparse is None or _sm90_sparse.fn is not sm90_module.sparse_kernel:
-                _sm90_sparse = CompiledLauncher(sm90_module.sparse_kernel)
+            if _sm90_sparse is None or _sm90_sparse.fn is not kernel:
+                _sm90_sparse = CompiledLauncher(kernel)
             launcher = _sm90_sparse
     else:
         launcher = _triton_sparse
@@ -375,8 +374,8 @@ def _run(key: object, launch: _Launch, sources: tuple, sm_scale: float,
     args = (*[vals[i] for i in launch.ptr_map], *launch.ints, scale, *launch.tail)
     if launch.sm90:
         if not sm90.launch_compiled(launcher, key, launch.grid, args, **launch.options):
-            # the Gluon kernel cannot be built here: this key and every later one take the
-            # Triton route (``sm90.usable()`` is False from now on)
+            # the Gluon kernel cannot be built here: this key and every later one naming it
+            # take the Triton route (``sm90.usable(name)`` is False from now on)
             launch = prepare()
             if key is not None:
                 _launches[key] = launch

@@ -186,10 +186,13 @@ def sparse_prefill_layer(
     index_k_cache: torch.Tensor,
     block_table: torch.Tensor,
     use_fp8_indexer: bool | None = None,
+    *,
+    validate: bool = True,
 ) -> SparseTrace:
-    """``sparse_prefill_forward`` with every stage returned (``SparseTrace``). Reads
-    ``query_start_loc`` on the host, and so validates."""
-    return run_sparse_prefill(fast_sparse_ops(True), weights, indexer_weights, hidden,
+    """``sparse_prefill_forward`` with every stage returned (``SparseTrace``)."""
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    return run_sparse_prefill(fast_sparse_ops(validate), weights, indexer_weights, hidden,
                               query_start_loc, context_lens, kv_cache, index_k_cache,
                               block_table, use_fp8_indexer)
 
@@ -204,10 +207,17 @@ def sparse_prefill_forward(
     index_k_cache: torch.Tensor,
     block_table: torch.Tensor,
     use_fp8_indexer: bool | None = None,
+    *,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Sparse prefill of ``hidden [T, H]`` (requests split by ``query_start_loc``) after
     ``context_lens`` cached tokens: as ``mla.reference.sparse_prefill_forward`` on an fp8 index
-    key cache. Returns ``[T, H]``."""
+    key cache. Returns ``[T, H]``.
+
+    The step reads ``query_start_loc`` on the host once (the requests' token counts size the
+    gathers). ``validate=False`` skips the kernels' host value checks (block table entries,
+    row ranges, indices in range), which would otherwise read device values between kernels;
+    pass it only with inputs an engine has already checked."""
     return sparse_prefill_layer(weights, indexer_weights, hidden, query_start_loc,
                                 context_lens, kv_cache, index_k_cache, block_table,
-                                use_fp8_indexer).out
+                                use_fp8_indexer, validate=validate).out

@@ -46,12 +46,13 @@ DS_MLA_KERNELS = ("warp_specialized", "staged")
 # N=128 top-k 2048 in 97.5 us against the coupled kernel's 118.6, prefill at s_q 4096 s_kv 32K
 # N=128 in 5.54 ms against 6.17, CUDA graphs, benchmarks/results/sparse/) and "staged" (the
 # coupled kernel of ``mla.fast.sm90.sparse``, whose 8 warps issue a tile's cp.async gathers
-# between its dots) and "seesaw" (``mla.fast.sm90.sparse_seesaw``: each warp group owns whole
-# tiles, as FlashMLA's sparse prefill; one scope, a second takes "warp_specialized")
-# "seesaw_producer" (the same kernel with a third, producer warp group issuing the copies, as
-# FlashMLA's: the prefill default, 1.03-1.07x FlashMLA's time on an H100 where "seesaw" takes
-# 1.14-1.17x, benchmarks/results/sparse/seesaw_producer_2026-12-06.json)
-BF16_KERNELS = ("warp_specialized", "staged", "seesaw", "seesaw_producer")
+# between its dots) and "seesaw_producer" (``mla.fast.sm90.sparse_seesaw``: each warp group owns
+# whole tiles, as FlashMLA's sparse prefill, and a third, producer warp group issues the copies;
+# the prefill default, 1.03-1.07x FlashMLA's time on an H100, where the same schedule with the
+# consumer groups issuing their own copies took 1.14-1.17x,
+# benchmarks/results/sparse/seesaw_producer_2026-12-06.json; one scope, a second takes
+# "warp_specialized")
+BF16_KERNELS = ("warp_specialized", "staged", "seesaw_producer")
 
 # the batch-invariant plans: entries per split (8 tiles of 64: 4 splits at top-k 2048) and the
 # most splits a query takes. Not yet measured on a GPU: at B = 1, 4 splits where the default
