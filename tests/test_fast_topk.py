@@ -10,16 +10,12 @@ the benchmark's shapes on the GPU.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import triton
 import triton.language as tl
+from _compiled import compiled
 
 import mla.reference as ref
 from mla.conformance.cases.indexer import as_sets
@@ -543,13 +539,7 @@ def test_topk_float_threshold_is_the_key_threshold():
 def _compiled_facts(module: str, *args: str) -> dict:
     """The JSON a benchmark module prints after compiling for sm_90, run in a child process
     without the interpreter (which cannot compile for a GPU)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", module, *args], cwd=root,
-                          env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return compiled(["-m", module, *args], timeout=600)
 
 
 def test_one_launch_kernel_compiles_for_sm90():

@@ -16,6 +16,7 @@ import math
 
 import pytest
 import torch
+from _compiled import compiled
 from _nan_rule import assert_nan_rule
 
 from mla import compare
@@ -599,20 +600,11 @@ def test_default_triton_plans_of_v4_calls_fit_an_sm():
     without spills (MODEL1's 8-tile rows overflowed it at 64-row tiles). Compiled in a child
     process without TRITON_INTERPRET (see tests/test_sm90_compile.py)."""
     import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from mla.fast.sparse.kernels import MODEL1, PLAIN
 
     pytest.importorskip("triton.backends.nvidia")
-    root = Path(__file__).resolve().parents[1]
     calls = [[MODEL1, 16, 512], [MODEL1, 32, 512], [PLAIN, 16, 512], [PLAIN, 32, 512]]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _PLAN_CHILD, json.dumps(calls)], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for fmt, N, D, shared, usage in json.loads(done.stdout.strip().splitlines()[-1]):
+    for fmt, N, D, shared, usage in compiled(["-c", _PLAN_CHILD, json.dumps(calls)]):
         assert shared <= 232448, (fmt, N, D, shared)
         assert usage.endswith(" 0 B spilled"), (fmt, N, D, usage)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import subprocess
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _compiled import compiled
 from _interpreter import needs_interpreter
 
 pytest.importorskip("triton.experimental.gluon")
@@ -134,11 +133,7 @@ _CHILD = ("import json, sys\n"
 
 
 def _compile_in_child(variants: list[tuple[str, dict]]) -> list[dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(variants)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return compiled(["-c", _CHILD, json.dumps(variants)], timeout=600)
 
 
 @functools.cache  # lru_cache without a bound

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _compiled import compiled
 from _interpreter import needs_interpreter
 
 pytest.importorskip("triton.experimental.gluon")
@@ -66,11 +64,7 @@ def _id(args: dict) -> str:
 
 @functools.cache
 def _facts() -> dict[str, dict]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(VARIANTS)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"compiling for sm_90 failed:\n{done.stderr[-4000:]}"
-    return {_id(a): f for a, f in zip(VARIANTS, json.loads(done.stdout.strip().splitlines()[-1]))}
+    return {_id(a): f for a, f in zip(VARIANTS, compiled(["-c", _CHILD, json.dumps(VARIANTS)]))}
 
 
 @pytest.mark.parametrize("args", VARIANTS, ids=_id)
