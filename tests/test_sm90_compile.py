@@ -10,7 +10,8 @@ imported ``triton`` with ``TRITON_INTERPRET=1``, as ``conftest.py`` sets it here
 ``@jit`` function, the language's own helpers included, replaced by an interpreted one and cannot
 compile for a GPU ("Unsupported function referenced: InterpretedFunction"); unsetting the
 variable afterwards changes nothing. The child gets the environment without it, which affects
-nothing else: it only compiles.
+nothing else: it only compiles. What it printed for the tree's sources is recorded
+(``tests/_compiled.py``), so an unchanged tree reads it instead of compiling again.
 """
 
 from __future__ import annotations
