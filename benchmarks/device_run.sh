@@ -4,7 +4,7 @@
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
 #     sparse-sweep|sparse-peers|front-budget|matrix|properties|prefill-kernels|logits|topk-short|
-#     step-peers-quick|topk-probe|topk-probe-16k]...
+#     step-peers-quick|topk-probe]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -149,8 +149,6 @@ for step in "${steps[@]}"; do
     # where a held row's top-k time goes: its pieces timed alone (benchmarks.probes)
     topk-probe) timeout 300 python -m benchmarks.probes.topk_held_probe --out "$OUT" 2>&1 \
               | tee "$OUT/topk_probe.log" | tail -n 6 ;;
-    topk-probe-16k) timeout 200 python -m benchmarks.probes.topk_held_probe --out "$OUT" \
-              --width 16384 --warps 8 16 --rows 1 132 264 2>&1 | tail -n 4 ;;
     # top-k on the decode lengths beside vLLM's kernels, rows held whole written both ways
     topk-short) timeout 200 python -m benchmarks.topk_peers --short --out "$OUT" 2>&1 \
               | tee "$OUT/topk_short.log" | tail -n 12 ;;

@@ -13,8 +13,6 @@ compile to for sm_90 is checked on any machine (``benchmarks/indexer_compile.py`
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from _compiled import compiled
@@ -29,7 +27,6 @@ from mla.reference.paged_cache import make_block_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 D = 128
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -536,18 +536,12 @@ def test_topk_float_threshold_is_the_key_threshold():
     assert torch.equal(out.cpu().bool(), want)
 
 
-def _compiled_facts(module: str, *args: str) -> dict:
-    """The JSON a benchmark module prints after compiling for sm_90, run in a child process
-    without the interpreter (which cannot compile for a GPU)."""
-    return compiled(["-m", module, *args], timeout=600)
-
-
 def test_one_launch_kernel_compiles_for_sm90():
     """The default one-launch kernel, a row a program and a row split over programs, the
     two launches' second and the kernel of rows held whole compile for the H200 without
     spills (in a child process without the interpreter, which cannot compile for a GPU; the
     three launches' kernels: ``tests/test_fast_indexer.py``)."""
-    found = _compiled_facts("benchmarks.topk_sweep", "--sm90")
+    found = compiled(["-m", "benchmarks.topk_sweep", "--sm90"], timeout=600)
     # a row a program, a row split, two launches at 8 and 4 warps with rows in 4 parts and in
     # one, rows held of 4096 and 8192
     assert len(found) == 8, sorted(found)
@@ -566,6 +560,6 @@ def test_streaming_read_costs_few_instructions_a_key():
     child process without the interpreter): its loop takes at most 16 SASS instructions a
     key a thread. Measured 13.25 under triton 3.6.0 and 12.94 under 3.7.1; comparing integer
     keys, as the read did before its float threshold (``_key_floor``), took 26.3."""
-    facts = _compiled_facts("benchmarks.probes.topk_mark_sass")
+    facts = compiled(["-m", "benchmarks.probes.topk_mark_sass"], timeout=600)
     assert facts["keys_per_thread"] == 16 and facts["opcodes"].get("LDGSTS", 0) > 0, facts
     assert facts["per_key"] <= 16, f"the read's loop takes {facts['per_key']} a key: {facts}"

@@ -22,7 +22,6 @@ import re
 import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +43,6 @@ from mla.reference.decode import mla_decode_paged as ref_decode  # noqa: E402
 from mla.reference.paged_cache import make_block_table  # noqa: E402
 from mla.reference.sparse import sparse_mla_prefill as ref_prefill  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 232448  # bytes of shared memory per program on an H200 (227 KB)
 
 # s_q, causal and split: each value of each beside each of the others' (a covering set, not

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +21,6 @@ pytest.importorskip("triton.experimental.gluon")
 import mla.fast as fast  # noqa: E402
 from mla.check.decode import decode_metrics, paged_decode_inputs  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 232448  # bytes of shared memory per program on an H200 (227 KB)
 
 VARIANTS = [dict(N=128, S_Q=1), dict(N=128, S_Q=1, SPLIT=True),
