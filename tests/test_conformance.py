@@ -10,13 +10,14 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 from _interpreter import needs_interpreter
 
 import mla.reference as ref
-from mla.conformance import CATALOGUE, KERNELS, Report, Setting, Unsupported, cases_of, run
+from mla.conformance import CATALOGUE, KERNELS, Report, Row, Setting, Unsupported, cases_of, run
 from mla.conformance.cases.deepseek_v4 import TOPICS as V4_TOPICS
 from mla.conformance.runner import run_case
 from mla.reference.decode import paged_mqa
@@ -40,10 +41,33 @@ def test_catalogue_has_sixty_documented_cases_over_every_kernel():
         assert c.topic and c.name.isidentifier(), (c.kernel, c.name)
 
 
-def test_the_reference_passes_every_case_in_float64():
-    report = run(REFERENCE, name="mla.reference", **F64)
+def test_the_reference_passes_every_case_in_float64_and_a_case_calls_only_its_kernel():
+    """The whole catalogue on the reference: every case passes, and no case calls a kernel
+    but its own, so a broken twin of one kernel cannot fail another kernel's cases (the
+    families' twin tests run only their own kernels' cases)."""
+    calls: list[str] = []
+
+    def counting(name: str, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    called: dict[tuple[str, str], set[str]] = {}
+
+    def progress(row: Row) -> None:
+        called[(row.kernel, row.case)] = set(calls)
+        calls.clear()
+
+    report = run({k: counting(k, f) for k, f in REFERENCE.items()}, name="mla.reference",
+                 progress=progress, **F64)
     assert report.passed, report.to_text()
     assert [r.status for r in report.rows] == ["pass"] * len(CATALOGUE)
+    assert len(called) == len(CATALOGUE)
+    strays = {case: names for case, names in called.items() if not names <= {case[0]}}
+    assert not strays, strays
+    # (a case that refuses its input may never reach the kernel; most reach their own)
+    assert sum(names == {case[0]} for case, names in called.items()) > len(CATALOGUE) // 2
 
 
 def test_selection_by_kernel_name_and_topic():

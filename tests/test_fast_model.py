@@ -208,17 +208,23 @@ def test_decode_step_is_capturable():
     assert rel_err(out, ref) < 2.0 ** -8
 
 
-def test_layer_check_command(tmp_path):
-    """``python -m benchmarks.layer_check --small``: every dense and sparse run within its
-    budgets, the JSON written with each stage's error and budget."""
+def test_layer_check_command(tmp_path, monkeypatch):
+    """``python -m benchmarks.layer_check --small``: its twelve runs (dense decode at s_q 1 and
+    2 and chunked prefill for both presets, sparse decode and prefill on both caches), and for
+    three of them (one dense decode, one dense prefill, one sparse run: the others are the
+    stage tests' own runs, here and in ``test_fast_sparse_model.py``) every stage within its
+    budget, the JSON written with each stage's error and budget."""
     import json
 
-    from benchmarks.layer_check import main
+    import benchmarks.layer_check as layer_check
 
-    assert main(["--small", "--device", DEVICE, "--out", str(tmp_path)]) == 0
+    runs = layer_check.layer_runs(DEVICE, small=True)
+    assert len(runs) == 12
+    monkeypatch.setattr(layer_check, "layer_runs",
+                        lambda device, small=False: [runs[0], runs[5], runs[11]])
+    assert layer_check.main(["--small", "--device", DEVICE, "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "layer_check.json").read_text())
     assert not report["errors"] and report["stages"]
     assert all(s["passed"] and s["error"] <= s["budget"] for s in report["stages"])
-    layers = {s["layer"].split()[0] + " " + s["layer"].split()[1] for s in report["stages"]}
-    assert layers == {"decode deepseek-v2-lite", "decode deepseek-v3", "prefill deepseek-v2-lite",
-                      "prefill deepseek-v3", "sparse decode", "sparse prefill"}
+    layers = {" ".join(s["layer"].split()[:2]) for s in report["stages"]}
+    assert layers == {"decode deepseek-v2-lite", "prefill deepseek-v3", "sparse prefill"}
