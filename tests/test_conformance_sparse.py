@@ -232,10 +232,6 @@ def test_broken_twin_fails_its_topic(twin: Twin):
             assert r.topic in twin.may_fail, (r.case, r.topic, r.status, r.detail)
 
 
-WHOLE = {"sparse_mla_decode": dec_last_head_nan, "sparse_mla_prefill": pre_lse_and_max_log2,
-         "convert_req_index_to_global_index": conv_page_64}
-
-
 @needs_interpreter
 def test_fast_passes_a_few_sparse_cases_under_the_interpreter():
     import mla.fast as fast
