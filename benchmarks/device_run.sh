@@ -147,9 +147,9 @@ for step in "${steps[@]}"; do
     logits) timeout 240 python -m benchmarks.indexer_peers --only prefill --sweep \
               --out "$OUT" 2>&1 | tee "$OUT/indexer_peers.log" | tail -n 12 ;;
     # where a held row's top-k time goes: its pieces timed alone (benchmarks.probes)
-    topk-probe) timeout 300 python -m benchmarks.probes.topk_held_probe --out "$OUT" 2>&1 \
+    topk-probe) timeout 300 python -m benchmarks.probes.topk_held_probe --warps 8 --out "$OUT" 2>&1 \
               | tee "$OUT/topk_probe.log" | tail -n 6 ;;
-    # top-k on the decode lengths beside vLLM's kernels, rows held whole written both ways
+    # top-k on the decode lengths beside vLLM's kernels and the held rows' alternatives
     topk-short) timeout 200 python -m benchmarks.topk_peers --short --out "$OUT" 2>&1 \
               | tee "$OUT/topk_short.log" | tail -n 12 ;;
     # the catalogue on every target: conformance_<target>.{md,json}

@@ -47,13 +47,14 @@ SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
           (128, 8192), (256, 8192)]
 # the decode lengths (--short)
 SHORT_SHAPES = [(R, W) for W in (8192, 16384) for R in (1, 32, 128, 256)]
-# rows held whole (at most CANDIDATES keys): their columns written from the held keys, and
-# 16 or 32 warps a row, beside the default (8 warps, a second read in tiles)
-HELD_PLANS = {"mla_fast_held_registers": TopkPlan(held_write="registers"),
-              "mla_fast_held_registers_16w": TopkPlan(held_write="registers", select_warps=16),
+# rows held whole (at most CANDIDATES keys), beside the default (8 warps, the columns written
+# from the held keys, the quad search, registers uncapped): the columns by a second read in
+# tiles, the bracket search, 16 warps, and the registers capped where the rows outnumber the
+# SMs (two programs a SM)
+HELD_PLANS = {"mla_fast_held_tiles": TopkPlan(held_write="tiles"),
+              "mla_fast_held_bracket": TopkPlan(held_search="bracket"),
               "mla_fast_16w": TopkPlan(select_warps=16),
-              "mla_fast_32w": TopkPlan(select_warps=32)}
-
+              "mla_fast_held_capped": TopkPlan(held_maxnreg=128)}
 
 def load_vllm(lib: Path | None) -> dict:
     """vLLM's library loaded (``mla.conformance.adapters.vllm_library.load_library``: ``lib``,
@@ -134,7 +135,7 @@ def run(vllm: dict, copy_tbps: float, reps: int, shapes: list[tuple[int, int]]) 
         _work, steps = launches(x, starts, lengths, out, TOPK, TopkPlan())
         res = {"R": R, "L": W, "mla_route": TopkPlan().route_for(R, W, x.device)}
         res["mla_fast"] = timed(functools.partial(_run_all, steps), out, x, best, reps)
-        if W <= CANDIDATES:  # rows held whole: the write from registers, 16 warps
+        if W <= CANDIDATES:  # rows held whole: HELD_PLANS
             for name, plan in HELD_PLANS.items():
                 _work, steps = launches(x, starts, lengths, out, TOPK, plan)
                 res[name] = timed(functools.partial(_run_all, steps), out, x, best, reps)

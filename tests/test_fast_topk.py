@@ -179,37 +179,66 @@ def test_topk_filter_launched_as_dependent():
         assert kept == {"filter": {pdl}, "select": {False}}, kept
 
 
-@pytest.mark.parametrize("route", ROUTES)
-def test_topk_held_with_columns_or_in_tiles(route):
+HELD_PLANS = {"registers, quad": TopkPlan(),
+              "registers, bracket": TopkPlan(held_search="bracket"),
+              "tiles, quad": TopkPlan(held_write="tiles"),
+              "tiles, bracket": TopkPlan(held_write="tiles", held_search="bracket")}
+
+
+@pytest.mark.parametrize("plan", HELD_PLANS)
+def test_topk_held_with_columns_or_in_tiles(plan):
     """A row of ``CANDIDATES // 2`` keys is selected with its columns held beside its keys, a
-    row of one more with only its keys held and its columns written in tiles: both exact,
-    with the boundary key distinct and tied (a few hundred distinct values)."""
+    row of one more with its columns written from the held keys or (``held_write="tiles"``)
+    by a second read in tiles, its boundary found by either search: exact, with the
+    boundary key distinct and tied (a few hundred distinct values), in column order."""
     half = CANDIDATES // 2
     logits, st, en = _rows(_gen(50), [0, 0, 1, 0], [half, half + 1, half + 1, half + 1],
                            half + 1)
     logits[2:] = (logits[2:] * 40).round() / 40
-    plan = ROUTES[route]
-    paths, got = _check_paths(logits, st, en, 2048, plan)
+    paths, got = _check_paths(logits, st, en, 2048, HELD_PLANS[plan])
     assert paths == ["direct"] * 4
     assert bool((got[:, 1:] > got[:, :-1]).all()), "a row held whole comes in column order"
 
 
-def test_held_rows_written_from_registers():
-    """``TopkPlan(held_write="registers")``: rows held whole past ``CANDIDATES // 2`` keys
-    write their columns from the held keys, exact at the widest held row (distinct and tied
-    boundaries, ragged ranges, a row of ``topk`` keys, one of ``topk + 1``, specials) and
-    in column order."""
-    plan = TopkPlan(held_write="registers")
+@pytest.mark.parametrize("plan", HELD_PLANS)
+def test_held_rows_at_the_widest(plan):
+    """Rows held whole at ``CANDIDATES`` keys, every write and search: exact with distinct
+    and tied boundaries, ragged ranges, a row of ``topk`` keys, one of ``topk + 1``, one of
+    specials, one all equal (every key tied: the ``topk`` lowest columns) and one whose
+    ``topk``-th key is tied with most of the row's lower half, in column order."""
     width = CANDIDATES
-    logits, st, en = _rows(_gen(71), [0, 3, 0, 0, 0], [width, width - 1, 2048, 2049, width],
-                           width)
+    logits, st, en = _rows(_gen(71), [0, 3, 0, 0, 0, 0, 0],
+                           [width, width - 1, 2048, 2049, width, width, width - 9], width)
     logits[1] = (logits[1] * 40).round() / 40  # a tied boundary
     logits[4, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
                                   float("nan"), 1e30])
-    got = _check(logits, st, en, 2048, plan)
-    assert bool((got[:, 1:] > got[:, :-1])[[0, 1, 4]].all()), "held rows come in column order"
-    with pytest.raises(ValueError, match="held_write"):
-        TopkPlan(held_write="tiled")
+    logits[5] = 0.25  # all equal
+    logits[6] = -1.0  # 1548 keys above, among the ties: the 500 lowest ties taken
+    logits[6, 1:3096:2] = torch.rand(1548, generator=_gen(72)) + 1.0
+    got = _check(logits, st, en, 2048, HELD_PLANS[plan])
+    assert bool((got[:, 1:] > got[:, :-1])[[0, 1, 4, 5, 6]].all()), "not in column order"
+    assert torch.equal(got[5].cpu(), torch.arange(2048, dtype=torch.int32))
+
+
+def test_held_plan_checks():
+    """``held_write``, ``held_search`` and ``held_maxnreg`` reject what they cannot run."""
+    for kwargs, name in (({"held_write": "tiled"}, "held_write"),
+                         ({"held_search": "radix"}, "held_search"),
+                         ({"held_maxnreg": 16}, "held_maxnreg"),
+                         ({"held_maxnreg": True}, "held_maxnreg")):
+        with pytest.raises(ValueError, match=name):
+            TopkPlan(**kwargs)
+
+
+def test_held_rows_with_their_registers_capped():
+    """``TopkPlan(held_maxnreg=128)``: where the rows outnumber the SMs (2 x SMs + 1 rows of
+    ``CANDIDATES`` on a GPU; 4 rows under the interpreter, which takes no compiler option)
+    the held kernel runs with its registers capped, its sets exact (distinct and tied)."""
+    rows = 2 * torch.cuda.get_device_properties(0).multi_processor_count + 1 \
+        if DEVICE == "cuda" else 4
+    logits = torch.randn(rows, CANDIDATES, generator=_gen(73))
+    logits[1::2] = (logits[1::2] * 40).round() / 40
+    _check(*_full(logits), 2048, TopkPlan(held_maxnreg=128))
 
 
 @pytest.mark.parametrize("route", ROUTES)

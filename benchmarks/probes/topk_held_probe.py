@@ -1,7 +1,7 @@
 """``python -m benchmarks.probes.topk_held_probe --out DIR``: where a held row's top-k time goes.
 
 Rows of at most 8192 keys are selected by ``mla.fast.topk``'s held kernel: the row loaded into
-registers, the boundary key found by ``_bracket_search`` (a chain of block-wide counts), the
+registers, the boundary key found by ``_quad_search`` (a chain of block-wide counts), the
 columns written by a block-wide scan. This probe times the pieces alone, each a kernel of the
 same grid and warps, CUDA-graph replays with the L2 flushed by a read (``benchmarks.common``):
 
@@ -11,11 +11,16 @@ same grid and warps, CUDA-graph replays with the L2 flushed by a read (``benchma
 - ``chain8x4``: the same with four joint counts a step (8 probes a step, two 16-bit counts an
   int32, one exchange);
 - ``search``: the load and ``_bracket_search``;
+- ``quad``: the load and ``_quad_search`` (four probes a step, the first from a normal guess);
 - ``write``: the load and the scan that writes ``topk`` columns (no search);
-- ``select``: the load, the search and the write (the held kernel with its columns from
-  registers, without the ``-1`` tail);
-- ``quad`` and ``select_quad``: ``search`` and ``select`` with ``_quad_search`` (four probes
-  a step, the first from a normal guess);
+- ``quad_then_write``: ``quad``, then the scan that writes the columns reaching its key (the
+  select without its tie rule);
+- ``select``: the held kernel's select (``_select_in_column_order``: ``quad``, then one scan
+  of two 16-bit counts that also places a tied boundary's lowest columns), without the
+  ``-1`` tail;
+- ``select_tie_search``: ``quad``, then for a tied boundary a second search among the ties'
+  inverted columns, then the write (the select before ``_select_in_column_order``);
+- ``select_bracket``: ``_select_in_registers`` (``_bracket_search`` and its tie search);
 
 beside the shipped route (``mla_fast``) and vLLM's kernels where they load, over 1-528 rows of
 8K keys (``--width``: rows of 16K held the same way, which the shipped route does not hold)
@@ -38,12 +43,13 @@ from benchmarks.common import capture, ceilings, log, time_replays
 from benchmarks.topk_peers import load_vllm, peer_calls
 from mla.environment import environment
 from mla.fast.topk import TopkPlan, launches
-from mla.fast.topk.kernels import _order_keys, _select_in_registers
+from mla.fast.topk.kernels import _order_keys, _select_in_column_order, _select_in_registers
 from mla.fast.topk.search import _bracket_search, _inverted, _quad_search, _unsigned
 
 TOPK = 2048
 MODES = {"empty": 0, "load": 1, "chain8": 2, "chain8x4": 3, "search": 4, "write": 5,
-         "select": 6, "quad": 7, "select_quad": 8}
+         "select_bracket": 6, "quad": 7, "select_tie_search": 8, "select": 9,
+         "quad_then_write": 10}
 
 
 @triton.jit
@@ -94,13 +100,19 @@ def _probe_kernel(logits, out, W, s_l_r, s_o_r, topk, MODE: tl.constexpr, HOLD: 
             p, reach = _quad_search(u, topk, True)
             tl.store(dst, p.to(tl.int32, bitcast=True))
             tl.store(dst + 1, reach)
-        else:
+        elif MODE == 8:
             p, reach = _quad_search(u, topk, True)
             last = tl.full((), 1, tl.uint32)
             if reach > topk:
                 v = tl.where(u == p, _inverted(i), 0)
                 last, _r = _quad_search(v, topk - tl.sum((u > p).to(tl.int32), axis=0), False)
             take = (u > p) | ((u == p) & (_inverted(i) >= last))
+            tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, i, mask=take)
+        elif MODE == 9:
+            _select_in_column_order(u, i, topk, dst, True)
+        else:
+            p, reach = _quad_search(u, topk, True)
+            take = u >= p
             tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, i, mask=take)
 
 

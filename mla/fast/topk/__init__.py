@@ -150,6 +150,11 @@ class TopkPlan:
     most 1024 in the one-launch kernel), ``select_bits`` a radix level of the scan;
     ``select_warps`` (three launches, and the rows held whole where the logits are no wider
     than ``CANDIDATES``).
+    Rows held whole (logits no wider than ``CANDIDATES``: ``_held_kernel``): ``held_write``
+    (the columns written from the held keys, or by a second read in tiles), ``held_search``
+    (the boundary key by ``_quad_search`` or ``_bracket_search``), ``held_maxnreg`` (where the
+    rows outnumber the SMs, the registers a thread capped: at 8 warps ptxas gives the kernel
+    200, one program a SM; 128 fits two).
     ``pdl`` (two and three launches, on sm_90 or later): the second launch (two) or the filter
     (three) launched as the estimate's programmatic dependent (``launch_pdl``), so that it
     starts while the estimate ends, its programs waiting for the thresholds; the select
@@ -174,8 +179,12 @@ class TopkPlan:
     select_tile: int = 2048
     select_warps: int = 8
     # rows held whole: their columns written from the held keys ("registers") or, past
-    # CANDIDATES // 2 keys, by a second read of the row in tiles ("tiles")
-    held_write: str = "tiles"
+    # CANDIDATES // 2 keys, by a second read of the row in tiles ("tiles"); their boundary key
+    # found by four probes a step with a normal guess ("quad") or two ("bracket"); more rows
+    # than SMs, their kernel's registers a thread capped (0: never)
+    held_write: str = "registers"
+    held_search: str = "quad"
+    held_maxnreg: int = 0
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
     select_maxnreg: int = 128
@@ -197,6 +206,9 @@ class TopkPlan:
         if self.held_write not in ("registers", "tiles"):
             raise ValueError(f"TopkPlan.held_write must be 'registers' or 'tiles', got "
                              f"{self.held_write!r}")
+        if self.held_search not in ("quad", "bracket"):
+            raise ValueError(f"TopkPlan.held_search must be 'quad' or 'bracket', got "
+                             f"{self.held_search!r}")
         if self.select_bits not in (5, 6, 7, 8):
             raise ValueError(f"TopkPlan.select_bits must be 5 to 8, got {self.select_bits!r}")
         if not isinstance(self.oversample, (int, float)) or not 1.0 <= self.oversample <= 3.0:
@@ -215,9 +227,10 @@ class TopkPlan:
         if self.route not in ("auto", "one", "two", "three"):
             raise ValueError(f"TopkPlan.route must be 'auto', 'one', 'two' or 'three', got "
                              f"{self.route!r}")
-        if self.select_maxnreg and not 24 <= self.select_maxnreg <= 255:
-            raise ValueError(f"TopkPlan.select_maxnreg must be 0 or in [24, 255], got "
-                             f"{self.select_maxnreg!r}")
+        for name in ("select_maxnreg", "held_maxnreg"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or (v and not 24 <= v <= 255):
+                raise ValueError(f"TopkPlan.{name} must be 0 or an int in [24, 255], got {v!r}")
         if self.block < 32:
             raise ValueError(f"TopkPlan.block must be at least 32 (a bitmask word), got "
                              f"{self.block!r}")
@@ -342,9 +355,12 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
         hold = max(32, next_pow2(W))
         check_grid(_GRID_NAME, (R, 1, 1))
         args = (*rows, out, W, topk, s_l_r, s_o_r, cap, hold, min(plan.select_tile, 1024),
-                out_block, plan.held_write == "registers")
-        return work, [lambda: _held((key, hold), (R, 1, 1), args,
-                                    num_warps=plan.select_warps)]
+                out_block, plan.held_write == "registers", plan.held_search == "quad")
+        regs = {}
+        if plan.held_maxnreg and R > num_sms(logits.device) and not interpreting():
+            regs = {"maxnreg": plan.held_maxnreg}
+        return work, [lambda: _held((key, hold, bool(regs)), (R, 1, 1), args,
+                                    num_warps=plan.select_warps, **regs)]
     route = plan.route_for(R, W, logits.device)
     if route == "one":
         return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]

@@ -3,8 +3,10 @@
 Keys: a float32's bits ``b`` map to an int32 ``k`` that orders as the floats do (``b`` for a
 positive float, ``b ^ 0x7FFFFFFF`` for a negative one; ``-0`` read as ``+0``, every NaN as
 ``2^31 - 1``). Ties go to the lower column. The select of held keys searches their unsigned
-patterns (``_unsigned``), then, for a tied boundary key, its equals' inverted columns (the
-searches and the radix levels: ``mla.fast.topk.search``); the scan
+patterns (``_unsigned``); for a tied boundary key, held in column order (a row held whole, a
+list from a bitmask) the ties are counted in place order, else a second search takes the
+least of its equals' inverted columns (the searches and the radix levels:
+``mla.fast.topk.search``); the scan
 of a whole row (the threshold failed) runs radix levels on the non-negative int64
 ``(k + 2^31) << 31 | (0x7FFFFFFF - column)``, unique per row, so "the ``need`` best" is always
 one exact set, and its digits are plain bit fields.
@@ -26,6 +28,7 @@ from mla.fast.topk.search import (
     _inverted,
     _level,
     _place,
+    _search,
     _unsigned,
 )
 
@@ -359,24 +362,43 @@ def _held_keys(src, list_keys, i, items, from_list):
 
 @triton.jit
 def _select_in_registers(u, cols, need, dst):
-    """The exact ``need`` best of the held keys ``u`` (0: no item), their ``cols`` written to
-    ``dst`` in the items' order."""
-    p, last = _boundary(u, cols, need)
+    """The exact ``need`` best of the held keys ``u`` (0: no item), their ``cols`` (in any
+    order) written to ``dst`` in the items' order."""
+    p, last = _boundary(u, cols, need, False)
     take = (u > p) | ((u == p) & (_inverted(cols) >= last))
     tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, cols, mask=take)
 
 
 @triton.jit
+def _select_in_column_order(u, cols, need, dst, QUAD: tl.constexpr):
+    """``_select_in_registers`` for items held in column order (a place's column below every
+    later place's: a row held whole, a list from a bitmask): of a tied boundary key ``p`` the
+    first ``need - above`` in place order are the lowest columns, so one scan of two 16-bit
+    counts, the items above ``p`` and the ties so far, places every taken item; no search
+    among the ties. ``QUAD``: ``_search``'s."""
+    p, reach = _search(u, need, QUAD)
+    above = (u > p).to(tl.int32)
+    tie = u == p
+    keep = tl.full((), 65536, tl.int32)  # ties taken: all, unless the boundary is tied
+    if reach > need:
+        keep = need - tl.sum(above, axis=0)
+    run = tl.cumsum(above + (tie.to(tl.int32) << 16), axis=0)
+    ties = run >> 16
+    take = (above != 0) | (tie & (ties <= keep))
+    tl.store(dst + (run & 0xFFFF) + tl.minimum(ties, keep) - 1, cols, mask=take)
+
+
+@triton.jit
 def _select_in_tiles(src, list_keys, list_cols, items, need, dst, from_list,
-                     HOLD: tl.constexpr, TILE: tl.constexpr):
+                     HOLD: tl.constexpr, TILE: tl.constexpr, QUAD: tl.constexpr):
     """``_select_in_registers`` for up to ``HOLD`` items in memory (a row's keys, column
     ``i`` at place ``i``, or a list's, ``from_list``) too many to hold with their columns:
-    the keys are held for the searches, then read again in tiles of ``TILE`` to write the
-    columns."""
+    the keys are held for the searches (``QUAD``: ``_search``'s), then read again in tiles of
+    ``TILE`` to write the columns."""
     i = tl.arange(0, HOLD)
     u = _held_keys(src, list_keys, i, items, from_list)
     cols = tl.where(from_list, tl.load(list_cols + i, mask=(i < items) & from_list, other=0), i)
-    p, last = _boundary(u, cols, need)
+    p, last = _boundary(u, cols, need, QUAD)
     written = tl.zeros((), tl.int32)
     for t in range(0, items, TILE):
         j = t + tl.arange(0, TILE)
@@ -416,7 +438,8 @@ def _select_listed_or_row(src, n, topk, list_keys, list_cols, survivors, few, ds
                                                other=0), i)
             _select_in_registers(u, cols, topk, dst)
         else:
-            _select_in_tiles(src, list_keys, list_cols, items, topk, dst, from_list, CAP, TILE)
+            _select_in_tiles(src, list_keys, list_cols, items, topk, dst, from_list, CAP, TILE,
+                             False)
     else:
         _stream_select(src, n, topk, few, dst, TILE, BITS, SMALL)
 
@@ -441,12 +464,13 @@ def _write_tail(dst, n, topk, OUT_BLOCK: tl.constexpr):
 @triton.jit
 def _held_kernel(logits, starts, ends, out, W, topk, s_l_r, s_o_r, CAP: tl.constexpr,
                  HOLD: tl.constexpr, TILE: tl.constexpr, OUT_BLOCK: tl.constexpr,
-                 IN_REGISTERS: tl.constexpr):
+                 IN_REGISTERS: tl.constexpr, QUAD: tl.constexpr):
     """One program a row, for rows of at most ``HOLD`` keys, ``HOLD`` at most ``CAP`` (every
     route, where the logits are no wider): the row's keys held, its exact ``topk`` best by
-    the boundary's search, the columns written from registers (``HOLD`` at most ``CAP / 2``,
-    as a list is, or any ``HOLD`` with ``IN_REGISTERS``: a held row's columns are its
-    places, nothing more to hold) or by a second read of the row in tiles of ``TILE``
+    the boundary's search (``QUAD``: ``_search``), the columns written from registers in
+    column order (``HOLD`` at most ``CAP / 2``, as a list is, or any ``HOLD`` with
+    ``IN_REGISTERS``: a held row's columns are its places, nothing more to hold;
+    ``_select_in_column_order``) or by a second read of the row in tiles of ``TILE``
     (``_select_in_tiles``); then ``-1`` past the row's count. Only this path is compiled: the
     general kernels, which also hold the estimate, the listing and the scan, took 1.1-1.4x as
     long for the same rows on the H200 (1 / 128 / 1024 x 8K: 32.8 / 27.5 / 108.6 us against
@@ -463,9 +487,9 @@ def _held_kernel(logits, starts, ends, out, W, topk, s_l_r, s_o_r, CAP: tl.const
             live = i < n
             u = tl.where(live, _unsigned(_order_keys(tl.load(src + i, mask=live, other=0.0))),
                          0)
-            _select_in_registers(u, i, topk, dst)
+            _select_in_column_order(u, i, topk, dst, QUAD)
         else:
-            _select_in_tiles(src, dst, dst, n.to(tl.int32), topk, dst, False, HOLD, TILE)
+            _select_in_tiles(src, dst, dst, n.to(tl.int32), topk, dst, False, HOLD, TILE, QUAD)
     _write_tail(dst, n, topk, OUT_BLOCK)
 
 
@@ -514,7 +538,7 @@ def _select_row(src, start, end, n, topk, bits, work, row, dst, fill, CAP: tl.co
                     cols = tl.load(list_cols + i, mask=live, other=0)
                     u = tl.where(live, _unsigned(_order_keys(tl.load(src + cols, mask=live,
                                                                      other=0.0))), 0)
-                    _select_in_registers(u, cols, topk, dst)
+                    _select_in_column_order(u, cols, topk, dst, False)
                     done = tl.full((), 1, tl.int32)
                 elif (items > CAP // 2) & (items <= CAP):
                     _gather_keys(src, list_cols, list_keys, items, TILE)

@@ -342,13 +342,23 @@ def _inverted(cols):
 
 
 @triton.jit
-def _boundary(u, cols, need):
-    """Where the ``need`` best of the held keys ``u`` (``_bracket_search``'s convention) end: the
-    key ``p`` and the least inverted column ``last`` taken among the items equal to ``p``
-    (1 when every item at or above ``p`` is taken). When the ``need``-th key is tied, a
-    second search among its equals, on the inverted column, takes the lowest columns
-    (``cols``: the items' columns, read only where equal to ``p``)."""
-    p, reach = _bracket_search(u, need)
+def _search(u, need, QUAD: tl.constexpr):
+    """The ``need``-th largest of the held ``u`` and how many reach it (``_bracket_search``'s
+    convention): by ``_quad_search`` with its normal guess (``QUAD``; keys that are floats'
+    patterns) or by ``_bracket_search``."""
+    if QUAD:
+        return _quad_search(u, need, True)
+    return _bracket_search(u, need)
+
+
+@triton.jit
+def _boundary(u, cols, need, QUAD: tl.constexpr):
+    """Where the ``need`` best of the held keys ``u`` (``_search``) end: the key ``p`` and the
+    least inverted column ``last`` taken among the items equal to ``p`` (1 when every item at
+    or above ``p`` is taken). When the ``need``-th key is tied, a second search among its
+    equals, on the inverted column, takes the lowest columns (``cols``: the items' columns,
+    read only where equal to ``p``, in any order)."""
+    p, reach = _search(u, need, QUAD)
     last = tl.full((), 1, tl.uint32)
     if reach > need:
         v = tl.where(u == p, _inverted(cols), 0)
