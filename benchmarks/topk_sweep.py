@@ -391,6 +391,10 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                          QUAD=plan.held_search == "quad")
             found[_changed(plan) + f" held rows of {hold}"] = facts(
                 _compile(_held_kernel, const, ptrs, dict(ints, W=hold), plan.select_warps))
+        # k = 1 and one key, constants in the launch (Triton specializes an int equal to 1)
+        found[_changed(plan) + " held rows of 1, k = 1"] = facts(_compile(
+            _held_kernel, dict(const, HOLD=32, OUT_BLOCK=1), ptrs,
+            dict(ints, W=1, topk=1, s_o_r=1), plan.select_warps))
     return found
 
 

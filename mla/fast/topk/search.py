@@ -258,6 +258,7 @@ def _quad_search(u, need, GUESS: tl.constexpr):
     tenth of the distance to it either side (at the fifths after a step that did not halve
     the bracket: a bracket of ``2^32`` closes within 64 steps, whatever the keys)."""
     tl.static_assert(u.numel < 65536, "the counts are 16-bit fields")
+    need = need + tl.zeros((), tl.int32)  # a tensor, also where it is specialized (k = 1)
     reach, hi, lo, nf, s1, s2 = _range_and_moments(u, GUESS)
     a = lo.to(tl.int64)
     z = hi.to(tl.int64) + 1
