@@ -388,7 +388,8 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
         for hold in (CANDIDATES // 2, CANDIDATES):  # rows held with their columns, in tiles
             const = dict(CAP=CANDIDATES, HOLD=hold, TILE=min(plan.select_tile, 1024),
                          OUT_BLOCK=1024, IN_REGISTERS=plan.held_write == "registers",
-                         QUAD=plan.held_search == "quad")
+                         QUAD=plan.held_search == "quad",
+                         PREFETCH=plan.held_prefetch and plan.held_write == "registers")
             found[_changed(plan) + f" held rows of {hold}"] = facts(
                 _compile(_held_kernel, const, ptrs, dict(ints, W=hold), plan.select_warps))
         # k = 1 and one key, constants in the launch (Triton specializes an int equal to 1)

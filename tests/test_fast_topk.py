@@ -182,7 +182,8 @@ def test_topk_filter_launched_as_dependent():
 HELD_PLANS = {"registers, quad": TopkPlan(),
               "registers, bracket": TopkPlan(held_search="bracket"),
               "tiles, quad": TopkPlan(held_write="tiles"),
-              "tiles, bracket": TopkPlan(held_write="tiles", held_search="bracket")}
+              "tiles, bracket": TopkPlan(held_write="tiles", held_search="bracket"),
+              "registers, no prefetch": TopkPlan(held_prefetch=False)}
 
 
 @pytest.mark.parametrize("plan", HELD_PLANS)
@@ -220,14 +221,35 @@ def test_held_rows_at_the_widest(plan):
     assert torch.equal(got[5].cpu(), torch.arange(2048, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("plan", HELD_PLANS)
+def test_held_rows_of_a_view(plan):
+    """Logits that are a view of wider storage, three columns in (the row's first key, and
+    the row stride, not 16-byte aligned: a prefetched row is read in 4-byte loads), ragged
+    ranges with NaN outside them, a row past ``CANDIDATES // 2``: exact."""
+    width = CANDIDATES - 1
+    starts, ends = [0, 5, 1000], [width, width - 20, 3100]
+    logits, st, en = _rows(_gen(74), starts, ends, width)
+    logits[2] = (logits[2] * 40).round() / 40  # a tied boundary
+    want = ref.top_k_per_row(logits, st, en, 2048)
+    wide = torch.full((3, width + 7), float("nan"), device=DEVICE)
+    view = wide[:, 3:3 + width]
+    view.copy_(logits.to(DEVICE))
+    assert view.data_ptr() % 16 and view.stride(0) % 4
+    got = top_k_per_row(view, *_on((st, en)), 2048, plan=HELD_PLANS[plan]).cpu()
+    assert torch.equal(as_sets(got), as_sets(want))
+
+
 def test_held_plan_checks():
-    """``held_write``, ``held_search`` and ``held_maxnreg`` reject what they cannot run."""
+    """``held_write``, ``held_search``, ``held_maxnreg`` and ``held_prefetch`` reject what
+    they cannot run."""
     for kwargs, name in (({"held_write": "tiled"}, "held_write"),
                          ({"held_search": "radix"}, "held_search"),
                          ({"held_maxnreg": 16}, "held_maxnreg"),
                          ({"held_maxnreg": True}, "held_maxnreg")):
         with pytest.raises(ValueError, match=name):
             TopkPlan(**kwargs)
+    with pytest.raises(TypeError, match="held_prefetch"):
+        TopkPlan(held_prefetch=1)
 
 
 def test_held_rows_with_their_registers_capped():

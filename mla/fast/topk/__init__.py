@@ -154,7 +154,8 @@ class TopkPlan:
     (the columns written from the held keys, or by a second read in tiles), ``held_search``
     (the boundary key by ``_quad_search`` or ``_bracket_search``), ``held_maxnreg`` (where the
     rows outnumber the SMs, the registers a thread capped: at 8 warps ptxas gives the kernel
-    200, one program a SM; 128 fits two).
+    200, one program a SM; 128 fits two), ``held_prefetch`` (the row's columns ``[0, W)``
+    loaded before its range is read, aligned; the keys outside the range dropped).
     ``pdl`` (two and three launches, on sm_90 or later): the second launch (two) or the filter
     (three) launched as the estimate's programmatic dependent (``launch_pdl``), so that it
     starts while the estimate ends, its programs waiting for the thresholds; the select
@@ -185,6 +186,9 @@ class TopkPlan:
     held_write: str = "registers"
     held_search: str = "quad"
     held_maxnreg: int = 0
+    # rows held whole, written from registers: the row's columns [0, W) loaded before its
+    # range is read (False: the range read first, then its keys alone)
+    held_prefetch: bool = True
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
     select_maxnreg: int = 128
@@ -220,7 +224,7 @@ class TopkPlan:
             raise ValueError(f"TopkPlan.sample_runs * sample_run must be at most {CANDIDATES} (a "
                              f"sample shorter than every sampled row), got {self.sample_runs} * "
                              f"{self.sample_run}")
-        for name in ("pdl", "fused_part_lists"):
+        for name in ("pdl", "fused_part_lists", "held_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TopkPlan.{name} must be a bool, got "
                                 f"{type(getattr(self, name)).__name__}")
@@ -353,9 +357,11 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     out_block = min(1024, next_pow2(topk))
     if W <= cap:  # every row held whole, whatever the route
         hold = max(32, next_pow2(W))
+        in_registers = plan.held_write == "registers"
         check_grid(_GRID_NAME, (R, 1, 1))
         args = (*rows, out, W, topk, s_l_r, s_o_r, cap, hold, min(plan.select_tile, 1024),
-                out_block, plan.held_write == "registers", plan.held_search == "quad")
+                out_block, in_registers, plan.held_search == "quad",
+                plan.held_prefetch and (in_registers or 2 * hold <= cap))
         regs = {}
         if plan.held_maxnreg and R > num_sms(logits.device) and not interpreting():
             regs = {"maxnreg": plan.held_maxnreg}

@@ -375,17 +375,21 @@ def _select_in_column_order(u, cols, need, dst, QUAD: tl.constexpr):
     later place's: a row held whole, a list from a bitmask): of a tied boundary key ``p`` the
     first ``need - above`` in place order are the lowest columns, so one scan of two 16-bit
     counts, the items above ``p`` and the ties so far, places every taken item; no search
-    among the ties. ``QUAD``: ``_search``'s."""
+    among the ties (an untied boundary, the common case, takes a scan of one count).
+    ``QUAD``: ``_search``'s."""
     p, reach = _search(u, need, QUAD)
-    above = (u > p).to(tl.int32)
-    tie = u == p
-    keep = tl.full((), 65536, tl.int32)  # ties taken: all, unless the boundary is tied
     if reach > need:
-        keep = need - tl.sum(above, axis=0)
-    run = tl.cumsum(above + (tie.to(tl.int32) << 16), axis=0)
-    ties = run >> 16
-    take = (above != 0) | (tie & (ties <= keep))
-    tl.store(dst + (run & 0xFFFF) + tl.minimum(ties, keep) - 1, cols, mask=take)
+        above = (u > p).to(tl.int32)
+        tie = u == p
+        keep = need - tl.sum(above, axis=0)  # the ties taken
+        run = tl.cumsum(above + (tie.to(tl.int32) << 16), axis=0)
+        ties = run >> 16
+        take = (above != 0) | (tie & (ties <= keep))
+        pos = (run & 0xFFFF) + tl.minimum(ties, keep) - 1
+    else:  # exactly need reach p: one count
+        take = u >= p
+        pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
+    tl.store(dst + pos, cols, mask=take)
 
 
 @triton.jit
@@ -464,30 +468,40 @@ def _write_tail(dst, n, topk, OUT_BLOCK: tl.constexpr):
 @triton.jit
 def _held_kernel(logits, starts, ends, out, W, topk, s_l_r, s_o_r, CAP: tl.constexpr,
                  HOLD: tl.constexpr, TILE: tl.constexpr, OUT_BLOCK: tl.constexpr,
-                 IN_REGISTERS: tl.constexpr, QUAD: tl.constexpr):
+                 IN_REGISTERS: tl.constexpr, QUAD: tl.constexpr, PREFETCH: tl.constexpr):
     """One program a row, for rows of at most ``HOLD`` keys, ``HOLD`` at most ``CAP`` (every
     route, where the logits are no wider): the row's keys held, its exact ``topk`` best by
     the boundary's search (``QUAD``: ``_search``), the columns written from registers in
     column order (``HOLD`` at most ``CAP / 2``, as a list is, or any ``HOLD`` with
     ``IN_REGISTERS``: a held row's columns are its places, nothing more to hold;
     ``_select_in_column_order``) or by a second read of the row in tiles of ``TILE``
-    (``_select_in_tiles``); then ``-1`` past the row's count. Only this path is compiled: the
-    general kernels, which also hold the estimate, the listing and the scan, took 1.1-1.4x as
-    long for the same rows on the H200 (1 / 128 / 1024 x 8K: 32.8 / 27.5 / 108.6 us against
-    25.7 / 23.2 / 87.2)."""
+    (``_select_in_tiles``); then ``-1`` past the row's count. ``PREFETCH`` (the columns
+    written from registers): the row's columns ``[0, W)`` loaded before its range is read,
+    so that the range's load does not delay the row's, and from an aligned start (the
+    range's start would make them 4-byte loads); the keys outside the range are dropped in
+    registers. Only this path is compiled: the general kernels, which also hold the
+    estimate, the listing and the scan, took 1.1-1.4x as long for the same rows on the H200
+    (1 / 128 / 1024 x 8K: 32.8 / 27.5 / 108.6 us against 25.7 / 23.2 / 87.2)."""
     row = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, HOLD)
+    if PREFETCH:  # columns [0, W), in 16-byte loads where the row's stride allows
+        x = tl.load(logits + row * s_l_r + i, mask=i < W, other=0.0)
     start, end, n = _row_range(starts, ends, row, W)
     src = logits + row * s_l_r + start
     dst = out + row * s_o_r
     if n <= topk:
         _write_all(dst, n, OUT_BLOCK)
     else:
-        i = tl.arange(0, HOLD)
         if HOLD * 2 <= CAP or IN_REGISTERS:
-            live = i < n
-            u = tl.where(live, _unsigned(_order_keys(tl.load(src + i, mask=live, other=0.0))),
-                         0)
-            _select_in_column_order(u, i, topk, dst, QUAD)
+            if PREFETCH:
+                live = (i >= start) & (i < end)
+                u = tl.where(live, _unsigned(_order_keys(x)), 0)
+                _select_in_column_order(u, (i - start).to(tl.int32), topk, dst, QUAD)
+            else:
+                live = i < n
+                u = tl.where(live, _unsigned(_order_keys(tl.load(src + i, mask=live,
+                                                                 other=0.0))), 0)
+                _select_in_column_order(u, i, topk, dst, QUAD)
         else:
             _select_in_tiles(src, dst, dst, n.to(tl.int32), topk, dst, False, HOLD, TILE, QUAD)
     _write_tail(dst, n, topk, OUT_BLOCK)
