@@ -48,13 +48,13 @@ SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
 # the decode lengths (--short)
 SHORT_SHAPES = [(R, W) for W in (8192, 16384) for R in (1, 32, 128, 256)]
 # rows held whole (at most CANDIDATES keys), beside the default (8 warps, the columns written
-# from the held keys, the quad search, registers uncapped): the columns by a second read in
-# tiles, the bracket search, 16 warps, the registers capped where the rows outnumber the SMs
-# (two programs a SM), and the row's range read before its keys (no prefetch)
+# from the held keys, the quad search, registers capped where the rows outnumber the SMs, the
+# row prefetched): the columns by a second read in tiles, the bracket search, 16 warps, the
+# registers uncapped (one program a SM), and the row's range read before its keys
 HELD_PLANS = {"mla_fast_held_tiles": TopkPlan(held_write="tiles"),
               "mla_fast_held_bracket": TopkPlan(held_search="bracket"),
               "mla_fast_16w": TopkPlan(select_warps=16),
-              "mla_fast_held_capped": TopkPlan(held_maxnreg=128),
+              "mla_fast_held_uncapped": TopkPlan(held_maxnreg=0),
               "mla_fast_held_no_prefetch": TopkPlan(held_prefetch=False)}
 
 def load_vllm(lib: Path | None) -> dict:

@@ -392,6 +392,10 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                          PREFETCH=plan.held_prefetch and plan.held_write == "registers")
             found[_changed(plan) + f" held rows of {hold}"] = facts(
                 _compile(_held_kernel, const, ptrs, dict(ints, W=hold), plan.select_warps))
+        if plan.held_maxnreg:  # as launched where the rows outnumber the SMs
+            found[_changed(plan) + f" held rows of {CANDIDATES}, capped"] = facts(
+                _compile(_held_kernel, const, ptrs, dict(ints, W=CANDIDATES),
+                         plan.select_warps, maxnreg=plan.held_maxnreg))
         # k = 1 and one key, constants in the launch (Triton specializes an int equal to 1)
         found[_changed(plan) + " held rows of 1, k = 1"] = facts(_compile(
             _held_kernel, dict(const, HOLD=32, OUT_BLOCK=1), ptrs,

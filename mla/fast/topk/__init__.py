@@ -154,7 +154,8 @@ class TopkPlan:
     (the columns written from the held keys, or by a second read in tiles), ``held_search``
     (the boundary key by ``_quad_search`` or ``_bracket_search``), ``held_maxnreg`` (where the
     rows outnumber the SMs, the registers a thread capped: at 8 warps ptxas gives the kernel
-    200, one program a SM; 128 fits two), ``held_prefetch`` (the row's columns ``[0, W)``
+    162, one program a SM; 128 fits two, at the cost of 16 bytes of stack: H100, 256 x 8K
+    24.2 against 28.6 us), ``held_prefetch`` (the row's columns ``[0, W)``
     loaded before its range is read, aligned; the keys outside the range dropped).
     ``pdl`` (two and three launches, on sm_90 or later): the second launch (two) or the filter
     (three) launched as the estimate's programmatic dependent (``launch_pdl``), so that it
@@ -182,10 +183,10 @@ class TopkPlan:
     # rows held whole: their columns written from the held keys ("registers") or, past
     # CANDIDATES // 2 keys, by a second read of the row in tiles ("tiles"); their boundary key
     # found by four probes a step with a normal guess ("quad") or two ("bracket"); more rows
-    # than SMs, their kernel's registers a thread capped (0: never)
+    # than SMs, their kernel's registers a thread capped (0: never), two programs a SM
     held_write: str = "registers"
     held_search: str = "quad"
-    held_maxnreg: int = 0
+    held_maxnreg: int = 128
     # rows held whole, written from registers: the row's columns [0, W) loaded before its
     # range is read (False: the range read first, then its keys alone)
     held_prefetch: bool = True
