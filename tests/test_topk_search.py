@@ -1,14 +1,15 @@
-"""The top-k's searches among held keys (``mla.fast.topk.search``), on their own: for every
-row, what ``_bracket_search`` and ``_bisect`` return must be a boundary of the ``need``
-largest nonzero patterns, read off a sort.
+"""The top-k's searches among held keys (``mla.fast.topk.search``, and the candidate
+``benchmarks.probes.topk_search_min_max``), on their own: for every row, what each returns
+must be a boundary of the ``need`` largest nonzero patterns, read off a sort.
 
 A returned ``(a, reach)`` is right when ``reach`` items reach ``a``, and either exactly
 ``need`` do (then they are the ``need`` largest, whatever ``a`` is) or the ``need``-th largest
 is tied and ``a`` is its value (more than ``need`` reach it, fewer than ``need`` pass it). The
 rows are the ones that make a search hard: keys spread over the whole 32-bit range, two far
 clusters (an interpolation aims between them), every key equal, a run of ties at the
-boundary, exponentially spread float keys, a few keys among empty places, the extremes 1 and
-``2^32 - 1``, ``need`` 1 and ``need`` every item.
+boundary, the two least keys tied with ``need`` all but one, exponentially spread float
+keys, a few keys among empty places, the extremes 1 and ``2^32 - 1``, ``need`` 1 and
+``need`` every item.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.probes.topk_search_min_max import _quad_search_min_max
 from mla.fast.topk.search import _bisect, _bracket_search, _quad_search
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,6 +35,8 @@ def _search_rows(u_ptr, need_ptr, out_ptr, N: tl.constexpr, SEARCH: tl.constexpr
         a, reach = _bracket_search(u, need)
     elif SEARCH == "bisect":
         a, reach = _bisect(u, need, 0)
+    elif SEARCH.startswith("quad_min_max"):  # the candidate under study (benchmarks/probes)
+        a, reach = _quad_search_min_max(u, need, SEARCH == "quad_min_max_guess")
     else:
         a, reach = _quad_search(u, need, SEARCH == "quad_guess")
     tl.store(out_ptr + 2 * row, a.to(tl.int64))
@@ -58,13 +62,16 @@ def _rows() -> list[tuple[str, torch.Tensor, int]]:
     extremes = torch.where(torch.rand(N, generator=g) < 0.5, 1, 2 ** 32 - 1)
     candidates = _float_patterns(torch.randn(N, generator=g).abs() + 2.0)  # alike a row's top
     candidates[3300:] = 0  # ~3300 candidates, as the select sees
+    least_tied = torch.randperm(N, generator=g) + 10
+    least_tied[:2] = 3  # the two least equal: need all but one ends on a tie at the bottom
     return [("full range", full, 2048), ("full range, need 1", full, 1),
             ("full range, need all", full, N), ("two clusters", clusters, N // 2 + 1),
             ("two clusters, inside one", clusters, 17), ("all equal", torch.full((N,), 5), 100),
             ("ties at the boundary", ties, N // 2), ("exponential spread", spread, 2048),
             ("a few among empties", few, 11), ("a few, need all", few, 37),
             ("extremes", extremes, N // 2), ("candidates", candidates, 2048),
-            ("one item", torch.nn.functional.pad(torch.tensor([9]), (0, N - 1)), 1)]
+            ("one item", torch.nn.functional.pad(torch.tensor([9]), (0, N - 1)), 1),
+            ("the two least tied, need all but one", least_tied, N - 1)]
 
 
 ROWS = _rows()
@@ -81,7 +88,8 @@ def _check_boundary(name: str, u: torch.Tensor, need: int, a: int, reach: int) -
             f"{name}: {reach} > {need} reach a = {a}, but a is not the tied need-th {v}")
 
 
-@pytest.mark.parametrize("search", ["bracket", "bisect", "quad_guess", "quad"])
+@pytest.mark.parametrize("search", ["bracket", "bisect", "quad_guess", "quad", "quad_min_max",
+                                    "quad_min_max_guess"])
 def test_search_returns_the_boundary_of_the_need_largest(search):
     u = torch.stack([r[1] for r in ROWS])
     need = torch.tensor([r[2] for r in ROWS], dtype=torch.int32)

@@ -21,6 +21,9 @@ same grid and warps, CUDA-graph replays with the L2 flushed by a read (``benchma
 - ``select_tie_search``: ``quad``, then for a tied boundary a second search among the ties'
   inverted columns, then the write (the select before ``_select_in_column_order``);
 - ``select_bracket``: ``_select_in_registers`` (``_bracket_search`` and its tie search);
+- ``quad_min_max``: ``quad`` with the candidate search of
+  ``benchmarks.probes.topk_search_min_max`` (an exchange of the bracket's least and greatest
+  items where the interpolation stalls);
 
 beside the shipped route (``mla_fast``) and vLLM's kernels where they load, over 1-528 rows of
 8K keys (``--width``: rows of 16K held the same way, which the shipped route does not hold)
@@ -40,6 +43,7 @@ import triton
 import triton.language as tl
 
 from benchmarks.common import capture, ceilings, log, time_replays
+from benchmarks.probes.topk_search_min_max import _quad_search_min_max
 from benchmarks.topk_peers import load_vllm, peer_calls
 from mla.environment import environment
 from mla.fast.topk import TopkPlan, launches
@@ -49,7 +53,7 @@ from mla.fast.topk.search import _bracket_search, _inverted, _quad_search, _unsi
 TOPK = 2048
 MODES = {"empty": 0, "load": 1, "chain8": 2, "chain8x4": 3, "search": 4, "write": 5,
          "select_bracket": 6, "quad": 7, "select_tie_search": 8, "select": 9,
-         "quad_then_write": 10}
+         "quad_then_write": 10, "quad_min_max": 11}
 
 
 @triton.jit
@@ -110,6 +114,10 @@ def _probe_kernel(logits, out, W, s_l_r, s_o_r, topk, MODE: tl.constexpr, HOLD: 
             tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, i, mask=take)
         elif MODE == 9:
             _select_in_column_order(u, i, topk, dst, True)
+        elif MODE == 11:
+            p, reach = _quad_search_min_max(u, topk, True)
+            tl.store(dst, p.to(tl.int32, bitcast=True))
+            tl.store(dst + 1, reach)
         else:
             p, reach = _quad_search(u, topk, True)
             take = u >= p
