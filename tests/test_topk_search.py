@@ -124,7 +124,7 @@ def test_check_boundary_rejects_a_wrong_answer():
 
 def test_the_search_step_model_keeps_the_convention():
     """``benchmarks.probes.topk_search_model`` (a numpy model of ``_quad_search``'s rule, used
-    to count steps a row): both rules return a boundary of the ``need`` largest on every
+    to count steps a row): every rule returns a boundary of the ``need`` largest on every
     family of rows it reports, read off a sort, and the exchange of the bracket's least and
     greatest items closes a tied row in fewer steps (19 to 6 at the most of 132 rows)."""
     import numpy as np
@@ -138,7 +138,8 @@ def test_the_search_step_model_keeps_the_convention():
             u = model.patterns(x)
             shipped = model.search(u, x, model.NEED, False)
             both = model.search(u, x, model.NEED, True)
-            for a, reach, _steps in (shipped, both):
+            compact = model.search(u, x, model.NEED, False, 128)
+            for a, reach, _steps in (shipped, both, compact):
                 model.check(u, model.NEED, a, reach)
             if family == "ties of 1/40":
                 assert both[2] < shipped[2], (both, shipped)

@@ -15,7 +15,11 @@ rule in numpy (its float32 guess, its interpolation, its fifths) on rows of 8192
   (``reach - need == 1``: the second least is the answer, or the least if it is tied) or
   where a step left the bracket's item count unchanged (all equal: the answer; else the
   bracket shrinks to ``[least, greatest + 1)`` and the interpolation aims on the items' own
-  range), each such exchange counted as a step.
+  range), each such exchange counted as a step;
+- ``compact``: the shipped rule until the bracket holds at most 128 items, which are then
+  ranked among themselves (``benchmarks.probes.topk_search_candidates``, ``COMPACT``); the
+  steps counted are those before that finish (a scan, a store and a read of the items,
+  compares in registers and one block-wide maximum).
 
 Every answer is checked against a sort (the search's convention: exactly ``need`` items
 reach ``a``, or the ``need``-th is tied and ``a`` is its value). Prints, for each family of
@@ -62,9 +66,10 @@ def _normal_upper_quantile(q: float) -> float:
     return z if q <= 0.5 else -z
 
 
-def search(u: np.ndarray, x: np.ndarray, need: int, min_max: bool) -> tuple[int, int, int]:
+def search(u: np.ndarray, x: np.ndarray, need: int, min_max: bool, compact: int = 0
+           ) -> tuple[int, int, int]:
     """``(a, reach, steps)`` of the rule (``min_max``: with the exchange of the bracket's least
-    and greatest items)."""
+    and greatest items; ``compact``: ranking the bracket's items once they are this few)."""
     reach, hi, lo = int((u != 0).sum()), int(u.max()), int(u[u != 0].min())
     fin = np.isfinite(x)
     xf = x[fin].astype(np.float32)
@@ -72,6 +77,10 @@ def search(u: np.ndarray, x: np.ndarray, need: int, min_max: bool) -> tuple[int,
         dtype=np.float32))
     a, z, ca, cz, fifths, first, steps, before = lo, hi + 1, reach, 0, False, True, 0, -1
     while z - a > 1 and ca > need:
+        if compact and ca - cz <= compact:
+            inside = np.sort(u[(u >= a) & (u < z)])[::-1]
+            key = int(inside[need - cz - 1])
+            return key, cz + int((inside >= key).sum()), steps
         steps += 1
         if min_max and not first and (ca - need == 1 or ca - cz == before):
             inside = u[(u >= a) & (u < z)]
@@ -141,13 +150,14 @@ def check(u: np.ndarray, need: int, a: int, reach: int) -> None:
 def run(rows: int, seed: int = 1) -> dict:
     out = {}
     for family in FAMILIES:
-        for rule in ("shipped", "min_max"):
+        for rule in ("shipped", "min_max", "compact"):
             rng = np.random.default_rng(seed)
             steps = []
             for _ in range(rows):
                 x = row(family, rng)
                 u = patterns(x)
-                a, reach, s = search(u, x, NEED, rule == "min_max")
+                a, reach, s = search(u, x, NEED, rule == "min_max",
+                                     128 if rule == "compact" else 0)
                 check(u, NEED, a, reach)
                 steps.append(s)
             st = np.array(steps)
@@ -162,7 +172,7 @@ def run(rows: int, seed: int = 1) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--rows", type=int, default=1320, help="rows a family (groups of 132)")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help="the numbers as JSON")
     args = p.parse_args(argv)
     res = run(args.rows)
     for name, r in res.items():
@@ -172,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({
             "what": "steps of the held top-k's search a row (numpy model of _quad_search, "
                     f"rows of {WIDTH} keys, need {NEED}, {args.rows} rows a family, seed 1), "
-                    "as shipped and with an exchange of the bracket's least and greatest items "
-                    "(benchmarks.probes.topk_search_model)", "rows": res}, indent=1))
+                    "as shipped, with an exchange of the bracket's least and greatest items, and "
+                    "with the bracket's last 128 items ranked among themselves (steps before "
+                    "that finish) (benchmarks.probes.topk_search_model)", "rows": res}, indent=1))
     return 0
 
 
