@@ -57,6 +57,7 @@ HELD_PLANS = {"mla_fast_held_tiles": TopkPlan(held_write="tiles"),
               "mla_fast_held_uncapped": TopkPlan(held_maxnreg=0),
               "mla_fast_held_no_prefetch": TopkPlan(held_prefetch=False)}
 
+
 def load_vllm(lib: Path | None) -> dict:
     """vLLM's library loaded (``mla.conformance.adapters.vllm_library.load_library``: ``lib``,
     else the peers directory's); what loaded and how, or why not."""

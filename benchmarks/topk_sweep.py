@@ -389,7 +389,8 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
             const = dict(CAP=CANDIDATES, HOLD=hold, TILE=min(plan.select_tile, 1024),
                          OUT_BLOCK=1024, IN_REGISTERS=plan.held_write == "registers",
                          QUAD=plan.held_search == "quad",
-                         PREFETCH=plan.held_prefetch and plan.held_write == "registers")
+                         PREFETCH=plan.held_prefetch and (plan.held_write == "registers"
+                                                           or 2 * hold <= CANDIDATES))
             found[_changed(plan) + f" held rows of {hold}"] = facts(
                 _compile(_held_kernel, const, ptrs, dict(ints, W=hold), plan.select_warps))
         if plan.held_maxnreg:  # as launched where the rows outnumber the SMs
