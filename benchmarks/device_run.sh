@@ -150,8 +150,8 @@ for step in "${steps[@]}"; do
     topk-probe) timeout 300 python -m benchmarks.probes.topk_held_probe --warps 8 --out "$OUT" 2>&1 \
               | tee "$OUT/topk_probe.log" | tail -n 6 ;;
     # top-k on the decode lengths beside vLLM's kernels and the held rows' alternatives
-    topk-short) timeout 200 python -m benchmarks.topk_peers --short --out "$OUT" 2>&1 \
-              | tee "$OUT/topk_short.log" | tail -n 12 ;;
+    topk-short) timeout 260 python -m benchmarks.topk_peers --short --out "$OUT" 2>&1 \
+              | tee "$OUT/topk_short.log" | tail -n 16 ;;
     # the catalogue on every target: conformance_<target>.{md,json}
     matrix)
       conform_each conformance 540 "${MATRIX_TARGETS:-mla.fast mla.fast-batch-invariant flashmla \

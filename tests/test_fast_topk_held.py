@@ -1,9 +1,9 @@
-"""``mla.fast.top_k_per_row`` on rows held whole (logits no wider than ``CANDIDATES``: one
-kernel a row, ``_held_kernel``) under every ``TopkPlan`` choice of theirs: the columns written
-from registers or by a second read in tiles, either boundary search, the row prefetched or its
-range read first, the registers capped. Exact against the reference, in column order, on tied,
-all-equal, ragged and special rows and on a view of wider storage. The helpers and the other
-paths: ``tests/test_fast_topk.py``.
+"""``mla.fast.top_k_per_row`` on rows held whole (logits no wider than ``CANDIDATES``, or twice
+it with ``held_width``: one kernel a row, ``_held_kernel``) under every ``TopkPlan`` choice of
+theirs: the columns written from registers or by a second read in tiles, either boundary
+search, the row prefetched or its range read first, the registers capped. Exact against the
+reference, in column order, on tied, all-equal, ragged and special rows and on a view of wider
+storage. The helpers and the other paths: ``tests/test_fast_topk.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from test_fast_topk import DEVICE, _check, _check_paths, _full, _gen, _on, _rows
 
 import mla.reference as ref
 from mla.conformance.cases.indexer import as_sets
-from mla.fast.topk import CANDIDATES, TopkPlan, top_k_per_row
+from mla.fast.topk import CANDIDATES, TopkPlan, launches, top_k_per_row
 
 HELD_PLANS = {"registers, quad": TopkPlan(),
               "registers, bracket": TopkPlan(held_search="bracket"),
@@ -76,13 +76,48 @@ def test_held_rows_of_a_view(plan):
     assert torch.equal(as_sets(got), as_sets(want))
 
 
+WIDE = {"16 warps": TopkPlan(held_width=2 * CANDIDATES),
+        "32 warps, no prefetch": TopkPlan(held_width=2 * CANDIDATES, held_wide_warps=32,
+                                          held_prefetch=False)}
+
+
+@pytest.mark.parametrize("plan", WIDE)
+@pytest.mark.parametrize("width", [CANDIDATES + 1, 2 * CANDIDATES])
+def test_held_rows_past_the_list(plan, width):
+    """``held_width=2 * CANDIDATES``: logits of one key past the list (a decode row of 8K + 1)
+    and of twice it held whole, one kernel a row: exact with distinct and tied boundaries,
+    ragged ranges, a row of ``topk`` keys and one of ``topk + 1``, specials, a row all equal
+    (the ``topk`` lowest columns) and one whose ``topk``-th key is tied with most of its
+    lower half, in column order; the same rows at the default width are filtered."""
+    logits, st, en = _rows(_gen(75), [0, 3, 0, 0, 0, 0, 0, 1],
+                           [width, width - 1, 2048, 2049, width, width, width, width - 2],
+                           width)
+    logits[1] = (logits[1] * 40).round() / 40  # a tied boundary
+    logits[4, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
+                                  float("nan"), 1e30])
+    logits[5] = 0.25  # all equal
+    logits[6] = -1.0  # 1548 keys above, among the ties: the 500 lowest ties taken
+    logits[6, 1:3096:2] = torch.rand(1548, generator=_gen(76)) + 1.0
+    got = _check(logits, st, en, 2048, WIDE[plan])
+    assert bool((got[:, 1:] > got[:, :-1])[[0, 1, 4, 5, 6, 7]].all()), "not in column order"
+    assert torch.equal(got[5].cpu(), torch.arange(2048, dtype=torch.int32))
+    x, s0, e0 = _on((logits, st, en))
+    out = torch.empty(8, 2048, dtype=torch.int32, device=DEVICE)
+    for p, held in ((WIDE[plan], True), (TopkPlan(), False)):
+        work, steps = launches(x, s0, e0, out, 2048, p)
+        assert (work.shape[1] == 0 and len(steps) == 1) == held, (p, work.shape, len(steps))
+
+
 def test_held_plan_checks():
-    """``held_write``, ``held_search``, ``held_maxnreg`` and ``held_prefetch`` reject what
-    they cannot run."""
+    """``held_write``, ``held_search``, ``held_maxnreg``, ``held_width``, ``held_wide_warps``
+    and ``held_prefetch`` reject what they cannot run."""
     for kwargs, name in (({"held_write": "tiled"}, "held_write"),
                          ({"held_search": "radix"}, "held_search"),
                          ({"held_maxnreg": 16}, "held_maxnreg"),
-                         ({"held_maxnreg": True}, "held_maxnreg")):
+                         ({"held_maxnreg": True}, "held_maxnreg"),
+                         ({"held_width": 12000}, "held_width"),
+                         ({"held_width": 2 * CANDIDATES, "held_write": "tiles"}, "held_width"),
+                         ({"held_wide_warps": 4}, "held_wide_warps")):
         with pytest.raises(ValueError, match=name):
             TopkPlan(**kwargs)
     with pytest.raises(TypeError, match="held_prefetch"):

@@ -1,6 +1,6 @@
-"""The top-k's searches among held keys (``mla.fast.topk.search``, and the candidate
-``benchmarks.probes.topk_search_candidates``), on their own: for every row, what each returns
-must be a boundary of the ``need`` largest nonzero patterns, read off a sort.
+"""The top-k's searches among held keys (``mla.fast.topk.search``) on their own: for every
+row, what each returns must be a boundary of the ``need`` largest nonzero patterns, read off a
+sort.
 
 A returned ``(a, reach)`` is right when ``reach`` items reach ``a``, and either exactly
 ``need`` do (then they are the ``need`` largest, whatever ``a`` is) or the ``need``-th largest
@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.probes.topk_search_candidates import _quad_search_candidate
 from mla.fast.topk.search import _bisect, _bracket_search, _quad_search
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,9 +26,8 @@ N = 4096  # the select holds this many items with their columns
 
 
 @triton.jit
-def _search_rows(u_ptr, need_ptr, out_ptr, scratch, N: tl.constexpr, SEARCH: tl.constexpr,
-                 GUESS: tl.constexpr = False, MIN_MAX: tl.constexpr = False,
-                 COMPACT: tl.constexpr = 0):
+def _search_rows(u_ptr, need_ptr, out_ptr, N: tl.constexpr, SEARCH: tl.constexpr,
+                 GUESS: tl.constexpr):
     row = tl.program_id(0)
     u = tl.load(u_ptr + row * N + tl.arange(0, N)).to(tl.uint32, bitcast=True)
     need = tl.load(need_ptr + row)
@@ -37,10 +35,8 @@ def _search_rows(u_ptr, need_ptr, out_ptr, scratch, N: tl.constexpr, SEARCH: tl.
         a, reach = _bracket_search(u, need)
     elif SEARCH == "bisect":
         a, reach = _bisect(u, need, 0)
-    elif SEARCH == "candidate":  # the candidates under study (benchmarks/probes)
-        a, reach = _quad_search_candidate(u, need, scratch + row * 128, GUESS, MIN_MAX, COMPACT)
     else:
-        a, reach = _quad_search(u, need, SEARCH == "quad_guess")
+        a, reach = _quad_search(u, need, GUESS)
     tl.store(out_ptr + 2 * row, a.to(tl.int64))
     tl.store(out_ptr + 2 * row + 1, reach.to(tl.int64))
 
@@ -90,22 +86,14 @@ def _check_boundary(name: str, u: torch.Tensor, need: int, a: int, reach: int) -
             f"{name}: {reach} > {need} reach a = {a}, but a is not the tied need-th {v}")
 
 
-@pytest.mark.parametrize("search", ["bracket", "bisect", "quad_guess", "quad",
-                                    "candidate min_max", "candidate min_max guess",
-                                    "candidate compact", "candidate compact guess",
-                                    "candidate min_max compact guess"])
+@pytest.mark.parametrize("search", ["bracket", "bisect", "quad", "quad guess"])
 def test_search_returns_the_boundary_of_the_need_largest(search):
     u = torch.stack([r[1] for r in ROWS])
     need = torch.tensor([r[2] for r in ROWS], dtype=torch.int32)
     u32 = (u - (u >= 2 ** 31).long() * 2 ** 32).to(torch.int32)  # the same bits, as int32
     got = torch.zeros(len(ROWS), 2, dtype=torch.int64, device=DEVICE)
-    scratch = torch.zeros(len(ROWS), 128, dtype=torch.int32, device=DEVICE)
-    flags = {}
-    if search.startswith("candidate"):
-        flags = dict(GUESS="guess" in search, MIN_MAX="min_max" in search,
-                     COMPACT=128 if "compact" in search else 0)
-    _search_rows[(len(ROWS),)](u32.to(DEVICE), need.to(DEVICE), got, scratch, N=N,
-                               SEARCH=search.split()[0], **flags)
+    _search_rows[(len(ROWS),)](u32.to(DEVICE), need.to(DEVICE), got, N=N,
+                               SEARCH=search.split()[0], GUESS="guess" in search)
     got = got.cpu()
     for (name, row, k), (a, reach) in zip(ROWS, got.tolist()):
         _check_boundary(name, row, k, a, reach)
@@ -136,10 +124,11 @@ def test_the_search_step_model_keeps_the_convention():
         for _ in range(4):
             x = model.row(family, rng)
             u = model.patterns(x)
-            shipped = model.search(u, x, model.NEED, False)
+            plain = model.search(u, x, model.NEED, False)
             both = model.search(u, x, model.NEED, True)
             compact = model.search(u, x, model.NEED, False, 128)
-            for a, reach, _steps in (shipped, both, compact):
+            for a, reach, _steps in (plain, both, compact):
                 model.check(u, model.NEED, a, reach)
             if family == "ties of 1/40":
-                assert both[2] < shipped[2], (both, shipped)
+                assert both[2] < plain[2], (both, plain)
+

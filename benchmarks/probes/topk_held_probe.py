@@ -25,10 +25,6 @@ same grid and warps, CUDA-graph replays with the L2 flushed by a read (``benchma
 - ``select_tie_search``: ``quad``, then for a tied boundary a second search among the ties'
   inverted columns, then the write (the select before ``_select_in_column_order``);
 - ``select_bracket``: ``_select_in_registers`` (``_bracket_search`` and its tie search);
-- ``quad_min_max``, ``quad_compact``, ``quad_both``: ``quad`` with the candidate searches of
-  ``benchmarks.probes.topk_search_candidates`` (an exchange of the bracket's least and
-  greatest items where the interpolation stalls; the bracket's last 128 items or fewer ranked
-  among themselves; both);
 
 beside the shipped route (``mla_fast``) and vLLM's kernels where they load, over 1-528 rows of
 8K keys (``--width``: rows of 16K held the same way, which the shipped route does not hold)
@@ -48,7 +44,6 @@ import triton
 import triton.language as tl
 
 from benchmarks.common import capture, ceilings, log, time_replays
-from benchmarks.probes.topk_search_candidates import _quad_search_candidate
 from benchmarks.topk_peers import load_vllm, peer_calls
 from mla.environment import environment
 from mla.fast.topk import TopkPlan, launches
@@ -58,8 +53,8 @@ from mla.fast.topk.search import _add2, _bracket_search, _inverted, _quad_search
 TOPK = 2048
 MODES = {"empty": 0, "load": 1, "chain8": 2, "chain8x4": 3, "search": 4, "write": 5,
          "select_bracket": 6, "quad": 7, "select_tie_search": 8, "select": 9,
-         "quad_then_write": 10, "quad_min_max": 11, "chain8_pair": 12, "chain8_two_sums": 13,
-         "chain8_pack64": 14, "quad_compact": 15, "quad_both": 16}
+         "quad_then_write": 10, "chain8_pair": 12, "chain8_two_sums": 13,
+         "chain8_pack64": 14}
 
 
 @triton.jit
@@ -139,17 +134,12 @@ def _probe_kernel(logits, out, W, s_l_r, s_o_r, topk, MODE: tl.constexpr, HOLD: 
             last = tl.full((), 1, tl.uint32)
             if reach > topk:
                 v = tl.where(u == p, _inverted(i), 0)
-                last, _r = _quad_search(v, topk - tl.sum((u > p).to(tl.int32), axis=0), False)
+                last, _r = _quad_search(v, topk - tl.sum((u > p).to(tl.int32), axis=0),
+                                         False)
             take = (u > p) | ((u == p) & (_inverted(i) >= last))
             tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, i, mask=take)
         elif MODE == 9:
             _select_in_column_order(u, i, topk, dst, True)
-        elif (MODE == 11) | (MODE == 15) | (MODE == 16):
-            # the scratch of the compacting finish: 128 places of the row's output
-            p, reach = _quad_search_candidate(u, topk, dst + 64, True, MODE != 15,
-                                              0 if MODE == 11 else 128)
-            tl.store(dst, p.to(tl.int32, bitcast=True))
-            tl.store(dst + 1, reach)
         else:
             p, reach = _quad_search(u, topk, True)
             take = u >= p

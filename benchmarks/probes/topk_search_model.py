@@ -9,16 +9,16 @@ H100 (``topk_held_probe_column_order_2026-12-07.json``). This model replays the 
 rule in numpy (its float32 guess, its interpolation, its fifths) on rows of 8192 keys with
 ``need`` 2048 and counts the steps of each row, for
 
-- ``shipped``: the rule as ``_quad_search`` runs it;
+- ``plain``: the rule without the exchange below (``_quad_search`` before 2026-12-07);
 - ``min_max``: the same, plus one exchange of the bracket's least, second least and greatest
   items (one joint reduction, as a step's counts are) where one item is left to drop
   (``reach - need == 1``: the second least is the answer, or the least if it is tied) or
   where a step left the bracket's item count unchanged (all equal: the answer; else the
   bracket shrinks to ``[least, greatest + 1)`` and the interpolation aims on the items' own
-  range), each such exchange counted as a step;
-- ``compact``: the shipped rule until the bracket holds at most 128 items, which are then
-  ranked among themselves (``benchmarks.probes.topk_search_candidates``, ``COMPACT``); the
-  steps counted are those before that finish (a scan, a store and a read of the items,
+  range), each such exchange counted as a step: the rule ``_quad_search`` runs;
+- ``compact``: the plain rule until the bracket holds at most 128 items, which are then
+  ranked among themselves (built and timed, slower on the GPU: ``benchmarks/notes/topk.md``);
+  the steps counted are those before that finish (a scan, a store and a read of the items,
   compares in registers and one block-wide maximum).
 
 Every answer is checked against a sort (the search's convention: exactly ``need`` items
@@ -150,7 +150,7 @@ def check(u: np.ndarray, need: int, a: int, reach: int) -> None:
 def run(rows: int, seed: int = 1) -> dict:
     out = {}
     for family in FAMILIES:
-        for rule in ("shipped", "min_max", "compact"):
+        for rule in ("plain", "min_max", "compact"):
             rng = np.random.default_rng(seed)
             steps = []
             for _ in range(rows):
@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps({
             "what": "steps of the held top-k's search a row (numpy model of _quad_search, "
                     f"rows of {WIDTH} keys, need {NEED}, {args.rows} rows a family, seed 1), "
-                    "as shipped, with an exchange of the bracket's least and greatest items, and "
+                    "plain, with an exchange of the bracket's least and greatest items (the rule "
+                    "shipped from 2026-12-07), and "
                     "with the bracket's last 128 items ranked among themselves (steps before "
                     "that finish) (benchmarks.probes.topk_search_model)", "rows": res}, indent=1))
     return 0

@@ -40,12 +40,17 @@ memory) is not used here: rebuilt in Triton it was several times slower (the mea
    search that narrows a bracket around the boundary key, two interpolated probes a step,
    each step a compare of every held key with both and one block-wide count (no histogram,
    no memory; about 7 steps, ``mla.fast.topk.search``), until exactly ``topk`` keys reach
-   it; when the boundary key is tied, a second search among its equals on the inverted
-   column takes the lowest columns. Up to ``CANDIDATES / 2`` items are held with their
-   columns; a longer list or row keeps only its keys and writes its columns in tiles. A row
-   of no more than ``CANDIDATES`` keys skips 1-2 and is selected whole; where the logits
-   are no wider than that, every route runs one kernel that holds only this path
-   (``_held_kernel``: faster than the general kernels at every measured row count).
+   it. Up to ``CANDIDATES / 2`` items are held with their columns. Where they are in column
+   order (a list from the whole bitmask, a row held whole), one scan writes the columns: of a
+   tied boundary key the first ones in that order are the lowest columns
+   (``_select_in_column_order``); else (lists in the order the parts arrived) a second
+   search among the tied boundary's equals on the inverted column takes the lowest columns.
+   A longer list keeps only its keys and writes the columns in tiles. A row of no more
+   than ``CANDIDATES`` keys skips 1-2 and is selected whole; where the logits are no wider
+   than that, every route runs one kernel that holds only this path (``_held_kernel``:
+   faster than the general kernels at every measured row count), by default with four
+   probes a step, the first placed by a normal guess, and a step of the bracket's extremes
+   where the interpolation stalls (``_quad_search``), the columns written from registers.
 
 Three routes run them (``TopkPlan.route``; ``"auto"`` picks one or two launches by shape,
 ``TopkPlan.route_for``). **One launch** (``mla.fast.topk.fused``): every program of a row
@@ -145,18 +150,19 @@ class TopkPlan:
     cut into that many chunks over the rows).
     Select (all routes): ``select_maxnreg`` (where the selecting kernel's programs outnumber
     the SMs, the registers a thread capped and tiles of at most 1024 keys, two programs a
-    SM), ``select_tile`` keys a
-    step where a select reads in tiles (a list or row past ``CANDIDATES / 2``, the scan; at
-    most 1024 in the one-launch kernel), ``select_bits`` a radix level of the scan;
-    ``select_warps`` (three launches, and the rows held whole where the logits are no wider
-    than ``CANDIDATES``).
-    Rows held whole (logits no wider than ``CANDIDATES``: ``_held_kernel``): ``held_write``
+    SM), ``select_tile`` keys a step where a select reads in tiles (a list or row past
+    ``CANDIDATES / 2``, the scan; at most 1024 in the one-launch kernel), ``select_bits`` a
+    radix level of the scan; ``select_warps`` (three launches, and the rows held whole where
+    the logits are no wider than ``CANDIDATES``).
+    Rows held whole (logits no wider than ``held_width``: ``_held_kernel``): ``held_write``
     (the columns written from the held keys, or by a second read in tiles), ``held_search``
     (the boundary key by ``_quad_search`` or ``_bracket_search``), ``held_maxnreg`` (where the
     rows outnumber the SMs, the registers a thread capped: at 8 warps ptxas gives the kernel
     162, one program a SM; 128 fits two, at the cost of 16 bytes of stack: H100, 256 x 8K
-    24.2 against 28.6 us), ``held_prefetch`` (the row's columns ``[0, W)``
-    loaded before its range is read, aligned; the keys outside the range dropped).
+    24.2 against 28.6 us), ``held_prefetch`` (the row's columns ``[0, W)`` loaded before its
+    range is read, aligned; the keys outside the range dropped), ``held_width`` (``CANDIDATES``,
+    or twice it: logits up to 16K wide held too, at ``held_wide_warps``; for sm_90 the
+    kernel then compiles to 128 registers and 24 bytes of stack at 16 warps).
     ``pdl`` (two and three launches, on sm_90 or later): the second launch (two) or the filter
     (three) launched as the estimate's programmatic dependent (``launch_pdl``), so that it
     starts while the estimate ends, its programs waiting for the thresholds; the select
@@ -190,6 +196,11 @@ class TopkPlan:
     # rows held whole, written from registers: the row's columns [0, W) loaded before its
     # range is read (False: the range read first, then its keys alone)
     held_prefetch: bool = True
+    # the widest logits whose rows are held whole: CANDIDATES, or up to 2 * CANDIDATES where
+    # the columns are written from registers (held_write "registers"), those past CANDIDATES
+    # at held_wide_warps (16: 128 registers a thread, 32 keys each)
+    held_width: int = CANDIDATES
+    held_wide_warps: int = 16
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
     select_maxnreg: int = 128
@@ -232,6 +243,15 @@ class TopkPlan:
         if self.route not in ("auto", "one", "two", "three"):
             raise ValueError(f"TopkPlan.route must be 'auto', 'one', 'two' or 'three', got "
                              f"{self.route!r}")
+        if self.held_width not in (CANDIDATES, 2 * CANDIDATES):
+            raise ValueError(f"TopkPlan.held_width must be {CANDIDATES} or {2 * CANDIDATES}, "
+                             f"got {self.held_width!r}")
+        if self.held_width > CANDIDATES and self.held_write != "registers":
+            raise ValueError(f"TopkPlan.held_width past {CANDIDATES} needs held_write "
+                             f"'registers', got {self.held_write!r}")
+        if self.held_wide_warps not in (8, 16, 32):
+            raise ValueError(f"TopkPlan.held_wide_warps must be 8, 16 or 32, got "
+                             f"{self.held_wide_warps!r}")
         for name in ("select_maxnreg", "held_maxnreg"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or (v and not 24 <= v <= 255):
@@ -266,7 +286,7 @@ class TopkPlan:
         if self.route != "auto":
             return self.route
         sms = num_sms(device)
-        if W > CANDIDATES and ((W <= self.two_chunk and R > sms)
+        if W > self.held_width and ((W <= self.two_chunk and R > sms)
                                or R > self.many_rows_per_sm * sms):
             return "two"
         return "one"
@@ -347,8 +367,8 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     (``mla.fast.launch``)."""
     R, W = logits.shape
     cap = CANDIDATES
-    # rows held whole (every row where W <= cap) need no scratch: none is allocated
-    cols = work_columns(cap, SMALL) if W > cap else 0
+    held = W <= plan.held_width  # every row held whole: no scratch is allocated
+    cols = 0 if held else work_columns(cap, SMALL)
     work = torch.empty(R, cols, dtype=torch.int32, device=logits.device)
     rows = (logits, row_starts, row_ends)
     s_l_r, s_o_r = logits.stride(0), out.stride(0)
@@ -356,7 +376,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     key = (plan, W, topk, int_spec(s_l_r), int_spec(s_o_r), row_starts.dtype, row_ends.dtype,
            *(ptr_spec(t) for t in (*rows, work, out)))
     out_block = min(1024, next_pow2(topk))
-    if W <= cap:  # every row held whole, whatever the route
+    if held:  # whatever the route
         hold = max(32, next_pow2(W))
         in_registers = plan.held_write == "registers"
         check_grid(_GRID_NAME, (R, 1, 1))
@@ -364,10 +384,11 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
                 out_block, in_registers, plan.held_search == "quad",
                 plan.held_prefetch and (in_registers or 2 * hold <= cap))
         regs = {}
-        if plan.held_maxnreg and R > num_sms(logits.device) and not interpreting():
+        if plan.held_maxnreg and W <= cap and R > num_sms(logits.device) and not interpreting():
             regs = {"maxnreg": plan.held_maxnreg}
+        warps = plan.select_warps if W <= cap else plan.held_wide_warps
         return work, [lambda: _held((key, hold, bool(regs)), (R, 1, 1), args,
-                                    num_warps=plan.select_warps, **regs)]
+                                    num_warps=warps, **regs)]
     route = plan.route_for(R, W, logits.device)
     if route == "one":
         return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]

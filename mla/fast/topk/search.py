@@ -246,6 +246,29 @@ def _range_and_moments(u, MOMENTS: tl.constexpr):
 
 
 @triton.jit
+def _least_two_greatest(a0, a1, a2, b0, b1, b2):
+    """The least, second least (a multiset's: duplicates counted) and greatest of two
+    triples."""
+    return (tl.minimum(a0, b0), tl.minimum(tl.maximum(a0, b0), tl.minimum(a1, b1)),
+            tl.maximum(a2, b2))
+
+
+@triton.jit
+def _bracket_extremes(u, a, z):
+    """The least, second least (duplicates counted) and greatest of the items of ``u`` in
+    ``[a, z)`` (at least two; ``z - 1`` fits uint32, ``z`` itself may be ``2^32``)."""
+    inside = (u >= a.to(tl.uint32)) & (u <= (z - 1).to(tl.uint32))
+    none = tl.full(u.shape, 0xFFFFFFFF, tl.uint32)
+    x = tl.where(inside, u, none)
+    if _JOINT_REDUCE:
+        return tl.reduce((x, none, tl.where(inside, u, 0)), 0, _least_two_greatest)
+    least = tl.min(x, axis=0)
+    twice = tl.sum((x == least).to(tl.int32), axis=0) > 1
+    second = tl.where(twice, least, tl.min(tl.where(x == least, none, x), axis=0))
+    return least, second, tl.max(tl.where(inside, u, 0), axis=0)
+
+
+@triton.jit
 def _quad_search(u, need, GUESS: tl.constexpr):
     """``_bracket_search`` (its bracket, its convention, its answer) with four probes a step,
     their counts in one joint block-wide sum of two int32 (two 16-bit counts each), and with
@@ -256,7 +279,16 @@ def _quad_search(u, need, GUESS: tl.constexpr):
     to 3.4 on 8192 normal keys, need 2048; 17.7 to 8.0 on two far clusters). After it, the
     probes go where the counts at the bracket's ends, interpolated, put the ``need``-th, a
     tenth of the distance to it either side (at the fifths after a step that did not halve
-    the bracket: a bracket of ``2^32`` closes within 64 steps, whatever the keys)."""
+    the bracket of ``2^32`` closes within 64 steps, whatever the keys).
+
+    Where one item is left to drop (``reach - need == 1``) or a step left the bracket's items
+    as many as before, a step of another kind takes the bracket's least, second least and
+    greatest items (``_bracket_extremes``): one item to drop, the answer is the second least
+    (the least itself when the two are tied); else the bracket shrinks to ``[least, greatest
+    + 1)``, its counts unchanged (the answer, where it holds one pattern). Those are the rows
+    the interpolation keeps missing: with it the slowest of 132 normal rows of 8192 keys takes
+    6.3 steps, not 8.3 (``benchmarks.probes.topk_search_model``); on an H100, 132 such rows
+    loaded and searched took 13.0 us, not 16.2 (``topk_held_probe``, 2026-12-07)."""
     tl.static_assert(u.numel < 65536, "the counts are 16-bit fields")
     need = need + tl.zeros((), tl.int32)  # a tensor, also where it is specialized (k = 1)
     reach, hi, lo, nf, s1, s2 = _range_and_moments(u, GUESS)
@@ -266,65 +298,84 @@ def _quad_search(u, need, GUESS: tl.constexpr):
     cz = tl.zeros((), tl.int32)
     fifths = tl.zeros((), tl.int32)
     first = tl.full((), GUESS, tl.int32)
+    before = tl.full((), -1, tl.int32)  # the bracket's items before the last counting step
     while (z - a > 1) & (ca > need):
-        if first != 0:
-            mean = s1 / nf
-            sd = tl.sqrt(tl.maximum(s2 / nf - mean * mean, 0.0))
-            r = reach.to(tl.float32)
-            q = tl.minimum(tl.maximum(need.to(tl.float32) / r, 0.5 / r), 1.0 - 0.5 / r)
-            t = mean + sd * _normal_upper_quantile(q)
-            c0 = _value_pattern(t - 0.05 * sd)
-            c1 = _value_pattern(t - 0.0167 * sd)
-            c2 = _value_pattern(t + 0.0167 * sd)
-            c3 = _value_pattern(t + 0.05 * sd)
-        elif fifths != 0:
-            f = (z - a) // 5
-            c0 = a + f
-            c1 = a + 2 * f
-            c2 = a + 3 * f
-            c3 = a + 4 * f
+        items = ca - cz
+        if (first == 0) & ((ca - need == 1) | (items == before)):
+            least, second, most = _bracket_extremes(u, a, z)
+            drop = (ca - need == 1) & (second != least)
+            tied = (ca - need == 1) & (second == least)
+            # one item to drop: the second least, reached by need; the least tied with one to
+            # drop: the least, reached by ca; else the bracket [least, most + 1), which is
+            # the answer when it holds one pattern
+            a = tl.where(drop, second, least).to(tl.int64)
+            z = tl.where(tied, least.to(tl.int64) + 1,
+                         tl.where(drop, z, most.to(tl.int64) + 1))
+            ca = tl.where(drop, need, ca)
+            before = tl.full((), -1, tl.int32)
+            fifths = tl.zeros((), tl.int32)
         else:
-            aim = (ca - need).to(tl.float32)
-            g = tl.maximum(0.1 * aim, 1.0)
-            scale = tl.fdiv((z - a).to(tl.float32), (ca - cz).to(tl.float32))
-            c0 = a + tl.minimum(tl.maximum((aim - g) * scale, 0.0), 4294967296.0).to(tl.int64)
-            c1 = a + tl.minimum(tl.maximum((aim - g / 3) * scale, 0.0),
-                                4294967296.0).to(tl.int64)
-            c2 = a + tl.minimum(tl.maximum((aim + g / 3) * scale, 0.0),
-                                4294967296.0).to(tl.int64)
-            c3 = a + tl.minimum(tl.maximum((aim + g) * scale, 0.0), 4294967296.0).to(tl.int64)
-        first = tl.zeros((), tl.int32)
-        c0 = tl.minimum(tl.maximum(c0, a + 1), z - 1)
-        c1 = tl.minimum(tl.maximum(c1, c0), z - 1)
-        c2 = tl.minimum(tl.maximum(c2, c1), z - 1)
-        c3 = tl.minimum(tl.maximum(c3, c2), z - 1)
-        s01 = ((u >= c0.to(tl.uint32)).to(tl.int32)
-               + ((u >= c1.to(tl.uint32)).to(tl.int32) << 16))
-        s23 = ((u >= c2.to(tl.uint32)).to(tl.int32)
-               + ((u >= c3.to(tl.uint32)).to(tl.int32) << 16))
-        if _JOINT_REDUCE:
-            n01, n23 = tl.reduce((s01, s23), 0, _add2)
-        else:
-            n01 = tl.sum(s01, axis=0)
-            n23 = tl.sum(s23, axis=0)
-        n0 = n01 & 0xFFFF
-        n1 = n01 >> 16
-        n2 = n23 & 0xFFFF
-        n3 = n23 >> 16
-        wide = z - a
-        # counts fall as the probes rise: a is the highest probe that keeps need items,
-        # z the lowest that does not
-        a_next = tl.where(n3 >= need, c3, tl.where(n2 >= need, c2, tl.where(
-            n1 >= need, c1, tl.where(n0 >= need, c0, a))))
-        ca_next = tl.where(n3 >= need, n3, tl.where(n2 >= need, n2, tl.where(
-            n1 >= need, n1, tl.where(n0 >= need, n0, ca))))
-        z = tl.where(n0 < need, c0, tl.where(n1 < need, c1, tl.where(
-            n2 < need, c2, tl.where(n3 < need, c3, z))))
-        cz = tl.where(n0 < need, n0, tl.where(n1 < need, n1, tl.where(
-            n2 < need, n2, tl.where(n3 < need, n3, cz))))
-        a = a_next
-        ca = ca_next
-        fifths = ((fifths == 0) & ((z - a) * 2 > wide)).to(tl.int32)
+            before = items
+            if first != 0:
+                mean = s1 / nf
+                sd = tl.sqrt(tl.maximum(s2 / nf - mean * mean, 0.0))
+                r = reach.to(tl.float32)
+                q = tl.minimum(tl.maximum(need.to(tl.float32) / r, 0.5 / r), 1.0 - 0.5 / r)
+                t = mean + sd * _normal_upper_quantile(q)
+                c0 = _value_pattern(t - 0.05 * sd)
+                c1 = _value_pattern(t - 0.0167 * sd)
+                c2 = _value_pattern(t + 0.0167 * sd)
+                c3 = _value_pattern(t + 0.05 * sd)
+            elif fifths != 0:
+                f = (z - a) // 5
+                c0 = a + f
+                c1 = a + 2 * f
+                c2 = a + 3 * f
+                c3 = a + 4 * f
+            else:
+                aim = (ca - need).to(tl.float32)
+                g = tl.maximum(0.1 * aim, 1.0)
+                scale = tl.fdiv((z - a).to(tl.float32), (ca - cz).to(tl.float32))
+                c0 = a + tl.minimum(tl.maximum((aim - g) * scale, 0.0),
+                                    4294967296.0).to(tl.int64)
+                c1 = a + tl.minimum(tl.maximum((aim - g / 3) * scale, 0.0),
+                                    4294967296.0).to(tl.int64)
+                c2 = a + tl.minimum(tl.maximum((aim + g / 3) * scale, 0.0),
+                                    4294967296.0).to(tl.int64)
+                c3 = a + tl.minimum(tl.maximum((aim + g) * scale, 0.0),
+                                    4294967296.0).to(tl.int64)
+            first = tl.zeros((), tl.int32)
+            c0 = tl.minimum(tl.maximum(c0, a + 1), z - 1)
+            c1 = tl.minimum(tl.maximum(c1, c0), z - 1)
+            c2 = tl.minimum(tl.maximum(c2, c1), z - 1)
+            c3 = tl.minimum(tl.maximum(c3, c2), z - 1)
+            s01 = ((u >= c0.to(tl.uint32)).to(tl.int32)
+                   + ((u >= c1.to(tl.uint32)).to(tl.int32) << 16))
+            s23 = ((u >= c2.to(tl.uint32)).to(tl.int32)
+                   + ((u >= c3.to(tl.uint32)).to(tl.int32) << 16))
+            if _JOINT_REDUCE:
+                n01, n23 = tl.reduce((s01, s23), 0, _add2)
+            else:
+                n01 = tl.sum(s01, axis=0)
+                n23 = tl.sum(s23, axis=0)
+            n0 = n01 & 0xFFFF
+            n1 = n01 >> 16
+            n2 = n23 & 0xFFFF
+            n3 = n23 >> 16
+            wide = z - a
+            # counts fall as the probes rise: a is the highest probe that keeps need items,
+            # z the lowest that does not
+            a_next = tl.where(n3 >= need, c3, tl.where(n2 >= need, c2, tl.where(
+                n1 >= need, c1, tl.where(n0 >= need, c0, a))))
+            ca_next = tl.where(n3 >= need, n3, tl.where(n2 >= need, n2, tl.where(
+                n1 >= need, n1, tl.where(n0 >= need, n0, ca))))
+            z = tl.where(n0 < need, c0, tl.where(n1 < need, c1, tl.where(
+                n2 < need, c2, tl.where(n3 < need, c3, z))))
+            cz = tl.where(n0 < need, n0, tl.where(n1 < need, n1, tl.where(
+                n2 < need, n2, tl.where(n3 < need, n3, cz))))
+            a = a_next
+            ca = ca_next
+            fifths = ((fifths == 0) & ((z - a) * 2 > wide)).to(tl.int32)
     return a.to(tl.uint32), ca
 
 
