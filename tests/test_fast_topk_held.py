@@ -23,6 +23,26 @@ HELD_PLANS = {"registers, quad": TopkPlan(),
               "registers, no prefetch": TopkPlan(held_prefetch=False)}
 
 
+def _hard_rows(seed: int, width: int, last: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of ``width`` keys for ``topk = 2048``: random (0), a tied boundary starting at
+    column 3 (1), 2048 and 2049 keys (2, 3), specials (4), all equal (5), a row ending at
+    ``last[0]`` whose ``topk``-th key is tied with most of its lower half (1548 keys above,
+    the 500 lowest ties taken: 6), then rows of random keys from column 1 to each further end
+    in ``last``."""
+    n = 6 + len(last)
+    starts = [0, 3, 0, 0, 0, 0, 0] + [1] * (len(last) - 1)
+    ends = [width, width - 1, 2048, 2049, width, width, *last]
+    logits, st, en = _rows(_gen(seed), starts[:n], ends, width)
+    logits[1] = (logits[1] * 40).round() / 40
+    logits[4, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
+                                  float("nan"), 1e30])
+    logits[5] = 0.25
+    logits[6] = -1.0
+    logits[6, 1:3096:2] = torch.rand(1548, generator=_gen(seed + 1)) + 1.0
+    return logits, st, en
+
+
 @pytest.mark.parametrize("plan", HELD_PLANS)
 def test_topk_held_with_columns_or_in_tiles(plan):
     """A row of ``CANDIDATES // 2`` keys is selected with its columns held beside its keys, a
@@ -45,14 +65,7 @@ def test_held_rows_at_the_widest(plan):
     specials, one all equal (every key tied: the ``topk`` lowest columns) and one whose
     ``topk``-th key is tied with most of the row's lower half, in column order."""
     width = CANDIDATES
-    logits, st, en = _rows(_gen(71), [0, 3, 0, 0, 0, 0, 0],
-                           [width, width - 1, 2048, 2049, width, width, width - 9], width)
-    logits[1] = (logits[1] * 40).round() / 40  # a tied boundary
-    logits[4, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
-                                  float("nan"), 1e30])
-    logits[5] = 0.25  # all equal
-    logits[6] = -1.0  # 1548 keys above, among the ties: the 500 lowest ties taken
-    logits[6, 1:3096:2] = torch.rand(1548, generator=_gen(72)) + 1.0
+    logits, st, en = _hard_rows(71, width, [width - 9])
     got = _check(logits, st, en, 2048, HELD_PLANS[plan])
     assert bool((got[:, 1:] > got[:, :-1])[[0, 1, 4, 5, 6]].all()), "not in column order"
     assert torch.equal(got[5].cpu(), torch.arange(2048, dtype=torch.int32))
@@ -89,15 +102,7 @@ def test_held_rows_past_the_list(plan, width):
     ragged ranges, a row of ``topk`` keys and one of ``topk + 1``, specials, a row all equal
     (the ``topk`` lowest columns) and one whose ``topk``-th key is tied with most of its
     lower half, in column order; the same rows at the default width are filtered."""
-    logits, st, en = _rows(_gen(75), [0, 3, 0, 0, 0, 0, 0, 1],
-                           [width, width - 1, 2048, 2049, width, width, width, width - 2],
-                           width)
-    logits[1] = (logits[1] * 40).round() / 40  # a tied boundary
-    logits[4, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
-                                  float("nan"), 1e30])
-    logits[5] = 0.25  # all equal
-    logits[6] = -1.0  # 1548 keys above, among the ties: the 500 lowest ties taken
-    logits[6, 1:3096:2] = torch.rand(1548, generator=_gen(76)) + 1.0
+    logits, st, en = _hard_rows(75, width, [width, width - 2])
     got = _check(logits, st, en, 2048, WIDE[plan])
     assert bool((got[:, 1:] > got[:, :-1])[[0, 1, 4, 5, 6, 7]].all()), "not in column order"
     assert torch.equal(got[5].cpu(), torch.arange(2048, dtype=torch.int32))
