@@ -57,9 +57,10 @@ HELD_PLANS = {"mla_fast_held_tiles": TopkPlan(held_write="tiles"),
               "mla_fast_held_uncapped": TopkPlan(held_maxnreg=0),
               "mla_fast_held_no_prefetch": TopkPlan(held_prefetch=False)}
 # logits past the list up to twice it (8256: a decode row of 8K + 1 in whole blocks of 64)
-# held whole too (TopkPlan.held_width), at 16 and 32 warps
+# held whole too (TopkPlan.held_width), at 16, 32 and 8 warps
 WIDE_PLANS = {"mla_fast_held_16k": TopkPlan(held_width=2 * CANDIDATES),
-              "mla_fast_held_16k_32w": TopkPlan(held_width=2 * CANDIDATES, held_wide_warps=32)}
+              "mla_fast_held_16k_32w": TopkPlan(held_width=2 * CANDIDATES, held_wide_warps=32),
+              "mla_fast_held_16k_8w": TopkPlan(held_width=2 * CANDIDATES, held_wide_warps=8)}
 
 
 def load_vllm(lib: Path | None) -> dict:
