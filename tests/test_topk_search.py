@@ -7,9 +7,10 @@ A returned ``(a, reach)`` is right when ``reach`` items reach ``a``, and either 
 is tied and ``a`` is its value (more than ``need`` reach it, fewer than ``need`` pass it). The
 rows are the ones that make a search hard: keys spread over the whole 32-bit range, two far
 clusters (an interpolation aims between them), every key equal, a run of ties at the
-boundary, the two least keys tied with ``need`` all but one, exponentially spread float
-keys, a few keys among empty places, the extremes 1 and ``2^32 - 1``, ``need`` 1 and
-``need`` every item.
+boundary, the two least keys tied with ``need`` all but one, a run of consecutive patterns
+present twice each (an item just below every probe), exponentially spread float keys, a few
+keys among empty places, the extremes 1 and ``2^32 - 1``, ``need`` 1 and ``need`` every item.
+The search's step of the bracket's extremes is also checked on its own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla.fast.topk.search import _bisect, _bracket_search, _quad_search
+from mla.fast.topk.search import _bisect, _bracket_extremes, _bracket_search, _quad_search
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N = 4096  # the select holds this many items with their columns
@@ -62,6 +63,8 @@ def _rows() -> list[tuple[str, torch.Tensor, int]]:
     candidates[3300:] = 0  # ~3300 candidates, as the select sees
     least_tied = torch.randperm(N, generator=g) + 10
     least_tied[:2] = 3  # the two least equal: need all but one ends on a tie at the bottom
+    # every pattern of a run present (twice): an item sits just below every probe
+    run = (torch.randperm(N, generator=g) // 2 + 1000).long()
     return [("full range", full, 2048), ("full range, need 1", full, 1),
             ("full range, need all", full, N), ("two clusters", clusters, N // 2 + 1),
             ("two clusters, inside one", clusters, 17), ("all equal", torch.full((N,), 5), 100),
@@ -69,7 +72,9 @@ def _rows() -> list[tuple[str, torch.Tensor, int]]:
             ("a few among empties", few, 11), ("a few, need all", few, 37),
             ("extremes", extremes, N // 2), ("candidates", candidates, 2048),
             ("one item", torch.nn.functional.pad(torch.tensor([9]), (0, N - 1)), 1),
-            ("the two least tied, need all but one", least_tied, N - 1)]
+            ("the two least tied, need all but one", least_tied, N - 1),
+            ("a run of patterns, twice each", run, 2047), ("a run, twice each, need 2", run, 2),
+            ("a run, twice each, need all but one", run, N - 1)]
 
 
 ROWS = _rows()
@@ -132,3 +137,43 @@ def test_the_search_step_model_keeps_the_convention():
             if family == "ties of 1/40":
                 assert both[2] < plain[2], (both, plain)
 
+
+
+@triton.jit
+def _extremes_rows(u_ptr, ends_ptr, out_ptr, N: tl.constexpr):
+    row = tl.program_id(0)
+    u = tl.load(u_ptr + row * N + tl.arange(0, N)).to(tl.uint32, bitcast=True)
+    a = tl.load(ends_ptr + 2 * row)
+    z = tl.load(ends_ptr + 2 * row + 1)
+    least, second, most = _bracket_extremes(u, a, z)
+    tl.store(out_ptr + 3 * row, least.to(tl.int64))
+    tl.store(out_ptr + 3 * row + 1, second.to(tl.int64))
+    tl.store(out_ptr + 3 * row + 2, most.to(tl.int64))
+
+
+def test_bracket_extremes_of_the_items_inside():
+    """``_bracket_extremes(u, a, z)``: the least, second least (duplicates counted) and
+    greatest of the items in ``[a, z)``, read off a sort, on brackets whose ends are items'
+    patterns (``a`` and ``z - 1`` inside, ``z`` outside), with the least tied, and with
+    ``z = 2^32`` (the greatest pattern inside)."""
+    g = torch.Generator().manual_seed(13)
+    rows, ends = [], []
+    for a, z, tie in [(5000, 9000, False), (5000, 9000, True), (1, 2 ** 32, False),
+                      (2 ** 32 - 300, 2 ** 32, True), (7, 9, False)]:
+        u = torch.randint(1, 2 ** 32, (N,), generator=g)
+        u[:3] = torch.tensor([a - 1, z - 1, min(z, 2 ** 32 - 1)])  # ends' neighbours
+        u[3] = a  # a itself is inside
+        u[4:8] = torch.randint(a, z, (4,), generator=g)
+        if tie:
+            u[8] = a
+        rows.append(u)
+        ends.append([a, z])
+    u = torch.stack(rows)
+    u32 = (u - (u >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
+    e = torch.tensor(ends, dtype=torch.int64)
+    got = torch.zeros(len(rows), 3, dtype=torch.int64, device=DEVICE)
+    _extremes_rows[(len(rows),)](u32.to(DEVICE), e.to(DEVICE), got, N=N)
+    for r, (a, z) in enumerate(ends):
+        inside = u[r][(u[r] >= a) & (u[r] < z)].sort().values
+        want = [int(inside[0]), int(inside[1]), int(inside[-1])]
+        assert got[r].tolist() == want, (r, got[r].tolist(), want)
