@@ -30,10 +30,9 @@ def _hard_rows(seed: int, width: int, last: list[int]
     ``last[0]`` whose ``topk``-th key is tied with most of its lower half (1548 keys above,
     the 500 lowest ties taken: 6), then rows of random keys from column 1 to each further end
     in ``last``."""
-    n = 6 + len(last)
     starts = [0, 3, 0, 0, 0, 0, 0] + [1] * (len(last) - 1)
     ends = [width, width - 1, 2048, 2049, width, width, *last]
-    logits, st, en = _rows(_gen(seed), starts[:n], ends, width)
+    logits, st, en = _rows(_gen(seed), starts, ends, width)
     logits[1] = (logits[1] * 40).round() / 40
     logits[4, :7] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
                                   float("nan"), 1e30])

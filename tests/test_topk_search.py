@@ -42,6 +42,11 @@ def _search_rows(u_ptr, need_ptr, out_ptr, N: tl.constexpr, SEARCH: tl.constexpr
     tl.store(out_ptr + 2 * row + 1, reach.to(tl.int64))
 
 
+def _as_int32(u: torch.Tensor) -> torch.Tensor:
+    """uint32 patterns held as int64, as int32 of the same bits (what the kernels load)."""
+    return (u - (u >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
+
+
 def _float_patterns(x: torch.Tensor) -> torch.Tensor:
     """float32 values as the order-keeping uint32 patterns of the top-k (non-negative floats
     here: the sign bit set, the rest their bits), as int64."""
@@ -95,9 +100,8 @@ def _check_boundary(name: str, u: torch.Tensor, need: int, a: int, reach: int) -
 def test_search_returns_the_boundary_of_the_need_largest(search):
     u = torch.stack([r[1] for r in ROWS])
     need = torch.tensor([r[2] for r in ROWS], dtype=torch.int32)
-    u32 = (u - (u >= 2 ** 31).long() * 2 ** 32).to(torch.int32)  # the same bits, as int32
     got = torch.zeros(len(ROWS), 2, dtype=torch.int64, device=DEVICE)
-    _search_rows[(len(ROWS),)](u32.to(DEVICE), need.to(DEVICE), got, N=N,
+    _search_rows[(len(ROWS),)](_as_int32(u).to(DEVICE), need.to(DEVICE), got, N=N,
                                SEARCH=search.split()[0], GUESS="guess" in search)
     got = got.cpu()
     for (name, row, k), (a, reach) in zip(ROWS, got.tolist()):
@@ -138,7 +142,6 @@ def test_the_search_step_model_keeps_the_convention():
                 assert both[2] < plain[2], (both, plain)
 
 
-
 @triton.jit
 def _extremes_rows(u_ptr, ends_ptr, out_ptr, N: tl.constexpr):
     row = tl.program_id(0)
@@ -169,10 +172,9 @@ def test_bracket_extremes_of_the_items_inside():
         rows.append(u)
         ends.append([a, z])
     u = torch.stack(rows)
-    u32 = (u - (u >= 2 ** 31).long() * 2 ** 32).to(torch.int32)
     e = torch.tensor(ends, dtype=torch.int64)
     got = torch.zeros(len(rows), 3, dtype=torch.int64, device=DEVICE)
-    _extremes_rows[(len(rows),)](u32.to(DEVICE), e.to(DEVICE), got, N=N)
+    _extremes_rows[(len(rows),)](_as_int32(u).to(DEVICE), e.to(DEVICE), got, N=N)
     for r, (a, z) in enumerate(ends):
         inside = u[r][(u[r] >= a) & (u[r] < z)].sort().values
         want = [int(inside[0]), int(inside[1]), int(inside[-1])]

@@ -10,10 +10,9 @@ same grid and warps, CUDA-graph replays with the L2 flushed by a read (``benchma
 - ``chain8``: the load, then 8 dependent block-wide counts (one step of a search, 8 times);
 - ``chain8x4``: the same with four joint counts a step (8 probes a step, two 16-bit counts an
   int32, one exchange);
-- ``chain8_pair``, ``chain8_two_sums``, ``chain8_pack64``: 8 steps of four probes, as
-  ``_quad_search`` counts them (two int32 of two 16-bit counts in one joint ``tl.reduce``),
-  as two ``tl.sum``, and as one ``tl.sum`` of an int64 of four 16-bit counts: which exchange
-  a step of four probes should use;
+- ``chain8_pair``: 8 steps of four probes, as ``_quad_search`` counts them (two int32 of two
+  16-bit counts in one joint ``tl.reduce``; as two ``tl.sum`` or one int64 ``tl.sum`` they
+  were no faster: ``topk_held_probe_search_candidates_2026-12-07.json``);
 - ``search``: the load and ``_bracket_search``;
 - ``quad``: the load and ``_quad_search`` (four probes a step, the first from a normal guess);
 - ``write``: the load and the scan that writes ``topk`` columns (no search);
@@ -53,8 +52,7 @@ from mla.fast.topk.search import _add2, _bracket_search, _inverted, _quad_search
 TOPK = 2048
 MODES = {"empty": 0, "load": 1, "chain8": 2, "chain8x4": 3, "search": 4, "write": 5,
          "select_bracket": 6, "quad": 7, "select_tie_search": 8, "select": 9,
-         "quad_then_write": 10, "chain8_pair": 12, "chain8_two_sums": 13,
-         "chain8_pack64": 14}
+         "quad_then_write": 10, "chain8_pair": 12}
 
 
 @triton.jit
@@ -99,22 +97,6 @@ def _probe_kernel(logits, out, W, s_l_r, s_o_r, topk, MODE: tl.constexpr, HOLD: 
                     ((u >= p).to(tl.int32) + ((u >= p + 1).to(tl.int32) << 16),
                      (u >= p + 2).to(tl.int32) + ((u >= p + 3).to(tl.int32) << 16)), 0, _add2)
                 p = p + (s01 ^ s23).to(tl.uint32)
-            tl.store(dst, p.to(tl.int32, bitcast=True))
-        elif MODE == 13:  # the same two int32, two tl.sum
-            p = tl.max(u, axis=0) >> 1
-            for _ in tl.static_range(8):
-                s01 = tl.sum((u >= p).to(tl.int32) + ((u >= p + 1).to(tl.int32) << 16), axis=0)
-                s23 = tl.sum((u >= p + 2).to(tl.int32) + ((u >= p + 3).to(tl.int32) << 16),
-                             axis=0)
-                p = p + (s01 ^ s23).to(tl.uint32)
-            tl.store(dst, p.to(tl.int32, bitcast=True))
-        elif MODE == 14:  # four 16-bit counts in one int64, one tl.sum
-            p = tl.max(u, axis=0) >> 1
-            for _ in tl.static_range(8):
-                s = tl.sum((u >= p).to(tl.int64) + ((u >= p + 1).to(tl.int64) << 16)
-                           + ((u >= p + 2).to(tl.int64) << 32)
-                           + ((u >= p + 3).to(tl.int64) << 48), axis=0)
-                p = p + (s ^ (s >> 32)).to(tl.uint32)
             tl.store(dst, p.to(tl.int32, bitcast=True))
         elif MODE == 4:
             p, reach = _bracket_search(u, topk)
