@@ -45,7 +45,8 @@ TOPK = 2048
 SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
           (512, 131072), (1024, 131072), (128, 32768), (256, 32768), (2048, 32768),
           (128, 8192), (256, 8192)]
-# the decode lengths (--short)
+# the decode lengths (--short; 8256: a decode row of 8K + 1 in whole blocks of 64, past the
+# rows held whole)
 SHORT_SHAPES = [(R, W) for W in (8192, 8256, 16384) for R in (1, 32, 128, 256)]
 # rows held whole (at most CANDIDATES keys), beside the default (8 warps, the columns written
 # from the held keys, the quad search, registers capped where the rows outnumber the SMs, the
@@ -56,11 +57,6 @@ HELD_PLANS = {"mla_fast_held_tiles": TopkPlan(held_write="tiles"),
               "mla_fast_16w": TopkPlan(select_warps=16),
               "mla_fast_held_uncapped": TopkPlan(held_maxnreg=0),
               "mla_fast_held_no_prefetch": TopkPlan(held_prefetch=False)}
-# logits past the list up to twice it (8256: a decode row of 8K + 1 in whole blocks of 64)
-# held whole too (TopkPlan.held_width), at 16, 32 and 8 warps
-WIDE_PLANS = {"mla_fast_held_16k": TopkPlan(held_width=2 * CANDIDATES),
-              "mla_fast_held_16k_32w": TopkPlan(held_width=2 * CANDIDATES, held_wide_warps=32),
-              "mla_fast_held_16k_8w": TopkPlan(held_width=2 * CANDIDATES, held_wide_warps=8)}
 
 
 def load_vllm(lib: Path | None) -> dict:
@@ -142,9 +138,7 @@ def run(vllm: dict, copy_tbps: float, reps: int, shapes: list[tuple[int, int]]) 
         _work, steps = launches(x, starts, lengths, out, TOPK, TopkPlan())
         res = {"R": R, "L": W, "mla_route": TopkPlan().route_for(R, W, x.device)}
         res["mla_fast"] = timed(functools.partial(_run_all, steps), out, x, best, reps)
-        alternatives = HELD_PLANS if W <= CANDIDATES else (
-            WIDE_PLANS if W <= 2 * CANDIDATES else {})
-        for name, plan in alternatives.items():
+        for name, plan in (HELD_PLANS if W <= CANDIDATES else {}).items():
             _work, steps = launches(x, starts, lengths, out, TOPK, plan)
             res[name] = timed(functools.partial(_run_all, steps), out, x, best, reps)
         vals = torch.empty(R, TOPK, device="cuda")
@@ -180,7 +174,7 @@ def _torch_topk(x, vals, ids, best, reps) -> dict:
 
 
 def table(res: dict) -> str:
-    names = ["mla_fast", *HELD_PLANS, *WIDE_PLANS, "vllm_persistent_topk",
+    names = ["mla_fast", *HELD_PLANS, "vllm_persistent_topk",
              "vllm_cooperative_topk", "vllm_top_k_per_row_decode", "torch_topk"]
     lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us (% of copy)",
              "| rows x keys | " + " | ".join(names) + " |",

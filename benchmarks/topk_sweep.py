@@ -393,11 +393,6 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                                                            or 2 * hold <= CANDIDATES))
             found[_changed(plan) + f" held rows of {hold}"] = facts(
                 _compile(_held_kernel, const, ptrs, dict(ints, W=hold), plan.select_warps))
-        # logits up to twice the list held whole (held_width), at held_wide_warps
-        found[_changed(plan) + f" held rows of {2 * CANDIDATES}, {plan.held_wide_warps} warps"] = \
-            facts(_compile(_held_kernel, dict(const, HOLD=2 * CANDIDATES, IN_REGISTERS=True,
-                                              PREFETCH=plan.held_prefetch),
-                           ptrs, dict(ints, W=2 * CANDIDATES), plan.held_wide_warps))
         if plan.held_maxnreg:  # as launched where the rows outnumber the SMs
             found[_changed(plan) + f" held rows of {CANDIDATES}, capped"] = facts(
                 _compile(_held_kernel, const, ptrs, dict(ints, W=CANDIDATES),

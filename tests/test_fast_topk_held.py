@@ -1,9 +1,9 @@
-"""``mla.fast.top_k_per_row`` on rows held whole (logits no wider than ``CANDIDATES``, or twice
-it with ``held_width``: one kernel a row, ``_held_kernel``) under every ``TopkPlan`` choice of
-theirs: the columns written from registers or by a second read in tiles, either boundary
-search, the row prefetched or its range read first, the registers capped. Exact against the
-reference, in column order, on tied, all-equal, ragged and special rows and on a view of wider
-storage. The helpers and the other paths: ``tests/test_fast_topk.py``.
+"""``mla.fast.top_k_per_row`` on rows held whole (logits no wider than ``CANDIDATES``: one
+kernel a row, ``_held_kernel``) under every ``TopkPlan`` choice of theirs: the columns written
+from registers or by a second read in tiles, either boundary search, the row prefetched or its
+range read first, the registers capped. Exact against the reference, in column order, on tied,
+all-equal, ragged and special rows and on a view of wider storage; the same hard rows just past
+the held width, not held. The helpers and the other paths: ``tests/test_fast_topk.py``.
 """
 
 from __future__ import annotations
@@ -88,40 +88,29 @@ def test_held_rows_of_a_view(plan):
     assert torch.equal(as_sets(got), as_sets(want))
 
 
-WIDE = {"16 warps": TopkPlan(held_width=2 * CANDIDATES),
-        "32 warps, no prefetch": TopkPlan(held_width=2 * CANDIDATES, held_wide_warps=32,
-                                          held_prefetch=False)}
-
-
-@pytest.mark.parametrize("plan", WIDE)
 @pytest.mark.parametrize("width", [CANDIDATES + 1, 2 * CANDIDATES])
-def test_held_rows_past_the_list(plan, width):
-    """``held_width=2 * CANDIDATES``: logits of one key past the list (a decode row of 8K + 1)
-    and of twice it held whole, one kernel a row: exact with distinct and tied boundaries,
-    ragged ranges, a row of ``topk`` keys and one of ``topk + 1``, specials, a row all equal
-    (the ``topk`` lowest columns) and one whose ``topk``-th key is tied with most of its
-    lower half, in column order; the same rows at the default width are filtered."""
+def test_rows_just_past_the_held_width(width):
+    """Logits of one key past the list (a decode row of 8K + 1) and of twice it are not held
+    (scratch is allocated: the estimate, filter and select run): exact with distinct and tied
+    boundaries, ragged ranges, a row of ``topk`` keys and one of ``topk + 1``, specials, a row
+    all equal (the ``topk`` lowest columns) and one whose ``topk``-th key is tied with most of
+    its lower half."""
     logits, st, en = _hard_rows(75, width, [width, width - 2])
-    got = _check(logits, st, en, 2048, WIDE[plan])
-    assert bool((got[:, 1:] > got[:, :-1])[[0, 1, 4, 5, 6, 7]].all()), "not in column order"
-    assert torch.equal(got[5].cpu(), torch.arange(2048, dtype=torch.int32))
+    got = _check(logits, st, en, 2048)
+    assert torch.equal(got[5].sort().values.cpu(), torch.arange(2048, dtype=torch.int32))
     x, s0, e0 = _on((logits, st, en))
     out = torch.empty(8, 2048, dtype=torch.int32, device=DEVICE)
-    for p, held in ((WIDE[plan], True), (TopkPlan(), False)):
-        work, steps = launches(x, s0, e0, out, 2048, p)
-        assert (work.shape[1] == 0 and len(steps) == 1) == held, (p, work.shape, len(steps))
+    work, _steps = launches(x, s0, e0, out, 2048, TopkPlan())
+    assert work.shape[1] > 0, work.shape
 
 
 def test_held_plan_checks():
-    """``held_write``, ``held_search``, ``held_maxnreg``, ``held_width``, ``held_wide_warps``
-    and ``held_prefetch`` reject what they cannot run."""
+    """``held_write``, ``held_search``, ``held_maxnreg`` and ``held_prefetch`` reject what
+    they cannot run."""
     for kwargs, name in (({"held_write": "tiled"}, "held_write"),
                          ({"held_search": "radix"}, "held_search"),
                          ({"held_maxnreg": 16}, "held_maxnreg"),
-                         ({"held_maxnreg": True}, "held_maxnreg"),
-                         ({"held_width": 12000}, "held_width"),
-                         ({"held_width": 2 * CANDIDATES, "held_write": "tiles"}, "held_width"),
-                         ({"held_wide_warps": 4}, "held_wide_warps")):
+                         ({"held_maxnreg": True}, "held_maxnreg")):
         with pytest.raises(ValueError, match=name):
             TopkPlan(**kwargs)
     with pytest.raises(TypeError, match="held_prefetch"):

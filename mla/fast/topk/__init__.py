@@ -154,15 +154,13 @@ class TopkPlan:
     ``CANDIDATES / 2``, the scan; at most 1024 in the one-launch kernel), ``select_bits`` a
     radix level of the scan; ``select_warps`` (three launches, and the rows held whole where
     the logits are no wider than ``CANDIDATES``).
-    Rows held whole (logits no wider than ``held_width``: ``_held_kernel``): ``held_write``
+    Rows held whole (logits no wider than ``CANDIDATES``: ``_held_kernel``): ``held_write``
     (the columns written from the held keys, or by a second read in tiles), ``held_search``
     (the boundary key by ``_quad_search`` or ``_bracket_search``), ``held_maxnreg`` (where the
     rows outnumber the SMs, the registers a thread capped: at 8 warps ptxas gives the kernel
     162, one program a SM; 128 fits two, at the cost of 16 bytes of stack: H100, 256 x 8K
     24.2 against 28.6 us), ``held_prefetch`` (the row's columns ``[0, W)`` loaded before its
-    range is read, aligned; the keys outside the range dropped), ``held_width`` (``CANDIDATES``,
-    or twice it: logits up to 16K wide held too, at ``held_wide_warps``; for sm_90 the
-    kernel then compiles to 128 registers and 24 bytes of stack at 16 warps).
+    range is read, aligned; the keys outside the range dropped).
     ``pdl`` (two and three launches, on sm_90 or later): the second launch (two) or the filter
     (three) launched as the estimate's programmatic dependent (``launch_pdl``), so that it
     starts while the estimate ends, its programs waiting for the thresholds; the select
@@ -196,11 +194,6 @@ class TopkPlan:
     # rows held whole, written from registers: the row's columns [0, W) loaded before its
     # range is read (False: the range read first, then its keys alone)
     held_prefetch: bool = True
-    # the widest logits whose rows are held whole: CANDIDATES, or up to 2 * CANDIDATES where
-    # the columns are written from registers (held_write "registers"), those past CANDIDATES
-    # at held_wide_warps (16: 128 registers a thread, 32 keys each)
-    held_width: int = CANDIDATES
-    held_wide_warps: int = 16
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
     select_maxnreg: int = 128
@@ -243,15 +236,6 @@ class TopkPlan:
         if self.route not in ("auto", "one", "two", "three"):
             raise ValueError(f"TopkPlan.route must be 'auto', 'one', 'two' or 'three', got "
                              f"{self.route!r}")
-        if self.held_width not in (CANDIDATES, 2 * CANDIDATES):
-            raise ValueError(f"TopkPlan.held_width must be {CANDIDATES} or {2 * CANDIDATES}, "
-                             f"got {self.held_width!r}")
-        if self.held_width > CANDIDATES and self.held_write != "registers":
-            raise ValueError(f"TopkPlan.held_width past {CANDIDATES} needs held_write "
-                             f"'registers', got {self.held_write!r}")
-        if self.held_wide_warps not in (8, 16, 32):
-            raise ValueError(f"TopkPlan.held_wide_warps must be 8, 16 or 32, got "
-                             f"{self.held_wide_warps!r}")
         for name in ("select_maxnreg", "held_maxnreg"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or (v and not 24 <= v <= 255):
@@ -286,7 +270,7 @@ class TopkPlan:
         if self.route != "auto":
             return self.route
         sms = num_sms(device)
-        if W > self.held_width and ((W <= self.two_chunk and R > sms)
+        if W > CANDIDATES and ((W <= self.two_chunk and R > sms)
                                or R > self.many_rows_per_sm * sms):
             return "two"
         return "one"
@@ -367,7 +351,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     (``mla.fast.launch``)."""
     R, W = logits.shape
     cap = CANDIDATES
-    held = W <= plan.held_width  # every row held whole: no scratch is allocated
+    held = W <= cap  # every row held whole: no scratch is allocated
     cols = 0 if held else work_columns(cap, SMALL)
     work = torch.empty(R, cols, dtype=torch.int32, device=logits.device)
     rows = (logits, row_starts, row_ends)
@@ -384,11 +368,10 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
                 out_block, in_registers, plan.held_search == "quad",
                 plan.held_prefetch and (in_registers or 2 * hold <= cap))
         regs = {}
-        if plan.held_maxnreg and W <= cap and R > num_sms(logits.device) and not interpreting():
+        if plan.held_maxnreg and R > num_sms(logits.device) and not interpreting():
             regs = {"maxnreg": plan.held_maxnreg}
-        warps = plan.select_warps if W <= cap else plan.held_wide_warps
         return work, [lambda: _held((key, hold, bool(regs)), (R, 1, 1), args,
-                                    num_warps=warps, **regs)]
+                                    num_warps=plan.select_warps, **regs)]
     route = plan.route_for(R, W, logits.device)
     if route == "one":
         return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]

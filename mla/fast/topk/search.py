@@ -279,7 +279,7 @@ def _quad_search(u, need, GUESS: tl.constexpr):
     to 3.4 on 8192 normal keys, need 2048; 17.7 to 8.0 on two far clusters). After it, the
     probes go where the counts at the bracket's ends, interpolated, put the ``need``-th, a
     tenth of the distance to it either side (at the fifths after a step that did not halve
-    the bracket of ``2^32`` closes within 64 steps, whatever the keys).
+    the bracket: a bracket of ``2^32`` closes within 64 steps, whatever the keys).
 
     Where one item is left to drop (``reach - need == 1``) or a step left the bracket's items
     as many as before, a step of another kind takes the bracket's least, second least and
