@@ -6,7 +6,9 @@ chains of N = 64 (``mla.fast.sm90.logits``). Each ``m64nNk32`` FP8 ``wgmma`` rea
 bandwidth; at N = 128, 96 bytes a clock. The two queries of a column pair sit in one
 thread's register pair, so the sum over heads splits them with ``gl.split`` and no data
 moves. Without a second accumulator the program's epilogue no longer overlaps its own
-``wgmma``; the other programs of the SM (``PROGRAMS_PER_SM``) do.
+``wgmma``; the other programs of the SM (``PROGRAMS_PER_SM``) do. ``AHEAD`` (the
+``pair_ahead`` rows) keeps two accumulators so that it does: 179 registers against 111, two
+programs a SM.
 
 ``python -m benchmarks.probes.logits_pair_mma``: the five ragged shapes of
 ``benchmarks.indexer`` (rows compressed, as DeepGEMM writes them), the shipped kernel and
@@ -50,15 +52,68 @@ def _pair_out(acc, w2, k_scale, keys, out0, out1, lo0, vis0, lo1, vis1, span, N,
     return p
 
 
+@gluon.jit
+def _ahead_tile(acc, k_buf, ready, k_desc, w2, K_SCALE, col0, first, i, last, rows, out0, out1,
+                lo0, vis0, lo1, vis1, span, N, ok0, ok1, row_layout: gl.constexpr,
+                STAGES: gl.constexpr, COMPRESSED: gl.constexpr):
+    """Tile ``i``'s chain waited for (one left in flight), its buffer refilled, its epilogue
+    (stored only where ``i < last``)."""
+    BN: gl.constexpr = 64
+    a = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+    barrier()
+    if i + STAGES < last:
+        s = (i - first) % STAGES
+        mbarrier.expect(ready.index(s), BN * 128)
+        tma.async_copy_global_to_shared(k_desc, [(col0 + (i + STAGES) * BN).to(gl.int32), 0],
+                                        ready.index(s), k_buf.index(s))
+    start = col0 + i * BN
+    keys = start + rows
+    k_scale = gl.load(K_SCALE + keys, mask=keys < N, other=0.0)
+    live = i < last
+    return _pair_out(a, w2, k_scale, keys, out0, out1, lo0, vis0, lo1, vis1, span, N,
+                     ok0 & live, ok1 & live, row_layout, COMPRESSED)
+
+
+@gluon.jit
+def _issue(k_buf, ready, qt, acc, first, i, last, STAGES: gl.constexpr):
+    """Tile ``i``'s chain issued (its buffer waited for where ``i < last``)."""
+    s = (i - first) % STAGES
+    if i < last:
+        mbarrier.wait(ready.index(s), ((i - first) // STAGES) & 1)
+    return warpgroup_mma(k_buf.index(s), qt, acc, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _ahead_loop(k_buf, ready, k_desc, qt, w2, K_SCALE, col0, first, last, rows, out0, out1,
+                lo0, vis0, lo1, vis1, span, N, ok0, ok1, row_layout: gl.constexpr,
+                mma: gl.constexpr, STAGES: gl.constexpr, COMPRESSED: gl.constexpr):
+    """Tiles in pairs, two chains in flight: a tile's epilogue runs under the next's chain."""
+    pa = gl.zeros([64, 128], gl.float32, layout=mma)
+    pb = gl.zeros([64, 128], gl.float32, layout=mma)
+    pa = _issue(k_buf, ready, qt, pa, first, first, last, STAGES)
+    for j in range(first, last, 2):
+        pb = _issue(k_buf, ready, qt, pb, first, j + 1, last, STAGES)
+        pa = _ahead_tile(pa, k_buf, ready, k_desc, w2, K_SCALE, col0, first, j, last, rows,
+                         out0, out1, lo0, vis0, lo1, vis1, span, N, ok0, ok1, row_layout,
+                         STAGES, COMPRESSED)
+        pa = _issue(k_buf, ready, qt, pa, first, j + 2, last, STAGES)
+        pb = _ahead_tile(pb, k_buf, ready, k_desc, w2, K_SCALE, col0, first, j + 1, last, rows,
+                         out0, out1, lo0, vis0, lo1, vis1, span, N, ok0, ok1, row_layout,
+                         STAGES, COMPRESSED)
+    pa = warpgroup_mma_wait(num_outstanding=0, deps=(pa,))
+
+
 @gluon.jit(do_not_specialize=["M"])
 def pair_logits_kernel(
     Q, W, CODES, K_SCALE, KS, KE, OUT,
     S, N, M, chunk, splits, TILES,
     s_q_t, s_q_h, s_w_t, s_c_n,
-    STAGES: gl.constexpr, COMPRESSED: gl.constexpr,
+    STAGES: gl.constexpr, COMPRESSED: gl.constexpr, AHEAD: gl.constexpr = False,
 ):
     """``mla.fast.sm90.logits.ragged_logits_kernel``'s arguments and grid; one ``wgmma``
-    chain of N = 128 a tile."""
+    chain of N = 128 a tile. ``AHEAD``: two accumulators, the next tile's chain issued before
+    this tile's epilogue (tiles in pairs; past ``last`` a chain over a stale buffer whose
+    logits are not stored)."""
     H: gl.constexpr = 64
     D: gl.constexpr = 128
     BN: gl.constexpr = 64
@@ -138,24 +193,29 @@ def pair_logits_kernel(
         qt = q_smem.permute((1, 0))
         row_layout: gl.constexpr = gl.SliceLayout(1, mma)
         rows = gl.arange(0, BN, layout=row_layout)
-        p = gl.zeros([BN, 2 * H], gl.float32, layout=mma)
-        for i in range(first, last):
-            it = i - first
-            s = it % STAGES
-            start = col0 + i * BN
-            keys = start + rows
-            k_scale = gl.load(K_SCALE + keys, mask=keys < N, other=0.0)
-            mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-            k_s = k_buf.index(s)
-            a = warpgroup_mma(k_s, qt, p, use_acc=False, is_async=True)
-            a = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
-            barrier()  # every warp's share of the dot has read buffer s
-            if i + STAGES < last:
-                mbarrier.expect(ready.index(s), TILE_BYTES)
-                tma.async_copy_global_to_shared(k_desc, [(start + STAGES * BN).to(gl.int32), 0],
-                                                ready.index(s), k_s)
-            p = _pair_out(a, w2, k_scale, keys, out0, out1, lo0, vis0, lo1, vis1, span, N,
-                          ok0, ok1, row_layout, COMPRESSED)
+        if AHEAD:
+            _ahead_loop(k_buf, ready, k_desc, qt, w2, K_SCALE, col0, first, last, rows, out0,
+                        out1, lo0, vis0, lo1, vis1, span, N, ok0, ok1, row_layout, mma,
+                        STAGES, COMPRESSED)
+        else:
+            p = gl.zeros([BN, 2 * H], gl.float32, layout=mma)
+            for i in range(first, last):
+                it = i - first
+                s = it % STAGES
+                start = col0 + i * BN
+                keys = start + rows
+                k_scale = gl.load(K_SCALE + keys, mask=keys < N, other=0.0)
+                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+                k_s = k_buf.index(s)
+                a = warpgroup_mma(k_s, qt, p, use_acc=False, is_async=True)
+                a = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+                barrier()  # every warp's share of the dot has read buffer s
+                if i + STAGES < last:
+                    mbarrier.expect(ready.index(s), TILE_BYTES)
+                    at = (start + STAGES * BN).to(gl.int32)
+                    tma.async_copy_global_to_shared(k_desc, [at, 0], ready.index(s), k_s)
+                p = _pair_out(a, w2, k_scale, keys, out0, out1, lo0, vis0, lo1, vis1, span, N,
+                              ok0, ok1, row_layout, COMPRESSED)
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(j))
     for i in range(0, TILES):
@@ -168,7 +228,16 @@ def pair_logits_kernel(
             gl.store(out1 + keys, minus, mask=written)
 
 
-def compile_for_sm90(COMPRESSED: bool = True) -> dict:
+class _Ahead:
+    """``pair_logits_kernel`` launched with ``AHEAD=True`` (as ``sm90.launch`` calls it)."""
+
+    __name__ = "pair_ahead_logits_kernel"
+
+    def __getitem__(self, grid):
+        return lambda *a, **k: pair_logits_kernel[grid](*a, AHEAD=True, **k)
+
+
+def compile_for_sm90(COMPRESSED: bool = True, AHEAD: bool = False) -> dict:
     """The probe kernel compiled for sm_90 as ``benchmarks.sm90_compile.compile_logits``
     compiles the shipped one; its ``facts``."""
     import triton
@@ -176,7 +245,7 @@ def compile_for_sm90(COMPRESSED: bool = True) -> dict:
     from benchmarks import sm90_compile as sc
     from mla.fast.sm90 import logits as sm90_logits
 
-    const = dict(STAGES=sm90_logits.STAGES, COMPRESSED=COMPRESSED)
+    const = dict(STAGES=sm90_logits.STAGES, COMPRESSED=COMPRESSED, AHEAD=AHEAD)
     ptrs = dict(Q="fp8e4nv", W="fp32", CODES="fp8e4nv", K_SCALE="fp32", KS="i32", KE="i32",
                 OUT="fp32")
     ints = dict(S=4096, N=32768, M=32768, chunk=2048, splits=16, TILES=32, s_q_t=64 * 128,
@@ -218,16 +287,19 @@ def run(reps: int = 3) -> dict:
         call = functools.partial(fp8_mqa_logits, q8, kv, w, ks, ke, longest)
         sm90_logits.ragged_logits_kernel = shipped
         want = call()
-        sm90_logits.ragged_logits_kernel = pair_logits_kernel
-        got = call()
-        assert not sm90._unbuilt, f"a Gluon kernel failed to build: {sm90._unbuilt}"
         mag = fp8_mqa_logits(q8, kv, w.abs(), ks, ke, longest)
-        row = {"shape": name, "S": len(ks), "pairs": pairs,
-               "err_vs_shipped": logits_err(got, want, mag),
-               "same_minus_inf": bool(torch.equal(torch.isinf(got), torch.isinf(want)))}
-        times = {"shipped": [], "pair": [], "deepgemm": []}
+        row = {"shape": name, "S": len(ks), "pairs": pairs}
+        kernels = (("shipped", shipped), ("pair", pair_logits_kernel), ("pair_ahead", _Ahead()))
+        for label, kern in kernels[1:]:
+            sm90_logits.ragged_logits_kernel = kern
+            got = call()
+            assert not sm90._unbuilt, f"a Gluon kernel failed to build: {sm90._unbuilt}"
+            row[f"{label}_err_vs_shipped"] = logits_err(got, want, mag)
+            row[f"{label}_max_abs_diff"] = float((got - want).nan_to_num(0, 0, 0).abs().max())
+            row[f"{label}_same_inf"] = bool(torch.equal(torch.isinf(got), torch.isinf(want)))
+        times = {label: [] for label, _ in kernels} | {"deepgemm": []}
         for _ in range(reps):
-            for label, kern in (("shipped", shipped), ("pair", pair_logits_kernel)):
+            for label, kern in kernels:
                 sm90_logits.ragged_logits_kernel = kern
                 times[label].append(time_graph(call))
             if dg is not None:
@@ -248,7 +320,8 @@ def run(reps: int = 3) -> dict:
 def main(argv: list[str]) -> int:
     if "--compile" in argv:
         for compressed in (True, False):
-            print(compressed, compile_for_sm90(compressed))
+            for ahead in (False, True):
+                print(compressed, ahead, compile_for_sm90(compressed, ahead))
         return 0
     res = run()
     out = os.environ.get("OUT", "/tmp/out")
