@@ -45,9 +45,8 @@ TOPK = 2048
 SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
           (512, 131072), (1024, 131072), (128, 32768), (256, 32768), (2048, 32768),
           (128, 8192), (256, 8192)]
-# the decode lengths (--short; 8256: a decode row of 8K + 1 in whole blocks of 64, past the
-# rows held whole)
-SHORT_SHAPES = [(R, W) for W in (8192, 8256, 16384) for R in (1, 32, 128, 256)]
+# the decode lengths (--short; 8193: a decode row of 8K + 1, past the rows held whole)
+SHORT_SHAPES = [(R, W) for W in (8192, 8193, 16384) for R in (1, 32, 128, 256)]
 # rows held whole (at most CANDIDATES keys), beside the default (8 warps, the columns written
 # from the held keys, the quad search, registers capped where the rows outnumber the SMs, the
 # row prefetched): the columns by a second read in tiles, the bracket search, 16 warps, the
@@ -57,6 +56,10 @@ HELD_PLANS = {"mla_fast_held_tiles": TopkPlan(held_write="tiles"),
               "mla_fast_16w": TopkPlan(select_warps=16),
               "mla_fast_held_uncapped": TopkPlan(held_maxnreg=0),
               "mla_fast_held_no_prefetch": TopkPlan(held_prefetch=False)}
+# logits past the list up to twice it (rows held by halves, the default), beside the general
+# route (the estimate, the marking read and the select) and the halves' registers uncapped
+HALVES_PLANS = {"mla_fast_general": TopkPlan(halves=False),
+                "mla_fast_halves_uncapped": TopkPlan(held_maxnreg=0)}
 
 
 def load_vllm(lib: Path | None) -> dict:
@@ -136,9 +139,11 @@ def run(vllm: dict, copy_tbps: float, reps: int, shapes: list[tuple[int, int]]) 
         best = torch.topk(x, TOPK, dim=1).values  # sorted down
         out = torch.empty(R, TOPK, dtype=torch.int32, device="cuda")
         _work, steps = launches(x, starts, lengths, out, TOPK, TopkPlan())
-        res = {"R": R, "L": W, "mla_route": TopkPlan().route_for(R, W, x.device)}
+        res = {"R": R, "L": W, "mla_route": TopkPlan().route_for(R, W, x.device, TOPK)}
         res["mla_fast"] = timed(functools.partial(_run_all, steps), out, x, best, reps)
-        for name, plan in (HELD_PLANS if W <= CANDIDATES else {}).items():
+        alternatives = HELD_PLANS if W <= CANDIDATES else (
+            HALVES_PLANS if W <= 2 * CANDIDATES else {})
+        for name, plan in alternatives.items():
             _work, steps = launches(x, starts, lengths, out, TOPK, plan)
             res[name] = timed(functools.partial(_run_all, steps), out, x, best, reps)
         vals = torch.empty(R, TOPK, device="cuda")
@@ -174,7 +179,7 @@ def _torch_topk(x, vals, ids, best, reps) -> dict:
 
 
 def table(res: dict) -> str:
-    names = ["mla_fast", *HELD_PLANS, "vllm_persistent_topk",
+    names = ["mla_fast", *HELD_PLANS, *HALVES_PLANS, "vllm_persistent_topk",
              "vllm_cooperative_topk", "vllm_top_k_per_row_decode", "torch_topk"]
     lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us (% of copy)",
              "| rows x keys | " + " | ".join(names) + " |",

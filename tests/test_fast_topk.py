@@ -380,20 +380,27 @@ def test_topk_grids_put_the_rows_on_x(monkeypatch: pytest.MonkeyPatch, route: st
 
 
 def test_topk_route_for():
-    """``route="auto"``: two launches where a row fits one of their parts and the rows
-    outnumber the SMs (4 under the interpreter, the GPU's count on one) or where the rows are
-    more than two a SM, else one launch; a route named is taken at every shape."""
+    """``route="auto"``: the halves for logits past the list up to twice it where ``topk`` is
+    at most half the list, whatever the rows; two launches where a row fits one of their parts
+    and the rows outnumber the SMs (4 under the interpreter, the GPU's count on one) or where
+    the rows are more than two a SM, else one launch; a route named is taken at every shape."""
     sms = fast_topk.num_sms(torch.device(DEVICE))
     auto, dev = TopkPlan(), torch.device(DEVICE)
-    assert auto.route_for(sms + 1, 32768, dev) == "two"
-    assert auto.route_for(sms, 32768, dev) == "one"
-    assert auto.route_for(4 * sms, CANDIDATES, dev) == "one"  # held whole: no estimate
-    assert auto.route_for(2 * sms, 32769, dev) == "one"  # two parts of the second launch
-    assert auto.route_for(2 * sms + 1, 32769, dev) == "two"  # many rows: two launches
-    assert TopkPlan(many_rows_per_sm=4).route_for(4 * sms, 131072, dev) == "one"
-    assert TopkPlan(two_chunk=65536).route_for(sms + 1, 65536, dev) == "two"
-    for route in ("one", "two", "three"):
-        assert TopkPlan(route=route).route_for(1, 131072, dev) == route
+    assert auto.route_for(sms + 1, 32768, dev, 2048) == "two"
+    assert auto.route_for(sms, 32768, dev, 2048) == "one"
+    assert auto.route_for(4 * sms, CANDIDATES, dev, 2048) == "one"  # held whole: no estimate
+    assert auto.route_for(2 * sms, 32769, dev, 2048) == "one"  # two parts of the second launch
+    assert auto.route_for(2 * sms + 1, 32769, dev, 2048) == "two"  # many rows: two launches
+    assert TopkPlan(many_rows_per_sm=4).route_for(4 * sms, 131072, dev, 2048) == "one"
+    assert TopkPlan(two_chunk=65536).route_for(sms + 1, 65536, dev, 2048) == "two"
+    for R in (1, 4 * sms):
+        for W in (CANDIDATES + 1, 2 * CANDIDATES):
+            assert auto.route_for(R, W, dev, CANDIDATES // 2) == "halves"
+        assert auto.route_for(R, 2 * CANDIDATES + 1, dev, 2048) != "halves"
+        assert auto.route_for(R, 2 * CANDIDATES, dev, CANDIDATES // 2 + 1) != "halves"
+        assert TopkPlan(halves=False).route_for(R, CANDIDATES + 1, dev, 2048) != "halves"
+    for route in ("one", "two", "three", "halves"):
+        assert TopkPlan(route=route).route_for(1, 131072, dev, 2048) == route
 
 
 def test_topk_sample_runs_for():

@@ -87,6 +87,7 @@ import triton
 from mla.fast.common import capability, interpreting, next_pow2, num_sms, should_validate
 from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
 from mla.fast.topk.fused import _fused_kernel, _mark_select_kernel
+from mla.fast.topk.halves import _halves_kernel
 from mla.fast.topk.kernels import (
     _estimate_kernel,
     _held_kernel,
@@ -116,6 +117,7 @@ def uncapped(warps: int) -> dict:
 
 _estimate = CompiledLauncher(_estimate_kernel)
 _held = CompiledLauncher(_held_kernel)
+_halves = CompiledLauncher(_halves_kernel)
 _mask = CompiledLauncher(_mask_kernel)
 _select = CompiledLauncher(_select_kernel)
 _fused = CompiledLauncher(_fused_kernel)
@@ -194,6 +196,9 @@ class TopkPlan:
     # rows held whole, written from registers: the row's columns [0, W) loaded before its
     # range is read (False: the range read first, then its keys alone)
     held_prefetch: bool = True
+    # logits past the list up to twice it, topk at most half the list: "auto" takes the
+    # halves (each row held by two programs, one a half: mla.fast.topk.halves)
+    halves: bool = True
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
     select_maxnreg: int = 128
@@ -229,13 +234,13 @@ class TopkPlan:
             raise ValueError(f"TopkPlan.sample_runs * sample_run must be at most {CANDIDATES} (a "
                              f"sample shorter than every sampled row), got {self.sample_runs} * "
                              f"{self.sample_run}")
-        for name in ("pdl", "fused_part_lists", "held_prefetch"):
+        for name in ("pdl", "fused_part_lists", "held_prefetch", "halves"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TopkPlan.{name} must be a bool, got "
                                 f"{type(getattr(self, name)).__name__}")
-        if self.route not in ("auto", "one", "two", "three"):
-            raise ValueError(f"TopkPlan.route must be 'auto', 'one', 'two' or 'three', got "
-                             f"{self.route!r}")
+        if self.route not in ("auto", "one", "two", "three", "halves"):
+            raise ValueError(f"TopkPlan.route must be 'auto', 'one', 'two', 'three' or "
+                             f"'halves', got {self.route!r}")
         for name in ("select_maxnreg", "held_maxnreg"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or (v and not 24 <= v <= 255):
@@ -261,14 +266,18 @@ class TopkPlan:
         want = triton.cdiv(self.sample_rank * max(W, 1), topk * self.sample_run)
         return max(2, min(self.sample_runs, next_pow2(want)))
 
-    def route_for(self, R: int, W: int, device: torch.device) -> str:
-        """The route a call of ``R`` rows of ``W`` keys takes: ``route``, or for ``"auto"``
-        two launches for rows longer than the list where they fit one part of them
-        (``W <= two_chunk``) and outnumber the SMs (H200, 32K keys: 39.7 against 45.8 us at
-        192 rows; one launch 31.2 against 32.6 at 128, 29.6 against 30.5 at 80), or where
-        they are many (more than ``many_rows_per_sm`` a SM); else one launch."""
+    def route_for(self, R: int, W: int, device: torch.device, topk: int) -> str:
+        """The route a call of ``R`` rows of ``W`` keys, ``topk`` of each, takes: ``route``,
+        or for ``"auto"`` the halves for logits past the list up to twice it where ``topk``
+        is at most half the list (``mla.fast.topk.halves``); two launches for rows longer than the
+        list where they fit one part of them (``W <= two_chunk``) and outnumber the SMs
+        (H200, 32K keys: 39.7 against 45.8 us at 192 rows; one launch 31.2 against 32.6 at
+        128, 29.6 against 30.5 at 80), or where they are many (more than
+        ``many_rows_per_sm`` a SM); else one launch."""
         if self.route != "auto":
             return self.route
+        if self.halves and CANDIDATES < W <= 2 * CANDIDATES and topk <= CANDIDATES // 2:
+            return "halves"
         sms = num_sms(device)
         if W > CANDIDATES and ((W <= self.two_chunk and R > sms)
                                or R > self.many_rows_per_sm * sms):
@@ -372,7 +381,21 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
             regs = {"maxnreg": plan.held_maxnreg}
         return work, [lambda: _held((key, hold, bool(regs)), (R, 1, 1), args,
                                     num_warps=plan.select_warps, **regs)]
-    route = plan.route_for(R, W, logits.device)
+    route = plan.route_for(R, W, logits.device, topk)
+    if route == "halves":
+        if W > 2 * cap or topk > cap // 2:
+            raise ValueError(f"TopkPlan(route='halves') takes logits at most {2 * cap} wide "
+                             f"and topk at most {cap // 2}, got width {W} and topk {topk}")
+        # per row the halves' arrivals, zeroed once here, cleared by the last to arrive
+        sync = torch.zeros(R, dtype=torch.int32, device=logits.device)
+        check_grid(_GRID_NAME, (R, 2, 1))
+        args = (*rows, work, sync, out, W, topk, s_l_r, s_o_r, cap, SMALL, out_block,
+                plan.held_search == "quad")
+        regs = {}
+        if plan.held_maxnreg and 2 * R > num_sms(logits.device) and not interpreting():
+            regs = {"maxnreg": plan.held_maxnreg}
+        return work, [lambda: _halves((key, bool(regs)), (R, 2, 1), args,
+                                      num_warps=plan.select_warps, **regs)]
     if route == "one":
         return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]
     pdl = _pdl(plan, logits.device)

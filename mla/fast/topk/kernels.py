@@ -378,6 +378,15 @@ def _select_in_column_order(u, cols, need, dst, QUAD: tl.constexpr):
     among the ties (an untied boundary, the common case, takes a scan of one count).
     ``QUAD``: ``_search``'s."""
     p, reach = _search(u, need, QUAD)
+    take, pos = _column_order_places(u, p, reach, need)
+    tl.store(dst + pos, cols, mask=take)
+
+
+@triton.jit
+def _column_order_places(u, p, reach, need):
+    """Which held items (in column order) ``_select_in_column_order`` takes, and their places
+    in the output, given the boundary ``p`` that ``reach`` items reach: above ``p`` every one,
+    of its ties the first ``need - above`` (all, where ``reach <= need``)."""
     if reach > need:
         above = (u > p).to(tl.int32)
         tie = u == p
@@ -386,10 +395,10 @@ def _select_in_column_order(u, cols, need, dst, QUAD: tl.constexpr):
         ties = run >> 16
         take = (above != 0) | (tie & (ties <= keep))
         pos = (run & 0xFFFF) + tl.minimum(ties, keep) - 1
-    else:  # exactly need reach p: one count
+    else:  # at most need reach p: one count
         take = u >= p
         pos = tl.cumsum(take.to(tl.int32), axis=0) - 1
-    tl.store(dst + pos, cols, mask=take)
+    return take, pos
 
 
 @triton.jit

@@ -1,0 +1,116 @@
+"""The halves kernel of ``mla.fast.top_k_per_row``: rows of up to twice the candidate list,
+each held by two programs, one a half (the plan, the route and the semantics:
+``mla.fast.topk``; the shared pieces: ``mla.fast.topk.kernels``).
+
+A decode row just past the list (the cache's 8192 keys and the new token: 8193) is too long to
+hold whole in one program's registers at 8 warps, and the general route (a threshold estimated
+from a sample, a marking read, a list, a select) takes about twice what holding it whole does.
+Here each half of the row (at most ``CAP`` keys) is held by its own program, as a row held
+whole is, and cut down without an estimate: its ``_quad_search`` stops at the first bracket
+whose lower end ``a`` at most ``CAP / 2`` of the half's keys reach (``enough``), and at least
+``need`` do, so every key of the half that is among the row's ``need`` best reaches ``a``
+(a key that ``need`` of the half's keys beat is beaten by ``need`` of the row's). The
+half lists those keys with their columns, in column order; where a tied ``a`` puts more than
+``CAP / 2`` keys there, the search has run to the exact boundary and the half lists exactly
+its ``need`` best (the lowest columns of the ties: every one of the row's ``need`` best in the
+half is among them). The halves arrive by one atomic; the last holds both lists (at most
+``CAP`` items, column order kept: half 0's columns are below half 1's) and selects the row's
+exact ``need`` best as a row held whole is selected (``_column_order_places``), the columns
+read back only for the items taken. On random rows the halves' searches stop after the
+normal guess's one step; the last's is the exact search over about twice ``need`` items.
+Needs ``topk <= CAP / 2`` (the two lists fit one); ``launches`` routes nothing else here.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mla.fast.topk.kernels import (
+    _column_order_places,
+    _order_keys,
+    _row_range,
+    _select_in_column_order,
+    _work_row,
+    _write_all,
+    _write_tail,
+)
+from mla.fast.topk.search import _bracket_search, _quad_search, _unsigned
+
+
+@triton.jit
+def _half_search(u, need, enough, QUAD: tl.constexpr):
+    """A key that every one of the held ``u``'s ``need`` best reaches, and how many reach it
+    (``_quad_search`` stopping at ``enough``; the exact boundary by ``_bracket_search`` where
+    not ``QUAD``)."""
+    if QUAD:
+        return _quad_search(u, need, True, enough)
+    return _bracket_search(u, need)
+
+
+@triton.jit
+def _halves_kernel(logits, starts, ends, work, sync, out, W, topk, s_l_r, s_o_r,
+                   CAP: tl.constexpr, SMALL: tl.constexpr, OUT_BLOCK: tl.constexpr,
+                   QUAD: tl.constexpr):
+    """Programs ``(row, half)`` over logits at most ``2 * CAP`` wide, ``topk <= CAP / 2``. A
+    row of at most ``CAP`` keys is selected whole by its half 0 (as ``_held_kernel`` with its
+    range read first). A longer row: half ``h`` holds the row's keys ``[h * m0, ...)`` (``m0``
+    the first half's length, ``ceil(n / 2)``), lists the keys that its cut reaches (module
+    docstring) in ``work``'s list at ``h * CAP / 2`` (keys, then columns ``CAP`` further on),
+    their count in the row's ``few`` space, and arrives on ``sync[row]`` (zeroed by the caller
+    before the first launch); the last to arrive selects from both lists, stores their total
+    as the row's survivor count and zeroes ``sync[row]`` for the next launch (a CUDA graph's
+    replays)."""
+    LIMIT: tl.constexpr = CAP // 2
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    start, end, n = _row_range(starts, ends, row, W)
+    src = logits + row * s_l_r + start
+    dst = out + row * s_o_r
+    i = tl.arange(0, CAP)
+    if n <= CAP:
+        if h == 0:
+            if n <= topk:
+                _write_all(dst, n, OUT_BLOCK)
+            else:
+                live = i < n
+                u = tl.where(live, _unsigned(_order_keys(tl.load(src + i, mask=live,
+                                                                 other=0.0))), 0)
+                _select_in_column_order(u, i, topk, dst, QUAD)
+            _write_tail(dst, n, topk, OUT_BLOCK)
+    else:
+        m0 = (n + 1) // 2
+        lo = h * m0
+        m = tl.minimum(m0, n - lo)
+        live = i < m
+        u = tl.where(live, _unsigned(_order_keys(tl.load(src + lo + i, mask=live, other=0.0))),
+                     0)
+        list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
+        counts = few.to(tl.pointer_type(tl.int32))
+        need = tl.minimum(topk, m).to(tl.int32)
+        p, reach = _half_search(u, need, LIMIT, QUAD)
+        listed = tl.where(reach <= LIMIT, reach, need)
+        take, pos = _column_order_places(u, p, reach, listed)
+        tl.store(list_keys + h * LIMIT + pos, u.to(tl.int32, bitcast=True), mask=take)
+        tl.store(list_cols + h * LIMIT + pos, (lo + i).to(tl.int32), mask=take)
+        tl.store(counts + h, listed)
+        tl.debug_barrier()  # the half's list stored by every thread before it arrives
+        if tl.atomic_add(sync + row, 1, sem="acq_rel") == 1:
+            tl.debug_barrier()  # every thread past the arrival before any reads the lists
+            c0 = tl.load(counts)
+            total = c0 + tl.load(counts + 1)
+            at = tl.where(i < c0, i, LIMIT + i - c0)
+            held = i < total
+            k = tl.load(list_keys + at, mask=held, other=0)
+            w = tl.where(held, k.to(tl.uint32, bitcast=True), 0)
+            if QUAD:
+                q, q_reach = _quad_search(w, topk, True, topk)
+            else:
+                q, q_reach = _bracket_search(w, topk)
+            take, pos = _column_order_places(w, q, q_reach, topk)
+            # the places again, written otherwise so that they are computed anew here, not
+            # held through the search
+            at = i + tl.where(i < c0, 0, LIMIT - c0)
+            tl.store(dst + pos, tl.load(list_cols + at, mask=take, other=0), mask=take)
+            tl.store(count, total)
+            tl.store(sync + row, 0)
