@@ -52,9 +52,14 @@ memory) is not used here: rebuilt in Triton it was several times slower (the mea
    probes a step, the first placed by a normal guess, and a step of the bracket's extremes
    where the interpolation stalls (``_quad_search``), the columns written from registers.
 
-Three routes run them (``TopkPlan.route``; ``"auto"`` picks one or two launches by shape,
-``TopkPlan.route_for``). **One launch** (``mla.fast.topk.fused``): every program of a row
-estimates the threshold and marks its part of the row; rows no more than the SMs are split in
+Logits past the list up to twice it (a decode row of 8K + 1 keys, rows up to 16K) with
+``topk`` at most half the list take **the halves** (``mla.fast.topk.halves``): each half of a
+row held by its own program as a row held whole is, cut by ``_quad_search`` stopping at
+``CANDIDATES / 2`` keys (no estimate, no second read), the last to arrive selecting from both
+lists in column order. Otherwise three routes run them (``TopkPlan.route``; ``"auto"`` picks
+one or two launches by shape, ``TopkPlan.route_for``). **One launch**
+(``mla.fast.topk.fused``): every program of a row estimates the threshold and marks its part
+of the row; rows no more than the SMs are split in
 at least two parts (``TopkPlan.fused_min_parts``), each part listing its own marked keys with
 their keys before it arrives, the last to arrive selecting; more rows, a program a row. Best
 where the rows are few (latency: every row's estimate, read and select in a chain).
@@ -130,9 +135,12 @@ class TopkPlan:
     the alternatives; the defaults are the fastest measured on the H200 (the current numbers:
     ``benchmarks/results/README.md``; each choice's measurement: ``benchmarks/notes/topk.md``).
 
-    Route (``route``: ``"auto"``, ``"one"``, ``"two"``, ``"three"``; ``route_for``): ``"auto"``
-    takes one launch where the rows are few and two launches where they outnumber the SMs or
-    are short. One launch: ``fused_block`` keys a step, ``fused_stages`` steps in flight,
+    Route (``route``: ``"auto"``, ``"one"``, ``"two"``, ``"three"``, ``"halves"``;
+    ``route_for``): ``"auto"`` takes the halves where ``halves`` and they apply (logits past
+    the list up to twice it, ``topk`` at most half the list; at ``select_warps``, registers
+    capped at ``held_maxnreg`` where the programs outnumber the SMs), else one launch where
+    the rows are few and two launches where they outnumber the SMs or are short. One launch:
+    ``fused_block`` keys a step, ``fused_stages`` steps in flight,
     ``fused_warps``; a row longer than ``CANDIDATES``, when the rows are no more than the
     SMs, split over ``max(fused_min_parts, SMs // rows)`` programs (at most ``fused_parts``),
     the last to arrive selecting (two parts were faster than one at 128 x 128K);
