@@ -18,8 +18,8 @@ from mla.conformance.catalogue import Unsupported
 from mla.conformance.runner import run
 from mla.conformance.targets import load_target
 
-TOPK_CASES = ["k_2048_long_rows", "fewer_keys_than_k", "ties_at_the_boundary",
-              "nan_infinities_signed_zeros", "ragged_row_starts"]
+TOPK_CASES = ["k_2048_long_rows", "rows_past_8192", "fewer_keys_than_k",
+              "ties_at_the_boundary", "nan_infinities_signed_zeros", "ragged_row_starts"]
 
 
 def _stand_in(absolute: bool = False, shuffled_ties: bool = False) -> SimpleNamespace:
@@ -69,7 +69,7 @@ def test_prefill_call_passes_the_catalogue_with_a_faithful_stand_in() -> None:
     fn = partial(vllm_topk.prefill_indices, _stand_in())
     report = run({"top_k_per_row": fn}, kernels=["top_k_per_row"],
                  device="cpu", dtype=torch.float32)
-    assert [r.status for r in report.rows] == ["pass"] * 5, report.to_text()
+    assert [r.status for r in report.rows] == ["pass"] * len(TOPK_CASES), report.to_text()
 
 
 def _prefill_report(**convention: bool):
@@ -84,9 +84,9 @@ def _prefill_report(**convention: bool):
 def test_a_convention_passed_through_fails_its_case_and_is_named() -> None:
     """Indices counted from column 0 fail only the ragged-starts case, which names it."""
     report, status = _prefill_report(absolute=True)
-    assert status == {"k_2048_long_rows": "pass", "fewer_keys_than_k": "pass",
-                      "ties_at_the_boundary": "pass", "nan_infinities_signed_zeros": "pass",
-                      "ragged_row_starts": "fail"}, status
+    assert status == {"k_2048_long_rows": "pass", "rows_past_8192": "pass",
+                      "fewer_keys_than_k": "pass", "ties_at_the_boundary": "pass",
+                      "nan_infinities_signed_zeros": "pass", "ragged_row_starts": "fail"}, status
     bad = next(r for r in report.rows if r.case == "ragged_row_starts")
     assert "not relative to row_starts" in bad.convention, bad.convention
 
@@ -97,9 +97,9 @@ def test_another_tie_rule_fails_the_ties_case_and_is_named() -> None:
     from mla.conformance.cases.indexer import TIES_HIGH, TIES_OTHER
 
     report, status = _prefill_report(shuffled_ties=True)
-    assert status == {"k_2048_long_rows": "pass", "fewer_keys_than_k": "pass",
-                      "ties_at_the_boundary": "fail", "nan_infinities_signed_zeros": "fail",
-                      "ragged_row_starts": "pass"}, status
+    assert status == {"k_2048_long_rows": "pass", "rows_past_8192": "pass",
+                      "fewer_keys_than_k": "pass", "ties_at_the_boundary": "fail",
+                      "nan_infinities_signed_zeros": "fail", "ragged_row_starts": "pass"}, status
     for bad in (r for r in report.rows if r.status == "fail"):
         assert TIES_OTHER in bad.convention and TIES_HIGH not in bad.convention, bad.convention
 
@@ -130,9 +130,10 @@ def test_persistent_call_and_what_it_refuses(monkeypatch: pytest.MonkeyPatch) ->
     report = run({"top_k_per_row": vllm_topk.persistent_top_k_per_row},
                  kernels=["top_k_per_row"], device="cpu", dtype=torch.float32)
     status = {r.case: r.status for r in report.rows}
-    assert status == {"k_2048_long_rows": "pass", "fewer_keys_than_k": "pass",
-                      "ties_at_the_boundary": "pass", "nan_infinities_signed_zeros": "pass",
-                      "ragged_row_starts": "unsupported"}, status
+    assert status == {"k_2048_long_rows": "pass", "rows_past_8192": "pass",
+                      "fewer_keys_than_k": "pass", "ties_at_the_boundary": "pass",
+                      "nan_infinities_signed_zeros": "pass", "ragged_row_starts": "unsupported"
+                      }, status
     x = torch.randn(2, 600)
     st, en = torch.zeros(2, dtype=torch.int32), torch.full((2,), 600, dtype=torch.int32)
     with pytest.raises(Unsupported, match="topk in \\(512, 1024, 2048\\), got 100"):

@@ -587,6 +587,10 @@ _reg(_R, "nan_key_propagates", "nan_input",
 _reg(_T, "k_2048_long_rows", "topk",
      "Rows longer than 2048 keys: the 2048 best columns of each row's range, request-local.",
      lambda s: topk_trial(s, (long_length(s.small) + 2100, 2049, 4000), 930))
+_reg(_T, "rows_past_8192", "past_8192",
+     "Rows of 8193 keys (a decode step's row at 8K of cache), 12001 and 16381: past the 8192 "
+     "that one program holds in registers.",
+     lambda s: topk_trial(s, (8193, 9001) if s.small else (8193, 12001, 16381), 935))
 _reg(_T, "fewer_keys_than_k", "short",
      "Rows of 0, 1, 2047 and 2048 keys: every key is selected and the rest of the row is -1.",
      lambda s: topk_trial(s, (0, 1, 2047, 2048), 931))
