@@ -208,15 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--short", action="store_true",
                    help="the decode lengths alone: 1-256 rows of 8K and 16K keys")
+    p.add_argument("--widths", default="",
+                   help="with --short, these widths alone (comma-separated, e.g. 8193,16384)")
     args = p.parse_args(argv)
+    shapes = SHORT_SHAPES if args.short else SHAPES
+    if args.widths:
+        widths = {int(w) for w in args.widths.split(",")}
+        shapes = [(R, W) for R, W in shapes if W in widths]
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     vllm = load_vllm(args.lib)
     log(f"vLLM: {vllm} ({time.time() - t0:.1f} s)")
     res = {"environment": environment(), "vllm": vllm, "ceilings": ceilings(),
            "topk": TOPK, "method": "CUDA-graph replays, L2 flushed by a read, median"}
-    res["rows"] = run(vllm, res["ceilings"]["copy_TBps"], args.reps,
-                      SHORT_SHAPES if args.short else SHAPES)
+    res["rows"] = run(vllm, res["ceilings"]["copy_TBps"], args.reps, shapes)
     (args.out / "topk_peers.json").write_text(json.dumps(res, indent=1))
     print(table(res))
     return 0
