@@ -380,8 +380,9 @@ def test_topk_grids_put_the_rows_on_x(monkeypatch: pytest.MonkeyPatch, route: st
 
 
 def test_topk_route_for():
-    """``route="auto"``: the halves for logits past the list up to twice it where ``topk`` is
-    at most half the list, whatever the rows; two launches where a row fits one of their parts
+    """``route="auto"``: the halves, where the plan takes them (``halves=True``), for logits
+    past the list up to twice it where ``topk`` is at most half the list, whatever the rows;
+    two launches where a row fits one of their parts
     and the rows outnumber the SMs (4 under the interpreter, the GPU's count on one) or where
     the rows are more than two a SM, else one launch; a route named is taken at every shape."""
     sms = fast_topk.num_sms(torch.device(DEVICE))
@@ -393,12 +394,13 @@ def test_topk_route_for():
     assert auto.route_for(2 * sms + 1, 32769, dev, 2048) == "two"  # many rows: two launches
     assert TopkPlan(many_rows_per_sm=4).route_for(4 * sms, 131072, dev, 2048) == "one"
     assert TopkPlan(two_chunk=65536).route_for(sms + 1, 65536, dev, 2048) == "two"
+    halves = TopkPlan(halves=True)
     for R in (1, 4 * sms):
         for W in (CANDIDATES + 1, 2 * CANDIDATES):
-            assert auto.route_for(R, W, dev, CANDIDATES // 2) == "halves"
-        assert auto.route_for(R, 2 * CANDIDATES + 1, dev, 2048) != "halves"
-        assert auto.route_for(R, 2 * CANDIDATES, dev, CANDIDATES // 2 + 1) != "halves"
-        assert TopkPlan(halves=False).route_for(R, CANDIDATES + 1, dev, 2048) != "halves"
+            assert halves.route_for(R, W, dev, CANDIDATES // 2) == "halves"
+        assert halves.route_for(R, 2 * CANDIDATES + 1, dev, 2048) != "halves"
+        assert halves.route_for(R, 2 * CANDIDATES, dev, CANDIDATES // 2 + 1) != "halves"
+        assert auto.route_for(R, CANDIDATES + 1, dev, 2048) != "halves"  # off by default
     for route in ("one", "two", "three", "halves"):
         assert TopkPlan(route=route).route_for(1, 131072, dev, 2048) == route
 

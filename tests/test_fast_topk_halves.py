@@ -1,9 +1,9 @@
 """``mla.fast.top_k_per_row`` on logits past the list up to twice it, the rows held by halves
-(``mla.fast.topk.halves``): exact against the reference, in column order, where the halves'
-cuts are easy (random rows), where they run to the exact boundary (a tied cut past half the
-list) and where the row's best all sit in one half; rows of every length up to the width; a
-replay of the same launches (the arrivals cleared); the route's limits. The cut itself
-(``_quad_search`` stopping at ``enough``): ``tests/test_topk_search.py``.
+(``mla.fast.topk.halves``, ``TopkPlan(halves=True)``): exact against the reference, in column
+order, where the halves' cuts are easy (random rows), where they run to the exact boundary (a
+tied cut past half the list) and where the row's best all sit in one half; rows of every length
+up to the width; a replay of the same launches (the arrivals cleared); the route's limits. The
+cut itself (``_quad_search`` stopping at ``enough``): ``tests/test_topk_search.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from test_fast_topk import DEVICE, _check, _full, _gen, _on, _rows
 from mla.fast.topk import CANDIDATES, TopkPlan, launches, survivors
 
 HALF = CANDIDATES // 2
+HALVES = TopkPlan(halves=True)  # "auto" with the halves (not yet the default)
 
 
 def _in_column_order(got: torch.Tensor) -> bool:
@@ -31,9 +32,9 @@ def test_halves_random_rows(width, topk):
     starts = [0, 0, 3, 0, 5, 0]
     ends = [width, width - 1, width, CANDIDATES, 5 + topk, 0]
     logits, st, en = _rows(_gen(width + topk), starts, ends, width)
-    got = _check(logits, st, en, topk)
+    got = _check(logits, st, en, topk, HALVES)
     assert _in_column_order(got), "not in column order"
-    assert TopkPlan().route_for(len(starts), width, torch.device(DEVICE), topk) == "halves"
+    assert HALVES.route_for(len(starts), width, torch.device(DEVICE), topk) == "halves"
 
 
 def test_halves_cut_tied_past_half_the_list():
@@ -46,7 +47,7 @@ def test_halves_cut_tied_past_half_the_list():
     logits[0, width // 2:] = logits[0, width // 2:].clamp(max=4.0)
     logits[1] = (logits[1] * 3).round() / 3  # ~20 values: the boundary's run spans both halves
     logits[2] = -2.5
-    got = _check(logits, st, en, 2048)
+    got = _check(logits, st, en, 2048, HALVES)
     assert _in_column_order(got)
     assert torch.equal(got[0].cpu(), torch.arange(2048, dtype=torch.int32))
     assert torch.equal(got[2].cpu(), torch.arange(2048, dtype=torch.int32))
@@ -61,7 +62,7 @@ def test_halves_best_all_in_one_half():
     logits[1, :width // 2] += 100.0
     logits[0, 10:14] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0])
     logits[1, width - 4:] = torch.tensor([float("nan"), -float("inf"), 0.0, -0.0])
-    got = _check(logits, st, en, 2048).cpu()
+    got = _check(logits, st, en, 2048, HALVES).cpu()
     assert _in_column_order(got)
     assert got[0, :2].tolist() == [10, 11] and int(got[0, 2:].min()) >= width // 2 + 7
     assert int(got[1, -1]) == width - 4 and int(got[1, :-1].max()) < width // 2
@@ -75,7 +76,7 @@ def test_halves_replayed():
     logits, st, en = _rows(_gen(83), [0, 2, 0], [width, width - 9, 4000], width)
     x, s0, e0 = _on((logits, st, en))
     out = torch.full((3, 2048), -7, dtype=torch.int32, device=DEVICE)
-    work, steps = launches(x, s0, e0, out, 2048, TopkPlan())
+    work, steps = launches(x, s0, e0, out, 2048, HALVES)
     assert len(steps) == 1 and work.shape[1] > 0
     steps[0]()
     first = out.clone()
@@ -88,7 +89,7 @@ def test_halves_replayed():
 
 def test_halves_route_limits():
     """``route="halves"`` named where the logits are wider than twice the list or ``topk``
-    is past half of it: a ``ValueError`` naming both; ``halves=False`` keeps the general
+    is past half of it: a ``ValueError`` naming both; the default plan keeps the general
     route."""
     x = torch.zeros(1, 2 * CANDIDATES + 1, device=DEVICE)
     s0 = torch.zeros(1, dtype=torch.int32, device=DEVICE)
@@ -100,4 +101,4 @@ def test_halves_route_limits():
         launches(x[:, :9000], s0, e0, out, HALF + 1, TopkPlan(route="halves"))
     with pytest.raises(TypeError, match="halves"):
         TopkPlan(halves=1)
-    assert TopkPlan(halves=False).route_for(1, CANDIDATES + 1, x.device, 2048) == "one"
+    assert TopkPlan().route_for(1, CANDIDATES + 1, x.device, 2048) == "one"

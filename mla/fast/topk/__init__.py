@@ -52,17 +52,17 @@ memory) is not used here: rebuilt in Triton it was several times slower (the mea
    probes a step, the first placed by a normal guess, and a step of the bracket's extremes
    where the interpolation stalls (``_quad_search``), the columns written from registers.
 
-Logits past the list up to twice it (a decode row of 8K + 1 keys, rows up to 16K) with
-``topk`` at most half the list take **the halves** (``mla.fast.topk.halves``): each half of a
-row held by its own program as a row held whole is, cut by ``_quad_search`` stopping at
-``CANDIDATES / 2`` keys (no estimate, no second read), the last to arrive selecting from both
-lists in column order. Otherwise three routes run them (``TopkPlan.route``; ``"auto"`` picks
-one or two launches by shape, ``TopkPlan.route_for``). **One launch**
-(``mla.fast.topk.fused``): every program of a row estimates the threshold and marks its part
-of the row; rows no more than the SMs are split in
-at least two parts (``TopkPlan.fused_min_parts``), each part listing its own marked keys with
-their keys before it arrives, the last to arrive selecting; more rows, a program a row. Best
-where the rows are few (latency: every row's estimate, read and select in a chain).
+Logits past the list up to twice it (a decode row of 8K + 1 keys, rows up to 16K) with ``topk`` at
+most half the list can take **the halves** (``mla.fast.topk.halves``; ``TopkPlan(halves=True)`` or
+``route="halves"``, not yet the default: not yet timed on a GPU): each half of a row held by its own
+program as a row held whole is, cut by ``_quad_search`` stopping at ``CANDIDATES / 2`` keys (no
+estimate, no second read), the last to arrive selecting from both lists in column order. Otherwise
+three routes run them (``TopkPlan.route``; ``"auto"`` picks one or two launches by shape,
+``TopkPlan.route_for``). **One launch** (``mla.fast.topk.fused``): every program of a row estimates
+the threshold and marks its part of the row; rows no more than the SMs are split in at least two
+parts (``TopkPlan.fused_min_parts``), each part listing its own marked keys with their keys before
+it arrives, the last to arrive selecting; more rows, a program a row. Best where the rows are few
+(latency: every row's estimate, read and select in a chain).
 **Two launches** (the estimate a program a row, then ``_mark_select_kernel``: parts of
 ``two_chunk`` keys that mark, list their shares and the last selects, a row's parts next to
 each other in the grid so that rows finish one after another, each waiting for its own row's
@@ -205,8 +205,9 @@ class TopkPlan:
     # range is read (False: the range read first, then its keys alone)
     held_prefetch: bool = True
     # logits past the list up to twice it, topk at most half the list: "auto" takes the
-    # halves (each row held by two programs, one a half: mla.fast.topk.halves)
-    halves: bool = True
+    # halves (each row held by two programs, one a half: mla.fast.topk.halves); off until
+    # timed on a GPU beside the general route
+    halves: bool = False
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
     select_maxnreg: int = 128
@@ -276,12 +277,12 @@ class TopkPlan:
 
     def route_for(self, R: int, W: int, device: torch.device, topk: int) -> str:
         """The route a call of ``R`` rows of ``W`` keys, ``topk`` of each, takes: ``route``,
-        or for ``"auto"`` the halves for logits past the list up to twice it where ``topk``
-        is at most half the list (``mla.fast.topk.halves``); two launches for rows longer than the
-        list where they fit one part of them (``W <= two_chunk``) and outnumber the SMs
-        (H200, 32K keys: 39.7 against 45.8 us at 192 rows; one launch 31.2 against 32.6 at
-        128, 29.6 against 30.5 at 80), or where they are many (more than
-        ``many_rows_per_sm`` a SM); else one launch."""
+        or for ``"auto"`` the halves where ``halves`` and the logits are past the list up to
+        twice it and ``topk`` at most half the list (``mla.fast.topk.halves``); two launches
+        for rows longer than the list where they fit one part of them (``W <= two_chunk``)
+        and outnumber the SMs (H200, 32K keys: 39.7 against 45.8 us at 192 rows; one launch
+        31.2 against 32.6 at 128, 29.6 against 30.5 at 80), or where they are many (more
+        than ``many_rows_per_sm`` a SM); else one launch."""
         if self.route != "auto":
             return self.route
         if self.halves and CANDIDATES < W <= 2 * CANDIDATES and topk <= CANDIDATES // 2:
