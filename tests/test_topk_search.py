@@ -86,40 +86,37 @@ def _rows() -> list[tuple[str, torch.Tensor, int]]:
 ROWS = _rows()
 
 
-def _check_boundary(name: str, u: torch.Tensor, need: int, a: int, reach: int) -> None:
-    live = u[u != 0]
-    vals = live.sort(descending=True).values
-    v = int(vals[need - 1])
-    assert int((live >= a).sum()) == reach, f"{name}: the count returned is not the count at a"
-    assert reach >= need, f"{name}: {reach} items reach a, fewer than need {need}"
-    if reach > need:
-        assert a == v and int((live > v).sum()) < need, (
-            f"{name}: {reach} > {need} reach a = {a}, but a is not the tied need-th {v}")
-
-
-@pytest.mark.parametrize("search", ["bracket", "bisect", "quad", "quad guess"])
-def test_search_returns_the_boundary_of_the_need_largest(search):
-    u = torch.stack([r[1] for r in ROWS])
-    need = torch.tensor([r[2] for r in ROWS], dtype=torch.int32)
-    got = torch.zeros(len(ROWS), 2, dtype=torch.int64, device=DEVICE)
-    _search_rows[(len(ROWS),)](_as_int32(u).to(DEVICE), need.to(DEVICE), got, N=N,
-                               SEARCH=search.split()[0], GUESS="guess" in search)
-    got = got.cpu()
-    for (name, row, k), (a, reach) in zip(ROWS, got.tolist()):
-        _check_boundary(name, row, k, a, reach)
-
-
-def _check_cut(name: str, u: torch.Tensor, need: int, enough: int, a: int, reach: int) -> None:
-    """``_quad_search`` with ``enough`` past ``need``: ``reach`` items reach ``a``, at least
-    ``need`` (so the ``need`` largest all do) and at most ``enough``, unless ``a`` is the
-    tied ``need``-th largest itself (a run of equals the search cannot cut)."""
+def _check_boundary(name: str, u: torch.Tensor, need: int, a: int, reach: int,
+                    enough: int | None = None) -> None:
+    """``reach`` items reach ``a``, at least ``need`` (so the ``need`` largest all do) and at
+    most ``enough`` (default ``need``: the exact boundary), unless ``a`` is the tied
+    ``need``-th largest itself (a run of equals no search can cut)."""
+    enough = need if enough is None else enough
     live = u[u != 0]
     v = int(live.sort(descending=True).values[need - 1])
     assert int((live >= a).sum()) == reach, f"{name}: the count returned is not the count at a"
     assert reach >= need, f"{name}: {reach} items reach a, fewer than need {need}"
     if reach > enough:
         assert a == v and int((live > v).sum()) < need, (
-            f"{name}: {reach} > enough {enough} reach a = {a}, which is not the tied need-th")
+            f"{name}: {reach} > {enough} reach a = {a}, but a is not the tied need-th {v}")
+
+
+def _searched(search: str, guess: bool, extra: int = 0) -> list[list[int]]:
+    """``(a, reach)`` of every row of ``ROWS`` by ``search`` (``_quad_search`` stopping at
+    ``need + extra``)."""
+    u = torch.stack([r[1] for r in ROWS])
+    need = torch.tensor([r[2] for r in ROWS], dtype=torch.int32)
+    got = torch.zeros(len(ROWS), 2, dtype=torch.int64, device=DEVICE)
+    _search_rows[(len(ROWS),)](_as_int32(u).to(DEVICE), need.to(DEVICE), got, N=N,
+                               SEARCH=search, GUESS=guess, EXTRA=extra)
+    return got.cpu().tolist()
+
+
+@pytest.mark.parametrize("search", ["bracket", "bisect", "quad", "quad guess"])
+def test_search_returns_the_boundary_of_the_need_largest(search):
+    got = _searched(search.split()[0], "guess" in search)
+    for (name, row, k), (a, reach) in zip(ROWS, got):
+        _check_boundary(name, row, k, a, reach)
 
 
 @pytest.mark.parametrize("extra", [1, 300, 2048])
@@ -127,26 +124,21 @@ def test_quad_search_stops_at_enough(extra):
     """``_quad_search(u, need, True, need + extra)`` (``mla.fast.topk.halves``' cut) on every
     row: a key the ``need`` largest all reach, at most ``need + extra`` items with it, or
     the tied boundary."""
-    u = torch.stack([r[1] for r in ROWS])
-    need = torch.tensor([r[2] for r in ROWS], dtype=torch.int32)
-    got = torch.zeros(len(ROWS), 2, dtype=torch.int64, device=DEVICE)
-    _search_rows[(len(ROWS),)](_as_int32(u).to(DEVICE), need.to(DEVICE), got, N=N,
-                               SEARCH="quad", GUESS=True, EXTRA=extra)
-    for (name, row, k), (a, reach) in zip(ROWS, got.cpu().tolist()):
-        _check_cut(name, row, k, k + extra, a, reach)
+    for (name, row, k), (a, reach) in zip(ROWS, _searched("quad", True, extra)):
+        _check_boundary(name, row, k, a, reach, k + extra)
 
 
 def test_check_cut_rejects_a_wrong_cut():
-    """The check above fails a cut above the ``need``-th largest, one with too many items
-    (not tied) and a wrong count."""
+    """The check with ``enough`` fails a cut above the ``need``-th largest, one with too many
+    items (not tied) and a wrong count."""
     name, row, need = ROWS[0]
     vals = row.sort(descending=True).values
     v = int(vals[need - 1])
-    _check_cut(name, row, need, need + 100, int(vals[need + 50]), need + 51)
+    _check_boundary(name, row, need, int(vals[need + 50]), need + 51, need + 100)
     for a, reach in [(v + 1, need - 1), (int(vals[need + 200]), need + 201),
                      (int(vals[need + 50]), need + 50)]:
         with pytest.raises(AssertionError):
-            _check_cut(name, row, need, need + 100, a, reach)
+            _check_boundary(name, row, need, a, reach, need + 100)
 
 
 def test_check_boundary_rejects_a_wrong_answer():
