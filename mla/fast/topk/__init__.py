@@ -385,9 +385,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
         args = (*rows, out, W, topk, s_l_r, s_o_r, cap, hold, min(plan.select_tile, 1024),
                 out_block, in_registers, plan.held_search == "quad",
                 plan.held_prefetch and (in_registers or 2 * hold <= cap))
-        regs = {}
-        if plan.held_maxnreg and R > num_sms(logits.device) and not interpreting():
-            regs = {"maxnreg": plan.held_maxnreg}
+        regs = _held_regs(plan, R, logits.device)
         return work, [lambda: _held((key, hold, bool(regs)), (R, 1, 1), args,
                                     num_warps=plan.select_warps, **regs)]
     route = plan.route_for(R, W, logits.device, topk)
@@ -400,9 +398,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
         check_grid(_GRID_NAME, (R, 2, 1))
         args = (*rows, work, sync, out, W, topk, s_l_r, s_o_r, cap, SMALL, out_block,
                 plan.held_search == "quad")
-        regs = {}
-        if plan.held_maxnreg and 2 * R > num_sms(logits.device) and not interpreting():
-            regs = {"maxnreg": plan.held_maxnreg}
+        regs = _held_regs(plan, 2 * R, logits.device)
         return work, [lambda: _halves((key, bool(regs)), (R, 2, 1), args,
                                       num_warps=plan.select_warps, **regs)]
     if route == "one":
@@ -513,6 +509,15 @@ def fused_parts(plan: TopkPlan, R: int, W: int, device: torch.device) -> tuple[i
         parts = max(1, min(parts, plan.fused_parts, triton.cdiv(W, plan.fused_block)))
     chunk = plan.fused_block * triton.cdiv(triton.cdiv(max(W, 1), parts), plan.fused_block)
     return triton.cdiv(max(W, 1), chunk), chunk
+
+
+def _held_regs(plan: TopkPlan, programs: int, device: torch.device) -> dict:
+    """The launch option of the kernels that hold rows in registers (held rows, the halves):
+    ``maxnreg`` at ``plan.held_maxnreg`` where their programs outnumber the SMs (and the plan
+    caps), else none. The interpreter takes no compiler option."""
+    if plan.held_maxnreg and programs > num_sms(device) and not interpreting():
+        return {"maxnreg": plan.held_maxnreg}
+    return {}
 
 
 def _capped(plan: TopkPlan, programs: int, device: torch.device, warps: int = 0

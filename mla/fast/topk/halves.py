@@ -35,17 +35,7 @@ from mla.fast.topk.kernels import (
     _write_all,
     _write_tail,
 )
-from mla.fast.topk.search import _bracket_search, _quad_search, _unsigned
-
-
-@triton.jit
-def _half_search(u, need, enough, QUAD: tl.constexpr):
-    """A key that every one of the held ``u``'s ``need`` best reaches, and how many reach it
-    (``_quad_search`` stopping at ``enough``; the exact boundary by ``_bracket_search`` where
-    not ``QUAD``)."""
-    if QUAD:
-        return _quad_search(u, need, True, enough)
-    return _bracket_search(u, need)
+from mla.fast.topk.search import _search, _unsigned
 
 
 @triton.jit
@@ -88,7 +78,7 @@ def _halves_kernel(logits, starts, ends, work, sync, out, W, topk, s_l_r, s_o_r,
         list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
         counts = few.to(tl.pointer_type(tl.int32))
         need = tl.minimum(topk, m).to(tl.int32)
-        p, reach = _half_search(u, need, LIMIT, QUAD)
+        p, reach = _search(u, need, QUAD, LIMIT)
         listed = tl.where(reach <= LIMIT, reach, need)
         take, pos = _column_order_places(u, p, reach, listed)
         tl.store(list_keys + h * LIMIT + pos, u.to(tl.int32, bitcast=True), mask=take)
@@ -103,10 +93,7 @@ def _halves_kernel(logits, starts, ends, work, sync, out, W, topk, s_l_r, s_o_r,
             held = i < total
             k = tl.load(list_keys + at, mask=held, other=0)
             w = tl.where(held, k.to(tl.uint32, bitcast=True), 0)
-            if QUAD:
-                q, q_reach = _quad_search(w, topk, True, topk)
-            else:
-                q, q_reach = _bracket_search(w, topk)
+            q, q_reach = _search(w, topk, QUAD, topk)
             take, pos = _column_order_places(w, q, q_reach, topk)
             # the places again, written otherwise so that they are computed anew here, not
             # held through the search
