@@ -56,11 +56,11 @@ HELD_PLANS = {"mla_fast_held_tiles": TopkPlan(held_write="tiles"),
               "mla_fast_16w": TopkPlan(select_warps=16),
               "mla_fast_held_uncapped": TopkPlan(held_maxnreg=0),
               "mla_fast_held_no_prefetch": TopkPlan(held_prefetch=False)}
-# logits past the list up to twice it, beside the default's halves (mla.fast.topk.halves, their
-# registers capped where the programs outnumber the SMs): the halves uncapped, and the general
-# route (the estimate, the marking read and the select)
-HALVES_PLANS = {"mla_fast_halves_uncapped": TopkPlan(held_maxnreg=0),
-                "mla_fast_general": TopkPlan(halves=False)}
+# logits past the list up to twice it: rows held by halves (mla.fast.topk.halves), their
+# registers capped where the programs outnumber the SMs and uncapped, beside the default's
+# general route (the estimate, the marking read and the select)
+HALVES_PLANS = {"mla_fast_halves": TopkPlan(halves=True),
+                "mla_fast_halves_uncapped": TopkPlan(halves=True, held_maxnreg=0)}
 
 
 def load_vllm(lib: Path | None) -> dict:

@@ -259,8 +259,7 @@ def test_topk_narrow_range_and_overflowing_ties(route):
     assert _check_paths(logits, st, en, 2048, ROUTES[route])[0] == ["listed", "scanned"]
 
 
-@pytest.mark.parametrize("plan", [TopkPlan(halves=False),
-                                  TopkPlan(route="three", programs_per_sm=1)])
+@pytest.mark.parametrize("plan", [TopkPlan(), TopkPlan(route="three", programs_per_sm=1)])
 def test_topk_sorted_rows(plan):
     """Rows sorted either way: the stratified sample still brackets the k-th key; the
     survivors crowd one end of the row (one program's part, a run of whole bitmask words)."""
@@ -283,11 +282,11 @@ def test_topk_k_past_the_list():
     assert _check_paths(logits, st, en, CANDIDATES + 10)[0] == ["scanned"]
 
 
-@pytest.mark.parametrize("halves", [True, False])
+@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_topk_half_dtypes(dtype, halves):
-    """Logits in bf16 and fp16 (their keys widened to float32's order), by the halves (the
-    default at these widths) and by the general route."""
+    """Logits in bf16 and fp16 (their keys widened to float32's order), by the general route
+    (the default at these widths) and by the halves."""
     logits, st, en = _full(torch.randn(2, LONG, generator=_gen(40)).to(dtype))
     _check(logits, st, en, 2048, TopkPlan(halves=halves))
 
@@ -308,9 +307,8 @@ def test_topk_half_dtypes(dtype, halves):
                                   TopkPlan(route="three", block=1024, filter_warps=4),
                                   TopkPlan(route="three", block=32, programs_per_sm=1)])
 def test_topk_other_plans(plan):
-    """The general route's parameters (the halves, the default at these widths, off)."""
     logits, st, en = _rows(_gen(41), [0, 5], [LONG, LONG - 9], LONG)
-    _check(logits, st, en, 2048, plan=dataclasses.replace(plan, halves=False))
+    _check(logits, st, en, 2048, plan=plan)
 
 
 @pytest.mark.parametrize("part_lists", [True, False])
@@ -385,7 +383,7 @@ def test_topk_grids_put_the_rows_on_x(monkeypatch: pytest.MonkeyPatch, route: st
 
 
 def test_topk_route_for():
-    """``route="auto"``: the halves, where the plan takes them (``halves``, the default), for logits
+    """``route="auto"``: the halves, where the plan takes them (``halves=True``), for logits
     past the list up to twice it where ``topk`` is at most half the list, whatever the rows;
     two launches where a row fits one of their parts
     and the rows outnumber the SMs (4 under the interpreter, the GPU's count on one) or where
@@ -399,13 +397,13 @@ def test_topk_route_for():
     assert auto.route_for(2 * sms + 1, 32769, dev, 2048) == "two"  # many rows: two launches
     assert TopkPlan(many_rows_per_sm=4).route_for(4 * sms, 131072, dev, 2048) == "one"
     assert TopkPlan(two_chunk=65536).route_for(sms + 1, 65536, dev, 2048) == "two"
-    halves = auto
+    halves = TopkPlan(halves=True)
     for R in (1, 4 * sms):
         for W in (CANDIDATES + 1, 2 * CANDIDATES):
             assert halves.route_for(R, W, dev, CANDIDATES // 2) == "halves"
         assert halves.route_for(R, 2 * CANDIDATES + 1, dev, 2048) != "halves"
         assert halves.route_for(R, 2 * CANDIDATES, dev, CANDIDATES // 2 + 1) != "halves"
-        assert TopkPlan(halves=False).route_for(R, CANDIDATES + 1, dev, 2048) != "halves"
+        assert auto.route_for(R, CANDIDATES + 1, dev, 2048) != "halves"  # off by default
     for route in ("one", "two", "three", "halves"):
         assert TopkPlan(route=route).route_for(1, 131072, dev, 2048) == route
 

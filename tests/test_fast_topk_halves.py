@@ -1,5 +1,5 @@
 """``mla.fast.top_k_per_row`` on logits past the list up to twice it, the rows held by halves
-(``mla.fast.topk.halves``, the default at these widths): exact against the reference, in column
+(``mla.fast.topk.halves``, ``TopkPlan(halves=True)``): exact against the reference, in column
 order, where the halves' cuts are easy (random rows), where they run to the exact boundary (a
 tied cut past half the list) and where the row's best all sit in one half; rows of every length
 up to the width; a replay of the same launches (the arrivals cleared); the route's limits. The
@@ -15,7 +15,7 @@ from test_fast_topk import DEVICE, _check, _full, _gen, _on, _rows
 from mla.fast.topk import CANDIDATES, TopkPlan, launches, survivors
 
 HALF = CANDIDATES // 2
-HALVES = TopkPlan()  # "auto", which takes the halves at these widths
+HALVES = TopkPlan(halves=True)  # "auto" with the halves (not yet the default)
 
 
 def _in_column_order(got: torch.Tensor) -> bool:
@@ -89,7 +89,7 @@ def test_halves_replayed():
 
 def test_halves_route_limits():
     """``route="halves"`` named where the logits are wider than twice the list or ``topk``
-    is past half of it: a ``ValueError`` naming both; ``halves=False`` keeps the general
+    is past half of it: a ``ValueError`` naming both; the default plan keeps the general
     route."""
     x = torch.zeros(1, 2 * CANDIDATES + 1, device=DEVICE)
     s0 = torch.zeros(1, dtype=torch.int32, device=DEVICE)
@@ -101,4 +101,4 @@ def test_halves_route_limits():
         launches(x[:, :9000], s0, e0, out, HALF + 1, TopkPlan(route="halves"))
     with pytest.raises(TypeError, match="halves"):
         TopkPlan(halves=1)
-    assert TopkPlan(halves=False).route_for(1, CANDIDATES + 1, x.device, 2048) == "one"
+    assert TopkPlan().route_for(1, CANDIDATES + 1, x.device, 2048) == "one"

@@ -88,12 +88,12 @@ def test_held_rows_of_a_view(plan):
     assert torch.equal(as_sets(got), as_sets(want))
 
 
-@pytest.mark.parametrize("halves", [True, False])
+@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("width", [CANDIDATES + 1, 2 * CANDIDATES])
 def test_rows_just_past_the_held_width(width, halves):
     """Logits of one key past the list (a decode row of 8K + 1) and of twice it are not held
-    whole (scratch is allocated: the halves by default, else the estimate, filter and
-    select): exact with distinct and tied
+    whole (scratch is allocated: by default the estimate, filter and select run; with
+    ``halves``, the halves): exact with distinct and tied
     boundaries, ragged ranges, a row of ``topk`` keys and one of ``topk + 1``, specials, a row
     all equal (the ``topk`` lowest columns) and one whose ``topk``-th key is tied with most of
     its lower half."""

@@ -304,8 +304,7 @@ def run(reps: int = 3) -> dict:
                 times[label].append(time_graph(call))
             if dg is not None:
                 times["deepgemm"].append(time_graph(functools.partial(
-                    dg.fp8_mqa_logits, q8, kv, w, ks, ke, clean_logits=True,
-                    max_seqlen_k=longest)))
+                    dg.fp8_fp4_mqa_logits, (q8, None), kv, w, ks, ke, longest)))
         sm90_logits.ragged_logits_kernel = shipped
         for label, ts in times.items():
             if ts:
