@@ -1,0 +1,79 @@
+"""Probe: where the halves' time goes (``mla.fast.topk.halves``, ``TopkPlan(halves=True)``).
+
+On an H100 (2026-12-07) the halves took 53-70 us at 1-256 rows of 8193 and 16K keys, about
+the same at every row count, against 22-42 for the general route and 12.5 for a held row of
+8192 (``benchmarks/results/topk/topk_peers_halves_2026-12-07.json``): a cost a row that does
+not grow with the rows, so the rows' second phases (the last half's select, one program a
+row, all at once) rather than the halves' loads. This probe times, in CUDA graphs with the L2
+flushed by a read, at 1 and 128 rows:
+
+- ``general``: the default's general route at 8193;
+- ``held_8192``: rows of 8192, held whole (the default);
+- ``halves``, ``halves_bracket`` (``held_search="bracket"``), ``halves_k1`` (``topk`` 1:
+  each half lists its whole first bracket of at most 4096, the last selects one);
+- ``halves_held_rows``: the halves' kernel on logits 8193 wide whose rows end at 8192 (half
+  0 selects them as a held row, half 1 returns);
+- ``halves_sorted``: rows sorted down, so that each half's list is its first columns.
+
+``python -m benchmarks.probes.topk_halves_probe``: prints one JSON row a shape and writes
+``$OUT/topk_halves_probe.json``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import torch
+
+from benchmarks.common import capture, time_replays
+from mla.environment import environment
+from mla.fast.topk import TopkPlan, launches
+
+
+def _time(x: torch.Tensor, ends: torch.Tensor, topk: int, plan: TopkPlan) -> float:
+    R = x.shape[0]
+    starts = torch.zeros(R, dtype=torch.int32, device=x.device)
+    out = torch.empty(R, topk, dtype=torch.int32, device=x.device)
+    _work, steps = launches(x, starts, ends, out, topk, plan)
+
+    def run() -> None:
+        for s in steps:
+            s()
+    run()
+    torch.cuda.synchronize()
+    want = torch.topk(x[:, :int(ends.max())], topk, dim=1).values
+    got = x.gather(1, out.long()).sort(dim=1, descending=True).values
+    assert torch.equal(got, want), "wrong answer"
+    return time_replays(capture(run), 30, read_flush=True) * 1e3
+
+
+def main() -> int:
+    res = {"environment": environment(), "rows": []}
+    halves = TopkPlan(halves=True)
+    for R in (1, 128):
+        torch.manual_seed(R)
+        x = torch.randn(R, 8193, device="cuda")
+        full = torch.full((R,), 8193, dtype=torch.int32, device="cuda")
+        short = torch.full((R,), 8192, dtype=torch.int32, device="cuda")
+        t = functools.partial(_time, x)
+        row = {"R": R,
+               "general": t(full, 2048, TopkPlan()),
+               "held_8192": _time(x[:, :8192].contiguous(), short, 2048, TopkPlan()),
+               "halves": t(full, 2048, halves),
+               "halves_bracket": t(full, 2048, TopkPlan(halves=True, held_search="bracket")),
+               "halves_k1": t(full, 1, halves),
+               "halves_held_rows": t(short, 2048, halves),
+               "halves_sorted": _time(x.sort(dim=1, descending=True).values, full, 2048,
+                                      halves)}
+        print(json.dumps(row), flush=True)
+        res["rows"].append(row)
+    out = os.environ.get("OUT", "/tmp/out")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "topk_halves_probe.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
