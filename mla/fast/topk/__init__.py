@@ -54,9 +54,10 @@ memory) is not used here: rebuilt in Triton it was several times slower (the mea
 
 Logits past the list up to twice it (a decode row of 8K + 1 keys, rows up to 16K) with ``topk`` at
 most half the list can take **the halves** (``mla.fast.topk.halves``; ``TopkPlan(halves=True)`` or
-``route="halves"``, not yet the default: not yet timed on a GPU): each half of a row held by its own
-program as a row held whole is, cut by ``_quad_search`` stopping at ``CANDIDATES / 2`` keys (no
-estimate, no second read), the last to arrive selecting from both lists in column order. Otherwise
+``route="halves"``; off by default, 1.4-3.1x the general route's time as timed): each half of a
+row held by its own program as a row held whole is, cut by ``_quad_search`` stopping at
+``CANDIDATES / 2`` keys (no estimate, no second read), the last to arrive selecting from both
+lists in column order. Otherwise
 three routes run them (``TopkPlan.route``; ``"auto"`` picks one or two launches by shape,
 ``TopkPlan.route_for``). **One launch** (``mla.fast.topk.fused``): every program of a row estimates
 the threshold and marks its part of the row; rows no more than the SMs are split in at least two
@@ -205,8 +206,8 @@ class TopkPlan:
     # range is read (False: the range read first, then its keys alone)
     held_prefetch: bool = True
     # logits past the list up to twice it, topk at most half the list: "auto" takes the
-    # halves (each row held by two programs, one a half: mla.fast.topk.halves); off until
-    # timed on a GPU beside the general route
+    # halves (each row held by two programs, one a half: mla.fast.topk.halves); off: slower
+    # than the general route as timed (mla.fast.topk.halves)
     halves: bool = False
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM

@@ -17,8 +17,13 @@ half is among them). The halves arrive by one atomic; the last holds both lists 
 ``CAP`` items, column order kept: half 0's columns are below half 1's) and selects the row's
 exact ``need`` best as a row held whole is selected (``_column_order_places``), the columns
 read back only for the items taken. On random rows the halves' searches stop after the
-normal guess's one step; the last's is the exact search over about twice ``need`` items.
-Needs ``topk <= CAP / 2`` (the two lists fit one); ``launches`` routes nothing else here.
+normal guess's one step, each listing about 3100 of its 4097 keys, and the last's exact
+search over about 6200 items takes about 3 steps (a numpy model of the rule). Needs ``topk
+<= CAP / 2`` (the two lists fit one); ``launches`` routes nothing else here.
+
+Off by default: on an H100 (2026-12-07) it took 53-70 us at 1-256 rows of 8193 and 16K
+keys, about the same at every row count, against the general route's 22-42
+(``benchmarks/notes/topk.md``); where that time goes is not yet known.
 """
 
 from __future__ import annotations
