@@ -1,0 +1,102 @@
+"""Probe: what a kernel's code costs when the L2 has been flushed before the launch.
+
+At one row the top-k kernels' times follow the size of their code (``benchmarks/notes/topk.md``,
+"Rows of 8193 to 16K"): 4,400 SASS instructions 12.5 us, 8,500-10,500 21.7 us, 17,400 62.8 us,
+on an H100 with the L2 flushed by a read before each CUDA-graph replay. If a replay fetches
+the code from memory, a kernel pays for its size whatever it computes. This probe isolates
+that: one program (and one a SM) of 8 warps loads 256 floats, runs ``OPS`` dependent
+multiply-adds written out in full (``tl.static_range``: ``OPS`` instructions of code, each run
+once; compiled for sm_90, ``OPS + 32`` SASS instructions), and stores the result, at ``OPS``
+in 0, 4096 and 8192 (Triton's front end takes about a minute a size past that); each timed with
+the L2 flushed by a read before each replay and without. The multiply-adds take the same
+time either way (about 4 cycles each, a dependent chain); the difference between the two
+times is what fetching the code costs.
+
+``python -m benchmarks.probes.code_fetch_probe``: one JSON row a size and grid, and
+``$OUT/code_fetch_probe.json``; ``--compile``: the kernels compiled for sm_90 on the CPU, their
+SASS instruction counts (no GPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import triton
+import triton.language as tl
+
+SIZES = (0, 4096, 8192)  # compiled for sm_90: OPS + 32 SASS instructions
+WARPS = 8
+
+
+@triton.jit
+def _padded_kernel(x, out, OPS: tl.constexpr):
+    """``out = f(x)`` through ``OPS`` dependent multiply-adds written out in full."""
+    i = tl.arange(0, 256)
+    v = tl.load(x + i)
+    for k in tl.static_range(OPS):
+        v = v * 0.999 + k * 1e-7
+    tl.store(out + tl.program_id(0) * 256 + i, v)
+
+
+def _sass_count(ops: int) -> int:
+    """SASS instructions of the kernel at ``ops`` compiled for sm_90 (no GPU)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.indexer_compile import _compile
+
+    k = _compile(_padded_kernel, {"OPS": ops}, {"x": "fp32", "out": "fp32"}, {}, WARPS)
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    return len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/", sass, flags=re.M))
+
+
+def run() -> dict:
+    import torch
+
+    from benchmarks.common import capture, time_replays
+    from mla.bench.timing import median_ms
+    from mla.environment import environment
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(256, device="cuda")
+    res = {"environment": environment(), "rows": []}
+    for programs in (1, sms):
+        out = torch.empty(programs, 256, device="cuda")
+        for ops in SIZES:
+            def launch(ops=ops, out=out, programs=programs) -> None:
+                _padded_kernel[(programs,)](x, out, OPS=ops, num_warps=WARPS)
+            launch()
+            torch.cuda.synchronize()
+            g = capture(launch)
+            row = {"programs": programs, "ops": ops,
+                   "flushed_us": time_replays(g, 30, read_flush=True) * 1e3,
+                   "warm_us": median_ms(g.replay, 30, None) * 1e3}
+            row["fetch_us"] = row["flushed_us"] - row["warm_us"]
+            print(json.dumps(row), flush=True)
+            res["rows"].append(row)
+    return res
+
+
+def main(argv: list[str]) -> int:
+    if "--compile" in argv:
+        for ops in SIZES:
+            print(ops, _sass_count(ops))
+        return 0
+    res = run()
+    out = os.environ.get("OUT", "/tmp/out")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "code_fetch_probe.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
