@@ -3,6 +3,8 @@ and the heading and rows of their reports."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 
@@ -12,7 +14,8 @@ import triton.testing
 from mla.bench.timing import capture as mla_capture
 from mla.bench.timing import median_ms
 
-__all__ = ["ceilings", "kernel_name", "log", "report_heading", "report_rows", "time_graph"]
+__all__ = ["ceilings", "kernel_name", "log", "report_heading", "report_rows", "time_graph",
+           "write_out"]
 
 
 def log(msg: str) -> None:
@@ -102,3 +105,14 @@ def report_rows(e: dict) -> list[tuple[str, dict]]:
     if tri and all(kernel_name(r["plan"]) != "Triton" for _, r in rows):
         rows.append(("best Triton", min(tri, key=lambda r: min(r["us"], r["us_graph"]))))
     return rows
+
+
+def write_out(name: str, res: dict) -> str:
+    """``res`` as JSON in ``$OUT/name`` (``/tmp/out`` without ``OUT``, as on the GPU machine's
+    steps, ``benchmarks/device_run.sh``); its path."""
+    out = os.environ.get("OUT", "/tmp/out")
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    return path

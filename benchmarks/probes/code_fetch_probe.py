@@ -19,7 +19,6 @@ SASS instruction counts (no GPU)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 
@@ -86,15 +85,14 @@ def run() -> dict:
 
 
 def main(argv: list[str]) -> int:
+    from benchmarks.common import write_out
+
     if "--compile" in argv:
         for ops in SIZES:
             print(ops, _sass_count(ops))
         return 0
     res = run()
-    out = os.environ.get("OUT", "/tmp/out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "code_fetch_probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_out("code_fetch_probe.json", res)
     return 0
 
 

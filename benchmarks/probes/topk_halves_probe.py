@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 
 import torch
 
-from benchmarks.common import capture, time_replays
+from benchmarks.common import capture, time_replays, write_out
 from mla.bench.timing import median_ms
 from mla.environment import environment
 from mla.fast.topk import TopkPlan, launches
@@ -84,10 +83,7 @@ def main() -> int:
                "halves_warm": t(full, 2048, halves, False)}
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
-    out = os.environ.get("OUT", "/tmp/out")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "topk_halves_probe.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_out("topk_halves_probe.json", res)
     return 0
 
 
