@@ -19,7 +19,6 @@ SASS instruction counts (no GPU)."""
 from __future__ import annotations
 
 import json
-import re
 import sys
 
 import triton
@@ -41,20 +40,12 @@ def _padded_kernel(x, out, OPS: tl.constexpr):
 
 def _sass_count(ops: int) -> int:
     """SASS instructions of the kernel at ``ops`` compiled for sm_90 (no GPU)."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
+    from triton.tools.disasm import get_sass
 
     from benchmarks.indexer_compile import _compile
 
     k = _compile(_padded_kernel, {"OPS": ops}, {"x": "fp32", "out": "fp32"}, {}, WARPS)
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    return len(re.findall(r"^\s*/\*[0-9a-f]{4,}\*/", sass, flags=re.M))
+    return sum(line.rstrip().endswith(";") for line in get_sass(k.asm["cubin"]).splitlines())
 
 
 def run() -> dict:
