@@ -251,12 +251,13 @@ def _logits_facts() -> list[dict]:
 
 @pytest.mark.parametrize("compressed", [True, False, "one column"])
 def test_logits_kernel_shares_an_sm_four_ways(compressed):
-    # mla.fast.sm90.logits: per tile of 64 keys two wgmma chains (one a query) over the 128
-    # codes, k32 each: 4 m64n64k32 e4m3 a query, 8 a tile, in one place; keys by TMA only.
+    # mla.fast.sm90.logits: per tile of 64 keys one wgmma chain over the 128 codes for both
+    # queries' heads (N = 128), k32 each: 4 m64n128k32 e4m3 a tile, in one place; keys by
+    # TMA only.
     # Four programs a SM (what its key split aims at) need at most 128 registers a thread
     # (65536 / (4 x 128)) and a quarter of the shared memory, without spills.
     f = _logits_facts()[{True: 0, False: 1, "one column": 2}[compressed]]
-    assert f["wgmma"] == {"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3": 8}, f
+    assert f["wgmma"] == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3": 4}, f
     assert f["tma"] >= 1 and f["cp_async_16"] == f["cp_async_other"] == 0, f
     assert f["reg"] <= 128 and f["stack"] == 0 and f["local"] == 0, f
     assert not f["ptx_local"] and 4 * f["shared"] <= SMEM_LIMIT, f

@@ -9,14 +9,20 @@ not let that kernel control:
 - each tile of keys ``[64, 128]`` arrives by one TMA copy into a ring of ``STAGES`` buffers;
   the buffer a tile was read from is refilled with the tile ``STAGES`` later as soon as the
   tile's ``wgmma`` has completed, before its epilogue, so the copies run under the epilogues;
-- a program takes two queries; per tile, ``S = K · qᵀ`` is one ``wgmma m64n64k32`` chain
-  over the 128 codes a query, into float32 registers, keys as M and heads as N, so that the
-  sum over heads is a sum along N: within a thread and across the four lanes that share a
-  row. Both chains are issued at once and the first query's epilogue (ReLU, the weights,
-  the sum over heads, the key's scale, the masks, the store) runs while the second's
-  ``wgmma`` does;
-- one warp group a program and few registers a thread, so several programs share an SM and
-  one's epilogues run under another's ``wgmma``.
+- a program takes two queries; per tile, ``S = K · qᵀ`` for both is one ``wgmma m64n128k32``
+  chain over the 128 codes, into float32 registers, keys as M and the two queries' heads
+  interleaved as N (column ``2h + query``), so that the sum over heads is a sum along N
+  within a thread and across the four lanes that share a row, and ``gl.split`` parts the
+  queries (a column pair sits in one thread's register pair: no data moves). Each FP8
+  ``wgmma`` reads its keys (2 KB) and its ``N x 32`` codes from shared memory: at N = 64,
+  4 KB for 262K FLOPs, 128 bytes a clock at the tensor cores' rate, all of the shared
+  memory's bandwidth; at N = 128, 96 bytes a clock. The epilogue (ReLU, the weights, the sum
+  over heads, the key's scale, the masks, the stores) follows the chain;
+- one warp group a program and few registers a thread (111 on sm_90), so several programs
+  share an SM and one's epilogues run under another's ``wgmma``. Two chains of N = 64 a tile,
+  the first query's epilogue under the second's chain, took 1-6% longer on an H100
+  (``benchmarks/results/indexer/logits_pair_mma_2026-12-07.json``); two accumulators of
+  N = 128, the next tile's chain under this one's epilogue, 179 registers and 30-60% longer.
 
 ``mla.fast.indexer.fp8_mqa_logits`` launches it on sm_90 for 64 heads of 128 codes whose key
 codes a TMA descriptor can address (rows 16-byte aligned); the Triton kernel takes the rest.
@@ -47,7 +53,7 @@ NUM_WARPS = 4  # one warp group a program
 QUERIES = 2  # queries a program
 BLOCK_N = 64  # keys a tile
 STAGES = 4  # tiles of keys in flight (shared memory: 16 KB of queries + 8 KB a stage)
-PROGRAMS_PER_SM = 4  # what the key split aims at: 125-128 registers, 4 programs fit a SM
+PROGRAMS_PER_SM = 4  # what the key split aims at: 111 registers, 4 programs fit a SM
 
 
 def supported(q: torch.Tensor, codes: torch.Tensor) -> bool:
@@ -77,14 +83,20 @@ def _seen_written(keys, lo, vis, span, N, ok, COMPRESSED: gl.constexpr):
 
 
 @gluon.jit
-def _tile_out(acc, w, k_scale, keys, write_at, lo, vis, span, N, ok, COMPRESSED: gl.constexpr):
-    """One query's logits of a tile from its dots ``acc [64 keys, 64 heads]``: ReLU (NaN
-    kept), the weights, the sum over heads, the keys' scales; ``-inf`` where unseen; stored
-    where written. Returns the products, whose registers the next tile's ``wgmma`` takes."""
-    p = gl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
-    v = gl.sum(p, axis=1) * k_scale
-    seen, written = _seen_written(keys, lo, vis, span, N, ok, COMPRESSED)
-    gl.store(write_at + keys, gl.where(seen, v, float("-inf")), mask=written)
+def _pair_out(acc, w2, k_scale, keys, out0, out1, lo0, vis0, lo1, vis1, span, N, ok0, ok1,
+              row_layout: gl.constexpr, COMPRESSED: gl.constexpr):
+    """Both queries' logits of a tile from their dots ``acc [64 keys, 128]`` (column ``2h +
+    query``): ReLU (NaN kept), the weights ``w2`` (interleaved likewise), the sum over heads,
+    the keys' scales; ``-inf`` where unseen; stored where written. Returns the products,
+    whose registers the next tile's ``wgmma`` takes."""
+    p = gl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * w2[None, :]
+    p0, p1 = gl.split(gl.reshape(p, [acc.shape[0], acc.shape[1] // 2, 2]))
+    v0 = gl.convert_layout(gl.sum(p0, axis=1), row_layout) * k_scale
+    v1 = gl.convert_layout(gl.sum(p1, axis=1), row_layout) * k_scale
+    seen, written = _seen_written(keys, lo0, vis0, span, N, ok0, COMPRESSED)
+    gl.store(out0 + keys, gl.where(seen, v0, float("-inf")), mask=written)
+    seen, written = _seen_written(keys, lo1, vis1, span, N, ok1, COMPRESSED)
+    gl.store(out1 + keys, gl.where(seen, v1, float("-inf")), mask=written)
     return p
 
 
@@ -123,7 +135,7 @@ def ragged_logits_kernel(
     TILE_BYTES: gl.constexpr = BN * D
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, H, 32])
+                                                  instr_shape=[16, 2 * H, 32])
     ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[4, 8],
                                         warps_per_cta=[4, 1], order=[1, 0])
     fill: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
@@ -175,16 +187,17 @@ def ragged_logits_kernel(
             mbarrier.init(ready.index(j), count=1)
         k_desc = tma.make_tensor_descriptor(CODES, shape=[N, D], strides=[s_c_n, 1],
                                             block_shape=[BN, D], layout=smem)
-        # both queries' heads -> shared memory (zeros past S)
+        # both queries' heads -> shared memory, row r of the B operand query r % 2's head
+        # r // 2 (zeros past S); the weights interleaved likewise
         r = gl.arange(0, 2 * H, layout=gl.SliceLayout(1, ld))
-        t = t0 + r // H
+        t = t0 + r % 2
         d = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
-        x = gl.load(Q + t[:, None] * s_q_t + (r % H)[:, None] * s_q_h + d[None, :],
+        x = gl.load(Q + t[:, None] * s_q_t + (r // 2)[:, None] * s_q_h + d[None, :],
                     mask=(t < S)[:, None], other=0.0)
         q_smem.store(x)
-        h = gl.arange(0, H, layout=gl.SliceLayout(0, mma))
-        w0 = gl.load(W + t0 * s_w_t + h, mask=(h < H) & ok0, other=0.0)
-        w1 = gl.load(W + (t0 + 1) * s_w_t + h, mask=(h < H) & ok1, other=0.0)
+        c = gl.arange(0, 2 * H, layout=gl.SliceLayout(0, mma))
+        w2 = gl.load(W + (t0 + c % 2) * s_w_t + c // 2,
+                     mask=((c % 2 == 0) & ok0) | ((c % 2 == 1) & ok1), other=0.0)
         fence_async_shared()
         barrier()
         for j in gl.static_range(STAGES):
@@ -192,11 +205,10 @@ def ragged_logits_kernel(
                 mbarrier.expect(ready.index(j), TILE_BYTES)
                 tma.async_copy_global_to_shared(k_desc, [(col0 + (first + j) * BN).to(gl.int32),
                                                          0], ready.index(j), k_buf.index(j))
-        q0 = q_smem.slice(0, H, dim=0).permute((1, 0))
-        q1 = q_smem.slice(H, H, dim=0).permute((1, 0))
-        rows = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
-        p0 = gl.zeros([BN, H], gl.float32, layout=mma)
-        p1 = gl.zeros([BN, H], gl.float32, layout=mma)
+        qt = q_smem.permute((1, 0))
+        row_layout: gl.constexpr = gl.SliceLayout(1, mma)
+        rows = gl.arange(0, BN, layout=row_layout)
+        p = gl.zeros([BN, 2 * H], gl.float32, layout=mma)
         for i in range(first, last):
             it = i - first
             s = it % STAGES
@@ -207,17 +219,15 @@ def ragged_logits_kernel(
             k_s = k_buf.index(s)
             # use_acc=False: the registers passed in (the last tile's products, not a tensor
             # of zeros that would stay live) are only overwritten
-            a0 = warpgroup_mma(k_s, q0, p0, use_acc=False, is_async=True)
-            a1 = warpgroup_mma(k_s, q1, p1, use_acc=False, is_async=True)
-            a0 = warpgroup_mma_wait(num_outstanding=1, deps=(a0,))
-            p0 = _tile_out(a0, w0, k_scale, keys, out0, lo0, vis0, span, N, ok0, COMPRESSED)
-            a1 = warpgroup_mma_wait(num_outstanding=0, deps=(a1,))
-            barrier()  # every warp's share of both dots has read buffer s
+            a = warpgroup_mma(k_s, qt, p, use_acc=False, is_async=True)
+            a = warpgroup_mma_wait(num_outstanding=0, deps=(a,))
+            barrier()  # every warp's share of the dot has read buffer s
             if i + STAGES < last:
                 mbarrier.expect(ready.index(s), TILE_BYTES)
                 tma.async_copy_global_to_shared(k_desc, [(start + STAGES * BN).to(gl.int32), 0],
                                                 ready.index(s), k_s)
-            p1 = _tile_out(a1, w1, k_scale, keys, out1, lo1, vis1, span, N, ok1, COMPRESSED)
+            p = _pair_out(a, w2, k_scale, keys, out0, out1, lo0, vis0, lo1, vis1, span, N,
+                          ok0, ok1, row_layout, COMPRESSED)
         for j in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(j))
     for i in range(0, TILES):

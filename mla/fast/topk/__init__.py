@@ -54,9 +54,10 @@ memory) is not used here: rebuilt in Triton it was several times slower (the mea
 
 Logits past the list up to twice it (a decode row of 8K + 1 keys, rows up to 16K) with ``topk`` at
 most half the list can take **the halves** (``mla.fast.topk.halves``; ``TopkPlan(halves=True)`` or
-``route="halves"``, not yet the default: not yet timed on a GPU): each half of a row held by its own
-program as a row held whole is, cut by ``_quad_search`` stopping at ``CANDIDATES / 2`` keys (no
-estimate, no second read), the last to arrive selecting from both lists in column order. Otherwise
+``route="halves"``; off by default, 1.4-3.1x the general route's time as timed): each half of a
+row held by its own program as a row held whole is, cut by ``_quad_search`` stopping at
+``CANDIDATES / 2`` keys (no estimate, no second read), the last to arrive selecting from both
+lists in column order. Otherwise
 three routes run them (``TopkPlan.route``; ``"auto"`` picks one or two launches by shape,
 ``TopkPlan.route_for``). **One launch** (``mla.fast.topk.fused``): every program of a row estimates
 the threshold and marks its part of the row; rows no more than the SMs are split in at least two
@@ -205,8 +206,8 @@ class TopkPlan:
     # range is read (False: the range read first, then its keys alone)
     held_prefetch: bool = True
     # logits past the list up to twice it, topk at most half the list: "auto" takes the
-    # halves (each row held by two programs, one a half: mla.fast.topk.halves); off until
-    # timed on a GPU beside the general route
+    # halves (each row held by two programs, one a half: mla.fast.topk.halves); off: slower
+    # than the general route as timed (mla.fast.topk.halves)
     halves: bool = False
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
@@ -385,9 +386,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
         args = (*rows, out, W, topk, s_l_r, s_o_r, cap, hold, min(plan.select_tile, 1024),
                 out_block, in_registers, plan.held_search == "quad",
                 plan.held_prefetch and (in_registers or 2 * hold <= cap))
-        regs = {}
-        if plan.held_maxnreg and R > num_sms(logits.device) and not interpreting():
-            regs = {"maxnreg": plan.held_maxnreg}
+        regs = _held_regs(plan, R, logits.device)
         return work, [lambda: _held((key, hold, bool(regs)), (R, 1, 1), args,
                                     num_warps=plan.select_warps, **regs)]
     route = plan.route_for(R, W, logits.device, topk)
@@ -400,9 +399,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
         check_grid(_GRID_NAME, (R, 2, 1))
         args = (*rows, work, sync, out, W, topk, s_l_r, s_o_r, cap, SMALL, out_block,
                 plan.held_search == "quad")
-        regs = {}
-        if plan.held_maxnreg and 2 * R > num_sms(logits.device) and not interpreting():
-            regs = {"maxnreg": plan.held_maxnreg}
+        regs = _held_regs(plan, 2 * R, logits.device)
         return work, [lambda: _halves((key, bool(regs)), (R, 2, 1), args,
                                       num_warps=plan.select_warps, **regs)]
     if route == "one":
@@ -513,6 +510,15 @@ def fused_parts(plan: TopkPlan, R: int, W: int, device: torch.device) -> tuple[i
         parts = max(1, min(parts, plan.fused_parts, triton.cdiv(W, plan.fused_block)))
     chunk = plan.fused_block * triton.cdiv(triton.cdiv(max(W, 1), parts), plan.fused_block)
     return triton.cdiv(max(W, 1), chunk), chunk
+
+
+def _held_regs(plan: TopkPlan, programs: int, device: torch.device) -> dict:
+    """The launch option of the kernels that hold rows in registers (held rows, the halves):
+    ``maxnreg`` at ``plan.held_maxnreg`` where their programs outnumber the SMs (and the plan
+    caps), else none. The interpreter takes no compiler option."""
+    if plan.held_maxnreg and programs > num_sms(device) and not interpreting():
+        return {"maxnreg": plan.held_maxnreg}
+    return {}
 
 
 def _capped(plan: TopkPlan, programs: int, device: torch.device, warps: int = 0

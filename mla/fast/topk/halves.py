@@ -17,8 +17,13 @@ half is among them). The halves arrive by one atomic; the last holds both lists 
 ``CAP`` items, column order kept: half 0's columns are below half 1's) and selects the row's
 exact ``need`` best as a row held whole is selected (``_column_order_places``), the columns
 read back only for the items taken. On random rows the halves' searches stop after the
-normal guess's one step; the last's is the exact search over about twice ``need`` items.
-Needs ``topk <= CAP / 2`` (the two lists fit one); ``launches`` routes nothing else here.
+normal guess's one step, each listing about 3100 of its 4097 keys, and the last's exact
+search over about 6200 items takes about 3 steps (a numpy model of the rule). Needs ``topk
+<= CAP / 2`` (the two lists fit one); ``launches`` routes nothing else here.
+
+Off by default: on an H100 (2026-12-07) it took 53-70 us at 1-256 rows of 8193 and 16K
+keys, about the same at every row count, against the general route's 22-42
+(``benchmarks/notes/topk.md``); where that time goes is not yet known.
 """
 
 from __future__ import annotations
@@ -35,17 +40,7 @@ from mla.fast.topk.kernels import (
     _write_all,
     _write_tail,
 )
-from mla.fast.topk.search import _bracket_search, _quad_search, _unsigned
-
-
-@triton.jit
-def _half_search(u, need, enough, QUAD: tl.constexpr):
-    """A key that every one of the held ``u``'s ``need`` best reaches, and how many reach it
-    (``_quad_search`` stopping at ``enough``; the exact boundary by ``_bracket_search`` where
-    not ``QUAD``)."""
-    if QUAD:
-        return _quad_search(u, need, True, enough)
-    return _bracket_search(u, need)
+from mla.fast.topk.search import _search, _unsigned
 
 
 @triton.jit
@@ -88,7 +83,7 @@ def _halves_kernel(logits, starts, ends, work, sync, out, W, topk, s_l_r, s_o_r,
         list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
         counts = few.to(tl.pointer_type(tl.int32))
         need = tl.minimum(topk, m).to(tl.int32)
-        p, reach = _half_search(u, need, LIMIT, QUAD)
+        p, reach = _search(u, need, QUAD, LIMIT)
         listed = tl.where(reach <= LIMIT, reach, need)
         take, pos = _column_order_places(u, p, reach, listed)
         tl.store(list_keys + h * LIMIT + pos, u.to(tl.int32, bitcast=True), mask=take)
@@ -103,10 +98,7 @@ def _halves_kernel(logits, starts, ends, work, sync, out, W, topk, s_l_r, s_o_r,
             held = i < total
             k = tl.load(list_keys + at, mask=held, other=0)
             w = tl.where(held, k.to(tl.uint32, bitcast=True), 0)
-            if QUAD:
-                q, q_reach = _quad_search(w, topk, True, topk)
-            else:
-                q, q_reach = _bracket_search(w, topk)
+            q, q_reach = _search(w, topk, QUAD, topk)
             take, pos = _column_order_places(w, q, q_reach, topk)
             # the places again, written otherwise so that they are computed anew here, not
             # held through the search

@@ -398,12 +398,14 @@ def _inverted(cols):
 
 
 @triton.jit
-def _search(u, need, QUAD: tl.constexpr):
+def _search(u, need, QUAD: tl.constexpr, enough):
     """The ``need``-th largest of the held ``u`` and how many reach it (``_bracket_search``'s
     convention): by ``_quad_search`` with its normal guess (``QUAD``; keys that are floats'
-    patterns) or by ``_bracket_search``."""
+    patterns), stopping once at most ``enough`` reach (``need`` for the exact answer), or by
+    ``_bracket_search`` (always exact: what ``enough`` allows, since at least ``need`` and at
+    most ``enough`` reach its answer unless the ``need``-th is tied)."""
     if QUAD:
-        return _quad_search(u, need, True, need)
+        return _quad_search(u, need, True, enough)
     return _bracket_search(u, need)
 
 
@@ -414,7 +416,7 @@ def _boundary(u, cols, need, QUAD: tl.constexpr):
     or above ``p`` is taken). When the ``need``-th key is tied, a second search among its
     equals, on the inverted column, takes the lowest columns (``cols``: the items' columns,
     read only where equal to ``p``, in any order)."""
-    p, reach = _search(u, need, QUAD)
+    p, reach = _search(u, need, QUAD, need)
     last = tl.full((), 1, tl.uint32)
     if reach > need:
         v = tl.where(u == p, _inverted(cols), 0)
