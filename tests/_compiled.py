@@ -75,6 +75,8 @@ def compiled(argv: list[str], timeout: int = 900) -> Any:
     if os.environ.get("MLA_RECORD_COMPILED") == "1":
         with _WRITING:
             runs = json.loads(RECORD.read_text()) if RECORD.exists() else {}
-            runs[name] = {"key": key, "printed": printed}
+            import triton
+
+            runs[name] = {"key": key, "printed": printed, "triton": triton.__version__}
             RECORD.write_text(json.dumps(runs, indent=0, sort_keys=True) + "\n")
     return printed
