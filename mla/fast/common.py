@@ -2,8 +2,7 @@
 
 - ``interpreting()``: Triton's interpreter (``TRITON_INTERPRET=1``) runs the kernels on the
   CPU; read from the environment once, when this package is imported, as Triton decides it
-  then for every kernel it decorates (setting the variable later changes nothing). Under it
-  ``mla.fast.interpreter`` spares the helpers' calls a second patch of the language.
+  then for every kernel it decorates (setting the variable later changes nothing).
 - ``num_sms``, ``capability``: the GPU's SM count (launch plans) and compute capability
   (routes), cached per device because each call asks.
 - ``ensure_allocator``: the scratch allocator that in-kernel tensor descriptors need.
@@ -35,10 +34,6 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if _INTERPRETING:  # a helper's call inside a launch no longer patches the language again
-    from mla.fast.interpreter import skip_helper_repatching
-
-    skip_helper_repatching()
 
 # Triton's (major, minor): a few launch plans follow what its compiler makes of them (4-warp
 # programs that fit 255 registers under 3.6 spill under 3.7's allocator, as ptxas reports)
