@@ -56,6 +56,11 @@ HELD_PLANS = {"mla_fast_held_tiles": TopkPlan(held_write="tiles"),
               "mla_fast_16w": TopkPlan(select_warps=16),
               "mla_fast_held_uncapped": TopkPlan(held_maxnreg=0),
               "mla_fast_held_no_prefetch": TopkPlan(held_prefetch=False)}
+# logits past the list up to twice it: rows held by halves (mla.fast.topk.halves), their
+# registers capped where the programs outnumber the SMs and uncapped, beside the default's
+# general route (the estimate, the marking read and the select)
+HALVES_PLANS = {"mla_fast_halves": TopkPlan(halves=True),
+                "mla_fast_halves_uncapped": TopkPlan(halves=True, held_maxnreg=0)}
 
 
 def load_vllm(lib: Path | None) -> dict:
@@ -137,7 +142,8 @@ def run(vllm: dict, copy_tbps: float, reps: int, shapes: list[tuple[int, int]]) 
         _work, steps = launches(x, starts, lengths, out, TOPK, TopkPlan())
         res = {"R": R, "L": W, "mla_route": TopkPlan().route_for(R, W, x.device, TOPK)}
         res["mla_fast"] = timed(functools.partial(_run_all, steps), out, x, best, reps)
-        alternatives = HELD_PLANS if W <= CANDIDATES else {}
+        alternatives = HELD_PLANS if W <= CANDIDATES else (
+            HALVES_PLANS if W <= 2 * CANDIDATES else {})
         for name, plan in alternatives.items():
             _work, steps = launches(x, starts, lengths, out, TOPK, plan)
             res[name] = timed(functools.partial(_run_all, steps), out, x, best, reps)
@@ -174,7 +180,7 @@ def _torch_topk(x, vals, ids, best, reps) -> dict:
 
 
 def table(res: dict) -> str:
-    names = ["mla_fast", *HELD_PLANS, "vllm_persistent_topk",
+    names = ["mla_fast", *HELD_PLANS, *HALVES_PLANS, "vllm_persistent_topk",
              "vllm_cooperative_topk", "vllm_top_k_per_row_decode", "torch_topk"]
     lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us (% of copy)",
              "| rows x keys | " + " | ".join(names) + " |",

@@ -282,11 +282,13 @@ def test_topk_k_past_the_list():
     assert _check_paths(logits, st, en, CANDIDATES + 10)[0] == ["scanned"]
 
 
+@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_topk_half_dtypes(dtype):
-    """Logits in bf16 and fp16 (their keys widened to float32's order)."""
+def test_topk_half_dtypes(dtype, halves):
+    """Logits in bf16 and fp16 (their keys widened to float32's order), by the general route
+    (the default at these widths) and by the halves."""
     logits, st, en = _full(torch.randn(2, LONG, generator=_gen(40)).to(dtype))
-    _check(logits, st, en, 2048, TopkPlan())
+    _check(logits, st, en, 2048, TopkPlan(halves=halves))
 
 
 @pytest.mark.parametrize("plan", [TopkPlan(block=1024), TopkPlan(programs_per_sm=1),
@@ -381,8 +383,10 @@ def test_topk_grids_put_the_rows_on_x(monkeypatch: pytest.MonkeyPatch, route: st
 
 
 def test_topk_route_for():
-    """``route="auto"``: two launches where a row fits one of their parts and the rows
-    outnumber the SMs (4 under the interpreter, the GPU's count on one) or where
+    """``route="auto"``: the halves, where the plan takes them (``halves=True``), for logits
+    past the list up to twice it where ``topk`` is at most half the list, whatever the rows;
+    two launches where a row fits one of their parts
+    and the rows outnumber the SMs (4 under the interpreter, the GPU's count on one) or where
     the rows are more than two a SM, else one launch; a route named is taken at every shape."""
     sms = fast_topk.num_sms(torch.device(DEVICE))
     auto, dev = TopkPlan(), torch.device(DEVICE)
@@ -393,7 +397,14 @@ def test_topk_route_for():
     assert auto.route_for(2 * sms + 1, 32769, dev, 2048) == "two"  # many rows: two launches
     assert TopkPlan(many_rows_per_sm=4).route_for(4 * sms, 131072, dev, 2048) == "one"
     assert TopkPlan(two_chunk=65536).route_for(sms + 1, 65536, dev, 2048) == "two"
-    for route in ("one", "two", "three"):
+    halves = TopkPlan(halves=True)
+    for R in (1, 4 * sms):
+        for W in (CANDIDATES + 1, 2 * CANDIDATES):
+            assert halves.route_for(R, W, dev, CANDIDATES // 2) == "halves"
+        assert halves.route_for(R, 2 * CANDIDATES + 1, dev, 2048) != "halves"
+        assert halves.route_for(R, 2 * CANDIDATES, dev, CANDIDATES // 2 + 1) != "halves"
+        assert auto.route_for(R, CANDIDATES + 1, dev, 2048) != "halves"  # off by default
+    for route in ("one", "two", "three", "halves"):
         assert TopkPlan(route=route).route_for(1, 131072, dev, 2048) == route
 
 
@@ -507,15 +518,16 @@ def test_topk_float_threshold_is_the_key_threshold():
 
 def test_one_launch_kernel_compiles_for_sm90():
     """The default one-launch kernel, a row a program and a row split over programs, the
-    two launches' second and the kernel of rows held whole compile for the H200 without
-    spills, but for a few bytes of stack where the held rows' registers are capped (in a
+    two launches' second, the kernel of rows held whole and the halves compile for the H200
+    without spills, but for a few bytes of stack where the held rows' registers are capped (in a
     child process without the interpreter, which cannot compile for a GPU; the three
     launches' kernels: ``tests/test_fast_indexer.py``)."""
     found = compiled(["-m", "benchmarks.topk_sweep", "--sm90"], timeout=600)
     # a row a program, a row split, two launches at 8 and 4 warps with rows in 4 parts and in
     # one, rows held of 4096 and 8192, of 8192 with the registers capped (as launched where
-    # the rows outnumber the SMs), and of one key with k = 1 (both constants in a launch)
-    assert len(found) == 10, sorted(found)
+    # the rows outnumber the SMs), and of one key with k = 1 (both constants in a launch), and
+    # the halves (mla.fast.topk.halves) uncapped and capped
+    assert len(found) == 12, sorted(found)
     for name, f in found.items():
         # capped at 128 registers, the held kernel keeps 16 bytes of stack (measured; two
         # programs a SM were faster at 256 x 8K, TopkPlan.held_maxnreg); nothing else spills

@@ -10,7 +10,8 @@ clusters (an interpolation aims between them), every key equal, a run of ties at
 boundary, the two least keys tied with ``need`` all but one, a run of consecutive patterns
 present twice each (an item just below every probe), exponentially spread float keys, a few
 keys among empty places, the extremes 1 and ``2^32 - 1``, ``need`` 1 and ``need`` every item.
-The search's step of the bracket's extremes is also checked on its own.
+The search's step of the bracket's extremes is also checked on its own, and the quad search
+stopping early (``enough``: at most that many items reach the key it returns).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ N = 4096  # the select holds this many items with their columns
 
 @triton.jit
 def _search_rows(u_ptr, need_ptr, out_ptr, N: tl.constexpr, SEARCH: tl.constexpr,
-                 GUESS: tl.constexpr):
+                 GUESS: tl.constexpr, EXTRA: tl.constexpr = 0):
     row = tl.program_id(0)
     u = tl.load(u_ptr + row * N + tl.arange(0, N)).to(tl.uint32, bitcast=True)
     need = tl.load(need_ptr + row)
@@ -37,7 +38,7 @@ def _search_rows(u_ptr, need_ptr, out_ptr, N: tl.constexpr, SEARCH: tl.constexpr
     elif SEARCH == "bisect":
         a, reach = _bisect(u, need, 0)
     else:
-        a, reach = _quad_search(u, need, GUESS)
+        a, reach = _quad_search(u, need, GUESS, need + EXTRA)
     tl.store(out_ptr + 2 * row, a.to(tl.int64))
     tl.store(out_ptr + 2 * row + 1, reach.to(tl.int64))
 
@@ -85,26 +86,29 @@ def _rows() -> list[tuple[str, torch.Tensor, int]]:
 ROWS = _rows()
 
 
-def _check_boundary(name: str, u: torch.Tensor, need: int, a: int, reach: int) -> None:
-    """``reach`` items reach ``a``, at least ``need`` (so the ``need`` largest all do) and
-    exactly ``need`` unless ``a`` is the tied ``need``-th largest itself (a run of equals no
-    search can cut)."""
+def _check_boundary(name: str, u: torch.Tensor, need: int, a: int, reach: int,
+                    enough: int | None = None) -> None:
+    """``reach`` items reach ``a``, at least ``need`` (so the ``need`` largest all do) and at
+    most ``enough`` (default ``need``: the exact boundary), unless ``a`` is the tied
+    ``need``-th largest itself (a run of equals no search can cut)."""
+    enough = need if enough is None else enough
     live = u[u != 0]
     v = int(live.sort(descending=True).values[need - 1])
     assert int((live >= a).sum()) == reach, f"{name}: the count returned is not the count at a"
     assert reach >= need, f"{name}: {reach} items reach a, fewer than need {need}"
-    if reach > need:
+    if reach > enough:
         assert a == v and int((live > v).sum()) < need, (
-            f"{name}: {reach} > {need} reach a = {a}, but a is not the tied need-th {v}")
+            f"{name}: {reach} > {enough} reach a = {a}, but a is not the tied need-th {v}")
 
 
-def _searched(search: str, guess: bool) -> list[list[int]]:
-    """``(a, reach)`` of every row of ``ROWS`` by ``search``."""
+def _searched(search: str, guess: bool, extra: int = 0) -> list[list[int]]:
+    """``(a, reach)`` of every row of ``ROWS`` by ``search`` (``_quad_search`` stopping at
+    ``need + extra``)."""
     u = torch.stack([r[1] for r in ROWS])
     need = torch.tensor([r[2] for r in ROWS], dtype=torch.int32)
     got = torch.zeros(len(ROWS), 2, dtype=torch.int64, device=DEVICE)
     _search_rows[(len(ROWS),)](_as_int32(u).to(DEVICE), need.to(DEVICE), got, N=N,
-                               SEARCH=search, GUESS=guess)
+                               SEARCH=search, GUESS=guess, EXTRA=extra)
     return got.cpu().tolist()
 
 
@@ -113,6 +117,28 @@ def test_search_returns_the_boundary_of_the_need_largest(search):
     got = _searched(search.split()[0], "guess" in search)
     for (name, row, k), (a, reach) in zip(ROWS, got):
         _check_boundary(name, row, k, a, reach)
+
+
+@pytest.mark.parametrize("extra", [1, 300, 2048])
+def test_quad_search_stops_at_enough(extra):
+    """``_quad_search(u, need, True, need + extra)`` (``mla.fast.topk.halves``' cut) on every
+    row: a key the ``need`` largest all reach, at most ``need + extra`` items with it, or
+    the tied boundary."""
+    for (name, row, k), (a, reach) in zip(ROWS, _searched("quad", True, extra)):
+        _check_boundary(name, row, k, a, reach, k + extra)
+
+
+def test_check_cut_rejects_a_wrong_cut():
+    """The check with ``enough`` fails a cut above the ``need``-th largest, one with too many
+    items (not tied) and a wrong count."""
+    name, row, need = ROWS[0]
+    vals = row.sort(descending=True).values
+    v = int(vals[need - 1])
+    _check_boundary(name, row, need, int(vals[need + 50]), need + 51, need + 100)
+    for a, reach in [(v + 1, need - 1), (int(vals[need + 200]), need + 201),
+                     (int(vals[need + 50]), need + 50)]:
+        with pytest.raises(AssertionError):
+            _check_boundary(name, row, need, a, reach, need + 100)
 
 
 def test_check_boundary_rejects_a_wrong_answer():

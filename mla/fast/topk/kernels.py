@@ -377,7 +377,7 @@ def _select_in_column_order(u, cols, need, dst, QUAD: tl.constexpr):
     counts, the items above ``p`` and the ties so far, places every taken item; no search
     among the ties (an untied boundary, the common case, takes a scan of one count).
     ``QUAD``: ``_search``'s."""
-    p, reach = _search(u, need, QUAD)
+    p, reach = _search(u, need, QUAD, need)
     take, pos = _column_order_places(u, p, reach, need)
     tl.store(dst + pos, cols, mask=take)
 

@@ -269,7 +269,7 @@ def _bracket_extremes(u, a, z):
 
 
 @triton.jit
-def _quad_search(u, need, GUESS: tl.constexpr):
+def _quad_search(u, need, GUESS: tl.constexpr, enough):
     """``_bracket_search`` (its bracket, its convention, its answer) with four probes a step,
     their counts in one joint block-wide sum of two int32 (two 16-bit counts each), and with
     ``GUESS`` the first four placed where a normal distribution of the items' finite values
@@ -288,7 +288,11 @@ def _quad_search(u, need, GUESS: tl.constexpr):
     + 1)``, its counts unchanged (the answer, where it holds one pattern). Those are the rows
     the interpolation keeps missing: with it the slowest of 132 normal rows of 8192 keys takes
     6.3 steps, not 8.3 (``benchmarks.probes.topk_search_model``); on an H100, 132 such rows
-    loaded and searched took 13.0 us, not 16.2 (``topk_held_probe``, 2026-12-07)."""
+    loaded and searched took 13.0 us, not 16.2 (``topk_held_probe``, 2026-12-07).
+
+    ``enough`` (``need`` for the exact answer; more: ``mla.fast.topk.halves``): the search
+    stops at the first bracket whose lower end at most ``enough`` items reach, and returns
+    that end and its count (at least ``need``: the ``need`` best all reach it)."""
     tl.static_assert(u.numel < 65536, "the counts are 16-bit fields")
     need = need + tl.zeros((), tl.int32)  # a tensor, also where it is specialized (k = 1)
     reach, hi, lo, nf, s1, s2 = _range_and_moments(u, GUESS)
@@ -299,7 +303,7 @@ def _quad_search(u, need, GUESS: tl.constexpr):
     fifths = tl.zeros((), tl.int32)
     first = tl.full((), GUESS, tl.int32)
     before = tl.full((), -1, tl.int32)  # the bracket's items before the last counting step
-    while (z - a > 1) & (ca > need):
+    while (z - a > 1) & (ca > enough):
         items = ca - cz
         if (first == 0) & ((ca - need == 1) | (items == before)):
             least, second, most = _bracket_extremes(u, a, z)
@@ -394,12 +398,14 @@ def _inverted(cols):
 
 
 @triton.jit
-def _search(u, need, QUAD: tl.constexpr):
+def _search(u, need, QUAD: tl.constexpr, enough):
     """The ``need``-th largest of the held ``u`` and how many reach it (``_bracket_search``'s
     convention): by ``_quad_search`` with its normal guess (``QUAD``; keys that are floats'
-    patterns) or by ``_bracket_search``."""
+    patterns), stopping once at most ``enough`` reach (``need`` for the exact answer), or by
+    ``_bracket_search`` (always exact: what ``enough`` allows, since at least ``need`` and at
+    most ``enough`` reach its answer unless the ``need``-th is tied)."""
     if QUAD:
-        return _quad_search(u, need, True)
+        return _quad_search(u, need, True, enough)
     return _bracket_search(u, need)
 
 
@@ -410,7 +416,7 @@ def _boundary(u, cols, need, QUAD: tl.constexpr):
     or above ``p`` is taken). When the ``need``-th key is tied, a second search among its
     equals, on the inverted column, takes the lowest columns (``cols``: the items' columns,
     read only where equal to ``p``, in any order)."""
-    p, reach = _search(u, need, QUAD)
+    p, reach = _search(u, need, QUAD, need)
     last = tl.full((), 1, tl.uint32)
     if reach > need:
         v = tl.where(u == p, _inverted(cols), 0)
