@@ -299,3 +299,31 @@ def test_fp8_kernels_are_set_against_the_fp8_matmul_rate(monkeypatch: pytest.Mon
             "flush": True}
     assert "fp8 matmul 200 TFLOP/s" in report.heading({**meta, "ceilings": ceil})[1]
     assert "no fp8 matmul (no fp8)" in report.heading({**meta, "ceilings": without})[1]
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_each_timed_run_has_work_queued_before_it(monkeypatch: pytest.MonkeyPatch,
+                                                  flush: bool) -> None:
+    """Before each timed run ``time_call`` queues GPU work (the L2 flush's read, or warm a
+    ``torch.cuda._sleep``), so that the start event does not fire on an idle GPU and the time
+    leaves out the host's launch (CUDA stubbed here: what is queued, not how long it takes)."""
+    from mla.bench import timing
+
+    queued: list[str] = []
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: queued.append(f"sleep {cycles}"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch, "ones", lambda *a, **k: type("Buf", (), {
+        "sum": lambda self, dtype: queued.append("flush")})())
+
+    def median(run, reps: int, before) -> float:  # type: ignore[no-untyped-def]
+        assert before is not None
+        for _ in range(reps):
+            before()
+            run()
+        return 0.004
+
+    monkeypatch.setattr(timing, "median_ms", median)
+    t = timing.time_call(lambda: None, reps=3, flush=flush, graph=False)
+    want = "flush" if flush else f"sleep {timing.BUSY_CYCLES}"
+    assert (t.us, t.method, t.l2) == (4.0, "eager", "flushed" if flush else "warm")
+    assert queued == [want] * 3
