@@ -552,7 +552,7 @@ def test_streaming_read_costs_few_instructions_a_key():
     assert facts["per_key"] <= 16, f"the read's loop takes {facts['per_key']} a key: {facts}"
 
 
-def test_held_rows_kernel_stays_small():
+def test_held_rows_kernel_instructions_stay_few():
     """The held rows' kernel compiled for sm_90, its SASS counted by source function
     (``benchmarks.probes.topk_code_size``, in a child process): at most 4,600 instructions
     (4,376 under triton 3.7.1). After the benchmark's L2 flush a kernel of 4,128 straight-line
