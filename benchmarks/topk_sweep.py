@@ -349,6 +349,37 @@ def compiled_facts() -> list[dict]:
     return rows
 
 
+# the top-k kernels' pointer arguments, as sm90_facts and benchmarks.probes.topk_code_size
+# compile them (16-byte aligned)
+PTRS = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32", words="i32",
+            sync="i32", ready="i32")
+
+
+def fused_constants(plan: TopkPlan, split: bool) -> dict:
+    """The one-launch kernel's constexprs as ``mla.fast.topk`` launches it for ``plan`` (a row
+    split over programs or not)."""
+    return dict(OVERSAMPLE=float(plan.oversample), SAMPLE_RUNS=plan.sample_runs,
+                RUN=plan.sample_run, CAP=CANDIDATES, SMALL=fast_topk.SMALL,
+                TILE=min(plan.select_tile, 1024), BITS=plan.select_bits, BLOCK=plan.fused_block,
+                STAGES=plan.fused_stages, SPLIT=split, PART_LISTS=split and plan.fused_part_lists,
+                OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
+
+
+def mark_select_constants(plan: TopkPlan) -> dict:
+    """The two launches' second kernel's constexprs for ``plan``."""
+    return dict(CAP=CANDIDATES, SMALL=fast_topk.SMALL, TILE=min(plan.select_tile, 1024),
+                BITS=plan.select_bits, BLOCK=plan.fused_block, STAGES=plan.fused_stages,
+                OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
+
+
+def held_constants(plan: TopkPlan, hold: int) -> dict:
+    """The held rows' kernel's constexprs for ``plan`` and rows of ``hold`` keys."""
+    return dict(CAP=CANDIDATES, HOLD=hold, TILE=min(plan.select_tile, 1024), OUT_BLOCK=1024,
+                IN_REGISTERS=plan.held_write == "registers", QUAD=plan.held_search == "quad",
+                PREFETCH=plan.held_prefetch and (plan.held_write == "registers"
+                                                  or 2 * hold <= CANDIDATES))
+
+
 def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
     """The one-launch kernel (a row a program, a row split), the two launches' second and the
     kernel of rows held whole (with their columns, in tiles) of each plan compiled for sm_90
@@ -362,24 +393,15 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
     from mla.fast.topk.halves import _halves_kernel
     from mla.fast.topk.kernels import _held_kernel
 
-    ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32")
-    ptrs.update(words="i32", sync="i32", ready="i32")
+    ptrs = PTRS
     ints = dict(W=_KEYS, topk=TOPK, s_l_r=_KEYS, s_o_r=TOPK, s_w_r=_KEYS // 32, chunk=_KEYS)
     found = {}
     for plan in plans:
         for split in (False, True):
-            const = dict(OVERSAMPLE=float(plan.oversample), SAMPLE_RUNS=plan.sample_runs,
-                         RUN=plan.sample_run, CAP=CANDIDATES, SMALL=fast_topk.SMALL,
-                         TILE=min(plan.select_tile, 1024), BITS=plan.select_bits,
-                         BLOCK=plan.fused_block, STAGES=plan.fused_stages,
-                         SPLIT=split, PART_LISTS=split and plan.fused_part_lists,
-                         OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
             found[_changed(plan) + " split" * split] = facts(
-                _compile(_fused_kernel, const, ptrs, ints, plan.fused_warps,
-                         **fast_topk.uncapped(plan.fused_warps)))
-        const = dict(CAP=CANDIDATES, SMALL=fast_topk.SMALL, TILE=min(plan.select_tile, 1024),
-                     BITS=plan.select_bits, BLOCK=plan.fused_block, STAGES=plan.fused_stages,
-                     OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
+                _compile(_fused_kernel, fused_constants(plan, split), ptrs, ints,
+                         plan.fused_warps, **fast_topk.uncapped(plan.fused_warps)))
+        const = mark_select_constants(plan)
         for warps in (plan.fused_warps, plan.two_warps):  # fewer rows, many rows
             for parts in (4, 1):  # rows of 128K, rows of at most two_chunk keys
                 found[_changed(plan) + f" two launches, {warps} warps, {parts} parts"] = facts(
@@ -387,11 +409,7 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
                              dict(ints, chunk=plan.two_chunk, parts=parts),
                              warps, **fast_topk.uncapped(warps)))
         for hold in (CANDIDATES // 2, CANDIDATES):  # rows held with their columns, in tiles
-            const = dict(CAP=CANDIDATES, HOLD=hold, TILE=min(plan.select_tile, 1024),
-                         OUT_BLOCK=1024, IN_REGISTERS=plan.held_write == "registers",
-                         QUAD=plan.held_search == "quad",
-                         PREFETCH=plan.held_prefetch and (plan.held_write == "registers"
-                                                           or 2 * hold <= CANDIDATES))
+            const = held_constants(plan, hold)
             found[_changed(plan) + f" held rows of {hold}"] = facts(
                 _compile(_held_kernel, const, ptrs, dict(ints, W=hold), plan.select_warps))
         if plan.held_maxnreg:  # as launched where the rows outnumber the SMs

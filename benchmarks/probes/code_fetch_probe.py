@@ -10,11 +10,11 @@ once; compiled for sm_90, ``OPS + 32`` SASS instructions), and stores the result
 in 0, 4096, 6144 and 8192 (Triton's front end takes about a minute a size past that); each
 timed with the L2 flushed by a read before each replay and without. The multiply-adds take
 the same time either way (about 4 cycles each, a dependent chain); the difference between the
-two times is what fetching the code costs. Both timings queue a ``torch.cuda._sleep`` of about
-25 us (after the flush, where there is one) before the replay: an event recorded on an idle
-GPU fires at once, so without it the time of the unflushed replay took in the host's launch
-of the graph (the run of 2026-12-07, before this: 11-17 us for the empty kernel unflushed
-against 3-4 flushed).
+two times is what fetching the code costs. Both are ``mla.bench.timing.time_call``'s (CUDA-graph
+replays), whose unflushed timing queues a ``torch.cuda._sleep`` of about 25 us before each
+replay: an event recorded on an idle GPU fires at once, so without it the time of the
+unflushed replay took in the host's launch of the graph (the run of 2026-12-07, before this:
+11-17 us for the empty kernel unflushed against 3-4 flushed).
 
 ``python -m benchmarks.probes.code_fetch_probe``: one JSON row a size and grid, and
 ``$OUT/code_fetch_probe.json``; ``--compile``: the kernels compiled for sm_90 on the CPU, their
@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 SIZES = (0, 4096, 6144, 8192)  # compiled for sm_90: OPS + 32 SASS instructions
-BUSY_CYCLES = 50_000  # the sleep queued before each replay: about 25 us at 2 GHz
 WARPS = 8
 
 
@@ -56,32 +55,20 @@ def _sass_count(ops: int) -> int:
 def run() -> dict:
     import torch
 
-    from benchmarks.common import capture
-    from mla.bench.timing import median_ms
+    from mla.bench.timing import time_call
     from mla.environment import environment
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x = torch.randn(256, device="cuda")
-    flush = torch.ones(256 << 20, dtype=torch.int8, device="cuda")
-
-    def busy() -> None:  # the replay's start event waits for this, not for the host's launch
-        torch.cuda._sleep(BUSY_CYCLES)
-
-    def flushed() -> None:  # the L2 flushed by a read (as time_replays(read_flush=True))
-        flush.sum(dtype=torch.int64)
-        busy()
     res = {"environment": environment(), "rows": []}
     for programs in (1, sms):
         out = torch.empty(programs, 256, device="cuda")
         for ops in SIZES:
             def launch(ops=ops, out=out, programs=programs) -> None:
                 _padded_kernel[(programs,)](x, out, OPS=ops, num_warps=WARPS)
-            launch()
-            torch.cuda.synchronize()
-            g = capture(launch)
             row = {"programs": programs, "ops": ops,
-                   "flushed_us": median_ms(g.replay, 30, flushed) * 1e3,
-                   "warm_us": median_ms(g.replay, 30, busy) * 1e3}
+                   "flushed_us": time_call(launch, 30).us,
+                   "warm_us": time_call(launch, 30, flush=False).us}
             row["fetch_us"] = row["flushed_us"] - row["warm_us"]
             print(json.dumps(row), flush=True)
             res["rows"].append(row)

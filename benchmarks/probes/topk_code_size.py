@@ -76,38 +76,28 @@ def kernels() -> dict[str, bytes]:
     row of 8193 keys launches them with the default plan."""
     import mla.fast.topk as fast_topk
     from benchmarks.indexer_compile import _compile
+    from benchmarks.topk_sweep import (
+        PTRS,
+        fused_constants,
+        held_constants,
+        mark_select_constants,
+    )
     from mla.fast.topk import CANDIDATES, TopkPlan
     from mla.fast.topk.fused import _fused_kernel, _mark_select_kernel
     from mla.fast.topk.kernels import _held_kernel
 
     plan = TopkPlan()
-    ptrs = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32", words="i32",
-                sync="i32", ready="i32")
     ints = dict(W=8193, topk=2048, s_l_r=8208, s_o_r=2048, s_w_r=8208 // 32, chunk=8208,
                 parts=1)
-    found = {}
-    held = dict(CAP=CANDIDATES, HOLD=CANDIDATES, TILE=min(plan.select_tile, 1024),
-                OUT_BLOCK=1024, IN_REGISTERS=True, QUAD=plan.held_search == "quad",
-                PREFETCH=plan.held_prefetch)
-    found["held rows of 8192"] = _compile(_held_kernel, held, ptrs, dict(ints, W=CANDIDATES),
-                                          plan.select_warps)
+    found = {"held rows of 8192": _compile(_held_kernel, held_constants(plan, CANDIDATES), PTRS,
+                                           dict(ints, W=CANDIDATES), plan.select_warps)}
     for split in (False, True):
-        const = dict(OVERSAMPLE=float(plan.oversample), SAMPLE_RUNS=plan.sample_runs,
-                     RUN=plan.sample_run, CAP=CANDIDATES, SMALL=fast_topk.SMALL,
-                     TILE=min(plan.select_tile, 1024), BITS=plan.select_bits,
-                     BLOCK=plan.fused_block, STAGES=plan.fused_stages, SPLIT=split,
-                     PART_LISTS=split and plan.fused_part_lists, OUT_BLOCK=1024,
-                     WORD_TILE=fast_topk.WORD_TILE)
         found["one launch" + (", a row split" if split else "")] = _compile(
-            _fused_kernel, const, ptrs, ints, plan.fused_warps,
+            _fused_kernel, fused_constants(plan, split), PTRS, ints, plan.fused_warps,
             **fast_topk.uncapped(plan.fused_warps))
-    const = dict(CAP=CANDIDATES, SMALL=fast_topk.SMALL, TILE=min(plan.select_tile, 1024),
-                 BITS=plan.select_bits, BLOCK=plan.fused_block, STAGES=plan.fused_stages,
-                 OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
-    found["two launches' second"] = _compile(_mark_select_kernel, const, ptrs,
-                                             dict(ints, chunk=plan.two_chunk),
-                                             plan.fused_warps,
-                                             **fast_topk.uncapped(plan.fused_warps))
+    found["two launches' second"] = _compile(
+        _mark_select_kernel, mark_select_constants(plan), PTRS, dict(ints, chunk=plan.two_chunk),
+        plan.fused_warps, **fast_topk.uncapped(plan.fused_warps))
     return {name: k.asm["cubin"] for name, k in found.items()}
 
 
