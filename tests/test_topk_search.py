@@ -175,6 +175,20 @@ def test_the_search_step_model_keeps_the_convention():
                 assert both[2] < plain[2], (both, plain)
 
 
+def test_the_long_rows_model_keeps_the_convention():
+    """``topk_search_model.run_long`` (the estimate's and the select's rules on rows longer
+    than the list; each select's answer checked against a sort inside it): on normal rows
+    the quad rule takes fewer steps than the bisection and the bracket rule, and the
+    survivors fit the list."""
+    from benchmarks.probes import topk_search_model as model
+
+    res = model.run_long(8, 8193)
+    for family in model.FAMILIES:
+        assert model.NEED <= res[f"{family}, survivors"]["max"] <= 8192
+    assert res["normal, estimate, quad"]["mean"] < res["normal, estimate, bisect"]["mean"]
+    assert res["normal, select, quad"]["mean"] < res["normal, select, bracket"]["mean"]
+
+
 @triton.jit
 def _extremes_rows(u_ptr, ends_ptr, out_ptr, N: tl.constexpr):
     row = tl.program_id(0)

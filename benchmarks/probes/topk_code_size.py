@@ -11,7 +11,8 @@ places counts once for each place). Which functions run on a given row is the re
 say: the scan's functions (``_stream_select``, ``_digits``, ``_tile_composites``) run only
 where the threshold failed.
 
-Prints one block a kernel; ``--json`` prints the same as JSON. Run without
+Prints one block a kernel; ``--json`` prints the same as JSON; ``--plan
+estimate_search=quad,select_search=quad`` compiles a plan other than the default. Run without
 ``TRITON_INTERPRET`` (an interpreting process cannot compile for a GPU).
 """
 
@@ -70,10 +71,10 @@ def sass_by_function(cubin: bytes) -> Counter:
     return counts
 
 
-def kernels() -> dict[str, bytes]:
+def kernels(changes: dict | None = None) -> dict[str, bytes]:
     """The cubins of the held rows' kernel (8192 keys), the one-launch kernel (a program a row,
     a row split over programs) and the two launches' second (8 warps, one part a row), as a
-    row of 8193 keys launches them with the default plan."""
+    row of 8193 keys launches them with the default plan (``changes``: its fields changed)."""
     import mla.fast.topk as fast_topk
     from benchmarks.indexer_compile import _compile
     from benchmarks.topk_sweep import (
@@ -86,7 +87,7 @@ def kernels() -> dict[str, bytes]:
     from mla.fast.topk.fused import _fused_kernel, _mark_select_kernel
     from mla.fast.topk.kernels import _held_kernel
 
-    plan = TopkPlan()
+    plan = TopkPlan(**(changes or {}))
     ints = dict(W=8193, topk=2048, s_l_r=8208, s_o_r=2048, s_w_r=8208 // 32, chunk=8208,
                 parts=1)
     found = {"held rows of 8192": _compile(_held_kernel, held_constants(plan, CANDIDATES), PTRS,
@@ -101,16 +102,31 @@ def kernels() -> dict[str, bytes]:
     return {name: k.asm["cubin"] for name, k in found.items()}
 
 
+def _changes(argv: list[str]) -> dict:
+    """``--plan field=value,...`` (``TopkPlan`` fields; values as Python literals or words)."""
+    if "--plan" not in argv:
+        return {}
+    out = {}
+    for item in argv[argv.index("--plan") + 1].split(","):
+        name, _, value = item.partition("=")
+        try:
+            out[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[name] = value
+    return out
+
+
 def main(argv: list[str]) -> int:
     res = {}
-    for name, cubin in kernels().items():
+    changes = _changes(argv)
+    for name, cubin in kernels(changes).items():
         counts = sass_by_function(cubin)
         res[name] = {"total": sum(counts.values()), "by_function": dict(counts.most_common())}
     if "--json" in argv:
         from mla.environment import environment
 
-        print(json.dumps({"environment": environment(), "target": "sm_90", "kernels": res},
-                         indent=1))
+        print(json.dumps({"environment": environment(), "target": "sm_90", "plan": changes,
+                          "kernels": res}, indent=1))
         return 0
     for name, r in res.items():
         print(f"{name}: {r['total']} SASS instructions")
