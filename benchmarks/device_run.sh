@@ -4,7 +4,7 @@
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
 #     sparse-sweep|sparse-peers|front-budget|matrix|properties|prefill-kernels|logits|topk-short|
-#     step-peers-quick|topk-probe|topk-halves|halves-probe|code-fetch]...
+#     step-peers-quick|topk-probe|code-fetch]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -150,21 +150,13 @@ for step in "${steps[@]}"; do
     topk-probe) timeout 300 python -m benchmarks.probes.topk_held_probe --warps 8 --out "$OUT" 2>&1 \
               | tee "$OUT/topk_probe.log" | tail -n 6 ;;
     # top-k on the decode lengths beside vLLM's kernels and the held rows' alternatives
-    topk-short) timeout 260 python -m benchmarks.topk_peers --short --out "$OUT" 2>&1 \
-              | tee "$OUT/topk_short.log" | tail -n 16 ;;
-    # rows of 8193 and 16K: the halves' tests on the GPU, then the halves (capped, uncapped)
-    # timed beside the default's general route and vLLM's kernels
-    topk-halves) timeout 90 python -m pytest -q -p no:cacheprovider -n 8 \
-              tests/test_fast_topk_halves.py tests/test_topk_search.py 2>&1 \
-              | tee "$OUT/topk_halves_tests.log" | tail -n 2
-              timeout 150 python -m benchmarks.topk_peers --short --widths 8193,16384 --reps 20 \
-              --out "$OUT" 2>&1 | tee "$OUT/topk_halves.log" | tail -n 10 ;;
+    # (TOPK_WIDTHS: some of 8192,8193,16384,32768 alone; the kernels compiled in 12 processes)
+    topk-short) timeout "${TOPK_TIMEOUT:-400}" python -m benchmarks.topk_peers --short \
+                  --widths "${TOPK_WIDTHS:-}" --compile-jobs 12 --out "$OUT" 2>&1 \
+              | tee "$OUT/topk_short.log" | tail -n 24 ;;
     # what a kernel's code costs after the L2 flush (benchmarks.probes.code_fetch_probe)
     code-fetch) OUT="$OUT" timeout 240 python -m benchmarks.probes.code_fetch_probe 2>&1 \
               | tee "$OUT/code_fetch_probe.log" | tail -n 6 ;;
-    # where the halves' time goes (benchmarks.probes.topk_halves_probe)
-    halves-probe) OUT="$OUT" timeout 120 python -m benchmarks.probes.topk_halves_probe 2>&1 \
-              | tee "$OUT/topk_halves_probe.log" | tail -n 4 ;;
     # the catalogue on every target: conformance_<target>.{md,json}
     matrix)
       conform_each conformance 540 "${MATRIX_TARGETS:-mla.fast mla.fast-batch-invariant flashmla \

@@ -99,12 +99,12 @@ def topk_kernels() -> dict[str, triton.compiler.CompiledKernel]:
     ints = dict(W=_KEYS, topk=2048, s_l_r=_KEYS, s_o_r=2048, s_w_r=2 * _KEYS // 32,
                 chunk=32768)
     select = dict(CAP=cap, SMALL=topk.SMALL, TILE=plan.select_tile, BITS=plan.select_bits,
-                  OUT_BLOCK=1024, WORD_TILE=topk.WORD_TILE)
+                  OUT_BLOCK=1024, WORD_TILE=topk.WORD_TILE, QUAD=plan.select_search == "quad")
     launches = {
         topk._estimate_kernel: (dict(CAP=cap, RUN=plan.sample_run,
                                      SAMPLE_RUNS=plan.sample_runs, SMALL=topk.SMALL,
                                      OVERSAMPLE=float(plan.oversample), PDL=plan.pdl,
-                                     READY=False),
+                                     READY=False, QUAD=plan.estimate_search == "quad"),
                                 plan.estimate_warps),
         topk._mask_kernel: (dict(CAP=cap, SMALL=topk.SMALL, BLOCK=plan.block,
                                  STAGES=plan.stages, PDL=plan.pdl), plan.filter_warps),

@@ -26,6 +26,7 @@ Nothing here is imported by ``mla``: the peers are measured here, never called b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -46,7 +47,7 @@ SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
           (512, 131072), (1024, 131072), (128, 32768), (256, 32768), (2048, 32768),
           (128, 8192), (256, 8192)]
 # the decode lengths (--short; 8193: a decode row of 8K + 1, past the rows held whole)
-SHORT_SHAPES = [(R, W) for W in (8192, 8193, 16384) for R in (1, 32, 128, 256)]
+SHORT_SHAPES = [(R, W) for W in (8192, 8193, 16384, 32768) for R in (1, 32, 128, 256)]
 # rows held whole (at most CANDIDATES keys), beside the default (8 warps, the columns written
 # from the held keys, the quad search, registers capped where the rows outnumber the SMs, the
 # row prefetched): the columns by a second read in tiles, the bracket search, 16 warps, the
@@ -56,11 +57,15 @@ HELD_PLANS = {"mla_fast_held_tiles": TopkPlan(held_write="tiles"),
               "mla_fast_16w": TopkPlan(select_warps=16),
               "mla_fast_held_uncapped": TopkPlan(held_maxnreg=0),
               "mla_fast_held_no_prefetch": TopkPlan(held_prefetch=False)}
-# logits past the list up to twice it: rows held by halves (mla.fast.topk.halves), their
-# registers capped where the programs outnumber the SMs and uncapped, beside the default's
-# general route (the estimate, the marking read and the select)
-HALVES_PLANS = {"mla_fast_halves": TopkPlan(halves=True),
-                "mla_fast_halves_uncapped": TopkPlan(halves=True, held_maxnreg=0)}
+# rows longer than CANDIDATES: the estimate's and the select's searches by _quad_search, and
+# with both, a sample of half the rank (fewer keys to load and search, more survivors) and
+# marking steps of 2048 keys (more parts a row)
+QUAD = TopkPlan(estimate_search="quad", select_search="quad")
+LONG_PLANS = {"mla_fast_estimate_quad": TopkPlan(estimate_search="quad"),
+              "mla_fast_select_quad": TopkPlan(select_search="quad"),
+              "mla_fast_quad": QUAD,
+              "mla_fast_quad_rank64": dataclasses.replace(QUAD, sample_rank=64),
+              "mla_fast_quad_block2048": dataclasses.replace(QUAD, fused_block=2048)}
 
 
 def load_vllm(lib: Path | None) -> dict:
@@ -126,6 +131,32 @@ def timed(fn, out: torch.Tensor, x: torch.Tensor, best: torch.Tensor, reps: int)
     return {"ms": ms, **({"wrong_after_replay": wrong} if wrong else {})}
 
 
+def _plans(W: int) -> dict:
+    """The plans timed at ``W`` keys: the default, then the alternatives of its row length."""
+    return {"mla_fast": TopkPlan(), **(HELD_PLANS if W <= CANDIDATES else LONG_PLANS)}
+
+
+def _compile_shape(shape: tuple[int, int]) -> None:
+    """Every plan's kernels for one shape compiled (and run once), into the Triton cache."""
+    R, W = shape
+    x = torch.randn(R, W, device="cuda")
+    lengths = torch.full((R,), W, dtype=torch.int32, device="cuda")
+    starts = torch.zeros(R, dtype=torch.int32, device="cuda")
+    out = torch.empty(R, TOPK, dtype=torch.int32, device="cuda")
+    for plan in _plans(W).values():
+        _run_all(launches(x, starts, lengths, out, TOPK, plan)[1])
+    torch.cuda.synchronize()
+
+
+def compile_ahead(shapes: list[tuple[int, int]], jobs: int) -> None:
+    """The shapes' kernels compiled in ``jobs`` processes at once before any is timed (the
+    compiles, on the CPU, are most of a run's time: a dozen kernels a shape)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        pool.map(_compile_shape, shapes, chunksize=1)
+
+
 def _pct(R: int, W: int, ms: float, copy_tbps: float) -> float:
     return 100 * R * W * 4 / (ms * 1e-3) / (copy_tbps * 1e12)
 
@@ -139,12 +170,8 @@ def run(vllm: dict, copy_tbps: float, reps: int, shapes: list[tuple[int, int]]) 
         starts = torch.zeros(R, dtype=torch.int32, device="cuda")
         best = torch.topk(x, TOPK, dim=1).values  # sorted down
         out = torch.empty(R, TOPK, dtype=torch.int32, device="cuda")
-        _work, steps = launches(x, starts, lengths, out, TOPK, TopkPlan())
         res = {"R": R, "L": W, "mla_route": TopkPlan().route_for(R, W, x.device, TOPK)}
-        res["mla_fast"] = timed(functools.partial(_run_all, steps), out, x, best, reps)
-        alternatives = HELD_PLANS if W <= CANDIDATES else (
-            HALVES_PLANS if W <= 2 * CANDIDATES else {})
-        for name, plan in alternatives.items():
+        for name, plan in _plans(W).items():
             _work, steps = launches(x, starts, lengths, out, TOPK, plan)
             res[name] = timed(functools.partial(_run_all, steps), out, x, best, reps)
         vals = torch.empty(R, TOPK, device="cuda")
@@ -180,7 +207,7 @@ def _torch_topk(x, vals, ids, best, reps) -> dict:
 
 
 def table(res: dict) -> str:
-    names = ["mla_fast", *HELD_PLANS, *HALVES_PLANS, "vllm_persistent_topk",
+    names = ["mla_fast", *HELD_PLANS, *LONG_PLANS, "vllm_persistent_topk",
              "vllm_cooperative_topk", "vllm_top_k_per_row_decode", "torch_topk"]
     lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us (% of copy)",
              "| rows x keys | " + " | ".join(names) + " |",
@@ -208,9 +235,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--short", action="store_true",
-                   help="the decode lengths alone: 1-256 rows of 8K and 16K keys")
+                   help="the decode lengths alone: 1-256 rows of 8K to 32K keys")
     p.add_argument("--widths", default="",
                    help="with --short, these widths alone (comma-separated, e.g. 8193,16384)")
+    p.add_argument("--compile-jobs", type=int, default=0,
+                   help="compile every shape's kernels in this many processes first (0: as "
+                        "each is first timed)")
     args = p.parse_args(argv)
     shapes = SHORT_SHAPES if args.short else SHAPES
     if args.widths:
@@ -218,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [(R, W) for R, W in shapes if W in widths]
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    if args.compile_jobs:
+        compile_ahead(shapes, args.compile_jobs)
+        log(f"compiled ahead in {args.compile_jobs} processes ({time.time() - t0:.1f} s)")
     vllm = load_vllm(args.lib)
     log(f"vLLM: {vllm} ({time.time() - t0:.1f} s)")
     res = {"environment": environment(), "vllm": vllm, "ceilings": ceilings(),

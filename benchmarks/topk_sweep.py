@@ -337,7 +337,7 @@ def compiled_facts() -> list[dict]:
     """Registers, spilled bytes and shared memory of every kernel this run compiled (the
     launchers keep them), one row per kernel and plan."""
     rows, seen = [], set()
-    for name in ("_estimate", "_mask", "_select", "_fused", "_mark_select", "_held", "_halves"):
+    for name in ("_estimate", "_mask", "_select", "_fused", "_mark_select", "_held"):
         for (_dev, key), k in getattr(fast_topk, name).compiled.items():
             plan = key[0] if isinstance(key[0], TopkPlan) else key[0][0]
             row = {"kernel": name.strip("_"), "plan": _changed(plan),
@@ -362,14 +362,16 @@ def fused_constants(plan: TopkPlan, split: bool) -> dict:
                 RUN=plan.sample_run, CAP=CANDIDATES, SMALL=fast_topk.SMALL,
                 TILE=min(plan.select_tile, 1024), BITS=plan.select_bits, BLOCK=plan.fused_block,
                 STAGES=plan.fused_stages, SPLIT=split, PART_LISTS=split and plan.fused_part_lists,
-                OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
+                OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE,
+                QUAD_ESTIMATE=plan.estimate_search == "quad",
+                QUAD_SELECT=plan.select_search == "quad")
 
 
 def mark_select_constants(plan: TopkPlan) -> dict:
     """The two launches' second kernel's constexprs for ``plan``."""
     return dict(CAP=CANDIDATES, SMALL=fast_topk.SMALL, TILE=min(plan.select_tile, 1024),
                 BITS=plan.select_bits, BLOCK=plan.fused_block, STAGES=plan.fused_stages,
-                OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE)
+                OUT_BLOCK=1024, WORD_TILE=fast_topk.WORD_TILE, QUAD=plan.select_search == "quad")
 
 
 def held_constants(plan: TopkPlan, hold: int) -> dict:
@@ -390,7 +392,6 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
     from benchmarks.indexer_compile import _KEYS, _compile
     from benchmarks.sm90_compile import facts
     from mla.fast.topk.fused import _fused_kernel, _mark_select_kernel
-    from mla.fast.topk.halves import _halves_kernel
     from mla.fast.topk.kernels import _held_kernel
 
     ptrs = PTRS
@@ -420,14 +421,6 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
         found[_changed(plan) + " held rows of 1, k = 1"] = facts(_compile(
             _held_kernel, dict(const, HOLD=32, OUT_BLOCK=1), ptrs,
             dict(ints, W=1, topk=1, s_o_r=1), plan.select_warps))
-        # rows up to twice the list held by halves, uncapped and as launched where the
-        # programs (two a row) outnumber the SMs
-        const = dict(CAP=CANDIDATES, SMALL=fast_topk.SMALL, OUT_BLOCK=1024,
-                     QUAD=plan.held_search == "quad")
-        for cap in (0, plan.held_maxnreg):
-            found[_changed(plan) + " halves" + ", capped" * bool(cap)] = facts(_compile(
-                _halves_kernel, const, ptrs, dict(ints, W=2 * CANDIDATES), plan.select_warps,
-                **({"maxnreg": cap} if cap else {})))
     return found
 
 

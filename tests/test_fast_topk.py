@@ -282,13 +282,11 @@ def test_topk_k_past_the_list():
     assert _check_paths(logits, st, en, CANDIDATES + 10)[0] == ["scanned"]
 
 
-@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_topk_half_dtypes(dtype, halves):
-    """Logits in bf16 and fp16 (their keys widened to float32's order), by the general route
-    (the default at these widths) and by the halves."""
+def test_topk_half_dtypes(dtype):
+    """Logits in bf16 and fp16 (their keys widened to float32's order)."""
     logits, st, en = _full(torch.randn(2, LONG, generator=_gen(40)).to(dtype))
-    _check(logits, st, en, 2048, TopkPlan(halves=halves))
+    _check(logits, st, en, 2048, TopkPlan())
 
 
 @pytest.mark.parametrize("plan", [TopkPlan(block=1024), TopkPlan(programs_per_sm=1),
@@ -309,6 +307,37 @@ def test_topk_half_dtypes(dtype, halves):
 def test_topk_other_plans(plan):
     logits, st, en = _rows(_gen(41), [0, 5], [LONG, LONG - 9], LONG)
     _check(logits, st, en, 2048, plan=plan)
+
+
+@pytest.mark.parametrize("route", ["one", "two", "one, whole bitmask"])
+def test_topk_quad_searches(route):
+    """The estimate's and the select's searches by ``_quad_search`` (``TopkPlan``'s
+    ``estimate_search`` and ``select_search``) on rows longer than the list: random rows, at
+    k = 2048, 1 and 3000, listed (the estimate within its slack: the survivors between k and
+    1.5 k at k = 2048), rows rounded to 1/40 (ties at the boundary), special values, NaN and
+    inf heavy rows, a few ulps wide top. The three launches' kernels run the same estimate
+    (the two launches') and the same select (the one launch's, listing the whole bitmask)."""
+    base = TopkPlan(route="one", fused_part_lists=False) if "whole" in route else ROUTES[route]
+    plan = dataclasses.replace(base, estimate_search="quad", select_search="quad")
+    logits, st, en = _rows(_gen(61), [0, 13, 1001], [LONG, LONG - 5, LONG + 77], LONG + 90)
+    paths, _got = _check_paths(logits, st, en, 2048, plan)
+    assert paths == ["listed"] * 3
+    out = torch.empty(3, 2048, dtype=torch.int32, device=DEVICE)
+    work, steps = launches(*_on((logits, st, en)), out, 2048, plan)
+    for step in steps:
+        step()
+    assert all(2048 <= s <= 3072 for s in survivors(work).tolist()), survivors(work)
+    for k in (1, 3000):
+        _check(logits, st, en, k, plan)
+    _check(*_rows(_gen(62), [3, 0], [LONG + 3, LONG], LONG + 16, ties=True), 2048, plan)
+    logits, st, en = _full(torch.randn(4, LONG, generator=_gen(63)))
+    logits[0, ::3] = float("nan")
+    logits[1, 1::2] = float("inf")
+    logits[2] = float("-inf")
+    logits[2, ::100] = 1.0
+    logits[3, torch.randperm(LONG, generator=_gen(64))[:4096]] = (
+        5.0 + torch.rand(4096, generator=_gen(65)) * 1e-5)
+    _check(logits, st, en, 2048, plan)
 
 
 @pytest.mark.parametrize("part_lists", [True, False])
@@ -383,10 +412,8 @@ def test_topk_grids_put_the_rows_on_x(monkeypatch: pytest.MonkeyPatch, route: st
 
 
 def test_topk_route_for():
-    """``route="auto"``: the halves, where the plan takes them (``halves=True``), for logits
-    past the list up to twice it where ``topk`` is at most half the list, whatever the rows;
-    two launches where a row fits one of their parts
-    and the rows outnumber the SMs (4 under the interpreter, the GPU's count on one) or where
+    """``route="auto"``: two launches where a row fits one of their parts and the rows
+    outnumber the SMs (4 under the interpreter, the GPU's count on one) or where
     the rows are more than two a SM, else one launch; a route named is taken at every shape."""
     sms = fast_topk.num_sms(torch.device(DEVICE))
     auto, dev = TopkPlan(), torch.device(DEVICE)
@@ -397,14 +424,7 @@ def test_topk_route_for():
     assert auto.route_for(2 * sms + 1, 32769, dev, 2048) == "two"  # many rows: two launches
     assert TopkPlan(many_rows_per_sm=4).route_for(4 * sms, 131072, dev, 2048) == "one"
     assert TopkPlan(two_chunk=65536).route_for(sms + 1, 65536, dev, 2048) == "two"
-    halves = TopkPlan(halves=True)
-    for R in (1, 4 * sms):
-        for W in (CANDIDATES + 1, 2 * CANDIDATES):
-            assert halves.route_for(R, W, dev, CANDIDATES // 2) == "halves"
-        assert halves.route_for(R, 2 * CANDIDATES + 1, dev, 2048) != "halves"
-        assert halves.route_for(R, 2 * CANDIDATES, dev, CANDIDATES // 2 + 1) != "halves"
-        assert auto.route_for(R, CANDIDATES + 1, dev, 2048) != "halves"  # off by default
-    for route in ("one", "two", "three", "halves"):
+    for route in ("one", "two", "three"):
         assert TopkPlan(route=route).route_for(1, 131072, dev, 2048) == route
 
 
@@ -477,6 +497,10 @@ def test_topk_empty_and_bad_input():
         TopkPlan(route="fused")
     with pytest.raises(ValueError, match="TopkPlan.fused_min_parts"):
         TopkPlan(fused_min_parts=0)
+    with pytest.raises(ValueError, match="TopkPlan.estimate_search must be 'bisect' or 'quad'"):
+        TopkPlan(estimate_search="bracket")
+    with pytest.raises(ValueError, match="TopkPlan.select_search must be 'bracket' or 'quad'"):
+        TopkPlan(select_search="bisect")
     # unvalidated, a range past the row is clipped to it
     got = top_k_per_row(logits.nan_to_num(-1.0), st, en + 5, 20, validate=False).cpu()
     assert sorted(got[0][got[0] >= 0].tolist()) == list(range(10))
@@ -518,16 +542,15 @@ def test_topk_float_threshold_is_the_key_threshold():
 
 def test_one_launch_kernel_compiles_for_sm90():
     """The default one-launch kernel, a row a program and a row split over programs, the
-    two launches' second, the kernel of rows held whole and the halves compile for the H200
-    without spills, but for a few bytes of stack where the held rows' registers are capped (in a
+    two launches' second and the kernel of rows held whole compile for the H200 without
+    spills, but for a few bytes of stack where the held rows' registers are capped (in a
     child process without the interpreter, which cannot compile for a GPU; the three
     launches' kernels: ``tests/test_fast_indexer.py``)."""
     found = compiled(["-m", "benchmarks.topk_sweep", "--sm90"], timeout=600)
     # a row a program, a row split, two launches at 8 and 4 warps with rows in 4 parts and in
     # one, rows held of 4096 and 8192, of 8192 with the registers capped (as launched where
-    # the rows outnumber the SMs), and of one key with k = 1 (both constants in a launch), and
-    # the halves (mla.fast.topk.halves) uncapped and capped
-    assert len(found) == 12, sorted(found)
+    # the rows outnumber the SMs), and of one key with k = 1 (both constants in a launch)
+    assert len(found) == 10, sorted(found)
     for name, f in found.items():
         # capped at 128 registers, the held kernel keeps 16 bytes of stack (measured; two
         # programs a SM were faster at 256 x 8K, TopkPlan.held_maxnreg); nothing else spills

@@ -88,23 +88,20 @@ def test_held_rows_of_a_view(plan):
     assert torch.equal(as_sets(got), as_sets(want))
 
 
-@pytest.mark.parametrize("halves", [False, True])
 @pytest.mark.parametrize("width", [CANDIDATES + 1, 2 * CANDIDATES])
-def test_rows_just_past_the_held_width(width, halves):
+def test_rows_just_past_the_held_width(width):
     """Logits of one key past the list (a decode row of 8K + 1) and of twice it are not held
-    whole (scratch is allocated: by default the estimate, filter and select run; with
-    ``halves``, the halves): exact with distinct and tied
-    boundaries, ragged ranges, a row of ``topk`` keys and one of ``topk + 1``, specials, a row
-    all equal (the ``topk`` lowest columns) and one whose ``topk``-th key is tied with most of
-    its lower half."""
+    whole (scratch is allocated: the estimate, filter and select run): exact with distinct
+    and tied boundaries, ragged ranges, a row of ``topk`` keys and one of ``topk + 1``,
+    specials, a row all equal (the ``topk`` lowest columns) and one whose ``topk``-th key is
+    tied with most of its lower half."""
     logits, st, en = _hard_rows(75, width, [width, width - 2])
-    plan = TopkPlan(halves=halves)
+    plan = TopkPlan()
     got = _check(logits, st, en, 2048, plan)
     assert torch.equal(got[5].sort().values.cpu(), torch.arange(2048, dtype=torch.int32))
     x, s0, e0 = _on((logits, st, en))
     out = torch.empty(8, 2048, dtype=torch.int32, device=DEVICE)
     work, _steps = launches(x, s0, e0, out, 2048, plan)
-    assert (plan.route_for(8, width, x.device, 2048) == "halves") == halves
     assert work.shape[1] > 0, work.shape
 
 

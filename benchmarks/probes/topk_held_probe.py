@@ -106,24 +106,24 @@ def _probe_kernel(logits, out, W, s_l_r, s_o_r, topk, MODE: tl.constexpr, HOLD: 
             take = i < topk
             tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, i, mask=take)
         elif MODE == 6:
-            _select_in_registers(u, i, topk, dst)
+            _select_in_registers(u, i, topk, dst, False)
         elif MODE == 7:
-            p, reach = _quad_search(u, topk, True, topk)
+            p, reach = _quad_search(u, topk, True, 0)
             tl.store(dst, p.to(tl.int32, bitcast=True))
             tl.store(dst + 1, reach)
         elif MODE == 8:
-            p, reach = _quad_search(u, topk, True, topk)
+            p, reach = _quad_search(u, topk, True, 0)
             last = tl.full((), 1, tl.uint32)
             if reach > topk:
                 v = tl.where(u == p, _inverted(i), 0)
                 last, _r = _quad_search(v, topk - tl.sum((u > p).to(tl.int32), axis=0),
-                                         False, topk - tl.sum((u > p).to(tl.int32), axis=0))
+                                         False, 0)
             take = (u > p) | ((u == p) & (_inverted(i) >= last))
             tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, i, mask=take)
         elif MODE == 9:
             _select_in_column_order(u, i, topk, dst, True)
         else:
-            p, reach = _quad_search(u, topk, True, topk)
+            p, reach = _quad_search(u, topk, True, 0)
             take = u >= p
             tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, i, mask=take)
 

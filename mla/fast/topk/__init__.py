@@ -52,28 +52,20 @@ memory) is not used here: rebuilt in Triton it was several times slower (the mea
    probes a step, the first placed by a normal guess, and a step of the bracket's extremes
    where the interpolation stalls (``_quad_search``), the columns written from registers.
 
-Logits past the list up to twice it (a decode row of 8K + 1 keys, rows up to 16K) with ``topk`` at
-most half the list can take **the halves** (``mla.fast.topk.halves``; ``TopkPlan(halves=True)`` or
-``route="halves"``; off by default: its first form took 1.4-3.1x the general route's time, this
-one, a third smaller in code, is not yet timed): each half of a
-row held by its own program as a row held whole is, cut by ``_quad_search`` stopping at
-``CANDIDATES / 2`` keys (no estimate, no second read), the last to arrive selecting from both
-lists in column order. Otherwise
-three routes run them (``TopkPlan.route``; ``"auto"`` picks one or two launches by shape,
-``TopkPlan.route_for``). **One launch** (``mla.fast.topk.fused``): every program of a row estimates
-the threshold and marks its part of the row; rows no more than the SMs are split in at least two
-parts (``TopkPlan.fused_min_parts``), each part listing its own marked keys with their keys before
-it arrives, the last to arrive selecting; more rows, a program a row. Best where the rows are few
-(latency: every row's estimate, read and select in a chain).
-**Two launches** (the estimate a program a row, then ``_mark_select_kernel``: parts of
-``two_chunk`` keys that mark, list their shares and the last selects, a row's parts next to
-each other in the grid so that rows finish one after another, each waiting for its own row's
-estimate only): best for rows of up to 32K keys from more rows than SMs, and for many rows
-(more than two a SM, then at 4 warps a program: more programs a SM, one's select overlapping
-the others' reads). **Three launches**
-(``mla.fast.topk.kernels``): estimate and select a program a row, the filter ``R x C``
-one-warp programs; slower at every shape measured, kept as the alternative the tests and
-the benchmark hold the others against.
+Longer logits take one of three routes (``TopkPlan.route``; ``"auto"`` picks one or two launches by
+shape, ``TopkPlan.route_for``). **One launch** (``mla.fast.topk.fused``): every program of a row
+estimates the threshold and marks its part of the row; rows no more than the SMs are split in at
+least two parts (``TopkPlan.fused_min_parts``), each part listing its own marked keys with their
+keys before it arrives, the last to arrive selecting; more rows, a program a row. Best where the
+rows are few (latency: every row's estimate, read and select in a chain). **Two launches** (the
+estimate a program a row, then ``_mark_select_kernel``: parts of ``two_chunk`` keys that mark, list
+their shares and the last selects, a row's parts next to each other in the grid so that rows finish
+one after another, each waiting for its own row's estimate only): best for rows of up to 32K keys
+from more rows than SMs, and for many rows (more than two a SM, then at 4 warps a program: more
+programs a SM, one's select overlapping the others' reads). **Three launches**
+(``mla.fast.topk.kernels``): estimate and select a program a row, the filter ``R x C`` one-warp
+programs; slower at every shape measured, kept as the alternative the tests and the benchmark hold
+the others against.
 
 **Correctness never rests on the estimate.** A row whose threshold let fewer than ``topk`` or
 more than ``CANDIDATES`` keys through (massive ties, a row that is all ``-inf``, a sample that
@@ -94,7 +86,6 @@ import triton
 from mla.fast.common import capability, interpreting, next_pow2, num_sms, should_validate
 from mla.fast.launch import CompiledLauncher, check_grid, int_spec, ptr_spec
 from mla.fast.topk.fused import _fused_kernel, _mark_select_kernel
-from mla.fast.topk.halves import _halves_kernel
 from mla.fast.topk.kernels import (
     _estimate_kernel,
     _held_kernel,
@@ -124,7 +115,6 @@ def uncapped(warps: int) -> dict:
 
 _estimate = CompiledLauncher(_estimate_kernel)
 _held = CompiledLauncher(_held_kernel)
-_halves = CompiledLauncher(_halves_kernel)
 _mask = CompiledLauncher(_mask_kernel)
 _select = CompiledLauncher(_select_kernel)
 _fused = CompiledLauncher(_fused_kernel)
@@ -137,11 +127,9 @@ class TopkPlan:
     the alternatives; the defaults are the fastest measured on the H200 (the current numbers:
     ``benchmarks/results/README.md``; each choice's measurement: ``benchmarks/notes/topk.md``).
 
-    Route (``route``: ``"auto"``, ``"one"``, ``"two"``, ``"three"``, ``"halves"``;
-    ``route_for``): ``"auto"`` takes the halves where ``halves`` and they apply (logits past
-    the list up to twice it, ``topk`` at most half the list; at ``select_warps``, registers
-    capped at ``held_maxnreg`` where the programs outnumber the SMs), else one launch where
-    the rows are few and two launches where they outnumber the SMs or are short. One launch:
+    Route (``route``: ``"auto"``, ``"one"``, ``"two"``, ``"three"``; ``route_for``):
+    ``"auto"`` takes one launch where the rows are few and two launches where they outnumber
+    the SMs or are short. One launch:
     ``fused_block`` keys a step, ``fused_stages`` steps in flight,
     ``fused_warps``; a row longer than ``CANDIDATES``, when the rows are no more than the
     SMs, split over ``max(fused_min_parts, SMs // rows)`` programs (at most ``fused_parts``),
@@ -166,6 +154,12 @@ class TopkPlan:
     ``CANDIDATES / 2``, the scan; at most 1024 in the one-launch kernel), ``select_bits`` a
     radix level of the scan; ``select_warps`` (three launches, and the rows held whole where
     the logits are no wider than ``CANDIDATES``).
+    Searches of rows longer than ``CANDIDATES``: ``estimate_search`` (the sample's rank by
+    ``"bisect"``, a bit a step, or ``"quad"``, ``_quad_search`` from its normal guess, each
+    stopping within the estimate's slack) and ``select_search`` (the candidates' boundary by
+    ``"bracket"``, two probes a step, or ``"quad"``; numpy models of the rules on rows of 8193
+    keys, ``benchmarks.probes.topk_search_model --long``: the estimate 10.4 steps against 1.1
+    on normal rows, the select 6.1 against 3.9, 17.4 against 4.0 on rows rounded to 1/40).
     Rows held whole (logits no wider than ``CANDIDATES``: ``_held_kernel``): ``held_write``
     (the columns written from the held keys, or by a second read in tiles), ``held_search``
     (the boundary key by ``_quad_search`` or ``_bracket_search``), ``held_maxnreg`` (where the
@@ -202,14 +196,13 @@ class TopkPlan:
     # than SMs, their kernel's registers a thread capped (0: never), two programs a SM
     held_write: str = "registers"
     held_search: str = "quad"
+    # rows longer than CANDIDATES: the estimate's search and the select's
+    estimate_search: str = "bisect"
+    select_search: str = "bracket"
     held_maxnreg: int = 128
     # rows held whole, written from registers: the row's columns [0, W) loaded before its
     # range is read (False: the range read first, then its keys alone)
     held_prefetch: bool = True
-    # logits past the list up to twice it, topk at most half the list: "auto" takes the
-    # halves (each row held by two programs, one a half: mla.fast.topk.halves); off until
-    # timed faster than the general route (mla.fast.topk.halves)
-    halves: bool = False
     # more rows than SMs: the selecting kernels' registers a thread capped (0: never) and their
     # tiles of at most 1024 keys, so that two programs of 8 warps share a SM
     select_maxnreg: int = 128
@@ -234,6 +227,11 @@ class TopkPlan:
         if self.held_search not in ("quad", "bracket"):
             raise ValueError(f"TopkPlan.held_search must be 'quad' or 'bracket', got "
                              f"{self.held_search!r}")
+        for name, rules in (("estimate_search", ("bisect", "quad")),
+                            ("select_search", ("bracket", "quad"))):
+            if getattr(self, name) not in rules:
+                raise ValueError(f"TopkPlan.{name} must be {rules[0]!r} or {rules[1]!r}, got "
+                                 f"{getattr(self, name)!r}")
         if self.select_bits not in (5, 6, 7, 8):
             raise ValueError(f"TopkPlan.select_bits must be 5 to 8, got {self.select_bits!r}")
         if not isinstance(self.oversample, (int, float)) or not 1.0 <= self.oversample <= 3.0:
@@ -245,13 +243,13 @@ class TopkPlan:
             raise ValueError(f"TopkPlan.sample_runs * sample_run must be at most {CANDIDATES} (a "
                              f"sample shorter than every sampled row), got {self.sample_runs} * "
                              f"{self.sample_run}")
-        for name in ("pdl", "fused_part_lists", "held_prefetch", "halves"):
+        for name in ("pdl", "fused_part_lists", "held_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TopkPlan.{name} must be a bool, got "
                                 f"{type(getattr(self, name)).__name__}")
-        if self.route not in ("auto", "one", "two", "three", "halves"):
-            raise ValueError(f"TopkPlan.route must be 'auto', 'one', 'two', 'three' or "
-                             f"'halves', got {self.route!r}")
+        if self.route not in ("auto", "one", "two", "three"):
+            raise ValueError(f"TopkPlan.route must be 'auto', 'one', 'two' or 'three', got "
+                             f"{self.route!r}")
         for name in ("select_maxnreg", "held_maxnreg"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or (v and not 24 <= v <= 255):
@@ -279,16 +277,12 @@ class TopkPlan:
 
     def route_for(self, R: int, W: int, device: torch.device, topk: int) -> str:
         """The route a call of ``R`` rows of ``W`` keys, ``topk`` of each, takes: ``route``,
-        or for ``"auto"`` the halves where ``halves`` and the logits are past the list up to
-        twice it and ``topk`` at most half the list (``mla.fast.topk.halves``); two launches
-        for rows longer than the list where they fit one part of them (``W <= two_chunk``)
-        and outnumber the SMs (H200, 32K keys: 39.7 against 45.8 us at 192 rows; one launch
-        31.2 against 32.6 at 128, 29.6 against 30.5 at 80), or where they are many (more
-        than ``many_rows_per_sm`` a SM); else one launch."""
+        or for ``"auto"`` two launches for rows longer than the list where they fit one part
+        of them (``W <= two_chunk``) and outnumber the SMs (H200, 32K keys: 39.7 against 45.8
+        us at 192 rows; one launch 31.2 against 32.6 at 128, 29.6 against 30.5 at 80), or
+        where they are many (more than ``many_rows_per_sm`` a SM); else one launch."""
         if self.route != "auto":
             return self.route
-        if self.halves and CANDIDATES < W <= 2 * CANDIDATES and topk <= CANDIDATES // 2:
-            return "halves"
         sms = num_sms(device)
         if W > CANDIDATES and ((W <= self.two_chunk and R > sms)
                                or R > self.many_rows_per_sm * sms):
@@ -391,18 +385,6 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
         return work, [lambda: _held((key, hold, bool(regs)), (R, 1, 1), args,
                                     num_warps=plan.select_warps, **regs)]
     route = plan.route_for(R, W, logits.device, topk)
-    if route == "halves":
-        if W > 2 * cap or topk > cap // 2:
-            raise ValueError(f"TopkPlan(route='halves') takes logits at most {2 * cap} wide "
-                             f"and topk at most {cap // 2}, got width {W} and topk {topk}")
-        # per row the halves' arrivals, zeroed once here, cleared by the last to arrive
-        sync = torch.zeros(R, dtype=torch.int32, device=logits.device)
-        check_grid(_GRID_NAME, (R, 2, 1))
-        args = (*rows, work, sync, out, W, topk, s_l_r, s_o_r, cap, SMALL, out_block,
-                plan.held_search == "quad")
-        regs = _held_regs(plan, 2 * R, logits.device)
-        return work, [lambda: _halves((key, bool(regs)), (R, 2, 1), args,
-                                      num_warps=plan.select_warps, **regs)]
     if route == "one":
         return work, [_one_launch(logits, row_starts, row_ends, work, out, topk, plan, key)]
     pdl = _pdl(plan, logits.device)
@@ -412,7 +394,8 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     # three launches: no flags (stream order), ``work`` stands in for the unused pointer
     ready = torch.zeros(R, dtype=torch.int32, device=logits.device) if row_ready else work
     est_args = (*rows, work, ready, W, topk, s_l_r, float(plan.oversample), cap,
-                plan.sample_runs_for(W, topk), plan.sample_run, SMALL, bool(pdl), row_ready)
+                plan.sample_runs_for(W, topk), plan.sample_run, SMALL, bool(pdl), row_ready,
+                plan.estimate_search == "quad")
 
     def estimate() -> None:
         _estimate((key, row_ready, ptr_spec(ready)), (R, 1, 1), est_args,
@@ -432,7 +415,7 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
                  plan.stages, bool(pdl))
     cap_regs, tile = _capped(plan, R, logits.device)
     select_args = (*rows, work, words, out, W, topk, s_l_r, s_o_r, s_w_r, cap, SMALL,
-                   tile, plan.select_bits, out_block, WORD_TILE)
+                   tile, plan.select_bits, out_block, WORD_TILE, plan.select_search == "quad")
     return work, [
         estimate,
         lambda: _mask((key, chunk), (R, chunks, 1), mask_args, num_warps=plan.filter_warps,
@@ -471,7 +454,7 @@ def _one_launch(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.
             plan.sample_runs_for(W, topk),
             plan.sample_run, cap, SMALL, tile, plan.select_bits, block, plan.fused_stages,
             parts > 1, parts > 1 and plan.fused_part_lists, min(1024, next_pow2(topk)),
-            WORD_TILE)
+            WORD_TILE, plan.estimate_search == "quad", plan.select_search == "quad")
     key = (key, chunk, parts > 1, ptr_spec(words), ptr_spec(sync), *cap_regs.items())
     return lambda: _fused(key, (R, parts, 1), args, num_warps=plan.fused_warps, **cap_regs)
 
@@ -493,7 +476,8 @@ def _two_launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     cap_regs, tile = _capped(plan, R * parts, logits.device, warps)
     args = (logits, row_starts, row_ends, work, words, ready, out, W, topk, logits.stride(0),
             out.stride(0), s_w_r, chunk, parts, CANDIDATES, SMALL, min(tile, 1024),
-            plan.select_bits, block, plan.fused_stages, min(1024, next_pow2(topk)), WORD_TILE)
+            plan.select_bits, block, plan.fused_stages, min(1024, next_pow2(topk)), WORD_TILE,
+            plan.select_search == "quad")
     key = (key, chunk, parts, warps, ptr_spec(words), ptr_spec(ready), *cap_regs.items())
     return lambda: _mark_select(key, (parts * R, 1, 1), args, num_warps=warps, **pdl,
                                 **cap_regs)
@@ -514,7 +498,7 @@ def fused_parts(plan: TopkPlan, R: int, W: int, device: torch.device) -> tuple[i
 
 
 def _held_regs(plan: TopkPlan, programs: int, device: torch.device) -> dict:
-    """The launch option of the kernels that hold rows in registers (held rows, the halves):
+    """The launch option of the kernel that holds rows in registers (``_held_kernel``):
     ``maxnreg`` at ``plan.held_maxnreg`` where their programs outnumber the SMs (and the plan
     caps), else none. The interpreter takes no compiler option."""
     if plan.held_maxnreg and programs > num_sms(device) and not interpreting():

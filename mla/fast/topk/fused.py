@@ -58,7 +58,8 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
                   RUN: tl.constexpr, CAP: tl.constexpr, SMALL: tl.constexpr,
                   TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
                   STAGES: tl.constexpr, SPLIT: tl.constexpr, PART_LISTS: tl.constexpr,
-                  OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr):
+                  OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr,
+                  QUAD_ESTIMATE: tl.constexpr, QUAD_SELECT: tl.constexpr):
     """Programs ``(row, part)``: a row of no more than ``CAP`` keys is selected whole by its
     part 0; a longer one gets its threshold from the sample (each part with columns of the
     row alike), each part marks its ``chunk`` of columns in the row's bitmask
@@ -72,7 +73,9 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
     launch may run again (a CUDA graph's replays). ``PART_LISTS`` (with ``SPLIT``): before
     arriving, each part also lists its marked keys with their keys in the row's candidate
     list (``_list_part``, places counted in ``sync[row, 1]``), so that the last selects at
-    once; else the last lists the whole bitmask."""
+    once; else the last lists the whole bitmask. ``QUAD_ESTIMATE``, ``QUAD_SELECT``: the
+    estimate's and the select's searches by ``_quad_search`` (``TopkPlan.estimate_search``,
+    ``select_search``)."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     start, end, n = _row_range(starts, ends, row, W)
@@ -83,7 +86,8 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
         _first, lo, hi = _chunk_range(start, end, part, chunk, BLOCK)
         t = tl.zeros((), tl.int32)
         if lo < hi:  # (a part past a short row's end neither estimates nor marks)
-            t = _threshold(src + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
+            t = _threshold(src + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN,
+                           QUAD_ESTIMATE)
         list_keys, list_cols, _few, _thresh, _count = _work_row(work, row, CAP, SMALL)
         selects = _mark_share_arrive(src, bits, start, end, part, tl.num_programs(1), chunk, t,
                                      W, list_keys, list_cols, sync + 2 * row + 1,
@@ -92,7 +96,7 @@ def _fused_kernel(logits, starts, ends, work, words, sync, out, W, topk, s_l_r, 
     if selects:
         _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r,
                     sync + 2 * row + 1, CAP, SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE,
-                    PART_LISTS)
+                    PART_LISTS, QUAD_SELECT)
         if SPLIT:
             if n > CAP:
                 # the row's counts zeroed for the next launch (a CUDA graph replays them)
@@ -108,7 +112,7 @@ def _mark_select_kernel(logits, starts, ends, work, words, ready, out, W, topk, 
                         s_w_r, chunk, parts, CAP: tl.constexpr, SMALL: tl.constexpr,
                         TILE: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
                         STAGES: tl.constexpr, OUT_BLOCK: tl.constexpr,
-                        WORD_TILE: tl.constexpr):
+                        WORD_TILE: tl.constexpr, QUAD: tl.constexpr):
     """Two launches' second, after the estimate (``_estimate_kernel``: the thresholds, the
     counts zeroed): program ``row · parts + part`` (a grid of one dimension: rows past 65535
     fit), the parts of a row next to each other in the grid, so that rows finish one after
@@ -118,7 +122,8 @@ def _mark_select_kernel(logits, starts, ends, work, words, ready, out, W, topk, 
     0. The row's programs wait for its estimate alone (its flag ``ready[row]``, set by the
     estimate, cleared by the selecting program), so that, launched as the estimate's
     programmatic dependent, the first rows mark while later rows are estimated (H200: 255
-    against 265 us at 1024 x 128K, 145 against 153 at 512)."""
+    against 265 us at 1024 x 128K, 145 against 153 at 512). ``QUAD``: the select's search
+    (``TopkPlan.select_search``)."""
     part = tl.program_id(0) % parts
     row = (tl.program_id(0) // parts).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
@@ -134,5 +139,5 @@ def _mark_select_kernel(logits, starts, ends, work, words, ready, out, W, topk, 
                                      CAP, TILE, BLOCK, STAGES, True, True)
     if selects:
         _select_row(src, start, end, n, topk, bits, work, row, out + row * s_o_r, count, CAP,
-                    SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE, True)
+                    SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE, True, QUAD)
         tl.store(ready + row, 0)  # for the next launch (every part of the row is past it)

@@ -28,6 +28,7 @@ from mla.fast.topk.search import (
     _inverted,
     _level,
     _place,
+    _quad_search,
     _search,
     _unsigned,
 )
@@ -94,14 +95,18 @@ def _sample(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
 
 @triton.jit
 def _threshold(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
-               SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr):
+               SAMPLE_RUNS: tl.constexpr, RUN: tl.constexpr, QUAD: tl.constexpr):
     """The int32 key that about ``OVERSAMPLE * topk`` of the row's ``n`` keys (``src``: its
-    first) reach, by bisection on ``_sample``'s rank. For rows of more than ``CAP`` keys."""
+    first) reach, searched at ``_sample``'s rank by bisection or (``QUAD``) by
+    ``_quad_search`` from its normal guess. For rows of more than ``CAP`` keys."""
     u, rank = _sample(src, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS, RUN)
     # any key that about rank to rank + rank / 16 + 2 of the sample reach (or, past it, a
     # tied one: its value) will do: the threshold only sets how many keys the read lists,
     # never which are selected
-    t, _reach = _bisect(u, rank, rank // 16 + 2)
+    if QUAD:
+        t, _reach = _quad_search(u, rank, True, rank // 16 + 2)
+    else:
+        t, _reach = _bisect(u, rank, rank // 16 + 2)
     return (t ^ 0x80000000).to(tl.int32, bitcast=True)
 
 
@@ -109,8 +114,9 @@ def _threshold(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
 def _estimate_kernel(logits, starts, ends, work, ready, W, topk, s_l_r,
                      OVERSAMPLE: tl.constexpr, CAP: tl.constexpr, SAMPLE_RUNS: tl.constexpr,
                      RUN: tl.constexpr, SMALL: tl.constexpr, PDL: tl.constexpr,
-                     READY: tl.constexpr):
-    """Per row its threshold (``_threshold``) and its survivor count zeroed. Rows of no more
+                     READY: tl.constexpr, QUAD: tl.constexpr):
+    """Per row its threshold (``_threshold``, ``QUAD`` its search) and its survivor count
+    zeroed. Rows of no more
     than ``CAP`` keys need no threshold. ``PDL``: the next launch, its programmatic
     dependent, may start now (its programs wait for this kernel's results). ``READY``: then
     the row's flag ``ready[row]`` set to 1 (release), for the programs that wait for this row
@@ -123,7 +129,7 @@ def _estimate_kernel(logits, starts, ends, work, ready, W, topk, s_l_r,
     tl.store(count + tl.arange(0, 2), tl.zeros((2,), tl.int32))  # the count, the arrivals
     if n > CAP:
         t = _threshold(logits + row * s_l_r + start, n, topk, OVERSAMPLE, CAP, SAMPLE_RUNS,
-                       RUN)
+                       RUN, QUAD)
         tl.store(thresh, t)
     if READY:
         tl.debug_barrier()  # every thread's stores before the flag
@@ -361,10 +367,10 @@ def _held_keys(src, list_keys, i, items, from_list):
 
 
 @triton.jit
-def _select_in_registers(u, cols, need, dst):
+def _select_in_registers(u, cols, need, dst, QUAD: tl.constexpr):
     """The exact ``need`` best of the held keys ``u`` (0: no item), their ``cols`` (in any
-    order) written to ``dst`` in the items' order."""
-    p, last = _boundary(u, cols, need, False)
+    order) written to ``dst`` in the items' order. ``QUAD``: ``_search``'s."""
+    p, last = _boundary(u, cols, need, QUAD)
     take = (u > p) | ((u == p) & (_inverted(cols) >= last))
     tl.store(dst + tl.cumsum(take.to(tl.int32), axis=0) - 1, cols, mask=take)
 
@@ -377,7 +383,7 @@ def _select_in_column_order(u, cols, need, dst, QUAD: tl.constexpr):
     counts, the items above ``p`` and the ties so far, places every taken item; no search
     among the ties (an untied boundary, the common case, takes a scan of one count).
     ``QUAD``: ``_search``'s."""
-    p, reach = _search(u, need, QUAD, need)
+    p, reach = _search(u, need, QUAD)
     take, pos = _column_order_places(u, p, reach, need)
     tl.store(dst + pos, cols, mask=take)
 
@@ -436,11 +442,11 @@ def _gather_keys(src, list_cols, list_keys, items, TILE: tl.constexpr):
 @triton.jit
 def _select_listed_or_row(src, n, topk, list_keys, list_cols, survivors, few, dst,
                           CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
-                          BITS: tl.constexpr):
+                          BITS: tl.constexpr, QUAD: tl.constexpr):
     """For ``n > topk``: the exact ``topk`` best of the row (``src``: its start) held whole
     (``n <= CAP``), of its candidate list held whole (``topk <= survivors <= CAP``, keys and
     columns in memory), or else of the row streamed (the threshold failed). Up to half the
-    list's length, the keys and columns are held together."""
+    list's length, the keys and columns are held together. ``QUAD``: ``_search``'s."""
     items = tl.where(n <= CAP, n, survivors).to(tl.int32)
     from_list = n > CAP
     if (n <= CAP) | ((survivors >= topk) & (survivors <= CAP)):
@@ -449,10 +455,10 @@ def _select_listed_or_row(src, n, topk, list_keys, list_cols, survivors, few, ds
             u = _held_keys(src, list_keys, i, items, from_list)
             cols = tl.where(from_list, tl.load(list_cols + i, mask=(i < items) & from_list,
                                                other=0), i)
-            _select_in_registers(u, cols, topk, dst)
+            _select_in_registers(u, cols, topk, dst, QUAD)
         else:
             _select_in_tiles(src, list_keys, list_cols, items, topk, dst, from_list, CAP, TILE,
-                             False)
+                             QUAD)
     else:
         _stream_select(src, n, topk, few, dst, TILE, BITS, SMALL)
 
@@ -519,25 +525,28 @@ def _held_kernel(logits, starts, ends, out, W, topk, s_l_r, s_o_r, CAP: tl.const
 @triton.jit
 def _select_kernel(logits, starts, ends, work, words, out, W, topk, s_l_r, s_o_r, s_w_r,
                    CAP: tl.constexpr, SMALL: tl.constexpr, TILE: tl.constexpr,
-                   BITS: tl.constexpr, OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr):
+                   BITS: tl.constexpr, OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr,
+                   QUAD: tl.constexpr):
     """One program a row: ``_select_row``."""
     row = tl.program_id(0).to(tl.int64)
     start, end, n = _row_range(starts, ends, row, W)
     _select_row(logits + row * s_l_r, start, end, n, topk, words + row * s_w_r, work, row,
-                out + row * s_o_r, work, CAP, SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE, False)
+                out + row * s_o_r, work, CAP, SMALL, TILE, BITS, OUT_BLOCK, WORD_TILE, False,
+                QUAD)
 
 
 @triton.jit
 def _select_row(src, start, end, n, topk, bits, work, row, dst, fill, CAP: tl.constexpr,
                 SMALL: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr,
-                OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr, LISTED: tl.constexpr):
+                OUT_BLOCK: tl.constexpr, WORD_TILE: tl.constexpr, LISTED: tl.constexpr,
+                QUAD: tl.constexpr):
     """The exact ``topk`` best of the row (``src``: its column 0) held whole (no more than
     ``CAP`` keys), of the keys its bitmask ``bits`` marks (``_mask_chunk``; their count, stored
     for ``survivors``, from ``topk`` to ``CAP``), or else of the row streamed (the threshold
     failed); then ``-1`` past the row's count. A list of up to ``CAP / 2`` is gathered
     straight into registers (its keys never stored). ``LISTED``: the list and its keys are
     already in the scratch, ``fill`` places (``_list_part``). ``work``: the scratch
-    (``_work_row``)."""
+    (``_work_row``). ``QUAD``: the boundary by ``_quad_search`` (else ``_bracket_search``)."""
     src = src + start
     list_keys, list_cols, few, _thresh, count = _work_row(work, row, CAP, SMALL)
     if n <= topk:
@@ -561,12 +570,12 @@ def _select_row(src, start, end, n, topk, bits, work, row, dst, fill, CAP: tl.co
                     cols = tl.load(list_cols + i, mask=live, other=0)
                     u = tl.where(live, _unsigned(_order_keys(tl.load(src + cols, mask=live,
                                                                      other=0.0))), 0)
-                    _select_in_column_order(u, cols, topk, dst, False)
+                    _select_in_column_order(u, cols, topk, dst, QUAD)
                     done = tl.full((), 1, tl.int32)
                 elif (items > CAP // 2) & (items <= CAP):
                     _gather_keys(src, list_cols, list_keys, items, TILE)
                     tl.debug_barrier()  # the keys stored by every thread before any reads them
         if done == 0:
             _select_listed_or_row(src, n, topk, list_keys, list_cols, items, few, dst, CAP,
-                                  SMALL, TILE, BITS)
+                                  SMALL, TILE, BITS, QUAD)
     _write_tail(dst, n, topk, OUT_BLOCK)

@@ -1,15 +1,18 @@
 """Order statistics of a top-k's keys (``mla.fast.topk.kernels`` runs them): the radix levels
 of a scanned row's composites, and the searches among keys held in registers.
 
-Two searches find the ``need``-th largest of held uint32 patterns (``_unsigned``; 0 marks an
+Three searches find the ``need``-th largest of held uint32 patterns (``_unsigned``; 0 marks an
 empty place). ``_bisect`` fixes the answer's bits from the top, one a step (a compare and a
 block-wide count of every item; about 20 steps on a top-k's candidates); the estimate, which
-wants any key within a slack of a rank, uses it. ``_bracket_search`` narrows a bracket with two
-interpolated probes a step, their counts in one block-wide sum (about 7 steps on a row's ~3000
-candidates); the exact select uses it. On the H200 the bracket search in the select took the
-top-k 1-4% faster than the bisection (2048 x 32K 235 us against 245, 256 x 128K 78.6 against
-80.1, 1024 x 128K 245.6 against 247.9) and in the estimate 1-4% slower, where the slack lets
-the bisection stop early (``benchmarks/results/topk/topk_bisect_interpolated_2026-12-02.json``).
+wants any key within a slack of a rank, uses it by default. ``_bracket_search`` narrows a
+bracket with two interpolated probes a step, their counts in one block-wide sum (about 7 steps
+on a row's ~3000 candidates); the exact select of the candidates uses it by default. On the
+H200 the bracket search in the select took the top-k 1-4% faster than the bisection (2048 x 32K
+235 us against 245, 256 x 128K 78.6 against 80.1, 1024 x 128K 245.6 against 247.9) and in the
+estimate 1-4% slower, where the slack lets the bisection stop early
+(``benchmarks/results/topk/topk_bisect_interpolated_2026-12-02.json``). ``_quad_search`` (four
+probes a step, the first from a normal guess) selects rows held whole, and is the plan's
+alternative for the other two (``TopkPlan.estimate_search``, ``select_search``).
 """
 
 from __future__ import annotations
@@ -269,7 +272,7 @@ def _bracket_extremes(u, a, z):
 
 
 @triton.jit
-def _quad_search(u, need, GUESS: tl.constexpr, enough):
+def _quad_search(u, need, GUESS: tl.constexpr, slack):
     """``_bracket_search`` (its bracket, its convention, its answer) with four probes a step,
     their counts in one joint block-wide sum of two int32 (two 16-bit counts each), and with
     ``GUESS`` the first four placed where a normal distribution of the items' finite values
@@ -290,9 +293,8 @@ def _quad_search(u, need, GUESS: tl.constexpr, enough):
     6.3 steps, not 8.3 (``benchmarks.probes.topk_search_model``); on an H100, 132 such rows
     loaded and searched took 13.0 us, not 16.2 (``topk_held_probe``, 2026-12-07).
 
-    ``enough`` (``need`` for the exact answer; more: ``mla.fast.topk.halves``): the search
-    stops at the first bracket whose lower end at most ``enough`` items reach, and returns
-    that end and its count (at least ``need``: the ``need`` best all reach it)."""
+    ``slack`` (``_bisect``'s): stops once at most ``need + slack`` items reach ``a`` (0: the
+    exact answer); the estimate, which wants any key within a slack of a rank, passes it."""
     tl.static_assert(u.numel < 65536, "the counts are 16-bit fields")
     need = need + tl.zeros((), tl.int32)  # a tensor, also where it is specialized (k = 1)
     reach, hi, lo, nf, s1, s2 = _range_and_moments(u, GUESS)
@@ -303,7 +305,7 @@ def _quad_search(u, need, GUESS: tl.constexpr, enough):
     fifths = tl.zeros((), tl.int32)
     first = tl.full((), GUESS, tl.int32)
     before = tl.full((), -1, tl.int32)  # the bracket's items before the last counting step
-    while (z - a > 1) & (ca > enough):
+    while (z - a > 1) & (ca > need + slack):
         items = ca - cz
         if (first == 0) & ((ca - need == 1) | (items == before)):
             least, second, most = _bracket_extremes(u, a, z)
@@ -398,14 +400,12 @@ def _inverted(cols):
 
 
 @triton.jit
-def _search(u, need, QUAD: tl.constexpr, enough):
+def _search(u, need, QUAD: tl.constexpr):
     """The ``need``-th largest of the held ``u`` and how many reach it (``_bracket_search``'s
     convention): by ``_quad_search`` with its normal guess (``QUAD``; keys that are floats'
-    patterns), stopping once at most ``enough`` reach (``need`` for the exact answer), or by
-    ``_bracket_search`` (always exact: what ``enough`` allows, since at least ``need`` and at
-    most ``enough`` reach its answer unless the ``need``-th is tied)."""
+    patterns) or by ``_bracket_search``."""
     if QUAD:
-        return _quad_search(u, need, True, enough)
+        return _quad_search(u, need, True, 0)
     return _bracket_search(u, need)
 
 
@@ -416,7 +416,7 @@ def _boundary(u, cols, need, QUAD: tl.constexpr):
     or above ``p`` is taken). When the ``need``-th key is tied, a second search among its
     equals, on the inverted column, takes the lowest columns (``cols``: the items' columns,
     read only where equal to ``p``, in any order)."""
-    p, reach = _search(u, need, QUAD, need)
+    p, reach = _search(u, need, QUAD)
     last = tl.full((), 1, tl.uint32)
     if reach > need:
         v = tl.where(u == p, _inverted(cols), 0)
