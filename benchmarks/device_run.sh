@@ -4,7 +4,7 @@
 #   OUT=dir bash benchmarks/device_run.sh [check|tests|bench|bench-nosweep|sparse|small|routes|
 #     suite|sanitize|step-peers|v4|bench-cli|fuzz-peers|batch-invariant|v4-timing|bench-peers|
 #     sparse-sweep|sparse-peers|front-budget|matrix|properties|prefill-kernels|logits|topk-short|
-#     step-peers-quick|topk-probe|code-fetch]...
+#     step-peers-quick|topk-probe|code-fetch|topk-serving]...
 # BUNDLE=path: also pack everything under $OUT into one .tgz there (the device returns at
 # most 8 files: BUNDLE=$OUT/all.tgz OUT=/tmp/o keeps every result of a many-step run; the
 # assignments expand left to right, so BUNDLE reads the device's $OUT before OUT changes).
@@ -154,6 +154,9 @@ for step in "${steps[@]}"; do
     topk-short) timeout "${TOPK_TIMEOUT:-400}" python -m benchmarks.topk_peers --short \
                   --widths "${TOPK_WIDTHS:-}" --compile-jobs 12 --out "$OUT" 2>&1 \
               | tee "$OUT/topk_short.log" | tail -n 24 ;;
+    # decode rows of 4K and 8K in logits 64K wide, with and without the rows' bound
+    topk-serving) timeout 300 python -m benchmarks.topk_peers --serving --compile-jobs 12 \
+                    --out "$OUT/serving" 2>&1 | tee "$OUT/topk_serving.log" | tail -n 12 ;;
     # what a kernel's code costs after the L2 flush (benchmarks.probes.code_fetch_probe)
     code-fetch) OUT="$OUT" timeout 240 python -m benchmarks.probes.code_fetch_probe 2>&1 \
               | tee "$OUT/code_fetch_probe.log" | tail -n 6 ;;

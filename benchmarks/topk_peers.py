@@ -11,6 +11,10 @@ uploads are capped); ``mla.conformance.adapters.vllm_library.load_library`` load
 else the peers directory's), the same library that adapter checks against the conformance
 catalogue.
 
+``--serving``: decode rows of 4K and 8K keys in logits 64K wide (vLLM sizes the decode logits
+to ``max_model_len`` and hands its top-k kernels the batch's longest row), ours with and
+without that bound (``max_row_len``), vLLM's with it (``max_seq_len``).
+
 Per shape (rows x keys, ``k = 2048``, random normal float32 logits, every row whole):
 CUDA-graph replays with the L2 flushed by a read before each (``benchmarks.common``), median
 ms, and the logits' bytes read against the copy bandwidth measured in the same run. Each
@@ -48,6 +52,9 @@ SHAPES = [(1, 131072), (32, 131072), (64, 131072), (128, 131072), (256, 131072),
           (128, 8192), (256, 8192)]
 # the decode lengths (--short; 8193: a decode row of 8K + 1, past the rows held whole)
 SHORT_SHAPES = [(R, W) for W in (8192, 8193, 16384, 32768) for R in (1, 32, 128, 256)]
+# --serving: decode rows of 4K and 8K keys in logits 64K wide (vLLM sizes them to
+# max_model_len and hands its kernels the batch's longest row, max_seq_len)
+SERVING_SHAPES = [(R, 65536, L) for L in (4096, 8192) for R in (1, 32, 128, 256)]
 # rows held whole (at most CANDIDATES keys), beside the default (8 warps, the columns written
 # from the held keys, the quad search, registers capped where the rows outnumber the SMs, the
 # row prefetched): the columns by a second read in tiles, the bracket search, 16 warps, the
@@ -77,26 +84,30 @@ def load_vllm(lib: Path | None) -> dict:
         return {"loaded": False, "error": str(e)}
 
 
-def peer_calls(x: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor) -> dict:
-    """The peers' calls on ``x`` (``[R, W]``, rows of ``lengths``), each writing ``out``."""
+def peer_calls(x: torch.Tensor, lengths: torch.Tensor, out: torch.Tensor,
+               max_seq_len: int | None = None) -> dict:
+    """The peers' calls on ``x`` (``[R, W]``, rows of ``lengths``, none longer than
+    ``max_seq_len``, by default ``W``), each writing ``out``."""
     R, W = x.shape
+    longest = W if max_seq_len is None else max_seq_len
     work = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=x.device)
     calls = {
         "vllm_persistent_topk": lambda: torch.ops._C.persistent_topk(
-            x, lengths, out, work, TOPK, W),
+            x, lengths, out, work, TOPK, longest),
         "vllm_top_k_per_row_decode": lambda: torch.ops._C.top_k_per_row_decode(
             x, 1, lengths, out, R, x.stride(0), x.stride(1), TOPK),
     }
     if R <= COOPERATIVE_MAX_ROWS:
         calls["vllm_cooperative_topk"] = lambda: torch.ops._C.cooperative_topk(
-            x, lengths, out, work, TOPK, W)
+            x, lengths, out, work, TOPK, longest)
     calls["_work"] = work  # kept alive while the graphs replay
     return calls
 
 
 def check(x: torch.Tensor, idx: torch.Tensor, best: torch.Tensor) -> str | None:
-    """``None`` if ``idx`` (``[R, k]``) holds a correct top-k of every row of ``x``, else what
-    is wrong. ``best``: ``torch.topk``'s values, sorted down."""
+    """``None`` if ``idx`` (``[R, k]``) holds a correct top-k of every row of ``x`` (its
+    columns: the rows' keys), else what is wrong. ``best``: ``torch.topk``'s values, sorted
+    down."""
     R, W = x.shape
     idx = idx.long()
     if bool(((idx < 0) | (idx >= W)).any()):
@@ -131,20 +142,38 @@ def timed(fn, out: torch.Tensor, x: torch.Tensor, best: torch.Tensor, reps: int)
     return {"ms": ms, **({"wrong_after_replay": wrong} if wrong else {})}
 
 
-def _plans(W: int) -> dict:
-    """The plans timed at ``W`` keys: the default, then the alternatives of its row length."""
-    return {"mla_fast": TopkPlan(), **(HELD_PLANS if W <= CANDIDATES else LONG_PLANS)}
+def _plans(W: int, L: int) -> dict:
+    """The plans timed on rows of ``L`` keys in logits ``W`` wide, each with the bound on the
+    rows' lengths it is given (``max_row_len``): the default, then the alternatives of its
+    row length; rows shorter than the logits, the default given ``L`` as the bound."""
+    if L < W:
+        return {"mla_fast": (TopkPlan(), None), "mla_fast_bounded": (TopkPlan(), L)}
+    extra = HELD_PLANS if W <= CANDIDATES else LONG_PLANS
+    return {"mla_fast": (TopkPlan(), None), **{n: (p, None) for n, p in extra.items()}}
 
 
-def _compile_shape(shape: tuple[int, int]) -> None:
-    """Every plan's kernels for one shape compiled (and run once), into the Triton cache."""
-    R, W = shape
+def _shape(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """``(R, W)`` or ``(R, W, L)`` as ``(R, W, L)``: rows of ``L`` keys (``W`` by default)."""
+    return (*shape, shape[1]) if len(shape) == 2 else shape  # type: ignore[return-value]
+
+
+def _inputs(R: int, W: int, L: int) -> tuple[torch.Tensor, ...]:
+    """Random logits ``[R, W]`` whose rows hold ``L`` keys (``-inf`` past them), the rows'
+    starts and ends, and the output."""
+    torch.manual_seed(R * 7 + W + L)
     x = torch.randn(R, W, device="cuda")
-    lengths = torch.full((R,), W, dtype=torch.int32, device="cuda")
+    x[:, L:] = float("-inf")
+    lengths = torch.full((R,), L, dtype=torch.int32, device="cuda")
     starts = torch.zeros(R, dtype=torch.int32, device="cuda")
-    out = torch.empty(R, TOPK, dtype=torch.int32, device="cuda")
-    for plan in _plans(W).values():
-        _run_all(launches(x, starts, lengths, out, TOPK, plan)[1])
+    return x, starts, lengths, torch.empty(R, TOPK, dtype=torch.int32, device="cuda")
+
+
+def _compile_shape(shape: tuple[int, ...]) -> None:
+    """Every plan's kernels for one shape compiled (and run once), into the Triton cache."""
+    R, W, L = _shape(shape)
+    x, starts, lengths, out = _inputs(R, W, L)
+    for plan, bound in _plans(W, L).values():
+        _run_all(launches(x, starts, lengths, out, TOPK, plan, bound)[1])
     torch.cuda.synchronize()
 
 
@@ -161,30 +190,29 @@ def _pct(R: int, W: int, ms: float, copy_tbps: float) -> float:
     return 100 * R * W * 4 / (ms * 1e-3) / (copy_tbps * 1e12)
 
 
-def run(vllm: dict, copy_tbps: float, reps: int, shapes: list[tuple[int, int]]) -> list[dict]:
+def run(vllm: dict, copy_tbps: float, reps: int, shapes: list[tuple[int, ...]]) -> list[dict]:
     rows = []
-    for R, W in shapes:
-        torch.manual_seed(R * 7 + W)
-        x = torch.randn(R, W, device="cuda")
-        lengths = torch.full((R,), W, dtype=torch.int32, device="cuda")
-        starts = torch.zeros(R, dtype=torch.int32, device="cuda")
+    for shape in shapes:
+        R, W, L = _shape(shape)
+        x, starts, lengths, out = _inputs(R, W, L)
         best = torch.topk(x, TOPK, dim=1).values  # sorted down
-        out = torch.empty(R, TOPK, dtype=torch.int32, device="cuda")
-        res = {"R": R, "L": W, "mla_route": TopkPlan().route_for(R, W, x.device, TOPK)}
-        for name, plan in _plans(W).items():
-            _work, steps = launches(x, starts, lengths, out, TOPK, plan)
+        res = {"R": R, "L": L, "mla_route": TopkPlan().route_for(R, W, x.device, TOPK)}
+        if L < W:
+            res["W"] = W
+        for name, (plan, bound) in _plans(W, L).items():
+            _work, steps = launches(x, starts, lengths, out, TOPK, plan, bound)
             res[name] = timed(functools.partial(_run_all, steps), out, x, best, reps)
         vals = torch.empty(R, TOPK, device="cuda")
         ids = torch.empty(R, TOPK, dtype=torch.int64, device="cuda")
         res["torch_topk"] = _torch_topk(x, vals, ids, best, reps)
         if vllm.get("loaded"):
-            peers = peer_calls(x, lengths, out)
+            peers = peer_calls(x, lengths, out, L)
             for name, fn in peers.items():
                 if not name.startswith("_"):
                     res[name] = timed(fn, out, x, best, reps)
         for v in res.values():
             if isinstance(v, dict) and "ms" in v:
-                v["pct_of_copy"] = _pct(R, W, v["ms"], copy_tbps)
+                v["pct_of_copy"] = _pct(R, L, v["ms"], copy_tbps)
         log(json.dumps(res))
         rows.append(res)
         torch.cuda.empty_cache()
@@ -207,7 +235,7 @@ def _torch_topk(x, vals, ids, best, reps) -> dict:
 
 
 def table(res: dict) -> str:
-    names = ["mla_fast", *HELD_PLANS, *LONG_PLANS, "vllm_persistent_topk",
+    names = ["mla_fast", *HELD_PLANS, *LONG_PLANS, "mla_fast_bounded", "vllm_persistent_topk",
              "vllm_cooperative_topk", "vllm_top_k_per_row_decode", "torch_topk"]
     lines = [f"copy {res['ceilings']['copy_TBps']:.2f} TB/s; us (% of copy)",
              "| rows x keys | " + " | ".join(names) + " |",
@@ -223,6 +251,8 @@ def table(res: dict) -> str:
             else:
                 cells.append(next(iter(v)))
         keys = f"{r['L'] // 1024}K" if r["L"] % 1024 == 0 else str(r["L"])
+        if "W" in r:
+            keys += f" of {r['W'] // 1024}K"
         lines.append(f"| {r['R']} x {keys} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -238,11 +268,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="the decode lengths alone: 1-256 rows of 8K to 32K keys")
     p.add_argument("--widths", default="",
                    help="with --short, these widths alone (comma-separated, e.g. 8193,16384)")
+    p.add_argument("--serving", action="store_true",
+                   help="decode rows of 4K and 8K keys in logits 64K wide, ours given the rows' "
+                        "bound (max_row_len) and not, vLLM's given it (max_seq_len)")
     p.add_argument("--compile-jobs", type=int, default=0,
                    help="compile every shape's kernels in this many processes first (0: as "
                         "each is first timed)")
     args = p.parse_args(argv)
-    shapes = SHORT_SHAPES if args.short else SHAPES
+    shapes = SERVING_SHAPES if args.serving else SHORT_SHAPES if args.short else SHAPES
     if args.widths:
         widths = {int(w) for w in args.widths.split(",")}
         shapes = [(R, W) for R, W in shapes if W in widths]

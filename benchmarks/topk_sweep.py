@@ -352,7 +352,7 @@ def compiled_facts() -> list[dict]:
 # the top-k kernels' pointer arguments, as sm90_facts and benchmarks.probes.topk_code_size
 # compile them (16-byte aligned)
 PTRS = dict(logits="fp32", starts="i32", ends="i32", work="i32", out="i32", words="i32",
-            sync="i32", ready="i32")
+            sync="i32", ready="i32", few="i32")
 
 
 def fused_constants(plan: TopkPlan, split: bool) -> dict:
@@ -379,7 +379,8 @@ def held_constants(plan: TopkPlan, hold: int) -> dict:
     return dict(CAP=CANDIDATES, HOLD=hold, TILE=min(plan.select_tile, 1024), OUT_BLOCK=1024,
                 IN_REGISTERS=plan.held_write == "registers", QUAD=plan.held_search == "quad",
                 PREFETCH=plan.held_prefetch and (plan.held_write == "registers"
-                                                  or 2 * hold <= CANDIDATES))
+                                                  or 2 * hold <= CANDIDATES),
+                BOUNDED=False, BITS=plan.select_bits, SMALL=fast_topk.SMALL)
 
 
 def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
@@ -417,6 +418,15 @@ def sm90_facts(plans: list[TopkPlan]) -> dict[str, dict]:
             found[_changed(plan) + f" held rows of {CANDIDATES}, capped"] = facts(
                 _compile(_held_kernel, const, ptrs, dict(ints, W=CANDIDATES),
                          plan.select_warps, maxnreg=plan.held_maxnreg))
+        # rows held by a bound on their lengths in wider logits (max_row_len), as launched
+        # with few rows and where they outnumber the SMs
+        bounded = dict(held_constants(plan, CANDIDATES), PREFETCH=False, BOUNDED=True)
+        caps = {"": fast_topk.uncapped(plan.select_warps)}
+        if plan.held_maxnreg:
+            caps[", capped"] = {"maxnreg": plan.held_maxnreg}
+        for suffix, regs in caps.items():
+            found[_changed(plan) + f" held rows of {CANDIDATES}, bounded{suffix}"] = facts(
+                _compile(_held_kernel, bounded, ptrs, ints, plan.select_warps, **regs))
         # k = 1 and one key, constants in the launch (Triton specializes an int equal to 1)
         found[_changed(plan) + " held rows of 1, k = 1"] = facts(_compile(
             _held_kernel, dict(const, HOLD=32, OUT_BLOCK=1), ptrs,

@@ -199,6 +199,34 @@ def test_topk_rows_held_whole_run_one_kernel(route):
     assert len(steps) == {"one": 1, "two": 2, "three": 3}[route]
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_rows_held_by_a_bound_in_wider_logits(ties):
+    """``max_row_len`` (serving's decode logits are ``max_model_len`` wide, the rows shorter):
+    rows no longer than the bound in logits wider than the list run the held rows' kernel
+    alone (one launch, no list), exact from column 0 and from unaligned starts, below and at
+    the bound, with a tied boundary and a row of fewer keys than k. Unvalidated, rows past
+    the bound are still exact: one the held columns cover from its aligned start, one within
+    3 keys of them from an unaligned start and one past them (both scanned); validated, a
+    row past the bound is a ``ValueError``."""
+    W, bound = CANDIDATES + 3000, 3000  # rows held in 4096 registers' worth of columns
+    starts = [0, 5, 7001, 9, 1, 3, 0, 100]
+    ends = [3000, 2505, 10001, 1500, 4096, 4099, 5000, 100]
+    logits, st, en = _rows(_gen(70 + ties), starts, ends, W, ties)
+    out = torch.empty(len(starts), 2048, dtype=torch.int32, device=DEVICE)
+    work, steps = launches(*_on((logits, st, en)), out, 2048, TopkPlan(), max_row_len=bound)
+    assert len(steps) == 1 and work.shape[1] == 0
+    want = ref.top_k_per_row(logits, st, en, 2048)
+    got = top_k_per_row(*_on((logits, st, en)), 2048, max_row_len=bound, validate=False).cpu()
+    assert torch.equal(as_sets(got), as_sets(want)), "top-k sets differ"
+    got = top_k_per_row(*_on((logits[:4], st[:4], en[:4])), 2048, max_row_len=bound).cpu()
+    assert torch.equal(as_sets(got), as_sets(want[:4])), "top-k sets differ (validated)"
+    with pytest.raises(ValueError, match="max_row_len is 3000, but a row has 5000 keys"):
+        top_k_per_row(*_on((logits, st, en)), 2048, max_row_len=bound, validate=True)
+    for bad in (True, -1, 3000.0):
+        with pytest.raises(ValueError, match="max_row_len must be None or an int >= 0"):
+            top_k_per_row(*_on((logits, st, en)), 2048, max_row_len=bad)
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_topk_row_order(route):
     """A row selected from its own columns comes in column order when held whole (a short
@@ -549,8 +577,9 @@ def test_one_launch_kernel_compiles_for_sm90():
     found = compiled(["-m", "benchmarks.topk_sweep", "--sm90"], timeout=600)
     # a row a program, a row split, two launches at 8 and 4 warps with rows in 4 parts and in
     # one, rows held of 4096 and 8192, of 8192 with the registers capped (as launched where
-    # the rows outnumber the SMs), and of one key with k = 1 (both constants in a launch)
-    assert len(found) == 10, sorted(found)
+    # the rows outnumber the SMs), rows of 8192 held by a bound in wider logits (uncapped and
+    # capped), and of one key with k = 1 (both constants in a launch)
+    assert len(found) == 12, sorted(found)
     for name, f in found.items():
         # capped at 128 registers, the held kernel keeps 16 bytes of stack (measured; two
         # programs a SM were faster at 256 x 8K, TopkPlan.held_maxnreg); nothing else spills

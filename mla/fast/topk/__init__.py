@@ -303,14 +303,20 @@ def sample_columns(n: int, runs: int = 1024, run: int = 8) -> torch.Tensor:
 
 def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
                   topk: int, *, validate: bool | None = None,
-                  plan: TopkPlan | None = None) -> torch.Tensor:
+                  plan: TopkPlan | None = None, max_row_len: int | None = None
+                  ) -> torch.Tensor:
     """int32 ``[R, topk]``: per row the highest logits of columns ``[start, end)`` as indices
     ``j - start``, ties to the lower index, then ``-1``: the reference's set, not sorted by
     score (module doc).
 
     ``logits [R, W]`` float32 (other float dtypes are read as float32, exactly);
     ``validate``: check the ranges within ``[0, W]`` on the host (a sync); ``None``: only when
-    no CUDA graph is being captured. Unvalidated, a range is clipped to the row. ``plan``:
+    no CUDA graph is being captured. Unvalidated, a range is clipped to the row.
+    ``max_row_len``: a bound on every row's ``end - start`` known on the host (vLLM passes its
+    batch's longest sequence: decode logits are ``max_model_len`` wide, the rows shorter); at
+    most ``CANDIDATES``, the rows are held whole whatever the width (``launches``). Validated,
+    a longer row is a ``ValueError``; unvalidated, it is still selected exactly, by a slow
+    scan of the row. ``plan``:
     the kernels' route and tiling (``TopkPlan()`` by default). ``topk`` at most ``MAX_TOPK``
     and ``W`` at most ``MAX_COLUMNS`` (the kernels' int32 columns), else ``ValueError``.
     """
@@ -332,11 +338,18 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
     if plan is not None and not isinstance(plan, TopkPlan):
         raise TypeError(f"plan must be a TopkPlan, got {type(plan).__name__}")
     plan = plan or DEFAULT_PLAN
+    if max_row_len is not None and (isinstance(max_row_len, bool)
+                                    or not isinstance(max_row_len, int) or max_row_len < 0):
+        raise ValueError(f"max_row_len must be None or an int >= 0, got {max_row_len!r}")
     if R and should_validate(validate, logits):
-        lo, hi = torch.stack([row_starts.long().min(), row_ends.long().max()]).tolist()
+        lo, hi, longest = torch.stack([row_starts.long().min(), row_ends.long().max(), (
+            row_ends.long() - row_starts.long()).max()]).tolist()
         if lo < 0 or hi > W:
             raise ValueError(f"row_starts / row_ends must lie in [0, {W}] (logits' columns), "
                              f"got starts >= {lo}, ends <= {hi}")
+        if max_row_len is not None and longest > max_row_len:
+            raise ValueError(f"max_row_len is {max_row_len}, but a row has {longest} keys "
+                             f"(row_ends - row_starts)")
     out = torch.empty(R, topk, dtype=torch.int32, device=logits.device)
     if R == 0:
         return out
@@ -347,13 +360,13 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
         logits = logits.float()  # exact
     if W and logits.stride(1) != 1:
         logits = logits.contiguous()
-    for launch in launches(logits, row_starts, row_ends, out, topk, plan)[1]:
+    for launch in launches(logits, row_starts, row_ends, out, topk, plan, max_row_len)[1]:
         launch()
     return out
 
 
 def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Tensor,
-             out: torch.Tensor, topk: int, plan: TopkPlan
+             out: torch.Tensor, topk: int, plan: TopkPlan, max_row_len: int | None = None
              ) -> tuple[torch.Tensor, list[Callable[[], None]]]:
     """The scratch (``[R, work_columns(cap, SMALL)]`` int32, per row: ``_work_row``; ``[R, 0]``
     where the logits are no wider than the list) and the launches, in order, on checked
@@ -362,10 +375,14 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
     waiting for its flag in ``ready``) or three (estimate, filter, select);
     ``top_k_per_row`` runs them, the tests read the survivor counts, the benchmarks time each.
     A launch after the first of its shapes and plan calls the compiled kernel directly
-    (``mla.fast.launch``)."""
+    (``mla.fast.launch``). Rows are held whole (``_held_kernel``, one launch) where the logits
+    are no wider than ``CANDIDATES``, or where ``max_row_len`` (the caller's bound on every
+    row's length) is: then ``BOUNDED``, each row read from its start, a row past the bound
+    scanned (a scratch of ``2 * SMALL`` int32 a row)."""
     R, W = logits.shape
     cap = CANDIDATES
-    held = W <= cap  # every row held whole: no scratch is allocated
+    bounded = W > cap and max_row_len is not None and max_row_len <= cap
+    held = W <= cap or bounded  # every row held whole: no list, no bitmask
     cols = 0 if held else work_columns(cap, SMALL)
     work = torch.empty(R, cols, dtype=torch.int32, device=logits.device)
     rows = (logits, row_starts, row_ends)
@@ -375,14 +392,17 @@ def launches(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torch.Ten
            *(ptr_spec(t) for t in (*rows, work, out)))
     out_block = min(1024, next_pow2(topk))
     if held:  # whatever the route
-        hold = max(32, next_pow2(W))
+        hold = max(32, next_pow2(max_row_len if bounded else W))
         in_registers = plan.held_write == "registers"
         check_grid(_GRID_NAME, (R, 1, 1))
-        args = (*rows, out, W, topk, s_l_r, s_o_r, cap, hold, min(plan.select_tile, 1024),
+        few = torch.empty(R, 2 * SMALL, dtype=torch.int32, device=logits.device) if bounded \
+            else out
+        args = (*rows, out, few, W, topk, s_l_r, s_o_r, cap, hold, min(plan.select_tile, 1024),
                 out_block, in_registers, plan.held_search == "quad",
-                plan.held_prefetch and (in_registers or 2 * hold <= cap))
-        regs = _held_regs(plan, R, logits.device)
-        return work, [lambda: _held((key, hold, bool(regs)), (R, 1, 1), args,
+                plan.held_prefetch and (in_registers or 2 * hold <= cap) and not bounded,
+                bounded, plan.select_bits, SMALL)
+        regs = _held_regs(plan, R, logits.device, bounded)
+        return work, [lambda: _held((key, hold, bool(regs), ptr_spec(few)), (R, 1, 1), args,
                                     num_warps=plan.select_warps, **regs)]
     route = plan.route_for(R, W, logits.device, topk)
     if route == "one":
@@ -497,13 +517,18 @@ def fused_parts(plan: TopkPlan, R: int, W: int, device: torch.device) -> tuple[i
     return triton.cdiv(max(W, 1), chunk), chunk
 
 
-def _held_regs(plan: TopkPlan, programs: int, device: torch.device) -> dict:
+def _held_regs(plan: TopkPlan, programs: int, device: torch.device, bounded: bool = False
+               ) -> dict:
     """The launch option of the kernel that holds rows in registers (``_held_kernel``):
     ``maxnreg`` at ``plan.held_maxnreg`` where their programs outnumber the SMs (and the plan
-    caps), else none. The interpreter takes no compiler option."""
-    if plan.held_maxnreg and programs > num_sms(device) and not interpreting():
+    caps), else none; ``bounded`` (its scan compiled in), all the registers its warps allow
+    (``uncapped``: left to itself ptxas allots it 128 and 128 bytes of stack). The
+    interpreter takes no compiler option."""
+    if interpreting():
+        return {}
+    if plan.held_maxnreg and programs > num_sms(device):
         return {"maxnreg": plan.held_maxnreg}
-    return {}
+    return uncapped(plan.select_warps) if bounded else {}
 
 
 def _capped(plan: TopkPlan, programs: int, device: torch.device, warps: int = 0

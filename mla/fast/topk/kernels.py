@@ -481,9 +481,10 @@ def _write_tail(dst, n, topk, OUT_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _held_kernel(logits, starts, ends, out, W, topk, s_l_r, s_o_r, CAP: tl.constexpr,
+def _held_kernel(logits, starts, ends, out, few, W, topk, s_l_r, s_o_r, CAP: tl.constexpr,
                  HOLD: tl.constexpr, TILE: tl.constexpr, OUT_BLOCK: tl.constexpr,
-                 IN_REGISTERS: tl.constexpr, QUAD: tl.constexpr, PREFETCH: tl.constexpr):
+                 IN_REGISTERS: tl.constexpr, QUAD: tl.constexpr, PREFETCH: tl.constexpr,
+                 BOUNDED: tl.constexpr, BITS: tl.constexpr, SMALL: tl.constexpr):
     """One program a row, for rows of at most ``HOLD`` keys, ``HOLD`` at most ``CAP`` (every
     route, where the logits are no wider): the row's keys held, its exact ``topk`` best by
     the boundary's search (``QUAD``: ``_search``), the columns written from registers in
@@ -496,7 +497,15 @@ def _held_kernel(logits, starts, ends, out, W, topk, s_l_r, s_o_r, CAP: tl.const
     range's start would make them 4-byte loads); the keys outside the range are dropped in
     registers. Only this path is compiled: the general kernels, which also hold the
     estimate, the listing and the scan, took 1.1-1.4x as long for the same rows on the H200
-    (1 / 128 / 1024 x 8K: 32.8 / 27.5 / 108.6 us against 25.7 / 23.2 / 87.2)."""
+    (1 / 128 / 1024 x 8K: 32.8 / 27.5 / 108.6 us against 25.7 / 23.2 / 87.2).
+
+    ``BOUNDED`` (the columns written from registers): the logits are wider than ``HOLD`` and
+    the caller's bound on the rows' lengths (``max_row_len``) put them here. A row's columns
+    ``[base, base + HOLD)`` are loaded, ``base`` its start rounded down to 16 bytes (aligned
+    loads wherever the row starts; a decode row starts at 0); a row that does not fit them
+    (past the bound, or within 3 keys of it from an unaligned start) is selected exact,
+    slowly, by the scan of the whole row (``_stream_select``, its scratch ``few``: ``2 *
+    SMALL`` int32 a row)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HOLD)
     if PREFETCH:  # columns [0, W), in 16-byte loads where the row's stride allows
@@ -504,14 +513,23 @@ def _held_kernel(logits, starts, ends, out, W, topk, s_l_r, s_o_r, CAP: tl.const
     start, end, n = _row_range(starts, ends, row, W)
     src = logits + row * s_l_r + start
     dst = out + row * s_o_r
+    if BOUNDED:
+        base = tl.multiple_of((start // 4) * 4, 4)
+    else:
+        base = tl.zeros((), tl.int64)
     if n <= topk:
         _write_all(dst, n, OUT_BLOCK)
+    elif (end - base > HOLD) & BOUNDED:  # past the caller's bound: exact, slow
+        _stream_select(src, n, topk, (few + row * (2 * SMALL)).to(tl.pointer_type(tl.int64)),
+                       dst, TILE, BITS, SMALL)
     else:
         if HOLD * 2 <= CAP or IN_REGISTERS:
-            if PREFETCH:
-                live = (i >= start) & (i < end)
+            if PREFETCH or BOUNDED:
+                if BOUNDED:  # (masked at the width: whole 16-byte vectors)
+                    x = tl.load(logits + row * s_l_r + base + i, mask=base + i < W, other=0.0)
+                live = (base + i >= start) & (base + i < end)
                 u = tl.where(live, _unsigned(_order_keys(x)), 0)
-                _select_in_column_order(u, (i - start).to(tl.int32), topk, dst, QUAD)
+                _select_in_column_order(u, (base + i - start).to(tl.int32), topk, dst, QUAD)
             else:
                 live = i < n
                 u = tl.where(live, _unsigned(_order_keys(tl.load(src + i, mask=live,
