@@ -177,7 +177,7 @@ def _compile_shape(shape: tuple[int, ...]) -> None:
     torch.cuda.synchronize()
 
 
-def compile_ahead(shapes: list[tuple[int, int]], jobs: int) -> None:
+def compile_ahead(shapes: list[tuple[int, ...]], jobs: int) -> None:
     """The shapes' kernels compiled in ``jobs`` processes at once before any is timed (the
     compiles, on the CPU, are most of a run's time: a dozen kernels a shape)."""
     import multiprocessing
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short", action="store_true",
                    help="the decode lengths alone: 1-256 rows of 8K to 32K keys")
     p.add_argument("--widths", default="",
-                   help="with --short, these widths alone (comma-separated, e.g. 8193,16384)")
+                   help="these logits' widths alone (comma-separated, e.g. 8193,16384)")
     p.add_argument("--serving", action="store_true",
                    help="decode rows of 4K and 8K keys in logits 64K wide, ours given the rows' "
                         "bound (max_row_len) and not, vLLM's given it (max_seq_len)")
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SERVING_SHAPES if args.serving else SHORT_SHAPES if args.short else SHAPES
     if args.widths:
         widths = {int(w) for w in args.widths.split(",")}
-        shapes = [(R, W) for R, W in shapes if W in widths]
+        shapes = [s for s in shapes if s[1] in widths]
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     if args.compile_jobs:

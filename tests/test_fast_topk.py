@@ -81,9 +81,17 @@ def _read_paths(work: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
 def _check_paths(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, topk: int,
                  plan: TopkPlan | None = None) -> tuple[list[str], torch.Tensor]:
     """``_paths`` and ``_check`` of one run: ``top_k_per_row`` (``_check``, every assertion of
-    it) with the scratch of the ``launches`` it calls kept, from which each row's path is read
-    as ``_paths`` reads it. The same launches on the same inputs as ``_paths`` runs, run once
-    rather than once for the paths and again for the set."""
+    it) with the scratch of the ``launches`` it calls kept (``_checked_work``), from which
+    each row's path is read as ``_paths`` reads it. The same launches on the same inputs as
+    ``_paths`` runs, run once rather than once for the paths and again for the set."""
+    work, got = _checked_work(logits, starts, ends, topk, plan)
+    return _read_paths(work, starts, ends, topk), got
+
+
+def _checked_work(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, topk: int,
+                  plan: TopkPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_check``'s run and the scratch of the one ``launches`` it called (the survivor
+    counts: ``survivors``)."""
     works = []
     real = fast_topk.launches
 
@@ -98,7 +106,7 @@ def _check_paths(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
     finally:
         fast_topk.launches = real
     (work,) = works
-    return _read_paths(work, starts, ends, topk), got
+    return work, got
 
 
 def _rows(g: torch.Generator, starts: list[int], ends: list[int], width: int,
@@ -348,12 +356,8 @@ def test_topk_quad_searches(route):
     base = TopkPlan(route="one", fused_part_lists=False) if "whole" in route else ROUTES[route]
     plan = dataclasses.replace(base, estimate_search="quad", select_search="quad")
     logits, st, en = _rows(_gen(61), [0, 13, 1001], [LONG, LONG - 5, LONG + 77], LONG + 90)
-    paths, _got = _check_paths(logits, st, en, 2048, plan)
-    assert paths == ["listed"] * 3
-    out = torch.empty(3, 2048, dtype=torch.int32, device=DEVICE)
-    work, steps = launches(*_on((logits, st, en)), out, 2048, plan)
-    for step in steps:
-        step()
+    work, _got = _checked_work(logits, st, en, 2048, plan)
+    assert _read_paths(work, st, en, 2048) == ["listed"] * 3
     assert all(2048 <= s <= 3072 for s in survivors(work).tolist()), survivors(work)
     for k in (1, 3000):
         _check(logits, st, en, k, plan)

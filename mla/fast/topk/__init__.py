@@ -342,13 +342,15 @@ def top_k_per_row(logits: torch.Tensor, row_starts: torch.Tensor, row_ends: torc
                                     or not isinstance(max_row_len, int) or max_row_len < 0):
         raise ValueError(f"max_row_len must be None or an int >= 0, got {max_row_len!r}")
     if R and should_validate(validate, logits):
-        lo, hi, longest = torch.stack([row_starts.long().min(), row_ends.long().max(), (
-            row_ends.long() - row_starts.long()).max()]).tolist()
+        facts = [row_starts.long().min(), row_ends.long().max()]
+        if max_row_len is not None:  # the longest row, in the same host sync
+            facts.append((row_ends.long() - row_starts.long()).max())
+        lo, hi, *longest = torch.stack(facts).tolist()
         if lo < 0 or hi > W:
             raise ValueError(f"row_starts / row_ends must lie in [0, {W}] (logits' columns), "
                              f"got starts >= {lo}, ends <= {hi}")
-        if max_row_len is not None and longest > max_row_len:
-            raise ValueError(f"max_row_len is {max_row_len}, but a row has {longest} keys "
+        if longest and longest[0] > max_row_len:
+            raise ValueError(f"max_row_len is {max_row_len}, but a row has {longest[0]} keys "
                              f"(row_ends - row_starts)")
     out = torch.empty(R, topk, dtype=torch.int32, device=logits.device)
     if R == 0:

@@ -103,10 +103,11 @@ def _threshold(src, n, topk, OVERSAMPLE: tl.constexpr, CAP: tl.constexpr,
     # any key that about rank to rank + rank / 16 + 2 of the sample reach (or, past it, a
     # tied one: its value) will do: the threshold only sets how many keys the read lists,
     # never which are selected
+    slack = rank // 16 + 2
     if QUAD:
-        t, _reach = _quad_search(u, rank, True, rank // 16 + 2)
+        t, _reach = _quad_search(u, rank, True, slack)
     else:
-        t, _reach = _bisect(u, rank, rank // 16 + 2)
+        t, _reach = _bisect(u, rank, slack)
     return (t ^ 0x80000000).to(tl.int32, bitcast=True)
 
 
@@ -499,13 +500,12 @@ def _held_kernel(logits, starts, ends, out, few, W, topk, s_l_r, s_o_r, CAP: tl.
     estimate, the listing and the scan, took 1.1-1.4x as long for the same rows on the H200
     (1 / 128 / 1024 x 8K: 32.8 / 27.5 / 108.6 us against 25.7 / 23.2 / 87.2).
 
-    ``BOUNDED`` (the columns written from registers): the logits are wider than ``HOLD`` and
-    the caller's bound on the rows' lengths (``max_row_len``) put them here. A row's columns
-    ``[base, base + HOLD)`` are loaded, ``base`` its start rounded down to 16 bytes (aligned
-    loads wherever the row starts; a decode row starts at 0); a row that does not fit them
-    (past the bound, or within 3 keys of it from an unaligned start) is selected exact,
-    slowly, by the scan of the whole row (``_stream_select``, its scratch ``few``: ``2 *
-    SMALL`` int32 a row)."""
+    ``BOUNDED``: the logits are wider than ``HOLD`` and the caller's bound on the rows'
+    lengths (``max_row_len``) put them here. A row's columns ``[base, base + HOLD)`` are
+    loaded, ``base`` its start rounded down to 16 bytes (aligned loads wherever the row
+    starts; a decode row starts at 0); a row that does not fit them (past the bound, or
+    within 3 keys of it from an unaligned start) is selected exact, slowly, by the scan of
+    the whole row (``_stream_select``, its scratch ``few``: ``2 * SMALL`` int32 a row)."""
     row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HOLD)
     if PREFETCH:  # columns [0, W), in 16-byte loads where the row's stride allows
